@@ -1,0 +1,184 @@
+// The sparse checkpoint-delta codec.
+//
+// A delta turns checkpoint `base` (version b) into checkpoint `target` (version t) bit
+// for bit. Both must have the same tensor names, dtypes and shapes. The codec compares
+// serving-dtype bit patterns word by word (a word is the dtype's element size: 1, 2, 4
+// or 8 bytes; sub-byte dtypes are diffed per byte) and never does float arithmetic.
+//
+// Each tensor is cut into independent chunks (word ranges). A chunk holds either
+//   * a sparse encoding: Rice-coded gaps between changed positions (index stream) and
+//     rANS-coded word differences (value stream), or
+//   * a dense encoding: target XOR base, or the target itself, byte-plane shuffled,
+// whichever is smallest; then zstd or lz4 over the chunk when that makes it smaller.
+// Every chunk carries an XXH3-64 checksum; the manifest carries base and target version
+// numbers and XXH3-128 hashes of every tensor and of the whole checkpoint (delta/hash.h).
+// A keyframe is a full snapshot in the same container (every chunk literal).
+// The byte layout is in delta/format.h and docs/DELTA_FORMAT.md.
+//
+// This API works on in-memory tensor views; delta/delta_file.h adapts it to files.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "delta/hash.h"
+#include "delta/tensor.h"
+
+namespace flywheel::delta {
+
+enum class Compressor : uint8_t { kNone = 0, kZstd = 1, kLz4 = 2 };
+const char* CompressorName(Compressor compressor);
+Result<Compressor> ParseCompressor(std::string_view name);
+
+enum class ChunkKind : uint8_t { kSparse = 0, kDenseXor = 1, kLiteral = 2 };
+const char* ChunkKindName(ChunkKind kind);
+
+// Called from worker threads as work completes: (done, total) in bytes of checkpoint.
+using ProgressFn = std::function<void(uint64_t done_bytes, uint64_t total_bytes)>;
+
+struct EncodeOptions {
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+  Compressor compressor = Compressor::kZstd;
+  int zstd_level = 3;
+  int threads = 1;
+  // Chunk size in bytes of tensor data (rounded down to whole words; >= 4 KiB).
+  uint64_t chunk_bytes = 4 << 20;
+  // Metadata stored in the manifest (e.g. the target file's __metadata__).
+  std::map<std::string, std::string> metadata;
+  // Optional already known per-tensor hashes, index-aligned with the checkpoint views
+  // (e.g. a publisher that hashed the previous version already). Empty: computed here.
+  std::vector<Hash128> base_tensor_hashes;
+  std::vector<Hash128> target_tensor_hashes;
+  ProgressFn progress;
+};
+
+// Per-tensor entry of a manifest.
+struct TensorEntry {
+  std::string name;
+  DType dtype = DType::kU8;
+  std::vector<int64_t> shape;
+  uint64_t byte_size = 0;
+  Hash128 base_hash;    // zero in a keyframe
+  Hash128 target_hash;
+  uint64_t changed_words = 0;  // words that differ from the base (all words in a keyframe)
+  uint32_t first_chunk = 0;    // index into Manifest::chunks
+  uint32_t chunk_count = 0;
+};
+
+struct ChunkEntry {
+  uint32_t tensor_index = 0;
+  uint64_t word_begin = 0;
+  uint64_t word_count = 0;
+  ChunkKind kind = ChunkKind::kSparse;
+  Compressor compressor = Compressor::kNone;
+  uint64_t changed_words = 0;
+  uint64_t raw_bytes = 0;      // payload size before compression
+  uint64_t payload_bytes = 0;  // stored size
+  uint64_t payload_offset = 0; // from the start of the payload section
+  uint64_t checksum = 0;       // XXH3-64 of the stored payload
+};
+
+struct Manifest {
+  bool keyframe = false;
+  uint64_t base_version = 0;
+  uint64_t target_version = 0;
+  Hash128 base_hash;  // zero in a keyframe
+  Hash128 target_hash;
+  std::map<std::string, std::string> metadata;
+  std::vector<TensorEntry> tensors;  // target order
+  std::vector<ChunkEntry> chunks;    // tensor order, then word order
+
+  uint64_t total_bytes() const;    // bytes of the target checkpoint's tensor data
+  uint64_t changed_words() const;  // summed over tensors
+  uint64_t total_words() const;
+};
+
+// Limits applied while parsing untrusted input; every size read is checked against them
+// before anything is allocated.
+struct DecodeLimits {
+  uint64_t max_manifest_bytes = 256ull << 20;
+  uint64_t max_tensors = 1ull << 22;
+  uint64_t max_chunks = 1ull << 24;
+  uint64_t max_chunk_raw_bytes = 1ull << 30;
+  uint64_t max_name_bytes = 1 << 16;
+  uint64_t max_metadata_bytes = 16 << 20;
+};
+
+// An encoded delta or keyframe, validated up to its manifest. Chunk payloads are
+// verified (checksum, structure, bounds) when they are decoded. Holds a view of the
+// container bytes: keep them alive while the DeltaView is used.
+class DeltaView {
+ public:
+  static Result<DeltaView> Parse(std::span<const std::byte> container,
+                                 const DecodeLimits& limits = {});
+  const Manifest& manifest() const { return manifest_; }
+  std::span<const std::byte> payload(const ChunkEntry& chunk) const {
+    return payloads_.subspan(chunk.payload_offset, chunk.payload_bytes);
+  }
+  std::span<const std::byte> bytes() const { return bytes_; }
+
+ private:
+  Manifest manifest_;
+  std::span<const std::byte> bytes_;
+  std::span<const std::byte> payloads_;
+};
+
+// Encodes the delta base -> target. Fails (Mismatch) if names, dtypes or shapes differ.
+Result<std::vector<std::byte>> Encode(const CheckpointView& base, const CheckpointView& target,
+                                      const EncodeOptions& options);
+// Encodes a keyframe: a full snapshot of `target` (options.base_version is ignored).
+Result<std::vector<std::byte>> EncodeKeyframe(const CheckpointView& target,
+                                              const EncodeOptions& options);
+
+struct ApplyOptions {
+  int threads = 1;
+  // Already verified per-tensor hashes of the state, index-aligned with it (a worker keeps
+  // them from its last apply). Empty: the state is hashed and checked against the
+  // delta's base hashes before anything is written.
+  std::vector<Hash128> state_tensor_hashes;
+  // Keep undo records so a failure restores the state (ApplyInPlace). An apply into a
+  // scratch copy that is thrown away on failure may turn this off.
+  bool restore_on_failure = true;
+  ProgressFn progress;
+};
+
+struct ApplyStats {
+  uint64_t changed_words = 0;
+  uint64_t chunks = 0;
+  std::vector<Hash128> tensor_hashes;  // verified target hashes, aligned with the state
+};
+
+// Applies `delta` to `state` in place. Either the whole target is in place and every
+// tensor hash and the checkpoint hash verify, or `state` is exactly as before and a
+// non-OK status says what was wrong (wrong base, corrupted chunk, hash mismatch).
+// A keyframe may be applied too: it overwrites the state (same layout required).
+Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& delta,
+                                const ApplyOptions& options = {});
+
+// Decodes a keyframe into a new checkpoint (target order), verifying every hash.
+Result<OwnedCheckpoint> DecodeKeyframe(const DeltaView& keyframe, int threads = 1);
+
+// Copies `base` into a new checkpoint laid out in the manifest's tensor order and applies
+// `delta` to it. `base` is never written.
+Result<OwnedCheckpoint> ApplyToCopy(const CheckpointView& base, const DeltaView& delta,
+                                    const ApplyOptions& options = {});
+
+// Per-tensor and total statistics for `flywheel delta inspect`.
+struct TensorStats {
+  std::string name;
+  DType dtype = DType::kU8;
+  uint64_t elements = 0;
+  uint64_t words = 0;
+  uint64_t changed_words = 0;
+  uint64_t stored_bytes = 0;  // chunk payloads of this tensor
+  uint64_t sparse_chunks = 0, dense_chunks = 0, literal_chunks = 0;
+};
+std::vector<TensorStats> Inspect(const DeltaView& delta);
+
+}  // namespace flywheel::delta

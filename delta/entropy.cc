@@ -1,0 +1,309 @@
+#include "delta/entropy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "delta/wire.h"
+
+namespace flywheel::delta::entropy {
+namespace {
+
+Status Corrupt(const std::string& what) { return Status::Corruption(what); }
+
+}  // namespace
+
+// ---- Rice gaps --------------------------------------------------------------------
+
+uint64_t RiceCost(std::span<const uint32_t> gaps, int k) {
+  uint64_t bits = 0;
+  for (uint32_t g : gaps) {
+    uint64_t q = g >> k;
+    bits += q < kRiceEscapeQuotient ? q + 1 + k
+                                    : kRiceEscapeQuotient + 1 + 6 + BitLength(uint64_t{g} | 1);
+  }
+  return bits;
+}
+
+int ChooseRiceK(std::span<const uint32_t> gaps) {
+  if (gaps.empty()) return 0;
+  // Estimate every k from a histogram of gap bit lengths (a gap of length L is about
+  // 1.5 * 2^(L-1)), robust to a few huge gaps; then price the best guess exactly.
+  uint64_t by_length[33] = {};
+  for (uint32_t g : gaps) ++by_length[g ? BitLength(g) : 0];
+  int guess = 0;
+  double guess_cost = 1e300;
+  for (int k = 0; k <= kMaxRiceK; ++k) {
+    double cost = 0;
+    for (int length = 0; length <= 32; ++length) {
+      if (!by_length[length]) continue;
+      double q = length == 0 ? 0 : std::ldexp(1.5, length - 1 - k);
+      double bits = q < kRiceEscapeQuotient ? std::floor(q) + 1 + k
+                                            : kRiceEscapeQuotient + 1 + 6 + length;
+      cost += bits * static_cast<double>(by_length[length]);
+    }
+    if (cost < guess_cost) guess_cost = cost, guess = k;
+  }
+  int best_k = guess;
+  uint64_t best_cost = ~uint64_t{0};
+  for (int k = std::max(0, guess - 1); k <= std::min(kMaxRiceK, guess + 1); ++k) {
+    uint64_t cost = RiceCost(gaps, k);
+    if (cost < best_cost) best_cost = cost, best_k = k;
+  }
+  return best_k;
+}
+
+void RiceEncode(std::span<const uint32_t> gaps, int k, std::vector<uint8_t>* out) {
+  BitWriter w(out);
+  const uint64_t low_mask = (uint64_t{1} << k) - 1;
+  for (uint32_t g : gaps) {
+    uint64_t q = g >> k;
+    if (q < kRiceEscapeQuotient) {
+      // q zeros then a one, then k low bits; q + 1 + k <= 31 + 31 + 1 fits two Puts.
+      w.Put(uint64_t{1} << q, static_cast<int>(q) + 1);
+      w.Put(g & low_mask, k);
+    } else {
+      int length = BitLength(uint64_t{g});
+      w.Put(uint64_t{1} << kRiceEscapeQuotient, kRiceEscapeQuotient + 1);
+      w.Put(static_cast<uint64_t>(length), 6);
+      w.Put(g, length);
+    }
+  }
+  w.Flush();
+}
+
+Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uint64_t limit,
+                           uint32_t* positions) {
+  if (k < 0 || k > kMaxRiceK) return Corrupt("Rice parameter " + std::to_string(k) + " > 31");
+  BitReader r(in);
+  int64_t position = -1;
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t bits = r.Peek();
+    int q = bits ? __builtin_ctzll(bits) : 64;
+    uint64_t gap;
+    if (q < kRiceEscapeQuotient) {
+      r.Skip(q + 1);
+      gap = (static_cast<uint64_t>(q) << k) | r.Get(k);
+    } else if (q == kRiceEscapeQuotient) {
+      r.Skip(kRiceEscapeQuotient + 1);
+      int length = static_cast<int>(r.Get(6));
+      if (length < 1 || length > 32) {
+        return Corrupt("index stream: escaped gap of " + std::to_string(length) + " bits");
+      }
+      gap = r.Get(length);
+    } else {
+      return Corrupt("index stream: run of more than 31 zero bits at change " +
+                     std::to_string(i));
+    }
+    position += static_cast<int64_t>(gap) + 1;
+    if (static_cast<uint64_t>(position) >= limit) {
+      return Corrupt("index stream: change " + std::to_string(i) + " at word " +
+                     std::to_string(position) + " is past the chunk's " + std::to_string(limit) +
+                     " words");
+    }
+    if (r.overrun()) break;
+    positions[i] = static_cast<uint32_t>(position);
+  }
+  if (r.overrun()) return Corrupt("index stream is truncated");
+  return Status::Ok();
+}
+
+// ---- value symbols ------------------------------------------------------------------
+
+std::vector<uint32_t> NormalizeFrequencies(std::span<const uint64_t> counts) {
+  uint64_t total = 0;
+  for (uint64_t c : counts) total += c;
+  std::vector<uint32_t> freq(counts.size(), 0);
+  if (total == 0) return freq;
+  int64_t sum = 0;
+  size_t largest = 0;
+  for (size_t s = 0; s < counts.size(); ++s) {
+    if (counts[s] == 0) continue;
+    uint64_t f = (counts[s] * kRansScale + total / 2) / total;
+    freq[s] = static_cast<uint32_t>(std::max<uint64_t>(f, 1));
+    sum += freq[s];
+    if (counts[s] > counts[largest] || counts[largest] == 0) largest = s;
+  }
+  // Move the rounding error onto the largest symbols, keeping every used one >= 1.
+  while (sum > static_cast<int64_t>(kRansScale)) {
+    size_t s_max = largest;
+    for (size_t s = 0; s < freq.size(); ++s) if (freq[s] > freq[s_max]) s_max = s;
+    uint32_t take = static_cast<uint32_t>(
+        std::min<int64_t>(sum - kRansScale, static_cast<int64_t>(freq[s_max]) - 1));
+    freq[s_max] -= take;
+    sum -= take;
+  }
+  if (sum < static_cast<int64_t>(kRansScale)) freq[largest] += kRansScale - sum;
+  return freq;
+}
+
+namespace {
+
+struct SymbolInfo {
+  uint32_t freq = 0;
+  uint32_t start = 0;
+};
+
+void PutExtraBits(BitWriter& extra, uint64_t z) {
+  if (z <= 16) return;
+  int length = BitLength(z);
+  extra.PutWide(z & ((~uint64_t{0}) >> (65 - length)), length - 1);
+}
+
+}  // namespace
+
+void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
+  uint64_t counts[kNumValueSymbols] = {};
+  for (uint64_t v : z) ++counts[ValueSymbol(v)];
+  std::vector<uint32_t> freq = NormalizeFrequencies(counts);
+  SymbolInfo info[kNumValueSymbols];
+  uint32_t start = 0;
+  int used = 0;
+  for (int s = 0; s < kNumValueSymbols; ++s) {
+    info[s] = {freq[s], start};
+    start += freq[s];
+    used += freq[s] > 0;
+  }
+  wire::PutU8(out, static_cast<uint8_t>(used));
+  for (int s = 0; s < kNumValueSymbols; ++s) {
+    if (freq[s] == 0) continue;
+    wire::PutU8(out, static_cast<uint8_t>(s));
+    wire::PutVarint(out, freq[s]);
+  }
+  // rANS runs backwards; bytes are produced in reverse decode order.
+  std::vector<uint8_t> reversed;
+  reversed.reserve(z.size() / 2 + 16);
+  uint32_t x = kRansLow;
+  for (size_t i = z.size(); i-- > 0;) {
+    const SymbolInfo& si = info[ValueSymbol(z[i])];
+    uint64_t x_max = static_cast<uint64_t>((kRansLow >> kRansScaleBits) << 8) * si.freq;
+    while (x >= x_max) {
+      reversed.push_back(static_cast<uint8_t>(x));
+      x >>= 8;
+    }
+    x = ((x / si.freq) << kRansScaleBits) + (x % si.freq) + si.start;
+  }
+  wire::PutVarint(out, reversed.size() + 4);
+  wire::PutFixed(out, x, 4);
+  out->insert(out->end(), reversed.rbegin(), reversed.rend());
+  BitWriter extra(out);
+  for (uint64_t v : z) PutExtraBits(extra, v);
+  extra.Flush();
+}
+
+void EncodeValuesGamma(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
+  BitWriter w(out);
+  for (uint64_t v : z) {
+    int length = BitLength(v);
+    // length - 1 zeros, a one, then the length - 1 low bits.
+    if (length - 1 > 32) {
+      w.Put(0, 32);
+      w.Put(uint64_t{1} << (length - 1 - 32), length - 32);
+    } else {
+      w.Put(uint64_t{1} << (length - 1), length);
+    }
+    if (length > 1) w.PutWide(v & ((~uint64_t{0}) >> (65 - length)), length - 1);
+  }
+  w.Flush();
+}
+
+uint64_t EstimateValuesBytes(std::span<const uint64_t> z) {
+  uint64_t counts[kNumValueSymbols] = {};
+  uint64_t extra_bits = 0, gamma_bits = 0;
+  for (uint64_t v : z) {
+    ++counts[ValueSymbol(v)];
+    int length = BitLength(v);
+    if (v > 16) extra_bits += length - 1;
+    gamma_bits += 2 * length - 1;
+  }
+  double bits = 0;
+  int used = 0;
+  for (uint64_t c : counts) {
+    if (!c) continue;
+    ++used;
+    bits -= static_cast<double>(c) * std::log2(static_cast<double>(c) / z.size());
+  }
+  uint64_t rans = static_cast<uint64_t>(bits / 8) + 3 * used + 12 + (extra_bits + 7) / 8;
+  return std::min(rans, (gamma_bits + 7) / 8);
+}
+
+Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
+  wire::Reader r(in);
+  int used = r.U8();
+  if (r.failed() || used < 1 || used > kNumValueSymbols) {
+    return Corrupt("value stream: bad symbol count " + std::to_string(used));
+  }
+  SymbolInfo info[kNumValueSymbols];
+  uint32_t start = 0;
+  int previous = -1;
+  for (int i = 0; i < used; ++i) {
+    int s = r.U8();
+    uint64_t f = r.Varint();
+    if (r.failed()) return Corrupt("value stream: truncated frequency table");
+    if (s <= previous || s >= kNumValueSymbols || f == 0 || f > kRansScale - start) {
+      return Corrupt("value stream: malformed frequency table entry " + std::to_string(i));
+    }
+    info[s] = {static_cast<uint32_t>(f), start};
+    start += static_cast<uint32_t>(f);
+    previous = s;
+  }
+  if (start != kRansScale) return Corrupt("value stream: frequencies do not sum to 4096");
+  uint8_t slot_symbol[kRansScale];
+  for (int s = 0; s < kNumValueSymbols; ++s) {
+    if (info[s].freq) std::memset(slot_symbol + info[s].start, s, info[s].freq);
+  }
+  uint64_t rans_bytes = r.Varint();
+  if (r.failed() || rans_bytes < 4 || rans_bytes > r.remaining()) {
+    return Corrupt("value stream: rANS length out of bounds");
+  }
+  std::span<const uint8_t> rans = r.Bytes(rans_bytes);
+  BitReader extra(r.Rest());
+  uint32_t x = static_cast<uint32_t>(wire::LoadFixed(rans.data(), 4));
+  size_t pos = 4;
+  for (size_t i = 0; i < count; ++i) {
+    uint32_t slot = x & (kRansScale - 1);
+    int s = slot_symbol[slot];
+    const SymbolInfo& si = info[s];
+    x = si.freq * (x >> kRansScaleBits) + slot - si.start;
+    while (x < kRansLow) {
+      if (pos >= rans.size()) return Corrupt("value stream: rANS data truncated");
+      x = (x << 8) | rans[pos++];
+    }
+    uint64_t v;
+    if (s < 16) {
+      v = static_cast<uint64_t>(s) + 1;
+    } else {
+      int length = s - 16 + 5;
+      v = (uint64_t{1} << (length - 1)) | extra.GetWide(length - 1);
+    }
+    z[i] = v;
+  }
+  if (x != kRansLow || pos != rans.size()) {
+    return Corrupt("value stream: rANS final state does not check out");
+  }
+  if (extra.overrun()) return Corrupt("value stream: extra bits truncated");
+  return Status::Ok();
+}
+
+Status DecodeValuesGamma(std::span<const uint8_t> in, size_t count, uint64_t* z) {
+  BitReader r(in);
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t bits = r.Peek();
+    int zeros = bits ? __builtin_ctzll(bits) : 64;
+    if (zeros < 32) {
+      r.Skip(zeros + 1);
+    } else {
+      r.Skip(32);
+      uint64_t rest = r.Peek();
+      int more = rest ? __builtin_ctzll(rest) : 64;
+      if (more > 31) return Corrupt("value stream: gamma code longer than 64 bits");
+      zeros = 32 + more;
+      r.Skip(more + 1);
+    }
+    z[i] = (uint64_t{1} << zeros) | r.GetWide(zeros);
+    if (r.overrun()) return Corrupt("value stream: gamma codes truncated");
+  }
+  return Status::Ok();
+}
+
+}  // namespace flywheel::delta::entropy

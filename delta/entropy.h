@@ -1,0 +1,162 @@
+// Entropy coders of the sparse chunk encoding (internal to flywheel_delta; the byte
+// layout they produce is specified in delta/format.h).
+//
+//  * Rice codes with escape for the gaps between changed positions: a gap g is
+//    q = g >> k zero bits, a one bit, then the k low bits of g; a gap with q >= 31 is
+//    written as 31 zero bits, a one bit, 6 bits holding L = bit length of g, then the
+//    L low bits of g. Bits are packed LSB-first into bytes.
+//  * A static rANS coder (32-bit state, byte-wise renormalisation, 12-bit frequencies)
+//    for value symbols, with a per-chunk frequency table.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "base/status.h"
+
+namespace flywheel::delta::entropy {
+
+// ---- bits -------------------------------------------------------------------------
+
+class BitWriter {
+ public:
+  explicit BitWriter(std::vector<uint8_t>* out) : out_(out) {}
+  // REQUIRES: count <= 57, value < 2^count.
+  void Put(uint64_t value, int count) {
+    acc_ |= value << filled_;
+    filled_ += count;
+    while (filled_ >= 8) {
+      out_->push_back(static_cast<uint8_t>(acc_));
+      acc_ >>= 8;
+      filled_ -= 8;
+    }
+  }
+  void PutWide(uint64_t value, int count) {  // count <= 64
+    if (count > 32) {
+      Put(value & 0xffffffffu, 32);
+      Put(value >> 32, count - 32);
+    } else {
+      Put(value, count);
+    }
+  }
+  // Writes the partial last byte (zero padded).
+  void Flush() {
+    if (filled_ > 0) out_->push_back(static_cast<uint8_t>(acc_));
+    acc_ = 0;
+    filled_ = 0;
+  }
+
+ private:
+  std::vector<uint8_t>* out_;
+  uint64_t acc_ = 0;
+  int filled_ = 0;
+};
+
+// Reads LSB-first bits; past the end it reads zeros, and overrun() tells that more bits
+// were consumed than the input holds.
+class BitReader {
+ public:
+  explicit BitReader(std::span<const uint8_t> in) : in_(in) { Refill(); }
+  // At least 56 upcoming bits, lowest first.
+  uint64_t Peek() const { return acc_; }
+  // REQUIRES: count <= 56.
+  void Skip(int count) {
+    acc_ >>= count;
+    avail_ -= count;
+    consumed_ += static_cast<uint64_t>(count);
+    if (avail_ < 56) Refill();
+  }
+  // REQUIRES: count <= 56.
+  uint64_t Get(int count) {
+    uint64_t v = count == 0 ? 0 : acc_ & ((~uint64_t{0}) >> (64 - count));
+    Skip(count);
+    return v;
+  }
+  uint64_t GetWide(int count) {  // count <= 64
+    if (count > 32) {
+      uint64_t low = Get(32);
+      return low | (Get(count - 32) << 32);
+    }
+    return Get(count);
+  }
+  bool overrun() const { return consumed_ > 8 * static_cast<uint64_t>(in_.size()); }
+
+ private:
+  void Refill() {
+    if (pos_ + 8 <= in_.size()) {
+      uint64_t word;
+      std::memcpy(&word, in_.data() + pos_, 8);
+      acc_ |= word << avail_;
+      pos_ += static_cast<size_t>((63 - avail_) >> 3);
+      avail_ |= 56;
+      return;
+    }
+    while (avail_ <= 56) {
+      uint64_t byte = pos_ < in_.size() ? in_[pos_] : 0;
+      ++pos_;
+      acc_ |= byte << avail_;
+      avail_ += 8;
+    }
+  }
+  std::span<const uint8_t> in_;
+  size_t pos_ = 0;
+  uint64_t acc_ = 0;
+  int avail_ = 0;
+  uint64_t consumed_ = 0;
+};
+
+// ---- Rice gaps --------------------------------------------------------------------
+
+inline constexpr int kRiceEscapeQuotient = 31;
+inline constexpr int kMaxRiceK = 31;
+
+// Bits needed to code `gaps` with parameter k.
+uint64_t RiceCost(std::span<const uint32_t> gaps, int k);
+// The k in [0, kMaxRiceK] that minimises RiceCost (searched around the mean gap).
+int ChooseRiceK(std::span<const uint32_t> gaps);
+void RiceEncode(std::span<const uint32_t> gaps, int k, std::vector<uint8_t>* out);
+// Decodes `count` changed positions (gap coded, first gap from -1) into `positions`,
+// each < `limit`. Corruption on a malformed stream, an overrun, or a position >= limit.
+Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uint64_t limit,
+                           uint32_t* positions);
+
+// ---- value symbols ------------------------------------------------------------------
+// A changed word's difference d = target - base (mod 2^(8w), as a signed integer) is
+// zigzag mapped to z >= 1. z <= 16 is symbol z - 1; larger z is symbol 16 + (L - 5)
+// with L = bit length of z (5..64), followed by the L - 1 low bits of z as extra bits.
+
+inline constexpr int kNumValueSymbols = 76;
+inline constexpr int kRansScaleBits = 12;
+inline constexpr uint32_t kRansScale = 1u << kRansScaleBits;
+inline constexpr uint32_t kRansLow = 1u << 23;
+
+inline uint64_t ZigZag(int64_t d) {
+  return (static_cast<uint64_t>(d) << 1) ^ static_cast<uint64_t>(d >> 63);
+}
+inline int64_t UnZigZag(uint64_t z) {
+  return static_cast<int64_t>((z >> 1) ^ (~(z & 1) + 1));
+}
+inline int BitLength(uint64_t z) { return 64 - __builtin_clzll(z); }  // REQUIRES z > 0
+inline int ValueSymbol(uint64_t z) {
+  return z <= 16 ? static_cast<int>(z - 1) : 16 + BitLength(z) - 5;
+}
+
+// Normalises symbol counts to frequencies summing to kRansScale, every used symbol >= 1.
+std::vector<uint32_t> NormalizeFrequencies(std::span<const uint64_t> counts);
+
+// Encodes zigzag values `z` (each >= 1): writes the frequency table, the rANS stream and
+// the extra-bits stream (layout in delta/format.h) to `out`.
+void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out);
+// Elias-gamma alternative for very few values (no table).
+void EncodeValuesGamma(std::span<const uint64_t> z, std::vector<uint8_t>* out);
+// Bytes EncodeValues / EncodeValuesGamma would produce (exact for gamma, close for rANS).
+uint64_t EstimateValuesBytes(std::span<const uint64_t> z);
+
+// Decode `count` values into `z` (each >= 1). Corruption on any malformed input.
+Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z);
+Status DecodeValuesGamma(std::span<const uint8_t> in, size_t count, uint64_t* z);
+
+}  // namespace flywheel::delta::entropy

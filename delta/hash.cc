@@ -1,0 +1,103 @@
+#include "delta/hash.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "delta/parallel.h"
+
+namespace flywheel {
+
+std::string Hash128::ToHex() const {
+  static const char kDigits[] = "0123456789abcdef";
+  std::string out(32, '0');
+  for (int i = 0; i < 16; ++i) {
+    out[15 - i] = kDigits[(high >> (4 * i)) & 0xf];
+    out[31 - i] = kDigits[(low >> (4 * i)) & 0xf];
+  }
+  return out;
+}
+
+Result<Hash128> Hash128::FromHex(std::string_view hex) {
+  if (hex.size() != 32) {
+    return Status::InvalidArgument("hash must be 32 hex digits, got " +
+                                   std::to_string(hex.size()) + " characters");
+  }
+  Hash128 h;
+  for (int i = 0; i < 32; ++i) {
+    char c = hex[i];
+    int v = (c >= '0' && c <= '9')   ? c - '0'
+            : (c >= 'a' && c <= 'f') ? c - 'a' + 10
+            : (c >= 'A' && c <= 'F') ? c - 'A' + 10
+                                     : -1;
+    if (v < 0) return Status::InvalidArgument("hash has a non-hex character '" + std::string(1, c) + "'");
+    uint64_t& half = i < 16 ? h.high : h.low;
+    half = (half << 4) | static_cast<uint64_t>(v);
+  }
+  return h;
+}
+
+Hash128 HashBytes(std::span<const std::byte> bytes) {
+  XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  return {h.low64, h.high64};
+}
+
+uint64_t HashBytes64(std::span<const std::byte> bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+namespace {
+void PutU32(std::string& s, uint32_t v) {
+  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutU64(std::string& s, uint64_t v) {
+  for (int i = 0; i < 8; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+}  // namespace
+
+Result<Hash128> CheckpointHashFromTensorHashes(const CheckpointView& tensors,
+                                               std::span<const Hash128> tensor_hashes) {
+  if (tensor_hashes.size() != tensors.size()) {
+    return Status::InvalidArgument("checkpoint hash: " + std::to_string(tensor_hashes.size()) +
+                                   " tensor hashes for " + std::to_string(tensors.size()) +
+                                   " tensors");
+  }
+  std::vector<size_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return tensors[a].name < tensors[b].name; });
+  std::string record("FWCKPT1", 8);
+  PutU64(record, tensors.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    const TensorView& t = tensors[order[k]];
+    if (k > 0 && tensors[order[k - 1]].name == t.name) {
+      return Status::InvalidArgument("checkpoint has two tensors named '" + t.name + "'");
+    }
+    PutU32(record, static_cast<uint32_t>(t.name.size()));
+    record += t.name;
+    record.push_back(static_cast<char>(t.dtype));
+    PutU32(record, static_cast<uint32_t>(t.shape.size()));
+    for (int64_t d : t.shape) PutU64(record, static_cast<uint64_t>(d));
+    PutU64(record, t.data.size());
+    PutU64(record, tensor_hashes[order[k]].low);
+    PutU64(record, tensor_hashes[order[k]].high);
+  }
+  XXH128_hash_t h = XXH3_128bits(record.data(), record.size());
+  return Hash128{h.low64, h.high64};
+}
+
+Result<Hash128> CheckpointHash(const CheckpointView& tensors, int threads) {
+  std::vector<Hash128> hashes(tensors.size());
+  // Biggest tensors first so that threads finish together.
+  std::vector<size_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return tensors[a].data.size() > tensors[b].data.size(); });
+  ParallelFor(order.size(), threads,
+              [&](size_t k) { hashes[order[k]] = TensorHash(tensors[order[k]]); });
+  return CheckpointHashFromTensorHashes(tensors, hashes);
+}
+
+}  // namespace flywheel

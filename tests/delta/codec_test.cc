@@ -1,0 +1,286 @@
+#include <gtest/gtest.h>
+#include <zstd.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "delta/delta.h"
+#include "delta/hash.h"
+#include "tests/delta/test_checkpoints.h"
+
+namespace flywheel::delta {
+namespace {
+
+using testing::Change;
+using testing::Mutate;
+using testing::RandomCheckpoint;
+using testing::SameBytes;
+
+DeltaView MustParse(const std::vector<std::byte>& bytes) {
+  auto view = DeltaView::Parse(bytes);
+  EXPECT_TRUE(view.ok()) << view.status().ToString();
+  return *view;
+}
+
+std::vector<std::byte> MustEncode(const OwnedCheckpoint& base, const OwnedCheckpoint& target,
+                                  EncodeOptions options = {}) {
+  auto bytes = Encode(base.view(), target.view(), options);
+  EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+  return *bytes;
+}
+
+OwnedCheckpoint MustApply(const OwnedCheckpoint& base, const std::vector<std::byte>& delta) {
+  auto view = DeltaView::Parse(delta);
+  EXPECT_TRUE(view.ok()) << view.status().ToString();
+  auto out = ApplyToCopy(base.view(), *view);
+  EXPECT_TRUE(out.ok()) << out.status().ToString();
+  return out.ok() ? *out : OwnedCheckpoint{};
+}
+
+TEST(CodecTest, RoundTripEveryWordSizeAndDensity) {
+  auto base = RandomCheckpoint(testing::MixedSpecs(), 1);
+  for (double density : {0.0, 0.001, 0.02, 0.3, 1.0}) {
+    for (Change change : {Change::kSmallSteps, Change::kArbitrary}) {
+      auto target = Mutate(base, density, 2, change);
+      for (Compressor c : {Compressor::kZstd, Compressor::kLz4, Compressor::kNone}) {
+        EncodeOptions options;
+        options.compressor = c;
+        options.chunk_bytes = 4096;  // many chunks per tensor
+        auto delta = MustEncode(base, target, options);
+        EXPECT_TRUE(SameBytes(MustApply(base, delta), target))
+            << "density " << density << " codec " << CompressorName(c);
+      }
+    }
+  }
+}
+
+TEST(CodecTest, AwkwardSizesForEveryWidth) {
+  for (DType dtype : {DType::kU8, DType::kBF16, DType::kF32, DType::kF64}) {
+    for (int64_t n : {1, 3, 7, 733, 1'000'013}) {
+      auto base = RandomCheckpoint({{"t", dtype, {n}}}, n);
+      auto target = Mutate(base, 0.03, n + 1);
+      EncodeOptions options;
+      options.chunk_bytes = 64 << 10;
+      auto delta = MustEncode(base, target, options);
+      EXPECT_TRUE(SameBytes(MustApply(base, delta), target)) << DTypeName(dtype) << " n=" << n;
+    }
+  }
+}
+
+TEST(CodecTest, SpecialFloatBitPatternsAreExact) {
+  // NaN payloads, signed zeros, subnormals, infinities: only bits matter.
+  auto put32 = [](std::vector<std::byte>& d, size_t i, uint32_t v) { std::memcpy(d.data() + 4 * i, &v, 4); };
+  OwnedCheckpoint base{{{"f", DType::kF32, {8}, std::vector<std::byte>(32)}}};
+  OwnedCheckpoint target = base;
+  const uint32_t base_bits[8] = {0x00000000, 0x7fc00001, 0x00000001, 0x7f800000,
+                                 0x3f800000, 0xffc00000, 0x007fffff, 0x80000001};
+  const uint32_t target_bits[8] = {0x80000000, 0x7fc00002, 0x00000002, 0xff800000,
+                                   0x3f800000, 0x7fc00000, 0x00800000, 0x00000001};
+  for (int i = 0; i < 8; ++i) {
+    put32(base.tensors[0].data, i, base_bits[i]);
+    put32(target.tensors[0].data, i, target_bits[i]);
+  }
+  auto delta = MustEncode(base, target);
+  auto view = MustParse(delta);
+  EXPECT_EQ(view.manifest().changed_words(), 7u);
+  EXPECT_TRUE(SameBytes(MustApply(base, delta), target));
+}
+
+TEST(CodecTest, WrapAroundDifferences) {
+  // 0x0000 -> 0xffff and 0x8000 <-> 0x7fff are +-1 steps modulo 2^16.
+  OwnedCheckpoint base{{{"h", DType::kBF16, {4}, std::vector<std::byte>(8)}}};
+  OwnedCheckpoint target = base;
+  const uint16_t b[4] = {0x0000, 0xffff, 0x8000, 0x7fff};
+  const uint16_t t[4] = {0xffff, 0x0000, 0x7fff, 0x8000};
+  std::memcpy(base.tensors[0].data.data(), b, 8);
+  std::memcpy(target.tensors[0].data.data(), t, 8);
+  EXPECT_TRUE(SameBytes(MustApply(base, MustEncode(base, target)), target));
+}
+
+TEST(CodecTest, ChainAppliesInOrder) {
+  auto v1 = RandomCheckpoint(testing::MixedSpecs(), 11);
+  auto v2 = Mutate(v1, 0.02, 12);
+  auto v3 = Mutate(v2, 0.02, 13);
+  EncodeOptions o12;
+  o12.base_version = 1, o12.target_version = 2;
+  EncodeOptions o23;
+  o23.base_version = 2, o23.target_version = 3;
+  auto d12 = MustEncode(v1, v2, o12);
+  auto d23 = MustEncode(v2, v3, o23);
+  auto view12 = MustParse(d12);
+  auto view23 = MustParse(d23);
+  EXPECT_EQ(view12.manifest().target_hash, view23.manifest().base_hash);
+  EXPECT_EQ(view23.manifest().target_hash, *CheckpointHash(v3.view()));
+
+  OwnedCheckpoint state = v1;
+  auto mv = state.mutable_view();
+  ASSERT_TRUE(ApplyInPlace(mv, view12).ok());
+  auto stats = ApplyInPlace(mv, view23);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_TRUE(SameBytes(state, v3));
+  // The returned hashes let the next apply skip rehashing the state.
+  auto v4 = Mutate(v3, 0.02, 14);
+  auto view34 = MustParse(MustEncode(v3, v4));
+  ApplyOptions cached;
+  cached.state_tensor_hashes = stats->tensor_hashes;
+  ASSERT_TRUE(ApplyInPlace(mv, view34, cached).ok());
+  EXPECT_TRUE(SameBytes(state, v4));
+}
+
+TEST(CodecTest, RefusesWrongBaseAndLeavesStateUntouched) {
+  auto v1 = RandomCheckpoint(testing::MixedSpecs(), 21);
+  auto v2 = Mutate(v1, 0.02, 22);
+  auto v3 = Mutate(v2, 0.02, 23);
+  auto view23 = MustParse(MustEncode(v2, v3));
+  OwnedCheckpoint state = v1;
+  auto mv = state.mutable_view();
+  auto result = ApplyInPlace(mv, view23);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), StatusCode::kMismatch);
+  EXPECT_NE(result.status().message().find("base"), std::string::npos);
+  EXPECT_TRUE(SameBytes(state, v1));
+  EXPECT_FALSE(ApplyToCopy(v1.view(), view23).ok());
+}
+
+TEST(CodecTest, RefusesLyingCachedHashes) {
+  // Cached hashes that claim the state is the base are checked against the manifest;
+  // if they lie, the target hash check still catches it and the state is restored.
+  auto v1 = RandomCheckpoint(testing::MixedSpecs(), 31);
+  auto v2 = Mutate(v1, 0.05, 32);
+  auto v3 = Mutate(v2, 0.05, 33);
+  auto view23 = MustParse(MustEncode(v2, v3));
+  OwnedCheckpoint state = v1;
+  auto mv = state.mutable_view();
+  ApplyOptions lying;
+  for (const auto& t : view23.manifest().tensors) lying.state_tensor_hashes.push_back(t.base_hash);
+  auto result = ApplyInPlace(mv, view23, lying);
+  ASSERT_FALSE(result.ok());
+  EXPECT_TRUE(SameBytes(state, v1));
+}
+
+TEST(CodecTest, KeyframeDecodesAndOverwrites) {
+  auto v1 = RandomCheckpoint(testing::MixedSpecs(), 41);
+  auto v5 = Mutate(v1, 0.2, 45, Change::kArbitrary);
+  EncodeOptions options;
+  options.target_version = 5;
+  auto kf = EncodeKeyframe(v5.view(), options);
+  ASSERT_TRUE(kf.ok()) << kf.status().ToString();
+  auto view = MustParse(*kf);
+  EXPECT_TRUE(view.manifest().keyframe);
+  EXPECT_EQ(view.manifest().target_version, 5u);
+  auto decoded = DecodeKeyframe(view);
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  EXPECT_TRUE(SameBytes(*decoded, v5));
+  OwnedCheckpoint state = v1;  // any state of the same layout
+  auto mv = state.mutable_view();
+  ASSERT_TRUE(ApplyInPlace(mv, view).ok());
+  EXPECT_TRUE(SameBytes(state, v5));
+  // Keyframe then delta equals the delta's target.
+  auto v6 = Mutate(v5, 0.02, 46);
+  ASSERT_TRUE(ApplyInPlace(mv, MustParse(MustEncode(v5, v6))).ok());
+  EXPECT_TRUE(SameBytes(state, v6));
+}
+
+TEST(CodecTest, EncodingIsDeterministicAcrossThreadCounts) {
+  auto base = RandomCheckpoint(testing::MixedSpecs(), 51);
+  auto target = Mutate(base, 0.03, 52);
+  EncodeOptions one, four;
+  one.chunk_bytes = four.chunk_bytes = 4096;
+  four.threads = 4;
+  EXPECT_EQ(MustEncode(base, target, one), MustEncode(base, target, four));
+  auto view = MustParse(MustEncode(base, target, one));
+  ApplyOptions apply;
+  apply.threads = 3;
+  auto out = ApplyToCopy(base.view(), view, apply);
+  ASSERT_TRUE(out.ok());
+  EXPECT_TRUE(SameBytes(*out, target));
+}
+
+TEST(CodecTest, TensorOrderDoesNotMatter) {
+  auto base = RandomCheckpoint(testing::MixedSpecs(), 61);
+  auto target = Mutate(base, 0.02, 62);
+  OwnedCheckpoint reordered = base;
+  std::reverse(reordered.tensors.begin(), reordered.tensors.end());
+  auto delta = MustEncode(reordered, target);
+  EXPECT_TRUE(SameBytes(MustApply(reordered, delta), target));
+  EXPECT_EQ(*CheckpointHash(base.view()), *CheckpointHash(reordered.view()));
+}
+
+TEST(CodecTest, SparseDeltaIsSmall) {
+  // bf16 words changed at 2% by +-1..2 ulp: positions ~7.1 bits + values ~1.5 bits.
+  auto base = RandomCheckpoint({{"w", DType::kBF16, {2048, 1024}}}, 71);
+  auto target = Mutate(base, 0.02, 72);
+  auto delta = MustEncode(base, target);
+  auto view = MustParse(delta);
+  double bits = 8.0 * delta.size() / view.manifest().changed_words();
+  EXPECT_LT(bits, 9.5);
+  EXPECT_GT(bits, 7.0);  // below the entropy floor would mean a measuring mistake
+}
+
+TEST(CodecTest, DenseChangesFallBackToDenseEncoding) {
+  // Every word replaced: the delta may not be much larger than zstd of the target.
+  auto base = RandomCheckpoint({{"w", DType::kBF16, {512, 512}}}, 81);
+  auto target = Mutate(base, 1.0, 82, Change::kArbitrary);
+  // Give the target some structure (high bytes from a narrow range) so zstd can win.
+  for (size_t i = 1; i < target.tensors[0].data.size(); i += 2) {
+    target.tensors[0].data[i] = static_cast<std::byte>(0x3c + (static_cast<uint8_t>(target.tensors[0].data[i]) & 3));
+  }
+  auto delta = MustEncode(base, target);
+  const auto& raw = target.tensors[0].data;
+  std::vector<char> z(ZSTD_compressBound(raw.size()));
+  size_t zsize = ZSTD_compress(z.data(), z.size(), raw.data(), raw.size(), 3);
+  EXPECT_LT(delta.size(), zsize * 1.02 + 256);
+  EXPECT_TRUE(SameBytes(MustApply(base, delta), target));
+  auto view = MustParse(delta);
+  EXPECT_NE(view.manifest().chunks[0].kind, ChunkKind::kSparse);
+}
+
+TEST(CodecTest, MismatchedCheckpointsAreRefusedByName) {
+  auto base = RandomCheckpoint(testing::MixedSpecs(), 91);
+  auto other_shape = base;
+  other_shape.tensors[1].shape = {32, 128};
+  auto r = Encode(base.view(), other_shape.view(), {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kMismatch);
+  EXPECT_NE(r.status().message().find("q_proj"), std::string::npos);
+  auto renamed = base;
+  renamed.tensors[2].name = "other";
+  r = Encode(base.view(), renamed.view(), {});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("input_layernorm"), std::string::npos);
+  auto fewer = base;
+  fewer.tensors.pop_back();
+  EXPECT_EQ(Encode(base.view(), fewer.view(), {}).status().code(), StatusCode::kMismatch);
+  auto bad_size = base;
+  bad_size.tensors[0].data.pop_back();
+  EXPECT_EQ(Encode(base.view(), bad_size.view(), {}).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(CodecTest, RejectsBadOptions) {
+  auto base = RandomCheckpoint(testing::MixedSpecs(), 95);
+  EncodeOptions options;
+  options.threads = 0;
+  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(), StatusCode::kInvalidArgument);
+  options = {};
+  options.chunk_bytes = 100;
+  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(), StatusCode::kInvalidArgument);
+  options = {};
+  options.zstd_level = 99;
+  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(CodecTest, InspectCountsMatchTheChange) {
+  auto base = RandomCheckpoint({{"a", DType::kBF16, {100000}}, {"b", DType::kF32, {1000}}}, 97);
+  auto target = base;
+  for (int i = 0; i < 100; ++i) target.tensors[0].data[2 * i * 37] ^= std::byte{1};
+  auto view = MustParse(MustEncode(base, target));
+  auto stats = Inspect(view);
+  ASSERT_EQ(stats.size(), 2u);
+  EXPECT_EQ(stats[0].changed_words, 100u);
+  EXPECT_EQ(stats[0].words, 100000u);
+  EXPECT_EQ(stats[1].changed_words, 0u);
+  EXPECT_EQ(stats[1].stored_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace flywheel::delta
