@@ -92,13 +92,32 @@ void Unshuffle(const uint8_t* src, size_t n, int w, uint8_t* dst, Op op) {
 
 // ---- compressors --------------------------------------------------------------------
 
+// zstd contexts are reused per thread (pool threads live for the process).
+class ZstdContexts {
+ public:
+  ~ZstdContexts() {
+    ZSTD_freeCCtx(cctx_);
+    ZSTD_freeDCtx(dctx_);
+  }
+  ZSTD_CCtx* Compressor() { return cctx_ ? cctx_ : (cctx_ = ZSTD_createCCtx()); }
+  ZSTD_DCtx* Decompressor() { return dctx_ ? dctx_ : (dctx_ = ZSTD_createDCtx()); }
+
+ private:
+  ZSTD_CCtx* cctx_ = nullptr;
+  ZSTD_DCtx* dctx_ = nullptr;
+};
+ZstdContexts& ThreadZstd() {
+  thread_local ZstdContexts contexts;
+  return contexts;
+}
+
 // Compresses `raw` into `out`; returns false (and leaves `out` empty) when the result
 // would not be smaller than the raw bytes.
 bool Compress(Compressor compressor, int zstd_level, const ByteVec& raw, ByteVec* out) {
   out->clear();
   if (compressor == Compressor::kNone || raw.empty()) return false;
   if (compressor == Compressor::kZstd) {
-    thread_local ZSTD_CCtx* cctx = ZSTD_createCCtx();
+    ZSTD_CCtx* cctx = ThreadZstd().Compressor();
     out->resize(ZSTD_compressBound(raw.size()));
     size_t n = ZSTD_compressCCtx(cctx, out->data(), out->size(), raw.data(), raw.size(),
                                  zstd_level);
@@ -127,7 +146,7 @@ Status Decompress(Compressor compressor, std::span<const uint8_t> stored, uint64
                                                                     : std::to_string(declared)) +
                                 " bytes, manifest says " + std::to_string(raw_bytes));
     }
-    thread_local ZSTD_DCtx* dctx = ZSTD_createDCtx();
+    ZSTD_DCtx* dctx = ThreadZstd().Decompressor();
     size_t n = ZSTD_decompressDCtx(dctx, dst, raw_bytes, stored.data(), stored.size());
     if (ZSTD_isError(n)) return Status::Corruption(std::string("zstd: ") + ZSTD_getErrorName(n));
     if (n != raw_bytes) return Status::Corruption("zstd frame decompressed to a different size");
@@ -172,15 +191,25 @@ void ZigZagDiffs(const uint8_t* base_words, const uint8_t* target_words, size_t 
   }
 }
 
-// words[i] += unzigzag(z[i]) (wrapping), in place on gathered words.
+// words[positions[i]] += unzigzag(z[i]) (wrapping): the sparse apply in one pass.
 template <int W>
-void AddDiffs(uint8_t* words, const uint64_t* z, size_t m) {
+void AddAtPositions(uint8_t* words, const uint32_t* positions, const uint64_t* z, size_t m) {
   using U = typename WordOf<W>::U;
   for (size_t i = 0; i < m; ++i) {
+    uint8_t* p = words + static_cast<size_t>(positions[i]) * W;
     U v;
-    std::memcpy(&v, words + i * W, W);
+    std::memcpy(&v, p, W);
     v = static_cast<U>(v + static_cast<U>(entropy::UnZigZag(z[i])));
-    std::memcpy(words + i * W, &v, W);
+    std::memcpy(p, &v, W);
+  }
+}
+
+void AddAtPositionsW(int w, uint8_t* words, const uint32_t* positions, const uint64_t* z, size_t m) {
+  switch (w) {
+    case 1: return AddAtPositions<1>(words, positions, z, m);
+    case 2: return AddAtPositions<2>(words, positions, z, m);
+    case 4: return AddAtPositions<4>(words, positions, z, m);
+    default: return AddAtPositions<8>(words, positions, z, m);
   }
 }
 
@@ -192,15 +221,6 @@ void ZigZagDiffsW(int w, const uint8_t* b, const uint8_t* t, size_t m, uint64_t*
     default: return ZigZagDiffs<8>(b, t, m, z);
   }
 }
-void AddDiffsW(int w, uint8_t* words, const uint64_t* z, size_t m) {
-  switch (w) {
-    case 1: return AddDiffs<1>(words, z, m);
-    case 2: return AddDiffs<2>(words, z, m);
-    case 4: return AddDiffs<4>(words, z, m);
-    default: return AddDiffs<8>(words, z, m);
-  }
-}
-
 // Per-thread scratch reused across chunks.
 struct Scratch {
   std::vector<uint32_t> positions;
@@ -228,18 +248,37 @@ struct EncodedChunk {
   bool present = false;
 };
 
-void BuildSparseRaw(int w, const uint8_t* base, const uint8_t* target, size_t m, Scratch& s,
-                    ByteVec* raw) {
+// Compares base and target in cache-sized blocks and gathers the changed words while the
+// block is still in cache: fills s.positions (chunk-relative), s.words_a (base words) and
+// s.words_b (target words); returns the number of changed words.
+size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_t n, Scratch& s) {
+  constexpr size_t kBlockBytes = 64 << 10;
+  const size_t block_words = kBlockBytes / w;
+  s.positions.resize(n);
+  s.words_a.resize(n * w);
+  s.words_b.resize(n * w);
+  size_t m = 0;
+  for (size_t begin = 0; begin < n; begin += block_words) {
+    const size_t len = std::min(block_words, n - begin);
+    uint32_t* pos = s.positions.data() + m;
+    size_t found = kernels::CompareCompact(base + begin * w, target + begin * w, len, w, pos);
+    if (found == 0) continue;
+    kernels::Gather(base + begin * w, w, pos, s.words_a.data() + m * w, found);
+    kernels::Gather(target + begin * w, w, pos, s.words_b.data() + m * w, found);
+    for (size_t i = 0; i < found; ++i) pos[i] += static_cast<uint32_t>(begin);
+    m += found;
+  }
+  return m;
+}
+
+// Builds the raw sparse chunk from s.positions/words_a/words_b (m changed words).
+void BuildSparseRaw(int w, size_t m, Scratch& s, ByteVec* raw) {
   s.gaps.resize(m);
   uint32_t previous_plus_one = 0;
   for (size_t i = 0; i < m; ++i) {
     s.gaps[i] = s.positions[i] - previous_plus_one;
     previous_plus_one = s.positions[i] + 1;
   }
-  s.words_a.resize(m * w);
-  s.words_b.resize(m * w);
-  kernels::Gather(base, w, s.positions.data(), s.words_a.data(), m);
-  kernels::Gather(target, w, s.positions.data(), s.words_b.data(), m);
   s.z.resize(m);
   ZigZagDiffsW(w, s.words_a.data(), s.words_b.data(), m, s.z.data());
 
@@ -295,11 +334,10 @@ EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base,
     e.changed_words = n;
     choose(ChunkKind::kLiteral, s.raw, s.packed);
   } else {
-    s.positions.resize(n);
-    size_t m = kernels::CompareCompact(b, t, n, w, s.positions.data());
+    size_t m = CompareAndGather(w, b, t, n, s);
     if (m == 0) return out;
     e.changed_words = m;
-    BuildSparseRaw(w, b, t, m, s, &s.raw);
+    BuildSparseRaw(w, m, s, &s.raw);
     choose(ChunkKind::kSparse, s.raw, s.packed);
     // Dense forms are tried only when the sparse one is not clearly small.
     if (out.entry.payload_bytes * 8 > dense_bytes) {
@@ -824,14 +862,12 @@ Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> ten
     }
     if (!st.ok()) return st.WithContext(ChunkName(m, index));
     // Everything decoded and in bounds: only now touch the state.
-    s.words_a.resize(count * w);
-    kernels::Gather(region, w, s.positions.data(), s.words_a.data(), count);
     if (keep_undo) {
       undo->positions.assign(s.positions.begin(), s.positions.end());
-      undo->old_bytes.assign(s.words_a.begin(), s.words_a.end());
+      undo->old_bytes.resize(count * w);
+      kernels::Gather(region, w, s.positions.data(), undo->old_bytes.data(), count);
     }
-    AddDiffsW(w, s.words_a.data(), s.z.data(), count);
-    kernels::ScatterApply(region, w, s.positions.data(), s.words_a.data(), count);
+    AddAtPositionsW(w, region, s.positions.data(), s.z.data(), count);
   } else {
     if (keep_undo) undo->old_bytes.assign(region, region + n * w);
     if (e.kind == ChunkKind::kLiteral) {

@@ -59,9 +59,13 @@ void RiceEncode(std::span<const uint32_t> gaps, int k, std::vector<uint8_t>* out
   for (uint32_t g : gaps) {
     uint64_t q = g >> k;
     if (q < kRiceEscapeQuotient) {
-      // q zeros then a one, then k low bits; q + 1 + k <= 31 + 31 + 1 fits two Puts.
-      w.Put(uint64_t{1} << q, static_cast<int>(q) + 1);
-      w.Put(g & low_mask, k);
+      // q zeros, a one, then the k low bits.
+      if (q + 1 + k <= 32) {
+        w.Put((uint64_t{1} << q) | ((g & low_mask) << (q + 1)), static_cast<int>(q) + 1 + k);
+      } else {
+        w.Put(uint64_t{1} << q, static_cast<int>(q) + 1);
+        w.Put(g & low_mask, k);
+      }
     } else {
       int length = BitLength(uint64_t{g});
       w.Put(uint64_t{1} << kRiceEscapeQuotient, kRiceEscapeQuotient + 1);
@@ -77,11 +81,16 @@ Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uin
   if (k < 0 || k > kMaxRiceK) return Corrupt("Rice parameter " + std::to_string(k) + " > 31");
   BitReader r(in);
   int64_t position = -1;
+  const uint64_t low_mask = (uint64_t{1} << k) - 1;
   for (size_t i = 0; i < count; ++i) {
     uint64_t bits = r.Peek();
     int q = bits ? __builtin_ctzll(bits) : 64;
     uint64_t gap;
-    if (q < kRiceEscapeQuotient) {
+    if (q < kRiceEscapeQuotient && q + 1 + k <= 56) {
+      // The common case: unary part, stop bit and low bits all in the window.
+      gap = (static_cast<uint64_t>(q) << k) | ((bits >> (q + 1)) & low_mask);
+      r.Skip(q + 1 + k);
+    } else if (q < kRiceEscapeQuotient) {
       r.Skip(q + 1);
       gap = (static_cast<uint64_t>(q) << k) | r.Get(k);
     } else if (q == kRiceEscapeQuotient) {
@@ -196,12 +205,7 @@ void EncodeValuesGamma(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
   for (uint64_t v : z) {
     int length = BitLength(v);
     // length - 1 zeros, a one, then the length - 1 low bits.
-    if (length - 1 > 32) {
-      w.Put(0, 32);
-      w.Put(uint64_t{1} << (length - 1 - 32), length - 32);
-    } else {
-      w.Put(uint64_t{1} << (length - 1), length);
-    }
+    w.PutWide(uint64_t{1} << (length - 1), length);
     if (length > 1) w.PutWide(v & ((~uint64_t{0}) >> (65 - length)), length - 1);
   }
   w.Flush();

@@ -24,17 +24,20 @@ namespace flywheel::delta::entropy {
 class BitWriter {
  public:
   explicit BitWriter(std::vector<uint8_t>* out) : out_(out) {}
-  // REQUIRES: count <= 57, value < 2^count.
+  // REQUIRES: count <= 32, value < 2^count.
   void Put(uint64_t value, int count) {
     acc_ |= value << filled_;
     filled_ += count;
-    while (filled_ >= 8) {
-      out_->push_back(static_cast<uint8_t>(acc_));
-      acc_ >>= 8;
-      filled_ -= 8;
+    if (filled_ >= 32) {
+      const uint8_t bytes[4] = {static_cast<uint8_t>(acc_), static_cast<uint8_t>(acc_ >> 8),
+                                static_cast<uint8_t>(acc_ >> 16), static_cast<uint8_t>(acc_ >> 24)};
+      out_->insert(out_->end(), bytes, bytes + 4);
+      acc_ >>= 32;
+      filled_ -= 32;
     }
   }
-  void PutWide(uint64_t value, int count) {  // count <= 64
+  // REQUIRES: count <= 64, value < 2^count.
+  void PutWide(uint64_t value, int count) {
     if (count > 32) {
       Put(value & 0xffffffffu, 32);
       Put(value >> 32, count - 32);
@@ -42,9 +45,13 @@ class BitWriter {
       Put(value, count);
     }
   }
-  // Writes the partial last byte (zero padded).
+  // Writes the partial last bytes (zero padded).
   void Flush() {
-    if (filled_ > 0) out_->push_back(static_cast<uint8_t>(acc_));
+    while (filled_ > 0) {
+      out_->push_back(static_cast<uint8_t>(acc_));
+      acc_ >>= 8;
+      filled_ -= 8;
+    }
     acc_ = 0;
     filled_ = 0;
   }

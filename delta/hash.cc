@@ -1,6 +1,8 @@
 #include "delta/hash.h"
 
 #include <xxhash.h>
+// Run-time dispatch to the AVX2/AVX-512 builds of XXH3 in Debian's libxxhash.
+#include <xxh_x86dispatch.h>
 
 #include <algorithm>
 #include <cstring>
@@ -40,12 +42,12 @@ Result<Hash128> Hash128::FromHex(std::string_view hex) {
 }
 
 Hash128 HashBytes(std::span<const std::byte> bytes) {
-  XXH128_hash_t h = XXH3_128bits(bytes.data(), bytes.size());
+  XXH128_hash_t h = XXH3_128bits_dispatch(bytes.data(), bytes.size());
   return {h.low64, h.high64};
 }
 
 uint64_t HashBytes64(std::span<const std::byte> bytes) {
-  return XXH3_64bits(bytes.data(), bytes.size());
+  return XXH3_64bits_dispatch(bytes.data(), bytes.size());
 }
 
 namespace {

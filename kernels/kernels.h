@@ -13,7 +13,8 @@ namespace flywheel::kernels {
 
 // Writes, in ascending order, the index of every element i < n whose `elem_size` bytes
 // differ between `base` and `target`, into `out_positions`; returns how many.
-// REQUIRES: out_positions has room for n entries; n <= 2^32.
+// REQUIRES: out_positions has room for n entries; n <= 2^32. Entries past the returned
+// count may be overwritten with junk (the AVX2 version stores without branching).
 size_t CompareCompact(const void* base, const void* target, size_t n, size_t elem_size,
                       uint32_t* out_positions);
 size_t CompareCompactScalar(const void* base, const void* target, size_t n, size_t elem_size,

@@ -120,7 +120,8 @@ TEST(CodecTest, ChainAppliesInOrder) {
   EXPECT_TRUE(SameBytes(state, v3));
   // The returned hashes let the next apply skip rehashing the state.
   auto v4 = Mutate(v3, 0.02, 14);
-  auto view34 = MustParse(MustEncode(v3, v4));
+  auto d34 = MustEncode(v3, v4);
+  auto view34 = MustParse(d34);
   ApplyOptions cached;
   cached.state_tensor_hashes = stats->tensor_hashes;
   ASSERT_TRUE(ApplyInPlace(mv, view34, cached).ok());
@@ -131,7 +132,8 @@ TEST(CodecTest, RefusesWrongBaseAndLeavesStateUntouched) {
   auto v1 = RandomCheckpoint(testing::MixedSpecs(), 21);
   auto v2 = Mutate(v1, 0.02, 22);
   auto v3 = Mutate(v2, 0.02, 23);
-  auto view23 = MustParse(MustEncode(v2, v3));
+  auto d23 = MustEncode(v2, v3);
+  auto view23 = MustParse(d23);
   OwnedCheckpoint state = v1;
   auto mv = state.mutable_view();
   auto result = ApplyInPlace(mv, view23);
@@ -148,7 +150,8 @@ TEST(CodecTest, RefusesLyingCachedHashes) {
   auto v1 = RandomCheckpoint(testing::MixedSpecs(), 31);
   auto v2 = Mutate(v1, 0.05, 32);
   auto v3 = Mutate(v2, 0.05, 33);
-  auto view23 = MustParse(MustEncode(v2, v3));
+  auto d23 = MustEncode(v2, v3);
+  auto view23 = MustParse(d23);
   OwnedCheckpoint state = v1;
   auto mv = state.mutable_view();
   ApplyOptions lying;
@@ -188,11 +191,12 @@ TEST(CodecTest, EncodingIsDeterministicAcrossThreadCounts) {
   one.chunk_bytes = four.chunk_bytes = 4096;
   four.threads = 4;
   EXPECT_EQ(MustEncode(base, target, one), MustEncode(base, target, four));
-  auto view = MustParse(MustEncode(base, target, one));
+  auto bytes = MustEncode(base, target, one);
+  auto view = MustParse(bytes);
   ApplyOptions apply;
   apply.threads = 3;
   auto out = ApplyToCopy(base.view(), view, apply);
-  ASSERT_TRUE(out.ok());
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
   EXPECT_TRUE(SameBytes(*out, target));
 }
 
@@ -273,7 +277,8 @@ TEST(CodecTest, InspectCountsMatchTheChange) {
   auto base = RandomCheckpoint({{"a", DType::kBF16, {100000}}, {"b", DType::kF32, {1000}}}, 97);
   auto target = base;
   for (int i = 0; i < 100; ++i) target.tensors[0].data[2 * i * 37] ^= std::byte{1};
-  auto view = MustParse(MustEncode(base, target));
+  auto bytes = MustEncode(base, target);
+  auto view = MustParse(bytes);
   auto stats = Inspect(view);
   ASSERT_EQ(stats.size(), 2u);
   EXPECT_EQ(stats[0].changed_words, 100u);

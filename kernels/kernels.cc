@@ -1,0 +1,110 @@
+// Scalar references of the codec's hot loops, and the run-time dispatch to the AVX2
+// versions (kernels_avx2.cc, checksum.cc). The references are deliberately plain: one
+// memcmp/memcpy per element, so that they are obviously correct.
+#include "kernels/kernels.h"
+
+#include <cstring>
+
+namespace flywheel::kernels {
+
+// Defined in kernels_avx2.cc and checksum.cc, the only files compiled for AVX2.
+// REQUIRES: HaveAvx2(); elem_size is 1, 2, 4 or 8.
+namespace avx2 {
+size_t CompareCompact(const void* base, const void* target, size_t n, size_t elem_size,
+                      uint32_t* out_positions);
+size_t CountChanged(const void* base, const void* target, size_t n, size_t elem_size);
+void ScatterApply(void* dst, size_t elem_size, const uint32_t* positions, const void* values,
+                  size_t count);
+void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* out, size_t count);
+size_t ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_t* out);
+}  // namespace avx2
+
+bool HaveAvx2() {
+  // kernels_avx2.cc is also built with -mbmi -mbmi2 -mpopcnt -mlzcnt, so the compiler
+  // may use any of those instructions there; all of them must be present. libgcc's
+  // "avx2" check includes the OS saving YMM state (XGETBV).
+  static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+                           __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt") &&
+                           __builtin_cpu_supports("lzcnt");
+  return have;
+}
+
+size_t CompareCompactScalar(const void* base, const void* target, size_t n, size_t elem_size,
+                            uint32_t* out_positions) {
+  const auto* a = static_cast<const unsigned char*>(base);
+  const auto* b = static_cast<const unsigned char*>(target);
+  size_t count = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (std::memcmp(a + i * elem_size, b + i * elem_size, elem_size) != 0) {
+      out_positions[count++] = static_cast<uint32_t>(i);
+    }
+  }
+  return count;
+}
+
+size_t CountChangedScalar(const void* base, const void* target, size_t n, size_t elem_size) {
+  const auto* a = static_cast<const unsigned char*>(base);
+  const auto* b = static_cast<const unsigned char*>(target);
+  size_t count = 0;
+  for (size_t i = 0; i < n; ++i) {
+    count += std::memcmp(a + i * elem_size, b + i * elem_size, elem_size) != 0;
+  }
+  return count;
+}
+
+void ScatterApplyScalar(void* dst, size_t elem_size, const uint32_t* positions, const void* values,
+                        size_t count) {
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* v = static_cast<const unsigned char*>(values);
+  for (size_t i = 0; i < count; ++i) {
+    std::memcpy(d + size_t{positions[i]} * elem_size, v + i * elem_size, elem_size);
+  }
+}
+
+void GatherScalar(const void* src, size_t elem_size, const uint32_t* positions, void* out,
+                  size_t count) {
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* o = static_cast<unsigned char*>(out);
+  for (size_t i = 0; i < count; ++i) {
+    std::memcpy(o + i * elem_size, s + size_t{positions[i]} * elem_size, elem_size);
+  }
+}
+
+namespace {
+
+// The AVX2 code is specialised for the four element sizes of the format; anything else
+// (a programmer error upstream) still gets the right answer from the reference.
+bool UseAvx2(size_t elem_size) {
+  return (elem_size == 1 || elem_size == 2 || elem_size == 4 || elem_size == 8) && HaveAvx2();
+}
+
+}  // namespace
+
+size_t CompareCompact(const void* base, const void* target, size_t n, size_t elem_size,
+                      uint32_t* out_positions) {
+  if (UseAvx2(elem_size)) return avx2::CompareCompact(base, target, n, elem_size, out_positions);
+  return CompareCompactScalar(base, target, n, elem_size, out_positions);
+}
+
+size_t CountChanged(const void* base, const void* target, size_t n, size_t elem_size) {
+  if (UseAvx2(elem_size)) return avx2::CountChanged(base, target, n, elem_size);
+  return CountChangedScalar(base, target, n, elem_size);
+}
+
+void ScatterApply(void* dst, size_t elem_size, const uint32_t* positions, const void* values,
+                  size_t count) {
+  if (UseAvx2(elem_size)) return avx2::ScatterApply(dst, elem_size, positions, values, count);
+  ScatterApplyScalar(dst, elem_size, positions, values, count);
+}
+
+void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* out, size_t count) {
+  if (UseAvx2(elem_size)) return avx2::Gather(src, elem_size, positions, out, count);
+  GatherScalar(src, elem_size, positions, out, count);
+}
+
+size_t ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_t* out) {
+  if (HaveAvx2()) return avx2::ChunkChecksums(data, size, chunk_bytes, out);
+  return ChunkChecksumsScalar(data, size, chunk_bytes, out);
+}
+
+}  // namespace flywheel::kernels

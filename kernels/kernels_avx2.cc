@@ -1,0 +1,284 @@
+// AVX2 versions of the compare/scatter/gather kernels. This file alone is compiled with
+// -mavx2 -mbmi -mbmi2 -mpopcnt -mlzcnt; kernels.cc calls into it only when HaveAvx2().
+//
+// Keep everything here in internal linkage and free of inline library templates
+// (std::min, containers, ...): an inline function instantiated in this file carries AVX2
+// code, and the linker could pick that copy for callers on a CPU without AVX2.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace flywheel::kernels::avx2 {
+namespace {
+
+constexpr size_t kVectorBytes = 32;
+
+// Bit set for every element of one 32-byte vector whose bits differ between `a` and `b`.
+// Element j of the vector maps to bit (j << MaskShift<kElem>) of the result.
+template <size_t kElem>
+inline uint32_t DiffMask(__m256i a, __m256i b);
+
+template <>
+inline uint32_t DiffMask<1>(__m256i a, __m256i b) {
+  return ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(a, b)));
+}
+// Both byte-mask bits of a 16-bit lane are equal; keeping the even one avoids a PEXT
+// (microcoded and very slow on AMD before Zen 3) and costs a shift per found position.
+template <>
+inline uint32_t DiffMask<2>(__m256i a, __m256i b) {
+  return ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi16(a, b))) & 0x55555555u;
+}
+template <>
+inline uint32_t DiffMask<4>(__m256i a, __m256i b) {
+  const __m256 eq = _mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b));
+  return ~static_cast<uint32_t>(_mm256_movemask_ps(eq)) & 0xFFu;
+}
+template <>
+inline uint32_t DiffMask<8>(__m256i a, __m256i b) {
+  const __m256d eq = _mm256_castsi256_pd(_mm256_cmpeq_epi64(a, b));
+  return ~static_cast<uint32_t>(_mm256_movemask_pd(eq)) & 0xFu;
+}
+
+template <size_t kElem>
+constexpr unsigned MaskShift() {
+  return kElem == 2 ? 1 : 0;
+}
+
+inline __m256i Load(const unsigned char* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Compare-and-compact works on blocks of 64 elements (64 * kElem bytes): one 64-bit
+// mask per block, bit j set when element j differs. At ~2% density a block holds about
+// one change, so the per-block cost (loads, compares, a few packs, one emit sequence)
+// dominates and one mask per block beats one per 32-byte vector by ~2x.
+constexpr size_t kBlockElements = 64;
+
+template <size_t kElem>
+inline uint64_t BlockDiffMask(const unsigned char* a, const unsigned char* b);
+
+template <>
+inline uint64_t BlockDiffMask<1>(const unsigned char* a, const unsigned char* b) {
+  const uint32_t eq0 =
+      static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(Load(a), Load(b))));
+  const uint32_t eq1 =
+      static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(Load(a + 32), Load(b + 32))));
+  return ~(uint64_t{eq0} | uint64_t{eq1} << 32);
+}
+
+// 32 16-bit compares -> 32 mask bits in element order. packs works within 128-bit
+// lanes, giving the quarters in the order (0, 2, 1, 3); permute4x64 restores them.
+inline uint32_t EqualMask16x32(const unsigned char* a, const unsigned char* b) {
+  const __m256i eq0 = _mm256_cmpeq_epi16(Load(a), Load(b));
+  const __m256i eq1 = _mm256_cmpeq_epi16(Load(a + 32), Load(b + 32));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi16(eq0, eq1), 0xD8);
+  return static_cast<uint32_t>(_mm256_movemask_epi8(packed));
+}
+
+template <>
+inline uint64_t BlockDiffMask<2>(const unsigned char* a, const unsigned char* b) {
+  return ~(uint64_t{EqualMask16x32(a, b)} | uint64_t{EqualMask16x32(a + 64, b + 64)} << 32);
+}
+
+// 32 32-bit compares -> 32 mask bits in element order. Two rounds of in-lane packs
+// leave the eight 4-element groups in the order (0, 2, 4, 6, 1, 3, 5, 7).
+inline uint32_t EqualMask32x32(const unsigned char* a, const unsigned char* b) {
+  const __m256i eq0 = _mm256_cmpeq_epi32(Load(a), Load(b));
+  const __m256i eq1 = _mm256_cmpeq_epi32(Load(a + 32), Load(b + 32));
+  const __m256i eq2 = _mm256_cmpeq_epi32(Load(a + 64), Load(b + 64));
+  const __m256i eq3 = _mm256_cmpeq_epi32(Load(a + 96), Load(b + 96));
+  const __m256i packed =
+      _mm256_packs_epi16(_mm256_packs_epi32(eq0, eq1), _mm256_packs_epi32(eq2, eq3));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  return static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_permutevar8x32_epi32(packed, order)));
+}
+
+template <>
+inline uint64_t BlockDiffMask<4>(const unsigned char* a, const unsigned char* b) {
+  return ~(uint64_t{EqualMask32x32(a, b)} | uint64_t{EqualMask32x32(a + 128, b + 128)} << 32);
+}
+
+template <>
+inline uint64_t BlockDiffMask<8>(const unsigned char* a, const unsigned char* b) {
+  uint64_t equal = 0;
+  for (int v = 0; v < 16; ++v) {
+    const __m256i eq = _mm256_cmpeq_epi64(Load(a + 32 * v), Load(b + 32 * v));
+    equal |= uint64_t(_mm256_movemask_pd(_mm256_castsi256_pd(eq))) << (4 * v);
+  }
+  return ~equal;
+}
+
+// Appends `first + j` for every bit j of `mask` to `out`, ascending; returns the new end.
+// Writes four slots even when fewer bits are set (tzcnt(0) = 64 gives a junk value) so
+// that the common block with one or two changes takes no data-dependent branch. That
+// stays inside the caller's buffer: with k positions written before a block starting at
+// element e, k <= e, and e + 64 <= n for every full block.
+inline uint32_t* EmitBlockPositions(uint64_t mask, uint32_t first, uint32_t* out) {
+  const unsigned count = static_cast<unsigned>(_mm_popcnt_u64(mask));
+  out[0] = first + static_cast<uint32_t>(_tzcnt_u64(mask));
+  mask = _blsr_u64(mask);
+  out[1] = first + static_cast<uint32_t>(_tzcnt_u64(mask));
+  mask = _blsr_u64(mask);
+  out[2] = first + static_cast<uint32_t>(_tzcnt_u64(mask));
+  mask = _blsr_u64(mask);
+  out[3] = first + static_cast<uint32_t>(_tzcnt_u64(mask));
+  mask = _blsr_u64(mask);
+  if (count > 4) {
+    uint32_t* p = out + 4;
+    while (mask != 0) {
+      *p++ = first + static_cast<uint32_t>(_tzcnt_u64(mask));
+      mask = _blsr_u64(mask);
+    }
+  }
+  return out + count;
+}
+
+// Tail after the last full block: one 32-byte vector at a time, then element by element.
+template <size_t kElem>
+inline uint32_t* CompactTail(const unsigned char* a, const unsigned char* b, size_t first, size_t n,
+                             uint32_t* out) {
+  constexpr unsigned kShift = MaskShift<kElem>();
+  size_t i = first;
+  for (; i + kVectorBytes / kElem <= n; i += kVectorBytes / kElem) {
+    uint32_t mask = DiffMask<kElem>(Load(a + i * kElem), Load(b + i * kElem));
+    while (mask != 0) {
+      *out++ = static_cast<uint32_t>(i + (_tzcnt_u32(mask) >> kShift));
+      mask = _blsr_u32(mask);
+    }
+  }
+  for (; i < n; ++i) {
+    if (std::memcmp(a + i * kElem, b + i * kElem, kElem) != 0) *out++ = static_cast<uint32_t>(i);
+  }
+  return out;
+}
+
+template <size_t kElem>
+size_t CompareCompactT(const unsigned char* a, const unsigned char* b, size_t n,
+                       uint32_t* out_positions) {
+  uint32_t* out = out_positions;
+  size_t i = 0;
+  for (; i + kBlockElements <= n; i += kBlockElements) {
+    // No "mask == 0" skip: at 2% density about 28% of blocks are equal, a branch that
+    // mispredicts often enough to cost more (measured: -20% for 4-byte words) than the
+    // four junk stores of an empty block.
+    out = EmitBlockPositions(BlockDiffMask<kElem>(a + i * kElem, b + i * kElem),
+                             static_cast<uint32_t>(i), out);
+  }
+  out = CompactTail<kElem>(a, b, i, n, out);
+  return static_cast<size_t>(out - out_positions);
+}
+
+template <size_t kElem>
+size_t CountChangedT(const unsigned char* a, const unsigned char* b, size_t n) {
+  size_t count = 0;
+  size_t i = 0;
+  for (; i + kBlockElements <= n; i += kBlockElements) {
+    count += _mm_popcnt_u64(BlockDiffMask<kElem>(a + i * kElem, b + i * kElem));
+  }
+  for (; i + kVectorBytes / kElem <= n; i += kVectorBytes / kElem) {
+    count += _mm_popcnt_u32(DiffMask<kElem>(Load(a + i * kElem), Load(b + i * kElem)));
+  }
+  for (; i < n; ++i) count += std::memcmp(a + i * kElem, b + i * kElem, kElem) != 0;
+  return count;
+}
+
+// AVX2 has gather but no scatter, and its gathers are no faster than scalar loads for
+// positions this far apart. So these are plain loops, not SIMD: specialised per element
+// size (fixed-size memcpy compiles to one load and one store) and unrolled by four so
+// that independent loads and stores overlap.
+template <size_t kElem>
+void ScatterApplyT(unsigned char* dst, const uint32_t* positions, const unsigned char* values,
+                   size_t count) {
+  size_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    std::memcpy(dst + size_t{positions[i]} * kElem, values + i * kElem, kElem);
+    std::memcpy(dst + size_t{positions[i + 1]} * kElem, values + (i + 1) * kElem, kElem);
+    std::memcpy(dst + size_t{positions[i + 2]} * kElem, values + (i + 2) * kElem, kElem);
+    std::memcpy(dst + size_t{positions[i + 3]} * kElem, values + (i + 3) * kElem, kElem);
+  }
+  for (; i < count; ++i) {
+    std::memcpy(dst + size_t{positions[i]} * kElem, values + i * kElem, kElem);
+  }
+}
+
+template <size_t kElem>
+void GatherT(const unsigned char* src, const uint32_t* positions, unsigned char* out,
+             size_t count) {
+  size_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    std::memcpy(out + i * kElem, src + size_t{positions[i]} * kElem, kElem);
+    std::memcpy(out + (i + 1) * kElem, src + size_t{positions[i + 1]} * kElem, kElem);
+    std::memcpy(out + (i + 2) * kElem, src + size_t{positions[i + 2]} * kElem, kElem);
+    std::memcpy(out + (i + 3) * kElem, src + size_t{positions[i + 3]} * kElem, kElem);
+  }
+  for (; i < count; ++i) {
+    std::memcpy(out + i * kElem, src + size_t{positions[i]} * kElem, kElem);
+  }
+}
+
+const unsigned char* Bytes(const void* p) {
+  return static_cast<const unsigned char*>(p);
+}
+unsigned char* Bytes(void* p) {
+  return static_cast<unsigned char*>(p);
+}
+
+}  // namespace
+
+// kernels.cc dispatches here only for elem_size 1, 2, 4 or 8 on a CPU with AVX2.
+size_t CompareCompact(const void* base, const void* target, size_t n, size_t elem_size,
+                      uint32_t* out_positions) {
+  switch (elem_size) {
+    case 1:
+      return CompareCompactT<1>(Bytes(base), Bytes(target), n, out_positions);
+    case 2:
+      return CompareCompactT<2>(Bytes(base), Bytes(target), n, out_positions);
+    case 4:
+      return CompareCompactT<4>(Bytes(base), Bytes(target), n, out_positions);
+    default:
+      return CompareCompactT<8>(Bytes(base), Bytes(target), n, out_positions);
+  }
+}
+
+size_t CountChanged(const void* base, const void* target, size_t n, size_t elem_size) {
+  switch (elem_size) {
+    case 1:
+      return CountChangedT<1>(Bytes(base), Bytes(target), n);
+    case 2:
+      return CountChangedT<2>(Bytes(base), Bytes(target), n);
+    case 4:
+      return CountChangedT<4>(Bytes(base), Bytes(target), n);
+    default:
+      return CountChangedT<8>(Bytes(base), Bytes(target), n);
+  }
+}
+
+void ScatterApply(void* dst, size_t elem_size, const uint32_t* positions, const void* values,
+                  size_t count) {
+  switch (elem_size) {
+    case 1:
+      return ScatterApplyT<1>(Bytes(dst), positions, Bytes(values), count);
+    case 2:
+      return ScatterApplyT<2>(Bytes(dst), positions, Bytes(values), count);
+    case 4:
+      return ScatterApplyT<4>(Bytes(dst), positions, Bytes(values), count);
+    default:
+      return ScatterApplyT<8>(Bytes(dst), positions, Bytes(values), count);
+  }
+}
+
+void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* out, size_t count) {
+  switch (elem_size) {
+    case 1:
+      return GatherT<1>(Bytes(src), positions, Bytes(out), count);
+    case 2:
+      return GatherT<2>(Bytes(src), positions, Bytes(out), count);
+    case 4:
+      return GatherT<4>(Bytes(src), positions, Bytes(out), count);
+    default:
+      return GatherT<8>(Bytes(src), positions, Bytes(out), count);
+  }
+}
+
+}  // namespace flywheel::kernels::avx2
