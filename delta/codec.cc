@@ -191,28 +191,6 @@ void ZigZagDiffs(const uint8_t* base_words, const uint8_t* target_words, size_t 
   }
 }
 
-// words[positions[i]] += unzigzag(z[i]) (wrapping): the sparse apply in one pass.
-template <int W>
-void AddAtPositions(uint8_t* words, const uint32_t* positions, const uint64_t* z, size_t m) {
-  using U = typename WordOf<W>::U;
-  for (size_t i = 0; i < m; ++i) {
-    uint8_t* p = words + static_cast<size_t>(positions[i]) * W;
-    U v;
-    std::memcpy(&v, p, W);
-    v = static_cast<U>(v + static_cast<U>(entropy::UnZigZag(z[i])));
-    std::memcpy(p, &v, W);
-  }
-}
-
-void AddAtPositionsW(int w, uint8_t* words, const uint32_t* positions, const uint64_t* z, size_t m) {
-  switch (w) {
-    case 1: return AddAtPositions<1>(words, positions, z, m);
-    case 2: return AddAtPositions<2>(words, positions, z, m);
-    case 4: return AddAtPositions<4>(words, positions, z, m);
-    default: return AddAtPositions<8>(words, positions, z, m);
-  }
-}
-
 void ZigZagDiffsW(int w, const uint8_t* b, const uint8_t* t, size_t m, uint64_t* z) {
   switch (w) {
     case 1: return ZigZagDiffs<1>(b, t, m, z);
@@ -867,7 +845,7 @@ Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> ten
       undo->old_bytes.resize(count * w);
       kernels::Gather(region, w, s.positions.data(), undo->old_bytes.data(), count);
     }
-    AddAtPositionsW(w, region, s.positions.data(), s.z.data(), count);
+    kernels::ScatterAddZigZag(region, w, s.positions.data(), s.z.data(), count);
   } else {
     if (keep_undo) undo->old_bytes.assign(region, region + n * w);
     if (e.kind == ChunkKind::kLiteral) {

@@ -38,6 +38,16 @@ void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* 
 void GatherScalar(const void* src, size_t elem_size, const uint32_t* positions, void* out,
                   size_t count);
 
+// The sparse apply: for i < count, element positions[i] of `dst`, read as a little-endian
+// unsigned integer of elem_size bytes, gets d added modulo 2^(8*elem_size), where d is
+// zigzag_diffs[i] zigzag-decoded (z -> (z >> 1) ^ -(z & 1)). Positions may repeat only
+// if the caller wants the additions to accumulate.
+// REQUIRES: every position is in range.
+void ScatterAddZigZag(void* dst, size_t elem_size, const uint32_t* positions,
+                      const uint64_t* zigzag_diffs, size_t count);
+void ScatterAddZigZagScalar(void* dst, size_t elem_size, const uint32_t* positions,
+                            const uint64_t* zigzag_diffs, size_t count);
+
 // XXH3-64 (seed 0) of consecutive `chunk_bytes`-sized pieces of `data` (the last may be
 // shorter): out[k] = XXH3_64(data + k*chunk_bytes, ...). ChunkChecksums uses the
 // library's vectorised XXH3; ChunkChecksumsScalar is a build of XXH3 with vector code

@@ -219,6 +219,41 @@ std::vector<uint64_t> DirectXxh3(const unsigned char* data, size_t size, size_t 
   return out;
 }
 
+TEST(KernelsTest, ScatterAddZigZagMatchesScalar) {
+  std::mt19937_64 rng(99);
+  for (size_t elem_size : kElemSizes) {
+    for (size_t n : kSizes) {
+      if (n == 0) continue;
+      std::vector<unsigned char> a(n * elem_size + 1);
+      for (auto& b : a) b = static_cast<unsigned char>(rng());
+      std::vector<unsigned char> b = a;
+      // Every 3rd position, with diffs from +-1 to the extremes of the width.
+      std::vector<uint32_t> positions;
+      std::vector<uint64_t> z;
+      for (size_t i = 0; i < n; i += 3) {
+        positions.push_back(static_cast<uint32_t>(i));
+        uint64_t v = (rng() % 4 == 0) ? rng() : 1 + rng() % 4;
+        if (elem_size < 8) v &= (uint64_t{1} << (8 * elem_size)) - 1;
+        z.push_back(v == 0 ? 1 : v);
+      }
+      ScatterAddZigZag(a.data() + 1, elem_size, positions.data(), z.data(), positions.size());
+      ScatterAddZigZagScalar(b.data() + 1, elem_size, positions.data(), z.data(), positions.size());
+      ASSERT_EQ(a, b) << "elem_size " << elem_size << " n " << n;
+    }
+  }
+}
+
+TEST(KernelsTest, ScatterAddZigZagWrapsAround) {
+  // bf16 0x0000 - 1 = 0xffff, 0xffff + 1 = 0x0000, 0x7fff + 1 = 0x8000.
+  uint16_t words[3] = {0x0000, 0xffff, 0x7fff};
+  const uint32_t positions[3] = {0, 1, 2};
+  const uint64_t z[3] = {1, 2, 2};  // -1, +1, +1
+  ScatterAddZigZagScalar(words, 2, positions, z, 3);
+  EXPECT_EQ(words[0], 0xffff);
+  EXPECT_EQ(words[1], 0x0000);
+  EXPECT_EQ(words[2], 0x8000);
+}
+
 TEST(KernelsTest, ChunkChecksumsMatchXxh3) {
   std::vector<unsigned char> storage((3u << 20) + 64);
   std::mt19937_64 rng(99);
