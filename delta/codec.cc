@@ -840,12 +840,13 @@ Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> ten
     }
     if (!st.ok()) return st.WithContext(ChunkName(m, index));
     // Everything decoded and in bounds: only now touch the state.
+    void* old_values = nullptr;
     if (keep_undo) {
       undo->positions.assign(s.positions.begin(), s.positions.end());
       undo->old_bytes.resize(count * w);
-      kernels::Gather(region, w, s.positions.data(), undo->old_bytes.data(), count);
+      old_values = undo->old_bytes.data();
     }
-    kernels::ScatterAddZigZag(region, w, s.positions.data(), s.z.data(), count);
+    kernels::ScatterAddZigZag(region, w, s.positions.data(), s.z.data(), count, old_values);
   } else {
     if (keep_undo) undo->old_bytes.assign(region, region + n * w);
     if (e.kind == ChunkKind::kLiteral) {

@@ -108,10 +108,12 @@ size_t ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_
 }
 
 void ScatterAddZigZagScalar(void* dst, size_t elem_size, const uint32_t* positions,
-                            const uint64_t* zigzag_diffs, size_t count) {
+                            const uint64_t* zigzag_diffs, size_t count, void* old_values) {
   auto* d = static_cast<unsigned char*>(dst);
+  auto* old = static_cast<unsigned char*>(old_values);
   for (size_t i = 0; i < count; ++i) {
     unsigned char* p = d + size_t{positions[i]} * elem_size;
+    if (old) std::memcpy(old + i * elem_size, p, elem_size);
     uint64_t value = 0;
     for (size_t b = 0; b < elem_size; ++b) value |= uint64_t{p[b]} << (8 * b);
     const uint64_t z = zigzag_diffs[i];
@@ -124,13 +126,14 @@ namespace {
 
 // One fixed-size load/add/store per element, unrolled by four. Not SIMD: AVX2 has no
 // scatter, and the positions are data dependent.
-template <typename Word>
+template <typename Word, bool kKeepOld>
 void ScatterAddZigZagT(unsigned char* d, const uint32_t* positions, const uint64_t* z,
-                       size_t count) {
+                       size_t count, unsigned char* old) {
   auto add = [&](size_t i) {
     unsigned char* p = d + size_t{positions[i]} * sizeof(Word);
     Word value;
     std::memcpy(&value, p, sizeof(Word));
+    if constexpr (kKeepOld) std::memcpy(old + i * sizeof(Word), &value, sizeof(Word));
     value = static_cast<Word>(value + static_cast<Word>((z[i] >> 1) ^ (~(z[i] & 1) + 1)));
     std::memcpy(p, &value, sizeof(Word));
   };
@@ -146,15 +149,24 @@ void ScatterAddZigZagT(unsigned char* d, const uint32_t* positions, const uint64
 
 }  // namespace
 
+template <typename Word>
+void ScatterAddZigZagW(unsigned char* d, const uint32_t* positions, const uint64_t* z,
+                       size_t count, unsigned char* old) {
+  if (old) return ScatterAddZigZagT<Word, true>(d, positions, z, count, old);
+  ScatterAddZigZagT<Word, false>(d, positions, z, count, nullptr);
+}
+
 void ScatterAddZigZag(void* dst, size_t elem_size, const uint32_t* positions,
-                      const uint64_t* zigzag_diffs, size_t count) {
+                      const uint64_t* zigzag_diffs, size_t count, void* old_values) {
   auto* d = static_cast<unsigned char*>(dst);
+  auto* old = static_cast<unsigned char*>(old_values);
   switch (elem_size) {
-    case 1: return ScatterAddZigZagT<uint8_t>(d, positions, zigzag_diffs, count);
-    case 2: return ScatterAddZigZagT<uint16_t>(d, positions, zigzag_diffs, count);
-    case 4: return ScatterAddZigZagT<uint32_t>(d, positions, zigzag_diffs, count);
-    case 8: return ScatterAddZigZagT<uint64_t>(d, positions, zigzag_diffs, count);
-    default: return ScatterAddZigZagScalar(dst, elem_size, positions, zigzag_diffs, count);
+    case 1: return ScatterAddZigZagW<uint8_t>(d, positions, zigzag_diffs, count, old);
+    case 2: return ScatterAddZigZagW<uint16_t>(d, positions, zigzag_diffs, count, old);
+    case 4: return ScatterAddZigZagW<uint32_t>(d, positions, zigzag_diffs, count, old);
+    case 8: return ScatterAddZigZagW<uint64_t>(d, positions, zigzag_diffs, count, old);
+    default:
+      return ScatterAddZigZagScalar(dst, elem_size, positions, zigzag_diffs, count, old_values);
   }
 }
 

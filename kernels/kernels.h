@@ -40,13 +40,15 @@ void GatherScalar(const void* src, size_t elem_size, const uint32_t* positions, 
 
 // The sparse apply: for i < count, element positions[i] of `dst`, read as a little-endian
 // unsigned integer of elem_size bytes, gets d added modulo 2^(8*elem_size), where d is
-// zigzag_diffs[i] zigzag-decoded (z -> (z >> 1) ^ -(z & 1)). Positions may repeat only
-// if the caller wants the additions to accumulate.
-// REQUIRES: every position is in range.
+// zigzag_diffs[i] zigzag-decoded (z -> (z >> 1) ^ -(z & 1)). When `old_values` is not
+// null, element i of it receives the element's previous bytes (an undo record, the same
+// as a Gather before the update, without a second pass over memory).
+// REQUIRES: every position is in range; positions distinct.
 void ScatterAddZigZag(void* dst, size_t elem_size, const uint32_t* positions,
-                      const uint64_t* zigzag_diffs, size_t count);
+                      const uint64_t* zigzag_diffs, size_t count, void* old_values = nullptr);
 void ScatterAddZigZagScalar(void* dst, size_t elem_size, const uint32_t* positions,
-                            const uint64_t* zigzag_diffs, size_t count);
+                            const uint64_t* zigzag_diffs, size_t count,
+                            void* old_values = nullptr);
 
 // XXH3-64 (seed 0) of consecutive `chunk_bytes`-sized pieces of `data` (the last may be
 // shorter): out[k] = XXH3_64(data + k*chunk_bytes, ...). ChunkChecksums uses the

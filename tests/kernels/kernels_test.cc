@@ -236,9 +236,18 @@ TEST(KernelsTest, ScatterAddZigZagMatchesScalar) {
         if (elem_size < 8) v &= (uint64_t{1} << (8 * elem_size)) - 1;
         z.push_back(v == 0 ? 1 : v);
       }
-      ScatterAddZigZag(a.data() + 1, elem_size, positions.data(), z.data(), positions.size());
-      ScatterAddZigZagScalar(b.data() + 1, elem_size, positions.data(), z.data(), positions.size());
+      const std::vector<unsigned char> before = a;
+      std::vector<unsigned char> old_a(positions.size() * elem_size), old_b(old_a.size());
+      ScatterAddZigZag(a.data() + 1, elem_size, positions.data(), z.data(), positions.size(), old_a.data());
+      ScatterAddZigZagScalar(b.data() + 1, elem_size, positions.data(), z.data(), positions.size(), old_b.data());
       ASSERT_EQ(a, b) << "elem_size " << elem_size << " n " << n;
+      ASSERT_EQ(old_a, old_b);
+      // The old values are an exact undo record.
+      ScatterApply(a.data() + 1, elem_size, positions.data(), old_a.data(), positions.size());
+      ASSERT_EQ(a, before);
+      std::vector<unsigned char> c = before;
+      ScatterAddZigZag(c.data() + 1, elem_size, positions.data(), z.data(), positions.size());
+      ASSERT_EQ(c, b);
     }
   }
 }
