@@ -1,0 +1,46 @@
+// The flywheel CLI's subcommands. Each Add*Commands call registers its subcommands on
+// `app`; when one of them is selected on the command line, parsing stores its action in
+// `action`, and main() runs it after the whole command line parsed cleanly.
+//
+// Error contract of every action: it returns a non-OK status whose message says what
+// failed (which command, which files) followed by the library's status; main() prints it
+// as exactly one line, `flywheel: <message>`, on stderr and exits with 1. Nothing else is
+// written to stderr on failure; outputs are atomic (the libraries guarantee it), so a
+// failed command leaves no output file behind and never touches an existing one.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "base/status.h"
+
+namespace CLI {
+class App;
+}
+
+namespace flywheel::tools {
+
+// What the selected subcommand will do once parsing finished.
+using Action = std::function<Status()>;
+
+// Exit codes of the CLI.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;  // a run-time failure (I/O, corrupt input, wrong base)
+inline constexpr int kExitUsage = 2;    // the command line itself was wrong
+
+// `--threads` default: every core the machine reports (at least 1).
+int DefaultThreads();
+
+// `<what>: <status>`, keeping the status code's name: "cannot apply d.fwd: corruption: ...".
+inline Status Failed(const std::string& what, const Status& status) {
+  return Status(status.code(), what + ": " + status.ToString());
+}
+
+// `delta encode`, `delta apply`, `delta inspect`.
+void AddDeltaCommands(CLI::App& app, Action& action);
+// `checkpoint hash`, `checkpoint info`.
+void AddCheckpointCommands(CLI::App& app, Action& action);
+// `bench codec` and `demo`.
+void AddBenchCommands(CLI::App& app, Action& action);
+
+}  // namespace flywheel::tools
