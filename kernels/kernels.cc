@@ -20,12 +20,11 @@ size_t ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_
 }  // namespace avx2
 
 bool HaveAvx2() {
-  // kernels_avx2.cc is also built with -mbmi -mbmi2 -mpopcnt -mlzcnt, so the compiler
+  // kernels_avx2.cc is also built with -mbmi -mbmi2 -mpopcnt, so the compiler
   // may use any of those instructions there; all of them must be present. libgcc's
   // "avx2" check includes the OS saving YMM state (XGETBV).
   static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
-                           __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt") &&
-                           __builtin_cpu_supports("lzcnt");
+                           __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
   return have;
 }
 

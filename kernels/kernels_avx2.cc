@@ -1,5 +1,5 @@
 // AVX2 versions of the compare/scatter/gather kernels. This file alone is compiled with
-// -mavx2 -mbmi -mbmi2 -mpopcnt -mlzcnt; kernels.cc calls into it only when HaveAvx2().
+// -mavx2 -mbmi -mbmi2 -mpopcnt; kernels.cc calls into it only when HaveAvx2().
 //
 // Keep everything here in internal linkage and free of inline library templates
 // (std::min, containers, ...): an inline function instantiated in this file carries AVX2
