@@ -44,13 +44,18 @@ int ChooseRiceK(std::span<const uint32_t> gaps) {
     }
     if (cost < guess_cost) guess_cost = cost, guess = k;
   }
-  int best_k = guess;
-  uint64_t best_cost = ~uint64_t{0};
-  for (int k = std::max(0, guess - 1); k <= std::min(kMaxRiceK, guess + 1); ++k) {
-    uint64_t cost = RiceCost(gaps, k);
-    if (cost < best_cost) best_cost = cost, best_k = k;
+  // Exact prices of guess - 1, guess, guess + 1 in one pass over the gaps.
+  const int k0 = std::clamp(guess - 1, 0, kMaxRiceK - 2);
+  uint64_t cost[3] = {0, 0, 0};
+  for (uint32_t g : gaps) {
+    for (int j = 0; j < 3; ++j) {
+      const uint64_t q = g >> (k0 + j);
+      cost[j] += q < kRiceEscapeQuotient ? q + 1 + k0 + j
+                                         : kRiceEscapeQuotient + 1 + 6 + BitLength(uint64_t{g} | 1);
+    }
   }
-  return best_k;
+  const int j = static_cast<int>(std::min_element(cost, cost + 3) - cost);
+  return k0 + j;
 }
 
 void RiceEncode(std::span<const uint32_t> gaps, int k, std::vector<uint8_t>* out) {
@@ -110,7 +115,6 @@ Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uin
                      std::to_string(position) + " is past the chunk's " + std::to_string(limit) +
                      " words");
     }
-    if (r.overrun()) break;
     positions[i] = static_cast<uint32_t>(position);
   }
   if (r.overrun()) return Corrupt("index stream is truncated");
@@ -148,10 +152,6 @@ std::vector<uint32_t> NormalizeFrequencies(std::span<const uint64_t> counts) {
 
 namespace {
 
-struct SymbolInfo {
-  uint32_t freq = 0;
-  uint32_t start = 0;
-};
 
 void PutExtraBits(BitWriter& extra, uint64_t z) {
   if (z <= 16) return;
@@ -162,42 +162,74 @@ void PutExtraBits(BitWriter& extra, uint64_t z) {
 }  // namespace
 
 void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
+  // One pass for symbols and their histogram.
+  thread_local std::vector<uint8_t> symbols;
+  symbols.resize(z.size());
   uint64_t counts[kNumValueSymbols] = {};
-  for (uint64_t v : z) ++counts[ValueSymbol(v)];
+  bool any_extra = false;
+  for (size_t i = 0; i < z.size(); ++i) {
+    const int sym = ValueSymbol(z[i]);
+    symbols[i] = static_cast<uint8_t>(sym);
+    ++counts[sym];
+    any_extra |= sym >= 16;
+  }
   std::vector<uint32_t> freq = NormalizeFrequencies(counts);
-  SymbolInfo info[kNumValueSymbols];
+  // Per symbol: start, frequency, and a reciprocal so that x / freq is a multiply:
+  // floor(x / f) == (x * ceil(2^43 / f)) >> 43 for every x < 2^31 and f <= 2^12.
+  struct EncSymbol {
+    uint32_t freq = 0;
+    uint32_t start = 0;
+    uint64_t reciprocal = 0;
+    uint32_t x_max = 0;
+  } enc[kNumValueSymbols];
   uint32_t start = 0;
   int used = 0;
-  for (int s = 0; s < kNumValueSymbols; ++s) {
-    info[s] = {freq[s], start};
-    start += freq[s];
-    used += freq[s] > 0;
+  for (int sym = 0; sym < kNumValueSymbols; ++sym) {
+    if (freq[sym]) {
+      enc[sym] = {freq[sym], start, ((uint64_t{1} << 43) + freq[sym] - 1) / freq[sym],
+                  ((kRansLow >> kRansScaleBits) << 8) * freq[sym]};
+    }
+    start += freq[sym];
+    used += freq[sym] > 0;
   }
   wire::PutU8(out, static_cast<uint8_t>(used));
-  for (int s = 0; s < kNumValueSymbols; ++s) {
-    if (freq[s] == 0) continue;
-    wire::PutU8(out, static_cast<uint8_t>(s));
-    wire::PutVarint(out, freq[s]);
+  for (int sym = 0; sym < kNumValueSymbols; ++sym) {
+    if (freq[sym] == 0) continue;
+    wire::PutU8(out, static_cast<uint8_t>(sym));
+    wire::PutVarint(out, freq[sym]);
   }
-  // rANS runs backwards; bytes are produced in reverse decode order.
-  std::vector<uint8_t> reversed;
+  // Two interleaved states (value i uses state i & 1). rANS runs backwards: bytes come
+  // out in reverse decoding order and are flipped at the end.
+  thread_local std::vector<uint8_t> reversed;
+  reversed.clear();
   reversed.reserve(z.size() / 2 + 16);
-  uint32_t x = kRansLow;
-  for (size_t i = z.size(); i-- > 0;) {
-    const SymbolInfo& si = info[ValueSymbol(z[i])];
-    uint64_t x_max = static_cast<uint64_t>((kRansLow >> kRansScaleBits) << 8) * si.freq;
-    while (x >= x_max) {
-      reversed.push_back(static_cast<uint8_t>(x));
-      x >>= 8;
+  uint32_t x0 = kRansLow, x1 = kRansLow;
+  auto put = [&](uint32_t& state, uint8_t symbol) {
+    const EncSymbol& e = enc[symbol];
+    while (state >= e.x_max) {
+      reversed.push_back(static_cast<uint8_t>(state));
+      state >>= 8;
     }
-    x = ((x / si.freq) << kRansScaleBits) + (x % si.freq) + si.start;
+    const uint32_t q = static_cast<uint32_t>((static_cast<unsigned __int128>(state) * e.reciprocal) >> 43);
+    state = (q << kRansScaleBits) + (state - q * e.freq) + e.start;
+  };
+  size_t i = z.size();
+  if (i & 1) --i, put(x0, symbols[i]);
+  while (i > 0) {
+    put(x1, symbols[i - 1]);
+    put(x0, symbols[i - 2]);
+    i -= 2;
   }
-  wire::PutVarint(out, reversed.size() + 4);
-  wire::PutFixed(out, x, 4);
+  const uint32_t x[2] = {x0, x1};
+  wire::PutVarint(out, reversed.size() + 8);
+  wire::PutFixed(out, x[0], 4);
+  wire::PutFixed(out, x[1], 4);
   out->insert(out->end(), reversed.rbegin(), reversed.rend());
-  BitWriter extra(out);
-  for (uint64_t v : z) PutExtraBits(extra, v);
-  extra.Flush();
+  if (any_extra) {
+    BitWriter extra(out);
+    for (uint64_t v : z) PutExtraBits(extra, v);
+    extra.Flush();
+  }
 }
 
 void EncodeValuesGamma(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
@@ -237,55 +269,87 @@ Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
   if (r.failed() || used < 1 || used > kNumValueSymbols) {
     return Corrupt("value stream: bad symbol count " + std::to_string(used));
   }
-  SymbolInfo info[kNumValueSymbols];
+  // One table entry per slot, so a decoding step is a single load:
+  // x' = freq * (x >> 12) + (slot - start).
+  struct Slot {
+    uint16_t freq;
+    uint16_t bias;
+    uint8_t symbol;
+  };
+  thread_local Slot slots[kRansScale];
   uint32_t start = 0;
   int previous = -1;
   for (int i = 0; i < used; ++i) {
-    int s = r.U8();
+    int sym = r.U8();
     uint64_t f = r.Varint();
     if (r.failed()) return Corrupt("value stream: truncated frequency table");
-    if (s <= previous || s >= kNumValueSymbols || f == 0 || f > kRansScale - start) {
+    if (sym <= previous || sym >= kNumValueSymbols || f == 0 || f > kRansScale - start) {
       return Corrupt("value stream: malformed frequency table entry " + std::to_string(i));
     }
-    info[s] = {static_cast<uint32_t>(f), start};
+    for (uint32_t k = 0; k < f; ++k) {
+      slots[start + k] = {static_cast<uint16_t>(f), static_cast<uint16_t>(k), static_cast<uint8_t>(sym)};
+    }
     start += static_cast<uint32_t>(f);
-    previous = s;
+    previous = sym;
   }
   if (start != kRansScale) return Corrupt("value stream: frequencies do not sum to 4096");
-  uint8_t slot_symbol[kRansScale];
-  for (int s = 0; s < kNumValueSymbols; ++s) {
-    if (info[s].freq) std::memset(slot_symbol + info[s].start, s, info[s].freq);
-  }
   uint64_t rans_bytes = r.Varint();
-  if (r.failed() || rans_bytes < 4 || rans_bytes > r.remaining()) {
+  if (r.failed() || rans_bytes < 8 || rans_bytes > r.remaining()) {
     return Corrupt("value stream: rANS length out of bounds");
   }
   std::span<const uint8_t> rans = r.Bytes(rans_bytes);
-  BitReader extra(r.Rest());
-  uint32_t x = static_cast<uint32_t>(wire::LoadFixed(rans.data(), 4));
-  size_t pos = 4;
-  for (size_t i = 0; i < count; ++i) {
-    uint32_t slot = x & (kRansScale - 1);
-    int s = slot_symbol[slot];
-    const SymbolInfo& si = info[s];
-    x = si.freq * (x >> kRansScaleBits) + slot - si.start;
-    while (x < kRansLow) {
-      if (pos >= rans.size()) return Corrupt("value stream: rANS data truncated");
-      x = (x << 8) | rans[pos++];
+  std::span<const uint8_t> extra_bytes = r.Rest();
+  uint32_t x0 = static_cast<uint32_t>(wire::LoadFixed(rans.data(), 4));
+  uint32_t x1 = static_cast<uint32_t>(wire::LoadFixed(rans.data() + 4, 4));
+  const uint8_t* p = rans.data() + 8;
+  const uint8_t* const end = rans.data() + rans.size();
+  const Slot* table = slots;
+  bool malformed = false;
+  uint8_t symbol_or = 0;
+  // One decoding step; a valid state needs at most two renormalisation bytes
+  // (x >= 2^23 gives freq * (x >> 12) >= 2^11).
+  auto step = [&](uint32_t& state) -> uint8_t {
+    const Slot e = table[state & (kRansScale - 1)];
+    state = e.freq * (state >> kRansScaleBits) + e.bias;
+    if (state < kRansLow) {
+      if (end - p >= 2 && state >= (kRansLow >> 16)) {
+        state = (state << 8) | *p++;
+        if (state < kRansLow) state = (state << 8) | *p++;
+      } else {
+        while (state < kRansLow && p < end) state = (state << 8) | *p++;
+        malformed |= state < kRansLow;
+      }
     }
-    uint64_t v;
-    if (s < 16) {
-      v = static_cast<uint64_t>(s) + 1;
-    } else {
-      int length = s - 16 + 5;
-      v = (uint64_t{1} << (length - 1)) | extra.GetWide(length - 1);
-    }
-    z[i] = v;
+    return e.symbol;
+  };
+  size_t i = 0;
+  for (; i + 2 <= count; i += 2) {
+    const uint8_t s0 = step(x0);
+    const uint8_t s1 = step(x1);
+    z[i] = s0 + 1u;
+    z[i + 1] = s1 + 1u;
+    symbol_or |= s0 | s1;
   }
-  if (x != kRansLow || pos != rans.size()) {
+  if (i < count) {
+    const uint8_t s0 = step(x0);
+    z[i] = s0 + 1u;
+    symbol_or |= s0;
+  }
+  if (malformed) return Corrupt("value stream: rANS data truncated");
+  if (x0 != kRansLow || x1 != kRansLow || p != end) {
     return Corrupt("value stream: rANS final state does not check out");
   }
-  if (extra.overrun()) return Corrupt("value stream: extra bits truncated");
+  const bool any_extra = symbol_or >= 16;
+  if (any_extra) {
+    // Symbols >= 16 carry L - 1 extra bits: rebuild their values from the extra stream.
+    BitReader extra(extra_bytes);
+    for (size_t i = 0; i < count; ++i) {
+      if (z[i] <= 16) continue;
+      const int length = static_cast<int>(z[i]) - 1 - 16 + 5;
+      z[i] = (uint64_t{1} << (length - 1)) | extra.GetWide(length - 1);
+    }
+    if (extra.overrun()) return Corrupt("value stream: extra bits truncated");
+  }
   return Status::Ok();
 }
 

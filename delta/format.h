@@ -52,10 +52,12 @@
 //       z = (d << 1) ^ (d >> 63) >= 1. Symbol s = z - 1 for z <= 16, else 16 + L - 5 with
 //       L = bit length of z, followed by the L - 1 low bits of z as extra bits.
 //     rANS value stream: u8 S (used symbols, 1..76), S x (u8 symbol ascending, varint
-//       frequency >= 1) summing to 4096; varint R, R bytes of rANS data (u32 LE final
-//       encoder state, then renormalisation bytes in decoding order; 32-bit state, lower
-//       bound 2^23, 12-bit frequencies; decoding must end in state 2^23 having read all R
-//       bytes); then the extra bits of all values in order, LSB-first.
+//       frequency >= 1) summing to 4096; varint R, R bytes of rANS data: two interleaved
+//       rANS coders (value i uses coder i & 1; 32-bit states, lower bound 2^23, 12-bit
+//       frequencies, byte-wise renormalisation), their final encoder states as u32 LE
+//       (coder 0 first), then the renormalisation bytes in decoding order; decoding must
+//       end with both states at 2^23 having read all R bytes. Then the extra bits of all
+//       values in order, LSB-first.
 //     Elias-gamma value stream: per value, L - 1 zero bits, a one bit, the L - 1 low bits
 //       of z, LSB-first.
 #pragma once
