@@ -314,7 +314,8 @@ EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base,
     e.compressor = compressed ? options.compressor : Compressor::kNone;
     e.raw_bytes = raw.size();
     e.payload_bytes = stored;
-    out.payload = compressed ? packed : raw;
+    // Take the buffer instead of copying it; the scratch vector gets the old one back.
+    out.payload.swap(compressed ? packed : raw);
   };
 
   if (keyframe) {
@@ -335,6 +336,7 @@ EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base,
       for (size_t i = 0; i < dense_bytes; ++i) s.words_a[i] = t[i] ^ b[i];
       Shuffle(s.words_a.data(), n, w, s.raw2.data());
       choose(ChunkKind::kDenseXor, s.raw2, s.packed2);
+      s.raw2.resize(dense_bytes);  // choose() may have swapped the buffer out
       Shuffle(t, n, w, s.raw2.data());
       choose(ChunkKind::kLiteral, s.raw2, s.packed2);
     }
