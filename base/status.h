@@ -15,14 +15,14 @@ namespace flywheel {
 
 enum class StatusCode {
   kOk = 0,
-  kInvalidArgument,  // the caller passed something unusable (flags, shapes, options)
-  kCorruption,       // input bytes violate the format (checksums, bounds, structure)
-  kNotFound,         // a named file, tensor or version does not exist
-  kIOError,          // the operating system refused a read/write/map/rename
-  kMismatch,         // well-formed input that does not fit (wrong base, other shapes)
-  kResourceExhausted,// a size limit would be exceeded
-  kUnavailable,      // a device or peer is not there (e.g. no CUDA device)
-  kInternal,         // a bug: an invariant did not hold
+  kInvalidArgument,    // the caller passed something unusable (flags, shapes, options)
+  kCorruption,         // input bytes violate the format (checksums, bounds, structure)
+  kNotFound,           // a named file, tensor or version does not exist
+  kIOError,            // the operating system refused a read/write/map/rename
+  kMismatch,           // well-formed input that does not fit (wrong base, other shapes)
+  kResourceExhausted,  // a size limit would be exceeded
+  kUnavailable,        // a device or peer is not there (e.g. no CUDA device)
+  kInternal,           // a bug: an invariant did not hold
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -33,7 +33,9 @@ class [[nodiscard]] Status {
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
 
   static Status Ok() { return Status(); }
-  static Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+  static Status InvalidArgument(std::string m) {
+    return {StatusCode::kInvalidArgument, std::move(m)};
+  }
   static Status Corruption(std::string m) { return {StatusCode::kCorruption, std::move(m)}; }
   static Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
   static Status IOError(std::string m) { return {StatusCode::kIOError, std::move(m)}; }
@@ -65,15 +67,24 @@ class [[nodiscard]] Status {
 
 inline const char* StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "invalid argument";
-    case StatusCode::kCorruption: return "corruption";
-    case StatusCode::kNotFound: return "not found";
-    case StatusCode::kIOError: return "I/O error";
-    case StatusCode::kMismatch: return "mismatch";
-    case StatusCode::kResourceExhausted: return "resource exhausted";
-    case StatusCode::kUnavailable: return "unavailable";
-    case StatusCode::kInternal: return "internal error";
+    case StatusCode::kOk:
+      return "OK";
+    case StatusCode::kInvalidArgument:
+      return "invalid argument";
+    case StatusCode::kCorruption:
+      return "corruption";
+    case StatusCode::kNotFound:
+      return "not found";
+    case StatusCode::kIOError:
+      return "I/O error";
+    case StatusCode::kMismatch:
+      return "mismatch";
+    case StatusCode::kResourceExhausted:
+      return "resource exhausted";
+    case StatusCode::kUnavailable:
+      return "unavailable";
+    case StatusCode::kInternal:
+      return "internal error";
   }
   return "unknown";
 }
@@ -82,8 +93,8 @@ inline const char* StatusCodeName(StatusCode code) {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}            // NOLINT: implicit by design
-  Result(Status status) : v_(std::move(status)) {      // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}        // NOLINT: implicit by design
+  Result(Status status) : v_(std::move(status)) {  // NOLINT: implicit by design
     assert(!std::get<Status>(v_).ok() && "Result constructed from an OK status");
   }
 
@@ -108,16 +119,17 @@ class [[nodiscard]] Result {
 }  // namespace flywheel
 
 // Propagates a non-OK Status out of the enclosing function.
-#define FW_RETURN_IF_ERROR(expr)              \
-  do {                                        \
-    ::flywheel::Status fw_status_ = (expr);   \
-    if (!fw_status_.ok()) return fw_status_;  \
+#define FW_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::flywheel::Status fw_status_ = (expr);  \
+    if (!fw_status_.ok()) return fw_status_; \
   } while (0)
 
 #define FW_CONCAT_INNER(a, b) a##b
 #define FW_CONCAT(a, b) FW_CONCAT_INNER(a, b)
 // Declares `lhs` from a Result<T>, or returns its Status.
-#define FW_ASSIGN_OR_RETURN(lhs, expr) FW_ASSIGN_OR_RETURN_IMPL(FW_CONCAT(fw_result_, __LINE__), lhs, expr)
+#define FW_ASSIGN_OR_RETURN(lhs, expr) \
+  FW_ASSIGN_OR_RETURN_IMPL(FW_CONCAT(fw_result_, __LINE__), lhs, expr)
 #define FW_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
   auto tmp = (expr);                             \
   if (!tmp.ok()) return tmp.status();            \

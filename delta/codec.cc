@@ -20,9 +20,12 @@ namespace flywheel::delta {
 
 const char* CompressorName(Compressor compressor) {
   switch (compressor) {
-    case Compressor::kNone: return "none";
-    case Compressor::kZstd: return "zstd";
-    case Compressor::kLz4: return "lz4";
+    case Compressor::kNone:
+      return "none";
+    case Compressor::kZstd:
+      return "zstd";
+    case Compressor::kLz4:
+      return "lz4";
   }
   return "?";
 }
@@ -37,9 +40,12 @@ Result<Compressor> ParseCompressor(std::string_view name) {
 
 const char* ChunkKindName(ChunkKind kind) {
   switch (kind) {
-    case ChunkKind::kSparse: return "sparse";
-    case ChunkKind::kDenseXor: return "dense-xor";
-    case ChunkKind::kLiteral: return "literal";
+    case ChunkKind::kSparse:
+      return "sparse";
+    case ChunkKind::kDenseXor:
+      return "dense-xor";
+    case ChunkKind::kLiteral:
+      return "literal";
   }
   return "?";
 }
@@ -64,9 +70,13 @@ namespace {
 
 using ByteVec = std::vector<uint8_t>;
 
-std::string Quote(const std::string& name) { return "'" + name + "'"; }
+std::string Quote(const std::string& name) {
+  return "'" + name + "'";
+}
 
-uint64_t Checksum(std::span<const uint8_t> bytes) { return HashBytes64(std::as_bytes(bytes)); }
+uint64_t Checksum(std::span<const uint8_t> bytes) {
+  return HashBytes64(std::as_bytes(bytes));
+}
 
 // Fuzzing builds (tests/fuzz/clang) skip checksum comparisons so that mutated inputs reach
 // the manifest parser and the chunk decoders instead of stopping at the first checksum.
@@ -79,8 +89,12 @@ bool ChecksumMismatch(uint64_t stored, std::span<const uint8_t> bytes) {
   return kVerifyChecksums && stored != Checksum(bytes);
 }
 
-const uint8_t* U8(std::span<const std::byte> s) { return reinterpret_cast<const uint8_t*>(s.data()); }
-uint8_t* U8(std::span<std::byte> s) { return reinterpret_cast<uint8_t*>(s.data()); }
+const uint8_t* U8(std::span<const std::byte> s) {
+  return reinterpret_cast<const uint8_t*>(s.data());
+}
+uint8_t* U8(std::span<std::byte> s) {
+  return reinterpret_cast<uint8_t*>(s.data());
+}
 
 // ---- byte-plane shuffle -------------------------------------------------------------
 
@@ -130,8 +144,8 @@ bool Compress(Compressor compressor, int zstd_level, const ByteVec& raw, ByteVec
   if (compressor == Compressor::kZstd) {
     ZSTD_CCtx* cctx = ThreadZstd().Compressor();
     out->resize(ZSTD_compressBound(raw.size()));
-    size_t n = ZSTD_compressCCtx(cctx, out->data(), out->size(), raw.data(), raw.size(),
-                                 zstd_level);
+    size_t n =
+        ZSTD_compressCCtx(cctx, out->data(), out->size(), raw.data(), raw.size(), zstd_level);
     if (ZSTD_isError(n) || n >= raw.size()) return out->clear(), false;
     out->resize(n);
     return true;
@@ -183,11 +197,28 @@ Status Decompress(Compressor compressor, std::span<const uint8_t> stored, uint64
 
 // ---- word arithmetic ----------------------------------------------------------------
 
-template <int W> struct WordOf;
-template <> struct WordOf<1> { using U = uint8_t; using S = int8_t; };
-template <> struct WordOf<2> { using U = uint16_t; using S = int16_t; };
-template <> struct WordOf<4> { using U = uint32_t; using S = int32_t; };
-template <> struct WordOf<8> { using U = uint64_t; using S = int64_t; };
+template <int W>
+struct WordOf;
+template <>
+struct WordOf<1> {
+  using U = uint8_t;
+  using S = int8_t;
+};
+template <>
+struct WordOf<2> {
+  using U = uint16_t;
+  using S = int16_t;
+};
+template <>
+struct WordOf<4> {
+  using U = uint32_t;
+  using S = int32_t;
+};
+template <>
+struct WordOf<8> {
+  using U = uint64_t;
+  using S = int64_t;
+};
 
 // z[i] = zigzag(target[i] - base[i]) over gathered words.
 template <int W>
@@ -204,10 +235,14 @@ void ZigZagDiffs(const uint8_t* base_words, const uint8_t* target_words, size_t 
 
 void ZigZagDiffsW(int w, const uint8_t* b, const uint8_t* t, size_t m, uint64_t* z) {
   switch (w) {
-    case 1: return ZigZagDiffs<1>(b, t, m, z);
-    case 2: return ZigZagDiffs<2>(b, t, m, z);
-    case 4: return ZigZagDiffs<4>(b, t, m, z);
-    default: return ZigZagDiffs<8>(b, t, m, z);
+    case 1:
+      return ZigZagDiffs<1>(b, t, m, z);
+    case 2:
+      return ZigZagDiffs<2>(b, t, m, z);
+    case 4:
+      return ZigZagDiffs<4>(b, t, m, z);
+    default:
+      return ZigZagDiffs<8>(b, t, m, z);
   }
 }
 // Per-thread scratch reused across chunks.
@@ -290,8 +325,8 @@ void BuildSparseRaw(int w, size_t m, Scratch& s, ByteVec* raw) {
   wire::PutBytes(raw, values);
 }
 
-EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base,
-                         const uint8_t* target, const EncodeOptions& options, bool keyframe) {
+EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base, const uint8_t* target,
+                         const EncodeOptions& options, bool keyframe) {
   Scratch& s = ThreadScratch();
   EncodedChunk out;
   ChunkEntry& e = out.entry;
@@ -349,8 +384,8 @@ Status ValidateView(const TensorView& t, const char* role) {
   FW_ASSIGN_OR_RETURN(uint64_t bytes, TensorByteSize(t.dtype, t.shape));
   if (bytes != t.data.size()) {
     return Status::InvalidArgument(std::string(role) + " tensor " + Quote(t.name) + " has " +
-                                   std::to_string(t.data.size()) + " bytes, its dtype and shape need " +
-                                   std::to_string(bytes));
+                                   std::to_string(t.data.size()) +
+                                   " bytes, its dtype and shape need " + std::to_string(bytes));
   }
   return Status::Ok();
 }
@@ -360,9 +395,9 @@ Result<std::vector<Hash128>> HashesOrCompute(const CheckpointView& view,
                                              const char* role) {
   if (!given.empty()) {
     if (given.size() != view.size()) {
-      return Status::InvalidArgument(std::string(role) + " tensor hashes: " +
-                                     std::to_string(given.size()) + " given for " +
-                                     std::to_string(view.size()) + " tensors");
+      return Status::InvalidArgument(std::string(role) +
+                                     " tensor hashes: " + std::to_string(given.size()) +
+                                     " given for " + std::to_string(view.size()) + " tensors");
     }
     return given;
   }
@@ -371,7 +406,8 @@ Result<std::vector<Hash128>> HashesOrCompute(const CheckpointView& view,
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t c) { return view[a].data.size() > view[c].data.size(); });
-  ParallelFor(order.size(), threads, [&](size_t k) { hashes[order[k]] = TensorHash(view[order[k]]); });
+  ParallelFor(order.size(), threads,
+              [&](size_t k) { hashes[order[k]] = TensorHash(view[order[k]]); });
   return hashes;
 }
 
@@ -400,7 +436,8 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
   std::unordered_map<std::string, size_t> target_index;
   for (size_t i = 0; i < target.size(); ++i) {
     FW_RETURN_IF_ERROR(ValidateView(target[i], "target"));
-    if (target[i].name.empty()) return Status::InvalidArgument("target has a tensor with an empty name");
+    if (target[i].name.empty())
+      return Status::InvalidArgument("target has a tensor with an empty name");
     if (!target_index.emplace(target[i].name, i).second) {
       return Status::InvalidArgument("target has two tensors named " + Quote(target[i].name));
     }
@@ -420,7 +457,8 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
       if (it == target_index.end()) {
         return Status::Mismatch("base tensor " + Quote(bt.name) + " is not in the target");
       }
-      if (seen[it->second]) return Status::InvalidArgument("base has two tensors named " + Quote(bt.name));
+      if (seen[it->second])
+        return Status::InvalidArgument("base has two tensors named " + Quote(bt.name));
       seen[it->second] = true;
       const TensorView& tt = target[it->second];
       if (bt.dtype != tt.dtype || bt.shape != tt.shape) {
@@ -432,13 +470,15 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
   }
 
   // Hashes (given or computed); base hashes given index-aligned with `base`.
-  FW_ASSIGN_OR_RETURN(std::vector<Hash128> target_hashes,
-                      HashesOrCompute(target, options.target_tensor_hashes, options.threads, "target"));
+  FW_ASSIGN_OR_RETURN(
+      std::vector<Hash128> target_hashes,
+      HashesOrCompute(target, options.target_tensor_hashes, options.threads, "target"));
   std::vector<Hash128> base_hashes(target.size());
   Hash128 base_hash;
   if (!keyframe) {
-    FW_ASSIGN_OR_RETURN(std::vector<Hash128> given,
-                        HashesOrCompute(*base, options.base_tensor_hashes, options.threads, "base"));
+    FW_ASSIGN_OR_RETURN(
+        std::vector<Hash128> given,
+        HashesOrCompute(*base, options.base_tensor_hashes, options.threads, "base"));
     for (size_t i = 0; i < base->size(); ++i) base_hashes[target_index[(*base)[i].name]] = given[i];
     FW_ASSIGN_OR_RETURN(base_hash, CheckpointHashFromTensorHashes(*base, given));
   }
@@ -453,7 +493,7 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
     const uint64_t chunk_words = std::max<uint64_t>(1, options.chunk_bytes / w);
     // Unchanged tensors (equal hashes) need no comparison at all.
     if (!keyframe && base_hashes[i] == target_hashes[i] &&
-        std::memcmp(base_aligned[i].data.data(), target[i].data.data(), target[i].data.size()) == 0) {
+        std::ranges::equal(base_aligned[i].data, target[i].data)) {
       continue;
     }
     for (uint64_t begin = 0; begin < words; begin += chunk_words) {
@@ -533,7 +573,8 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
   try {
     out.resize(header.size() + manifest.size() + payload_bytes);
   } catch (const std::bad_alloc&) {
-    return Status::ResourceExhausted("cannot allocate " + std::to_string(out.size()) + " bytes for the delta");
+    return Status::ResourceExhausted("cannot allocate " + std::to_string(out.size()) +
+                                     " bytes for the delta");
   }
   uint8_t* p = reinterpret_cast<uint8_t*>(out.data());
   std::memcpy(p, header.data(), header.size());
@@ -614,7 +655,8 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
   m.base_hash = get_hash();
   m.target_hash = get_hash();
   if (r.failed()) return truncated("the version fields");
-  if (m.keyframe && m.base_hash != Hash128{}) return Status::Corruption("keyframe names a base hash");
+  if (m.keyframe && m.base_hash != Hash128{})
+    return Status::Corruption("keyframe names a base hash");
   uint64_t metadata_count = r.Varint();
   uint64_t metadata_bytes = 0;
   for (uint64_t i = 0; i < metadata_count && !r.failed(); ++i) {
@@ -628,7 +670,9 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
       return Status::ResourceExhausted("delta metadata exceeds " +
                                        std::to_string(limits.max_metadata_bytes) + " bytes");
     }
-    if (!m.metadata.emplace(std::string(key.begin(), key.end()), std::string(value.begin(), value.end())).second) {
+    if (!m.metadata
+             .emplace(std::string(key.begin(), key.end()), std::string(value.begin(), value.end()))
+             .second) {
       return Status::Corruption("delta metadata has a duplicate key");
     }
   }
@@ -655,15 +699,18 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
     if (r.failed()) return truncated("tensor " + std::to_string(i));
     t.name.assign(name.begin(), name.end());
     if (dtype >= kNumDTypes) {
-      return Status::Corruption("delta tensor " + Quote(t.name) + " has unknown dtype " + std::to_string(dtype));
+      return Status::Corruption("delta tensor " + Quote(t.name) + " has unknown dtype " +
+                                std::to_string(dtype));
     }
     t.dtype = static_cast<DType>(dtype);
     if (rank > format::kMaxRank) {
-      return Status::Corruption("delta tensor " + Quote(t.name) + " has rank " + std::to_string(rank));
+      return Status::Corruption("delta tensor " + Quote(t.name) + " has rank " +
+                                std::to_string(rank));
     }
     for (uint64_t d = 0; d < rank; ++d) {
       uint64_t dim = r.Varint();
-      if (dim > (uint64_t{1} << 62)) return Status::Corruption("delta tensor " + Quote(t.name) + " has a huge dimension");
+      if (dim > (uint64_t{1} << 62))
+        return Status::Corruption("delta tensor " + Quote(t.name) + " has a huge dimension");
       t.shape.push_back(static_cast<int64_t>(dim));
     }
     t.base_hash = get_hash();
@@ -672,23 +719,27 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
     uint64_t chunks = r.Varint();
     if (r.failed()) return truncated("tensor " + Quote(t.name));
     auto bytes = TensorByteSize(t.dtype, t.shape);
-    if (!bytes.ok()) return Status::Corruption("delta tensor " + Quote(t.name) + ": " + bytes.status().message());
+    if (!bytes.ok())
+      return Status::Corruption("delta tensor " + Quote(t.name) + ": " + bytes.status().message());
     t.byte_size = *bytes;
     const uint64_t words = t.byte_size / DTypeWordBytes(t.dtype);
     if (t.changed_words > words || chunks > words || chunks > limits.max_chunks) {
       return Status::Corruption("delta tensor " + Quote(t.name) + " declares " +
                                 std::to_string(t.changed_words) + " changed words in " +
-                                std::to_string(chunks) + " chunks but has " + std::to_string(words) + " words");
+                                std::to_string(chunks) + " chunks but has " +
+                                std::to_string(words) + " words");
     }
     if (m.keyframe && t.base_hash != Hash128{}) {
       return Status::Corruption("keyframe tensor " + Quote(t.name) + " names a base hash");
     }
-    if (!names.emplace(t.name, i).second) return Status::Corruption("delta names tensor " + Quote(t.name) + " twice");
+    if (!names.emplace(t.name, i).second)
+      return Status::Corruption("delta names tensor " + Quote(t.name) + " twice");
     t.first_chunk = static_cast<uint32_t>(declared_chunks);
     t.chunk_count = static_cast<uint32_t>(chunks);
     declared_chunks += chunks;
     if (declared_chunks > limits.max_chunks) {
-      return Status::ResourceExhausted("delta declares more than " + std::to_string(limits.max_chunks) + " chunks");
+      return Status::ResourceExhausted("delta declares more than " +
+                                       std::to_string(limits.max_chunks) + " chunks");
     }
     m.tensors.push_back(std::move(t));
   }
@@ -715,35 +766,42 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
       e.raw_bytes = r.Varint();
       e.payload_bytes = r.Varint();
       e.checksum = r.Fixed(8);
-      std::string where = "chunk " + std::to_string(m.chunks.size()) + " (tensor " + Quote(t.name) + ")";
+      std::string where =
+          "chunk " + std::to_string(m.chunks.size()) + " (tensor " + Quote(t.name) + ")";
       if (r.failed()) return truncated(where);
-      if (kind > 2 || compressor > 2) return Status::Corruption(where + " has unknown kind or compressor");
+      if (kind > 2 || compressor > 2)
+        return Status::Corruption(where + " has unknown kind or compressor");
       e.kind = static_cast<ChunkKind>(kind);
       e.compressor = static_cast<Compressor>(compressor);
       if (e.word_count == 0 || e.word_begin < next_free || e.word_begin > words ||
           e.word_count > words - e.word_begin) {
         return Status::Corruption(where + " covers words [" + std::to_string(e.word_begin) + ", +" +
-                                  std::to_string(e.word_count) + ") outside or overlapping the tensor's " +
-                                  std::to_string(words) + " words");
+                                  std::to_string(e.word_count) +
+                                  ") outside or overlapping the tensor's " + std::to_string(words) +
+                                  " words");
       }
-      if (e.word_count > (uint64_t{1} << 32)) return Status::Corruption(where + " is larger than 2^32 words");
+      if (e.word_count > (uint64_t{1} << 32))
+        return Status::Corruption(where + " is larger than 2^32 words");
       next_free = e.word_begin + e.word_count;
       covered += e.word_count;
       const uint64_t dense = e.word_count * w;
-      if (e.changed_words > e.word_count || (e.kind == ChunkKind::kSparse && e.changed_words == 0)) {
-        return Status::Corruption(where + " declares " + std::to_string(e.changed_words) + " changed words of " +
-                                  std::to_string(e.word_count));
+      if (e.changed_words > e.word_count ||
+          (e.kind == ChunkKind::kSparse && e.changed_words == 0)) {
+        return Status::Corruption(where + " declares " + std::to_string(e.changed_words) +
+                                  " changed words of " + std::to_string(e.word_count));
       }
       if (e.kind != ChunkKind::kSparse && e.raw_bytes != dense) {
-        return Status::Corruption(where + " is dense but its raw size " + std::to_string(e.raw_bytes) +
-                                  " is not " + std::to_string(dense));
+        return Status::Corruption(where + " is dense but its raw size " +
+                                  std::to_string(e.raw_bytes) + " is not " + std::to_string(dense));
       }
       // A sparse chunk costs at most ~11 bytes per change (escape gap + 64-bit value).
       if (e.kind == ChunkKind::kSparse && e.raw_bytes > 64 + 24 * e.changed_words + 4 * 77) {
-        return Status::Corruption(where + " declares an implausible raw size " + std::to_string(e.raw_bytes));
+        return Status::Corruption(where + " declares an implausible raw size " +
+                                  std::to_string(e.raw_bytes));
       }
       if (e.raw_bytes > limits.max_chunk_raw_bytes) {
-        return Status::ResourceExhausted(where + " raw size " + std::to_string(e.raw_bytes) + " exceeds the limit");
+        return Status::ResourceExhausted(where + " raw size " + std::to_string(e.raw_bytes) +
+                                         " exceeds the limit");
       }
       if ((e.compressor == Compressor::kNone) != (e.payload_bytes == e.raw_bytes) &&
           e.compressor == Compressor::kNone) {
@@ -761,18 +819,21 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
       m.chunks.push_back(e);
     }
     if (changed_sum != t.changed_words) {
-      return Status::Corruption("delta tensor " + Quote(t.name) + " declares " + std::to_string(t.changed_words) +
-                                " changed words, its chunks " + std::to_string(changed_sum));
+      return Status::Corruption("delta tensor " + Quote(t.name) + " declares " +
+                                std::to_string(t.changed_words) + " changed words, its chunks " +
+                                std::to_string(changed_sum));
     }
     if (m.keyframe && covered != words) {
       return Status::Corruption("keyframe does not cover every word of tensor " + Quote(t.name));
     }
     if (!m.keyframe && t.chunk_count == 0 && t.base_hash != t.target_hash) {
-      return Status::Corruption("delta tensor " + Quote(t.name) + " has no chunks but different base and target hashes");
+      return Status::Corruption("delta tensor " + Quote(t.name) +
+                                " has no chunks but different base and target hashes");
     }
   }
   if (r.remaining() != 0) {
-    return Status::Corruption("delta manifest has " + std::to_string(r.remaining()) + " trailing bytes");
+    return Status::Corruption("delta manifest has " + std::to_string(r.remaining()) +
+                              " trailing bytes");
   }
   if (payload_offset != payload_bytes) {
     return Status::Corruption("delta chunks account for " + std::to_string(payload_offset) +
@@ -805,7 +866,8 @@ struct UndoRecord {
 std::string ChunkName(const Manifest& m, size_t index) {
   const ChunkEntry& e = m.chunks[index];
   return "chunk " + std::to_string(index) + " (tensor " + Quote(m.tensors[e.tensor_index].name) +
-         ", words " + std::to_string(e.word_begin) + ".." + std::to_string(e.word_begin + e.word_count) + ")";
+         ", words " + std::to_string(e.word_begin) + ".." +
+         std::to_string(e.word_begin + e.word_count) + ")";
 }
 
 Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
@@ -865,20 +927,23 @@ Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> ten
     if (e.kind == ChunkKind::kLiteral) {
       Unshuffle(raw.data(), n, w, region, [](uint8_t, uint8_t v) { return v; });
     } else {
-      Unshuffle(raw.data(), n, w, region, [](uint8_t old, uint8_t v) { return static_cast<uint8_t>(old ^ v); });
+      Unshuffle(raw.data(), n, w, region,
+                [](uint8_t old, uint8_t v) { return static_cast<uint8_t>(old ^ v); });
     }
   }
   undo->applied = true;
   return Status::Ok();
 }
 
-void Undo(const Manifest& m, size_t index, std::span<std::byte> tensor_data, const UndoRecord& undo) {
+void Undo(const Manifest& m, size_t index, std::span<std::byte> tensor_data,
+          const UndoRecord& undo) {
   if (!undo.applied) return;
   const ChunkEntry& e = m.chunks[index];
   const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
   uint8_t* region = U8(tensor_data) + e.word_begin * w;
   if (e.kind == ChunkKind::kSparse) {
-    kernels::ScatterApply(region, w, undo.positions.data(), undo.old_bytes.data(), undo.positions.size());
+    kernels::ScatterApply(region, w, undo.positions.data(), undo.old_bytes.data(),
+                          undo.positions.size());
   } else {
     std::memcpy(region, undo.old_bytes.data(), undo.old_bytes.size());
   }
@@ -904,7 +969,8 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
     if (it == by_name.end()) return Status::Mismatch("state has no tensor " + Quote(t.name));
     const MutableTensorView& st = state[it->second];
     if (st.dtype != t.dtype || st.shape != t.shape || st.data.size() != t.byte_size) {
-      return Status::Mismatch("tensor " + Quote(t.name) + " differs in dtype, shape or size from the delta's");
+      return Status::Mismatch("tensor " + Quote(t.name) +
+                              " differs in dtype, shape or size from the delta's");
     }
     state_of[i] = it->second;
   }
@@ -914,12 +980,14 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
 
   std::vector<Hash128> hashes;
   if (!m.keyframe) {
-    FW_ASSIGN_OR_RETURN(hashes, HashesOrCompute(state_view, options.state_tensor_hashes, threads, "state"));
+    FW_ASSIGN_OR_RETURN(hashes,
+                        HashesOrCompute(state_view, options.state_tensor_hashes, threads, "state"));
     for (size_t i = 0; i < m.tensors.size(); ++i) {
       if (hashes[state_of[i]] != m.tensors[i].base_hash) {
         return Status::Mismatch("refusing to apply: this delta's base is version " +
                                 std::to_string(m.base_version) + " (" + m.base_hash.ToHex() +
-                                ") but tensor " + Quote(m.tensors[i].name) + " of the state differs from it");
+                                ") but tensor " + Quote(m.tensors[i].name) +
+                                " of the state differs from it");
       }
     }
     FW_ASSIGN_OR_RETURN(Hash128 base_hash, CheckpointHashFromTensorHashes(state_view, hashes));
@@ -937,7 +1005,8 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
   std::atomic<bool> failed{false};
   std::atomic<uint64_t> done_bytes{0};
   uint64_t total_bytes = 0;  // progress counts the word ranges that chunks cover
-  for (const ChunkEntry& e : m.chunks) total_bytes += e.word_count * DTypeWordBytes(m.tensors[e.tensor_index].dtype);
+  for (const ChunkEntry& e : m.chunks)
+    total_bytes += e.word_count * DTypeWordBytes(m.tensors[e.tensor_index].dtype);
   ParallelFor(m.chunks.size(), threads, [&](size_t c) {
     if (failed.load(std::memory_order_relaxed)) return;
     const ChunkEntry& e = m.chunks[c];
@@ -956,14 +1025,17 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
   };
   if (failed) {
     rollback();
-    for (const Status& st : errors) if (!st.ok()) return st;
+    for (const Status& st : errors)
+      if (!st.ok()) return st;
   }
 
   // Verify the target: every tensor that chunks touched is rehashed.
   std::vector<size_t> touched;
   for (size_t i = 0; i < m.tensors.size(); ++i) {
-    if (m.tensors[i].chunk_count > 0) touched.push_back(i);
-    else hashes[state_of[i]] = m.tensors[i].target_hash;
+    if (m.tensors[i].chunk_count > 0)
+      touched.push_back(i);
+    else
+      hashes[state_of[i]] = m.tensors[i].target_hash;
   }
   std::sort(touched.begin(), touched.end(),
             [&](size_t a, size_t b) { return m.tensors[a].byte_size > m.tensors[b].byte_size; });
@@ -998,7 +1070,8 @@ Result<OwnedCheckpoint> AllocateLike(const Manifest& m) {
   OwnedCheckpoint out;
   uint64_t total = m.total_bytes();
   if (total > (uint64_t{1} << 40)) {
-    return Status::ResourceExhausted("delta target of " + std::to_string(total) + " bytes is too large to hold in memory");
+    return Status::ResourceExhausted("delta target of " + std::to_string(total) +
+                                     " bytes is too large to hold in memory");
   }
   try {
     out.tensors.reserve(m.tensors.size());
@@ -1006,7 +1079,8 @@ Result<OwnedCheckpoint> AllocateLike(const Manifest& m) {
       out.tensors.push_back({t.name, t.dtype, t.shape, std::vector<std::byte>(t.byte_size)});
     }
   } catch (const std::bad_alloc&) {
-    return Status::ResourceExhausted("cannot allocate " + std::to_string(total) + " bytes for the target");
+    return Status::ResourceExhausted("cannot allocate " + std::to_string(total) +
+                                     " bytes for the target");
   }
   return out;
 }
@@ -1014,7 +1088,8 @@ Result<OwnedCheckpoint> AllocateLike(const Manifest& m) {
 }  // namespace
 
 Result<OwnedCheckpoint> DecodeKeyframe(const DeltaView& keyframe, int threads) {
-  if (!keyframe.manifest().keyframe) return Status::InvalidArgument("not a keyframe (a delta needs a base)");
+  if (!keyframe.manifest().keyframe)
+    return Status::InvalidArgument("not a keyframe (a delta needs a base)");
   FW_ASSIGN_OR_RETURN(OwnedCheckpoint out, AllocateLike(keyframe.manifest()));
   MutableCheckpointView view = out.mutable_view();
   ApplyOptions options;
@@ -1037,10 +1112,13 @@ Result<OwnedCheckpoint> ApplyToCopy(const CheckpointView& base, const DeltaView&
   std::vector<size_t> base_of(m.tensors.size());
   for (size_t i = 0; i < m.tensors.size(); ++i) {
     auto it = by_name.find(m.tensors[i].name);
-    if (it == by_name.end()) return Status::Mismatch("base has no tensor " + Quote(m.tensors[i].name));
+    if (it == by_name.end())
+      return Status::Mismatch("base has no tensor " + Quote(m.tensors[i].name));
     const TensorView& b = base[it->second];
-    if (b.dtype != m.tensors[i].dtype || b.shape != m.tensors[i].shape || b.data.size() != m.tensors[i].byte_size) {
-      return Status::Mismatch("tensor " + Quote(b.name) + " differs in dtype, shape or size from the delta's");
+    if (b.dtype != m.tensors[i].dtype || b.shape != m.tensors[i].shape ||
+        b.data.size() != m.tensors[i].byte_size) {
+      return Status::Mismatch("tensor " + Quote(b.name) +
+                              " differs in dtype, shape or size from the delta's");
     }
     base_of[i] = it->second;
   }
@@ -1057,7 +1135,8 @@ Result<OwnedCheckpoint> ApplyToCopy(const CheckpointView& base, const DeltaView&
       return Status::InvalidArgument("state tensor hashes do not match the base's tensor count");
     }
     inner.state_tensor_hashes.resize(m.tensors.size());
-    for (size_t i = 0; i < m.tensors.size(); ++i) inner.state_tensor_hashes[i] = options.state_tensor_hashes[base_of[i]];
+    for (size_t i = 0; i < m.tensors.size(); ++i)
+      inner.state_tensor_hashes[i] = options.state_tensor_hashes[base_of[i]];
   }
   FW_RETURN_IF_ERROR(ApplyInPlace(view, delta, inner).status());
   return out;

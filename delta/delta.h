@@ -64,7 +64,7 @@ struct TensorEntry {
   DType dtype = DType::kU8;
   std::vector<int64_t> shape;
   uint64_t byte_size = 0;
-  Hash128 base_hash;    // zero in a keyframe
+  Hash128 base_hash;  // zero in a keyframe
   Hash128 target_hash;
   uint64_t changed_words = 0;  // words that differ from the base (all words in a keyframe)
   uint32_t first_chunk = 0;    // index into Manifest::chunks
@@ -78,10 +78,10 @@ struct ChunkEntry {
   ChunkKind kind = ChunkKind::kSparse;
   Compressor compressor = Compressor::kNone;
   uint64_t changed_words = 0;
-  uint64_t raw_bytes = 0;      // payload size before compression
-  uint64_t payload_bytes = 0;  // stored size
-  uint64_t payload_offset = 0; // from the start of the payload section
-  uint64_t checksum = 0;       // XXH3-64 of the stored payload
+  uint64_t raw_bytes = 0;       // payload size before compression
+  uint64_t payload_bytes = 0;   // stored size
+  uint64_t payload_offset = 0;  // from the start of the payload section
+  uint64_t checksum = 0;        // XXH3-64 of the stored payload
 };
 
 struct Manifest {

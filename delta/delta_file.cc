@@ -43,7 +43,8 @@ Result<FileEncodeStats> EncodeToFile(const Checkpoint* base, const Checkpoint& t
                     : EncodeKeyframe(target.tensors(), options);
   if (!bytes.ok()) return bytes.status();
   auto view = DeltaView::Parse(*bytes);
-  if (!view.ok()) return Status::Internal("encoder produced an unreadable delta: " + view.status().message());
+  if (!view.ok())
+    return Status::Internal("encoder produced an unreadable delta: " + view.status().message());
   FW_RETURN_IF_ERROR(WriteFileAtomically(out_path, *bytes));
   FileEncodeStats stats;
   stats.checkpoint_bytes = view->manifest().total_bytes();
@@ -108,7 +109,8 @@ Result<std::vector<std::byte>> ReadDeltaFile(const std::string& path) {
     bytes.resize(static_cast<size_t>(st.st_size));
   } catch (const std::bad_alloc&) {
     ::close(fd);
-    return Status::ResourceExhausted("cannot hold " + path + " (" + std::to_string(st.st_size) + " bytes) in memory");
+    return Status::ResourceExhausted("cannot hold " + path + " (" + std::to_string(st.st_size) +
+                                     " bytes) in memory");
   }
   size_t done = 0;
   while (done < bytes.size()) {
@@ -151,8 +153,8 @@ Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::strin
   if (!view.ok()) return view.status().WithContext(delta_path);
   const Manifest& m = view->manifest();
   if (!m.keyframe && base_path.empty()) {
-    return Status::InvalidArgument(delta_path + " is a delta from version " + std::to_string(m.base_version) +
-                                   ": it needs a base checkpoint");
+    return Status::InvalidArgument(delta_path + " is a delta from version " +
+                                   std::to_string(m.base_version) + ": it needs a base checkpoint");
   }
 
   CheckpointView layout;
@@ -166,8 +168,9 @@ Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::strin
     if (!base.ok()) return base.status();
     const CheckpointView& b = base->tensors();
     if (b.size() != m.tensors.size()) {
-      return Status::Mismatch("refusing to apply: base " + base_path + " has " + std::to_string(b.size()) +
-                              " tensors, the delta's base has " + std::to_string(m.tensors.size()));
+      return Status::Mismatch("refusing to apply: base " + base_path + " has " +
+                              std::to_string(b.size()) + " tensors, the delta's base has " +
+                              std::to_string(m.tensors.size()));
     }
     std::unordered_map<std::string_view, size_t> by_name;
     for (size_t i = 0; i < b.size(); ++i) by_name.emplace(b[i].name, i);
@@ -175,17 +178,19 @@ Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::strin
     for (size_t i = 0; i < out.size(); ++i) {
       auto it = by_name.find(out[i].name);
       if (it == by_name.end()) {
-        return Status::Mismatch("refusing to apply: base " + base_path + " has no tensor '" + out[i].name + "'");
+        return Status::Mismatch("refusing to apply: base " + base_path + " has no tensor '" +
+                                out[i].name + "'");
       }
       if (b[it->second].data.size() != out[i].data.size() || b[it->second].dtype != out[i].dtype ||
           b[it->second].shape != out[i].shape) {
-        return Status::Mismatch("refusing to apply: tensor '" + out[i].name + "' of base " + base_path +
-                                " differs in dtype or shape from the delta's");
+        return Status::Mismatch("refusing to apply: tensor '" + out[i].name + "' of base " +
+                                base_path + " differs in dtype or shape from the delta's");
       }
       source[i] = it->second;
     }
     ParallelFor(out.size(), options.threads, [&](size_t i) {
-      if (!out[i].data.empty()) std::memcpy(out[i].data.data(), b[source[i]].data.data(), out[i].data.size());
+      if (!out[i].data.empty())
+        std::memcpy(out[i].data.data(), b[source[i]].data.data(), out[i].data.size());
     });
     ApplyOptions inner = options;
     inner.restore_on_failure = false;  // the output is a scratch file until Commit

@@ -9,7 +9,9 @@
 namespace flywheel::delta::entropy {
 namespace {
 
-Status Corrupt(const std::string& what) { return Status::Corruption(what); }
+Status Corrupt(const std::string& what) {
+  return Status::Corruption(what);
+}
 
 }  // namespace
 
@@ -38,8 +40,8 @@ int ChooseRiceK(std::span<const uint32_t> gaps) {
     for (int length = 0; length <= 32; ++length) {
       if (!by_length[length]) continue;
       double q = length == 0 ? 0 : std::ldexp(1.5, length - 1 - k);
-      double bits = q < kRiceEscapeQuotient ? std::floor(q) + 1 + k
-                                            : kRiceEscapeQuotient + 1 + 6 + length;
+      double bits =
+          q < kRiceEscapeQuotient ? std::floor(q) + 1 + k : kRiceEscapeQuotient + 1 + 6 + length;
       cost += bits * static_cast<double>(by_length[length]);
     }
     if (cost < guess_cost) guess_cost = cost, guess = k;
@@ -106,8 +108,7 @@ Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uin
       }
       gap = r.Get(length);
     } else {
-      return Corrupt("index stream: run of more than 31 zero bits at change " +
-                     std::to_string(i));
+      return Corrupt("index stream: run of more than 31 zero bits at change " + std::to_string(i));
     }
     position += static_cast<int64_t>(gap) + 1;
     if (static_cast<uint64_t>(position) >= limit) {
@@ -140,7 +141,8 @@ std::vector<uint32_t> NormalizeFrequencies(std::span<const uint64_t> counts) {
   // Move the rounding error onto the largest symbols, keeping every used one >= 1.
   while (sum > static_cast<int64_t>(kRansScale)) {
     size_t s_max = largest;
-    for (size_t s = 0; s < freq.size(); ++s) if (freq[s] > freq[s_max]) s_max = s;
+    for (size_t s = 0; s < freq.size(); ++s)
+      if (freq[s] > freq[s_max]) s_max = s;
     uint32_t take = static_cast<uint32_t>(
         std::min<int64_t>(sum - kRansScale, static_cast<int64_t>(freq[s_max]) - 1));
     freq[s_max] -= take;
@@ -151,7 +153,6 @@ std::vector<uint32_t> NormalizeFrequencies(std::span<const uint64_t> counts) {
 }
 
 namespace {
-
 
 void PutExtraBits(BitWriter& extra, uint64_t z) {
   if (z <= 16) return;
@@ -210,7 +211,8 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
       reversed.push_back(static_cast<uint8_t>(state));
       state >>= 8;
     }
-    const uint32_t q = static_cast<uint32_t>((static_cast<unsigned __int128>(state) * e.reciprocal) >> 43);
+    const uint32_t q =
+        static_cast<uint32_t>((static_cast<unsigned __int128>(state) * e.reciprocal) >> 43);
     state = (q << kRansScaleBits) + (state - q * e.freq) + e.start;
   };
   size_t i = z.size();
@@ -287,7 +289,8 @@ Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
       return Corrupt("value stream: malformed frequency table entry " + std::to_string(i));
     }
     for (uint32_t k = 0; k < f; ++k) {
-      slots[start + k] = {static_cast<uint16_t>(f), static_cast<uint16_t>(k), static_cast<uint8_t>(sym)};
+      slots[start + k] = {static_cast<uint16_t>(f), static_cast<uint16_t>(k),
+                          static_cast<uint8_t>(sym)};
     }
     start += static_cast<uint32_t>(f);
     previous = sym;

@@ -146,7 +146,9 @@ inline uint64_t ZigZag(int64_t d) {
 inline int64_t UnZigZag(uint64_t z) {
   return static_cast<int64_t>((z >> 1) ^ (~(z & 1) + 1));
 }
-inline int BitLength(uint64_t z) { return 64 - __builtin_clzll(z); }  // REQUIRES z > 0
+inline int BitLength(uint64_t z) {
+  return 64 - __builtin_clzll(z);
+}  // REQUIRES z > 0
 inline int ValueSymbol(uint64_t z) {
   return z <= 16 ? static_cast<int>(z - 1) : 16 + BitLength(z) - 5;
 }

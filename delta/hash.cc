@@ -24,8 +24,8 @@ std::string Hash128::ToHex() const {
 
 Result<Hash128> Hash128::FromHex(std::string_view hex) {
   if (hex.size() != 32) {
-    return Status::InvalidArgument("hash must be 32 hex digits, got " +
-                                   std::to_string(hex.size()) + " characters");
+    return Status::InvalidArgument("hash must be 32 hex digits, got " + std::to_string(hex.size()) +
+                                   " characters");
   }
   Hash128 h;
   for (int i = 0; i < 32; ++i) {
@@ -34,7 +34,8 @@ Result<Hash128> Hash128::FromHex(std::string_view hex) {
             : (c >= 'a' && c <= 'f') ? c - 'a' + 10
             : (c >= 'A' && c <= 'F') ? c - 'A' + 10
                                      : -1;
-    if (v < 0) return Status::InvalidArgument("hash has a non-hex character '" + std::string(1, c) + "'");
+    if (v < 0)
+      return Status::InvalidArgument("hash has a non-hex character '" + std::string(1, c) + "'");
     uint64_t& half = i < 16 ? h.high : h.low;
     half = (half << 4) | static_cast<uint64_t>(v);
   }

@@ -29,7 +29,9 @@ struct Hash128 {
 
 Hash128 HashBytes(std::span<const std::byte> bytes);
 uint64_t HashBytes64(std::span<const std::byte> bytes);
-inline Hash128 TensorHash(const TensorView& tensor) { return HashBytes(tensor.data); }
+inline Hash128 TensorHash(const TensorView& tensor) {
+  return HashBytes(tensor.data);
+}
 
 // Checkpoint hash from already computed per-tensor hashes (`tensor_hashes[i]` belongs to
 // `tensors[i]`). Fails on duplicate names.

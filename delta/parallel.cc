@@ -1,10 +1,10 @@
+#include "delta/parallel.h"
+
 #include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
-
-#include "delta/parallel.h"
 
 namespace flywheel {
 namespace {

@@ -15,8 +15,8 @@ namespace parallel_detail {
 struct Session {
   std::mutex mu;
   std::condition_variable idle;
-  int running = 0;     // GUARDED_BY(mu)
-  bool closed = false; // GUARDED_BY(mu)
+  int running = 0;      // GUARDED_BY(mu)
+  bool closed = false;  // GUARDED_BY(mu)
   std::atomic<size_t> next{0};
 };
 

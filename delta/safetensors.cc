@@ -15,8 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
-#include <tuple>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 namespace flywheel {
@@ -30,7 +30,9 @@ constexpr const char* kMetadataKey = "__metadata__";
 constexpr const char* kIndexFileName = "model.safetensors.index.json";
 constexpr const char* kSingleFileName = "model.safetensors";
 
-std::string ErrnoMessage(int error) { return std::strerror(error); }
+std::string ErrnoMessage(int error) {
+  return std::strerror(error);
+}
 
 Status ErrnoStatus(const std::string& what, const std::string& path, int error) {
   std::string message = path + ": " + what + ": " + ErrnoMessage(error);
@@ -170,13 +172,15 @@ Result<Json> ParseJsonStrict(std::string_view text, const std::string& what) {
     if (detector.duplicate_depth() == 1) {
       return Status::Corruption(what + " names '" + *detector.duplicate() + "' twice");
     }
-    return Status::Corruption(what + ": duplicate key '" + *detector.duplicate() +
-                              "' inside '" + detector.duplicate_owner() + "'");
+    return Status::Corruption(what + ": duplicate key '" + *detector.duplicate() + "' inside '" +
+                              detector.duplicate_owner() + "'");
   }
   return parsed;
 }
 
-const char* JsonTypeName(const Json& value) { return value.type_name(); }
+const char* JsonTypeName(const Json& value) {
+  return value.type_name();
+}
 
 // A JSON number that is a non-negative integer, or nullopt.
 std::optional<uint64_t> NonNegativeInteger(const Json& value) {
@@ -263,13 +267,13 @@ Result<ParsedEntry> ParseTensorEntry(const std::string& name, const Json& entry,
     }
     const std::optional<uint64_t> value = NonNegativeInteger(dim);
     if (!value) {
-      return Status::Corruption(where + ": shape " + JsonForMessage(shape) +
-                                " holds a dimension that is not a non-negative integer: " +
-                                JsonForMessage(dim));
+      return Status::Corruption(
+          where + ": shape " + JsonForMessage(shape) +
+          " holds a dimension that is not a non-negative integer: " + JsonForMessage(dim));
     }
     if (*value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return Status::Corruption(where + ": dimension " + std::to_string(*value) +
-                                " in shape " + JsonForMessage(shape) + " exceeds 2^63-1");
+      return Status::Corruption(where + ": dimension " + std::to_string(*value) + " in shape " +
+                                JsonForMessage(shape) + " exceeds 2^63-1");
     }
     parsed.view.shape.push_back(static_cast<int64_t>(*value));
   }
@@ -295,11 +299,10 @@ Result<ParsedEntry> ParseTensorEntry(const std::string& name, const Json& entry,
   const Result<uint64_t> byte_size = TensorByteSize(parsed.view.dtype, parsed.view.shape);
   if (!byte_size.ok()) return Status::Corruption(where + ": " + byte_size.status().message());
   if (*end - *begin != *byte_size) {
-    return Status::Corruption(where + ": data_offsets " + OffsetsString(*begin, *end) +
-                              " span " + std::to_string(*end - *begin) + " bytes but " +
-                              DTypeName(parsed.view.dtype) + " " +
-                              ShapeString(parsed.view.shape) + " needs " +
-                              std::to_string(*byte_size));
+    return Status::Corruption(where + ": data_offsets " + OffsetsString(*begin, *end) + " span " +
+                              std::to_string(*end - *begin) + " bytes but " +
+                              DTypeName(parsed.view.dtype) + " " + ShapeString(parsed.view.shape) +
+                              " needs " + std::to_string(*byte_size));
   }
   return parsed;
 }
@@ -327,9 +330,9 @@ Result<std::map<std::string, std::string>> ParseMetadata(const Json& value,
 // Writing helpers.
 
 struct HeaderLayout {
-  std::vector<std::byte> header;   // u64 N + padded JSON
-  std::vector<uint64_t> sizes;     // byte size of each tensor, in order
-  uint64_t data_bytes = 0;         // sum of sizes
+  std::vector<std::byte> header;  // u64 N + padded JSON
+  std::vector<uint64_t> sizes;    // byte size of each tensor, in order
+  uint64_t data_bytes = 0;        // sum of sizes
 };
 
 Result<HeaderLayout> BuildHeader(const CheckpointView& tensors,
@@ -352,8 +355,7 @@ Result<HeaderLayout> BuildHeader(const CheckpointView& tensors,
     }
     const Result<uint64_t> size = TensorByteSize(tensor.dtype, tensor.shape);
     if (!size.ok()) {
-      return Status::InvalidArgument("tensor '" + tensor.name + "': " +
-                                     size.status().message());
+      return Status::InvalidArgument("tensor '" + tensor.name + "': " + size.status().message());
     }
     const uint64_t begin = layout.data_bytes;
     if (__builtin_add_overflow(layout.data_bytes, *size, &layout.data_bytes)) {
@@ -378,8 +380,7 @@ Result<HeaderLayout> BuildHeader(const CheckpointView& tensors,
   if (text.size() > kMaxSafetensorsHeaderBytes) {
     return Status::ResourceExhausted("safetensors header of " + std::to_string(text.size()) +
                                      " bytes exceeds the " +
-                                     std::to_string(kMaxSafetensorsHeaderBytes) +
-                                     "-byte limit");
+                                     std::to_string(kMaxSafetensorsHeaderBytes) + "-byte limit");
   }
   layout.header.resize(kLengthPrefixBytes + text.size());
   StoreLittleEndian64(text.size(), layout.header.data());
@@ -445,8 +446,8 @@ class TempFile {
       TempFile temp;
       temp.final_path_ = path;
       temp.dir_ = parts.first;
-      temp.path_ = JoinPath(parts.first, "." + parts.second + ".tmp-" +
-                                             std::to_string(::getpid()) + "-" + suffix);
+      temp.path_ = JoinPath(
+          parts.first, "." + parts.second + ".tmp-" + std::to_string(::getpid()) + "-" + suffix);
       temp.fd_ = ::open(temp.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
       if (temp.fd_ >= 0) return temp;
       if (errno != EEXIST) {
@@ -581,7 +582,9 @@ Result<MappedFile> MappedFile::Open(const std::string& path) {
   return file;
 }
 
-MappedFile::MappedFile(MappedFile&& other) noexcept { *this = std::move(other); }
+MappedFile::MappedFile(MappedFile&& other) noexcept {
+  *this = std::move(other);
+}
 
 MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
   if (this != &other) {
@@ -669,8 +672,8 @@ Result<SafetensorsImage> ParseSafetensors(std::span<const std::byte> bytes,
       if (entry.begin > expected_begin) {
         return Status::Corruption(where() + " leave a gap of " +
                                   std::to_string(entry.begin - expected_begin) +
-                                  " bytes after tensor '" + previous->view.name +
-                                  "' ending at " + std::to_string(expected_begin));
+                                  " bytes after tensor '" + previous->view.name + "' ending at " +
+                                  std::to_string(expected_begin));
       }
       return Status::Corruption(where() + " overlap tensor '" + previous->view.name +
                                 "' ending at " + std::to_string(expected_begin));
@@ -684,9 +687,8 @@ Result<SafetensorsImage> ParseSafetensors(std::span<const std::byte> bytes,
                                 " bytes but the header lists no tensors");
     }
     return Status::Corruption(source + ": " + std::to_string(data.size() - expected_begin) +
-                              " trailing bytes after the last tensor '" +
-                              previous->view.name + "' (ends at " +
-                              std::to_string(expected_begin) + " of " +
+                              " trailing bytes after the last tensor '" + previous->view.name +
+                              "' (ends at " + std::to_string(expected_begin) + " of " +
                               std::to_string(data.size()) + ")");
   }
 
@@ -724,8 +726,8 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
     } else if (Exists(JoinPath(path, kSingleFileName))) {
       single_path = JoinPath(path, kSingleFileName);
     } else {
-      return Status::NotFound(path + ": directory holds neither " +
-                              std::string(kIndexFileName) + " nor " + kSingleFileName);
+      return Status::NotFound(path + ": directory holds neither " + std::string(kIndexFileName) +
+                              " nor " + kSingleFileName);
     }
   } else if (std::string_view(path).ends_with(".json")) {
     index_path = path;
@@ -777,10 +779,9 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
                                   shard_name + "' is not in the weight_map");
       }
       if (mapped->second != shard_name) {
-        return Status::Corruption(index_path + ": tensor '" + tensor.name +
-                                  "' appears in shard '" + shard_name +
-                                  "' but the weight_map assigns it to '" + mapped->second +
-                                  "'");
+        return Status::Corruption(index_path + ": tensor '" + tensor.name + "' appears in shard '" +
+                                  shard_name + "' but the weight_map assigns it to '" +
+                                  mapped->second + "'");
       }
     }
     if (file->tensors().size() != expected.size()) {
@@ -788,9 +789,8 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
       for (const TensorView& tensor : file->tensors()) present.insert(tensor.name);
       for (const std::string& tensor : expected) {
         if (!present.contains(tensor)) {
-          return Status::Corruption(index_path + ": tensor '" + tensor +
-                                    "' is mapped to shard '" + shard_name +
-                                    "' but that shard does not hold it");
+          return Status::Corruption(index_path + ": tensor '" + tensor + "' is mapped to shard '" +
+                                    shard_name + "' but that shard does not hold it");
         }
       }
     }
@@ -895,7 +895,9 @@ SafetensorsWriter& SafetensorsWriter::operator=(SafetensorsWriter&& other) noexc
   return *this;
 }
 
-SafetensorsWriter::~SafetensorsWriter() { Abandon(); }
+SafetensorsWriter::~SafetensorsWriter() {
+  Abandon();
+}
 
 void SafetensorsWriter::Abandon() {
   tensors_.clear();
@@ -906,7 +908,8 @@ void SafetensorsWriter::Abandon() {
 
 Status SafetensorsWriter::Commit() {
   if (fd_ < 0 || temp_path_.empty()) {
-    return Status::InvalidArgument(path_ + ": SafetensorsWriter::Commit on a writer that is "
+    return Status::InvalidArgument(path_ +
+                                   ": SafetensorsWriter::Commit on a writer that is "
                                    "not open (already committed or moved from)");
   }
   Status status;

@@ -9,7 +9,9 @@
 
 namespace flywheel::delta::wire {
 
-inline void PutU8(std::vector<uint8_t>* out, uint8_t v) { out->push_back(v); }
+inline void PutU8(std::vector<uint8_t>* out, uint8_t v) {
+  out->push_back(v);
+}
 inline void PutFixed(std::vector<uint8_t>* out, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) out->push_back(static_cast<uint8_t>(v >> (8 * i)));
 }

@@ -126,8 +126,8 @@ namespace {
 // One fixed-size load/add/store per element, unrolled by four. Not SIMD: AVX2 has no
 // scatter, and the positions are data dependent.
 template <typename Word, bool kKeepOld>
-void ScatterAddZigZagT(unsigned char* d, const uint32_t* positions, const uint64_t* z,
-                       size_t count, unsigned char* old) {
+void ScatterAddZigZagT(unsigned char* d, const uint32_t* positions, const uint64_t* z, size_t count,
+                       unsigned char* old) {
   auto add = [&](size_t i) {
     unsigned char* p = d + size_t{positions[i]} * sizeof(Word);
     Word value;
@@ -149,8 +149,8 @@ void ScatterAddZigZagT(unsigned char* d, const uint32_t* positions, const uint64
 }  // namespace
 
 template <typename Word>
-void ScatterAddZigZagW(unsigned char* d, const uint32_t* positions, const uint64_t* z,
-                       size_t count, unsigned char* old) {
+void ScatterAddZigZagW(unsigned char* d, const uint32_t* positions, const uint64_t* z, size_t count,
+                       unsigned char* old) {
   if (old) return ScatterAddZigZagT<Word, true>(d, positions, z, count, old);
   ScatterAddZigZagT<Word, false>(d, positions, z, count, nullptr);
 }
@@ -160,10 +160,14 @@ void ScatterAddZigZag(void* dst, size_t elem_size, const uint32_t* positions,
   auto* d = static_cast<unsigned char*>(dst);
   auto* old = static_cast<unsigned char*>(old_values);
   switch (elem_size) {
-    case 1: return ScatterAddZigZagW<uint8_t>(d, positions, zigzag_diffs, count, old);
-    case 2: return ScatterAddZigZagW<uint16_t>(d, positions, zigzag_diffs, count, old);
-    case 4: return ScatterAddZigZagW<uint32_t>(d, positions, zigzag_diffs, count, old);
-    case 8: return ScatterAddZigZagW<uint64_t>(d, positions, zigzag_diffs, count, old);
+    case 1:
+      return ScatterAddZigZagW<uint8_t>(d, positions, zigzag_diffs, count, old);
+    case 2:
+      return ScatterAddZigZagW<uint16_t>(d, positions, zigzag_diffs, count, old);
+    case 4:
+      return ScatterAddZigZagW<uint32_t>(d, positions, zigzag_diffs, count, old);
+    case 8:
+      return ScatterAddZigZagW<uint64_t>(d, positions, zigzag_diffs, count, old);
     default:
       return ScatterAddZigZagScalar(dst, elem_size, positions, zigzag_diffs, count, old_values);
   }

@@ -28,13 +28,12 @@ size_t CountChangedScalar(const void* base, const void* target, size_t n, size_t
 // REQUIRES: every position is in range (the decoder checks before calling).
 void ScatterApply(void* dst, size_t elem_size, const uint32_t* positions, const void* values,
                   size_t count);
-void ScatterApplyScalar(void* dst, size_t elem_size, const uint32_t* positions,
-                        const void* values, size_t count);
+void ScatterApplyScalar(void* dst, size_t elem_size, const uint32_t* positions, const void* values,
+                        size_t count);
 
 // For i < count: out[i] = element `positions[i]` of `src` (the inverse of ScatterApply;
 // used to gather base values and to save undo records).
-void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* out,
-            size_t count);
+void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* out, size_t count);
 void GatherScalar(const void* src, size_t elem_size, const uint32_t* positions, void* out,
                   size_t count);
 
@@ -47,8 +46,7 @@ void GatherScalar(const void* src, size_t elem_size, const uint32_t* positions, 
 void ScatterAddZigZag(void* dst, size_t elem_size, const uint32_t* positions,
                       const uint64_t* zigzag_diffs, size_t count, void* old_values = nullptr);
 void ScatterAddZigZagScalar(void* dst, size_t elem_size, const uint32_t* positions,
-                            const uint64_t* zigzag_diffs, size_t count,
-                            void* old_values = nullptr);
+                            const uint64_t* zigzag_diffs, size_t count, void* old_values = nullptr);
 
 // XXH3-64 (seed 0) of consecutive `chunk_bytes`-sized pieces of `data` (the last may be
 // shorter): out[k] = XXH3_64(data + k*chunk_bytes, ...). ChunkChecksums uses the

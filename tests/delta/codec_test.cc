@@ -69,7 +69,9 @@ TEST(CodecTest, AwkwardSizesForEveryWidth) {
 
 TEST(CodecTest, SpecialFloatBitPatternsAreExact) {
   // NaN payloads, signed zeros, subnormals, infinities: only bits matter.
-  auto put32 = [](std::vector<std::byte>& d, size_t i, uint32_t v) { std::memcpy(d.data() + 4 * i, &v, 4); };
+  auto put32 = [](std::vector<std::byte>& d, size_t i, uint32_t v) {
+    std::memcpy(d.data() + 4 * i, &v, 4);
+  };
   OwnedCheckpoint base{{{"f", DType::kF32, {8}, std::vector<std::byte>(32)}}};
   OwnedCheckpoint target = base;
   const uint32_t base_bits[8] = {0x00000000, 0x7fc00001, 0x00000001, 0x7f800000,
@@ -227,7 +229,8 @@ TEST(CodecTest, DenseChangesFallBackToDenseEncoding) {
   auto target = Mutate(base, 1.0, 82, Change::kArbitrary);
   // Give the target some structure (high bytes from a narrow range) so zstd can win.
   for (size_t i = 1; i < target.tensors[0].data.size(); i += 2) {
-    target.tensors[0].data[i] = static_cast<std::byte>(0x3c + (static_cast<uint8_t>(target.tensors[0].data[i]) & 3));
+    target.tensors[0].data[i] =
+        static_cast<std::byte>(0x3c + (static_cast<uint8_t>(target.tensors[0].data[i]) & 3));
   }
   auto delta = MustEncode(base, target);
   const auto& raw = target.tensors[0].data;
@@ -264,13 +267,16 @@ TEST(CodecTest, RejectsBadOptions) {
   auto base = RandomCheckpoint(testing::MixedSpecs(), 95);
   EncodeOptions options;
   options.threads = 0;
-  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(),
+            StatusCode::kInvalidArgument);
   options = {};
   options.chunk_bytes = 100;
-  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(),
+            StatusCode::kInvalidArgument);
   options = {};
   options.zstd_level = 99;
-  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Encode(base.view(), base.view(), options).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 TEST(CodecTest, InspectCountsMatchTheChange) {

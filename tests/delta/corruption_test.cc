@@ -22,12 +22,15 @@ uint64_t Load64(const std::vector<std::byte>& b, size_t at) {
   std::memcpy(&v, b.data() + at, 8);
   return v;
 }
-void Store64(std::vector<std::byte>& b, size_t at, uint64_t v) { std::memcpy(b.data() + at, &v, 8); }
+void Store64(std::vector<std::byte>& b, size_t at, uint64_t v) {
+  std::memcpy(b.data() + at, &v, 8);
+}
 
 // Recomputes the header's checksums, as a forger who knows the format would.
 void Reseal(std::vector<std::byte>& b) {
   uint64_t manifest_bytes = Load64(b, 16);
-  std::span<const std::byte> manifest(b.data() + kHeader, std::min<uint64_t>(manifest_bytes, b.size() - kHeader));
+  std::span<const std::byte> manifest(b.data() + kHeader,
+                                      std::min<uint64_t>(manifest_bytes, b.size() - kHeader));
   Store64(b, 32, HashBytes64(manifest));
   Store64(b, 40, HashBytes64({b.data(), 40}));
 }
@@ -41,7 +44,8 @@ void Varint(std::vector<std::byte>& out, uint64_t v) {
 class CorruptionTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    base_ = RandomCheckpoint({{"a", DType::kBF16, {3000}}, {"b", DType::kF32, {500}}, {"c", DType::kU8, {64}}}, 1);
+    base_ = RandomCheckpoint(
+        {{"a", DType::kBF16, {3000}}, {"b", DType::kF32, {500}}, {"c", DType::kU8, {64}}}, 1);
     target_ = Mutate(base_, 0.05, 2);
     EncodeOptions options;
     options.chunk_bytes = 4096;
@@ -51,7 +55,8 @@ class CorruptionTest : public ::testing::Test {
     auto view = DeltaView::Parse(delta_);
     ASSERT_TRUE(view.ok());
     manifest_bytes_ = Load64(delta_, 16);
-    for (const ChunkEntry& c : view->manifest().chunks) chunk_offsets_.push_back(kHeader + manifest_bytes_ + c.payload_offset);
+    for (const ChunkEntry& c : view->manifest().chunks)
+      chunk_offsets_.push_back(kHeader + manifest_bytes_ + c.payload_offset);
   }
 
   // Parse + apply into a copy of the base; returns the status and checks that on failure
@@ -63,7 +68,8 @@ class CorruptionTest : public ::testing::Test {
     auto mv = state.mutable_view();
     auto result = ApplyInPlace(mv, *view);
     if (!result.ok()) {
-      EXPECT_TRUE(SameBytes(state, base_)) << "state changed by a failed apply: " << result.status().ToString();
+      EXPECT_TRUE(SameBytes(state, base_))
+          << "state changed by a failed apply: " << result.status().ToString();
       return result.status();
     }
     EXPECT_TRUE(SameBytes(state, target_)) << "apply succeeded with a wrong result";
@@ -76,7 +82,9 @@ class CorruptionTest : public ::testing::Test {
   std::vector<size_t> chunk_offsets_;
 };
 
-TEST_F(CorruptionTest, IntactDeltaApplies) { EXPECT_TRUE(TryApply(delta_).ok()); }
+TEST_F(CorruptionTest, IntactDeltaApplies) {
+  EXPECT_TRUE(TryApply(delta_).ok());
+}
 
 TEST_F(CorruptionTest, FlippedByteInEveryRegionIsDetected) {
   // Every single byte of the container is covered by a checksum or a check.
@@ -131,8 +139,15 @@ TEST_F(CorruptionTest, ChunkChecksumMismatch) {
 }
 
 TEST_F(CorruptionTest, TruncationAtEverySectionBoundary) {
-  std::vector<size_t> cuts = {0, 1, 8, 47, kHeader, kHeader + 1, kHeader + manifest_bytes_ - 1,
-                              kHeader + manifest_bytes_, delta_.size() - 1};
+  std::vector<size_t> cuts = {0,
+                              1,
+                              8,
+                              47,
+                              kHeader,
+                              kHeader + 1,
+                              kHeader + manifest_bytes_ - 1,
+                              kHeader + manifest_bytes_,
+                              delta_.size() - 1};
   for (size_t offset : chunk_offsets_) cuts.push_back(offset), cuts.push_back(offset + 1);
   for (size_t cut : cuts) {
     if (cut >= delta_.size()) continue;
@@ -245,9 +260,9 @@ TEST_F(CorruptionTest, ChunkRawSizeBomb) {
   Varint(m, 1);  // chunk table
   Varint(m, 0);
   Varint(m, 1 << 20);
-  m.push_back(std::byte{0});  // sparse
-  m.push_back(std::byte{1});  // zstd
-  Varint(m, 1);               // changed
+  m.push_back(std::byte{0});     // sparse
+  m.push_back(std::byte{1});     // zstd
+  Varint(m, 1);                  // changed
   Varint(m, uint64_t{1} << 40);  // raw bytes
   Varint(m, 16);
   m.resize(m.size() + 8);
@@ -271,7 +286,8 @@ TEST_F(CorruptionTest, ForgedTargetHashRollsBack) {
 }
 
 TEST_F(CorruptionTest, DeltaForOtherLayoutIsRefused) {
-  auto other = RandomCheckpoint({{"a", DType::kBF16, {3001}}, {"b", DType::kF32, {500}}, {"c", DType::kU8, {64}}}, 1);
+  auto other = RandomCheckpoint(
+      {{"a", DType::kBF16, {3001}}, {"b", DType::kF32, {500}}, {"c", DType::kU8, {64}}}, 1);
   auto view = DeltaView::Parse(delta_);
   auto mv = other.mutable_view();
   auto result = ApplyInPlace(mv, *view);

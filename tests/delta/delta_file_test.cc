@@ -19,15 +19,17 @@ using testing::RandomCheckpoint;
 class DeltaFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("flywheel_delta_file_" + std::to_string(getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("flywheel_delta_file_" + std::to_string(getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     v1_ = RandomCheckpoint(testing::MixedSpecs(), 1);
     v2_ = Mutate(v1_, 0.03, 2);
     v3_ = Mutate(v2_, 0.03, 3);
     ASSERT_TRUE(WriteSafetensors(P("v1.safetensors"), v1_.view(), {{"format", "pt"}}).ok());
-    ASSERT_TRUE(WriteSafetensors(P("v2.safetensors"), v2_.view(), {{"format", "pt"}, {"step", "2"}}).ok());
+    ASSERT_TRUE(
+        WriteSafetensors(P("v2.safetensors"), v2_.view(), {{"format", "pt"}, {"step", "2"}}).ok());
     ASSERT_TRUE(WriteSafetensors(P("v3.safetensors"), v3_.view(), {}).ok());
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -104,7 +106,8 @@ TEST_F(DeltaFileTest, WrongBaseLeavesNoOutputAndKeepsExistingFile) {
   EXPECT_EQ(content, "keep me");
   // No temporary file is left behind.
   int files = 0;
-  for (auto& e : fs::directory_iterator(dir_)) files += e.path().filename().string().find(".tmp-") != std::string::npos;
+  for (auto& e : fs::directory_iterator(dir_))
+    files += e.path().filename().string().find(".tmp-") != std::string::npos;
   EXPECT_EQ(files, 0);
 }
 
@@ -122,7 +125,8 @@ TEST_F(DeltaFileTest, CorruptedDeltaFileLeavesNoOutput) {
 TEST_F(DeltaFileTest, ShardedBaseWorks) {
   std::map<std::string, std::string> weight_map;
   for (size_t i = 0; i < v1_.tensors.size(); ++i) {
-    weight_map[v1_.tensors[i].name] = i % 2 ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
+    weight_map[v1_.tensors[i].name] =
+        i % 2 ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
   }
   ASSERT_TRUE(WriteShardedCheckpoint(P("sharded"), v1_.view(), weight_map, {}).ok());
   EXPECT_EQ(HashOf(P("sharded")), HashOf(P("v1.safetensors")));

@@ -20,7 +20,8 @@ TEST(EntropyTest, RiceRoundTripUniformPositions) {
     const uint32_t n = 200'003;
     std::vector<uint32_t> positions;
     std::bernoulli_distribution pick(density);
-    for (uint32_t i = 0; i < n; ++i) if (pick(rng)) positions.push_back(i);
+    for (uint32_t i = 0; i < n; ++i)
+      if (pick(rng)) positions.push_back(i);
     auto gaps = GapsFromPositions(positions);
     int k = ChooseRiceK(gaps);
     std::vector<uint8_t> bytes;
@@ -69,9 +70,11 @@ TEST(EntropyTest, RiceRejectsTruncatedAndZeroRuns) {
   RiceEncode(gaps, 5, &bytes);
   std::vector<uint32_t> decoded(100);
   std::span<const uint8_t> cut(bytes.data(), bytes.size() / 2);
-  EXPECT_EQ(RiceDecodePositions(cut, 5, 100, 1 << 20, decoded.data()).code(), StatusCode::kCorruption);
+  EXPECT_EQ(RiceDecodePositions(cut, 5, 100, 1 << 20, decoded.data()).code(),
+            StatusCode::kCorruption);
   std::vector<uint8_t> zeros(64, 0);
-  EXPECT_EQ(RiceDecodePositions(zeros, 5, 3, 1 << 20, decoded.data()).code(), StatusCode::kCorruption);
+  EXPECT_EQ(RiceDecodePositions(zeros, 5, 3, 1 << 20, decoded.data()).code(),
+            StatusCode::kCorruption);
 }
 
 TEST(EntropyTest, ValueSymbolsCoverAllWidths) {
@@ -90,10 +93,18 @@ std::vector<uint64_t> SampleValues(size_t count, uint64_t seed) {
   std::discrete_distribution<int> kind({60, 30, 8, 2});
   for (size_t i = 0; i < count; ++i) {
     switch (kind(rng)) {
-      case 0: z.push_back(1 + (rng() & 1)); break;        // +-1 ulp
-      case 1: z.push_back(3 + (rng() & 1)); break;        // +-2 ulp
-      case 2: z.push_back(5 + rng() % 60); break;         // a few ulp
-      default: z.push_back((rng() | 1) >> (rng() % 64)); break;  // anything, incl. 64-bit
+      case 0:
+        z.push_back(1 + (rng() & 1));
+        break;  // +-1 ulp
+      case 1:
+        z.push_back(3 + (rng() & 1));
+        break;  // +-2 ulp
+      case 2:
+        z.push_back(5 + rng() % 60);
+        break;  // a few ulp
+      default:
+        z.push_back((rng() | 1) >> (rng() % 64));
+        break;  // anything, incl. 64-bit
     }
     if (z.back() == 0) z.back() = 1;
   }

@@ -56,7 +56,8 @@ TEST(HashTest, CheckpointHashCoversNamesDtypesShapesAndBytes) {
 }
 
 TEST(HashTest, DuplicateNamesAreAnError) {
-  OwnedCheckpoint dup{{{"a", DType::kU8, {1}, {std::byte{1}}}, {"a", DType::kU8, {1}, {std::byte{1}}}}};
+  OwnedCheckpoint dup{
+      {{"a", DType::kU8, {1}, {std::byte{1}}}, {"a", DType::kU8, {1}, {std::byte{1}}}}};
   auto h = CheckpointHash(dup.view());
   ASSERT_FALSE(h.ok());
   EXPECT_NE(h.status().message().find("'a'"), std::string::npos);

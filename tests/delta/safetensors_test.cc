@@ -44,7 +44,7 @@ std::string HandMadeFile(const std::string& header, const std::string& data,
 
 std::vector<std::byte> Bytes(const std::string& text) {
   std::vector<std::byte> out(text.size());
-  std::memcpy(out.data(), text.data(), text.size());
+  if (!text.empty()) std::memcpy(out.data(), text.data(), text.size());
   return out;
 }
 
@@ -81,22 +81,21 @@ std::string ReadFile(const fs::path& path) {
 }
 
 // Asserts a Corruption whose message names the file and every string in `mentions`.
-#define EXPECT_CORRUPTION(result, ...)                                                   \
-  do {                                                                                   \
-    const auto& fw_result = (result);                                                    \
-    ASSERT_FALSE(fw_result.ok()) << "expected a corruption error";                       \
-    EXPECT_EQ(fw_result.status().code(), StatusCode::kCorruption)                        \
-        << fw_result.status().ToString();                                                \
-    EXPECT_NE(fw_result.status().message().find(kSource), std::string::npos)             \
-        << fw_result.status().message();                                                 \
-    for (const std::string& fw_mention : std::vector<std::string>{__VA_ARGS__}) {        \
-      EXPECT_NE(fw_result.status().message().find(fw_mention), std::string::npos)        \
-          << "'" << fw_mention << "' not in: " << fw_result.status().message();          \
-    }                                                                                    \
+#define EXPECT_CORRUPTION(result, ...)                                            \
+  do {                                                                            \
+    const auto& fw_result = (result);                                             \
+    ASSERT_FALSE(fw_result.ok()) << "expected a corruption error";                \
+    EXPECT_EQ(fw_result.status().code(), StatusCode::kCorruption)                 \
+        << fw_result.status().ToString();                                         \
+    EXPECT_NE(fw_result.status().message().find(kSource), std::string::npos)      \
+        << fw_result.status().message();                                          \
+    for (const std::string& fw_mention : std::vector<std::string>{__VA_ARGS__}) { \
+      EXPECT_NE(fw_result.status().message().find(fw_mention), std::string::npos) \
+          << "'" << fw_mention << "' not in: " << fw_result.status().message();   \
+    }                                                                             \
   } while (0)
 
-OwnedTensor MakeTensor(std::string name, DType dtype, std::vector<int64_t> shape,
-                       uint8_t seed) {
+OwnedTensor MakeTensor(std::string name, DType dtype, std::vector<int64_t> shape, uint8_t seed) {
   OwnedTensor tensor{std::move(name), dtype, std::move(shape), {}};
   const uint64_t size = TensorByteSize(tensor.dtype, tensor.shape).value();
   tensor.data.resize(size);
@@ -208,7 +207,8 @@ TEST(SafetensorsDType, ElementCountAndByteSize) {
 
 TEST_F(SafetensorsTest, RoundTripEveryDtypeWithScalarEmptyAndMetadata) {
   const OwnedCheckpoint checkpoint = EveryDtypeCheckpoint();
-  const std::map<std::string, std::string> metadata = {{"format", "pt"}, {"note", "gr\u00fc\u00df"}};
+  const std::map<std::string, std::string> metadata = {{"format", "pt"},
+                                                       {"note", "gr\u00fc\u00df"}};
   const fs::path path = dir_ / "every.safetensors";
   ASSERT_TRUE(WriteSafetensors(path, checkpoint.view(), metadata).ok());
 
@@ -269,8 +269,8 @@ TEST(SafetensorsFormat, EmptyCheckpointIsPaddedBraces) {
 TEST(SafetensorsFormat, ReadsUnpaddedHeaderInAnyKeyOrder) {
   // Header length 3 + ... deliberately not a multiple of 8; tensors listed out of
   // offset order; metadata last.
-  const std::string header = "{\"b\":" + Entry("I16", "[2]", 2, 6) + ",\"a\":" +
-                             Entry("U8", "[2]", 0, 2) +
+  const std::string header = "{\"b\":" + Entry("I16", "[2]", 2, 6) +
+                             ",\"a\":" + Entry("U8", "[2]", 0, 2) +
                              ",\"__metadata__\":{\"format\":\"np\"}}";
   ASSERT_NE(header.size() % 8, 0u);
   Result<SafetensorsImage> image = ParseHeader(header, std::string("\x01\x02\x03\x04\x05\x06", 6));
@@ -286,9 +286,9 @@ TEST(SafetensorsFormat, ReadsUnpaddedHeaderInAnyKeyOrder) {
 }
 
 TEST(SafetensorsFormat, ScalarAndEmptyTensorsHandMade) {
-  const std::string header = "{\"s\":" + Entry("F64", "[]", 0, 8) + ",\"e\":" +
-                             Entry("F32", "[4,0,2]", 8, 8) + ",\"e2\":" +
-                             Entry("F6_E2M3", "[0]", 8, 8) + "}";
+  const std::string header = "{\"s\":" + Entry("F64", "[]", 0, 8) +
+                             ",\"e\":" + Entry("F32", "[4,0,2]", 8, 8) +
+                             ",\"e2\":" + Entry("F6_E2M3", "[0]", 8, 8) + "}";
   Result<SafetensorsImage> image = ParseText(HandMadeFile(header, "12345678", true));
   ASSERT_TRUE(image.ok()) << image.status().ToString();
   ASSERT_EQ(image->tensors.size(), 3u);
@@ -316,14 +316,13 @@ TEST(SafetensorsValidation, FileShorterThan8Bytes) {
 }
 
 TEST(SafetensorsValidation, HeaderTooLarge) {
-  EXPECT_CORRUPTION(ParseText(LittleEndian64(kMaxSafetensorsHeaderBytes + 1) + "{}"),
-                    "100000001", "limit");
+  EXPECT_CORRUPTION(ParseText(LittleEndian64(kMaxSafetensorsHeaderBytes + 1) + "{}"), "100000001",
+                    "limit");
   EXPECT_CORRUPTION(ParseText(LittleEndian64(~uint64_t{0}) + "{}"), "limit");
 }
 
 TEST(SafetensorsValidation, HeaderLengthBeyondFile) {
-  EXPECT_CORRUPTION(ParseText(LittleEndian64(100) + "{}"), "header length 100",
-                    "beyond the file");
+  EXPECT_CORRUPTION(ParseText(LittleEndian64(100) + "{}"), "header length 100", "beyond the file");
   EXPECT_CORRUPTION(ParseText(LittleEndian64(1)), "beyond the file");
 }
 
@@ -361,60 +360,57 @@ TEST(SafetensorsValidation, UnknownField) {
 }
 
 TEST(SafetensorsValidation, UnknownDtype) {
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("F128", "[1]", 0, 16) + "}",
-                                std::string(16, 'x')),
-                    "tensor 'w'", "unknown dtype 'F128'");
+  EXPECT_CORRUPTION(
+      ParseHeader("{\"w\":" + Entry("F128", "[1]", 0, 16) + "}", std::string(16, 'x')),
+      "tensor 'w'", "unknown dtype 'F128'");
   EXPECT_CORRUPTION(ParseHeader("{\"w\":{\"dtype\":5,\"shape\":[1],\"data_offsets\":[0,1]}}", "x"),
                     "tensor 'w'", "dtype");
 }
 
 TEST(SafetensorsValidation, NegativeDim) {
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[2,-1]", 0, 0) + "}", ""),
-                    "tensor 'w'", "negative dimension -1");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[2,-1]", 0, 0) + "}", ""), "tensor 'w'",
+                    "negative dimension -1");
 }
 
 TEST(SafetensorsValidation, NonIntegerDim) {
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[2.0]", 0, 2) + "}", "xx"),
-                    "tensor 'w'", "2.0");
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[\"2\"]", 0, 2) + "}", "xx"),
-                    "tensor 'w'", "not a non-negative integer");
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "{}", 0, 2) + "}", "xx"),
-                    "tensor 'w'", "shape is a JSON object");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[2.0]", 0, 2) + "}", "xx"), "tensor 'w'",
+                    "2.0");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[\"2\"]", 0, 2) + "}", "xx"), "tensor 'w'",
+                    "not a non-negative integer");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "{}", 0, 2) + "}", "xx"), "tensor 'w'",
+                    "shape is a JSON object");
 }
 
 TEST(SafetensorsValidation, DimensionAboveInt64) {
-  EXPECT_CORRUPTION(
-      ParseHeader("{\"w\":" + Entry("U8", "[9223372036854775808]", 0, 0) + "}", ""),
-      "tensor 'w'", "9223372036854775808");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[9223372036854775808]", 0, 0) + "}", ""),
+                    "tensor 'w'", "9223372036854775808");
 }
 
 TEST(SafetensorsValidation, OffsetsNotTwoNonNegativeIntegers) {
   for (const std::string offsets : {"[0]", "[0,1,2]", "[-1,0]", "[0,1.5]", "\"0,1\"", "[0,null]"}) {
     SCOPED_TRACE(offsets);
-    EXPECT_CORRUPTION(ParseHeader("{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":" +
-                                      offsets + "}}",
-                                  "x"),
-                      "tensor 'w'", "not two non-negative integers");
+    EXPECT_CORRUPTION(
+        ParseHeader("{\"w\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":" + offsets + "}}",
+                    "x"),
+        "tensor 'w'", "not two non-negative integers");
   }
 }
 
 TEST(SafetensorsValidation, OffsetsEndBeforeBegin) {
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[0]", 4, 2) + "}", "xxxx"),
-                    "tensor 'w'", "[4, 2]");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[0]", 4, 2) + "}", "xxxx"), "tensor 'w'",
+                    "[4, 2]");
 }
 
 TEST(SafetensorsValidation, OffsetsGap) {
   const std::string header =
       "{\"a\":" + Entry("U8", "[2]", 0, 2) + ",\"b\":" + Entry("U8", "[2]", 3, 5) + "}";
-  EXPECT_CORRUPTION(ParseHeader(header, "xxxxx"), "tensor 'b'", "[3, 5]", "gap",
-                    "tensor 'a'");
+  EXPECT_CORRUPTION(ParseHeader(header, "xxxxx"), "tensor 'b'", "[3, 5]", "gap", "tensor 'a'");
 }
 
 TEST(SafetensorsValidation, OffsetsOverlap) {
   const std::string header =
       "{\"a\":" + Entry("U8", "[4]", 0, 4) + ",\"b\":" + Entry("U8", "[4]", 2, 6) + "}";
-  EXPECT_CORRUPTION(ParseHeader(header, "xxxxxx"), "tensor 'b'", "[2, 6]", "overlap",
-                    "tensor 'a'");
+  EXPECT_CORRUPTION(ParseHeader(header, "xxxxxx"), "tensor 'b'", "[2, 6]", "overlap", "tensor 'a'");
   // Two tensors sharing the same bytes.
   const std::string same =
       "{\"a\":" + Entry("U8", "[4]", 0, 4) + ",\"b\":" + Entry("U8", "[4]", 0, 4) + "}";
@@ -422,20 +418,18 @@ TEST(SafetensorsValidation, OffsetsOverlap) {
 }
 
 TEST(SafetensorsValidation, OffsetsNotFromZero) {
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[2]", 2, 4) + "}", "xxxx"),
-                    "tensor 'w'", "[2, 4]", "do not start at 0");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[2]", 2, 4) + "}", "xxxx"), "tensor 'w'",
+                    "[2, 4]", "do not start at 0");
 }
 
 TEST(SafetensorsValidation, DataBeyondEndOfFile) {
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("F32", "[2]", 0, 8) + "}", "xxxx"),
-                    "tensor 'w'", "[0, 8]", "beyond the end of the file");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("F32", "[2]", 0, 8) + "}", "xxxx"), "tensor 'w'",
+                    "[0, 8]", "beyond the end of the file");
   // Offsets near 2^64 must not wrap around.
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" +
-                                    Entry("U8", "[0]", 18446744073709551615u,
-                                          18446744073709551615u) +
-                                    "}",
-                                ""),
-                    "tensor 'w'", "beyond the end of the file");
+  EXPECT_CORRUPTION(
+      ParseHeader(
+          "{\"w\":" + Entry("U8", "[0]", 18446744073709551615u, 18446744073709551615u) + "}", ""),
+      "tensor 'w'", "beyond the end of the file");
 }
 
 TEST(SafetensorsValidation, TrailingBytesAfterData) {
@@ -454,13 +448,11 @@ TEST(SafetensorsValidation, SizeMismatchForDtypeAndShape) {
 }
 
 TEST(SafetensorsValidation, ElementCountOverflow) {
-  EXPECT_CORRUPTION(
-      ParseHeader("{\"w\":" + Entry("U8", "[4294967296,4294967296]", 0, 0) + "}", ""),
-      "tensor 'w'", "overflows");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("U8", "[4294967296,4294967296]", 0, 0) + "}", ""),
+                    "tensor 'w'", "overflows");
   // The count fits, the F32 byte size does not.
-  EXPECT_CORRUPTION(
-      ParseHeader("{\"w\":" + Entry("F32", "[4611686018427387904]", 0, 0) + "}", ""),
-      "tensor 'w'", "overflows");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("F32", "[4611686018427387904]", 0, 0) + "}", ""),
+                    "tensor 'w'", "overflows");
 }
 
 TEST(SafetensorsValidation, DuplicateTensorName) {
@@ -488,8 +480,8 @@ TEST(SafetensorsValidation, MetadataNotObject) {
 
 TEST(SafetensorsValidation, SubByteTensorNotWholeBytes) {
   // 3 F4 elements are 12 bits; 2 F6 elements are 12 bits.
-  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("F4", "[3]", 0, 2) + "}", "xx"),
-                    "tensor 'w'", "whole bytes");
+  EXPECT_CORRUPTION(ParseHeader("{\"w\":" + Entry("F4", "[3]", 0, 2) + "}", "xx"), "tensor 'w'",
+                    "whole bytes");
   EXPECT_CORRUPTION(ParseHeader("{\"v\":" + Entry("F6_E3M2", "[1,2]", 0, 2) + "}", "xx"),
                     "tensor 'v'", "whole bytes");
   // 4 F6 elements are exactly 3 bytes.
@@ -503,8 +495,7 @@ TEST(SafetensorsValidation, DeepNestingRejected) {
   EXPECT_CORRUPTION(ParseHeader(deep, ""), "nesting");
   // Brackets inside strings do not count.
   const std::string quoted = "\"" + std::string(1000, '[') + "\\\"\"";
-  Result<SafetensorsImage> image =
-      ParseHeader("{\"__metadata__\":{\"k\":" + quoted + "}}", "");
+  Result<SafetensorsImage> image = ParseHeader("{\"__metadata__\":{\"k\":" + quoted + "}}", "");
   ASSERT_TRUE(image.ok()) << image.status().ToString();
   EXPECT_EQ(image->metadata.at("k"), std::string(1000, '[') + "\"");
 }
@@ -519,9 +510,9 @@ TEST(SafetensorsValidation, EveryTruncationIsRejected) {
 }
 
 TEST(SafetensorsValidation, SingleByteCorruptionNeverCrashes) {
-  const std::string header = "{\"__metadata__\":{\"k\":\"v\"},\"a\":" +
-                             Entry("F16", "[2,1]", 0, 4) + ",\"b\":" +
-                             Entry("F4", "[4]", 4, 6) + "}";
+  const std::string header =
+      "{\"__metadata__\":{\"k\":\"v\"},\"a\":" + Entry("F16", "[2,1]", 0, 4) +
+      ",\"b\":" + Entry("F4", "[4]", 4, 6) + "}";
   const std::string file = HandMadeFile(header, "abcdef", true);
   for (size_t i = 0; i < file.size(); ++i) {
     for (const uint8_t value : {0x00, 0x20, 0x22, 0x2c, 0x5b, 0x7b, 0x7d, 0x80, 0xff}) {
@@ -560,8 +551,8 @@ TEST_F(SafetensorsTest, OpenZeroByteFileIsCorruption) {
 }
 
 TEST_F(SafetensorsTest, CheckpointOpensSingleFileAndDirectory) {
-  const std::string header = "{\"__metadata__\":{\"format\":\"pt\"},\"w\":" +
-                             Entry("U8", "[3]", 0, 3) + "}";
+  const std::string header =
+      "{\"__metadata__\":{\"format\":\"pt\"},\"w\":" + Entry("U8", "[3]", 0, 3) + "}";
   WriteFile(dir_ / "model.safetensors", HandMadeFile(header, "abc", true));
   for (const fs::path& path : {dir_ / "model.safetensors", dir_}) {
     Result<Checkpoint> checkpoint = Checkpoint::Open(path);
@@ -577,11 +568,11 @@ class SafetensorsShardedTest : public SafetensorsTest {
  protected:
   // Two hand-made shards: shard 1 holds a, b; shard 2 holds c.
   void WriteShards() {
-    WriteFile(dir_ / "model-00001-of-00002.safetensors",
-              HandMadeFile("{\"__metadata__\":{\"format\":\"pt\"},\"a\":" +
-                               Entry("U8", "[2]", 0, 2) + ",\"b\":" + Entry("I16", "[1]", 2, 4) +
-                               "}",
-                           "abcd", true));
+    WriteFile(
+        dir_ / "model-00001-of-00002.safetensors",
+        HandMadeFile("{\"__metadata__\":{\"format\":\"pt\"},\"a\":" + Entry("U8", "[2]", 0, 2) +
+                         ",\"b\":" + Entry("I16", "[1]", 2, 4) + "}",
+                     "abcd", true));
     WriteFile(dir_ / "model-00002-of-00002.safetensors",
               HandMadeFile("{\"c\":" + Entry("F32", "[]", 0, 4) + "}", "wxyz", true));
   }
@@ -619,9 +610,10 @@ TEST_F(SafetensorsShardedTest, ShardNameWithPathSeparatorRejected) {
   for (const std::string shard : {"../model-00002-of-00002.safetensors", "sub/x.safetensors",
                                   "sub\\\\x.safetensors", "..", ""}) {
     SCOPED_TRACE(shard);
-    WriteIndex("{\"a\": \"model-00001-of-00002.safetensors\", \"b\": "
-               "\"model-00001-of-00002.safetensors\", \"c\": \"" +
-               shard + "\"}");
+    WriteIndex(
+        "{\"a\": \"model-00001-of-00002.safetensors\", \"b\": "
+        "\"model-00001-of-00002.safetensors\", \"c\": \"" +
+        shard + "\"}");
     const Status status = OpenStatus();
     EXPECT_EQ(status.code(), StatusCode::kCorruption) << status.ToString();
     EXPECT_NE(status.message().find("tensor 'c'"), std::string::npos) << status.message();
@@ -630,9 +622,10 @@ TEST_F(SafetensorsShardedTest, ShardNameWithPathSeparatorRejected) {
 
 TEST_F(SafetensorsShardedTest, TensorMissingFromItsShardRejected) {
   WriteShards();
-  WriteIndex("{\"a\": \"model-00001-of-00002.safetensors\", \"b\": "
-             "\"model-00001-of-00002.safetensors\", \"c\": \"model-00002-of-00002.safetensors\", "
-             "\"d\": \"model-00002-of-00002.safetensors\"}");
+  WriteIndex(
+      "{\"a\": \"model-00001-of-00002.safetensors\", \"b\": "
+      "\"model-00001-of-00002.safetensors\", \"c\": \"model-00002-of-00002.safetensors\", "
+      "\"d\": \"model-00002-of-00002.safetensors\"}");
   const Status status = OpenStatus();
   EXPECT_EQ(status.code(), StatusCode::kCorruption) << status.ToString();
   EXPECT_NE(status.message().find("tensor 'd'"), std::string::npos) << status.message();
@@ -640,8 +633,9 @@ TEST_F(SafetensorsShardedTest, TensorMissingFromItsShardRejected) {
 
 TEST_F(SafetensorsShardedTest, ShardTensorNotInWeightMapRejected) {
   WriteShards();
-  WriteIndex("{\"a\": \"model-00001-of-00002.safetensors\", \"c\": "
-             "\"model-00002-of-00002.safetensors\"}");
+  WriteIndex(
+      "{\"a\": \"model-00001-of-00002.safetensors\", \"c\": "
+      "\"model-00002-of-00002.safetensors\"}");
   const Status status = OpenStatus();
   EXPECT_EQ(status.code(), StatusCode::kCorruption) << status.ToString();
   EXPECT_NE(status.message().find("tensor 'b'"), std::string::npos) << status.message();
@@ -650,9 +644,9 @@ TEST_F(SafetensorsShardedTest, ShardTensorNotInWeightMapRejected) {
 TEST_F(SafetensorsShardedTest, TensorInTwoShardsRejected) {
   WriteShards();
   WriteFile(dir_ / "model-00002-of-00002.safetensors",
-            HandMadeFile("{\"c\":" + Entry("F32", "[]", 0, 4) + ",\"a\":" +
-                             Entry("U8", "[2]", 4, 6) + "}",
-                         "wxyzab", true));
+            HandMadeFile(
+                "{\"c\":" + Entry("F32", "[]", 0, 4) + ",\"a\":" + Entry("U8", "[2]", 4, 6) + "}",
+                "wxyzab", true));
   WriteIndex(kGoodMap);
   const Status status = OpenStatus();
   EXPECT_EQ(status.code(), StatusCode::kCorruption) << status.ToString();
@@ -705,10 +699,9 @@ TEST_F(SafetensorsTest, WriteShardedCheckpointRoundTrip) {
   const fs::path out = dir_ / "sharded";
   ASSERT_TRUE(WriteShardedCheckpoint(out, checkpoint.view(), weight_map, {{"format", "pt"}}).ok());
   EXPECT_EQ(DirEntries(out),
-            (std::vector<std::string>{"model-00001-of-00003.safetensors",
-                                      "model-00002-of-00003.safetensors",
-                                      "model-00003-of-00003.safetensors",
-                                      "model.safetensors.index.json"}));
+            (std::vector<std::string>{
+                "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                "model-00003-of-00003.safetensors", "model.safetensors.index.json"}));
   const std::string index = ReadFile(out / "model.safetensors.index.json");
   EXPECT_NE(index.find("\"total_size\": " + std::to_string(total_size)), std::string::npos)
       << index;
@@ -833,8 +826,7 @@ TEST_F(SafetensorsTest, AbandonedWriterLeavesNoFile) {
     ASSERT_TRUE(writer.ok()) << writer.status().ToString();
     EXPECT_EQ(DirEntries(dir_).size(), 1u);  // the temporary file
     EXPECT_EQ(DirEntries(dir_)[0].rfind(".out.safetensors.tmp-", 0), 0u) << DirEntries(dir_)[0];
-    std::fill(writer->tensors()[0].data.begin(), writer->tensors()[0].data.end(),
-              std::byte{0x5a});
+    std::fill(writer->tensors()[0].data.begin(), writer->tensors()[0].data.end(), std::byte{0x5a});
   }
   EXPECT_TRUE(DirEntries(dir_).empty());
 }
@@ -888,8 +880,8 @@ TEST(SafetensorsFuzz, SeedCorpusRunsClean) {
 }
 
 TEST(SafetensorsFuzz, TargetAcceptsValidAndInvalidInputs) {
-  const std::string valid = Text(
-      SerializeSafetensors(EveryDtypeCheckpoint().view(), {{"format", "pt"}}).value());
+  const std::string valid =
+      Text(SerializeSafetensors(EveryDtypeCheckpoint().view(), {{"format", "pt"}}).value());
   EXPECT_EQ(FuzzSafetensors(reinterpret_cast<const uint8_t*>(valid.data()), valid.size()), 0);
   EXPECT_EQ(FuzzSafetensors(nullptr, 0), 0);
   for (size_t length : {1, 8, 9, 64}) {

@@ -51,7 +51,8 @@ inline OwnedCheckpoint Mutate(const OwnedCheckpoint& in, double density, uint64_
         int64_t step = (rng() & 1 ? 1 : -1) * ((rng() % 10) == 0 ? 2 : 1);
         v += static_cast<uint64_t>(step);
       } else {
-        do v = rng(); while (w < 8 && ((v ^ old) & ((uint64_t{1} << (8 * w)) - 1)) == 0);
+        do v = rng();
+        while (w < 8 && ((v ^ old) & ((uint64_t{1} << (8 * w)) - 1)) == 0);
       }
       std::memcpy(t.data.data() + i * w, &v, w);
     }
@@ -62,7 +63,8 @@ inline OwnedCheckpoint Mutate(const OwnedCheckpoint& in, double density, uint64_
 inline bool SameBytes(const OwnedCheckpoint& a, const OwnedCheckpoint& b) {
   if (a.tensors.size() != b.tensors.size()) return false;
   for (size_t i = 0; i < a.tensors.size(); ++i) {
-    if (a.tensors[i].name != b.tensors[i].name || a.tensors[i].data != b.tensors[i].data) return false;
+    if (a.tensors[i].name != b.tensors[i].name || a.tensors[i].data != b.tensors[i].data)
+      return false;
   }
   return true;
 }

@@ -19,7 +19,8 @@ int FuzzDelta(const uint8_t* data, size_t size) {
   if (m.total_bytes() > (64u << 20)) return 0;  // keep fuzzing iterations small
   (void)Inspect(*view);
   OwnedCheckpoint state;
-  for (const TensorEntry& t : m.tensors) state.tensors.push_back({t.name, t.dtype, t.shape, std::vector<std::byte>(t.byte_size)});
+  for (const TensorEntry& t : m.tensors)
+    state.tensors.push_back({t.name, t.dtype, t.shape, std::vector<std::byte>(t.byte_size)});
   OwnedCheckpoint before = state;
   auto mv = state.mutable_view();
   ApplyOptions options;
@@ -35,5 +36,7 @@ int FuzzDelta(const uint8_t* data, size_t size) {
 }
 
 #ifndef FLYWHEEL_FUZZ_NO_MAIN
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) { return FuzzDelta(data, size); }
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  return FuzzDelta(data, size);
+}
 #endif

@@ -29,23 +29,30 @@ std::vector<std::vector<uint8_t>> Seeds(const std::string& sub) {
   return seeds;
 }
 
-void RunMutations(int (*target)(const uint8_t*, size_t), const std::vector<std::vector<uint8_t>>& seeds,
-                  int mutations_per_seed) {
+void RunMutations(int (*target)(const uint8_t*, size_t),
+                  const std::vector<std::vector<uint8_t>>& seeds, int mutations_per_seed) {
   std::mt19937_64 rng(42);
   for (const auto& seed : seeds) {
     target(seed.data(), seed.size());
     for (int i = 0; i < mutations_per_seed && !seed.empty(); ++i) {
       std::vector<uint8_t> input = seed;
       switch (rng() % 4) {
-        case 0: input[rng() % input.size()] ^= static_cast<uint8_t>(1u << (rng() % 8)); break;
-        case 1: input.resize(rng() % input.size()); break;
+        case 0:
+          input[rng() % input.size()] ^= static_cast<uint8_t>(1u << (rng() % 8));
+          break;
+        case 1:
+          input.resize(rng() % input.size());
+          break;
         case 2: {  // overwrite 8 bytes with an extreme value
           size_t at = rng() % input.size();
           uint64_t v = (rng() & 1) ? ~uint64_t{0} : (uint64_t{1} << (rng() % 64));
-          for (int b = 0; b < 8 && at + b < input.size(); ++b) input[at + b] = static_cast<uint8_t>(v >> (8 * b));
+          for (int b = 0; b < 8 && at + b < input.size(); ++b)
+            input[at + b] = static_cast<uint8_t>(v >> (8 * b));
           break;
         }
-        default: input[rng() % input.size()] = static_cast<uint8_t>(rng()); break;
+        default:
+          input[rng() % input.size()] = static_cast<uint8_t>(rng());
+          break;
       }
       target(input.data(), input.size());
     }
@@ -62,7 +69,8 @@ TEST(FuzzCorpusTest, DeltaSeedsAndMutations) {
   auto seeds = Seeds("delta");
   // Fresh seeds from the encoder too, so the test does not depend on committed files only.
   using namespace flywheel;
-  auto base = flywheel::testing::RandomCheckpoint({{"a", DType::kBF16, {700}}, {"b", DType::kF32, {33}}}, 5);
+  auto base = flywheel::testing::RandomCheckpoint(
+      {{"a", DType::kBF16, {700}}, {"b", DType::kF32, {33}}}, 5);
   auto target = flywheel::testing::Mutate(base, 0.05, 6);
   for (delta::Compressor c : {delta::Compressor::kZstd, delta::Compressor::kLz4}) {
     delta::EncodeOptions options;

@@ -58,8 +58,8 @@ int FuzzSafetensors(const uint8_t* data, size_t size) {
   const std::byte* const begin = input.data();
   const std::byte* const end = begin + input.size();
   for (const flywheel::TensorView& tensor : image->tensors) {
-    Check(tensor.data.empty() || (tensor.data.data() >= begin &&
-                                  tensor.data.data() + tensor.data.size() <= end),
+    Check(tensor.data.empty() ||
+              (tensor.data.data() >= begin && tensor.data.data() + tensor.data.size() <= end),
           "view outside the input");
     const flywheel::Result<uint64_t> bytes = flywheel::TensorByteSize(tensor.dtype, tensor.shape);
     Check(bytes.ok() && *bytes == tensor.data.size(), "view size differs from dtype x shape");

@@ -200,12 +200,12 @@ TEST(KernelsTest, GatherScatterRoundTrip) {
         ScatterApplyScalar(applied_scalar.data(), elem_size, p.changed.data(),
                            values_scalar.data() + 1, count);
         ScatterApply(applied.data(), elem_size, p.changed.data(), values.data() + 1, count);
-        ASSERT_EQ(0, std::memcmp(applied_scalar.data(), p.target(), bytes));
-        ASSERT_EQ(0, std::memcmp(applied.data(), p.target(), bytes));
+        ASSERT_TRUE(std::equal(applied_scalar.begin(), applied_scalar.end(), p.target()));
+        ASSERT_TRUE(std::equal(applied.begin(), applied.end(), p.target()));
         // Gathering the old values and scattering them back undoes the update.
         Gather(p.base(), elem_size, p.changed.data(), values.data(), count);
         ScatterApply(applied.data(), elem_size, p.changed.data(), values.data(), count);
-        ASSERT_EQ(0, std::memcmp(applied.data(), p.base(), bytes));
+        ASSERT_TRUE(std::equal(applied.begin(), applied.end(), p.base()));
       }
     }
   }
@@ -238,8 +238,10 @@ TEST(KernelsTest, ScatterAddZigZagMatchesScalar) {
       }
       const std::vector<unsigned char> before = a;
       std::vector<unsigned char> old_a(positions.size() * elem_size), old_b(old_a.size());
-      ScatterAddZigZag(a.data() + 1, elem_size, positions.data(), z.data(), positions.size(), old_a.data());
-      ScatterAddZigZagScalar(b.data() + 1, elem_size, positions.data(), z.data(), positions.size(), old_b.data());
+      ScatterAddZigZag(a.data() + 1, elem_size, positions.data(), z.data(), positions.size(),
+                       old_a.data());
+      ScatterAddZigZagScalar(b.data() + 1, elem_size, positions.data(), z.data(), positions.size(),
+                             old_b.data());
       ASSERT_EQ(a, b) << "elem_size " << elem_size << " n " << n;
       ASSERT_EQ(old_a, old_b);
       // The old values are an exact undo record.
