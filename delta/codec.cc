@@ -160,17 +160,26 @@ bool Compress(Compressor compressor, int zstd_level, const ByteVec& raw, ByteVec
   return true;
 }
 
+// A zstd frame must declare exactly the manifest's raw size (checked before any buffer
+// of that size is allocated).
+Status CheckZstdFrameSize(std::span<const uint8_t> stored, uint64_t raw_bytes) {
+  unsigned long long declared = ZSTD_getFrameContentSize(stored.data(), stored.size());
+  if (declared == ZSTD_CONTENTSIZE_ERROR) return Status::Corruption("not a valid zstd frame");
+  if (declared == ZSTD_CONTENTSIZE_UNKNOWN) {
+    return Status::Corruption("zstd frame does not record its content size");
+  }
+  if (declared != raw_bytes) {
+    return Status::Corruption("zstd frame declares " + std::to_string(declared) +
+                              " bytes, the manifest " + std::to_string(raw_bytes));
+  }
+  return Status::Ok();
+}
+
 // Decompresses exactly `raw_bytes` bytes into `dst`.
 Status Decompress(Compressor compressor, std::span<const uint8_t> stored, uint64_t raw_bytes,
                   uint8_t* dst) {
   if (compressor == Compressor::kZstd) {
-    unsigned long long declared = ZSTD_getFrameContentSize(stored.data(), stored.size());
-    if (declared != raw_bytes) {
-      return Status::Corruption("zstd frame declares " +
-                                (declared == ZSTD_CONTENTSIZE_ERROR ? std::string("no valid size")
-                                                                    : std::to_string(declared)) +
-                                " bytes, manifest says " + std::to_string(raw_bytes));
-    }
+    FW_RETURN_IF_ERROR(CheckZstdFrameSize(stored, raw_bytes));
     ZSTD_DCtx* dctx = ThreadZstd().Decompressor();
     size_t n = ZSTD_decompressDCtx(dctx, dst, raw_bytes, stored.data(), stored.size());
     if (ZSTD_isError(n)) return Status::Corruption(std::string("zstd: ") + ZSTD_getErrorName(n));
@@ -270,6 +279,7 @@ struct EncodedChunk {
   ChunkEntry entry;
   ByteVec payload;
   bool present = false;
+  Status error;  // ResourceExhausted when scratch could not be allocated
 };
 
 // Compares base and target in cache-sized blocks and gathers the changed words while the
@@ -419,13 +429,33 @@ void PutHash(ByteVec* out, const Hash128& h) {
 Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const CheckpointView& target,
                                           const EncodeOptions& options) {
   const bool keyframe = base == nullptr;
-  if (options.threads < 1 || options.threads > 1024) {
-    return Status::InvalidArgument("threads must be in [1, 1024], got " +
-                                   std::to_string(options.threads));
+  if (options.threads < 1 || options.threads > kMaxThreads) {
+    return Status::InvalidArgument("threads must be in [1, " + std::to_string(kMaxThreads) +
+                                   "], got " + std::to_string(options.threads));
   }
-  if (options.chunk_bytes < 4096 || options.chunk_bytes > (1ull << 30)) {
-    return Status::InvalidArgument("chunk size must be in [4 KiB, 1 GiB], got " +
+  if (options.chunk_bytes < 4096 || options.chunk_bytes > (64ull << 20)) {
+    return Status::InvalidArgument("chunk size must be in [4 KiB, 64 MiB], got " +
                                    std::to_string(options.chunk_bytes));
+  }
+  // What the default DecodeLimits would refuse is refused here, so every delta this
+  // encoder writes can be read back.
+  const DecodeLimits limits;
+  if (target.size() > limits.max_tensors) {
+    return Status::InvalidArgument("checkpoint has " + std::to_string(target.size()) +
+                                   " tensors, more than a delta can hold (" +
+                                   std::to_string(limits.max_tensors) + ")");
+  }
+  uint64_t metadata_bytes = 0;
+  for (const auto& [key, value] : options.metadata) metadata_bytes += key.size() + value.size();
+  if (metadata_bytes > limits.max_metadata_bytes) {
+    return Status::InvalidArgument("metadata of " + std::to_string(metadata_bytes) +
+                                   " bytes exceeds " + std::to_string(limits.max_metadata_bytes));
+  }
+  for (const TensorView& t : target) {
+    if (t.name.size() > limits.max_name_bytes || t.shape.size() > format::kMaxRank) {
+      return Status::InvalidArgument("tensor " + Quote(t.name.substr(0, 64)) +
+                                     " has a name over 64 KiB or a rank over 64");
+    }
   }
   if (options.compressor == Compressor::kZstd &&
       (options.zstd_level < 1 || options.zstd_level > ZSTD_maxCLevel())) {
@@ -490,7 +520,8 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
   for (size_t i = 0; i < target.size(); ++i) {
     const int w = DTypeWordBytes(target[i].dtype);
     const uint64_t words = target[i].data.size() / w;
-    const uint64_t chunk_words = std::max<uint64_t>(1, options.chunk_bytes / w);
+    const uint64_t chunk_words =
+        std::min<uint64_t>(kMaxChunkWords, std::max<uint64_t>(1, options.chunk_bytes / w));
     // Unchanged tensors (equal hashes) need no comparison at all.
     if (!keyframe && base_hashes[i] == target_hashes[i] &&
         std::ranges::equal(base_aligned[i].data, target[i].data)) {
@@ -507,10 +538,18 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
     const ChunkTask& task = tasks[k];
     const int w = DTypeWordBytes(target[task.tensor_index].dtype);
     const uint8_t* b = keyframe ? nullptr : U8(base_aligned[task.tensor_index].data);
-    encoded[k] = EncodeChunk(task, w, b, U8(target[task.tensor_index].data), options, keyframe);
+    try {
+      encoded[k] = EncodeChunk(task, w, b, U8(target[task.tensor_index].data), options, keyframe);
+    } catch (const std::bad_alloc&) {
+      encoded[k] = EncodedChunk{};
+      encoded[k].error = Status::ResourceExhausted("out of memory encoding tensor " +
+                                                   Quote(target[task.tensor_index].name));
+    }
     uint64_t done = done_bytes.fetch_add(task.word_count * w) + task.word_count * w;
     if (options.progress) options.progress(done, total_bytes);
   });
+
+  for (const EncodedChunk& c : encoded) FW_RETURN_IF_ERROR(c.error);
 
   // Manifest.
   std::vector<uint64_t> changed(target.size(), 0), chunk_count(target.size(), 0);
@@ -559,6 +598,11 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
     wire::PutFixed(&manifest, e.checksum, 8);
   }
 
+  if (manifest.size() > limits.max_manifest_bytes) {
+    return Status::InvalidArgument(
+        "the delta's manifest would be " + std::to_string(manifest.size()) + " bytes, over the " +
+        std::to_string(limits.max_manifest_bytes) + "-byte limit: use larger chunks");
+  }
   ByteVec header;
   header.insert(header.end(), format::kMagic, format::kMagic + 8);
   wire::PutFixed(&header, format::kVersion, 2);
@@ -613,8 +657,11 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
     return Status::Corruption("delta format version " + std::to_string(version) +
                               " is not supported (this build reads version 1)");
   }
-  if ((flags & ~uint64_t{format::kFlagKeyframe}) != 0 || wire::LoadFixed(p + 12, 4) != 0) {
-    return Status::Corruption("delta header has unknown flags");
+  if ((flags & ~uint64_t{format::kFlagKeyframe}) != 0) {
+    return Status::Corruption("delta header has unknown flags " + std::to_string(flags));
+  }
+  if (wire::LoadFixed(p + 12, 4) != 0) {
+    return Status::Corruption("delta header's reserved field is not zero");
   }
   const uint64_t manifest_bytes = wire::LoadFixed(p + 16, 8);
   const uint64_t payload_bytes = wire::LoadFixed(p + 24, 8);
@@ -686,6 +733,7 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
   }
   std::unordered_map<std::string, size_t> names;
   uint64_t declared_chunks = 0;
+  uint64_t total_bytes = 0;
   for (uint64_t i = 0; i < tensor_count; ++i) {
     TensorEntry t;
     uint64_t name_len = r.Varint();
@@ -722,8 +770,19 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
     if (!bytes.ok())
       return Status::Corruption("delta tensor " + Quote(t.name) + ": " + bytes.status().message());
     t.byte_size = *bytes;
+    if (t.byte_size > limits.max_total_bytes - total_bytes) {
+      return Status::ResourceExhausted("delta tensors declare more than " +
+                                       std::to_string(limits.max_total_bytes) +
+                                       " bytes in all (at tensor " + Quote(t.name) + ")");
+    }
+    total_bytes += t.byte_size;
     const uint64_t words = t.byte_size / DTypeWordBytes(t.dtype);
-    if (t.changed_words > words || chunks > words || chunks > limits.max_chunks) {
+    if (chunks > limits.max_chunks) {
+      return Status::ResourceExhausted("delta tensor " + Quote(t.name) + " declares " +
+                                       std::to_string(chunks) + " chunks, limit " +
+                                       std::to_string(limits.max_chunks));
+    }
+    if (t.changed_words > words || chunks > words) {
       return Status::Corruption("delta tensor " + Quote(t.name) + " declares " +
                                 std::to_string(t.changed_words) + " changed words in " +
                                 std::to_string(chunks) + " chunks but has " +
@@ -780,8 +839,10 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
                                   ") outside or overlapping the tensor's " + std::to_string(words) +
                                   " words");
       }
-      if (e.word_count > (uint64_t{1} << 32))
-        return Status::Corruption(where + " is larger than 2^32 words");
+      if (e.word_count > limits.max_chunk_words) {
+        return Status::ResourceExhausted(where + " holds " + std::to_string(e.word_count) +
+                                         " words, limit " + std::to_string(limits.max_chunk_words));
+      }
       next_free = e.word_begin + e.word_count;
       covered += e.word_count;
       const uint64_t dense = e.word_count * w;
@@ -794,7 +855,12 @@ Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
         return Status::Corruption(where + " is dense but its raw size " +
                                   std::to_string(e.raw_bytes) + " is not " + std::to_string(dense));
       }
-      // A sparse chunk costs at most ~11 bytes per change (escape gap + 64-bit value).
+      // A sparse chunk costs at least one bit per change (the shortest Rice code) and at
+      // most 24 bytes per change (escaped gap + 64-bit value), plus its headers and table.
+      if (e.kind == ChunkKind::kSparse && e.changed_words > 8 * e.raw_bytes) {
+        return Status::Corruption(where + " declares " + std::to_string(e.changed_words) +
+                                  " changes in only " + std::to_string(e.raw_bytes) + " bytes");
+      }
       if (e.kind == ChunkKind::kSparse && e.raw_bytes > 64 + 24 * e.changed_words + 4 * 77) {
         return Status::Corruption(where + " declares an implausible raw size " +
                                   std::to_string(e.raw_bytes));
@@ -870,8 +936,8 @@ std::string ChunkName(const Manifest& m, size_t index) {
          std::to_string(e.word_begin + e.word_count) + ")";
 }
 
-Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
-                  bool keep_undo, UndoRecord* undo) {
+Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
+                      bool keep_undo, UndoRecord* undo) {
   const Manifest& m = delta.manifest();
   const ChunkEntry& e = m.chunks[index];
   const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
@@ -883,6 +949,10 @@ Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> ten
   Scratch& s = ThreadScratch();
   std::span<const uint8_t> raw = stored_u8;
   if (e.compressor != Compressor::kNone) {
+    if (e.compressor == Compressor::kZstd) {
+      Status st = CheckZstdFrameSize(stored_u8, e.raw_bytes);
+      if (!st.ok()) return st.WithContext(ChunkName(m, index));
+    }
     s.raw.resize(e.raw_bytes);
     Status st = Decompress(e.compressor, stored_u8, e.raw_bytes, s.raw.data());
     if (!st.ok()) return st.WithContext(ChunkName(m, index));
@@ -901,6 +971,12 @@ Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> ten
     auto index_stream = r.Bytes(index_bytes);
     if (r.failed()) return Status::Corruption(ChunkName(m, index) + ": sparse header truncated");
     const size_t count = e.changed_words;
+    // Every Rice code is at least one bit: refuse before sizing scratch from `count`.
+    if (count > 8 * index_stream.size()) {
+      return Status::Corruption(ChunkName(m, index) + ": index stream of " +
+                                std::to_string(index_stream.size()) + " bytes cannot hold " +
+                                std::to_string(count) + " changes");
+    }
     s.positions.resize(count);
     s.z.resize(count);
     Status st = entropy::RiceDecodePositions(index_stream, k, count, n, s.positions.data());
@@ -935,6 +1011,19 @@ Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> ten
   return Status::Ok();
 }
 
+// ApplyChunkImpl, with allocation failure reported as a status so that the caller's
+// rollback runs (no exception leaves a pool thread).
+Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
+                  bool keep_undo, UndoRecord* undo) {
+  try {
+    return ApplyChunkImpl(delta, index, tensor_data, keep_undo, undo);
+  } catch (const std::bad_alloc&) {
+    if (undo->applied) return Status::Internal("allocation failed after a chunk was applied");
+    return Status::ResourceExhausted(ChunkName(delta.manifest(), index) +
+                                     ": out of memory for decoding scratch");
+  }
+}
+
 void Undo(const Manifest& m, size_t index, std::span<std::byte> tensor_data,
           const UndoRecord& undo) {
   if (!undo.applied) return;
@@ -954,7 +1043,11 @@ void Undo(const Manifest& m, size_t index, std::span<std::byte> tensor_data,
 Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& delta,
                                 const ApplyOptions& options) {
   const Manifest& m = delta.manifest();
-  const int threads = std::max(1, options.threads);
+  if (options.threads < 1 || options.threads > kMaxThreads) {
+    return Status::InvalidArgument("threads must be in [1, " + std::to_string(kMaxThreads) +
+                                   "], got " + std::to_string(options.threads));
+  }
+  const int threads = options.threads;
   if (state.size() != m.tensors.size()) {
     return Status::Mismatch("state has " + std::to_string(state.size()) + " tensors, the delta " +
                             std::to_string(m.tensors.size()));
@@ -1088,9 +1181,25 @@ Result<OwnedCheckpoint> AllocateLike(const Manifest& m) {
 }  // namespace
 
 Result<OwnedCheckpoint> DecodeKeyframe(const DeltaView& keyframe, int threads) {
-  if (!keyframe.manifest().keyframe)
-    return Status::InvalidArgument("not a keyframe (a delta needs a base)");
-  FW_ASSIGN_OR_RETURN(OwnedCheckpoint out, AllocateLike(keyframe.manifest()));
+  const Manifest& m = keyframe.manifest();
+  if (!m.keyframe) return Status::InvalidArgument("not a keyframe (a delta needs a base)");
+  if (threads < 1 || threads > kMaxThreads) {
+    return Status::InvalidArgument("threads must be in [1, " + std::to_string(kMaxThreads) + "]");
+  }
+  // The target is allocated from declared sizes: first check what can be checked cheaply
+  // (every chunk's checksum and zstd frame size), so a forged keyframe costs no memory.
+  for (size_t c = 0; c < m.chunks.size(); ++c) {
+    auto stored = keyframe.payload(m.chunks[c]);
+    std::span<const uint8_t> bytes(U8(stored), stored.size());
+    if (ChecksumMismatch(m.chunks[c].checksum, bytes)) {
+      return Status::Corruption(ChunkName(m, c) + ": checksum mismatch");
+    }
+    if (m.chunks[c].compressor == Compressor::kZstd) {
+      Status st = CheckZstdFrameSize(bytes, m.chunks[c].raw_bytes);
+      if (!st.ok()) return st.WithContext(ChunkName(m, c));
+    }
+  }
+  FW_ASSIGN_OR_RETURN(OwnedCheckpoint out, AllocateLike(m));
   MutableCheckpointView view = out.mutable_view();
   ApplyOptions options;
   options.threads = threads;

@@ -47,7 +47,8 @@ struct EncodeOptions {
   Compressor compressor = Compressor::kZstd;
   int zstd_level = 3;
   int threads = 1;
-  // Chunk size in bytes of tensor data (rounded down to whole words; >= 4 KiB).
+  // Chunk size in bytes of tensor data (rounded down to whole words), in
+  // [4 KiB, 64 MiB]; a chunk never holds more than kMaxChunkWords words.
   uint64_t chunk_bytes = 4 << 20;
   // Metadata stored in the manifest (e.g. the target file's __metadata__).
   std::map<std::string, std::string> metadata;
@@ -105,10 +106,19 @@ struct DecodeLimits {
   uint64_t max_manifest_bytes = 256ull << 20;
   uint64_t max_tensors = 1ull << 22;
   uint64_t max_chunks = 1ull << 24;
-  uint64_t max_chunk_raw_bytes = 1ull << 30;
+  // Words per chunk and raw (decompressed) bytes per chunk: the per-thread scratch of a
+  // chunk decode is bounded by these (about 12 bytes per word at most).
+  uint64_t max_chunk_words = 1ull << 24;
+  uint64_t max_chunk_raw_bytes = 1ull << 28;
+  // Sum of the declared tensor sizes (what DecodeKeyframe allocates).
+  uint64_t max_total_bytes = 1ull << 40;
   uint64_t max_name_bytes = 1 << 16;
   uint64_t max_metadata_bytes = 16 << 20;
 };
+
+// The encoder's largest chunk in words (DecodeLimits::max_chunk_words by default).
+inline constexpr uint64_t kMaxChunkWords = 1ull << 24;
+inline constexpr int kMaxThreads = 1024;
 
 // An encoded delta or keyframe, validated up to its manifest. Chunk payloads are
 // verified (checksum, structure, bounds) when they are decoded. Holds a view of the
@@ -137,7 +147,7 @@ Result<std::vector<std::byte>> EncodeKeyframe(const CheckpointView& target,
                                               const EncodeOptions& options);
 
 struct ApplyOptions {
-  int threads = 1;
+  int threads = 1;  // in [1, kMaxThreads]
   // Already verified per-tensor hashes of the state, index-aligned with it (a worker keeps
   // them from its last apply). Empty: the state is hashed and checked against the
   // delta's base hashes before anything is written.

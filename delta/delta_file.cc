@@ -4,8 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <unordered_map>
 
@@ -72,6 +74,7 @@ Status WriteFileAtomically(const std::string& path, std::span<const std::byte> b
   while (done < bytes.size()) {
     ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
     if (n < 0 && errno == EINTR) continue;
+    if (n == 0) errno = EIO;
     if (n <= 0) return fail("cannot write");
     done += static_cast<size_t>(n);
   }
@@ -157,15 +160,13 @@ Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::strin
                                    std::to_string(m.base_version) + ": it needs a base checkpoint");
   }
 
-  CheckpointView layout;
-  for (const TensorEntry& t : m.tensors) layout.push_back({t.name, t.dtype, t.shape, {}});
-  auto writer = SafetensorsWriter::Create(out_path, layout, m.metadata);
-  if (!writer.ok()) return writer.status();
-  MutableCheckpointView& out = writer->tensors();
-
+  // Check the base against the manifest before anything is written or reserved on disk.
+  std::optional<Checkpoint> base;
+  std::vector<size_t> source(m.tensors.size());
   if (!m.keyframe) {
-    auto base = Checkpoint::Open(base_path);
-    if (!base.ok()) return base.status();
+    auto opened = Checkpoint::Open(base_path);
+    if (!opened.ok()) return opened.status();
+    base.emplace(std::move(*opened));
     const CheckpointView& b = base->tensors();
     if (b.size() != m.tensors.size()) {
       return Status::Mismatch("refusing to apply: base " + base_path + " has " +
@@ -174,34 +175,40 @@ Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::strin
     }
     std::unordered_map<std::string_view, size_t> by_name;
     for (size_t i = 0; i < b.size(); ++i) by_name.emplace(b[i].name, i);
-    std::vector<size_t> source(out.size());
-    for (size_t i = 0; i < out.size(); ++i) {
-      auto it = by_name.find(out[i].name);
+    for (size_t i = 0; i < m.tensors.size(); ++i) {
+      const TensorEntry& t = m.tensors[i];
+      auto it = by_name.find(t.name);
       if (it == by_name.end()) {
         return Status::Mismatch("refusing to apply: base " + base_path + " has no tensor '" +
-                                out[i].name + "'");
+                                t.name + "'");
       }
-      if (b[it->second].data.size() != out[i].data.size() || b[it->second].dtype != out[i].dtype ||
-          b[it->second].shape != out[i].shape) {
-        return Status::Mismatch("refusing to apply: tensor '" + out[i].name + "' of base " +
-                                base_path + " differs in dtype or shape from the delta's");
+      const TensorView& bt = b[it->second];
+      if (bt.data.size() != t.byte_size || bt.dtype != t.dtype || bt.shape != t.shape) {
+        return Status::Mismatch("refusing to apply: tensor '" + t.name + "' of base " + base_path +
+                                " differs in dtype or shape from the delta's");
       }
       source[i] = it->second;
     }
-    ParallelFor(out.size(), options.threads, [&](size_t i) {
-      if (!out[i].data.empty())
-        std::memcpy(out[i].data.data(), b[source[i]].data.data(), out[i].data.size());
-    });
-    ApplyOptions inner = options;
-    inner.restore_on_failure = false;  // the output is a scratch file until Commit
-    auto applied = ApplyInPlace(out, *view, inner);
-    if (!applied.ok()) return applied.status();
-  } else {
-    ApplyOptions inner = options;
-    inner.restore_on_failure = false;
-    auto applied = ApplyInPlace(out, *view, inner);
-    if (!applied.ok()) return applied.status();
   }
+
+  CheckpointView layout;
+  for (const TensorEntry& t : m.tensors) layout.push_back({t.name, t.dtype, t.shape, {}});
+  auto writer = SafetensorsWriter::Create(out_path, layout, m.metadata);
+  if (!writer.ok()) return writer.status();
+  MutableCheckpointView& out = writer->tensors();
+  ApplyOptions inner = options;
+  inner.restore_on_failure = false;   // the output is a scratch file until Commit
+  inner.state_tensor_hashes.clear();  // hash what is really in the file
+  if (base) {
+    const CheckpointView& b = base->tensors();
+    ParallelFor(out.size(), std::clamp(options.threads, 1, kMaxThreads), [&](size_t i) {
+      if (!out[i].data.empty()) {
+        std::memcpy(out[i].data.data(), b[source[i]].data.data(), out[i].data.size());
+      }
+    });
+  }
+  auto applied = ApplyInPlace(out, *view, inner);
+  if (!applied.ok()) return applied.status();
   FW_RETURN_IF_ERROR(writer->Commit());
   FileApplyStats stats;
   stats.target_version = m.target_version;

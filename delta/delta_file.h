@@ -39,7 +39,8 @@ struct FileApplyStats {
 // Applies the delta (or keyframe) at `delta_path` to the checkpoint at `base_path` (may be
 // empty for a keyframe) and writes the target to `out_path` as one .safetensors file, in
 // the manifest's tensor order with the manifest's metadata. Refuses a base whose hash
-// differs from the one the delta names.
+// differs from the one the delta names. The base is always hashed from disk:
+// options.state_tensor_hashes is ignored.
 Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::string& delta_path,
                                   const std::string& out_path, const ApplyOptions& options = {});
 

@@ -119,6 +119,7 @@ Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uin
     positions[i] = static_cast<uint32_t>(position);
   }
   if (r.overrun()) return Corrupt("index stream is truncated");
+  if (!r.AtEnd()) return Corrupt("index stream has bytes after its last change");
   return Status::Ok();
 }
 
@@ -352,6 +353,9 @@ Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
       z[i] = (uint64_t{1} << (length - 1)) | extra.GetWide(length - 1);
     }
     if (extra.overrun()) return Corrupt("value stream: extra bits truncated");
+    if (!extra.AtEnd()) return Corrupt("value stream: bytes after the extra bits");
+  } else if (!extra_bytes.empty()) {
+    return Corrupt("value stream: extra bits present but no value needs them");
   }
   return Status::Ok();
 }
@@ -374,6 +378,7 @@ Status DecodeValuesGamma(std::span<const uint8_t> in, size_t count, uint64_t* z)
     z[i] = (uint64_t{1} << zeros) | r.GetWide(zeros);
     if (r.overrun()) return Corrupt("value stream: gamma codes truncated");
   }
+  if (!r.AtEnd()) return Corrupt("value stream: bytes after the last gamma code");
   return Status::Ok();
 }
 

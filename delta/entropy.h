@@ -90,6 +90,14 @@ class BitReader {
     return Get(count);
   }
   bool overrun() const { return consumed_ > 8 * static_cast<uint64_t>(in_.size()); }
+  // True when every byte was used: fewer than 8 bits are left and they are zero (the
+  // writer's padding), so trailing garbage is detected.
+  bool AtEnd() const {
+    const uint64_t total = 8 * static_cast<uint64_t>(in_.size());
+    if (consumed_ > total || total - consumed_ >= 8) return false;
+    const int left = static_cast<int>(total - consumed_);
+    return left == 0 || (acc_ & ((uint64_t{1} << left) - 1)) == 0;
+  }
 
  private:
   void Refill() {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <exception>
 #include <memory>
 #include <mutex>
 
@@ -18,6 +19,7 @@ struct Session {
   int running = 0;      // GUARDED_BY(mu)
   bool closed = false;  // GUARDED_BY(mu)
   std::atomic<size_t> next{0};
+  std::exception_ptr error;  // GUARDED_BY(mu): the first exception a helper threw
 };
 
 }  // namespace parallel_detail
@@ -36,20 +38,38 @@ void ParallelFor(size_t count, int threads, Fn&& fn) {
       fn(i);
     }
   };
-  SubmitToPool(workers - 1, [session, drain] {
+  SubmitToPool(workers - 1, [session, drain, count] {
     {
       std::lock_guard<std::mutex> lock(session->mu);
       if (session->closed) return;
       ++session->running;
     }
-    drain();
+    std::exception_ptr error;
+    try {
+      drain();
+    } catch (...) {
+      // Exceptions never leave a pool thread: the caller rethrows the first one.
+      error = std::current_exception();
+      session->next.store(count, std::memory_order_relaxed);
+    }
     std::lock_guard<std::mutex> lock(session->mu);
+    if (error && !session->error) session->error = error;
     if (--session->running == 0) session->idle.notify_all();
   });
-  drain();
+  std::exception_ptr error;
+  try {
+    drain();
+  } catch (...) {
+    error = std::current_exception();
+    session->next.store(count, std::memory_order_relaxed);
+  }
+  // Whatever happened, no helper may still be running `fn` when this frame unwinds.
   std::unique_lock<std::mutex> lock(session->mu);
   session->closed = true;
   session->idle.wait(lock, [&] { return session->running == 0; });
+  if (!error) error = session->error;
+  lock.unlock();
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace flywheel

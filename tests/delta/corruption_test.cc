@@ -1,11 +1,16 @@
 // Corrupted, truncated and forged deltas: each case by name. The rule under test: a bad
 // delta is a clear error, never a partial or wrong output, and never a huge allocation.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <stdexcept>
 
 #include "delta/delta.h"
+#include "delta/delta_file.h"
 #include "delta/hash.h"
+#include "delta/parallel.h"
 #include "tests/delta/test_checkpoints.h"
 
 namespace flywheel::delta {
@@ -269,6 +274,107 @@ TEST_F(CorruptionTest, ChunkRawSizeBomb) {
   Status st = DeltaView::Parse(Container(m, 16)).status();
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("raw size"), std::string::npos) << st.message();
+}
+
+// A manifest with one U8 tensor of `words` words and one chunk of the given shape.
+std::vector<std::byte> OneChunkManifest(bool keyframe, uint64_t words, uint8_t kind,
+                                        uint8_t compressor, uint64_t changed, uint64_t raw_bytes,
+                                        uint64_t payload_bytes, uint64_t chunk_words = 0) {
+  if (chunk_words == 0) chunk_words = words;
+  auto m = ManifestPrefix();
+  if (keyframe) std::fill(m.begin() + 2, m.begin() + 18, std::byte{0});
+  Varint(m, 1);
+  Varint(m, 1);
+  m.push_back(std::byte{'x'});
+  m.push_back(std::byte{1});  // U8
+  Varint(m, 1);
+  Varint(m, words);
+  m.resize(m.size() + 32);
+  Varint(m, changed);
+  Varint(m, 1);  // chunks of the tensor
+  Varint(m, 1);  // chunk table
+  Varint(m, 0);
+  Varint(m, chunk_words);
+  m.push_back(std::byte{kind});
+  m.push_back(std::byte{compressor});
+  Varint(m, changed);
+  Varint(m, raw_bytes);
+  Varint(m, payload_bytes);
+  m.resize(m.size() + 8);
+  return m;
+}
+
+TEST_F(CorruptionTest, SparseChunkClaimingMoreChangesThanItsBytesCanHold) {
+  // 2^24 changes declared in a 3-byte raw chunk: refused while parsing.
+  auto m = OneChunkManifest(false, 1 << 24, 0, 0, 1 << 24, 3, 3);
+  Status st = DeltaView::Parse(Container(m, 3)).status();
+  EXPECT_EQ(st.code(), StatusCode::kCorruption);
+  EXPECT_NE(st.message().find("changes in only 3 bytes"), std::string::npos) << st.message();
+}
+
+TEST_F(CorruptionTest, ChunkLargerThanTheWordLimit) {
+  auto m = OneChunkManifest(false, (1u << 24) + 1, 0, 0, 1, 16, 16);
+  EXPECT_EQ(DeltaView::Parse(Container(m, 16)).status().code(), StatusCode::kResourceExhausted);
+}
+
+TEST_F(CorruptionTest, DeclaredTotalSizeOverflowIsRefused) {
+  // Two chunkless tensors of 2^62 bytes each: their sum must not wrap.
+  auto m = ManifestPrefix();
+  Varint(m, 2);
+  for (char name : {'a', 'b'}) {
+    Varint(m, 1);
+    m.push_back(std::byte(name));
+    m.push_back(std::byte{1});  // U8
+    Varint(m, 1);
+    Varint(m, uint64_t{1} << 62);
+    m.resize(m.size() + 32);
+    Varint(m, 0);
+    Varint(m, 0);
+  }
+  Varint(m, 0);
+  EXPECT_EQ(DeltaView::Parse(Container(m)).status().code(), StatusCode::kResourceExhausted);
+}
+
+TEST_F(CorruptionTest, ForgedKeyframeIsRefusedBeforeAllocating) {
+  // 16 MiB declared as one zstd literal chunk with a 1-byte payload.
+  auto m = OneChunkManifest(true, 1 << 24, 2, 1, 1 << 24, 1 << 24, 1);
+  auto bytes = Container(m, 1);
+  Store64(bytes, 8, (Load64(bytes, 8) & 0xffff) | (uint64_t{1} << 16));  // keyframe flag
+  Reseal(bytes);
+  auto view = DeltaView::Parse(bytes);
+  ASSERT_TRUE(view.ok()) << view.status().ToString();
+  auto decoded = DecodeKeyframe(*view);
+  EXPECT_EQ(decoded.status().code(), StatusCode::kCorruption);
+}
+
+TEST_F(CorruptionTest, FileApplyChecksTheBaseBeforeReservingTheOutput) {
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("flywheel_corrupt_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  // A delta naming a 512 GiB tensor, and a base path that does not exist.
+  auto m = OneChunkManifest(false, uint64_t{1} << 39, 0, 0, 1, 16, 16, 64);
+  ASSERT_TRUE(WriteFileAtomically((dir / "d.fwd").string(), Container(m, 16)).ok());
+  auto applied = ApplyFiles((dir / "missing.safetensors").string(), (dir / "d.fwd").string(),
+                            (dir / "out.safetensors").string());
+  ASSERT_FALSE(applied.ok());
+  EXPECT_NE(applied.status().message().find("missing.safetensors"), std::string::npos)
+      << applied.status().message();
+  EXPECT_FALSE(fs::exists(dir / "out.safetensors"));
+  fs::remove_all(dir);
+}
+
+TEST(ParallelForTest, ExceptionsReachTheCallerAfterEveryWorkerStopped) {
+  std::atomic<int> ran{0};
+  EXPECT_THROW(flywheel::ParallelFor(1000, 4,
+                                     [&](size_t i) {
+                                       ++ran;
+                                       if (i == 10) throw std::runtime_error("boom");
+                                     }),
+               std::runtime_error);
+  // The pool is still usable afterwards.
+  std::atomic<int> sum{0};
+  flywheel::ParallelFor(100, 4, [&](size_t i) { sum += static_cast<int>(i); });
+  EXPECT_EQ(sum.load(), 4950);
 }
 
 TEST_F(CorruptionTest, ForgedTargetHashRollsBack) {

@@ -156,6 +156,31 @@ TEST(EntropyTest, GammaRoundTrip) {
   EXPECT_EQ(decoded, z);
 }
 
+TEST(EntropyTest, TrailingBytesAreRejected) {
+  std::vector<uint32_t> gaps = {3, 1, 40};
+  std::vector<uint8_t> index;
+  RiceEncode(gaps, 2, &index);
+  std::vector<uint32_t> positions(3);
+  ASSERT_TRUE(RiceDecodePositions(index, 2, 3, 1000, positions.data()).ok());
+  index.push_back(0);
+  EXPECT_EQ(RiceDecodePositions(index, 2, 3, 1000, positions.data()).code(),
+            StatusCode::kCorruption);
+
+  std::vector<uint64_t> z = {1, 2, 3, 1000};
+  std::vector<uint8_t> gamma;
+  EncodeValuesGamma(z, &gamma);
+  gamma.push_back(0x55);
+  std::vector<uint64_t> decoded(z.size());
+  EXPECT_EQ(DecodeValuesGamma(gamma, z.size(), decoded.data()).code(), StatusCode::kCorruption);
+
+  std::vector<uint64_t> small = {1, 2, 2, 1};  // no value needs extra bits
+  std::vector<uint8_t> rans;
+  EncodeValues(small, &rans);
+  ASSERT_TRUE(DecodeValues(rans, small.size(), decoded.data()).ok());
+  rans.push_back(0);
+  EXPECT_EQ(DecodeValues(rans, small.size(), decoded.data()).code(), StatusCode::kCorruption);
+}
+
 TEST(EntropyTest, RansRejectsMalformedTables) {
   auto z = SampleValues(1000, 5);
   std::vector<uint8_t> bytes;
