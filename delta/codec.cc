@@ -267,6 +267,17 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
+// Pool threads live for the process: after an unusually large chunk, give its scratch
+// back instead of holding the peak forever.
+void TrimScratch(Scratch& s) {
+  constexpr size_t kKeepBytes = 64 << 20;
+  auto trim = [&](auto& v) {
+    if (v.capacity() * sizeof(v[0]) > kKeepBytes) std::decay_t<decltype(v)>().swap(v);
+  };
+  trim(s.positions), trim(s.gaps), trim(s.z), trim(s.words_a), trim(s.words_b);
+  trim(s.raw), trim(s.raw2), trim(s.packed), trim(s.packed2);
+}
+
 // ---- encoding -----------------------------------------------------------------------
 
 struct ChunkTask {
@@ -387,6 +398,7 @@ EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base, cons
     }
   }
   e.checksum = Checksum(out.payload);
+  TrimScratch(s);
   return out;
 }
 
@@ -1016,7 +1028,9 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
 Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
                   bool keep_undo, UndoRecord* undo) {
   try {
-    return ApplyChunkImpl(delta, index, tensor_data, keep_undo, undo);
+    Status st = ApplyChunkImpl(delta, index, tensor_data, keep_undo, undo);
+    TrimScratch(ThreadScratch());
+    return st;
   } catch (const std::bad_alloc&) {
     if (undo->applied) return Status::Internal("allocation failed after a chunk was applied");
     return Status::ResourceExhausted(ChunkName(delta.manifest(), index) +
