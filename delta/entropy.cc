@@ -30,9 +30,12 @@ uint64_t RiceCost(std::span<const uint32_t> gaps, int k) {
 int ChooseRiceK(std::span<const uint32_t> gaps) {
   if (gaps.empty()) return 0;
   // Estimate every k from a histogram of gap bit lengths (a gap of length L is about
-  // 1.5 * 2^(L-1)), robust to a few huge gaps; then price the best guess exactly.
+  // 1.5 * 2^(L-1)), robust to a few huge gaps; a sample of 4096 gaps is plenty.
   uint64_t by_length[33] = {};
-  for (uint32_t g : gaps) ++by_length[g ? BitLength(g) : 0];
+  const size_t stride = std::max<size_t>(1, gaps.size() / 4096);
+  for (size_t i = 0; i < gaps.size(); i += stride) {
+    ++by_length[gaps[i] ? BitLength(gaps[i]) : 0];
+  }
   int guess = 0;
   double guess_cost = 1e300;
   for (int k = 0; k <= kMaxRiceK; ++k) {
@@ -40,28 +43,42 @@ int ChooseRiceK(std::span<const uint32_t> gaps) {
     for (int length = 0; length <= 32; ++length) {
       if (!by_length[length]) continue;
       double q = length == 0 ? 0 : std::ldexp(1.5, length - 1 - k);
-      double bits =
-          q < kRiceEscapeQuotient ? std::floor(q) + 1 + k : kRiceEscapeQuotient + 1 + 6 + length;
+      double bits = q < kRiceEscapeQuotient ? std::floor(q) + 1 + k
+                                            : kRiceEscapeQuotient + 1 + 6 + length;
       cost += bits * static_cast<double>(by_length[length]);
     }
     if (cost < guess_cost) guess_cost = cost, guess = k;
   }
-  // Exact prices of guess - 1, guess, guess + 1 in one pass over the gaps.
+  // Exact prices of three neighbours: first as if nothing were escaped (a loop the
+  // compiler vectorises), then corrected for the rare escaped gaps.
   const int k0 = std::clamp(guess - 1, 0, kMaxRiceK - 2);
-  uint64_t cost[3] = {0, 0, 0};
+  uint64_t sum[3] = {0, 0, 0};
   for (uint32_t g : gaps) {
+    sum[0] += g >> k0;
+    sum[1] += g >> (k0 + 1);
+    sum[2] += g >> (k0 + 2);
+  }
+  int64_t cost[3];
+  for (int j = 0; j < 3; ++j) {
+    cost[j] = static_cast<int64_t>(sum[j] + gaps.size() * static_cast<uint64_t>(1 + k0 + j));
+  }
+  const uint64_t escape_from = uint64_t{kRiceEscapeQuotient} << k0;
+  for (uint32_t g : gaps) {
+    if (g < escape_from) continue;
     for (int j = 0; j < 3; ++j) {
       const uint64_t q = g >> (k0 + j);
-      cost[j] += q < kRiceEscapeQuotient ? q + 1 + k0 + j
-                                         : kRiceEscapeQuotient + 1 + 6 + BitLength(uint64_t{g} | 1);
+      if (q >= kRiceEscapeQuotient) {
+        cost[j] += static_cast<int64_t>(kRiceEscapeQuotient + 1 + 6 + BitLength(uint64_t{g})) -
+                   static_cast<int64_t>(q + 1 + k0 + j);
+      }
     }
   }
-  const int j = static_cast<int>(std::min_element(cost, cost + 3) - cost);
-  return k0 + j;
+  return k0 + static_cast<int>(std::min_element(cost, cost + 3) - cost);
 }
 
 void RiceEncode(std::span<const uint32_t> gaps, int k, std::vector<uint8_t>* out) {
-  BitWriter w(out);
+  // At most 31 + 1 + 6 + 32 bits per gap (an escaped one).
+  BitWriter w(out, 70 * static_cast<uint64_t>(gaps.size()));
   const uint64_t low_mask = (uint64_t{1} << k) - 1;
   for (uint32_t g : gaps) {
     uint64_t q = g >> k;
@@ -202,14 +219,16 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
   }
   // Two interleaved states (value i uses state i & 1). rANS runs backwards: bytes come
   // out in reverse decoding order and are flipped at the end.
-  thread_local std::vector<uint8_t> reversed;
-  reversed.clear();
-  reversed.reserve(z.size() / 2 + 16);
+  // A step emits at most two bytes (x < 2^31, x_max >= 2^19), written backwards.
+  thread_local std::vector<uint8_t> buffer;
+  buffer.resize(2 * z.size() + 16);
+  uint8_t* const buffer_end = buffer.data() + buffer.size();
+  uint8_t* ptr = buffer_end;
   uint32_t x0 = kRansLow, x1 = kRansLow;
   auto put = [&](uint32_t& state, uint8_t symbol) {
     const EncSymbol& e = enc[symbol];
     while (state >= e.x_max) {
-      reversed.push_back(static_cast<uint8_t>(state));
+      *--ptr = static_cast<uint8_t>(state);
       state >>= 8;
     }
     const uint32_t q =
@@ -224,19 +243,19 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
     i -= 2;
   }
   const uint32_t x[2] = {x0, x1};
-  wire::PutVarint(out, reversed.size() + 8);
+  wire::PutVarint(out, static_cast<uint64_t>(buffer_end - ptr) + 8);
   wire::PutFixed(out, x[0], 4);
   wire::PutFixed(out, x[1], 4);
-  out->insert(out->end(), reversed.rbegin(), reversed.rend());
+  out->insert(out->end(), ptr, buffer_end);
   if (any_extra) {
-    BitWriter extra(out);
+    BitWriter extra(out, 63 * static_cast<uint64_t>(z.size()));
     for (uint64_t v : z) PutExtraBits(extra, v);
     extra.Flush();
   }
 }
 
 void EncodeValuesGamma(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
-  BitWriter w(out);
+  BitWriter w(out, 127 * static_cast<uint64_t>(z.size()));
   for (uint64_t v : z) {
     int length = BitLength(v);
     // length - 1 zeros, a one, then the length - 1 low bits.

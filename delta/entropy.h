@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cassert>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -23,15 +24,22 @@ namespace flywheel::delta::entropy {
 
 class BitWriter {
  public:
-  explicit BitWriter(std::vector<uint8_t>* out) : out_(out) {}
-  // REQUIRES: count <= 32, value < 2^count.
+  // Appends to `out`, which is grown once to hold `max_bits` more bits (an upper bound
+  // the caller computes); Flush() trims it to what was written.
+  BitWriter(std::vector<uint8_t>* out, uint64_t max_bits) : out_(out), start_(out->size()) {
+    out->resize(start_ + (max_bits + 7) / 8 + 8);
+    next_ = out->data() + start_;
+    limit_ = out->data() + out->size();
+  }
+  // REQUIRES: count <= 32, value < 2^count, at most max_bits in all.
   void Put(uint64_t value, int count) {
     acc_ |= value << filled_;
     filled_ += count;
     if (filled_ >= 32) {
-      const uint8_t bytes[4] = {static_cast<uint8_t>(acc_), static_cast<uint8_t>(acc_ >> 8),
-                                static_cast<uint8_t>(acc_ >> 16), static_cast<uint8_t>(acc_ >> 24)};
-      out_->insert(out_->end(), bytes, bytes + 4);
+      assert(next_ + 4 <= limit_);
+      const uint32_t low = static_cast<uint32_t>(acc_);
+      std::memcpy(next_, &low, 4);
+      next_ += 4;
       acc_ >>= 32;
       filled_ -= 32;
     }
@@ -45,19 +53,23 @@ class BitWriter {
       Put(value, count);
     }
   }
-  // Writes the partial last bytes (zero padded).
+  // Writes the partial last bytes (zero padded) and trims the vector.
   void Flush() {
     while (filled_ > 0) {
-      out_->push_back(static_cast<uint8_t>(acc_));
+      *next_++ = static_cast<uint8_t>(acc_);
       acc_ >>= 8;
       filled_ -= 8;
     }
     acc_ = 0;
     filled_ = 0;
+    out_->resize(static_cast<size_t>(next_ - out_->data()));
   }
 
  private:
   std::vector<uint8_t>* out_;
+  size_t start_;
+  uint8_t* next_;
+  uint8_t* limit_;
   uint64_t acc_ = 0;
   int filled_ = 0;
 };
