@@ -296,7 +296,10 @@ struct EncodedChunk {
 // Compares base and target in cache-sized blocks and gathers the changed words while the
 // block is still in cache: fills s.positions (chunk-relative), s.words_a (base words) and
 // s.words_b (target words); returns the number of changed words.
-size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_t n, Scratch& s) {
+// When hashers are given, each block is also fed to them first (it is then compared from
+// cache instead of being read from memory twice).
+size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_t n, Scratch& s,
+                        StreamingHash* base_hasher, StreamingHash* target_hasher) {
   constexpr size_t kBlockBytes = 64 << 10;
   const size_t block_words = kBlockBytes / w;
   s.positions.resize(n);
@@ -305,6 +308,8 @@ size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_
   size_t m = 0;
   for (size_t begin = 0; begin < n; begin += block_words) {
     const size_t len = std::min(block_words, n - begin);
+    if (base_hasher) base_hasher->Update(base + begin * w, len * w);
+    if (target_hasher) target_hasher->Update(target + begin * w, len * w);
     uint32_t* pos = s.positions.data() + m;
     size_t found = kernels::CompareCompact(base + begin * w, target + begin * w, len, w, pos);
     if (found == 0) continue;
@@ -347,7 +352,9 @@ void BuildSparseRaw(int w, size_t m, Scratch& s, ByteVec* raw) {
 }
 
 EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base, const uint8_t* target,
-                         const EncodeOptions& options, bool keyframe) {
+                         const EncodeOptions& options, bool keyframe,
+                         StreamingHash* base_hasher = nullptr,
+                         StreamingHash* target_hasher = nullptr) {
   Scratch& s = ThreadScratch();
   EncodedChunk out;
   ChunkEntry& e = out.entry;
@@ -375,12 +382,13 @@ EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base, cons
   };
 
   if (keyframe) {
+    if (target_hasher) target_hasher->Update(t, dense_bytes);
     s.raw.resize(dense_bytes);
     Shuffle(t, n, w, s.raw.data());
     e.changed_words = n;
     choose(ChunkKind::kLiteral, s.raw, s.packed);
   } else {
-    size_t m = CompareAndGather(w, b, t, n, s);
+    size_t m = CompareAndGather(w, b, t, n, s, base_hasher, target_hasher);
     if (m == 0) return out;
     e.changed_words = m;
     BuildSparseRaw(w, m, s, &s.raw);
@@ -511,47 +519,34 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
     }
   }
 
-  // Hashes (given or computed); base hashes given index-aligned with `base`.
-  FW_ASSIGN_OR_RETURN(
-      std::vector<Hash128> target_hashes,
-      HashesOrCompute(target, options.target_tensor_hashes, options.threads, "target"));
-  std::vector<Hash128> base_hashes(target.size());
-  Hash128 base_hash;
-  if (!keyframe) {
-    FW_ASSIGN_OR_RETURN(
-        std::vector<Hash128> given,
-        HashesOrCompute(*base, options.base_tensor_hashes, options.threads, "base"));
-    for (size_t i = 0; i < base->size(); ++i) base_hashes[target_index[(*base)[i].name]] = given[i];
-    FW_ASSIGN_OR_RETURN(base_hash, CheckpointHashFromTensorHashes(*base, given));
-  }
-  FW_ASSIGN_OR_RETURN(Hash128 target_hash, CheckpointHashFromTensorHashes(target, target_hashes));
-
-  // Cut tensors into chunks and encode them in parallel.
+  // Chunks: word ranges of every tensor.
   std::vector<ChunkTask> tasks;
-  uint64_t total_bytes = 0;
+  std::vector<size_t> first_task(target.size() + 1, 0);
+  uint64_t total_bytes = 0, largest = 0;
   for (size_t i = 0; i < target.size(); ++i) {
     const int w = DTypeWordBytes(target[i].dtype);
     const uint64_t words = target[i].data.size() / w;
     const uint64_t chunk_words =
         std::min<uint64_t>(kMaxChunkWords, std::max<uint64_t>(1, options.chunk_bytes / w));
-    // Unchanged tensors (equal hashes) need no comparison at all.
-    if (!keyframe && base_hashes[i] == target_hashes[i] &&
-        std::ranges::equal(base_aligned[i].data, target[i].data)) {
-      continue;
-    }
+    first_task[i] = tasks.size();
     for (uint64_t begin = 0; begin < words; begin += chunk_words) {
       tasks.push_back({static_cast<uint32_t>(i), begin, std::min(chunk_words, words - begin)});
     }
-    total_bytes += target[i].data.size();  // progress counts the bytes that are compared
+    total_bytes += target[i].data.size();
+    largest = std::max<uint64_t>(largest, target[i].data.size());
   }
+  first_task[target.size()] = tasks.size();
+
   std::vector<EncodedChunk> encoded(tasks.size());
+  std::vector<bool> skip(tasks.size(), false);
   std::atomic<uint64_t> done_bytes{0};
-  ParallelFor(tasks.size(), options.threads, [&](size_t k) {
+  auto encode_task = [&](size_t k, StreamingHash* base_hasher, StreamingHash* target_hasher) {
     const ChunkTask& task = tasks[k];
     const int w = DTypeWordBytes(target[task.tensor_index].dtype);
     const uint8_t* b = keyframe ? nullptr : U8(base_aligned[task.tensor_index].data);
     try {
-      encoded[k] = EncodeChunk(task, w, b, U8(target[task.tensor_index].data), options, keyframe);
+      encoded[k] = EncodeChunk(task, w, b, U8(target[task.tensor_index].data), options, keyframe,
+                               base_hasher, target_hasher);
     } catch (const std::bad_alloc&) {
       encoded[k] = EncodedChunk{};
       encoded[k].error = Status::ResourceExhausted("out of memory encoding tensor " +
@@ -559,7 +554,59 @@ Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const Chec
     }
     uint64_t done = done_bytes.fetch_add(task.word_count * w) + task.word_count * w;
     if (options.progress) options.progress(done, total_bytes);
-  });
+  };
+
+  std::vector<Hash128> target_hashes(target.size()), base_hashes(target.size());
+  const bool hash_here =
+      options.target_tensor_hashes.empty() && (keyframe || options.base_tensor_hashes.empty());
+  // Hashing inside the compare pass reads every byte once instead of twice, but a
+  // tensor's chunks must then run in order on one thread: only when no tensor is so large
+  // that it would leave the other threads idle.
+  const bool fused =
+      hash_here && (options.threads == 1 || largest * options.threads <= total_bytes);
+  if (fused) {
+    std::vector<size_t> order(target.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t c) { return target[a].data.size() > target[c].data.size(); });
+    ParallelFor(order.size(), options.threads, [&](size_t j) {
+      const size_t i = order[j];
+      StreamingHash base_hasher, target_hasher;
+      for (size_t k = first_task[i]; k < first_task[i + 1]; ++k) {
+        encode_task(k, keyframe ? nullptr : &base_hasher, &target_hasher);
+      }
+      target_hashes[i] = target_hasher.Finish();
+      if (!keyframe) base_hashes[i] = base_hasher.Finish();
+    });
+  } else {
+    // Hashes first (given or computed); base hashes are given index-aligned with `base`.
+    FW_ASSIGN_OR_RETURN(target_hashes, HashesOrCompute(target, options.target_tensor_hashes,
+                                                       options.threads, "target"));
+    if (!keyframe) {
+      FW_ASSIGN_OR_RETURN(
+          std::vector<Hash128> given,
+          HashesOrCompute(*base, options.base_tensor_hashes, options.threads, "base"));
+      for (size_t i = 0; i < base->size(); ++i) {
+        base_hashes[target_index[(*base)[i].name]] = given[i];
+      }
+      // Unchanged tensors (equal hashes and bytes) need no comparison at all.
+      for (size_t i = 0; i < target.size(); ++i) {
+        if (base_hashes[i] == target_hashes[i] &&
+            std::ranges::equal(base_aligned[i].data, target[i].data)) {
+          for (size_t k = first_task[i]; k < first_task[i + 1]; ++k) skip[k] = true;
+          done_bytes += target[i].data.size();
+        }
+      }
+    }
+    ParallelFor(tasks.size(), options.threads, [&](size_t k) {
+      if (!skip[k]) encode_task(k, nullptr, nullptr);
+    });
+  }
+  Hash128 base_hash;
+  if (!keyframe) {
+    FW_ASSIGN_OR_RETURN(base_hash, CheckpointHashFromTensorHashes(base_aligned, base_hashes));
+  }
+  FW_ASSIGN_OR_RETURN(Hash128 target_hash, CheckpointHashFromTensorHashes(target, target_hashes));
 
   for (const EncodedChunk& c : encoded) FW_RETURN_IF_ERROR(c.error);
 

@@ -43,8 +43,8 @@ int ChooseRiceK(std::span<const uint32_t> gaps) {
     for (int length = 0; length <= 32; ++length) {
       if (!by_length[length]) continue;
       double q = length == 0 ? 0 : std::ldexp(1.5, length - 1 - k);
-      double bits = q < kRiceEscapeQuotient ? std::floor(q) + 1 + k
-                                            : kRiceEscapeQuotient + 1 + 6 + length;
+      double bits =
+          q < kRiceEscapeQuotient ? std::floor(q) + 1 + k : kRiceEscapeQuotient + 1 + 6 + length;
       cost += bits * static_cast<double>(by_length[length]);
     }
     if (cost < guess_cost) guess_cost = cost, guess = k;

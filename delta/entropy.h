@@ -9,8 +9,8 @@
 //    for value symbols, with a per-chunk frequency table.
 #pragma once
 
-#include <cstddef>
 #include <cassert>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>

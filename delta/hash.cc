@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <numeric>
 
 #include "delta/parallel.h"
@@ -44,6 +45,21 @@ Result<Hash128> Hash128::FromHex(std::string_view hex) {
 
 Hash128 HashBytes(std::span<const std::byte> bytes) {
   XXH128_hash_t h = XXH3_128bits_dispatch(bytes.data(), bytes.size());
+  return {h.low64, h.high64};
+}
+
+StreamingHash::StreamingHash() : state_(XXH3_createState()) {
+  if (state_ == nullptr) throw std::bad_alloc();
+  XXH3_128bits_reset(static_cast<XXH3_state_t*>(state_));
+}
+StreamingHash::~StreamingHash() {
+  XXH3_freeState(static_cast<XXH3_state_t*>(state_));
+}
+void StreamingHash::Update(const void* data, size_t size) {
+  if (size > 0) XXH3_128bits_update_dispatch(static_cast<XXH3_state_t*>(state_), data, size);
+}
+Hash128 StreamingHash::Finish() {
+  XXH128_hash_t h = XXH3_128bits_digest(static_cast<XXH3_state_t*>(state_));
   return {h.low64, h.high64};
 }
 

@@ -28,6 +28,21 @@ struct Hash128 {
 };
 
 Hash128 HashBytes(std::span<const std::byte> bytes);
+
+// XXH3-128 of bytes fed in pieces: Finish() equals HashBytes of their concatenation.
+// Lets a pass that reads a tensor block by block hash it while the block is in cache.
+class StreamingHash {
+ public:
+  StreamingHash();
+  ~StreamingHash();
+  StreamingHash(const StreamingHash&) = delete;
+  StreamingHash& operator=(const StreamingHash&) = delete;
+  void Update(const void* data, size_t size);
+  Hash128 Finish();
+
+ private:
+  void* state_;  // XXH3_state_t
+};
 uint64_t HashBytes64(std::span<const std::byte> bytes);
 inline Hash128 TensorHash(const TensorView& tensor) {
   return HashBytes(tensor.data);

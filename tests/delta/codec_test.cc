@@ -202,6 +202,28 @@ TEST(CodecTest, EncodingIsDeterministicAcrossThreadCounts) {
   EXPECT_TRUE(SameBytes(*out, target));
 }
 
+TEST(CodecTest, HashingInsideTheComparePassChangesNothing) {
+  // Four equal tensors: with 2 threads the encoder hashes while comparing (no tensor is
+  // too large to share out); with 5 threads or given hashes it hashes first. Same bytes.
+  std::vector<testing::TensorSpec> specs;
+  for (int i = 0; i < 4; ++i) specs.push_back({"t" + std::to_string(i), DType::kBF16, {300, 70}});
+  auto base = RandomCheckpoint(specs, 55);
+  auto target = Mutate(base, 0.02, 56);
+  EncodeOptions fused, split, given;
+  fused.chunk_bytes = split.chunk_bytes = given.chunk_bytes = 4096;
+  fused.threads = 2;
+  split.threads = 5;
+  for (const auto& t : base.view()) given.base_tensor_hashes.push_back(TensorHash(t));
+  for (const auto& t : target.view()) given.target_tensor_hashes.push_back(TensorHash(t));
+  auto a = MustEncode(base, target, fused);
+  EXPECT_EQ(a, MustEncode(base, target, split));
+  EXPECT_EQ(a, MustEncode(base, target, given));
+  auto k1 = EncodeKeyframe(target.view(), fused);
+  auto k2 = EncodeKeyframe(target.view(), split);
+  ASSERT_TRUE(k1.ok() && k2.ok());
+  EXPECT_EQ(*k1, *k2);
+}
+
 TEST(CodecTest, TensorOrderDoesNotMatter) {
   auto base = RandomCheckpoint(testing::MixedSpecs(), 61);
   auto target = Mutate(base, 0.02, 62);
