@@ -103,15 +103,62 @@ void RiceEncode(std::span<const uint32_t> gaps, int k, std::vector<uint8_t>* out
 Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uint64_t limit,
                            uint32_t* positions) {
   if (k < 0 || k > kMaxRiceK) return Corrupt("Rice parameter " + std::to_string(k) + " > 31");
-  BitReader r(in);
   int64_t position = -1;
   const uint64_t low_mask = (uint64_t{1} << k) - 1;
-  for (size_t i = 0; i < count; ++i) {
+  auto past_limit = [&](size_t i) {
+    return Corrupt("index stream: change " + std::to_string(i) + " at word " +
+                   std::to_string(position) + " is past the chunk's " + std::to_string(limit) +
+                   " words");
+  };
+  // Fast loop: while 8 bytes can be loaded at the current bit position, decode plain
+  // (unescaped) codes straight from an unaligned load, keeping all state in registers.
+  size_t i = 0;
+  uint64_t bit = 0;
+  const uint8_t* data = in.data();
+  const uint64_t fast_end = in.size() >= 8 ? (in.size() - 8) * 8 : 0;
+  if (k <= 24) {
+    while (i < count && bit < fast_end) {
+      uint64_t bits;
+      std::memcpy(&bits, data + (bit >> 3), 8);
+      bits >>= bit & 7;
+      const int valid = 64 - static_cast<int>(bit & 7);  // >= 57
+      int used = 0;
+      bool careful = false;
+      // Decode every code that lies wholly inside this window.
+      while (i < count) {
+        const int q = bits ? __builtin_ctzll(bits) : 64;
+        const int length = q + 1 + k;
+        if (length > valid - used) {
+          careful = used == 0;  // not even a fresh window holds it: escape or corruption
+          break;
+        }
+        if (q >= kRiceEscapeQuotient) {
+          careful = true;
+          break;
+        }
+        const uint64_t gap = (static_cast<uint64_t>(q) << k) | ((bits >> (q + 1)) & low_mask);
+        bits >>= length;
+        used += length;
+        position += static_cast<int64_t>(gap) + 1;
+        if (static_cast<uint64_t>(position) >= limit) return past_limit(i);
+        positions[i++] = static_cast<uint32_t>(position);
+      }
+      bit += static_cast<uint64_t>(used);
+      if (careful) break;
+    }
+  }
+  // Careful loop for the rest: escapes, the last bytes, malformed input.
+  BitReader r(in);
+  for (uint64_t skip = bit; skip > 0;) {
+    const int step = static_cast<int>(std::min<uint64_t>(skip, 48));
+    r.Skip(step);
+    skip -= step;
+  }
+  for (; i < count; ++i) {
     uint64_t bits = r.Peek();
     int q = bits ? __builtin_ctzll(bits) : 64;
     uint64_t gap;
     if (q < kRiceEscapeQuotient && q + 1 + k <= 56) {
-      // The common case: unary part, stop bit and low bits all in the window.
       gap = (static_cast<uint64_t>(q) << k) | ((bits >> (q + 1)) & low_mask);
       r.Skip(q + 1 + k);
     } else if (q < kRiceEscapeQuotient) {
@@ -128,11 +175,7 @@ Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uin
       return Corrupt("index stream: run of more than 31 zero bits at change " + std::to_string(i));
     }
     position += static_cast<int64_t>(gap) + 1;
-    if (static_cast<uint64_t>(position) >= limit) {
-      return Corrupt("index stream: change " + std::to_string(i) + " at word " +
-                     std::to_string(position) + " is past the chunk's " + std::to_string(limit) +
-                     " words");
-    }
+    if (static_cast<uint64_t>(position) >= limit) return past_limit(i);
     positions[i] = static_cast<uint32_t>(position);
   }
   if (r.overrun()) return Corrupt("index stream is truncated");
