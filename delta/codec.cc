@@ -1154,7 +1154,25 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
   }
 
   // Decode and apply every chunk; stop early after a failure.
-  std::vector<UndoRecord> undo(m.chunks.size());
+  // Undo records are recycled per calling thread (a worker applies delta after delta), so
+  // their memory is mapped once rather than page-faulted in on every apply.
+  thread_local std::vector<UndoRecord> recycled_undo;
+  std::vector<UndoRecord> undo = std::move(recycled_undo);
+  undo.resize(m.chunks.size());
+  for (UndoRecord& u : undo) {
+    u.applied = false;
+    u.positions.clear();
+    u.old_bytes.clear();
+  }
+  struct GiveBack {
+    std::vector<UndoRecord>& records;
+    ~GiveBack() {
+      size_t bytes = 0;
+      for (const UndoRecord& u : records)
+        bytes += u.positions.capacity() * 4 + u.old_bytes.capacity();
+      if (bytes <= (256u << 20)) recycled_undo = std::move(records);
+    }
+  } give_back{undo};
   std::vector<Status> errors(m.chunks.size());
   std::atomic<bool> failed{false};
   std::atomic<uint64_t> done_bytes{0};
