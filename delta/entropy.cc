@@ -224,17 +224,32 @@ void PutExtraBits(BitWriter& extra, uint64_t z) {
 }  // namespace
 
 void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
-  // One pass for symbols and their histogram.
+  // One pass for symbols and their histogram. Four partial histograms: runs of the same
+  // symbol (mostly +-1 ulp) would otherwise serialise on one counter.
   thread_local std::vector<uint8_t> symbols;
   symbols.resize(z.size());
-  uint64_t counts[kNumValueSymbols] = {};
-  bool any_extra = false;
-  for (size_t i = 0; i < z.size(); ++i) {
-    const int sym = ValueSymbol(z[i]);
-    symbols[i] = static_cast<uint8_t>(sym);
-    ++counts[sym];
-    any_extra |= sym >= 16;
+  uint32_t partial[4][kNumValueSymbols] = {};
+  uint8_t symbol_or = 0;
+  size_t i = 0;
+  for (; i + 4 <= z.size(); i += 4) {
+    for (int lane = 0; lane < 4; ++lane) {
+      const uint8_t sym = static_cast<uint8_t>(ValueSymbol(z[i + lane]));
+      symbols[i + lane] = sym;
+      ++partial[lane][sym];
+      symbol_or |= sym;
+    }
   }
+  for (; i < z.size(); ++i) {
+    const uint8_t sym = static_cast<uint8_t>(ValueSymbol(z[i]));
+    symbols[i] = sym;
+    ++partial[0][sym];
+    symbol_or |= sym;
+  }
+  uint64_t counts[kNumValueSymbols];
+  for (int sym = 0; sym < kNumValueSymbols; ++sym) {
+    counts[sym] = uint64_t{partial[0][sym]} + partial[1][sym] + partial[2][sym] + partial[3][sym];
+  }
+  const bool any_extra = symbol_or >= 16;
   std::vector<uint32_t> freq = NormalizeFrequencies(counts);
   // Per symbol: start, frequency, and a reciprocal so that x / freq is a multiply:
   // floor(x / f) == (x * ceil(2^43 / f)) >> 43 for every x < 2^31 and f <= 2^12.
@@ -278,7 +293,7 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
         static_cast<uint32_t>((static_cast<unsigned __int128>(state) * e.reciprocal) >> 43);
     state = (q << kRansScaleBits) + (state - q * e.freq) + e.start;
   };
-  size_t i = z.size();
+  i = z.size();
   if (i & 1) --i, put(x0, symbols[i]);
   while (i > 0) {
     put(x1, symbols[i - 1]);
