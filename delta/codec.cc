@@ -229,31 +229,6 @@ struct WordOf<8> {
   using S = int64_t;
 };
 
-// z[i] = zigzag(target[i] - base[i]) over gathered words.
-template <int W>
-void ZigZagDiffs(const uint8_t* base_words, const uint8_t* target_words, size_t m, uint64_t* z) {
-  using U = typename WordOf<W>::U;
-  using S = typename WordOf<W>::S;
-  for (size_t i = 0; i < m; ++i) {
-    U b, t;
-    std::memcpy(&b, base_words + i * W, W);
-    std::memcpy(&t, target_words + i * W, W);
-    z[i] = entropy::ZigZag(static_cast<S>(static_cast<U>(t - b)));
-  }
-}
-
-void ZigZagDiffsW(int w, const uint8_t* b, const uint8_t* t, size_t m, uint64_t* z) {
-  switch (w) {
-    case 1:
-      return ZigZagDiffs<1>(b, t, m, z);
-    case 2:
-      return ZigZagDiffs<2>(b, t, m, z);
-    case 4:
-      return ZigZagDiffs<4>(b, t, m, z);
-    default:
-      return ZigZagDiffs<8>(b, t, m, z);
-  }
-}
 // Per-thread scratch reused across chunks.
 struct Scratch {
   std::vector<uint32_t> positions;
@@ -265,6 +240,12 @@ struct Scratch {
 Scratch& ThreadScratch() {
   thread_local Scratch scratch;
   return scratch;
+}
+
+// Scratch only grows (shrinking and growing again would zero-fill the difference).
+template <typename V>
+void Grow(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
 }
 
 // Pool threads live for the process: after an unusually large chunk, give its scratch
@@ -293,56 +274,82 @@ struct EncodedChunk {
   Status error;  // ResourceExhausted when scratch could not be allocated
 };
 
-// Compares base and target in cache-sized blocks and gathers the changed words while the
-// block is still in cache: fills s.positions (chunk-relative), s.words_a (base words) and
-// s.words_b (target words); returns the number of changed words.
-// When hashers are given, each block is also fed to them first (it is then compared from
-// cache instead of being read from memory twice).
+// For the changed words just found in one block: the gap to the previous change and the
+// zigzagged difference, read while the block is in cache.
+template <int W>
+void GapsAndDiffs(const uint8_t* base, const uint8_t* target, const uint32_t* block_positions,
+                  size_t found, uint32_t block_begin, uint32_t& next_free, uint32_t* gaps,
+                  uint64_t* z) {
+  using U = typename WordOf<W>::U;
+  using S = typename WordOf<W>::S;
+  for (size_t i = 0; i < found; ++i) {
+    const uint32_t p = block_positions[i];
+    U b, t;
+    std::memcpy(&b, base + size_t{p} * W, W);
+    std::memcpy(&t, target + size_t{p} * W, W);
+    z[i] = entropy::ZigZag(static_cast<S>(static_cast<U>(t - b)));
+    gaps[i] = block_begin + p - next_free;
+    next_free = block_begin + p + 1;
+  }
+}
+
+// Compares base and target in cache-sized blocks (feeding each block to the hashers first,
+// when given) and, for the changed words, fills s.gaps and s.z while the block is still in
+// cache. Returns the number of changed words.
 size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_t n, Scratch& s,
                         StreamingHash* base_hasher, StreamingHash* target_hasher) {
   constexpr size_t kBlockBytes = 64 << 10;
   const size_t block_words = kBlockBytes / w;
-  s.positions.resize(n);
-  s.words_a.resize(n * w);
-  s.words_b.resize(n * w);
+  Grow(s.positions, std::min(n, block_words));
+  Grow(s.gaps, n);
+  Grow(s.z, n);
   size_t m = 0;
+  uint32_t next_free = 0;
   for (size_t begin = 0; begin < n; begin += block_words) {
     const size_t len = std::min(block_words, n - begin);
-    if (base_hasher) base_hasher->Update(base + begin * w, len * w);
-    if (target_hasher) target_hasher->Update(target + begin * w, len * w);
-    uint32_t* pos = s.positions.data() + m;
-    size_t found = kernels::CompareCompact(base + begin * w, target + begin * w, len, w, pos);
+    const uint8_t* b = base + begin * w;
+    const uint8_t* t = target + begin * w;
+    if (base_hasher) base_hasher->Update(b, len * w);
+    if (target_hasher) target_hasher->Update(t, len * w);
+    const size_t found = kernels::CompareCompact(b, t, len, w, s.positions.data());
     if (found == 0) continue;
-    kernels::Gather(base + begin * w, w, pos, s.words_a.data() + m * w, found);
-    kernels::Gather(target + begin * w, w, pos, s.words_b.data() + m * w, found);
-    for (size_t i = 0; i < found; ++i) pos[i] += static_cast<uint32_t>(begin);
+    const uint32_t block_begin = static_cast<uint32_t>(begin);
+    uint32_t* gaps = s.gaps.data() + m;
+    uint64_t* z = s.z.data() + m;
+    switch (w) {
+      case 1:
+        GapsAndDiffs<1>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z);
+        break;
+      case 2:
+        GapsAndDiffs<2>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z);
+        break;
+      case 4:
+        GapsAndDiffs<4>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z);
+        break;
+      default:
+        GapsAndDiffs<8>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z);
+        break;
+    }
     m += found;
   }
   return m;
 }
 
-// Builds the raw sparse chunk from s.positions/words_a/words_b (m changed words).
+// Builds the raw sparse chunk from s.gaps and s.z (m changed words).
 void BuildSparseRaw(int w, size_t m, Scratch& s, ByteVec* raw) {
-  s.gaps.resize(m);
-  uint32_t previous_plus_one = 0;
-  for (size_t i = 0; i < m; ++i) {
-    s.gaps[i] = s.positions[i] - previous_plus_one;
-    previous_plus_one = s.positions[i] + 1;
-  }
-  s.z.resize(m);
-  ZigZagDiffsW(w, s.words_a.data(), s.words_b.data(), m, s.z.data());
-
-  int k = entropy::ChooseRiceK(s.gaps);
+  const std::span<const uint32_t> gaps(s.gaps.data(), m);
+  const std::span<const uint64_t> z(s.z.data(), m);
+  int k = entropy::ChooseRiceK(gaps);
   ByteVec index;
-  entropy::RiceEncode(s.gaps, k, &index);
+  entropy::RiceEncode(gaps, k, &index);
   raw->clear();
   raw->push_back(static_cast<uint8_t>(k));
   ByteVec values;
-  entropy::EncodeValues(s.z, &values);
+  entropy::EncodeValues(z, &values);
   format::ValueCoding coding = format::ValueCoding::kRans;
   if (m < 256) {
     ByteVec gamma;
-    entropy::EncodeValuesGamma(s.z, &gamma);
+    entropy::EncodeValuesGamma(z, &gamma);
     if (gamma.size() < values.size()) values.swap(gamma), coding = format::ValueCoding::kGamma;
   }
   raw->push_back(static_cast<uint8_t>(coding));
@@ -1036,8 +1043,8 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
                                 std::to_string(index_stream.size()) + " bytes cannot hold " +
                                 std::to_string(count) + " changes");
     }
-    s.positions.resize(count);
-    s.z.resize(count);
+    Grow(s.positions, count);
+    Grow(s.z, count);
     Status st = entropy::RiceDecodePositions(index_stream, k, count, n, s.positions.data());
     if (st.ok()) {
       if (coding == static_cast<uint8_t>(format::ValueCoding::kRans)) {
@@ -1052,7 +1059,7 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
     // Everything decoded and in bounds: only now touch the state.
     void* old_values = nullptr;
     if (keep_undo) {
-      undo->positions.assign(s.positions.begin(), s.positions.end());
+      undo->positions.assign(s.positions.begin(), s.positions.begin() + count);
       undo->old_bytes.resize(count * w);
       old_values = undo->old_bytes.data();
     }
