@@ -7,6 +7,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <type_traits>
 #include <unordered_map>
 
 #include "delta/delta.h"
@@ -206,27 +207,13 @@ Status Decompress(Compressor compressor, std::span<const uint8_t> stored, uint64
 
 // ---- word arithmetic ----------------------------------------------------------------
 
+// The unsigned and signed integer of a word of W bytes.
 template <int W>
-struct WordOf;
-template <>
-struct WordOf<1> {
-  using U = uint8_t;
-  using S = int8_t;
-};
-template <>
-struct WordOf<2> {
-  using U = uint16_t;
-  using S = int16_t;
-};
-template <>
-struct WordOf<4> {
-  using U = uint32_t;
-  using S = int32_t;
-};
-template <>
-struct WordOf<8> {
-  using U = uint64_t;
-  using S = int64_t;
+struct WordOf {
+  using U = std::conditional_t<
+      W == 1, uint8_t,
+      std::conditional_t<W == 2, uint16_t, std::conditional_t<W == 4, uint32_t, uint64_t>>>;
+  using S = std::make_signed_t<U>;
 };
 
 // Per-thread scratch reused across chunks.

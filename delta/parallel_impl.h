@@ -32,37 +32,32 @@ void ParallelFor(size_t count, int threads, Fn&& fn) {
     return;
   }
   auto session = std::make_shared<parallel_detail::Session>();
-  auto drain = [session, count, &fn] {
-    for (size_t i = session->next.fetch_add(1, std::memory_order_relaxed); i < count;
-         i = session->next.fetch_add(1, std::memory_order_relaxed)) {
-      fn(i);
+  // Runs indices until none are left; an exception stops the others early and is
+  // returned, so that none ever leaves a pool thread (the caller rethrows the first).
+  auto drain = [session, count, &fn]() -> std::exception_ptr {
+    try {
+      for (size_t i = session->next.fetch_add(1, std::memory_order_relaxed); i < count;
+           i = session->next.fetch_add(1, std::memory_order_relaxed)) {
+        fn(i);
+      }
+      return nullptr;
+    } catch (...) {
+      session->next.store(count, std::memory_order_relaxed);
+      return std::current_exception();
     }
   };
-  SubmitToPool(workers - 1, [session, drain, count] {
+  SubmitToPool(workers - 1, [session, drain] {
     {
       std::lock_guard<std::mutex> lock(session->mu);
       if (session->closed) return;
       ++session->running;
     }
-    std::exception_ptr error;
-    try {
-      drain();
-    } catch (...) {
-      // Exceptions never leave a pool thread: the caller rethrows the first one.
-      error = std::current_exception();
-      session->next.store(count, std::memory_order_relaxed);
-    }
+    std::exception_ptr error = drain();
     std::lock_guard<std::mutex> lock(session->mu);
     if (error && !session->error) session->error = error;
     if (--session->running == 0) session->idle.notify_all();
   });
-  std::exception_ptr error;
-  try {
-    drain();
-  } catch (...) {
-    error = std::current_exception();
-    session->next.store(count, std::memory_order_relaxed);
-  }
+  std::exception_ptr error = drain();
   // Whatever happened, no helper may still be running `fn` when this frame unwinds.
   std::unique_lock<std::mutex> lock(session->mu);
   session->closed = true;

@@ -190,13 +190,12 @@ TEST_F(CorruptionTest, OversizedPayloadLength) {
 
 // Builds a container around a hand-made manifest.
 std::vector<std::byte> Container(const std::vector<std::byte>& manifest, size_t payload_bytes = 0) {
-  std::vector<std::byte> out(kHeader);
+  std::vector<std::byte> out(kHeader + manifest.size() + payload_bytes);
   std::memcpy(out.data(), "FWDELTA\0", 8);
   out[8] = std::byte{1};
   Store64(out, 16, manifest.size());
   Store64(out, 24, payload_bytes);
-  out.insert(out.end(), manifest.begin(), manifest.end());
-  out.resize(out.size() + payload_bytes);
+  std::copy(manifest.begin(), manifest.end(), out.begin() + kHeader);
   Reseal(out);
   return out;
 }
