@@ -42,5 +42,7 @@ void AddDeltaCommands(CLI::App& app, Action& action);
 void AddCheckpointCommands(CLI::App& app, Action& action);
 // `bench codec` and `demo`.
 void AddBenchCommands(CLI::App& app, Action& action);
+// `certs`: a test CA and certificates for the TLS flags.
+void AddCertsCommands(CLI::App& app, Action& action);
 
 }  // namespace flywheel::tools

@@ -1,0 +1,744 @@
+#include "sync/version_log.h"
+
+#include <fcntl.h>
+#include <spdlog/spdlog.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <new>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+
+#include "delta/delta_file.h"
+#include "delta/parallel.h"
+#include "delta/safetensors.h"
+
+namespace flywheel::sync {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+constexpr uint64_t kLogFormat = 1;
+constexpr const char* kLogFileName = "log.json";
+constexpr const char* kLockFileName = "LOCK";
+constexpr const char* kArtifactsDirName = "artifacts";
+
+std::string Errno(const std::string& what, const std::string& path) {
+  return what + " " + path + ": " + std::strerror(errno);
+}
+
+// The only name an artifact may have: log.json is checked against it, so a tampered log
+// cannot make Open read or delete anything outside artifacts/.
+std::string ArtifactFileName(ArtifactKind kind, uint64_t target_version) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "v%020llu.%s", static_cast<unsigned long long>(target_version),
+                kind == ArtifactKind::kKeyframe ? "keyframe" : "delta");
+  return name;
+}
+
+std::string RelativeArtifactPath(const ArtifactInfo& info) {
+  return std::string(kArtifactsDirName) + "/" + ArtifactFileName(info.kind, info.target_version);
+}
+
+bool ArtifactOrder(const ArtifactInfo& a, const ArtifactInfo& b) {
+  if (a.target_version != b.target_version) return a.target_version < b.target_version;
+  return a.kind < b.kind;
+}
+
+bool SameLayout(const CheckpointView& a, const CheckpointView& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].name != b[i].name || a[i].dtype != b[i].dtype || a[i].shape != b[i].shape) {
+      return false;
+    }
+  }
+  return true;
+}
+
+const ArtifactInfo* LatestKeyframe(const std::vector<ArtifactInfo>& artifacts) {
+  for (auto it = artifacts.rbegin(); it != artifacts.rend(); ++it) {
+    if (it->kind == ArtifactKind::kKeyframe) return &*it;
+  }
+  return nullptr;
+}
+
+// Versions published after the latest keyframe. Retention keeps all of them, so the
+// count survives restarts without being recorded.
+uint64_t VersionsSinceKeyframe(const std::vector<ArtifactInfo>& artifacts) {
+  const ArtifactInfo* keyframe = LatestKeyframe(artifacts);
+  if (keyframe == nullptr) return 0;
+  std::set<uint64_t> versions;
+  for (const ArtifactInfo& a : artifacts) {
+    if (a.target_version > keyframe->target_version) versions.insert(a.target_version);
+  }
+  return versions.size();
+}
+
+std::vector<ArtifactInfo> ApplyRetention(const std::vector<ArtifactInfo>& artifacts,
+                                         uint64_t retain) {
+  const ArtifactInfo* keyframe = LatestKeyframe(artifacts);
+  const uint64_t keyframe_version = keyframe ? keyframe->target_version : 0;
+  std::set<uint64_t, std::greater<>> versions;
+  for (const ArtifactInfo& a : artifacts) versions.insert(a.target_version);
+  uint64_t retain_from = UINT64_MAX;  // oldest version among the newest `retain`
+  uint64_t counted = 0;
+  for (uint64_t v : versions) {
+    if (counted++ == retain) break;
+    retain_from = v;
+  }
+  std::vector<ArtifactInfo> kept;
+  for (const ArtifactInfo& a : artifacts) {
+    if (a.target_version >= keyframe_version || a.target_version >= retain_from) {
+      kept.push_back(a);
+    }
+  }
+  return kept;
+}
+
+std::string PieceHashHex(uint64_t hash) {
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash));
+  return hex;
+}
+
+Json LogToJson(const std::vector<ArtifactInfo>& artifacts, uint64_t last_version,
+               uint64_t head_version, const Hash128& head_hash, uint64_t keyframe_every) {
+  Json artifact_list = Json::array();
+  for (const ArtifactInfo& a : artifacts) {
+    Json pieces = Json::array();
+    for (uint64_t h : a.piece_hashes) pieces.push_back(PieceHashHex(h));
+    artifact_list.push_back({
+        {"kind", ArtifactKindName(a.kind)},
+        {"base_version", a.base_version},
+        {"target_version", a.target_version},
+        {"base_hash", a.base_hash.ToHex()},
+        {"target_hash", a.target_hash.ToHex()},
+        {"size_bytes", a.size_bytes},
+        {"piece_bytes", a.piece_bytes},
+        {"piece_hashes", std::move(pieces)},
+        {"file", RelativeArtifactPath(a)},
+    });
+  }
+  return Json{{"format", kLogFormat},
+              {"last_version", last_version},
+              {"head_version", head_version},
+              {"head_hash", head_hash.ToHex()},
+              {"keyframe_every", keyframe_every},
+              {"artifacts", std::move(artifact_list)}};
+}
+
+Status WriteLog(const std::string& path, const Json& log) {
+  const std::string text = log.dump(1) + "\n";
+  return delta::WriteFileAtomically(path,
+                                    std::as_bytes(std::span<const char>(text.data(), text.size())));
+}
+
+// Field readers for log.json; `where` names the object ("log.json artifacts[2]").
+Result<const Json*> Field(const Json& object, const char* field, const std::string& where) {
+  auto it = object.find(field);
+  if (it == object.end()) return Status::Corruption(where + ": missing field '" + field + "'");
+  return &*it;
+}
+
+Result<uint64_t> U64Field(const Json& object, const char* field, const std::string& where) {
+  FW_ASSIGN_OR_RETURN(const Json* value, Field(object, field, where));
+  if (!value->is_number_unsigned()) {
+    return Status::Corruption(where + ": field '" + field + "' is not an unsigned integer");
+  }
+  return value->get<uint64_t>();
+}
+
+Result<std::string> StringField(const Json& object, const char* field, const std::string& where) {
+  FW_ASSIGN_OR_RETURN(const Json* value, Field(object, field, where));
+  if (!value->is_string()) {
+    return Status::Corruption(where + ": field '" + field + "' is not a string");
+  }
+  return value->get<std::string>();
+}
+
+Result<Hash128> HashField(const Json& object, const char* field, const std::string& where) {
+  FW_ASSIGN_OR_RETURN(std::string hex, StringField(object, field, where));
+  auto hash = Hash128::FromHex(hex);
+  if (!hash.ok()) {
+    return Status::Corruption(where + ": field '" + field + "': " + hash.status().message());
+  }
+  return *hash;
+}
+
+Result<uint64_t> PieceHash(const Json& value, const std::string& where) {
+  if (value.is_number_unsigned()) return value.get<uint64_t>();
+  if (value.is_string()) {
+    const std::string& hex = value.get_ref<const std::string&>();
+    uint64_t hash = 0;
+    bool valid = !hex.empty() && hex.size() <= 16;
+    for (char c : hex) {
+      int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+      if (digit < 0) valid = false;
+      hash = hash << 4 | static_cast<uint64_t>(digit & 15);
+    }
+    if (valid) return hash;
+  }
+  return Status::Corruption(where +
+                            " is neither 1-16 lowercase hex digits nor an unsigned integer");
+}
+
+struct LogRecord {
+  uint64_t last_version = 0;
+  uint64_t head_version = 0;
+  Hash128 head_hash;
+  std::vector<ArtifactInfo> artifacts;
+};
+
+Result<ArtifactInfo> ParseArtifact(const Json& entry, const std::string& where,
+                                   const std::string& dir) {
+  if (!entry.is_object()) return Status::Corruption(where + " is not an object");
+  ArtifactInfo info;
+  FW_ASSIGN_OR_RETURN(std::string kind, StringField(entry, "kind", where));
+  if (kind == "keyframe") {
+    info.kind = ArtifactKind::kKeyframe;
+  } else if (kind == "delta") {
+    info.kind = ArtifactKind::kDelta;
+  } else {
+    return Status::Corruption(where + ": field 'kind' is '" + kind +
+                              "', not 'keyframe' or 'delta'");
+  }
+  FW_ASSIGN_OR_RETURN(info.base_version, U64Field(entry, "base_version", where));
+  FW_ASSIGN_OR_RETURN(info.target_version, U64Field(entry, "target_version", where));
+  FW_ASSIGN_OR_RETURN(info.base_hash, HashField(entry, "base_hash", where));
+  FW_ASSIGN_OR_RETURN(info.target_hash, HashField(entry, "target_hash", where));
+  FW_ASSIGN_OR_RETURN(info.size_bytes, U64Field(entry, "size_bytes", where));
+  FW_ASSIGN_OR_RETURN(info.piece_bytes, U64Field(entry, "piece_bytes", where));
+  FW_ASSIGN_OR_RETURN(std::string file, StringField(entry, "file", where));
+  FW_ASSIGN_OR_RETURN(const Json* pieces, Field(entry, "piece_hashes", where));
+
+  if (info.target_version == 0) {
+    return Status::Corruption(where + ": field 'target_version' is 0");
+  }
+  if (info.kind == ArtifactKind::kDelta && info.base_version >= info.target_version) {
+    return Status::Corruption(where + ": delta base_version " + std::to_string(info.base_version) +
+                              " is not below target_version " +
+                              std::to_string(info.target_version));
+  }
+  if (info.kind == ArtifactKind::kKeyframe &&
+      (info.base_version != 0 || info.base_hash != Hash128{})) {
+    return Status::Corruption(where + ": keyframe has a base_version or base_hash");
+  }
+  if (info.piece_bytes == 0) return Status::Corruption(where + ": field 'piece_bytes' is 0");
+  if (file != RelativeArtifactPath(info)) {
+    return Status::Corruption(where + ": field 'file' is '" + file + "', expected '" +
+                              RelativeArtifactPath(info) + "'");
+  }
+  if (!pieces->is_array()) {
+    return Status::Corruption(where + ": field 'piece_hashes' is not an array");
+  }
+  const uint64_t expected_pieces =
+      info.size_bytes / info.piece_bytes + (info.size_bytes % info.piece_bytes != 0);
+  if (pieces->size() != expected_pieces) {
+    return Status::Corruption(where + ": field 'piece_hashes' has " +
+                              std::to_string(pieces->size()) + " entries, but size_bytes " +
+                              std::to_string(info.size_bytes) + " in pieces of piece_bytes " +
+                              std::to_string(info.piece_bytes) + " needs " +
+                              std::to_string(expected_pieces));
+  }
+  for (size_t i = 0; i < pieces->size(); ++i) {
+    FW_ASSIGN_OR_RETURN(uint64_t hash, PieceHash((*pieces)[i], where + ": piece_hashes[" +
+                                                                   std::to_string(i) + "]"));
+    info.piece_hashes.push_back(hash);
+  }
+  info.path = dir + "/" + file;
+  return info;
+}
+
+Result<LogRecord> ParseLog(std::string_view text, const std::string& path, const std::string& dir) {
+  Json log;
+  try {
+    log = Json::parse(text.begin(), text.end());
+  } catch (const Json::parse_error& e) {
+    return Status::Corruption(path + ": not valid JSON (byte " + std::to_string(e.byte) + ")");
+  }
+  if (!log.is_object()) return Status::Corruption(path + ": not a JSON object");
+  FW_ASSIGN_OR_RETURN(uint64_t format, U64Field(log, "format", path));
+  if (format != kLogFormat) {
+    return Status::Corruption(path + ": field 'format' is " + std::to_string(format) +
+                              ", this build reads format " + std::to_string(kLogFormat));
+  }
+  LogRecord record;
+  FW_ASSIGN_OR_RETURN(record.last_version, U64Field(log, "last_version", path));
+  FW_ASSIGN_OR_RETURN(record.head_version, U64Field(log, "head_version", path));
+  FW_ASSIGN_OR_RETURN(record.head_hash, HashField(log, "head_hash", path));
+  FW_ASSIGN_OR_RETURN(const Json* artifacts, Field(log, "artifacts", path));
+  if (!artifacts->is_array()) {
+    return Status::Corruption(path + ": field 'artifacts' is not an array");
+  }
+  for (size_t i = 0; i < artifacts->size(); ++i) {
+    const std::string where = path + " artifacts[" + std::to_string(i) + "]";
+    FW_ASSIGN_OR_RETURN(ArtifactInfo info, ParseArtifact((*artifacts)[i], where, dir));
+    if (!record.artifacts.empty() && !ArtifactOrder(record.artifacts.back(), info)) {
+      return Status::Corruption(where + ": out of order or duplicate (" +
+                                ArtifactKindName(info.kind) + " of version " +
+                                std::to_string(info.target_version) + ")");
+    }
+    record.artifacts.push_back(std::move(info));
+  }
+  if (record.artifacts.empty()) {
+    if (record.head_version != 0 || record.last_version != 0) {
+      return Status::Corruption(path + ": no artifacts but head_version/last_version not 0");
+    }
+    return record;
+  }
+  if (LatestKeyframe(record.artifacts) == nullptr) {
+    return Status::Corruption(path + ": field 'artifacts' holds no keyframe");
+  }
+  const ArtifactInfo& newest = record.artifacts.back();
+  if (record.head_version != newest.target_version) {
+    return Status::Corruption(path + ": field 'head_version' is " +
+                              std::to_string(record.head_version) + ", the newest artifact is of " +
+                              std::to_string(newest.target_version));
+  }
+  if (record.head_hash != newest.target_hash) {
+    return Status::Corruption(path + ": field 'head_hash' differs from the newest artifact's " +
+                              "target_hash");
+  }
+  if (record.last_version < record.head_version) {
+    return Status::Corruption(path + ": field 'last_version' " +
+                              std::to_string(record.last_version) + " is below head_version " +
+                              std::to_string(record.head_version));
+  }
+  return record;
+}
+
+// Maps an artifact and checks it against its record: size and every piece hash. Mapped,
+// not read, so that rebuilding the head never holds a second copy of a keyframe.
+Result<MappedFile> MapArtifact(const ArtifactInfo& info) {
+  std::error_code ec;
+  if (!fs::exists(info.path, ec)) {
+    return Status::NotFound("artifact " + info.path + " named in log.json is missing" +
+                            (ec ? " (" + ec.message() + ")" : std::string()));
+  }
+  FW_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(info.path));
+  const std::span<const std::byte> bytes = file.bytes();
+  if (bytes.size() != info.size_bytes) {
+    return Status::Corruption("artifact " + info.path + " is " + std::to_string(bytes.size()) +
+                              " bytes, log.json records " + std::to_string(info.size_bytes));
+  }
+  const std::vector<uint64_t> hashes = PieceHashes(bytes, info.piece_bytes);
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    if (hashes[i] != info.piece_hashes[i]) {
+      const uint64_t begin = i * info.piece_bytes;
+      const uint64_t end = std::min<uint64_t>(begin + info.piece_bytes, bytes.size());
+      return Status::Corruption("artifact " + info.path + ": piece " + std::to_string(i) +
+                                " (bytes " + std::to_string(begin) + ".." + std::to_string(end) +
+                                ") does not match its hash in log.json");
+    }
+  }
+  return file;
+}
+
+struct RebuiltHead {
+  OwnedCheckpoint checkpoint;
+  std::vector<Hash128> tensor_hashes;
+};
+
+// Every artifact is verified piece by piece; the latest keyframe and the deltas after it
+// are decoded into the head, which must come out with the recorded hash.
+// REQUIRES: record.artifacts holds a keyframe (ParseLog checks it).
+Result<RebuiltHead> VerifyAndRebuildHead(const LogRecord& record, const std::string& log_path,
+                                         int threads) {
+  const ArtifactInfo& keyframe = *LatestKeyframe(record.artifacts);
+  RebuiltHead head;
+  uint64_t version = 0;
+  Hash128 hash;
+  for (const ArtifactInfo& info : record.artifacts) {
+    FW_ASSIGN_OR_RETURN(MappedFile file, MapArtifact(info));
+    if (info.target_version < keyframe.target_version) continue;
+    if (info.target_version == keyframe.target_version && &info != &keyframe) continue;
+    auto parsed = delta::DeltaView::Parse(file.bytes());
+    if (!parsed.ok()) return parsed.status().WithContext("artifact " + info.path);
+    const delta::DeltaView& view = *parsed;
+    const delta::Manifest& manifest = view.manifest();
+    if (manifest.keyframe != (info.kind == ArtifactKind::kKeyframe) ||
+        manifest.target_version != info.target_version ||
+        manifest.target_hash != info.target_hash ||
+        (!manifest.keyframe &&
+         (manifest.base_version != info.base_version || manifest.base_hash != info.base_hash))) {
+      return Status::Corruption("artifact " + info.path +
+                                ": its manifest does not match its record in log.json");
+    }
+    if (&info == &keyframe) {
+      auto decoded = delta::DecodeKeyframe(view, threads);
+      if (!decoded.ok()) return decoded.status().WithContext("artifact " + info.path);
+      head.checkpoint = std::move(decoded).value();
+      // DecodeKeyframe verified these and lays tensors out in manifest order.
+      head.tensor_hashes.clear();
+      for (const delta::TensorEntry& t : manifest.tensors) {
+        head.tensor_hashes.push_back(t.target_hash);
+      }
+    } else {
+      if (info.base_version != version || info.base_hash != hash) {
+        return Status::Corruption(
+            "artifact " + info.path + ": delta from version " + std::to_string(info.base_version) +
+            " does not follow the rebuilt head (version " + std::to_string(version) + ")");
+      }
+      MutableCheckpointView state_view = head.checkpoint.mutable_view();
+      delta::ApplyOptions apply;
+      apply.threads = threads;
+      apply.state_tensor_hashes = head.tensor_hashes;
+      apply.restore_on_failure = false;  // the head is thrown away if this fails
+      auto stats = delta::ApplyInPlace(state_view, view, apply);
+      if (!stats.ok()) return stats.status().WithContext("artifact " + info.path);
+      head.tensor_hashes = std::move(stats->tensor_hashes);
+    }
+    version = info.target_version;
+    hash = info.target_hash;
+  }
+  FW_ASSIGN_OR_RETURN(Hash128 rebuilt,
+                      CheckpointHashFromTensorHashes(head.checkpoint.view(), head.tensor_hashes));
+  if (version != record.head_version || rebuilt != record.head_hash) {
+    return Status::Corruption(
+        log_path + ": the head rebuilt from the artifacts (version " + std::to_string(version) +
+        ", hash " + rebuilt.ToHex() + ") is not the recorded one (version " +
+        std::to_string(record.head_version) + ", hash " + record.head_hash.ToHex() + ")");
+  }
+  return head;
+}
+
+// Anything in artifacts/ that log.json does not name, and any temporary log.json, is a
+// leftover of an interrupted Append (or of the retention after a committed one).
+Status RemoveLeftovers(const std::string& dir, const std::vector<ArtifactInfo>& artifacts) {
+  std::set<std::string> named;
+  for (const ArtifactInfo& info : artifacts) {
+    named.insert(ArtifactFileName(info.kind, info.target_version));
+  }
+  const std::string log_temp_prefix = std::string(".") + kLogFileName + ".tmp-";
+  std::vector<fs::path> leftovers;
+  std::error_code ec;
+  const fs::path artifacts_dir = fs::path(dir) / kArtifactsDirName;
+  for (auto it = fs::directory_iterator(artifacts_dir, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    if (!named.count(it->path().filename().string())) leftovers.push_back(it->path());
+  }
+  if (ec) return Status::IOError("cannot list " + artifacts_dir.string() + ": " + ec.message());
+  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    if (it->path().filename().string().starts_with(log_temp_prefix)) {
+      leftovers.push_back(it->path());
+    }
+  }
+  if (ec) return Status::IOError("cannot list " + dir + ": " + ec.message());
+  for (const fs::path& path : leftovers) {
+    fs::remove_all(path, ec);
+    if (ec) return Status::IOError("cannot remove leftover " + path.string() + ": " + ec.message());
+    spdlog::info("version log: removed leftover {}", path.string());
+  }
+  return Status::Ok();
+}
+
+std::vector<Hash128> TensorHashes(const CheckpointView& checkpoint, int threads) {
+  std::vector<Hash128> hashes(checkpoint.size());
+  ParallelFor(checkpoint.size(), threads, [&](size_t i) { hashes[i] = TensorHash(checkpoint[i]); });
+  return hashes;
+}
+
+Result<OwnedCheckpoint> CopyCheckpoint(const CheckpointView& checkpoint) {
+  try {
+    OwnedCheckpoint copy;
+    copy.tensors.reserve(checkpoint.size());
+    for (const TensorView& t : checkpoint) {
+      copy.tensors.push_back(OwnedTensor{t.name, t.dtype, t.shape, {t.data.begin(), t.data.end()}});
+    }
+    return copy;
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("cannot hold a copy of the checkpoint in memory");
+  }
+}
+
+}  // namespace
+
+const char* ArtifactKindName(ArtifactKind kind) {
+  switch (kind) {
+    case ArtifactKind::kKeyframe:
+      return "keyframe";
+    case ArtifactKind::kDelta:
+      return "delta";
+  }
+  return "unknown";
+}
+
+std::vector<uint64_t> PieceHashes(std::span<const std::byte> bytes, uint64_t piece_bytes) {
+  if (piece_bytes == 0) piece_bytes = std::max<uint64_t>(bytes.size(), 1);
+  std::vector<uint64_t> hashes;
+  hashes.reserve(bytes.size() / piece_bytes + 1);
+  for (uint64_t offset = 0; offset < bytes.size(); offset += piece_bytes) {
+    hashes.push_back(
+        HashBytes64(bytes.subspan(offset, std::min(piece_bytes, bytes.size() - offset))));
+  }
+  return hashes;
+}
+
+struct VersionLog::State {
+  VersionLogOptions options;
+  std::string dir;  // absolute
+  std::string log_path;
+  int lock_fd = -1;
+
+  std::mutex append_mu;  // held for a whole Append
+
+  // Written only by Append (holding append_mu and mu); read under mu by any thread.
+  mutable std::mutex mu;
+  std::vector<ArtifactInfo> artifacts;      // GUARDED_BY(mu), in ArtifactOrder
+  uint64_t last_version = 0;                // GUARDED_BY(mu)
+  uint64_t head_version = 0;                // GUARDED_BY(mu)
+  Hash128 head_hash;                        // GUARDED_BY(mu)
+  std::vector<Hash128> head_tensor_hashes;  // GUARDED_BY(mu)
+
+  // The head's bytes are touched only by Open and Append (under append_mu): readers
+  // never see them, so they are not under mu and a large copy does not block readers.
+  OwnedCheckpoint head;  // GUARDED_BY(append_mu)
+
+  ~State() {
+    if (lock_fd >= 0) ::close(lock_fd);
+  }
+};
+
+VersionLog::VersionLog(std::unique_ptr<State> state) : state_(std::move(state)) {}
+VersionLog::~VersionLog() = default;
+
+Result<std::unique_ptr<VersionLog>> VersionLog::Open(const VersionLogOptions& options) {
+  if (options.dir.empty()) return Status::InvalidArgument("version log: no state directory given");
+  if (options.keyframe_every == 0) {
+    return Status::InvalidArgument("version log " + options.dir + ": keyframe_every must be >= 1");
+  }
+  if (options.piece_bytes == 0) {
+    return Status::InvalidArgument("version log " + options.dir + ": piece_bytes must be >= 1");
+  }
+  if (options.threads < 1 || options.threads > delta::kMaxThreads) {
+    return Status::InvalidArgument("version log " + options.dir + ": threads " +
+                                   std::to_string(options.threads) + " not in [1, " +
+                                   std::to_string(delta::kMaxThreads) + "]");
+  }
+
+  auto state = std::make_unique<State>();
+  state->options = options;
+  std::error_code ec;
+  const fs::path dir = fs::absolute(options.dir, ec).lexically_normal();
+  if (ec) return Status::IOError("version log " + options.dir + ": " + ec.message());
+  state->dir = dir.string();
+  if (state->dir.size() > 1 && state->dir.back() == '/') {
+    state->dir.pop_back();
+  }
+  state->log_path = state->dir + "/" + kLogFileName;
+  const std::string artifacts_dir = state->dir + "/" + kArtifactsDirName;
+  fs::create_directories(artifacts_dir, ec);
+  if (ec) return Status::IOError("cannot create " + artifacts_dir + ": " + ec.message());
+
+  const std::string lock_path = state->dir + "/" + kLockFileName;
+  state->lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (state->lock_fd < 0) return Status::IOError(Errno("cannot open", lock_path));
+  if (::flock(state->lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) {
+      return Status::Unavailable("state directory " + state->dir +
+                                 " is in use: another version log holds " + lock_path);
+    }
+    return Status::IOError(Errno("cannot lock", lock_path));
+  }
+
+  LogRecord record;
+  if (fs::exists(state->log_path, ec)) {
+    FW_ASSIGN_OR_RETURN(std::vector<std::byte> text, delta::ReadDeltaFile(state->log_path));
+    FW_ASSIGN_OR_RETURN(
+        record, ParseLog(std::string_view(reinterpret_cast<const char*>(text.data()), text.size()),
+                         state->log_path, state->dir));
+  } else if (ec) {
+    return Status::IOError("cannot stat " + state->log_path + ": " + ec.message());
+  }
+
+  if (!record.artifacts.empty()) {
+    FW_ASSIGN_OR_RETURN(RebuiltHead head,
+                        VerifyAndRebuildHead(record, state->log_path, options.threads));
+    state->head = std::move(head.checkpoint);
+    state->head_tensor_hashes = std::move(head.tensor_hashes);
+  }
+  FW_RETURN_IF_ERROR(RemoveLeftovers(state->dir, record.artifacts));
+
+  state->artifacts = std::move(record.artifacts);
+  state->last_version = record.last_version;
+  state->head_version = record.head_version;
+  state->head_hash = record.head_hash;
+  return std::unique_ptr<VersionLog>(new VersionLog(std::move(state)));
+}
+
+Result<std::vector<ArtifactInfo>> VersionLog::Append(uint64_t version,
+                                                     const CheckpointView& checkpoint) {
+  State& s = *state_;
+  std::lock_guard append_lock(s.append_mu);
+  const VersionLogOptions& options = s.options;
+  // Only Append writes these and append_mu is held: no need for mu to read them.
+  const bool has_head = !s.artifacts.empty();
+  if (version == 0) {
+    return Status::InvalidArgument("version log " + s.dir + ": version 0 cannot be published");
+  }
+  if (version <= s.last_version) {
+    return Status::InvalidArgument("version log " + s.dir + ": version " + std::to_string(version) +
+                                   " is not above the last published version " +
+                                   std::to_string(s.last_version) +
+                                   " (versions only move forward)");
+  }
+
+  // The head is updated by copying into its buffers, so sizes must be what dtype and
+  // shape say before anything else looks at the bytes.
+  for (const TensorView& t : checkpoint) {
+    auto size = TensorByteSize(t.dtype, t.shape);
+    if (!size.ok() || *size != t.data.size()) {
+      return Status::InvalidArgument(
+          "version log " + s.dir + ": version " + std::to_string(version) + ": tensor '" + t.name +
+          "' holds " + std::to_string(t.data.size()) + " bytes, its dtype and shape " +
+          (size.ok() ? "need " + std::to_string(*size)
+                     : "are invalid (" + size.status().message() + ")"));
+    }
+  }
+  const bool same_layout = has_head && SameLayout(s.head.view(), checkpoint);
+  const bool write_delta = same_layout && options.deltas;
+  const bool write_keyframe = !same_layout || !options.deltas ||
+                              VersionsSinceKeyframe(s.artifacts) + 1 >= options.keyframe_every;
+
+  std::vector<Hash128> tensor_hashes = TensorHashes(checkpoint, options.threads);
+  auto checkpoint_hash = CheckpointHashFromTensorHashes(checkpoint, tensor_hashes);
+  if (!checkpoint_hash.ok()) {
+    return checkpoint_hash.status().WithContext("version log " + s.dir + ": version " +
+                                                std::to_string(version));
+  }
+  // Allocated before anything is written, so that running out of memory cannot strand a
+  // committed log.json with a stale head.
+  OwnedCheckpoint fresh_head;
+  if (!same_layout) {
+    FW_ASSIGN_OR_RETURN(fresh_head, CopyCheckpoint(checkpoint));
+  }
+
+  delta::EncodeOptions encode;
+  encode.base_version = s.head_version;
+  encode.target_version = version;
+  encode.compressor = options.compressor;
+  encode.threads = options.threads;
+  encode.target_tensor_hashes = tensor_hashes;
+
+  std::vector<ArtifactInfo> written;
+  auto remove_written = [&] {
+    for (const ArtifactInfo& info : written) ::unlink(info.path.c_str());
+  };
+  auto write_artifact = [&](ArtifactKind kind,
+                            const Result<std::vector<std::byte>>& bytes) -> Status {
+    const std::string context = "version log " + s.dir + ": " + ArtifactKindName(kind) +
+                                " of version " + std::to_string(version);
+    if (!bytes.ok()) return bytes.status().WithContext(context);
+    ArtifactInfo info;
+    info.kind = kind;
+    info.target_version = version;
+    info.target_hash = *checkpoint_hash;
+    if (kind == ArtifactKind::kDelta) {
+      info.base_version = s.head_version;
+      info.base_hash = s.head_hash;
+    }
+    info.size_bytes = bytes->size();
+    info.piece_bytes = options.piece_bytes;
+    info.piece_hashes = PieceHashes(*bytes, options.piece_bytes);
+    info.path = s.dir + "/" + RelativeArtifactPath(info);
+    FW_RETURN_IF_ERROR(delta::WriteFileAtomically(info.path, *bytes).WithContext(context));
+    written.push_back(std::move(info));
+    return Status::Ok();
+  };
+
+  if (write_keyframe) {
+    Status st = write_artifact(ArtifactKind::kKeyframe, delta::EncodeKeyframe(checkpoint, encode));
+    if (!st.ok()) return st;
+  }
+  if (write_delta) {
+    encode.base_tensor_hashes = s.head_tensor_hashes;
+    Status st =
+        write_artifact(ArtifactKind::kDelta, delta::Encode(s.head.view(), checkpoint, encode));
+    if (!st.ok()) {
+      remove_written();
+      return st;
+    }
+  }
+
+  std::vector<ArtifactInfo> all = s.artifacts;
+  all.insert(all.end(), written.begin(), written.end());
+  std::sort(all.begin(), all.end(), ArtifactOrder);
+  std::vector<ArtifactInfo> kept = ApplyRetention(all, options.retain);
+  Status committed = WriteLog(
+      s.log_path, LogToJson(kept, version, version, *checkpoint_hash, options.keyframe_every));
+  if (!committed.ok()) {
+    remove_written();
+    return committed.WithContext("version log " + s.dir + ": version " + std::to_string(version));
+  }
+
+  // Committed: from here on nothing may fail.
+  if (same_layout) {
+    for (size_t i = 0; i < checkpoint.size(); ++i) {
+      std::copy(checkpoint[i].data.begin(), checkpoint[i].data.end(),
+                s.head.tensors[i].data.begin());
+    }
+  } else {
+    s.head = std::move(fresh_head);
+  }
+  std::vector<ArtifactInfo> dropped;
+  {
+    std::lock_guard lock(s.mu);
+    std::set<std::string> kept_paths;
+    for (const ArtifactInfo& info : kept) kept_paths.insert(info.path);
+    for (const ArtifactInfo& info : s.artifacts) {
+      if (!kept_paths.count(info.path)) dropped.push_back(info);
+    }
+    s.artifacts = std::move(kept);
+    s.last_version = version;
+    s.head_version = version;
+    s.head_hash = *checkpoint_hash;
+    s.head_tensor_hashes = std::move(tensor_hashes);
+  }
+  for (const ArtifactInfo& info : dropped) {
+    if (::unlink(info.path.c_str()) != 0 && errno != ENOENT) {
+      spdlog::warn("version log: cannot remove {} dropped by retention: {}", info.path,
+                   std::strerror(errno));
+    }
+  }
+  return written;
+}
+
+std::vector<ArtifactInfo> VersionLog::Artifacts() const {
+  std::lock_guard lock(state_->mu);
+  return state_->artifacts;
+}
+
+bool VersionLog::empty() const {
+  std::lock_guard lock(state_->mu);
+  return state_->artifacts.empty();
+}
+
+uint64_t VersionLog::head_version() const {
+  std::lock_guard lock(state_->mu);
+  return state_->head_version;
+}
+
+Hash128 VersionLog::head_hash() const {
+  std::lock_guard lock(state_->mu);
+  return state_->head_hash;
+}
+
+uint64_t VersionLog::last_version() const {
+  std::lock_guard lock(state_->mu);
+  return state_->last_version;
+}
+
+std::vector<Hash128> VersionLog::head_tensor_hashes() const {
+  std::lock_guard lock(state_->mu);
+  return state_->head_tensor_hashes;
+}
+
+}  // namespace flywheel::sync

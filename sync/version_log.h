@@ -1,0 +1,127 @@
+// The publisher's version log: a keyframe every K versions, deltas between, bounded
+// retention, on disk under a state directory that survives restarts.
+//
+// Layout of the state directory:
+//   LOCK                         flock()ed while a VersionLog is open (one publisher per dir)
+//   log.json                     the commit record: every retained artifact, the head
+//                                version and hash, and the highest version ever published
+//   artifacts/v<20 digits>.keyframe   keyframe containers (delta/delta.h)
+//   artifacts/v<20 digits>.delta      delta containers from the previous head version
+// Artifacts are written atomically first, then log.json is replaced atomically; files
+// that log.json does not name are leftovers of an interrupted append and are removed on
+// Open. The head checkpoint is not stored separately: Open rebuilds it from the latest
+// keyframe and the deltas after it and checks it against the recorded head hash.
+//
+// log.json (format 1), written through a temporary file, fsync and rename:
+//   {"format": 1, "last_version": u64, "head_version": u64, "head_hash": "<32 hex>",
+//    "keyframe_every": u64 (the setting of the run that wrote it; informational),
+//    "artifacts": [{"kind": "keyframe"|"delta", "base_version": u64 (0 for a keyframe),
+//                   "target_version": u64, "base_hash": "<32 hex>", "target_hash": "<32 hex>",
+//                   "size_bytes": u64, "piece_bytes": u64,
+//                   "piece_hashes": ["<16 hex>", ...] (unsigned numbers are accepted too),
+//                   "file": "artifacts/v<20 digits>.<kind>"}, ...]}
+// Artifacts are listed by target version, a keyframe before the delta of the same version;
+// "file" must be exactly the name the kind and target version give (nothing else is ever
+// opened or deleted). Hashes print as Hash128::ToHex.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "delta/delta.h"
+#include "delta/hash.h"
+#include "delta/tensor.h"
+
+namespace flywheel::sync {
+
+enum class ArtifactKind : uint8_t { kKeyframe = 0, kDelta = 1 };
+const char* ArtifactKindName(ArtifactKind kind);
+
+// One retained artifact: what a subscriber needs to fetch it piece by piece and to decide
+// whether it applies to the weights it holds.
+struct ArtifactInfo {
+  ArtifactKind kind = ArtifactKind::kKeyframe;
+  uint64_t base_version = 0;  // delta only
+  uint64_t target_version = 0;
+  Hash128 base_hash;  // checkpoint hash of the base; zero for a keyframe
+  Hash128 target_hash;
+  uint64_t size_bytes = 0;
+  uint64_t piece_bytes = 0;            // transfer unit; the last piece may be shorter
+  std::vector<uint64_t> piece_hashes;  // XXH3-64 (HashBytes64) of every piece
+  std::string path;                    // absolute path of the container file
+  bool operator==(const ArtifactInfo&) const = default;
+};
+
+// Options may differ from the run that wrote the directory: the new ones apply from the
+// next Append on (artifacts keep the piece size they were written with).
+struct VersionLogOptions {
+  std::string dir;  // the state directory (created if missing)
+  // A keyframe is due when this is the keyframe_every-th version published after the
+  // latest keyframe (counted in Appends, not version numbers): 10 gives keyframes at the
+  // 1st, 11th, 21st... version; 1 makes every version a keyframe. Must be >= 1.
+  uint64_t keyframe_every = 10;
+  // Retention after every Append: an artifact is kept if its target version is the latest
+  // keyframe's version or later (so the head can always be rebuilt), or is among the
+  // newest `retain` versions in the log; every other artifact is deleted.
+  uint64_t retain = 20;
+  bool deltas = true;              // false: keyframes only (the full-checkpoint baseline)
+  uint64_t piece_bytes = 1 << 20;  // must be >= 1
+  delta::Compressor compressor = delta::Compressor::kZstd;
+  int threads = 1;  // encode/decode/hash threads, in [1, delta::kMaxThreads]
+};
+
+// Thread-safe: Append runs on one thread at a time (it serializes itself) while
+// Artifacts()/head_*() may be called from any thread; they see either the state before
+// an Append or after it. The head's tensor bytes are kept in memory (a copy of the last
+// published checkpoint) to encode the next delta from.
+class VersionLog {
+ public:
+  // Opens or creates the log. Recovers an existing one: reads log.json, checks every
+  // artifact's size and piece hashes, rebuilds and verifies the head, then removes files
+  // log.json does not name. Fails (with the reason and the file) if the options are
+  // unusable (InvalidArgument), the directory is locked by another VersionLog, in this
+  // process or another (Unavailable), log.json is malformed (Corruption naming the
+  // field), an artifact is missing (NotFound) or corrupt (Corruption), or the rebuilt
+  // head does not match the recorded hash; a failed Open deletes nothing.
+  static Result<std::unique_ptr<VersionLog>> Open(const VersionLogOptions& options);
+  ~VersionLog();
+
+  // Publishes `checkpoint` as `version`. REQUIRES nothing of the caller: version 0 and
+  // a version not above last_version() are refused (InvalidArgument: versions only move
+  // forward, even across restarts), and so is a tensor whose bytes do not match its dtype
+  // and shape. Writes the delta from the head when there is a head with the same tensor
+  // names/dtypes/shapes (in order) and deltas are on, and a keyframe when due (first
+  // version, layout change, keyframe_every reached, or deltas off): a keyframe version
+  // with a same-layout predecessor gets both. Writes them, then log.json (which already
+  // reflects retention), then deletes the artifacts retention dropped. On any failure
+  // before log.json is replaced nothing changes, on disk or in memory; a failure to
+  // delete a dropped file afterwards is only logged (the next Open removes it). Returns
+  // the new artifacts, keyframe first.
+  Result<std::vector<ArtifactInfo>> Append(uint64_t version, const CheckpointView& checkpoint);
+
+  // Retained artifacts, ordered by target_version (a keyframe before a delta of the same
+  // version).
+  std::vector<ArtifactInfo> Artifacts() const;
+  bool empty() const;             // nothing published yet
+  uint64_t head_version() const;  // 0 when empty
+  Hash128 head_hash() const;      // checkpoint hash (delta/hash.h) of the head
+  uint64_t last_version() const;  // highest version ever published (== head_version())
+  // A copy of the head's tensor hashes (aligned with the head's tensor order).
+  std::vector<Hash128> head_tensor_hashes() const;
+
+ private:
+  struct State;
+  explicit VersionLog(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// Splits `bytes` into pieces of `piece_bytes` and hashes each (HashBytes64): one hash per
+// started piece, so none for empty bytes. A `piece_bytes` of 0 means one piece.
+std::vector<uint64_t> PieceHashes(std::span<const std::byte> bytes, uint64_t piece_bytes);
+
+}  // namespace flywheel::sync

@@ -1,0 +1,629 @@
+#include "sync/version_log.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "delta/delta_file.h"
+#include "tests/delta/test_checkpoints.h"
+
+namespace flywheel::sync {
+namespace {
+
+namespace fs = std::filesystem;
+using flywheel::testing::Mutate;
+using flywheel::testing::RandomCheckpoint;
+using flywheel::testing::SameBytes;
+using flywheel::testing::TensorSpec;
+
+std::vector<TensorSpec> SmallSpecs() {
+  return {
+      {"embed.weight", DType::kBF16, {96, 40}},
+      {"layers.0.q_proj.weight", DType::kBF16, {40, 40}},
+      {"layers.0.norm.weight", DType::kF32, {40}},
+      {"scalar", DType::kF32, {}},
+  };
+}
+
+std::string ReadText(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+void WriteText(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
+std::string Kinds(const std::vector<ArtifactInfo>& artifacts) {
+  std::string kinds;
+  for (const ArtifactInfo& a : artifacts) {
+    if (!kinds.empty()) kinds += " ";
+    kinds += (a.kind == ArtifactKind::kKeyframe ? "K" : "D") + std::to_string(a.target_version);
+  }
+  return kinds;
+}
+
+class VersionLogTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "version_log_test.XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    fs::remove_all(dir_, ignored);
+  }
+
+  VersionLogOptions Options() const {
+    VersionLogOptions options;
+    options.dir = (dir_ / "state").string();
+    options.keyframe_every = 3;
+    options.retain = 100;
+    options.piece_bytes = 1000;  // several pieces per artifact
+    options.threads = 2;
+    return options;
+  }
+
+  std::unique_ptr<VersionLog> OpenOrDie(const VersionLogOptions& options) {
+    auto log = VersionLog::Open(options);
+    EXPECT_TRUE(log.ok()) << log.status().ToString();
+    return log.ok() ? std::move(log).value() : nullptr;
+  }
+
+  // The checkpoint of `version`: a random start, then a few words changed per version.
+  const OwnedCheckpoint& Version(uint64_t version) {
+    auto it = checkpoints_.find(version);
+    if (it != checkpoints_.end()) return it->second;
+    OwnedCheckpoint ckpt = checkpoints_.empty()
+                               ? RandomCheckpoint(SmallSpecs(), 7)
+                               : Mutate(std::prev(checkpoints_.end())->second, 0.01, version);
+    return checkpoints_.emplace(version, std::move(ckpt)).first->second;
+  }
+
+  std::vector<ArtifactInfo> AppendOrDie(VersionLog& log, uint64_t version) {
+    auto added = log.Append(version, Version(version).view());
+    EXPECT_TRUE(added.ok()) << "version " << version << ": " << added.status().ToString();
+    return added.ok() ? *added : std::vector<ArtifactInfo>{};
+  }
+
+  std::set<std::string> ArtifactFiles() const {
+    std::set<std::string> names;
+    for (const auto& entry : fs::directory_iterator(dir_ / "state" / "artifacts")) {
+      names.insert(entry.path().string());
+    }
+    return names;
+  }
+
+  static std::set<std::string> Paths(const std::vector<ArtifactInfo>& artifacts) {
+    std::set<std::string> paths;
+    for (const ArtifactInfo& a : artifacts) paths.insert(a.path);
+    return paths;
+  }
+
+  fs::path dir_;
+  std::map<uint64_t, OwnedCheckpoint> checkpoints_;
+};
+
+TEST_F(VersionLogTest, FirstVersionIsKeyframeOnly) {
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  EXPECT_TRUE(log->empty());
+  EXPECT_EQ(log->head_version(), 0u);
+  std::vector<ArtifactInfo> added = AppendOrDie(*log, 1);
+  ASSERT_EQ(added.size(), 1u);
+  const ArtifactInfo& keyframe = added[0];
+  EXPECT_EQ(keyframe.kind, ArtifactKind::kKeyframe);
+  EXPECT_EQ(keyframe.target_version, 1u);
+  EXPECT_EQ(keyframe.base_version, 0u);
+  EXPECT_EQ(keyframe.base_hash, Hash128{});
+  EXPECT_EQ(keyframe.target_hash, *CheckpointHash(Version(1).view()));
+  EXPECT_EQ(keyframe.size_bytes, fs::file_size(keyframe.path));
+  EXPECT_EQ(keyframe.piece_bytes, 1000u);
+  EXPECT_EQ(keyframe.piece_hashes.size(), (keyframe.size_bytes + 999) / 1000);
+  EXPECT_EQ(fs::path(keyframe.path),
+            dir_ / "state" / "artifacts" / "v00000000000000000001.keyframe");
+  EXPECT_FALSE(log->empty());
+  EXPECT_EQ(log->head_version(), 1u);
+  EXPECT_EQ(log->last_version(), 1u);
+  EXPECT_EQ(log->head_hash(), keyframe.target_hash);
+  EXPECT_EQ(log->Artifacts(), added);
+  std::vector<Hash128> tensor_hashes = log->head_tensor_hashes();
+  ASSERT_EQ(tensor_hashes.size(), Version(1).tensors.size());
+  for (size_t i = 0; i < tensor_hashes.size(); ++i) {
+    EXPECT_EQ(tensor_hashes[i], TensorHash(Version(1).view()[i]));
+  }
+}
+
+TEST_F(VersionLogTest, LaterVersionsAreDeltasFromTheHead) {
+  VersionLogOptions options = Options();
+  options.keyframe_every = 100;
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+  uint64_t previous = 1;
+  for (uint64_t version : {2, 5, 9}) {  // gaps between version numbers are fine
+    std::vector<ArtifactInfo> added = AppendOrDie(*log, version);
+    ASSERT_EQ(added.size(), 1u);
+    EXPECT_EQ(added[0].kind, ArtifactKind::kDelta);
+    EXPECT_EQ(added[0].base_version, previous);
+    EXPECT_EQ(added[0].target_version, version);
+    EXPECT_EQ(added[0].base_hash, *CheckpointHash(Version(previous).view()));
+    EXPECT_EQ(added[0].target_hash, *CheckpointHash(Version(version).view()));
+    EXPECT_LT(added[0].size_bytes, log->Artifacts().front().size_bytes);  // sparse changes
+    EXPECT_EQ(log->head_version(), version);
+    previous = version;
+  }
+  EXPECT_EQ(Kinds(log->Artifacts()), "K1 D2 D5 D9");
+}
+
+TEST_F(VersionLogTest, KeyframeEveryKVersionsAlsoHasADelta) {
+  auto log = OpenOrDie(Options());  // keyframe_every = 3
+  ASSERT_TRUE(log);
+  for (uint64_t v = 1; v <= 7; ++v) AppendOrDie(*log, v);
+  EXPECT_EQ(Kinds(log->Artifacts()), "K1 D2 D3 K4 D4 D5 D6 K7 D7");
+  for (const ArtifactInfo& a : log->Artifacts()) {
+    if (a.kind == ArtifactKind::kDelta) {
+      EXPECT_EQ(a.base_version, a.target_version - 1);
+    }
+  }
+
+  VersionLogOptions every_version = Options();
+  every_version.dir = (dir_ / "every").string();
+  every_version.keyframe_every = 1;
+  auto every = OpenOrDie(every_version);
+  ASSERT_TRUE(every);
+  for (uint64_t v = 1; v <= 3; ++v) AppendOrDie(*every, v);
+  EXPECT_EQ(Kinds(every->Artifacts()), "K1 K2 D2 K3 D3");
+}
+
+TEST_F(VersionLogTest, KeyframeCadenceSurvivesReopenWithNewOptions) {
+  VersionLogOptions options = Options();
+  options.keyframe_every = 10;
+  {
+    auto log = OpenOrDie(options);
+    ASSERT_TRUE(log);
+    for (uint64_t v = 1; v <= 4; ++v) AppendOrDie(*log, v);
+  }
+  options.keyframe_every = 4;  // v2, v3, v4 and now v5 make four since the keyframe
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  std::vector<ArtifactInfo> added = AppendOrDie(*log, 5);
+  EXPECT_EQ(Kinds(added), "K5 D5");
+}
+
+TEST_F(VersionLogTest, VersionsOnlyMoveForward) {
+  {
+    auto log = OpenOrDie(Options());
+    ASSERT_TRUE(log);
+    auto zero = log->Append(0, Version(1).view());
+    EXPECT_EQ(zero.status().code(), StatusCode::kInvalidArgument);
+    AppendOrDie(*log, 5);
+    const std::vector<ArtifactInfo> before = log->Artifacts();
+    for (uint64_t stale : {5, 3}) {
+      auto refused = log->Append(stale, Version(6).view());
+      ASSERT_FALSE(refused.ok());
+      EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(refused.status().message().find("version " + std::to_string(stale)),
+                std::string::npos)
+          << refused.status().message();
+      EXPECT_NE(refused.status().message().find("version 5"), std::string::npos);
+    }
+    EXPECT_EQ(log->Artifacts(), before);
+    EXPECT_EQ(ArtifactFiles(), Paths(before));
+  }
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  EXPECT_EQ(log->last_version(), 5u);
+  EXPECT_EQ(log->Append(5, Version(6).view()).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(log->Append(4, Version(6).view()).status().code(), StatusCode::kInvalidArgument);
+  AppendOrDie(*log, 6);
+  EXPECT_EQ(log->head_version(), 6u);
+}
+
+TEST_F(VersionLogTest, LayoutChangeIsAKeyframeWithoutDelta) {
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+
+  std::vector<TensorSpec> reshaped = SmallSpecs();
+  reshaped[0].shape = {97, 40};
+  const OwnedCheckpoint v2 = RandomCheckpoint(reshaped, 2);
+  auto added = log->Append(2, v2.view());
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  EXPECT_EQ(Kinds(*added), "K2");
+
+  // Same bytes and shapes but a dtype changed, then a tensor renamed, then reordered.
+  OwnedCheckpoint v3 = v2;
+  v3.tensors[2].dtype = DType::kI32;
+  added = log->Append(3, v3.view());
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  EXPECT_EQ(Kinds(*added), "K3");
+  OwnedCheckpoint v4 = v3;
+  v4.tensors[1].name = "layers.0.k_proj.weight";
+  added = log->Append(4, v4.view());
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  EXPECT_EQ(Kinds(*added), "K4");
+  OwnedCheckpoint v5 = v4;
+  std::swap(v5.tensors[0], v5.tensors[3]);
+  added = log->Append(5, v5.view());
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  EXPECT_EQ(Kinds(*added), "K5");
+
+  // The same layout again: back to deltas, from the new head.
+  const OwnedCheckpoint v6 = Mutate(v5, 0.01, 6);
+  added = log->Append(6, v6.view());
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  ASSERT_EQ(Kinds(*added), "D6");
+  EXPECT_EQ((*added)[0].base_hash, *CheckpointHash(v5.view()));
+  EXPECT_EQ(log->head_hash(), *CheckpointHash(v6.view()));
+}
+
+TEST_F(VersionLogTest, DeltasOffWritesKeyframesOnly) {
+  VersionLogOptions options = Options();
+  options.deltas = false;
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  for (uint64_t v = 1; v <= 4; ++v) {
+    std::vector<ArtifactInfo> added = AppendOrDie(*log, v);
+    EXPECT_EQ(Kinds(added), "K" + std::to_string(v));
+  }
+  EXPECT_EQ(Kinds(log->Artifacts()), "K1 K2 K3 K4");
+}
+
+TEST_F(VersionLogTest, RetentionKeepsLatestKeyframeAndNewestVersions) {
+  VersionLogOptions options = Options();  // keyframes at 1, 4, 7
+  options.retain = 2;
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  for (uint64_t v = 1; v <= 6; ++v) AppendOrDie(*log, v);
+  // Everything from the keyframe at 4 on, though only 5 and 6 are the newest two.
+  EXPECT_EQ(Kinds(log->Artifacts()), "K4 D4 D5 D6");
+  EXPECT_EQ(ArtifactFiles(), Paths(log->Artifacts()));
+  for (uint64_t v = 7; v <= 8; ++v) AppendOrDie(*log, v);
+  EXPECT_EQ(Kinds(log->Artifacts()), "K7 D7 D8");
+  EXPECT_EQ(ArtifactFiles(), Paths(log->Artifacts()));
+  log.reset();
+
+  // A wider window after a restart applies from the next Append; what was deleted stays
+  // deleted.
+  options.retain = 5;
+  log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  EXPECT_EQ(Kinds(log->Artifacts()), "K7 D7 D8");
+  for (uint64_t v = 9; v <= 12; ++v) AppendOrDie(*log, v);
+  // Newest five: 8..12; latest keyframe: 10.
+  EXPECT_EQ(Kinds(log->Artifacts()), "D8 D9 K10 D10 D11 D12");
+  EXPECT_EQ(ArtifactFiles(), Paths(log->Artifacts()));
+
+  options.retain = 0;
+  log.reset();
+  log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 13);
+  EXPECT_EQ(Kinds(log->Artifacts()), "K13 D13");
+  EXPECT_EQ(ArtifactFiles(), Paths(log->Artifacts()));
+}
+
+TEST_F(VersionLogTest, ReopenRecoversHeadAndArtifacts) {
+  std::vector<ArtifactInfo> artifacts;
+  Hash128 head_hash;
+  std::vector<Hash128> tensor_hashes;
+  {
+    auto log = OpenOrDie(Options());
+    ASSERT_TRUE(log);
+    for (uint64_t v = 1; v <= 5; ++v) AppendOrDie(*log, v);
+    artifacts = log->Artifacts();
+    head_hash = log->head_hash();
+    tensor_hashes = log->head_tensor_hashes();
+  }
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  EXPECT_EQ(log->Artifacts(), artifacts);
+  EXPECT_EQ(log->head_version(), 5u);
+  EXPECT_EQ(log->last_version(), 5u);
+  EXPECT_EQ(log->head_hash(), head_hash);
+  EXPECT_EQ(log->head_tensor_hashes(), tensor_hashes);
+  // The rebuilt head is the base of the next delta.
+  std::vector<ArtifactInfo> added = AppendOrDie(*log, 6);
+  ASSERT_EQ(Kinds(added), "D6");
+  auto bytes = delta::ReadDeltaFile(added[0].path);
+  ASSERT_TRUE(bytes.ok());
+  auto view = delta::DeltaView::Parse(*bytes);
+  ASSERT_TRUE(view.ok());
+  auto applied = delta::ApplyToCopy(Version(5).view(), *view);
+  ASSERT_TRUE(applied.ok()) << applied.status().ToString();
+  EXPECT_TRUE(SameBytes(*applied, Version(6)));
+}
+
+TEST_F(VersionLogTest, ReopenRemovesLeftoversOfAnInterruptedAppend) {
+  std::vector<ArtifactInfo> artifacts;
+  {
+    auto log = OpenOrDie(Options());
+    ASSERT_TRUE(log);
+    for (uint64_t v = 1; v <= 2; ++v) AppendOrDie(*log, v);
+    artifacts = log->Artifacts();
+  }
+  const fs::path state = dir_ / "state";
+  // A crash after writing version 3's artifacts but before log.json named them, one in the
+  // middle of writing, and one in the middle of replacing log.json.
+  WriteText(state / "artifacts" / "v00000000000000000003.delta", "not committed");
+  WriteText(state / "artifacts" / ".v00000000000000000003.keyframe.tmp-1-2", "half");
+  WriteText(state / ".log.json.tmp-1-2", "{");
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  EXPECT_EQ(log->Artifacts(), artifacts);
+  EXPECT_EQ(ArtifactFiles(), Paths(artifacts));
+  EXPECT_FALSE(fs::exists(state / ".log.json.tmp-1-2"));
+  EXPECT_EQ(log->head_version(), 2u);
+  EXPECT_EQ(Kinds(AppendOrDie(*log, 3)), "D3");
+}
+
+TEST_F(VersionLogTest, ReopenWithoutLogRemovesStrayArtifacts) {
+  const fs::path artifacts = dir_ / "state" / "artifacts";
+  fs::create_directories(artifacts);
+  WriteText(artifacts / "v00000000000000000001.keyframe", "crashed before the first commit");
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  EXPECT_TRUE(log->empty());
+  EXPECT_TRUE(ArtifactFiles().empty());
+}
+
+TEST_F(VersionLogTest, CorruptedArtifactFailsOpenNamingTheFile) {
+  std::vector<ArtifactInfo> artifacts;
+  {
+    auto log = OpenOrDie(Options());
+    ASSERT_TRUE(log);
+    for (uint64_t v = 1; v <= 5; ++v) AppendOrDie(*log, v);
+    artifacts = log->Artifacts();
+  }
+  // Both an artifact the head is rebuilt from (D5) and one it is not (D2).
+  for (const char* name : {"D2", "D5", "K4"}) {
+    SCOPED_TRACE(name);
+    const ArtifactInfo* target = nullptr;
+    for (const ArtifactInfo& a : artifacts) {
+      if (Kinds({a}) == name) target = &a;
+    }
+    ASSERT_NE(target, nullptr);
+    const std::string original = ReadText(target->path);
+    std::string flipped = original;
+    flipped[flipped.size() / 2] ^= 0x20;
+    WriteText(target->path, flipped);
+    auto log = VersionLog::Open(Options());
+    ASSERT_FALSE(log.ok());
+    EXPECT_EQ(log.status().code(), StatusCode::kCorruption);
+    EXPECT_NE(log.status().message().find(target->path), std::string::npos)
+        << log.status().message();
+    EXPECT_NE(log.status().message().find("piece"), std::string::npos) << log.status().message();
+
+    WriteText(target->path, original.substr(0, original.size() - 1));
+    log = VersionLog::Open(Options());
+    ASSERT_FALSE(log.ok());
+    EXPECT_NE(log.status().message().find(target->path), std::string::npos)
+        << log.status().message();
+
+    fs::remove(target->path);
+    log = VersionLog::Open(Options());
+    ASSERT_FALSE(log.ok());
+    EXPECT_EQ(log.status().code(), StatusCode::kNotFound);
+    EXPECT_NE(log.status().message().find(target->path), std::string::npos)
+        << log.status().message();
+
+    WriteText(target->path, original);
+    ASSERT_TRUE(VersionLog::Open(Options()).ok());
+  }
+}
+
+TEST_F(VersionLogTest, MalformedLogFailsOpen) {
+  {
+    auto log = OpenOrDie(Options());
+    ASSERT_TRUE(log);
+    for (uint64_t v = 1; v <= 2; ++v) AppendOrDie(*log, v);
+  }
+  const fs::path log_path = dir_ / "state" / "log.json";
+  const std::string original = ReadText(log_path);
+  auto expect_corruption = [&](const std::string& text, const std::string& mentions) {
+    WriteText(log_path, text);
+    auto log = VersionLog::Open(Options());
+    ASSERT_FALSE(log.ok());
+    EXPECT_EQ(log.status().code(), StatusCode::kCorruption) << log.status().ToString();
+    EXPECT_NE(log.status().message().find(log_path.string()), std::string::npos)
+        << log.status().message();
+    EXPECT_NE(log.status().message().find(mentions), std::string::npos) << log.status().message();
+  };
+  auto replaced = [&](const std::string& from, const std::string& to) {
+    std::string text = original;
+    size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return at == std::string::npos ? text : text.replace(at, from.size(), to);
+  };
+  expect_corruption(original.substr(0, original.size() / 2), "JSON");
+  expect_corruption("", "JSON");
+  expect_corruption("[]", "object");
+  expect_corruption(replaced("\"format\": 1", "\"format\": 2"), "format");
+  expect_corruption(replaced("\"head_version\": 2", "\"head_version\": \"2\""), "head_version");
+  expect_corruption(replaced("\"head_version\": 2", "\"head_version\": 1"), "head_version");
+  expect_corruption(replaced("\"target_hash\": \"", "\"target_hash\": \"zz"), "target_hash");
+  expect_corruption(replaced("\"kind\": \"delta\"", "\"kind\": \"patch\""), "kind");
+  expect_corruption(replaced("\"file\": \"artifacts/", "\"file\": \"../"), "file");
+  expect_corruption(replaced("\"piece_hashes\": [", "\"piece_hashes\": [1,"), "piece_hashes");
+  expect_corruption(replaced("\"size_bytes\": ", "\"size_bytes\": 1"), "size_bytes");
+  WriteText(log_path, original);
+  EXPECT_TRUE(VersionLog::Open(Options()).ok());
+}
+
+TEST_F(VersionLogTest, SecondOpenOfALockedDirectoryFails) {
+  auto first = OpenOrDie(Options());
+  ASSERT_TRUE(first);
+  auto second = VersionLog::Open(Options());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(second.status().message().find("LOCK"), std::string::npos) << second.status().message();
+  first.reset();
+  EXPECT_TRUE(VersionLog::Open(Options()).ok());
+}
+
+TEST_F(VersionLogTest, RetainedArtifactsReproduceEveryVersion) {
+  VersionLogOptions options = Options();
+  options.retain = 5;
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  for (uint64_t v = 1; v <= 9; ++v) AppendOrDie(*log, v);
+  const std::vector<ArtifactInfo> artifacts = log->Artifacts();
+  EXPECT_EQ(Kinds(artifacts), "D5 D6 K7 D7 D8 D9");
+
+  // Every artifact on its own: a keyframe decodes to its version, a delta turns its base
+  // version into its target version.
+  for (const ArtifactInfo& a : artifacts) {
+    SCOPED_TRACE(Kinds({a}));
+    auto bytes = delta::ReadDeltaFile(a.path);
+    ASSERT_TRUE(bytes.ok()) << bytes.status().ToString();
+    EXPECT_EQ(PieceHashes(*bytes, a.piece_bytes), a.piece_hashes);
+    auto view = delta::DeltaView::Parse(*bytes);
+    ASSERT_TRUE(view.ok()) << view.status().ToString();
+    EXPECT_EQ(view->manifest().target_version, a.target_version);
+    auto decoded = a.kind == ArtifactKind::kKeyframe
+                       ? delta::DecodeKeyframe(*view)
+                       : delta::ApplyToCopy(Version(a.base_version).view(), *view);
+    ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+    EXPECT_TRUE(SameBytes(*decoded, Version(a.target_version)));
+    EXPECT_EQ(*CheckpointHash(decoded->view()), a.target_hash);
+  }
+
+  // A subscriber joining now: the latest keyframe, then every later delta in place.
+  OwnedCheckpoint state;
+  for (const ArtifactInfo& a : artifacts) {
+    if (a.target_version < 7 || (a.target_version == 7 && a.kind == ArtifactKind::kDelta)) {
+      continue;
+    }
+    auto bytes = delta::ReadDeltaFile(a.path);
+    ASSERT_TRUE(bytes.ok());
+    auto view = delta::DeltaView::Parse(*bytes);
+    ASSERT_TRUE(view.ok());
+    if (a.kind == ArtifactKind::kKeyframe) {
+      auto decoded = delta::DecodeKeyframe(*view);
+      ASSERT_TRUE(decoded.ok());
+      state = std::move(decoded).value();
+    } else {
+      MutableCheckpointView state_view = state.mutable_view();
+      auto applied = delta::ApplyInPlace(state_view, *view);
+      ASSERT_TRUE(applied.ok()) << applied.status().ToString();
+    }
+    EXPECT_EQ(*CheckpointHash(state.view()), a.target_hash);
+  }
+  EXPECT_EQ(*CheckpointHash(state.view()), log->head_hash());
+  EXPECT_TRUE(SameBytes(state, Version(9)));
+}
+
+TEST_F(VersionLogTest, FailedAppendChangesNothing) {
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+  const std::vector<ArtifactInfo> before = log->Artifacts();
+
+  // A tensor whose bytes do not fit its shape.
+  OwnedCheckpoint bad = Version(2);
+  bad.tensors[0].data.pop_back();
+  auto refused = log->Append(2, bad.view());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("embed.weight"), std::string::npos);
+
+  // log.json cannot be replaced (a directory stands in its way): the artifacts already
+  // written for version 2 are removed again and the head stays at version 1.
+  const fs::path log_path = dir_ / "state" / "log.json";
+  fs::rename(log_path, dir_ / "log.json.saved");
+  fs::create_directories(log_path / "blocker");
+  refused = log->Append(2, Version(2).view());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kIOError) << refused.status().ToString();
+  EXPECT_EQ(log->Artifacts(), before);
+  EXPECT_EQ(log->head_version(), 1u);
+  EXPECT_EQ(log->head_hash(), *CheckpointHash(Version(1).view()));
+  EXPECT_EQ(ArtifactFiles(), Paths(before));
+
+  fs::remove_all(log_path);
+  fs::rename(dir_ / "log.json.saved", log_path);
+  std::vector<ArtifactInfo> added = AppendOrDie(*log, 2);
+  ASSERT_EQ(Kinds(added), "D2");
+  EXPECT_EQ(added[0].base_hash, *CheckpointHash(Version(1).view()));
+  log.reset();
+  EXPECT_TRUE(VersionLog::Open(Options()).ok());
+}
+
+TEST_F(VersionLogTest, ReadersSeeConsistentSnapshotsDuringAppends) {
+  VersionLogOptions options = Options();
+  options.retain = 2;
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+  std::atomic<bool> done{false};
+  std::atomic<int> bad_snapshots{0};
+  std::thread reader([&] {
+    while (!done) {
+      std::vector<ArtifactInfo> snapshot = log->Artifacts();
+      bool ordered =
+          !snapshot.empty() &&
+          std::is_sorted(snapshot.begin(), snapshot.end(), [](const auto& a, const auto& b) {
+            return a.target_version < b.target_version;
+          });
+      if (!ordered) ++bad_snapshots;
+      (void)log->head_hash();
+      (void)log->head_tensor_hashes();
+    }
+  });
+  for (uint64_t v = 2; v <= 8; ++v) AppendOrDie(*log, v);
+  done = true;
+  reader.join();
+  EXPECT_EQ(bad_snapshots, 0);
+}
+
+TEST_F(VersionLogTest, OpenRejectsBadOptions) {
+  VersionLogOptions options = Options();
+  options.keyframe_every = 0;
+  EXPECT_EQ(VersionLog::Open(options).status().code(), StatusCode::kInvalidArgument);
+  options = Options();
+  options.piece_bytes = 0;
+  EXPECT_EQ(VersionLog::Open(options).status().code(), StatusCode::kInvalidArgument);
+  options = Options();
+  options.threads = 0;
+  EXPECT_EQ(VersionLog::Open(options).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PieceHashesTest, SplitsIntoPiecesWithAShortLastOne) {
+  std::vector<std::byte> bytes(10);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>(i * 7 + 1);
+  const std::span<const std::byte> all(bytes);
+
+  EXPECT_TRUE(PieceHashes({}, 4).empty());
+
+  const std::vector<uint64_t> exact = PieceHashes(all.first(8), 4);
+  ASSERT_EQ(exact.size(), 2u);
+  EXPECT_EQ(exact[0], HashBytes64(all.subspan(0, 4)));
+  EXPECT_EQ(exact[1], HashBytes64(all.subspan(4, 4)));
+
+  const std::vector<uint64_t> remainder = PieceHashes(all, 4);
+  ASSERT_EQ(remainder.size(), 3u);
+  EXPECT_EQ(remainder[0], exact[0]);
+  EXPECT_EQ(remainder[1], exact[1]);
+  EXPECT_EQ(remainder[2], HashBytes64(all.subspan(8, 2)));
+
+  EXPECT_EQ(PieceHashes(all, 10), std::vector<uint64_t>{HashBytes64(all)});
+  EXPECT_EQ(PieceHashes(all, 1000), std::vector<uint64_t>{HashBytes64(all)});
+  EXPECT_EQ(PieceHashes(all, 0), std::vector<uint64_t>{HashBytes64(all)});
+  EXPECT_EQ(PieceHashes(all, 1).size(), 10u);
+}
+
+}  // namespace
+}  // namespace flywheel::sync

@@ -1,0 +1,550 @@
+// The HTTP endpoints over loopback: routing, authentication, limits, deadlines, TLS with
+// mutual authentication, and Stop(). The server runs on its own thread; requests come
+// from the test thread through HttpGet or a raw socket.
+#include "transport/http.h"
+
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+
+#include <chrono>
+#include <filesystem>
+#include <future>
+#include <string>
+#include <thread>
+
+#include "transport/certs.h"
+#include "transport/tls.h"
+
+namespace flywheel::transport {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+// An HttpServer on 127.0.0.1 with a few routes, run on its own thread.
+class TestServer {
+ public:
+  explicit TestServer(HttpServerOptions options = {}) {
+    auto server =
+        HttpServer::Start(io_context_.get_executor(), {"127.0.0.1", 0}, std::move(options));
+    EXPECT_TRUE(server.ok()) << server.status().ToString();
+    if (!server.ok()) return;
+    server_ = std::move(server).value();
+    server_->Route("/v1/status", [](const std::string& target) {
+      return HttpResponse{200, "application/json", R"({"target":")" + target + R"("})"};
+    });
+    server_->Route("/metrics", [](const std::string&) {
+      return HttpResponse{200, "text/plain; version=0.0.4", "flywheel_up 1\n"};
+    });
+    server_->Route("/throws", [](const std::string&) -> HttpResponse {
+      throw std::runtime_error("handler bug");
+    });
+    server_->Route("/bad-status", [](const std::string&) {
+      return HttpResponse{1000, "text/plain", ""};
+    });
+    server_->Route(
+        "/healthz",
+        [](const std::string&) {
+          return HttpResponse{200, "text/plain", "ok\n"};
+        },
+        /*is_public=*/true);
+    thread_ = std::thread([this] {
+      io_context_.run();
+      returned_.set_value();
+    });
+  }
+
+  ~TestServer() {
+    if (!thread_.joinable()) return;
+    asio::post(io_context_, [this] { server_->Stop(); });
+    if (returned_future_.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+      ADD_FAILURE() << "io_context::run() did not return after Stop()";
+      io_context_.stop();
+    }
+    thread_.join();
+  }
+
+  // Calls Stop() on the server's thread; true when io_context::run() then returns by itself.
+  bool StopAndWait(milliseconds limit) {
+    asio::post(io_context_, [this] { server_->Stop(); });
+    bool returned = returned_future_.wait_for(limit) == std::future_status::ready;
+    if (!returned) io_context_.stop();
+    thread_.join();
+    return returned;
+  }
+
+  bool started() const { return server_ != nullptr; }
+  Endpoint endpoint() const { return {"127.0.0.1", server_->port()}; }
+  uint16_t port() const { return server_->port(); }
+
+ private:
+  asio::io_context io_context_;
+  std::unique_ptr<HttpServer> server_;
+  std::promise<void> returned_;
+  std::future<void> returned_future_ = returned_.get_future();
+  std::thread thread_;
+};
+
+// A blocking loopback socket whose reads give up after `receive_timeout`.
+class RawClient {
+ public:
+  explicit RawClient(uint16_t port, milliseconds receive_timeout = milliseconds(5000))
+      : socket_(io_context_) {
+    error_code ec;
+    socket_.connect({asio::ip::make_address("127.0.0.1"), port}, ec);
+    EXPECT_FALSE(ec) << ec.message();
+    timeval tv{};
+    tv.tv_sec = receive_timeout.count() / 1000;
+    tv.tv_usec = (receive_timeout.count() % 1000) * 1000;
+    ::setsockopt(socket_.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  }
+
+  void Send(const std::string& bytes) {
+    error_code ec;
+    asio::write(socket_, asio::buffer(bytes), ec);
+    EXPECT_FALSE(ec) << ec.message();
+  }
+
+  // Reads until the server closes the connection (or the receive timeout); returns what
+  // arrived and sets `end` to the error that ended it.
+  std::string ReadToEnd(error_code* end = nullptr) {
+    std::string received;
+    char buffer[4096];
+    for (;;) {
+      error_code ec;
+      size_t n = socket_.read_some(asio::buffer(buffer), ec);
+      received.append(buffer, n);
+      if (ec) {
+        if (end != nullptr) *end = ec;
+        return received;
+      }
+    }
+  }
+
+ private:
+  asio::io_context io_context_;
+  tcp::socket socket_;
+};
+
+size_t CountOccurrences(const std::string& text, const std::string& needle) {
+  size_t count = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
+    ++count;
+  }
+  return count;
+}
+
+HttpGetOptions GetOptions(std::string token, std::shared_ptr<asio::ssl::context> tls = nullptr,
+                          milliseconds timeout = milliseconds(5000)) {
+  HttpGetOptions options;
+  options.token = std::move(token);
+  options.tls = std::move(tls);
+  options.timeout = timeout;
+  return options;
+}
+
+bool ClosedByPeer(const error_code& ec) {
+  return ec == asio::error::eof || ec == asio::error::connection_reset;
+}
+
+TEST(HttpTest, RoutesReturnTheirBodies) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  auto status = HttpGet(server.endpoint(), "/v1/status?verbose=1");
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  EXPECT_EQ(status->status, 200);
+  EXPECT_EQ(status->content_type, "application/json");
+  EXPECT_EQ(status->body, R"({"target":"/v1/status?verbose=1"})");
+
+  auto metrics = HttpGet(server.endpoint(), "/metrics");
+  ASSERT_TRUE(metrics.ok()) << metrics.status().ToString();
+  EXPECT_EQ(metrics->status, 200);
+  EXPECT_EQ(metrics->content_type, "text/plain; version=0.0.4");
+  EXPECT_EQ(metrics->body, "flywheel_up 1\n");
+}
+
+TEST(HttpTest, UnknownPathIs404) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  for (const char* target : {"/", "/v1/status/", "/v1", "/metricsx"}) {
+    auto response = HttpGet(server.endpoint(), target);
+    ASSERT_TRUE(response.ok()) << response.status().ToString();
+    EXPECT_EQ(response->status, 404) << target;
+  }
+}
+
+TEST(HttpTest, OtherMethodsAre405) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  for (const char* method : {"POST", "PUT", "DELETE"}) {
+    RawClient client(server.port());
+    client.Send(std::string(method) +
+                " /v1/status HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                "Connection: close\r\n\r\n{}");
+    std::string response = client.ReadToEnd();
+    EXPECT_EQ(response.rfind("HTTP/1.1 405", 0), 0u) << response;
+    EXPECT_NE(response.find("Allow: GET, HEAD"), std::string::npos) << response;
+  }
+}
+
+TEST(HttpTest, HeadSendsHeadersOnly) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  RawClient client(server.port());
+  client.Send("HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  std::string response = client.ReadToEnd();
+  EXPECT_EQ(response.rfind("HTTP/1.1 200", 0), 0u) << response;
+  EXPECT_NE(response.find("Content-Length: 14\r\n"), std::string::npos) << response;
+  EXPECT_EQ(response.substr(response.size() - 4), "\r\n\r\n") << response;
+}
+
+TEST(HttpTest, KeepAliveServesSeveralRequestsOnOneConnection) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  RawClient client(server.port());
+  client.Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+  client.Send("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  client.Send("GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  std::string responses = client.ReadToEnd();
+  EXPECT_EQ(CountOccurrences(responses, "HTTP/1.1 200 OK"), 3u) << responses;
+  EXPECT_EQ(CountOccurrences(responses, "flywheel_up 1"), 1u) << responses;
+}
+
+TEST(HttpTest, FailingHandlerIs500) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  auto response = HttpGet(server.endpoint(), "/throws");
+  ASSERT_TRUE(response.ok()) << response.status().ToString();
+  EXPECT_EQ(response->status, 500);
+  auto bad_status = HttpGet(server.endpoint(), "/bad-status");
+  ASSERT_TRUE(bad_status.ok()) << bad_status.status().ToString();
+  EXPECT_EQ(bad_status->status, 500);
+  // The server is still serving.
+  auto health = HttpGet(server.endpoint(), "/healthz");
+  ASSERT_TRUE(health.ok()) << health.status().ToString();
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST(HttpTest, TokenIsRequiredExceptOnPublicRoutes) {
+  HttpServerOptions options;
+  options.token = "s3cret-token";
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+
+  auto missing = HttpGet(server.endpoint(), "/v1/status");
+  ASSERT_TRUE(missing.ok()) << missing.status().ToString();
+  EXPECT_EQ(missing->status, 401);
+
+  for (const char* wrong : {"s3cret-tokeN", "s3cret-toke", "s3cret-token2", "x"}) {
+    auto response = HttpGet(server.endpoint(), "/metrics", GetOptions(wrong));
+    ASSERT_TRUE(response.ok()) << response.status().ToString();
+    EXPECT_EQ(response->status, 401) << wrong;
+  }
+
+  auto right = HttpGet(server.endpoint(), "/v1/status", GetOptions("s3cret-token"));
+  ASSERT_TRUE(right.ok()) << right.status().ToString();
+  EXPECT_EQ(right->status, 200);
+  EXPECT_EQ(right->body, R"({"target":"/v1/status"})");
+
+  auto health = HttpGet(server.endpoint(), "/healthz");
+  ASSERT_TRUE(health.ok()) << health.status().ToString();
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST(HttpTest, UnauthorizedNamesTheBearerScheme) {
+  HttpServerOptions options;
+  options.token = "s3cret-token";
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  RawClient client(server.port());
+  client.Send(
+      "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic czNjcmV0LXRva2Vu\r\n"
+      "Connection: close\r\n\r\n");
+  std::string response = client.ReadToEnd();
+  EXPECT_EQ(response.rfind("HTTP/1.1 401", 0), 0u) << response;
+  EXPECT_NE(response.find("WWW-Authenticate: Bearer"), std::string::npos) << response;
+  EXPECT_EQ(response.find("flywheel_up"), std::string::npos) << response;
+}
+
+TEST(HttpTest, OversizedHeaderIsRejected) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  RawClient client(server.port());
+  client.Send("GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: " + std::string(16 * 1024, 'a') +
+              "\r\n\r\n");
+  error_code end;
+  std::string response = client.ReadToEnd(&end);
+  // Either the 431 arrives or the close overtakes it; the request is never served.
+  EXPECT_TRUE(response.empty() || response.rfind("HTTP/1.1 431", 0) == 0) << response;
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+
+  auto huge_token = HttpGet(server.endpoint(), "/healthz", GetOptions(std::string(16384, 't')));
+  EXPECT_TRUE(!huge_token.ok() || huge_token->status == 431);
+}
+
+TEST(HttpTest, SilentConnectionIsClosedAfterTheTimeout) {
+  HttpServerOptions options;
+  options.timeout = milliseconds(200);
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+
+  auto start = std::chrono::steady_clock::now();
+  RawClient silent(server.port());
+  error_code end;
+  EXPECT_EQ(silent.ReadToEnd(&end), "");
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+  EXPECT_GE(elapsed, milliseconds(150));
+  EXPECT_LT(elapsed, milliseconds(3000));
+
+  // Half a request line, then nothing: closed as well.
+  RawClient slow(server.port());
+  slow.Send("GET /healthz HTTP/1.1\r\nHo");
+  EXPECT_EQ(slow.ReadToEnd(&end), "");
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+}
+
+TEST(HttpTest, ConnectionsBeyondTheLimitAreClosed) {
+  HttpServerOptions options;
+  options.max_connections = 1;
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  RawClient first(server.port());
+  // Make sure the first connection was accepted and is being served before the second.
+  first.Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+  std::this_thread::sleep_for(milliseconds(100));
+  RawClient second(server.port());
+  error_code end;
+  EXPECT_EQ(second.ReadToEnd(&end), "");
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+}
+
+TEST(HttpTest, StopClosesConnectionsAndRunReturns) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  RawClient idle(server.port());
+  RawClient kept_alive(server.port());
+  kept_alive.Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+  std::this_thread::sleep_for(milliseconds(100));
+  EXPECT_TRUE(server.StopAndWait(milliseconds(2000)));
+  error_code end;
+  EXPECT_EQ(idle.ReadToEnd(&end), "");
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+  std::string response = kept_alive.ReadToEnd(&end);
+  EXPECT_EQ(CountOccurrences(response, "HTTP/1.1 200"), 1u) << response;
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+}
+
+TEST(HttpTest, StopWithoutConnectionsRunReturns) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  EXPECT_TRUE(server.StopAndWait(milliseconds(2000)));
+}
+
+TEST(HttpTest, UnreachableServerIsUnavailableNamingTheEndpoint) {
+  uint16_t port;
+  {
+    // A port that was free a moment ago and now has no listener.
+    asio::io_context io_context;
+    tcp::acceptor acceptor(io_context, {asio::ip::make_address("127.0.0.1"), 0});
+    port = acceptor.local_endpoint().port();
+  }
+  auto response = HttpGet({"127.0.0.1", port}, "/healthz");
+  ASSERT_FALSE(response.ok());
+  EXPECT_EQ(response.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(response.status().message().find("127.0.0.1:" + std::to_string(port)),
+            std::string::npos)
+      << response.status().ToString();
+}
+
+TEST(HttpTest, ClientTimeoutIsUnavailable) {
+  // A listener that never answers.
+  asio::io_context io_context;
+  tcp::acceptor acceptor(io_context, {asio::ip::make_address("127.0.0.1"), 0});
+  auto start = std::chrono::steady_clock::now();
+  auto response = HttpGet({"127.0.0.1", acceptor.local_endpoint().port()}, "/healthz",
+                          GetOptions("", nullptr, milliseconds(200)));
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ASSERT_FALSE(response.ok());
+  EXPECT_EQ(response.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(response.status().message().find("timed out"), std::string::npos)
+      << response.status().ToString();
+  EXPECT_LT(elapsed, milliseconds(3000));
+}
+
+TEST(HttpTest, ListeningOnABadAddressFails) {
+  asio::io_context io_context;
+  auto server = HttpServer::Start(io_context.get_executor(), {"192.0.2.1", 0}, {});
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(server.status().message().find("192.0.2.1"), std::string::npos);
+}
+
+class HttpsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::string pattern = (fs::temp_directory_path() / "flywheel_https_test.XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = new std::string(pattern);
+    Status status = WriteTestCertificates(*dir_);
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    CertificateOptions other_host;
+    other_host.hosts = {"other.example"};
+    status = WriteTestCertificates(*dir_ + "/other", other_host);
+    ASSERT_TRUE(status.ok()) << status.ToString();
+  }
+  static void TearDownTestSuite() {
+    std::error_code ec;
+    fs::remove_all(*dir_, ec);
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static std::string Path(const std::string& name) { return *dir_ + "/" + name; }
+
+  static std::shared_ptr<asio::ssl::context> Server(const TlsOptions& options) {
+    auto context = MakeServerTlsContext(options);
+    EXPECT_TRUE(context.ok()) << context.status().ToString();
+    return context.ok() ? *context : nullptr;
+  }
+  static std::shared_ptr<asio::ssl::context> Client(const TlsOptions& options) {
+    auto context = MakeClientTlsContext(options);
+    EXPECT_TRUE(context.ok()) << context.status().ToString();
+    return context.ok() ? *context : nullptr;
+  }
+  static HttpServerOptions MutualServer() {
+    HttpServerOptions options;
+    options.tls = Server({Path("server.crt"), Path("server.key"), Path("ca.crt")});
+    options.timeout = milliseconds(2000);
+    return options;
+  }
+
+  static std::string* dir_;
+};
+std::string* HttpsTest::dir_ = nullptr;
+
+void ExpectUnavailable(const Result<HttpResponse>& response) {
+  ASSERT_FALSE(response.ok()) << "status " << response->status;
+  EXPECT_EQ(response.status().code(), StatusCode::kUnavailable) << response.status().ToString();
+  EXPECT_NE(response.status().message().find("127.0.0.1:"), std::string::npos)
+      << response.status().ToString();
+}
+
+TEST_F(HttpsTest, ClientWithCertificateIsServed) {
+  TestServer server(MutualServer());
+  ASSERT_TRUE(server.started());
+  auto tls = Client({Path("client.crt"), Path("client.key"), Path("ca.crt")});
+  auto response = HttpGet(server.endpoint(), "/v1/status", GetOptions("", tls));
+  ASSERT_TRUE(response.ok()) << response.status().ToString();
+  EXPECT_EQ(response->status, 200);
+  EXPECT_EQ(response->body, R"({"target":"/v1/status"})");
+
+  // By name as well: SNI and DNS-name verification.
+  auto by_name = HttpGet({"localhost", server.port()}, "/healthz", GetOptions("", tls));
+  ASSERT_TRUE(by_name.ok()) << by_name.status().ToString();
+  EXPECT_EQ(by_name->status, 200);
+}
+
+TEST_F(HttpsTest, ClientWithoutCertificateIsRejected) {
+  TestServer server(MutualServer());
+  ASSERT_TRUE(server.started());
+  ExpectUnavailable(
+      HttpGet(server.endpoint(), "/healthz", GetOptions("", Client({"", "", Path("ca.crt")}))));
+}
+
+TEST_F(HttpsTest, ClientWithRogueCertificateIsRejected) {
+  TestServer server(MutualServer());
+  ASSERT_TRUE(server.started());
+  auto tls = Client({Path("rogue.crt"), Path("rogue.key"), Path("ca.crt")});
+  ExpectUnavailable(HttpGet(server.endpoint(), "/healthz", GetOptions("", tls)));
+  // The server keeps serving good clients.
+  auto good = Client({Path("client.crt"), Path("client.key"), Path("ca.crt")});
+  auto response = HttpGet(server.endpoint(), "/healthz", GetOptions("", good));
+  ASSERT_TRUE(response.ok()) << response.status().ToString();
+}
+
+TEST_F(HttpsTest, ServerFromAnotherCaIsRejected) {
+  TestServer server(MutualServer());
+  ASSERT_TRUE(server.started());
+  auto tls = Client({Path("client.crt"), Path("client.key"), Path("rogue-ca.crt")});
+  ExpectUnavailable(HttpGet(server.endpoint(), "/healthz", GetOptions("", tls)));
+}
+
+TEST_F(HttpsTest, ServerCertificateForAnotherHostIsRejected) {
+  HttpServerOptions options;
+  options.tls = Server({Path("other/server.crt"), Path("other/server.key"), ""});
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  auto tls = Client({"", "", Path("other/ca.crt")});
+  auto response = HttpGet(server.endpoint(), "/healthz", GetOptions("", tls));
+  ExpectUnavailable(response);
+  EXPECT_NE(response.status().message().find("TLS handshake"), std::string::npos)
+      << response.status().ToString();
+}
+
+TEST_F(HttpsTest, ServerWithoutCaServesClientsWithoutCertificates) {
+  HttpServerOptions options;
+  options.tls = Server({Path("server.crt"), Path("server.key"), ""});
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  auto response =
+      HttpGet(server.endpoint(), "/healthz", GetOptions("", Client({"", "", Path("ca.crt")})));
+  ASSERT_TRUE(response.ok()) << response.status().ToString();
+  EXPECT_EQ(response->status, 200);
+}
+
+TEST_F(HttpsTest, TokenStillRequiredOverTls) {
+  HttpServerOptions options = MutualServer();
+  options.token = "tls-token";
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  auto tls = Client({Path("client.crt"), Path("client.key"), Path("ca.crt")});
+  auto missing = HttpGet(server.endpoint(), "/metrics", GetOptions("", tls));
+  ASSERT_TRUE(missing.ok()) << missing.status().ToString();
+  EXPECT_EQ(missing->status, 401);
+  auto right = HttpGet(server.endpoint(), "/metrics", GetOptions("tls-token", tls));
+  ASSERT_TRUE(right.ok()) << right.status().ToString();
+  EXPECT_EQ(right->status, 200);
+}
+
+TEST_F(HttpsTest, PlainClientAgainstTlsServerFailsCleanly) {
+  TestServer server(MutualServer());
+  ASSERT_TRUE(server.started());
+  ExpectUnavailable(
+      HttpGet(server.endpoint(), "/healthz", GetOptions("", nullptr, milliseconds(3000))));
+  // The failed handshake closed only that connection.
+  auto tls = Client({Path("client.crt"), Path("client.key"), Path("ca.crt")});
+  auto response = HttpGet(server.endpoint(), "/healthz", GetOptions("", tls));
+  ASSERT_TRUE(response.ok()) << response.status().ToString();
+}
+
+TEST_F(HttpsTest, TlsClientAgainstPlainServerFailsCleanly) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  auto tls = Client({Path("client.crt"), Path("client.key"), Path("ca.crt")});
+  ExpectUnavailable(HttpGet(server.endpoint(), "/healthz", GetOptions("", tls)));
+}
+
+TEST_F(HttpsTest, SilentTlsConnectionIsClosedAfterTheTimeout) {
+  HttpServerOptions options = MutualServer();
+  options.timeout = milliseconds(200);
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  auto start = std::chrono::steady_clock::now();
+  RawClient silent(server.port());
+  error_code end;
+  EXPECT_EQ(silent.ReadToEnd(&end), "");
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(3000));
+}
+
+TEST_F(HttpsTest, StopClosesTlsConnections) {
+  TestServer server(MutualServer());
+  ASSERT_TRUE(server.started());
+  RawClient idle(server.port());
+  std::this_thread::sleep_for(milliseconds(50));
+  EXPECT_TRUE(server.StopAndWait(milliseconds(2000)));
+}
+
+}  // namespace
+}  // namespace flywheel::transport

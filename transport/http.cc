@@ -1,0 +1,454 @@
+#include "transport/http.h"
+
+#include <openssl/ssl.h>
+#include <spdlog/spdlog.h>
+
+#include <boost/beast/http.hpp>
+#include <cctype>
+#include <exception>
+#include <optional>
+#include <set>
+#include <string_view>
+#include <vector>
+
+namespace flywheel::transport {
+namespace http = beast::http;
+
+namespace {
+
+constexpr uint32_t kHeaderLimit = 8 * 1024;
+// Every route is a GET; a request body is only read so that a POST can be answered 405.
+constexpr uint64_t kRequestBodyLimit = 16 * 1024;
+constexpr uint64_t kResponseBodyLimit = 64 * 1024 * 1024;
+
+using Request = http::request<http::string_body>;
+using Response = http::response<http::string_body>;
+
+// The bearer token of an "Authorization: Bearer <token>" header ("" when absent).
+std::string_view BearerToken(const Request& request) {
+  auto it = request.find(http::field::authorization);
+  if (it == request.end()) return {};
+  std::string_view value(it->value().data(), it->value().size());
+  constexpr std::string_view kScheme = "bearer ";
+  if (value.size() < kScheme.size()) return {};
+  for (size_t i = 0; i < kScheme.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(value[i])) != kScheme[i]) return {};
+  }
+  value.remove_prefix(kScheme.size());
+  while (!value.empty() && value.front() == ' ') value.remove_prefix(1);
+  return value;
+}
+
+}  // namespace
+
+struct HttpServer::Impl {
+  struct RouteEntry {
+    HttpHandler handler;
+    bool is_public = false;
+  };
+
+  Impl(asio::any_io_executor executor, HttpServerOptions options)
+      : executor(executor), acceptor(executor), options(std::move(options)) {}
+
+  Response Handle(const Request& request);
+  void StopAll();
+
+  asio::any_io_executor executor;
+  tcp::acceptor acceptor;
+  HttpServerOptions options;
+  uint16_t port = 0;
+  std::map<std::string, RouteEntry, std::less<>> routes;
+  // Counts sessions from accept to the end of their coroutine (for max_connections).
+  size_t active_sessions = 0;
+  // Streams of the sessions that are running, so that Stop() can close them.
+  std::set<beast::tcp_stream*> live_streams;
+  bool stopped = false;
+};
+
+namespace {
+
+using Impl = HttpServer::Impl;
+
+// Holds a connection's place in Impl::active_sessions (and the Impl itself) for as long as
+// its coroutine frame exists, even if the frame is destroyed before it ever ran.
+class SessionSlot {
+ public:
+  explicit SessionSlot(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {
+    ++impl_->active_sessions;
+  }
+  SessionSlot(SessionSlot&& other) noexcept : impl_(std::move(other.impl_)) {}
+  SessionSlot& operator=(SessionSlot&&) = delete;
+  ~SessionSlot() {
+    if (impl_) --impl_->active_sessions;
+  }
+  Impl& impl() const { return *impl_; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+// Registers a session's stream with Impl::live_streams while the session runs.
+class LiveStream {
+ public:
+  LiveStream(Impl& impl, beast::tcp_stream& stream) : impl_(impl), stream_(&stream) {
+    impl_.live_streams.insert(stream_);
+  }
+  LiveStream(const LiveStream&) = delete;
+  LiveStream& operator=(const LiveStream&) = delete;
+  ~LiveStream() { impl_.live_streams.erase(stream_); }
+
+ private:
+  Impl& impl_;
+  beast::tcp_stream* stream_;
+};
+
+Response MakeTextResponse(http::status status, std::string body) {
+  Response response{status, 11};
+  response.set(http::field::content_type, "text/plain; charset=utf-8");
+  response.body() = std::move(body);
+  return response;
+}
+
+// Serves requests on an established stream until the peer closes, an error, a timeout or
+// a request without keep-alive. Returns true when the connection ended cleanly (so a TLS
+// close_notify is worth sending).
+template <typename Stream>
+awaitable<bool> ServeRequests(Impl& impl, Stream& stream) {
+  beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
+  beast::flat_buffer buffer;
+  for (;;) {
+    http::request_parser<http::string_body> parser;
+    parser.header_limit(kHeaderLimit);
+    parser.body_limit(kRequestBodyLimit);
+    error_code ec;
+    lowest.expires_after(impl.options.timeout);
+    co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+    if (ec == http::error::end_of_stream) co_return true;
+    if (ec == http::error::header_limit || ec == http::error::body_limit) {
+      Response response =
+          ec == http::error::header_limit
+              ? MakeTextResponse(http::status::request_header_fields_too_large,
+                                 "request header too large\n")
+              : MakeTextResponse(http::status::payload_too_large, "request body too large\n");
+      response.keep_alive(false);
+      response.prepare_payload();
+      lowest.expires_after(impl.options.timeout);
+      co_await http::async_write(stream, response, asio::redirect_error(use_awaitable, ec));
+      co_return false;
+    }
+    if (ec) {
+      // Peers cause these (disconnects, timeouts, garbage); logging them louder would let
+      // any client flood the log.
+      spdlog::debug("http: closing connection after read error: {}", ec.message());
+      co_return false;
+    }
+    if (impl.stopped) co_return false;
+
+    Response response = impl.Handle(parser.get());
+    lowest.expires_after(impl.options.timeout);
+    co_await http::async_write(stream, response, asio::redirect_error(use_awaitable, ec));
+    if (ec) {
+      spdlog::debug("http: cannot write response: {}", ec.message());
+      co_return false;
+    }
+    if (!response.keep_alive()) co_return true;
+  }
+}
+
+awaitable<void> RunSession(SessionSlot slot, tcp::socket socket) {
+  Impl& impl = slot.impl();
+  try {
+    if (impl.stopped) co_return;
+    error_code ec;
+    if (impl.options.tls) {
+      beast::ssl_stream<beast::tcp_stream> stream(std::move(socket), *impl.options.tls);
+      beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
+      LiveStream live(impl, lowest);
+      lowest.expires_after(impl.options.timeout);
+      co_await stream.async_handshake(asio::ssl::stream_base::server,
+                                      asio::redirect_error(use_awaitable, ec));
+      if (ec) {
+        spdlog::debug("http: TLS handshake failed: {}", ec.message());
+        co_return;
+      }
+      if (co_await ServeRequests(impl, stream) && !impl.stopped) {
+        lowest.expires_after(impl.options.timeout);
+        co_await stream.async_shutdown(asio::redirect_error(use_awaitable, ec));
+      }
+    } else {
+      beast::tcp_stream stream(std::move(socket));
+      LiveStream live(impl, stream);
+      if (co_await ServeRequests(impl, stream)) {
+        stream.socket().shutdown(tcp::socket::shutdown_send, ec);
+      }
+    }
+  } catch (const std::exception& e) {
+    spdlog::warn("http: session failed: {}", e.what());
+  }
+}
+
+awaitable<void> AcceptLoop(std::shared_ptr<Impl> impl) {
+  try {
+    for (;;) {
+      error_code ec;
+      tcp::socket socket =
+          co_await impl->acceptor.async_accept(asio::redirect_error(use_awaitable, ec));
+      if (impl->stopped || ec == asio::error::operation_aborted) co_return;
+      if (ec) {
+        // Typically EMFILE; back off briefly instead of spinning on the error.
+        spdlog::warn("http: accept on port {} failed: {}", impl->port, ec.message());
+        asio::steady_timer timer(impl->executor, std::chrono::milliseconds(50));
+        co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+        continue;
+      }
+      if (impl->active_sessions >= impl->options.max_connections) {
+        spdlog::warn("http: {} connections open, closing a new one", impl->active_sessions);
+        socket.close(ec);
+        continue;
+      }
+      asio::co_spawn(impl->executor, RunSession(SessionSlot(impl), std::move(socket)),
+                     [](std::exception_ptr error) {
+                       if (!error) return;
+                       try {
+                         std::rethrow_exception(error);
+                       } catch (const std::exception& e) {
+                         spdlog::warn("http: session failed: {}", e.what());
+                       } catch (...) {
+                         spdlog::warn("http: session failed");
+                       }
+                     });
+    }
+  } catch (const std::exception& e) {
+    spdlog::warn("http: accept loop on port {} failed: {}", impl->port, e.what());
+  }
+}
+
+}  // namespace
+
+Response HttpServer::Impl::Handle(const Request& request) {
+  const std::string target(request.target());
+  const std::string_view path = std::string_view(target).substr(0, target.find('?'));
+  const bool is_head = request.method() == http::verb::head;
+  Response response;
+  auto route = routes.find(path);
+  if (request.method() != http::verb::get && !is_head) {
+    response = MakeTextResponse(http::status::method_not_allowed, "method not allowed\n");
+    response.set(http::field::allow, "GET, HEAD");
+  } else if (route == routes.end()) {
+    response = MakeTextResponse(http::status::not_found, "not found\n");
+  } else if (!route->second.is_public && !options.token.empty() &&
+             !TokensEqual(BearerToken(request), options.token)) {
+    response = MakeTextResponse(http::status::unauthorized, "unauthorized\n");
+    response.set(http::field::www_authenticate, "Bearer");
+  } else {
+    HttpResponse result;
+    try {
+      result = route->second.handler(target);
+    } catch (const std::exception& e) {
+      spdlog::warn("http: handler for {} failed: {}", path, e.what());
+      result = {500, "text/plain; charset=utf-8", "internal error\n"};
+    }
+    if (result.status < 100 || result.status > 599) {
+      spdlog::warn("http: handler for {} returned status {}", path, result.status);
+      result = {500, "text/plain; charset=utf-8", "internal error\n"};
+    }
+    response.result(static_cast<unsigned>(result.status));
+    if (!result.content_type.empty()) {
+      response.set(http::field::content_type, result.content_type);
+    }
+    response.body() = std::move(result.body);
+  }
+  response.version(request.version());
+  response.set(http::field::server, "flywheel");
+  response.keep_alive(request.keep_alive() && !stopped);
+  response.prepare_payload();
+  if (is_head) response.body().clear();  // keeps the Content-Length of the GET
+  return response;
+}
+
+void HttpServer::Impl::StopAll() {
+  if (stopped) return;
+  stopped = true;
+  error_code ec;
+  acceptor.close(ec);
+  // Closing a stream completes its pending operation with an error, which ends the
+  // session; copy first because sessions unregister themselves as they finish.
+  std::vector<beast::tcp_stream*> streams(live_streams.begin(), live_streams.end());
+  for (beast::tcp_stream* stream : streams) stream->close();
+}
+
+HttpServer::HttpServer(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+HttpServer::~HttpServer() {
+  if (impl_) impl_->StopAll();
+}
+
+Result<std::unique_ptr<HttpServer>> HttpServer::Start(asio::any_io_executor executor,
+                                                      const Endpoint& listen,
+                                                      HttpServerOptions options) {
+  const std::string where = "cannot listen on " + listen.ToString();
+  auto impl = std::make_shared<Impl>(executor, std::move(options));
+  error_code ec;
+  asio::ip::address address = asio::ip::make_address(listen.host, ec);
+  if (ec) {
+    tcp::resolver resolver(executor);
+    auto results =
+        resolver.resolve(listen.host, std::to_string(listen.port), tcp::resolver::passive, ec);
+    if (ec || results.empty()) {
+      return Status::Unavailable(where + ": cannot resolve " + listen.host + ": " +
+                                 (ec ? ec.message() : "no addresses"));
+    }
+    address = results.begin()->endpoint().address();
+  }
+  const tcp::endpoint endpoint(address, listen.port);
+  tcp::acceptor& acceptor = impl->acceptor;
+  if (acceptor.open(endpoint.protocol(), ec); ec) {
+    return Status::Unavailable(where + ": " + ec.message());
+  }
+  if (acceptor.set_option(asio::socket_base::reuse_address(true), ec); ec) {
+    return Status::Unavailable(where + ": " + ec.message());
+  }
+  if (acceptor.bind(endpoint, ec); ec) return Status::Unavailable(where + ": " + ec.message());
+  if (acceptor.listen(asio::socket_base::max_listen_connections, ec); ec) {
+    return Status::Unavailable(where + ": " + ec.message());
+  }
+  impl->port = acceptor.local_endpoint(ec).port();
+  if (ec) return Status::Unavailable(where + ": " + ec.message());
+
+  asio::co_spawn(executor, AcceptLoop(impl), asio::detached);
+  return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
+}
+
+void HttpServer::Route(const std::string& path, HttpHandler handler, bool is_public) {
+  impl_->routes[path] = Impl::RouteEntry{std::move(handler), is_public};
+}
+
+uint16_t HttpServer::port() const {
+  return impl_->port;
+}
+
+void HttpServer::Stop() {
+  impl_->StopAll();
+}
+
+namespace {
+
+struct GetContext {
+  Endpoint endpoint;
+  std::string target;
+  const HttpGetOptions& options;
+  std::chrono::steady_clock::time_point deadline;
+};
+
+// Maps a failed step to Unavailable, naming the step ("connect", "TLS handshake", ...).
+Status StepFailed(const std::string& step, const error_code& ec) {
+  std::string reason = ec == beast::error::timeout ? "timed out" : ec.message();
+  return Status::Unavailable(step + ": " + reason);
+}
+
+template <typename Stream>
+awaitable<Result<HttpResponse>> Exchange(GetContext& get, Stream& stream) {
+  beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
+  Request request{http::verb::get, get.target, 11};
+  request.set(http::field::host, get.endpoint.ToString());
+  request.set(http::field::user_agent, "flywheel");
+  if (!get.options.token.empty()) {
+    request.set(http::field::authorization, "Bearer " + get.options.token);
+  }
+  request.keep_alive(false);
+  error_code ec;
+  lowest.expires_at(get.deadline);
+  co_await http::async_write(stream, request, asio::redirect_error(use_awaitable, ec));
+  if (ec) co_return StepFailed("send request", ec);
+
+  beast::flat_buffer buffer;
+  http::response_parser<http::string_body> parser;
+  parser.body_limit(kResponseBodyLimit);
+  lowest.expires_at(get.deadline);
+  co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+  if (ec) co_return StepFailed("read response", ec);
+  Response response = parser.release();
+  HttpResponse result;
+  result.status = static_cast<int>(response.result_int());
+  auto content_type = response.find(http::field::content_type);
+  result.content_type =
+      content_type == response.end() ? std::string() : std::string(content_type->value());
+  result.body = std::move(response.body());
+  co_return result;
+}
+
+awaitable<Result<HttpResponse>> Fetch(GetContext& get) {
+  auto executor = co_await asio::this_coro::executor;
+  error_code ec;
+  std::vector<tcp::endpoint> addresses;
+  asio::ip::address address = asio::ip::make_address(get.endpoint.host, ec);
+  if (!ec) {
+    addresses.emplace_back(address, get.endpoint.port);
+  } else {
+    // Bounded by the system resolver, not by the deadline.
+    tcp::resolver resolver(executor);
+    auto results =
+        co_await resolver.async_resolve(get.endpoint.host, std::to_string(get.endpoint.port),
+                                        asio::redirect_error(use_awaitable, ec));
+    if (ec) co_return StepFailed("resolve " + get.endpoint.host, ec);
+    for (const auto& entry : results) addresses.push_back(entry.endpoint());
+  }
+
+  beast::tcp_stream tcp_stream(executor);
+  tcp_stream.expires_at(get.deadline);
+  co_await tcp_stream.async_connect(addresses, asio::redirect_error(use_awaitable, ec));
+  if (ec) co_return StepFailed("connect", ec);
+  if (!get.options.tls) co_return co_await Exchange(get, tcp_stream);
+
+  beast::ssl_stream<beast::tcp_stream> stream(std::move(tcp_stream), *get.options.tls);
+  const std::string& host = get.endpoint.host;
+  asio::ip::make_address(host, ec);
+  // SNI carries names only, never addresses (RFC 6066).
+  if (ec && SSL_set_tlsext_host_name(stream.native_handle(), host.c_str()) != 1) {
+    co_return Status::Unavailable("cannot set TLS server name " + host);
+  }
+  stream.set_verify_mode(asio::ssl::verify_peer, ec);
+  if (!ec) stream.set_verify_callback(asio::ssl::host_name_verification(host), ec);
+  if (ec) co_return StepFailed("configure TLS", ec);
+  beast::get_lowest_layer(stream).expires_at(get.deadline);
+  co_await stream.async_handshake(asio::ssl::stream_base::client,
+                                  asio::redirect_error(use_awaitable, ec));
+  if (ec) co_return StepFailed("TLS handshake", ec);
+  co_return co_await Exchange(get, stream);
+}
+
+// co_spawn's completion wants a default-constructible result, so the outcome goes to `out`.
+awaitable<void> RunGet(GetContext get, std::optional<Result<HttpResponse>>* out) {
+  *out = co_await Fetch(get);
+}
+
+}  // namespace
+
+Result<HttpResponse> HttpGet(const Endpoint& endpoint, const std::string& target,
+                             const HttpGetOptions& options) {
+  const std::string url =
+      std::string(options.tls ? "https://" : "http://") + endpoint.ToString() + target;
+  std::optional<Result<HttpResponse>> result;
+  try {
+    asio::io_context io_context;
+    GetContext get{endpoint, target, options, std::chrono::steady_clock::now() + options.timeout};
+    asio::co_spawn(io_context, RunGet(std::move(get), &result), [&](std::exception_ptr error) {
+      if (!error) return;
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        result = Status::Unavailable(e.what());
+      } catch (...) {
+        result = Status::Unavailable("unknown exception");
+      }
+    });
+    io_context.run();
+  } catch (const std::exception& e) {
+    result = Status::Unavailable(e.what());
+  }
+  if (!result) result = Status::Internal("request did not complete");
+  if (!result->ok()) return result->status().WithContext("GET " + url);
+  return std::move(*result);
+}
+
+}  // namespace flywheel::transport

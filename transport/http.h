@@ -1,0 +1,78 @@
+// The HTTP side of every role (Boost.Beast, C++20 coroutines): GET /v1/status (JSON),
+// GET /metrics (Prometheus text), GET /healthz; plus a small blocking client that tests,
+// benchmarks and scripts use to read them.
+//
+// When a token is configured, every route except the public ones (/healthz) requires
+// "Authorization: Bearer <token>", compared in constant time; a missing or wrong token is
+// answered 401 with "WWW-Authenticate: Bearer". Unknown paths are 404, methods other than
+// GET/HEAD 405. Every read and write has a deadline; request headers are size-limited;
+// the server serves each connection in its own coroutine and closes it after an error.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "base/status.h"
+#include "transport/asio.h"
+#include "transport/endpoint.h"
+
+namespace flywheel::transport {
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+};
+
+// Produces the response for one GET of the route's path; `target` is the full request
+// target (path and query). Called on the server's executor.
+using HttpHandler = std::function<HttpResponse(const std::string& target)>;
+
+struct HttpServerOptions {
+  std::string token;                        // empty: no authentication
+  std::shared_ptr<asio::ssl::context> tls;  // null: plain HTTP
+  std::chrono::milliseconds timeout{10000};  // per read/write/handshake
+  size_t max_connections = 256;             // further connections are closed at once
+};
+
+class HttpServer {
+ public:
+  // Binds `listen` (port 0: a free port) and starts accepting on `executor`.
+  static Result<std::unique_ptr<HttpServer>> Start(asio::any_io_executor executor,
+                                                   const Endpoint& listen,
+                                                   HttpServerOptions options);
+  // Stops the server (see Stop()). REQUIRES: the executor's io_context still exists.
+  ~HttpServer();
+
+  // Adds a route for an exact path. Public routes need no token.
+  // REQUIRES: called on the server's executor (or before any request arrives).
+  void Route(const std::string& path, HttpHandler handler, bool is_public = false);
+
+  uint16_t port() const;
+  // Stops accepting and closes open connections. Idempotent. Must be called on the
+  // server's executor thread (or after the executor stopped).
+  void Stop();
+
+  struct Impl;
+
+ private:
+  explicit HttpServer(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
+};
+
+struct HttpGetOptions {
+  std::string token;                              // sent as a bearer token when non-empty
+  std::shared_ptr<asio::ssl::context> tls;        // null: plain HTTP
+  std::chrono::milliseconds timeout{5000};        // for the whole request
+};
+
+// GET http(s)://endpoint<target>; blocking, on its own io_context. Any HTTP status is a
+// successful result; connection, TLS or parse failures (and timeouts) are Unavailable.
+Result<HttpResponse> HttpGet(const Endpoint& endpoint, const std::string& target,
+                             const HttpGetOptions& options = {});
+
+}  // namespace flywheel::transport
