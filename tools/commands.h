@@ -44,5 +44,7 @@ void AddCheckpointCommands(CLI::App& app, Action& action);
 void AddBenchCommands(CLI::App& app, Action& action);
 // `certs`: a test CA and certificates for the TLS flags.
 void AddCertsCommands(CLI::App& app, Action& action);
+// `publish`, `relay`, `worker`: the weight-sync roles.
+void AddSyncCommands(CLI::App& app, Action& action);
 
 }  // namespace flywheel::tools

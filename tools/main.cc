@@ -105,6 +105,7 @@ int Run(int argc, char** argv) {
   AddDeltaCommands(app, action);
   AddCheckpointCommands(app, action);
   AddBenchCommands(app, action);
+  AddSyncCommands(app, action);
   AddCertsCommands(app, action);
   // After the subcommands, which would inherit it otherwise; they have their own.
   app.footer(kFooter);

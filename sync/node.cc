@@ -1,0 +1,660 @@
+#include "sync/node.h"
+
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <tuple>
+
+namespace flywheel::sync {
+
+using namespace std::chrono_literals;
+using transport::Clock;
+using transport::Frame;
+using transport::FrameKindName;
+using transport::MakeFrame;
+
+// ---- the catalog on the wire -------------------------------------------------------
+
+std::string HashBytesOf(const Hash128& hash) {
+  std::string bytes(16, '\0');
+  std::memcpy(bytes.data(), &hash.low, 8);
+  std::memcpy(bytes.data() + 8, &hash.high, 8);
+  return bytes;
+}
+
+Result<Hash128> HashFromBytes(const std::string& bytes, const std::string& what) {
+  if (bytes.size() != 16) {
+    return Status::Corruption(what + " is " + std::to_string(bytes.size()) + " bytes, not 16");
+  }
+  Hash128 hash;
+  std::memcpy(&hash.low, bytes.data(), 8);
+  std::memcpy(&hash.high, bytes.data() + 8, 8);
+  return hash;
+}
+
+wire::Artifact ToWire(const ArtifactInfo& info) {
+  wire::Artifact artifact;
+  artifact.set_kind(info.kind == ArtifactKind::kKeyframe ? wire::KEYFRAME : wire::DELTA);
+  artifact.set_base_version(info.base_version);
+  artifact.set_target_version(info.target_version);
+  if (info.kind == ArtifactKind::kDelta) artifact.set_base_hash(HashBytesOf(info.base_hash));
+  artifact.set_target_hash(HashBytesOf(info.target_hash));
+  artifact.set_size_bytes(info.size_bytes);
+  artifact.set_piece_bytes(info.piece_bytes);
+  for (uint64_t hash : info.piece_hashes) artifact.add_piece_hashes(hash);
+  return artifact;
+}
+
+std::string Describe(const ArtifactKey& key) {
+  return std::string(ArtifactKindName(key.kind)) + " v" + std::to_string(key.target_version);
+}
+
+Result<ArtifactInfo> FromWire(const wire::Artifact& artifact, uint64_t max_piece_bytes) {
+  ArtifactInfo info;
+  info.kind = artifact.kind() == wire::KEYFRAME ? ArtifactKind::kKeyframe : ArtifactKind::kDelta;
+  const std::string what = "catalog entry " + Describe(KeyOf(info));
+  if (artifact.kind() != wire::KEYFRAME && artifact.kind() != wire::DELTA) {
+    return Status::Corruption("catalog entry of unknown kind " + std::to_string(artifact.kind()));
+  }
+  info.base_version = artifact.base_version();
+  info.target_version = artifact.target_version();
+  if (info.target_version == 0) return Status::Corruption(what + ": target version 0");
+  if (info.kind == ArtifactKind::kDelta) {
+    if (info.base_version >= info.target_version) {
+      return Status::Corruption(what + ": base version " + std::to_string(info.base_version) +
+                                " is not below the target");
+    }
+    FW_ASSIGN_OR_RETURN(info.base_hash, HashFromBytes(artifact.base_hash(), what + " base hash"));
+  }
+  FW_ASSIGN_OR_RETURN(info.target_hash, HashFromBytes(artifact.target_hash(), what + " target hash"));
+  info.size_bytes = artifact.size_bytes();
+  info.piece_bytes = artifact.piece_bytes();
+  if (info.piece_bytes == 0 || info.piece_bytes > max_piece_bytes) {
+    return Status::Corruption(what + ": piece size " + std::to_string(info.piece_bytes) +
+                              " outside [1, " + std::to_string(max_piece_bytes) + "]");
+  }
+  const uint64_t pieces = (info.size_bytes + info.piece_bytes - 1) / info.piece_bytes;
+  if (pieces != static_cast<uint64_t>(artifact.piece_hashes_size())) {
+    return Status::Corruption(what + ": " + std::to_string(artifact.piece_hashes_size()) +
+                              " piece hashes for " + std::to_string(pieces) + " pieces");
+  }
+  info.piece_hashes.assign(artifact.piece_hashes().begin(), artifact.piece_hashes().end());
+  return info;
+}
+
+const ArtifactInfo* Catalog::Find(const ArtifactKey& key) const {
+  for (const ArtifactInfo& info : artifacts) {
+    if (KeyOf(info) == key) return &info;
+  }
+  return nullptr;
+}
+
+wire::Catalog ToWire(const Catalog& catalog) {
+  wire::Catalog out;
+  for (const ArtifactInfo& info : catalog.artifacts) *out.add_artifacts() = ToWire(info);
+  out.set_head_version(catalog.head_version);
+  out.set_head_hash(HashBytesOf(catalog.head_hash));
+  out.set_max_staleness(catalog.max_staleness);
+  return out;
+}
+
+Result<Catalog> FromWire(const wire::Catalog& catalog, uint64_t max_piece_bytes) {
+  Catalog out;
+  for (const wire::Artifact& artifact : catalog.artifacts()) {
+    FW_ASSIGN_OR_RETURN(ArtifactInfo info, FromWire(artifact, max_piece_bytes));
+    if (out.Find(KeyOf(info)) != nullptr) {
+      return Status::Corruption("catalog lists " + Describe(KeyOf(info)) + " twice");
+    }
+    out.artifacts.push_back(std::move(info));
+  }
+  // By target version, a keyframe before the delta of the same version.
+  std::sort(out.artifacts.begin(), out.artifacts.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.target_version, a.kind) < std::tie(b.target_version, b.kind);
+  });
+  out.head_version = catalog.head_version();
+  if (out.head_version != 0) {
+    FW_ASSIGN_OR_RETURN(out.head_hash, HashFromBytes(catalog.head_hash(), "catalog head hash"));
+  }
+  out.max_staleness = catalog.max_staleness();
+  return out;
+}
+
+// ---- identity and links --------------------------------------------------------------
+
+const char* RoleName(wire::Role role) {
+  switch (role) {
+    case wire::PUBLISHER: return "publisher";
+    case wire::RELAY: return "relay";
+    case wire::WORKER: return "worker";
+    case wire::CLIENT: return "client";
+    default: return "unknown";
+  }
+}
+
+std::string DefaultNodeId(wire::Role role, const std::string& region) {
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) std::strcpy(host, "host");
+  return std::string(RoleName(role)) + "-" + region + "-" + host + "-" + std::to_string(getpid());
+}
+
+void LinkRegistry::Add(std::shared_ptr<Connection> connection, bool upstream) {
+  live_[std::move(connection)] = Link{upstream};
+}
+
+void LinkRegistry::Remove(const std::shared_ptr<Connection>& connection) {
+  auto it = live_.find(connection);
+  if (it == live_.end()) return;
+  closed_in_ += connection->bytes_in();
+  closed_out_ += connection->bytes_out();
+  if (connection->shaped()) {
+    closed_wan_in_ += connection->bytes_in();
+    closed_wan_out_ += connection->bytes_out();
+  }
+  live_.erase(it);
+}
+
+uint64_t LinkRegistry::bytes_in() const {
+  uint64_t total = closed_in_;
+  for (const auto& [connection, link] : live_) total += connection->bytes_in();
+  return total;
+}
+uint64_t LinkRegistry::bytes_out() const {
+  uint64_t total = closed_out_;
+  for (const auto& [connection, link] : live_) total += connection->bytes_out();
+  return total;
+}
+uint64_t LinkRegistry::wan_bytes_in() const {
+  uint64_t total = closed_wan_in_;
+  for (const auto& [connection, link] : live_) {
+    if (connection->shaped()) total += connection->bytes_in();
+  }
+  return total;
+}
+uint64_t LinkRegistry::wan_bytes_out() const {
+  uint64_t total = closed_wan_out_;
+  for (const auto& [connection, link] : live_) {
+    if (connection->shaped()) total += connection->bytes_out();
+  }
+  return total;
+}
+
+nlohmann::json LinkRegistry::ToJson() const {
+  nlohmann::json links = nlohmann::json::array();
+  for (const auto& [connection, link] : live_) {
+    const bool upstream = link.upstream;
+    const wire::Hello& hello = connection->hello;
+    const wire::Welcome& welcome = connection->welcome;
+    const bool control = upstream ? false : hello.channel() == wire::CONTROL;
+    links.push_back({
+        {"peer", connection->peer()},
+        {"direction", upstream ? "upstream" : "downstream"},
+        {"node_id", upstream ? welcome.node_id() : hello.node_id()},
+        {"region", upstream ? welcome.region() : hello.region()},
+        {"role", RoleName(upstream ? welcome.role() : hello.role())},
+        {"channel", upstream ? "" : (control ? "control" : "data")},
+        {"bytes_in", connection->bytes_in()},
+        {"bytes_out", connection->bytes_out()},
+        {"shaped", connection->shaped()},
+    });
+  }
+  return links;
+}
+
+// ---- Server -----------------------------------------------------------------------------
+
+namespace {
+
+// Coroutines take shared_ptr parameters only (see transport::RunOn on GCC 12).
+awaitable<void> SendCatalog(std::shared_ptr<Connection> peer, std::shared_ptr<wire::Header> header) {
+  (void)co_await peer->Send(MakeFrame(*header));
+}
+
+}  // namespace
+
+Server::Server(ServerOptions options, PieceSource* source, LinkRegistry* links)
+    : options_(std::move(options)), source_(source), links_(links) {}
+
+Server::~Server() { Stop(); }
+
+Result<std::unique_ptr<Server>> Server::Start(asio::any_io_executor executor,
+                                              ServerOptions options, PieceSource* source,
+                                              LinkRegistry* links) {
+  std::unique_ptr<Server> server(new Server(options, source, links));
+  FW_ASSIGN_OR_RETURN(server->listener_,
+                      transport::Listener::Bind(executor, options.listen, options.listener));
+  Server* self = server.get();
+  self->listener_->Start(
+      [self](const wire::Hello&) {
+        wire::Welcome welcome;
+        welcome.set_role(self->options_.identity.role);
+        welcome.set_region(self->options_.identity.region);
+        welcome.set_node_id(self->options_.identity.node_id);
+        welcome.set_max_staleness(self->catalog_.max_staleness());
+        welcome.set_heartbeat_ms(
+            static_cast<uint32_t>(self->options_.listener.connection.heartbeat.count()));
+        return welcome;
+      },
+      [self](std::shared_ptr<Connection> connection) { return self->OnPeer(std::move(connection)); });
+  return server;
+}
+
+uint16_t Server::port() const { return listener_->port(); }
+
+void Server::Stop() {
+  if (listener_) listener_->Stop();
+}
+
+void Server::SetCatalog(wire::Catalog catalog) {
+  catalog_ = std::move(catalog);
+  wire::Header header;
+  *header.mutable_catalog() = catalog_;
+  auto shared = std::make_shared<wire::Header>(std::move(header));
+  for (const auto& peer : control_peers_) {
+    // Fire and forget: a peer whose queue is full gets the catalog when it drains.
+    asio::co_spawn(peer->executor(), SendCatalog(peer, shared), asio::detached);
+  }
+}
+
+std::vector<FleetNode> Server::Fleet() const {
+  std::vector<FleetNode> nodes;
+  const auto now = Clock::now();
+  for (const auto& [id, node] : fleet_) {
+    if (now - node.seen <= options_.report_timeout) nodes.push_back(node);
+  }
+  return nodes;
+}
+
+awaitable<void> Server::OnPeer(std::shared_ptr<Connection> connection) {
+  links_->Add(connection, /*upstream=*/false);
+  if (connection->hello.channel() == wire::CONTROL) {
+    co_await ServeControl(connection);
+  } else {
+    co_await ServeData(connection);
+  }
+  links_->Remove(connection);
+}
+
+awaitable<void> Server::ServeControl(std::shared_ptr<Connection> connection) {
+  control_peers_.insert(connection);
+  spdlog::info("{} {} ({}, region {}) subscribed from {}", RoleName(connection->hello.role()),
+               connection->hello.node_id(), "control", connection->hello.region(),
+               connection->peer());
+  wire::Header header;
+  *header.mutable_catalog() = catalog_;
+  Status status = co_await connection->Send(MakeFrame(std::move(header)));
+  std::set<std::string> reported;
+  while (status.ok()) {
+    Result<Frame> frame = co_await connection->Receive();
+    if (!frame.ok()) {
+      status = frame.status();
+      break;
+    }
+    if (frame->header.has_report()) {
+      for (const wire::NodeState& node : frame->header.report().nodes()) {
+        if (node.node_id().empty()) continue;
+        fleet_[node.node_id()] = FleetNode{node, connection->hello.node_id(), Clock::now()};
+        reported.insert(node.node_id());
+      }
+    } else {
+      status = Status::Corruption(std::string("unexpected ") + FrameKindName(frame->header) +
+                                  " frame on a control channel");
+      connection->Close(status);
+    }
+  }
+  control_peers_.erase(connection);
+  // The nodes behind this connection left with it (or report again elsewhere).
+  for (const std::string& id : reported) {
+    auto it = fleet_.find(id);
+    if (it != fleet_.end() && it->second.via == connection->hello.node_id()) fleet_.erase(it);
+  }
+  spdlog::info("{} {} left: {}", RoleName(connection->hello.role()), connection->hello.node_id(),
+               status.message());
+}
+
+awaitable<void> Server::ServeData(std::shared_ptr<Connection> connection) {
+  while (true) {
+    Result<Frame> frame = co_await connection->Receive();
+    if (!frame.ok()) co_return;
+    if (!frame->header.has_piece_request()) {
+      connection->Close(Status::Corruption(std::string("unexpected ") +
+                                           FrameKindName(frame->header) +
+                                           " frame on a data channel"));
+      co_return;
+    }
+    const wire::PieceRequest& request = frame->header.piece_request();
+    ArtifactKey key{request.kind() == wire::KEYFRAME ? ArtifactKind::kKeyframe : ArtifactKind::kDelta,
+                    request.target_version()};
+    Result<PieceSource::Piece> piece = co_await source_->GetPiece(key, request.index());
+    wire::Header header;
+    if (!piece.ok()) {
+      wire::PieceUnavailable* unavailable = header.mutable_piece_unavailable();
+      unavailable->set_kind(request.kind());
+      unavailable->set_target_version(request.target_version());
+      unavailable->set_index(request.index());
+      unavailable->set_reason(piece.status().message());
+      if (!(co_await connection->Send(MakeFrame(std::move(header)))).ok()) co_return;
+      continue;
+    }
+    wire::Piece* out = header.mutable_piece();
+    out->set_kind(request.kind());
+    out->set_target_version(request.target_version());
+    out->set_index(request.index());
+    // Send() waits while this connection's queue is full: a slow peer stops this loop,
+    // which stops reading its requests (bounded memory per peer).
+    if (!(co_await connection->Send(MakeFrame(std::move(header), piece->owner, piece->bytes))).ok()) {
+      co_return;
+    }
+    ++pieces_served_;
+  }
+}
+
+// ---- Upstream ----------------------------------------------------------------------------
+
+Download::Download(ArtifactInfo artifact)
+    : info(std::move(artifact)),
+      bytes(std::make_shared<std::vector<std::byte>>(info.size_bytes)),
+      have(info.piece_hashes.size(), false) {}
+
+std::span<const std::byte> Download::piece(uint32_t index) const {
+  const uint64_t begin = static_cast<uint64_t>(index) * info.piece_bytes;
+  const uint64_t end = std::min(info.size_bytes, begin + info.piece_bytes);
+  return std::span<const std::byte>(*bytes).subspan(begin, end - begin);
+}
+
+Upstream::Upstream(asio::any_io_executor executor, UpstreamOptions options, LinkRegistry* links)
+    : executor_(std::move(executor)), options_(std::move(options)), links_(links) {
+  data_.resize(static_cast<size_t>(std::max(1, options_.streams)));
+  data_index_.resize(data_.size(), 0);
+}
+
+Upstream::~Upstream() { Stop(); }
+
+void Upstream::Stop() {
+  stopped_ = true;
+  if (control_) control_->Close(Status::Unavailable("stopping"));
+  for (auto& connection : data_) {
+    if (connection) connection->Close(Status::Unavailable("stopping"));
+  }
+}
+
+std::string Upstream::current() const {
+  return control_ ? options_.endpoints[control_index_].ToString() : std::string();
+}
+
+awaitable<Result<std::shared_ptr<Connection>>> Upstream::DialAny(wire::Channel channel,
+                                                                 size_t* index) {
+  Status last = Status::Unavailable("no upstream configured");
+  for (size_t i = 0; i < options_.endpoints.size() && !stopped_; ++i) {
+    transport::DialOptions dial;
+    dial.endpoint = options_.endpoints[i];
+    dial.tls = options_.tls;
+    dial.timeout = options_.dial_timeout;
+    dial.connection = options_.connection;
+    wire::Hello hello;
+    hello.set_token(options_.token);
+    hello.set_role(options_.identity.role);
+    hello.set_region(options_.identity.region);
+    hello.set_node_id(options_.identity.node_id);
+    hello.set_channel(channel);
+    Result<std::shared_ptr<Connection>> connection = co_await transport::Dial(dial, hello);
+    if (connection.ok()) {
+      *index = i;
+      links_->Add(*connection, /*upstream=*/true);
+      co_return connection;
+    }
+    spdlog::debug("upstream {}: {}", dial.endpoint.ToString(), connection.status().message());
+    last = connection.status();
+  }
+  co_return stopped_ ? Status::Unavailable("stopping") : last;
+}
+
+awaitable<void> Upstream::ReportLoop(std::shared_ptr<Connection> connection,
+                                     std::shared_ptr<bool> reporting,
+                                     std::shared_ptr<size_t> index_ptr) {
+  const size_t index = *index_ptr;
+          auto next_prefer = Clock::now() + options_.prefer_retry;
+          while (*reporting && !connection->closed()) {
+            wire::Header header;
+            *header.mutable_report() = report_();
+            if (!(co_await connection->Send(MakeFrame(std::move(header)))).ok()) co_return;
+            co_await transport::SleepFor(1s);
+            if (index != 0 && Clock::now() >= next_prefer && *reporting) {
+              next_prefer = Clock::now() + options_.prefer_retry;
+              transport::DialOptions probe;
+              probe.endpoint = options_.endpoints[0];
+              probe.tls = options_.tls;
+              probe.timeout = options_.dial_timeout;
+              wire::Hello hello;
+              hello.set_token(options_.token);
+              hello.set_role(wire::CLIENT);
+              hello.set_region(options_.identity.region);
+              hello.set_node_id(options_.identity.node_id + "-probe");
+              hello.set_channel(wire::DATA);
+              auto probed = co_await transport::Dial(probe, hello);
+              if (probed.ok()) {
+                (*probed)->Close(Status::Unavailable("probe done"));
+                spdlog::info("preferred upstream {} is back; switching", probe.endpoint.ToString());
+                connection->Close(Status::Unavailable("switching to the preferred upstream"));
+              }
+            }
+          }
+}
+
+awaitable<void> Upstream::RunControl(std::function<void(Catalog)> on_catalog,
+                                     std::function<wire::Report()> make_report) {
+  Status last_error;
+  while (!stopped_) {
+    size_t index = 0;
+    Result<std::shared_ptr<Connection>> dialed = co_await DialAny(wire::CONTROL, &index);
+    if (!dialed.ok()) {
+      if (last_error.message() != dialed.status().message()) {
+        spdlog::warn("no upstream reachable: {}", dialed.status().message());
+      }
+      last_error = dialed.status();
+      co_await transport::SleepFor(options_.retry_delay);
+      continue;
+    }
+    last_error = Status::Ok();
+    control_ = *dialed;
+    control_index_ = index;
+    auto connection = control_;
+    spdlog::info("subscribed to {} {} at {}", RoleName(connection->welcome.role()),
+                 connection->welcome.node_id(), connection->peer());
+    // Reports go out every second; while failed over, the preferred upstream is retried.
+    auto reporting = std::make_shared<bool>(true);
+    report_ = make_report;
+    asio::co_spawn(executor_, ReportLoop(connection, reporting, std::make_shared<size_t>(index)),
+                   asio::detached);
+    while (true) {
+      Result<Frame> frame = co_await connection->Receive();
+      if (!frame.ok()) {
+        if (!stopped_) spdlog::warn("control channel: {}", frame.status().message());
+        break;
+      }
+      if (!frame->header.has_catalog()) {
+        connection->Close(Status::Corruption(std::string("unexpected ") +
+                                             FrameKindName(frame->header) +
+                                             " frame on the control channel"));
+        continue;
+      }
+      Result<Catalog> catalog = FromWire(frame->header.catalog(), options_.max_piece_bytes);
+      if (!catalog.ok()) {
+        spdlog::warn("ignoring a bad catalog from {}: {}", connection->peer(),
+                     catalog.status().message());
+        continue;
+      }
+      on_catalog(std::move(*catalog));
+    }
+    *reporting = false;
+    links_->Remove(connection);
+    if (control_ == connection) control_.reset();
+    if (!stopped_) co_await transport::SleepFor(options_.retry_delay);
+  }
+}
+
+awaitable<void> Upstream::StreamTask(std::shared_ptr<FetchState> state, std::shared_ptr<int> stream) {
+  state->results[*stream] = co_await RunStream(*stream, *state->download, *state->pending,
+                                               *state->requeued, *state->on_piece);
+  --state->running;
+  state->requeued->Notify();
+  state->finished->Notify();
+}
+
+awaitable<Status> Upstream::Fetch(Download& download, std::function<void(uint32_t)> on_piece) {
+  if (download.complete()) co_return Status::Ok();
+  std::vector<uint32_t> pending;  // a stack: the lowest index on top
+  for (size_t i = download.have.size(); i-- > 0;) {
+    if (!download.have[i]) pending.push_back(static_cast<uint32_t>(i));
+  }
+  transport::Signal requeued(executor_);
+  last_progress_ = Clock::now();
+  const int streams = static_cast<int>(data_.size());
+  transport::Signal finished(executor_);
+  auto state = std::make_shared<FetchState>(FetchState{&download, &pending, &requeued, &on_piece,
+                                                       std::vector<Status>(streams), streams,
+                                                       &finished});
+  for (int s = 0; s < streams; ++s) {
+    asio::co_spawn(executor_, StreamTask(state, std::make_shared<int>(s)), asio::detached);
+  }
+  while (state->running > 0) co_await finished.Wait();
+  if (download.complete()) co_return Status::Ok();
+  for (const Status& status : state->results) {
+    if (!status.ok()) co_return status;
+  }
+  co_return Status::Unavailable("fetch of " + Describe(KeyOf(download.info)) + " did not complete");
+}
+
+awaitable<Status> Upstream::RunStream(int stream, Download& download,
+                                      std::vector<uint32_t>& pending, transport::Signal& requeued,
+                                      const std::function<void(uint32_t)>& on_piece) {
+  const ArtifactKey key = KeyOf(download.info);
+  const wire::ArtifactKind kind = key.kind == ArtifactKind::kKeyframe ? wire::KEYFRAME : wire::DELTA;
+  std::vector<uint32_t> in_flight;
+  auto requeue_in_flight = [&] {
+    for (uint32_t index : in_flight) {
+      if (!download.have[index]) pending.push_back(index);
+    }
+    in_flight.clear();
+    requeued.Notify();
+  };
+  int unavailable_strikes = 0;
+  while (!download.complete()) {
+    if (stopped_) co_return Status::Unavailable("stopping");
+    if (Clock::now() - last_progress_ > options_.give_up) {
+      requeue_in_flight();
+      co_return Status::Unavailable("no progress fetching " + Describe(key) + " for " +
+                                    std::to_string(options_.give_up.count() / 1000) + " s");
+    }
+    std::shared_ptr<Connection>& connection = data_[stream];
+    if (!connection || connection->closed()) {
+      if (connection) links_->Remove(connection);
+      connection.reset();
+      if (pending.empty() && in_flight.empty()) {
+        co_await requeued.Wait();  // nothing to do until another stream gives work back
+        continue;
+      }
+      size_t index = 0;
+      Result<std::shared_ptr<Connection>> dialed = co_await DialAny(wire::DATA, &index);
+      if (!dialed.ok()) {
+        co_await transport::SleepFor(options_.retry_delay);
+        continue;
+      }
+      connection = *dialed;
+      data_index_[stream] = index;
+    }
+    // Fill the window.
+    Status sent;
+    while (static_cast<int>(in_flight.size()) < options_.window && !pending.empty() && sent.ok()) {
+      const uint32_t index = pending.back();
+      pending.pop_back();
+      if (download.have[index]) continue;
+      wire::Header header;
+      wire::PieceRequest* request = header.mutable_piece_request();
+      request->set_kind(kind);
+      request->set_target_version(key.target_version);
+      request->set_index(index);
+      in_flight.push_back(index);
+      ++counters_.piece_requests;
+      sent = co_await connection->Send(MakeFrame(std::move(header)));
+    }
+    if (!sent.ok()) {
+      requeue_in_flight();
+      continue;
+    }
+    if (in_flight.empty()) {
+      if (download.complete()) break;
+      co_await requeued.Wait();
+      continue;
+    }
+    Result<Frame> frame = co_await connection->Receive();
+    if (!frame.ok()) {
+      spdlog::info("data stream {} to {}: {}; resuming {} with {}/{} pieces verified", stream,
+                   connection->peer(), frame.status().message(), Describe(key),
+                   download.have_count, download.have.size());
+      requeue_in_flight();
+      continue;
+    }
+    const wire::Header& header = frame->header;
+    uint32_t index = 0;
+    if (header.has_piece()) {
+      index = header.piece().index();
+    } else if (header.has_piece_unavailable()) {
+      index = header.piece_unavailable().index();
+    } else {
+      connection->Close(Status::Corruption(std::string("unexpected ") + FrameKindName(header) +
+                                           " frame on a data channel"));
+      requeue_in_flight();
+      continue;
+    }
+    auto it = std::find(in_flight.begin(), in_flight.end(), index);
+    const bool matches = it != in_flight.end() &&
+                         (header.has_piece() ? header.piece().target_version()
+                                             : header.piece_unavailable().target_version()) ==
+                             key.target_version;
+    if (!matches) {
+      connection->Close(Status::Corruption("upstream " + connection->peer() +
+                                           " sent a piece that was not requested"));
+      requeue_in_flight();
+      continue;
+    }
+    in_flight.erase(it);
+    if (header.has_piece_unavailable()) {
+      // The upstream does not serve it (any more): another upstream may.
+      spdlog::warn("{} does not serve {} piece {}: {}", connection->peer(), Describe(key), index,
+                   header.piece_unavailable().reason());
+      pending.push_back(index);
+      requeue_in_flight();
+      connection->Close(Status::Unavailable("artifact not served"));
+      if (++unavailable_strikes >= 3) {
+        co_return Status::NotFound("upstream does not serve " + Describe(key) + ": " +
+                                   header.piece_unavailable().reason());
+      }
+      continue;
+    }
+    std::span<const std::byte> expected = download.piece(index);
+    if (download.have[index]) continue;  // a duplicate after a requeue
+    if (frame->payload.size() != expected.size() ||
+        HashBytes64(frame->payload) != download.info.piece_hashes[index]) {
+      ++counters_.pieces_rejected;
+      spdlog::warn("{} piece {} from {} failed its checksum; fetching it again", Describe(key),
+                   index, connection->peer());
+      pending.push_back(index);
+      requeued.Notify();
+      continue;
+    }
+    std::memcpy(const_cast<std::byte*>(expected.data()), frame->payload.data(), expected.size());
+    download.have[index] = true;
+    ++download.have_count;
+    ++counters_.pieces_verified;
+    counters_.piece_bytes += expected.size();
+    last_progress_ = Clock::now();
+    unavailable_strikes = 0;
+    if (on_piece) on_piece(index);
+  }
+  requeued.Notify();
+  co_return Status::Ok();
+}
+
+}  // namespace flywheel::sync

@@ -1,0 +1,282 @@
+#include "sync/publisher.h"
+
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+
+#include "delta/safetensors.h"
+#include "sync/drop.h"
+#include "sync/node.h"
+
+namespace flywheel::sync {
+
+using transport::Clock;
+
+struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Impl> {
+  Impl(asio::any_io_executor executor, PublisherOptions options)
+      : executor(executor), options(std::move(options)), cpu(1) {}
+
+  asio::any_io_executor executor;
+  PublisherOptions options;
+  NodeIdentity identity;
+  asio::thread_pool cpu;
+  std::unique_ptr<VersionLog> log;
+  LinkRegistry links;
+  std::unique_ptr<Server> server;
+  std::unique_ptr<transport::HttpServer> http;
+  std::atomic<bool> stopped{false};
+  std::map<std::string, transport::LinkShaping> region_shaping;
+
+  // Network-thread state.
+  std::vector<ArtifactInfo> artifacts;
+  std::map<ArtifactKey, std::shared_ptr<MappedFile>> mapped;
+
+  // Publishing state (guarded by publish_mutex: the watcher and Publish() both publish).
+  mutable std::mutex publish_mutex;
+  std::map<uint64_t, std::string> rejected_drops;  // version -> reason
+  double last_publish_ms = 0;
+  uint64_t last_artifact_bytes = 0;
+  uint64_t published = 0;
+
+  Result<std::vector<ArtifactInfo>> Append(uint64_t version, const CheckpointView& checkpoint);
+  void ScanDropsOnce();
+  awaitable<void> WatchLoop();
+  void Announce();
+  awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
+  nlohmann::json StatusJson() const;
+};
+
+Result<std::vector<ArtifactInfo>> Publisher::Impl::Append(uint64_t version,
+                                                          const CheckpointView& checkpoint) {
+  std::lock_guard lock(publish_mutex);
+  const auto start = Clock::now();
+  Result<std::vector<ArtifactInfo>> written = log->Append(version, checkpoint);
+  if (!written.ok()) return written;
+  last_publish_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  last_artifact_bytes = 0;
+  for (const ArtifactInfo& info : *written) last_artifact_bytes += info.size_bytes;
+  ++published;
+  spdlog::info("published v{}: {} artifact(s), {} bytes, in {:.0f} ms", version, written->size(),
+               last_artifact_bytes, last_publish_ms);
+  return written;
+}
+
+void Publisher::Impl::ScanDropsOnce() {
+  Result<std::vector<Drop>> drops = ScanDrops(options.watch_dir, log->last_version());
+  if (!drops.ok()) {
+    spdlog::warn("cannot scan {}: {}", options.watch_dir, drops.status().message());
+    return;
+  }
+  for (const Drop& drop : *drops) {
+    if (stopped) return;
+    {
+      std::lock_guard lock(publish_mutex);
+      if (rejected_drops.count(drop.version)) continue;
+    }
+    Result<Checkpoint> checkpoint = OpenDrop(drop);
+    Status status = checkpoint.status();
+    if (checkpoint.ok()) status = Append(drop.version, checkpoint->tensors()).status();
+    if (!status.ok()) {
+      spdlog::error("rejected drop {}: {} (still serving v{})", drop.path, status.message(),
+                    log->head_version());
+      std::lock_guard lock(publish_mutex);
+      rejected_drops[drop.version] = status.message();
+      continue;
+    }
+    asio::post(executor, [self = shared_from_this()] { self->Announce(); });
+  }
+}
+
+awaitable<void> Publisher::Impl::WatchLoop() {
+  auto self = shared_from_this();
+  while (!stopped) {
+    // GCC 12 destroys lambda and braced temporaries in a co_await expression twice:
+    // they are always named first (see transport::RunOn).
+    auto scan = [this] {
+      ScanDropsOnce();
+      return 0;
+    };
+    co_await transport::RunOn(cpu, scan);
+    co_await transport::SleepFor(options.poll);
+  }
+}
+
+void Publisher::Impl::Announce() {
+  artifacts = log->Artifacts();
+  std::map<ArtifactKey, std::shared_ptr<MappedFile>> kept;
+  Catalog catalog;
+  for (const ArtifactInfo& info : artifacts) {
+    auto it = mapped.find(KeyOf(info));
+    if (it != mapped.end()) kept.insert(*it);
+    catalog.artifacts.push_back(info);
+  }
+  mapped = std::move(kept);
+  catalog.head_version = log->head_version();
+  catalog.head_hash = log->head_hash();
+  catalog.max_staleness = options.max_staleness;
+  if (server) server->SetCatalog(ToWire(catalog));
+}
+
+awaitable<Result<PieceSource::Piece>> Publisher::Impl::GetPiece(const ArtifactKey& key,
+                                                                 uint32_t index) {
+  const ArtifactInfo* info = nullptr;
+  for (const ArtifactInfo& candidate : artifacts) {
+    if (KeyOf(candidate) == key) info = &candidate;
+  }
+  if (info == nullptr) co_return Status::NotFound("the publisher does not hold " + Describe(key));
+  if (index >= info->piece_hashes.size()) {
+    co_return Status::NotFound(Describe(key) + " has no piece " + std::to_string(index));
+  }
+  auto& file = mapped[key];
+  if (!file) {
+    Result<MappedFile> opened = MappedFile::Open(info->path);
+    if (!opened.ok()) {
+      mapped.erase(key);
+      co_return opened.status();
+    }
+    if (opened->bytes().size() != info->size_bytes) {
+      mapped.erase(key);
+      co_return Status::Corruption(info->path + " changed size on disk");
+    }
+    file = std::make_shared<MappedFile>(std::move(*opened));
+  }
+  const uint64_t begin = static_cast<uint64_t>(index) * info->piece_bytes;
+  const uint64_t end = std::min(info->size_bytes, begin + info->piece_bytes);
+  Piece piece{file, file->bytes().subspan(begin, end - begin)};
+  co_return piece;
+}
+
+nlohmann::json Publisher::Impl::StatusJson() const {
+  nlohmann::json nodes = nlohmann::json::array();
+  const uint64_t head = log->head_version();
+  for (const FleetNode& node : server->Fleet()) {
+    const uint64_t version = node.state.version();
+    nodes.push_back({{"node_id", node.state.node_id()},
+                     {"region", node.state.region()},
+                     {"role", RoleName(node.state.role())},
+                     {"version", version},
+                     {"staleness", head - std::min(head, version)},
+                     {"upstream", node.state.upstream()},
+                     {"via", node.via}});
+  }
+  nlohmann::json rejected = nlohmann::json::array();
+  std::lock_guard lock(publish_mutex);
+  for (const auto& [version, reason] : rejected_drops) {
+    rejected.push_back({{"version", version}, {"reason", reason}});
+  }
+  uint64_t log_bytes = 0;
+  for (const ArtifactInfo& info : artifacts) log_bytes += info.size_bytes;
+  return {
+      {"role", "publisher"},
+      {"region", identity.region},
+      {"node_id", identity.node_id},
+      {"version", head},
+      {"weights_hash", head == 0 ? "" : log->head_hash().ToHex()},
+      {"head_version", head},
+      {"last_version", log->last_version()},
+      {"staleness", 0},
+      {"max_staleness", options.max_staleness},
+      {"upstream", ""},
+      {"bytes_in", links.bytes_in()},
+      {"bytes_out", links.bytes_out()},
+      {"wan_bytes_in", links.wan_bytes_in()},
+      {"wan_bytes_out", links.wan_bytes_out()},
+      {"links", links.ToJson()},
+      {"nodes", nodes},
+      {"artifacts_retained", artifacts.size()},
+      {"log_bytes", log_bytes},
+      {"last_publish_ms", last_publish_ms},
+      {"last_artifact_bytes", last_artifact_bytes},
+      {"published_total", published},
+      {"drops_rejected", rejected_drops.size()},
+      {"rejected_drops", rejected},
+      {"pieces_served", server->pieces_served()},
+      {"last_swap_ms", 0},
+      {"swap_unix_us", 0},
+  };
+}
+
+Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor executor,
+                                                    PublisherOptions options) {
+  if (options.common.region.empty()) options.common.region = "home";
+  FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, false));
+  auto impl = std::make_shared<Impl>(executor, options);
+  impl->identity = {wire::PUBLISHER, options.common.region,
+                    options.common.node_id.empty()
+                        ? DefaultNodeId(wire::PUBLISHER, options.common.region)
+                        : options.common.node_id};
+  FW_ASSIGN_OR_RETURN(impl->log, VersionLog::Open(options.log));
+  if (!impl->log->empty()) {
+    spdlog::info("recovered {}: head v{} ({}), {} artifacts", options.log.dir,
+                 impl->log->head_version(), impl->log->head_hash().ToHex(),
+                 impl->log->Artifacts().size());
+  }
+  ServerOptions server;
+  server.listen = options.listen;
+  server.identity = impl->identity;
+  server.listener.tls = tls.server;
+  server.listener.token = options.common.token;
+  server.listener.connection = options.common.connection;
+  if (options.common.wan_shaped()) {
+    Impl* raw = impl.get();
+    server.listener.shaping_for = [raw](const wire::Hello& hello) {
+      if (hello.region() == raw->identity.region) return transport::LinkShaping{};
+      auto it = raw->region_shaping.find(hello.region());
+      if (it == raw->region_shaping.end()) {
+        it = raw->region_shaping
+                 .emplace(hello.region(),
+                          transport::MakeLinkShaping(raw->options.common.wan_rate,
+                                                     raw->options.common.wan_latency_ms))
+                 .first;
+      }
+      return it->second;
+    };
+  }
+  FW_ASSIGN_OR_RETURN(impl->server, Server::Start(executor, server, impl.get(), &impl->links));
+  impl->Announce();
+  Impl* raw = impl.get();
+  FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
+                                                    [raw] { return raw->StatusJson(); }));
+  if (!options.watch_dir.empty()) asio::co_spawn(executor, impl->WatchLoop(), asio::detached);
+  if (!options.common.ready_file.empty()) {
+    FW_RETURN_IF_ERROR(WriteReadyFile(
+        options.common.ready_file,
+        {{"listen", transport::Endpoint{options.listen.host, impl->server->port()}.ToString()},
+         {"http", transport::Endpoint{options.common.http.host, impl->http->port()}.ToString()},
+         {"node_id", impl->identity.node_id}}));
+  }
+  spdlog::info("publisher {} listening on port {}, HTTP on port {}, watching {}",
+               impl->identity.node_id, impl->server->port(), impl->http->port(),
+               options.watch_dir.empty() ? "(nothing)" : options.watch_dir);
+  return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
+}
+
+Publisher::~Publisher() {
+  impl_->stopped = true;
+  impl_->cpu.join();
+}
+
+void Publisher::Stop() {
+  auto impl = impl_;
+  impl->stopped = true;
+  asio::post(impl->executor, [impl] {
+    impl->server->Stop();
+    if (impl->http) impl->http->Stop();
+  });
+}
+
+Result<std::vector<ArtifactInfo>> Publisher::Publish(uint64_t version,
+                                                     const CheckpointView& checkpoint) {
+  Result<std::vector<ArtifactInfo>> written = impl_->Append(version, checkpoint);
+  if (written.ok()) asio::post(impl_->executor, [impl = impl_] { impl->Announce(); });
+  return written;
+}
+
+uint16_t Publisher::port() const { return impl_->server->port(); }
+uint16_t Publisher::http_port() const { return impl_->http->port(); }
+uint64_t Publisher::version() const { return impl_->log->head_version(); }
+nlohmann::json Publisher::StatusJson() const { return impl_->StatusJson(); }
+
+}  // namespace flywheel::sync

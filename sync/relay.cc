@@ -1,0 +1,282 @@
+#include "sync/relay.h"
+
+#include <spdlog/spdlog.h>
+
+#include <deque>
+#include <map>
+
+#include "sync/node.h"
+
+namespace flywheel::sync {
+
+using namespace std::chrono_literals;
+
+struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
+  Impl(asio::any_io_executor executor, RelayOptions options)
+      : executor(executor), options(std::move(options)), queued(executor) {}
+
+  struct Cached {
+    explicit Cached(const ArtifactInfo& info, asio::any_io_executor executor)
+        : download(info), arrived(executor) {}
+    Download download;
+    transport::Signal arrived;
+    bool queued = false;
+    bool dropped = false;   // no longer in the upstream's catalog
+    Status error;           // the last fetch failure, until the next attempt
+  };
+
+  asio::any_io_executor executor;
+  RelayOptions options;
+  NodeIdentity identity;
+  LinkRegistry links;
+  std::unique_ptr<Upstream> upstream;
+  std::unique_ptr<Server> server;
+  std::unique_ptr<transport::HttpServer> http;
+  bool stopped = false;
+
+  Catalog catalog;
+  std::map<ArtifactKey, std::shared_ptr<Cached>> cache;
+  std::deque<ArtifactKey> fetch_queue;
+  transport::Signal queued;
+  uint64_t fetch_failures = 0;
+
+  void OnCatalog(Catalog received);
+  void Enqueue(const ArtifactKey& key, bool urgent);
+  awaitable<void> FetchLoop();
+  awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
+  nlohmann::json StatusJson() const;
+  const ArtifactInfo* NewestComplete() const;
+};
+
+void Relay::Impl::Enqueue(const ArtifactKey& key, bool urgent) {
+  auto it = cache.find(key);
+  if (it == cache.end() || it->second->queued || it->second->download.complete()) return;
+  it->second->queued = true;
+  if (urgent) {
+    fetch_queue.push_front(key);
+  } else {
+    fetch_queue.push_back(key);
+  }
+  queued.Notify();
+}
+
+void Relay::Impl::OnCatalog(Catalog received) {
+  std::map<ArtifactKey, std::shared_ptr<Cached>> kept;
+  for (const ArtifactInfo& info : received.artifacts) {
+    auto it = cache.find(KeyOf(info));
+    if (it != cache.end() && it->second->download.info == info) {
+      kept[KeyOf(info)] = it->second;
+    } else {
+      kept[KeyOf(info)] = std::make_shared<Cached>(info, executor);
+    }
+  }
+  for (auto& [key, entry] : cache) {
+    if (!kept.count(key) || kept[key] != entry) {
+      entry->dropped = true;
+      entry->arrived.Notify();
+    }
+  }
+  cache = std::move(kept);
+  catalog = std::move(received);
+  // Deltas are small and every node needs them: fetch them now. Keyframes on demand.
+  for (const ArtifactInfo& info : catalog.artifacts) {
+    if (info.kind == ArtifactKind::kDelta) Enqueue(KeyOf(info), false);
+  }
+  server->SetCatalog(ToWire(catalog));
+}
+
+awaitable<void> Relay::Impl::FetchLoop() {
+  auto self = shared_from_this();
+  while (!stopped) {
+    if (fetch_queue.empty()) {
+      co_await queued.Wait();
+      continue;
+    }
+    const ArtifactKey key = fetch_queue.front();
+    fetch_queue.pop_front();
+    auto it = cache.find(key);
+    if (it == cache.end()) continue;
+    std::shared_ptr<Cached> entry = it->second;
+    entry->error = Status::Ok();
+    std::function<void(uint32_t)> on_piece = [entry](uint32_t) { entry->arrived.Notify(); };
+    Status status = co_await upstream->Fetch(entry->download, on_piece);
+    entry->queued = false;
+    if (!status.ok() && !entry->dropped) {
+      ++fetch_failures;
+      entry->error = status;
+      spdlog::warn("relay: fetching {}: {}", Describe(key), status.message());
+      entry->arrived.Notify();  // waiting nodes are told, and try another upstream
+      co_await transport::SleepFor(200ms);
+    } else if (status.ok()) {
+      spdlog::info("relay: cached {} ({} bytes)", Describe(key), entry->download.info.size_bytes);
+    }
+  }
+}
+
+awaitable<Result<PieceSource::Piece>> Relay::Impl::GetPiece(const ArtifactKey& key, uint32_t index) {
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    co_return Status::NotFound("this relay's catalog has no " + Describe(key));
+  }
+  std::shared_ptr<Cached> entry = it->second;
+  if (index >= entry->download.have.size()) {
+    co_return Status::NotFound(Describe(key) + " has no piece " + std::to_string(index));
+  }
+  if (!entry->download.have[index]) Enqueue(key, /*urgent=*/true);
+  while (!entry->download.have[index]) {
+    if (entry->dropped) co_return Status::NotFound(Describe(key) + " was dropped upstream");
+    if (!entry->error.ok()) co_return Status::Unavailable("relay cannot fetch " + Describe(key) + ": " + entry->error.message());
+    if (stopped) co_return Status::Unavailable("relay stopping");
+    co_await entry->arrived.Wait();
+  }
+  Piece piece{entry->download.bytes, entry->download.piece(index)};
+  co_return piece;
+}
+
+const ArtifactInfo* Relay::Impl::NewestComplete() const {
+  const ArtifactInfo* newest = nullptr;
+  for (const auto& [key, entry] : cache) {
+    if (entry->download.complete() &&
+        (newest == nullptr || entry->download.info.target_version > newest->target_version)) {
+      newest = &entry->download.info;
+    }
+  }
+  return newest;
+}
+
+nlohmann::json Relay::Impl::StatusJson() const {
+  const ArtifactInfo* newest = NewestComplete();
+  const uint64_t version = newest ? newest->target_version : 0;
+  uint64_t cached_bytes = 0;
+  nlohmann::json artifacts = nlohmann::json::array();
+  for (const auto& [key, entry] : cache) {
+    cached_bytes += entry->download.have_count == 0 ? 0 : entry->download.info.size_bytes;
+    artifacts.push_back({{"artifact", Describe(key)},
+                         {"pieces", entry->download.have.size()},
+                         {"cached_pieces", entry->download.have_count}});
+  }
+  nlohmann::json nodes = nlohmann::json::array();
+  for (const FleetNode& node : server->Fleet()) {
+    nodes.push_back({{"node_id", node.state.node_id()},
+                     {"region", node.state.region()},
+                     {"role", RoleName(node.state.role())},
+                     {"version", node.state.version()}});
+  }
+  const FetchCounters& counters = upstream->counters();
+  return {
+      {"role", "relay"},
+      {"region", identity.region},
+      {"node_id", identity.node_id},
+      {"version", version},
+      {"weights_hash", newest ? newest->target_hash.ToHex() : ""},
+      {"head_version", catalog.head_version},
+      {"staleness", catalog.head_version - std::min(version, catalog.head_version)},
+      {"max_staleness", catalog.max_staleness},
+      {"upstream", upstream->current()},
+      {"connected", upstream->connected()},
+      {"bytes_in", links.bytes_in()},
+      {"bytes_out", links.bytes_out()},
+      {"wan_bytes_in", links.wan_bytes_in()},
+      {"wan_bytes_out", links.wan_bytes_out()},
+      {"links", links.ToJson()},
+      {"cache_bytes", cached_bytes},
+      {"artifacts", artifacts},
+      {"nodes", nodes},
+      {"piece_requests", counters.piece_requests},
+      {"pieces_verified", counters.pieces_verified},
+      {"pieces_rejected", counters.pieces_rejected},
+      {"pieces_served", server->pieces_served()},
+      {"fetch_failures", fetch_failures},
+      {"last_swap_ms", 0},
+      {"swap_unix_us", 0},
+  };
+}
+
+Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, RelayOptions options) {
+  if (options.upstreams.empty()) return Status::InvalidArgument("a relay needs an --upstream");
+  if (options.common.region.empty()) return Status::InvalidArgument("a relay needs a --region");
+  FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, true));
+  auto impl = std::make_shared<Impl>(executor, options);
+  impl->identity = {wire::RELAY, options.common.region,
+                    options.common.node_id.empty()
+                        ? DefaultNodeId(wire::RELAY, options.common.region)
+                        : options.common.node_id};
+  UpstreamOptions upstream;
+  upstream.endpoints = options.upstreams;
+  upstream.tls = tls.client;
+  upstream.token = options.common.token;
+  upstream.identity = impl->identity;
+  upstream.connection = options.common.connection;
+  if (options.common.wan_shaped()) {
+    upstream.connection.shaping =
+        transport::MakeLinkShaping(options.common.wan_rate, options.common.wan_latency_ms);
+  }
+  upstream.streams = options.streams;
+  upstream.window = options.window;
+  impl->upstream = std::make_unique<Upstream>(executor, upstream, &impl->links);
+
+  ServerOptions server;
+  server.listen = options.listen;
+  server.identity = impl->identity;
+  server.listener.tls = tls.server;
+  server.listener.token = options.common.token;
+  server.listener.connection = options.common.connection;
+  FW_ASSIGN_OR_RETURN(impl->server, Server::Start(executor, server, impl.get(), &impl->links));
+  Impl* raw = impl.get();
+  FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
+                                                    [raw] { return raw->StatusJson(); }));
+  asio::co_spawn(
+      executor,
+      [impl]() -> awaitable<void> {
+        std::function<void(Catalog)> on_catalog = [raw = impl.get()](Catalog catalog) {
+          raw->OnCatalog(std::move(catalog));
+        };
+        std::function<wire::Report()> make_report = [raw = impl.get()] {
+              wire::Report report;
+              wire::NodeState* self = report.add_nodes();
+              self->set_node_id(raw->identity.node_id);
+              self->set_region(raw->identity.region);
+              self->set_role(wire::RELAY);
+              const ArtifactInfo* newest = raw->NewestComplete();
+              self->set_version(newest ? newest->target_version : 0);
+              self->set_bytes_in(raw->links.bytes_in());
+              self->set_bytes_out(raw->links.bytes_out());
+              self->set_upstream(raw->upstream->current());
+              for (const FleetNode& node : raw->server->Fleet()) *report.add_nodes() = node.state;
+              return report;
+            };
+        co_await impl->upstream->RunControl(on_catalog, make_report);
+      },
+      asio::detached);
+  asio::co_spawn(executor, impl->FetchLoop(), asio::detached);
+  if (!options.common.ready_file.empty()) {
+    FW_RETURN_IF_ERROR(WriteReadyFile(
+        options.common.ready_file,
+        {{"listen", transport::Endpoint{options.listen.host, impl->server->port()}.ToString()},
+         {"http", transport::Endpoint{options.common.http.host, impl->http->port()}.ToString()},
+         {"node_id", impl->identity.node_id}}));
+  }
+  spdlog::info("relay {} (region {}) listening on port {}, HTTP on port {}", impl->identity.node_id,
+               impl->identity.region, impl->server->port(), impl->http->port());
+  return std::unique_ptr<Relay>(new Relay(std::move(impl)));
+}
+
+Relay::~Relay() { impl_->stopped = true; }
+
+void Relay::Stop() {
+  auto impl = impl_;
+  asio::post(impl->executor, [impl] {
+    impl->stopped = true;
+    impl->upstream->Stop();
+    impl->server->Stop();
+    impl->queued.Notify();
+    for (auto& [key, entry] : impl->cache) entry->arrived.Notify();
+    if (impl->http) impl->http->Stop();
+  });
+}
+
+uint16_t Relay::port() const { return impl_->server->port(); }
+uint16_t Relay::http_port() const { return impl_->http->port(); }
+nlohmann::json Relay::StatusJson() const { return impl_->StatusJson(); }
+
+}  // namespace flywheel::sync

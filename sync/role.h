@@ -1,0 +1,60 @@
+// What every role process has besides its data plane: flags shared by publish, relay and
+// worker, the HTTP endpoints (/v1/status JSON, /metrics Prometheus text, /healthz), the
+// --ready-file, and TLS contexts built from the flags.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "transport/connection.h"
+#include "transport/http.h"
+#include "transport/tls.h"
+
+namespace flywheel::sync {
+
+namespace asio = transport::asio;
+using transport::awaitable;
+
+struct CommonOptions {
+  std::string region;
+  std::string node_id;          // empty: DefaultNodeId
+  transport::Endpoint http;     // port 0: any free port
+  std::string token;            // empty: no authentication
+  transport::TlsOptions tls;    // none: plain TCP and HTTP
+  std::string ready_file;       // empty: none
+  double wan_rate = 0;          // bytes/s on WAN links, 0: unlimited
+  double wan_latency_ms = 0;    // added one-way latency on WAN links
+  int threads = 1;              // CPU threads (hashing, encoding, applying)
+  transport::ConnectionOptions connection;
+  bool wan_shaped() const { return wan_rate > 0 || wan_latency_ms > 0; }
+};
+
+// The HTTP side of a role: /healthz (public), /v1/status (status() as JSON) and /metrics
+// (every number and boolean at the top level of status(), as flywheel_<name> gauges
+// labelled with role, region and node).
+Result<std::unique_ptr<transport::HttpServer>> StartStatusServer(
+    asio::any_io_executor executor, const CommonOptions& options,
+    std::shared_ptr<asio::ssl::context> tls, std::function<nlohmann::json()> status);
+
+// Prometheus text for a status document (see StartStatusServer).
+std::string MetricsText(const nlohmann::json& status);
+
+// Writes `document` to `path` atomically (temporary file, rename).
+Status WriteReadyFile(const std::string& path, const nlohmann::json& document);
+
+// Server and client TLS contexts from the flags; both null when TLS is off.
+struct TlsContexts {
+  std::shared_ptr<asio::ssl::context> server;
+  std::shared_ptr<asio::ssl::context> client;
+};
+Result<TlsContexts> MakeTlsContexts(const transport::TlsOptions& tls, bool need_server,
+                                    bool need_client);
+
+uint64_t UnixMicrosNow();
+
+}  // namespace flywheel::sync

@@ -1,0 +1,433 @@
+#include "sync/worker.h"
+
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <shared_mutex>
+
+#include "delta/delta.h"
+#include "delta/safetensors.h"
+#include "sync/node.h"
+
+namespace flywheel::sync {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using transport::Clock;
+
+struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
+  Impl(asio::any_io_executor executor, WorkerOptions options)
+      : executor(executor),
+        options(std::move(options)),
+        cpu(static_cast<size_t>(std::max(1, this->options.common.threads))),
+        catalog_changed(executor) {}
+
+  asio::any_io_executor executor;
+  WorkerOptions options;
+  NodeIdentity identity;
+  asio::thread_pool cpu;
+  LinkRegistry links;
+  std::unique_ptr<Upstream> upstream;
+  std::unique_ptr<transport::HttpServer> http;
+  std::atomic<bool> stopped{false};
+
+  // Network-thread state.
+  Catalog catalog;
+  bool have_catalog = false;
+  transport::Signal catalog_changed;
+  std::map<uint64_t, Clock::time_point> head_seen;  // when a head version was first announced
+  std::map<std::pair<ArtifactKey, std::string>, bool> rejected;  // (artifact, target hash)
+  std::map<ArtifactKey, std::unique_ptr<Download>> downloads;  // partial, kept for resume
+  uint64_t artifacts_rejected = 0;
+  uint64_t swaps = 0;
+  uint64_t exports = 0;
+  double last_swap_ms = 0;
+  double last_apply_ms = 0;
+  uint64_t swap_unix_us = 0;
+  std::string last_error;
+  uint64_t ignored_older_heads = 0;
+
+  // The serving weights.
+  mutable std::shared_mutex weights_mutex;
+  OwnedCheckpoint weights;
+  std::vector<Hash128> tensor_hashes;
+  std::atomic<uint64_t> version{0};
+  Hash128 hash;  // guarded by weights_mutex
+
+  awaitable<void> UpdateLoop();
+  std::vector<ArtifactInfo> Plan();
+  Status Apply(const ArtifactInfo& info, std::span<const std::byte> bytes);
+  void Export(uint64_t serving_version);
+  nlohmann::json StatusJson() const;
+  void OnCatalog(Catalog received);
+};
+
+void Worker::Impl::OnCatalog(Catalog received) {
+  if (received.head_version < version.load()) {
+    // A replayed or restarted-older upstream: never move back.
+    ++ignored_older_heads;
+    spdlog::warn("upstream announces head v{} but this worker serves v{}; ignoring it",
+                 received.head_version, version.load());
+  }
+  if (received.head_version != 0 && !head_seen.count(received.head_version)) {
+    head_seen[received.head_version] = Clock::now();
+  }
+  catalog = std::move(received);
+  have_catalog = true;
+  catalog_changed.Notify();
+}
+
+std::vector<ArtifactInfo> Worker::Impl::Plan() {
+  const uint64_t head = catalog.head_version;
+  const uint64_t current = version.load();
+  if (head <= current) return {};
+  Hash128 current_hash;
+  {
+    std::shared_lock lock(weights_mutex);
+    current_hash = hash;
+  }
+  auto usable = [&](const ArtifactInfo& info) {
+    return !rejected.count({KeyOf(info), info.target_hash.ToHex()});
+  };
+  // The chain of deltas from (from_version, from_hash) up to the head.
+  auto chain = [&](uint64_t from_version, Hash128 from_hash, std::vector<ArtifactInfo>* path) {
+    while (from_version < head) {
+      const ArtifactInfo* next = nullptr;
+      for (const ArtifactInfo& info : catalog.artifacts) {
+        if (info.kind == ArtifactKind::kDelta && info.base_version == from_version &&
+            info.base_hash == from_hash && usable(info)) {
+          next = &info;
+        }
+      }
+      if (next == nullptr) return false;
+      path->push_back(*next);
+      from_version = next->target_version;
+      from_hash = next->target_hash;
+    }
+    return true;
+  };
+  std::vector<ArtifactInfo> path;
+  if (current != 0 && chain(current, current_hash, &path)) return path;
+  // Else the newest usable keyframe and the deltas after it.
+  for (auto it = catalog.artifacts.rbegin(); it != catalog.artifacts.rend(); ++it) {
+    if (it->kind != ArtifactKind::kKeyframe || it->target_version > head || !usable(*it)) continue;
+    if (it->target_version <= current) break;  // nothing newer than what we serve
+    path = {*it};
+    if (chain(it->target_version, it->target_hash, &path)) return path;
+  }
+  return {};
+}
+
+namespace {
+
+bool SameLayout(const OwnedCheckpoint& weights, const delta::Manifest& manifest) {
+  if (weights.tensors.size() != manifest.tensors.size()) return false;
+  for (size_t i = 0; i < weights.tensors.size(); ++i) {
+    const OwnedTensor& t = weights.tensors[i];
+    const delta::TensorEntry& e = manifest.tensors[i];
+    if (t.name != e.name || t.dtype != e.dtype || t.shape != e.shape) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const std::byte> bytes) {
+  const std::string what = Describe(KeyOf(info));
+  FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(bytes));
+  const delta::Manifest& manifest = view.manifest();
+  if (manifest.keyframe != (info.kind == ArtifactKind::kKeyframe) ||
+      manifest.target_version != info.target_version || manifest.target_hash != info.target_hash ||
+      (!manifest.keyframe && (manifest.base_version != info.base_version ||
+                              manifest.base_hash != info.base_hash))) {
+    return flywheel::Status::Corruption(what + " does not match its catalog entry");
+  }
+  const int threads = std::max(1, options.common.threads);
+  if (!manifest.keyframe) {
+    std::unique_lock lock(weights_mutex);
+    if (version.load() != manifest.base_version || hash != manifest.base_hash) {
+      return flywheel::Status::Mismatch(what + " applies to v" + std::to_string(manifest.base_version) +
+                                        " (" + manifest.base_hash.ToHex() + ") but this worker serves v" +
+                                        std::to_string(version.load()) + " (" + hash.ToHex() + ")");
+    }
+    delta::ApplyOptions apply;
+    apply.threads = threads;
+    apply.state_tensor_hashes = tensor_hashes;
+    MutableCheckpointView state = weights.mutable_view();
+    FW_ASSIGN_OR_RETURN(delta::ApplyStats stats, delta::ApplyInPlace(state, view, apply));
+    tensor_hashes = std::move(stats.tensor_hashes);
+    hash = manifest.target_hash;
+    version.store(manifest.target_version);
+    return flywheel::Status::Ok();
+  }
+  // A keyframe: in place when the layout is the same (no second copy of the weights).
+  {
+    std::unique_lock lock(weights_mutex);
+    if (version.load() != 0 && SameLayout(weights, manifest)) {
+      delta::ApplyOptions apply;
+      apply.threads = threads;
+      apply.restore_on_failure = false;  // the undo log would be a whole copy
+      MutableCheckpointView state = weights.mutable_view();
+      Result<delta::ApplyStats> stats = delta::ApplyInPlace(state, view, apply);
+      if (!stats.ok()) {
+        // The weights are partly overwritten: serve nothing until a good keyframe.
+        version.store(0);
+        hash = Hash128{};
+        tensor_hashes.clear();
+        return stats.status();
+      }
+      tensor_hashes = std::move(stats->tensor_hashes);
+      hash = manifest.target_hash;
+      version.store(manifest.target_version);
+      return flywheel::Status::Ok();
+    }
+  }
+  FW_ASSIGN_OR_RETURN(OwnedCheckpoint decoded, delta::DecodeKeyframe(view, threads));
+  std::vector<Hash128> hashes;
+  for (const delta::TensorEntry& entry : manifest.tensors) hashes.push_back(entry.target_hash);
+  std::unique_lock lock(weights_mutex);
+  weights = std::move(decoded);
+  tensor_hashes = std::move(hashes);
+  hash = manifest.target_hash;
+  version.store(manifest.target_version);
+  return flywheel::Status::Ok();
+}
+
+void Worker::Impl::Export(uint64_t serving_version) {
+  std::shared_lock lock(weights_mutex);
+  if (version.load() != serving_version) return;  // a newer swap already happened
+  std::error_code ec;
+  fs::create_directories(options.export_dir, ec);
+  char name[64];
+  std::snprintf(name, sizeof name, "v%llu.safetensors", static_cast<unsigned long long>(serving_version));
+  const std::string path = (fs::path(options.export_dir) / name).string();
+  std::map<std::string, std::string> metadata{{"flywheel_version", std::to_string(serving_version)},
+                                              {"flywheel_weights_hash", hash.ToHex()}};
+  flywheel::Status status = WriteSafetensors(path, weights.view(), metadata);
+  lock.unlock();
+  if (!status.ok()) {
+    spdlog::error("cannot export v{}: {}", serving_version, status.message());
+    return;
+  }
+  ++exports;
+  // Keep the newest export_keep files v<N>.safetensors.
+  std::vector<std::pair<uint64_t, fs::path>> exported;
+  for (const auto& entry : fs::directory_iterator(options.export_dir, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (file.size() > 13 && file[0] == 'v' && file.ends_with(".safetensors")) {
+      const std::string digits = file.substr(1, file.size() - 13);
+      if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos) {
+        exported.emplace_back(std::stoull(digits), entry.path());
+      }
+    }
+  }
+  std::sort(exported.rbegin(), exported.rend());
+  for (size_t i = static_cast<size_t>(std::max(1, options.export_keep)); i < exported.size(); ++i) {
+    fs::remove(exported[i].second, ec);
+  }
+}
+
+awaitable<void> Worker::Impl::UpdateLoop() {
+  auto self = shared_from_this();
+  while (!stopped) {
+    std::vector<ArtifactInfo> plan = have_catalog ? Plan() : std::vector<ArtifactInfo>{};
+    if (plan.empty()) {
+      co_await catalog_changed.Wait();
+      continue;
+    }
+    for (const ArtifactInfo& info : plan) {
+      if (stopped) co_return;
+      const ArtifactKey key = KeyOf(info);
+      auto& slot = downloads[key];
+      if (!slot || slot->info != info) slot = std::make_unique<Download>(info);
+      Download& download = *slot;
+      const auto fetch_start = Clock::now();
+      flywheel::Status fetched = co_await upstream->Fetch(download);
+      if (!fetched.ok()) {
+        last_error = "fetching " + Describe(key) + ": " + fetched.message();
+        spdlog::warn("{}", last_error);
+        if (fetched.code() == StatusCode::kNotFound) {
+          // Gone upstream (retention, or a relay restart): replan from the next catalog.
+          downloads.erase(key);
+        }
+        co_await transport::SleepFor(200ms);
+        break;
+      }
+      const auto fetch_ms = std::chrono::duration<double, std::milli>(Clock::now() - fetch_start).count();
+      const auto apply_start = Clock::now();
+      auto bytes = download.bytes;
+      auto task = std::make_shared<ArtifactInfo>(info);
+      auto apply = [this, task, bytes] { return Apply(*task, *bytes); };
+      flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
+      downloads.erase(key);
+      if (!applied.ok()) {
+        ++artifacts_rejected;
+        rejected[{key, info.target_hash.ToHex()}] = true;
+        last_error = "rejected " + Describe(key) + ": " + applied.message();
+        spdlog::error("{}", last_error);
+        break;  // replan: a keyframe path avoids the rejected artifact
+      }
+      const auto now = Clock::now();
+      last_apply_ms = std::chrono::duration<double, std::milli>(now - apply_start).count();
+      const uint64_t serving = version.load();
+      auto seen = head_seen.find(serving);
+      last_swap_ms = std::chrono::duration<double, std::milli>(
+                         now - (seen != head_seen.end() ? seen->second : fetch_start))
+                         .count();
+      swap_unix_us = UnixMicrosNow();
+      ++swaps;
+      last_error.clear();
+      spdlog::info("serving v{} ({}; fetched in {:.0f} ms, applied in {:.0f} ms)", serving,
+                   Describe(key), fetch_ms, last_apply_ms);
+      head_seen.erase(head_seen.begin(), head_seen.upper_bound(serving));
+      if (!options.export_dir.empty()) {
+        auto export_weights = [this, serving] {
+          Export(serving);
+          return 0;
+        };
+        co_await transport::RunOn(cpu, export_weights);
+      }
+    }
+  }
+}
+
+nlohmann::json Worker::Impl::StatusJson() const {
+  Hash128 current_hash;
+  {
+    std::shared_lock lock(weights_mutex);
+    current_hash = hash;
+  }
+  const uint64_t serving = version.load();
+  const uint64_t head = std::max(catalog.head_version, serving);
+  const FetchCounters& counters = upstream->counters();
+  return {
+      {"role", "worker"},
+      {"region", identity.region},
+      {"node_id", identity.node_id},
+      {"version", serving},
+      {"weights_hash", serving == 0 ? "" : current_hash.ToHex()},
+      {"head_version", head},
+      {"staleness", head - serving},
+      {"max_staleness", catalog.max_staleness},
+      {"stale", catalog.max_staleness != 0 && head - serving > catalog.max_staleness},
+      {"upstream", upstream->current()},
+      {"connected", upstream->connected()},
+      {"bytes_in", links.bytes_in()},
+      {"bytes_out", links.bytes_out()},
+      {"wan_bytes_in", links.wan_bytes_in()},
+      {"wan_bytes_out", links.wan_bytes_out()},
+      {"links", links.ToJson()},
+      {"last_swap_ms", last_swap_ms},
+      {"last_apply_ms", last_apply_ms},
+      {"swap_unix_us", swap_unix_us},
+      {"swaps_total", swaps},
+      {"exports_total", exports},
+      {"piece_requests", counters.piece_requests},
+      {"pieces_verified", counters.pieces_verified},
+      {"pieces_rejected", counters.pieces_rejected},
+      {"piece_bytes", counters.piece_bytes},
+      {"artifacts_rejected", artifacts_rejected},
+      {"older_heads_ignored", ignored_older_heads},
+      {"last_error", last_error},
+  };
+}
+
+Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
+                                              WorkerOptions options) {
+  if (options.upstreams.empty()) return Status::InvalidArgument("a worker needs an --upstream");
+  if (options.common.region.empty()) return Status::InvalidArgument("a worker needs a --region");
+  FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, true));
+  auto impl = std::make_shared<Impl>(executor, options);
+  impl->identity = {wire::WORKER, options.common.region,
+                    options.common.node_id.empty()
+                        ? DefaultNodeId(wire::WORKER, options.common.region)
+                        : options.common.node_id};
+  UpstreamOptions upstream;
+  upstream.endpoints = options.upstreams;
+  upstream.tls = tls.client;
+  upstream.token = options.common.token;
+  upstream.identity = impl->identity;
+  upstream.connection = options.common.connection;
+  if (options.common.wan_shaped()) {
+    upstream.connection.shaping =
+        transport::MakeLinkShaping(options.common.wan_rate, options.common.wan_latency_ms);
+  }
+  upstream.streams = options.streams;
+  upstream.window = options.window;
+  impl->upstream = std::make_unique<Upstream>(executor, upstream, &impl->links);
+  Impl* raw = impl.get();
+  FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
+                                                    [raw] { return raw->StatusJson(); }));
+  asio::co_spawn(
+      executor,
+      [impl]() -> awaitable<void> {
+        std::function<void(Catalog)> on_catalog = [raw = impl.get()](Catalog catalog) {
+          raw->OnCatalog(std::move(catalog));
+        };
+        std::function<wire::Report()> make_report = [raw = impl.get()] {
+              wire::Report report;
+              wire::NodeState* node = report.add_nodes();
+              node->set_node_id(raw->identity.node_id);
+              node->set_region(raw->identity.region);
+              node->set_role(wire::WORKER);
+              node->set_version(raw->version.load());
+              {
+                std::shared_lock lock(raw->weights_mutex);
+                node->set_weights_hash(HashBytesOf(raw->hash));
+              }
+              node->set_bytes_in(raw->links.bytes_in());
+              node->set_bytes_out(raw->links.bytes_out());
+              node->set_upstream(raw->upstream->current());
+              return report;
+            };
+        co_await impl->upstream->RunControl(on_catalog, make_report);
+      },
+      asio::detached);
+  asio::co_spawn(executor, impl->UpdateLoop(), asio::detached);
+  if (!options.common.ready_file.empty()) {
+    const std::string host = options.common.http.host;
+    FW_RETURN_IF_ERROR(WriteReadyFile(
+        options.common.ready_file,
+        {{"http", transport::Endpoint{host, impl->http->port()}.ToString()},
+         {"node_id", impl->identity.node_id}}));
+  }
+  spdlog::info("worker {} (region {}) serving HTTP on port {}", impl->identity.node_id,
+               impl->identity.region, impl->http->port());
+  return std::unique_ptr<Worker>(new Worker(std::move(impl)));
+}
+
+Worker::~Worker() {
+  impl_->stopped = true;
+  impl_->cpu.join();
+}
+
+void Worker::Stop() {
+  auto impl = impl_;
+  impl->stopped = true;
+  asio::post(impl->executor, [impl] {
+    impl->upstream->Stop();
+    impl->catalog_changed.Notify();
+    if (impl->http) impl->http->Stop();
+  });
+}
+
+uint16_t Worker::http_port() const { return impl_->http->port(); }
+uint64_t Worker::version() const { return impl_->version.load(); }
+Hash128 Worker::weights_hash() const {
+  std::shared_lock lock(impl_->weights_mutex);
+  return impl_->hash;
+}
+void Worker::WithWeights(const std::function<void(uint64_t, const CheckpointView&)>& fn) const {
+  std::shared_lock lock(impl_->weights_mutex);
+  if (impl_->version.load() == 0) {
+    fn(0, {});
+    return;
+  }
+  fn(impl_->version.load(), impl_->weights.view());
+}
+nlohmann::json Worker::StatusJson() const { return impl_->StatusJson(); }
+
+}  // namespace flywheel::sync

@@ -1,0 +1,67 @@
+// `flywheel worker`: holds the serving copy of the weights in memory and keeps it current.
+//
+// It subscribes upstream (a relay, or the publisher; several upstreams in order of
+// preference, with failover), and on every catalog whose head is newer than what it
+// serves it plans the cheapest path: the chain of deltas from its own version, else the
+// newest keyframe and the deltas after it. Each artifact is fetched over parallel streams,
+// every piece verified against the catalog's hash (a bad piece is fetched again, never
+// used), then applied in one step under an exclusive lock: readers see the old version or
+// the new one, never a mix, and the target hash is verified before the new version is
+// served. A delta that does not apply (wrong base, corrupt) is rejected and the worker
+// falls back to a keyframe; a catalog that announces an older version than the one served
+// never moves the worker back.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "delta/hash.h"
+#include "delta/tensor.h"
+#include "sync/role.h"
+#include "transport/endpoint.h"
+
+namespace flywheel::sync {
+
+struct WorkerOptions {
+  CommonOptions common;
+  std::vector<transport::Endpoint> upstreams;  // in order of preference
+  std::string export_dir;  // non-empty: write v<version>.safetensors here after every swap
+  int export_keep = 2;     // newest exports kept in export_dir
+  int streams = 4;         // parallel data streams per artifact
+  int window = 8;          // piece requests in flight per stream
+};
+
+class Worker {
+ public:
+  // Binds the HTTP endpoint and starts subscribing on `executor` (the caller runs it).
+  static Result<std::unique_ptr<Worker>> Start(asio::any_io_executor executor,
+                                               WorkerOptions options);
+  // REQUIRES: the executor no longer runs (or Stop() was called and it drained).
+  ~Worker();
+
+  // Stops subscribing and closes connections; thread-safe.
+  void Stop();
+
+  uint16_t http_port() const;
+  uint64_t version() const;  // 0 until the first version is served
+  Hash128 weights_hash() const;
+  // Runs `fn` with the serving weights under a shared lock: a swap waits for it, and it
+  // never sees a half-applied version. `fn` gets version 0 and no tensors before the
+  // first version.
+  void WithWeights(const std::function<void(uint64_t, const CheckpointView&)>& fn) const;
+  // The /v1/status document. Call on the executor's thread.
+  nlohmann::json StatusJson() const;
+
+  struct Impl;
+
+ private:
+  explicit Worker(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace flywheel::sync

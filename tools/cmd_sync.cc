@@ -1,0 +1,316 @@
+// `flywheel publish`, `flywheel relay`, `flywheel worker`: the weight-sync roles.
+//
+// Each runs until SIGINT or SIGTERM, logging at info level to stderr (-v: debug).
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <csignal>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sync/publisher.h"
+#include "sync/relay.h"
+#include "sync/worker.h"
+#include "tools/commands.h"
+
+namespace flywheel::tools {
+namespace {
+
+namespace asio = transport::asio;
+
+struct CommonArgs {
+  std::string region;
+  std::string node_id;
+  std::string http;
+  std::string token;
+  std::string token_file;
+  std::string tls_cert, tls_key, tls_ca;
+  std::string ready_file;
+  double wan_rate = 0;
+  double wan_latency_ms = 0;
+  int threads = 1;
+  int heartbeat_ms = 1000;
+  int peer_timeout_ms = 5000;
+};
+
+struct SyncArgs {
+  CommonArgs common;
+  std::string listen;
+  std::vector<std::string> upstreams;
+  // publish
+  std::string state_dir, watch_dir;
+  uint64_t keyframe_every = 10, retain = 20, piece_kib = 1024, max_staleness = 0;
+  int poll_ms = 50;
+  bool no_deltas = false;
+  std::string compressor = "zstd";
+  // relay / worker
+  int streams = 4, window = 8;
+  std::string export_dir;
+  int export_keep = 2;
+};
+
+void AddCommonOptions(CLI::App* app, CommonArgs& args, bool region_required) {
+  auto* region = app->add_option("--region", args.region, "Region this node runs in")->type_name("R");
+  if (region_required) region->required();
+  app->add_option("--node-id", args.node_id,
+                  "Name in status and fleet views (default: <role>-<region>-<host>-<pid>)")
+      ->type_name("ID");
+  app->add_option("--http", args.http,
+                  "Where to serve GET /v1/status, /metrics and /healthz (port 0: any free port)")
+      ->type_name("HOST:PORT")
+      ->required();
+  app->add_option("--token", args.token,
+                  "Bearer token required of peers and HTTP clients (all routes but /healthz)\n"
+                  "and presented upstream")
+      ->type_name("T");
+  app->add_option("--token-file", args.token_file,
+                  "Read the token from this file (keeps it out of the process list)")
+      ->type_name("F")
+      ->excludes("--token");
+  app->add_option("--tls-cert", args.tls_cert, "TLS certificate chain (PEM); turns TLS 1.3 on")
+      ->type_name("F");
+  app->add_option("--tls-key", args.tls_key, "TLS private key (PEM)")->type_name("F");
+  app->add_option("--tls-ca", args.tls_ca,
+                  "CA bundle that peers are verified against; a server with it requires\n"
+                  "client certificates (mutual authentication)")
+      ->type_name("F");
+  app->add_option("--ready-file", args.ready_file,
+                  "Write {\"listen\":..., \"http\":...} here once the ports are bound")
+      ->type_name("F");
+  app->add_option("--wan-rate", args.wan_rate,
+                  "Shape WAN links to this many bytes/s (token bucket; 0: unlimited)")
+      ->type_name("BYTES_PER_S")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--wan-latency-ms", args.wan_latency_ms, "Add this one-way latency on WAN links")
+      ->type_name("MS")
+      ->check(CLI::Range(0.0, 60000.0));
+  app->add_option("--threads", args.threads, "CPU threads for encoding, hashing and applying")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  app->add_option("--heartbeat-ms", args.heartbeat_ms, "Heartbeat interval on idle links")
+      ->type_name("MS")
+      ->capture_default_str()
+      ->check(CLI::Range(50, 60000));
+  app->add_option("--peer-timeout-ms", args.peer_timeout_ms,
+                  "Drop a peer silent (no data, no heartbeat) this long")
+      ->type_name("MS")
+      ->capture_default_str()
+      ->check(CLI::Range(200, 600000));
+}
+
+Result<sync::CommonOptions> MakeCommon(const CommonArgs& args) {
+  sync::CommonOptions common;
+  common.region = args.region;
+  common.node_id = args.node_id;
+  FW_ASSIGN_OR_RETURN(common.http, transport::ParseEndpoint(args.http));
+  common.token = args.token;
+  if (!args.token_file.empty()) {
+    std::ifstream in(args.token_file);
+    if (!in) return Status::NotFound("cannot read --token-file " + args.token_file);
+    std::getline(in, common.token);
+    if (common.token.empty()) return Status::InvalidArgument("--token-file " + args.token_file + " is empty");
+  }
+  common.tls = {args.tls_cert, args.tls_key, args.tls_ca};
+  common.ready_file = args.ready_file;
+  common.wan_rate = args.wan_rate;
+  common.wan_latency_ms = args.wan_latency_ms;
+  common.threads = args.threads;
+  common.connection.heartbeat = std::chrono::milliseconds(args.heartbeat_ms);
+  common.connection.idle_timeout = std::chrono::milliseconds(args.peer_timeout_ms);
+  common.connection.io_timeout = std::chrono::milliseconds(2 * args.peer_timeout_ms);
+  return common;
+}
+
+Result<std::vector<transport::Endpoint>> ParseUpstreams(const std::vector<std::string>& texts) {
+  std::vector<transport::Endpoint> endpoints;
+  for (const std::string& text : texts) {
+    FW_ASSIGN_OR_RETURN(transport::Endpoint endpoint, transport::ParseEndpoint(text));
+    endpoints.push_back(endpoint);
+  }
+  return endpoints;
+}
+
+// Runs `io` until SIGINT/SIGTERM, then calls stop and lets the role wind down briefly.
+void RunUntilSignalled(asio::io_context& io, const std::function<void()>& stop) {
+  asio::signal_set signals(io, SIGINT, SIGTERM);
+  signals.async_wait([&](const transport::error_code& ec, int signal) {
+    if (ec) return;
+    spdlog::info("signal {}: stopping", signal);
+    stop();
+    auto timer = std::make_shared<asio::steady_timer>(io, std::chrono::milliseconds(100));
+    timer->async_wait([&io, timer](const transport::error_code&) { io.stop(); });
+  });
+  io.run();
+}
+
+void UseInfoLogging() {
+  if (spdlog::get_level() == spdlog::level::off) spdlog::set_level(spdlog::level::info);
+}
+
+Status RunPublish(const SyncArgs& args) {
+  UseInfoLogging();
+  sync::PublisherOptions options;
+  FW_ASSIGN_OR_RETURN(options.common, MakeCommon(args.common));
+  FW_ASSIGN_OR_RETURN(options.listen, transport::ParseEndpoint(args.listen));
+  options.log.dir = args.state_dir;
+  options.log.keyframe_every = args.keyframe_every;
+  options.log.retain = args.retain;
+  options.log.deltas = !args.no_deltas;
+  options.log.piece_bytes = args.piece_kib << 10;
+  options.log.threads = args.common.threads;
+  FW_ASSIGN_OR_RETURN(options.log.compressor, delta::ParseCompressor(args.compressor));
+  options.watch_dir = args.watch_dir;
+  options.poll = std::chrono::milliseconds(args.poll_ms);
+  options.max_staleness = args.max_staleness;
+  asio::io_context io(1);
+  Result<std::unique_ptr<sync::Publisher>> publisher = sync::Publisher::Start(io.get_executor(), options);
+  if (!publisher.ok()) return Failed("publish", publisher.status());
+  RunUntilSignalled(io, [&] { (*publisher)->Stop(); });
+  return Status::Ok();
+}
+
+Status RunRelay(const SyncArgs& args) {
+  UseInfoLogging();
+  sync::RelayOptions options;
+  FW_ASSIGN_OR_RETURN(options.common, MakeCommon(args.common));
+  FW_ASSIGN_OR_RETURN(options.listen, transport::ParseEndpoint(args.listen));
+  FW_ASSIGN_OR_RETURN(options.upstreams, ParseUpstreams(args.upstreams));
+  options.streams = args.streams;
+  options.window = args.window;
+  asio::io_context io(1);
+  Result<std::unique_ptr<sync::Relay>> relay = sync::Relay::Start(io.get_executor(), options);
+  if (!relay.ok()) return Failed("relay", relay.status());
+  RunUntilSignalled(io, [&] { (*relay)->Stop(); });
+  return Status::Ok();
+}
+
+Status RunWorker(const SyncArgs& args) {
+  UseInfoLogging();
+  sync::WorkerOptions options;
+  FW_ASSIGN_OR_RETURN(options.common, MakeCommon(args.common));
+  FW_ASSIGN_OR_RETURN(options.upstreams, ParseUpstreams(args.upstreams));
+  options.export_dir = args.export_dir;
+  options.export_keep = args.export_keep;
+  options.streams = args.streams;
+  options.window = args.window;
+  asio::io_context io(1);
+  Result<std::unique_ptr<sync::Worker>> worker = sync::Worker::Start(io.get_executor(), options);
+  if (!worker.ok()) return Failed("worker", worker.status());
+  RunUntilSignalled(io, [&] { (*worker)->Stop(); });
+  return Status::Ok();
+}
+
+void AddTransferOptions(CLI::App* app, SyncArgs& args) {
+  app->add_option("--upstream", args.upstreams,
+                  "Upstream HOST:PORT (publisher or relay); repeat for failover, most\n"
+                  "preferred first")
+      ->type_name("HOST:PORT")
+      ->required();
+  app->add_option("--streams", args.streams, "Parallel data streams per transfer")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  app->add_option("--window", args.window, "Piece requests in flight per stream")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+}
+
+}  // namespace
+
+void AddSyncCommands(CLI::App& app, Action& action) {
+  auto args = std::make_shared<SyncArgs>();
+
+  CLI::App* publish = app.add_subcommand(
+      "publish",
+      "Serve policy versions to relays and workers (the trainer side).\n"
+      "Keeps a version log under --state-dir (a keyframe every K versions, deltas between,\n"
+      "the newest N retained; it survives restarts and a version is never reused) and\n"
+      "publishes every committed drop <watch>/<version>/ (model.safetensors or shards plus\n"
+      "model.safetensors.index.json, then an empty COMMIT file written last). A malformed\n"
+      "drop is rejected with a logged reason; the last good version stays served.");
+  AddCommonOptions(publish, args->common, /*region_required=*/false);
+  publish->get_option("--region")->description("Region of the publisher (default: home); links to\nother regions are the WAN links that --wan-rate shapes");
+  publish->add_option("--listen", args->listen, "Where relays and workers connect (port 0: any)")
+      ->type_name("HOST:PORT")
+      ->required();
+  publish->add_option("--state-dir", args->state_dir, "Version log directory (created if missing)")
+      ->type_name("DIR")
+      ->required();
+  publish->add_option("--watch", args->watch_dir, "Directory of trainer drops to publish")
+      ->type_name("DIR")
+      ->required();
+  publish->add_option("--keyframe-every", args->keyframe_every, "A keyframe every K versions")
+      ->type_name("K")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32));
+  publish->add_option("--retain", args->retain, "Versions kept in the log (plus the latest keyframe's chain)")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32));
+  publish->add_flag("--no-deltas", args->no_deltas,
+                    "Keyframes only: every version is a full checkpoint (the baseline)");
+  publish->add_option("--piece-kib", args->piece_kib, "Transfer unit (verified piece) in KiB")
+      ->type_name("KIB")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{4}, uint64_t{65536}));
+  publish->add_option("--compressor", args->compressor, "Chunk compressor: zstd, lz4 or none")
+      ->capture_default_str();
+  publish->add_option("--max-staleness", args->max_staleness,
+                      "Versions a node may lag before its status says stale (0: no bound)")
+      ->type_name("N")
+      ->capture_default_str();
+  publish->add_option("--poll-ms", args->poll_ms, "How often the watched directory is scanned")
+      ->type_name("MS")
+      ->capture_default_str()
+      ->check(CLI::Range(5, 60000));
+  publish->footer(
+      "\nExample:\n"
+      "  flywheel publish --listen 0.0.0.0:7000 --http 0.0.0.0:7080 --state-dir /var/lib/fw \\\n"
+      "      --watch /checkpoints/drops --token-file /etc/fw/token");
+  publish->callback([args, &action] { action = [args] { return RunPublish(*args); }; });
+
+  CLI::App* relay = app.add_subcommand(
+      "relay",
+      "Cache and fan out versions within one region.\n"
+      "Subscribes upstream once (failing over between --upstream addresses in order) and\n"
+      "serves the workers of its region from its cache, so WAN bytes are paid once per\n"
+      "region. Deltas are fetched when announced, keyframes when first asked for.");
+  AddCommonOptions(relay, args->common, /*region_required=*/true);
+  relay->add_option("--listen", args->listen, "Where the region's workers connect")
+      ->type_name("HOST:PORT")
+      ->required();
+  AddTransferOptions(relay, *args);
+  relay->footer(
+      "\nExample:\n"
+      "  flywheel relay --region eu --upstream trainer.example:7000 --listen 0.0.0.0:7100 \\\n"
+      "      --http 0.0.0.0:7180 --wan-rate 125000000");
+  relay->callback([args, &action] { action = [args] { return RunRelay(*args); }; });
+
+  CLI::App* worker = app.add_subcommand(
+      "worker",
+      "Hold the serving weights in memory and keep them at the newest version.\n"
+      "Applies the delta chain from its version (or the newest keyframe and the deltas\n"
+      "after it), verifying every piece and the target hash, and swaps atomically.");
+  AddCommonOptions(worker, args->common, /*region_required=*/true);
+  AddTransferOptions(worker, *args);
+  worker->add_option("--export-dir", args->export_dir,
+                     "After every swap write the weights to DIR/v<version>.safetensors\n"
+                     "(temporary name, then rename), for an external inference engine")
+      ->type_name("DIR");
+  worker->add_option("--export-keep", args->export_keep, "Exports kept in --export-dir")
+      ->type_name("N")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  worker->footer(
+      "\nExample:\n"
+      "  flywheel worker --region eu --upstream relay-eu:7100 --upstream trainer.example:7000 \\\n"
+      "      --http 0.0.0.0:7280 --export-dir /dev/shm/policy");
+  worker->callback([args, &action] { action = [args] { return RunWorker(*args); }; });
+}
+
+}  // namespace flywheel::tools

@@ -1,0 +1,545 @@
+#include "transport/connection.h"
+
+#include <spdlog/spdlog.h>
+
+#include <array>
+#include <unordered_set>
+
+namespace flywheel::transport {
+
+using namespace std::chrono_literals;
+
+struct Connection::Stream {
+  std::optional<beast::tcp_stream> plain;
+  std::optional<beast::ssl_stream<beast::tcp_stream>> tls;
+
+  beast::tcp_stream& lowest() { return tls ? beast::get_lowest_layer(*tls) : *plain; }
+
+  template <typename Buffers>
+  awaitable<size_t> Read(const Buffers& buffers, error_code& ec) {
+    if (tls) co_return co_await asio::async_read(*tls, buffers, asio::redirect_error(use_awaitable, ec));
+    co_return co_await asio::async_read(*plain, buffers, asio::redirect_error(use_awaitable, ec));
+  }
+  template <typename Buffers>
+  awaitable<size_t> Write(const Buffers& buffers, error_code& ec) {
+    if (tls) co_return co_await asio::async_write(*tls, buffers, asio::redirect_error(use_awaitable, ec));
+    co_return co_await asio::async_write(*plain, buffers, asio::redirect_error(use_awaitable, ec));
+  }
+  void Close() {
+    error_code ignored;
+    lowest().socket().shutdown(tcp::socket::shutdown_both, ignored);
+    lowest().socket().close(ignored);
+  }
+};
+
+awaitable<void> SleepFor(Clock::duration duration) {
+  asio::steady_timer timer(co_await asio::this_coro::executor, duration);
+  error_code ec;
+  co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+}
+
+namespace {
+
+std::string Millis(std::chrono::milliseconds ms) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f s", static_cast<double>(ms.count()) / 1000.0);
+  return text;
+}
+
+std::string PeerName(tcp::socket& socket) {
+  error_code ec;
+  tcp::endpoint remote = socket.remote_endpoint(ec);
+  if (ec) return "(unknown peer)";
+  Endpoint endpoint{remote.address().to_string(), remote.port()};
+  return endpoint.ToString();
+}
+
+}  // namespace
+
+Connection::Connection(std::unique_ptr<Stream> stream, std::string peer,
+                       ConnectionOptions options)
+    : stream_(std::move(stream)),
+      peer_(std::move(peer)),
+      options_(std::move(options)),
+      outbound_ready_(stream_->lowest().get_executor()),
+      outbound_space_(stream_->lowest().get_executor()),
+      inbound_ready_(stream_->lowest().get_executor()),
+      inbound_space_(stream_->lowest().get_executor()),
+      watchdog_timer_(stream_->lowest().get_executor()) {
+  // Deadlines are the watchdog's; beast's own timer stays off.
+  stream_->lowest().expires_never();
+}
+
+Connection::~Connection() = default;
+
+asio::any_io_executor Connection::executor() const { return stream_->lowest().get_executor(); }
+
+void Connection::Start() {
+  last_rx_ = last_tx_ = Clock::now();
+  auto self = shared_from_this();
+  auto ex = executor();
+  asio::co_spawn(ex, [self]() { return self->ReadLoop(); }, asio::detached);
+  asio::co_spawn(ex, [self]() { return self->WriteLoop(); }, asio::detached);
+  asio::co_spawn(ex, [self]() { return self->HeartbeatLoop(); }, asio::detached);
+  asio::co_spawn(ex, [self]() { return self->Watchdog(); }, asio::detached);
+}
+
+void Connection::Close(Status reason) {
+  if (closed_) return;
+  closed_ = true;
+  close_reason_ = reason.ok() ? Status::Unavailable("connection to " + peer_ + " closed") : reason;
+  spdlog::debug("connection {}: closed: {}", peer_, close_reason_.ToString());
+  stream_->Close();
+  watchdog_timer_.cancel();
+  outbound_ready_.Notify();
+  outbound_space_.Notify();
+  inbound_ready_.Notify();
+  inbound_space_.Notify();
+}
+
+void Connection::CloseAfterFlush(Status reason) {
+  if (closed_) return;
+  if (outbound_.empty() && !write_started_) {
+    Close(std::move(reason));
+    return;
+  }
+  close_after_flush_ = true;
+  close_reason_ = std::move(reason);
+}
+
+awaitable<Status> Connection::Send(Frame frame) {
+  while (!closed_ && outbound_bytes_ > options_.max_queued_bytes) co_await outbound_space_.Wait();
+  if (closed_ || close_after_flush_) {
+    co_return closed_ ? close_reason_ : Status::Unavailable("connection to " + peer_ + " is closing");
+  }
+  const size_t bytes = frame.wire_bytes();
+  const Clock::time_point now = Clock::now();
+  const Clock::time_point due =
+      options_.shaping.egress.active() ? options_.shaping.egress.Due(bytes, now) : now;
+  outbound_.push_back(Outbound{std::move(frame), due, bytes});
+  outbound_bytes_ += bytes;
+  outbound_ready_.Notify();
+  co_return Status::Ok();
+}
+
+awaitable<Result<Frame>> Connection::Receive() {
+  while (true) {
+    while (inbound_.empty() && !closed_) co_await inbound_ready_.Wait();
+    if (inbound_.empty()) co_return close_reason_;
+    const Clock::time_point due = inbound_.front().due;
+    if (due > Clock::now()) {
+      co_await SleepFor(due - Clock::now());
+      continue;  // the queue may have been closed meanwhile; look again
+    }
+    Inbound item = std::move(inbound_.front());
+    inbound_.pop_front();
+    inbound_bytes_ -= item.bytes;
+    inbound_space_.Notify();
+    co_return std::move(item.frame);
+  }
+}
+
+awaitable<Result<Frame>> Connection::Receive(std::chrono::milliseconds timeout,
+                                             const std::string& what) {
+  // A watchdog closes the connection if the frame does not come in time.
+  auto self = shared_from_this();
+  auto done = std::make_shared<bool>(false);
+  auto timer = std::make_shared<asio::steady_timer>(executor(), timeout);
+  timer->async_wait([self, done, timeout, what](error_code ec) {
+    if (ec || *done) return;
+    self->Close(Status::Unavailable("timed out after " + Millis(timeout) + " waiting for " + what +
+                                    " from " + self->peer_));
+  });
+  Result<Frame> frame = co_await Receive();
+  *done = true;
+  timer->cancel();
+  co_return frame;
+}
+
+awaitable<void> Connection::ReadLoop() {
+  auto self = shared_from_this();
+  std::array<std::byte, kFramePrefixBytes> prefix_bytes;
+  std::vector<std::byte> header_bytes;
+  while (!closed_) {
+    if (inbound_bytes_ > options_.max_inbound_bytes) {
+      reader_paused_ = true;
+      while (!closed_ && inbound_bytes_ > options_.max_inbound_bytes) co_await inbound_space_.Wait();
+      reader_paused_ = false;
+      last_rx_ = Clock::now();
+      continue;
+    }
+    error_code ec;
+    co_await stream_->Read(asio::buffer(prefix_bytes), ec);
+    if (ec) {
+      Close(Status::Unavailable("connection to " + peer_ + " lost: " + ec.message()));
+      co_return;
+    }
+    last_rx_ = Clock::now();
+    Result<FramePrefix> prefix = ParseFramePrefix(prefix_bytes, options_.limits, peer_);
+    if (!prefix.ok()) {
+      spdlog::warn("{}", prefix.status().message());
+      Close(prefix.status());
+      co_return;
+    }
+    header_bytes.resize(prefix->header_bytes);
+    co_await stream_->Read(asio::buffer(header_bytes), ec);
+    if (ec) {
+      Close(Status::Unavailable("connection to " + peer_ + " lost in a frame header: " + ec.message()));
+      co_return;
+    }
+    Result<wire::Header> header = ParseFrameHeader(header_bytes, *prefix, peer_);
+    if (!header.ok()) {
+      spdlog::warn("{}", header.status().message());
+      Close(header.status());
+      co_return;
+    }
+    auto payload = std::make_shared<std::vector<std::byte>>(prefix->payload_bytes);
+    // In slices, so that a long payload on a slow link counts as progress.
+    constexpr size_t kSlice = 1u << 20;
+    for (size_t offset = 0; offset < payload->size() && !ec; offset += kSlice) {
+      const size_t n = std::min(kSlice, payload->size() - offset);
+      co_await stream_->Read(asio::buffer(payload->data() + offset, n), ec);
+      last_rx_ = Clock::now();
+    }
+    if (ec) {
+      Close(Status::Unavailable("connection to " + peer_ + " lost in the middle of a " +
+                                FrameKindName(*header) + " frame: " + ec.message()));
+      co_return;
+    }
+    const size_t bytes = kFramePrefixBytes + prefix->header_bytes + prefix->payload_bytes;
+    bytes_in_.fetch_add(bytes, std::memory_order_relaxed);
+    if (header->has_heartbeat()) continue;
+    Inbound item;
+    item.frame.header = std::move(*header);
+    item.frame.payload = std::span<const std::byte>(*payload);
+    item.frame.payload_owner = std::move(payload);
+    item.bytes = bytes;
+    const Clock::time_point now = Clock::now();
+    item.due = options_.shaping.ingress.active() ? options_.shaping.ingress.Due(bytes, now) : now;
+    inbound_bytes_ += bytes;
+    inbound_.push_back(std::move(item));
+    inbound_ready_.Notify();
+  }
+}
+
+awaitable<void> Connection::WriteLoop() {
+  auto self = shared_from_this();
+  while (true) {
+    while (outbound_.empty() && !closed_) {
+      if (close_after_flush_) {
+        Close(close_reason_);
+        co_return;
+      }
+      co_await outbound_ready_.Wait();
+    }
+    if (closed_) co_return;
+    if (outbound_.front().due > Clock::now()) {
+      co_await SleepFor(outbound_.front().due - Clock::now());
+      continue;
+    }
+    Outbound item = std::move(outbound_.front());
+    outbound_.pop_front();
+    std::vector<std::byte> head = EncodeFrameHead(item.frame);
+    std::array<asio::const_buffer, 2> buffers{
+        asio::buffer(head), asio::buffer(item.frame.payload.data(), item.frame.payload.size())};
+    write_started_ = Clock::now();
+    error_code ec;
+    co_await stream_->Write(buffers, ec);
+    write_started_.reset();
+    outbound_bytes_ -= item.bytes;
+    outbound_space_.Notify();
+    if (ec) {
+      Close(Status::Unavailable("connection to " + peer_ + " lost while sending: " + ec.message()));
+      co_return;
+    }
+    last_tx_ = Clock::now();
+    bytes_out_.fetch_add(head.size() + item.frame.payload.size(), std::memory_order_relaxed);
+  }
+}
+
+awaitable<void> Connection::HeartbeatLoop() {
+  auto self = shared_from_this();
+  asio::steady_timer timer(executor());
+  while (!closed_) {
+    timer.expires_after(options_.heartbeat / 2);
+    error_code ec;
+    co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
+    if (closed_ || close_after_flush_) co_return;
+    if (Clock::now() - last_tx_ < options_.heartbeat || !outbound_.empty()) continue;
+    wire::Header header;
+    header.mutable_heartbeat()->set_unix_ms(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(
+            std::chrono::system_clock::now().time_since_epoch())
+            .count()));
+    // Unshaped and outside the queue limit: it carries no data and must not wait.
+    Frame frame = MakeFrame(std::move(header));
+    const size_t bytes = frame.wire_bytes();
+    outbound_.push_back(Outbound{std::move(frame), Clock::now(), bytes});
+    outbound_bytes_ += bytes;
+    last_tx_ = Clock::now();
+    outbound_ready_.Notify();
+  }
+}
+
+awaitable<void> Connection::Watchdog() {
+  auto self = shared_from_this();
+  const auto period = std::min<Clock::duration>(options_.heartbeat / 2, 250ms);
+  while (!closed_) {
+    watchdog_timer_.expires_after(period);
+    error_code ec;
+    co_await watchdog_timer_.async_wait(asio::redirect_error(use_awaitable, ec));
+    if (closed_) co_return;
+    const Clock::time_point now = Clock::now();
+    if (!reader_paused_ && now - last_rx_ > options_.idle_timeout) {
+      Close(Status::Unavailable("peer " + peer_ + " sent nothing (not even a heartbeat) for " +
+                                Millis(options_.idle_timeout)));
+    } else if (write_started_ && now - *write_started_ > options_.io_timeout) {
+      Close(Status::Unavailable("a write to " + peer_ + " did not complete in " +
+                                Millis(options_.io_timeout) + " (peer not reading)"));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Dial
+
+namespace {
+
+Status StepFailed(const std::string& step, const Endpoint& endpoint, const error_code& ec) {
+  return Status::Unavailable(step + " to " + endpoint.ToString() + " failed: " + ec.message());
+}
+
+}  // namespace
+
+awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::Hello hello) {
+  auto executor = co_await asio::this_coro::executor;
+  const Clock::time_point deadline = Clock::now() + options.timeout;
+  const Endpoint& endpoint = options.endpoint;
+  error_code ec;
+  tcp::resolver resolver(executor);
+  auto addresses = co_await resolver.async_resolve(
+      endpoint.host, std::to_string(endpoint.port), asio::redirect_error(use_awaitable, ec));
+  if (ec) co_return StepFailed("resolving", endpoint, ec);
+
+  auto stream = std::make_unique<Connection::Stream>();
+  beast::tcp_stream tcp_stream(executor);
+  tcp_stream.expires_at(deadline);
+  co_await tcp_stream.async_connect(addresses, asio::redirect_error(use_awaitable, ec));
+  if (ec) co_return StepFailed("connecting", endpoint, ec);
+  tcp_stream.socket().set_option(tcp::no_delay(true), ec);
+  if (options.tls) {
+    stream->tls.emplace(std::move(tcp_stream), *options.tls);
+    asio::ip::make_address(endpoint.host, ec);
+    // SNI carries names only, never addresses (RFC 6066).
+    if (ec && SSL_set_tlsext_host_name(stream->tls->native_handle(), endpoint.host.c_str()) != 1) {
+      co_return Status::Unavailable("cannot set TLS server name " + endpoint.host);
+    }
+    stream->tls->set_verify_mode(asio::ssl::verify_peer, ec);
+    if (!ec) stream->tls->set_verify_callback(asio::ssl::host_name_verification(endpoint.host), ec);
+    if (ec) co_return StepFailed("configuring TLS", endpoint, ec);
+    beast::get_lowest_layer(*stream->tls).expires_at(deadline);
+    co_await stream->tls->async_handshake(asio::ssl::stream_base::client,
+                                          asio::redirect_error(use_awaitable, ec));
+    if (ec) co_return StepFailed("TLS handshake", endpoint, ec);
+  } else {
+    stream->plain.emplace(std::move(tcp_stream));
+  }
+
+  auto connection = std::make_shared<Connection>(std::move(stream), endpoint.ToString(),
+                                                 options.connection);
+  connection->Start();
+  hello.set_protocol(kProtocolVersion);
+  wire::Header header;
+  *header.mutable_hello() = std::move(hello);
+  Status sent = co_await connection->Send(MakeFrame(std::move(header)));
+  if (!sent.ok()) co_return sent;
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  Result<Frame> reply = co_await connection->Receive(std::max(left, 1ms), "the welcome");
+  if (!reply.ok()) {
+    connection->Close(reply.status());
+    co_return reply.status();
+  }
+  if (reply->header.has_refused()) {
+    connection->Close(Status::Unavailable("refused"));
+    co_return Status::Unavailable("refused by " + endpoint.ToString() + ": " +
+                                  reply->header.refused().reason());
+  }
+  if (!reply->header.has_welcome()) {
+    Status bad = Status::Corruption(endpoint.ToString() + " answered the hello with a " +
+                                    FrameKindName(reply->header) + " frame, not a welcome");
+    connection->Close(bad);
+    co_return bad;
+  }
+  if (reply->header.welcome().protocol() != kProtocolVersion) {
+    Status bad = Status::Mismatch(endpoint.ToString() + " speaks protocol " +
+                                  std::to_string(reply->header.welcome().protocol()) +
+                                  ", this node " + std::to_string(kProtocolVersion));
+    connection->Close(bad);
+    co_return bad;
+  }
+  connection->welcome = reply->header.welcome();
+  co_return connection;
+}
+
+// ---------------------------------------------------------------------------------------
+// Listener
+
+struct Listener::Impl : std::enable_shared_from_this<Listener::Impl> {
+  Impl(asio::any_io_executor executor, ListenerOptions options)
+      : acceptor(executor), options(std::move(options)) {}
+
+  tcp::acceptor acceptor;
+  ListenerOptions options;
+  bool stopped = false;
+  std::unordered_set<std::shared_ptr<Connection>> connections;  // handshaken, alive
+  size_t pending = 0;                                           // in the handshake
+  std::function<wire::Welcome(const wire::Hello&)> make_welcome;
+  PeerHandler on_peer;
+
+  awaitable<void> AcceptLoop();
+  awaitable<void> Serve(tcp::socket socket);
+};
+
+awaitable<void> Listener::Impl::AcceptLoop() {
+  auto self = shared_from_this();
+  while (!stopped) {
+    error_code ec;
+    tcp::socket socket = co_await acceptor.async_accept(asio::redirect_error(use_awaitable, ec));
+    if (stopped) co_return;
+    if (ec) {
+      if (ec == asio::error::operation_aborted) co_return;
+      spdlog::warn("accept failed: {}", ec.message());
+      co_await SleepFor(std::chrono::milliseconds(50));  // e.g. out of file descriptors
+      continue;
+    }
+    if (connections.size() + pending >= options.max_connections) {
+      spdlog::warn("refusing {}: {} connections already open", PeerName(socket),
+                   options.max_connections);
+      continue;  // the socket closes here
+    }
+    socket.set_option(tcp::no_delay(true), ec);
+    asio::co_spawn(acceptor.get_executor(), Serve(std::move(socket)), asio::detached);
+  }
+}
+
+awaitable<void> Listener::Impl::Serve(tcp::socket socket) {
+  auto self = shared_from_this();
+  const std::string peer = PeerName(socket);
+  ++pending;
+  auto stream = std::make_unique<Connection::Stream>();
+  error_code ec;
+  if (options.tls) {
+    stream->tls.emplace(beast::tcp_stream(std::move(socket)), *options.tls);
+    beast::get_lowest_layer(*stream->tls).expires_after(options.handshake_timeout);
+    co_await stream->tls->async_handshake(asio::ssl::stream_base::server,
+                                          asio::redirect_error(use_awaitable, ec));
+    if (ec) {
+      spdlog::warn("TLS handshake with {} failed: {}", peer, ec.message());
+      --pending;
+      co_return;
+    }
+  } else {
+    stream->plain.emplace(std::move(socket));
+  }
+  // The Hello decides the link's shaping, so the connection starts unshaped for it.
+  ConnectionOptions connection_options = options.connection;
+  auto connection = std::make_shared<Connection>(std::move(stream), peer, connection_options);
+  connection->Start();
+  Result<Frame> first = co_await connection->Receive(options.handshake_timeout, "the hello");
+  --pending;
+  if (!first.ok()) {
+    spdlog::warn("no hello from {}: {}", peer, first.status().message());
+    connection->Close(first.status());
+    co_return;
+  }
+  auto refuse = [&](const std::string& reason) -> awaitable<void> {
+    spdlog::warn("refusing {}: {}", peer, reason);
+    wire::Header header;
+    header.mutable_refused()->set_reason(reason);
+    (void)co_await connection->Send(MakeFrame(std::move(header)));
+    connection->CloseAfterFlush(Status::Unavailable("refused: " + reason));
+  };
+  if (!first->header.has_hello()) {
+    co_await refuse(std::string("the first frame must be a hello, got a ") +
+                    FrameKindName(first->header));
+    co_return;
+  }
+  const wire::Hello& hello = first->header.hello();
+  if (hello.protocol() != kProtocolVersion) {
+    co_await refuse("protocol " + std::to_string(hello.protocol()) + " is not supported (this node speaks " +
+                    std::to_string(kProtocolVersion) + ")");
+    co_return;
+  }
+  if (!options.token.empty() && !TokensEqual(hello.token(), options.token)) {
+    co_await refuse(hello.token().empty() ? "missing token" : "wrong token");
+    co_return;
+  }
+  if (stopped) {
+    connection->Close(Status::Unavailable("listener stopped"));
+    co_return;
+  }
+  connection->hello = hello;
+  connection->hello.clear_token();
+  if (options.shaping_for) connection->set_shaping(options.shaping_for(hello));
+  wire::Header welcome;
+  *welcome.mutable_welcome() = make_welcome(hello);
+  welcome.mutable_welcome()->set_protocol(kProtocolVersion);
+  if (!(co_await connection->Send(MakeFrame(std::move(welcome)))).ok()) co_return;
+  connections.insert(connection);
+  co_await on_peer(connection);
+  connection->Close(Status::Unavailable("done"));
+  connections.erase(connection);
+}
+
+Result<std::unique_ptr<Listener>> Listener::Bind(asio::any_io_executor executor,
+                                                 const Endpoint& endpoint,
+                                                 ListenerOptions options) {
+  auto impl = std::make_shared<Impl>(executor, std::move(options));
+  error_code ec;
+  asio::ip::address address = asio::ip::make_address(endpoint.host, ec);
+  if (ec) {
+    tcp::resolver resolver(executor);
+    auto results = resolver.resolve(endpoint.host, std::to_string(endpoint.port), ec);
+    if (ec || results.empty()) {
+      return Status::InvalidArgument("cannot resolve listen address " + endpoint.ToString() + ": " +
+                                     ec.message());
+    }
+    address = results.begin()->endpoint().address();
+  }
+  tcp::endpoint bind_to(address, endpoint.port);
+  impl->acceptor.open(bind_to.protocol(), ec);
+  if (!ec) impl->acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
+  if (!ec) impl->acceptor.bind(bind_to, ec);
+  if (!ec) impl->acceptor.listen(asio::socket_base::max_listen_connections, ec);
+  if (ec) {
+    return Status::Unavailable("cannot listen on " + endpoint.ToString() + ": " + ec.message());
+  }
+  return std::unique_ptr<Listener>(new Listener(std::move(impl)));
+}
+
+Listener::~Listener() { Stop(); }
+
+void Listener::Start(std::function<wire::Welcome(const wire::Hello&)> make_welcome,
+                     PeerHandler on_peer) {
+  impl_->make_welcome = std::move(make_welcome);
+  impl_->on_peer = std::move(on_peer);
+  asio::co_spawn(impl_->acceptor.get_executor(), impl_->AcceptLoop(), asio::detached);
+}
+
+uint16_t Listener::port() const {
+  error_code ec;
+  return impl_->acceptor.local_endpoint(ec).port();
+}
+
+void Listener::Stop() {
+  if (impl_->stopped) return;
+  impl_->stopped = true;
+  error_code ignored;
+  impl_->acceptor.close(ignored);
+  auto connections = impl_->connections;
+  for (const auto& connection : connections) {
+    connection->Close(Status::Unavailable("this node is shutting down"));
+  }
+}
+
+}  // namespace flywheel::transport

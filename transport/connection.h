@@ -1,0 +1,211 @@
+// A framed, optionally TLS, optionally shaped connection between two flywheel nodes.
+//
+// Each Connection runs four coroutines on its executor (one thread drives a process's
+// whole data plane): a reader that reads frames ahead into a bounded inbound queue, a
+// writer that drains a bounded outbound queue, a heartbeat sender, and a watchdog. So:
+// - every read and write has a deadline: a peer that sends nothing (not even the
+//   heartbeat it owes every `heartbeat`) for `idle_timeout`, or a write that does not
+//   complete in `io_timeout`, closes the connection with a status that says which;
+// - Send() waits while more than `max_queued_bytes` are queued (backpressure: a slow
+//   peer holds its sender's memory bounded, and the sender stops reading requests), and
+//   the reader stops reading the socket while `max_inbound_bytes` wait to be received,
+//   so TCP flow control pushes back on a fast peer;
+// - shaped links delay each frame until its LinkShaper releases it (rate and latency).
+// Dial() and Listener do the connect, the TLS handshake and the Hello/Welcome exchange
+// (protocol version and bearer token, compared in constant time) under a deadline.
+//
+// All member functions must be called on the connection's executor.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "base/status.h"
+#include "transport/asio.h"
+#include "transport/endpoint.h"
+#include "transport/frame.h"
+#include "transport/shaper.h"
+
+namespace flywheel::transport {
+
+struct ConnectionOptions {
+  FrameLimits limits;
+  std::chrono::milliseconds heartbeat{1000};      // send a heartbeat when idle this long
+  std::chrono::milliseconds idle_timeout{5000};   // drop a peer silent this long
+  std::chrono::milliseconds io_timeout{10000};    // drop when one write takes this long
+  size_t max_queued_bytes = 8u << 20;             // outbound; Send() waits beyond this
+  size_t max_inbound_bytes = 8u << 20;            // read-ahead; reading pauses beyond this
+  LinkShaping shaping;                            // none by default
+};
+
+// Wakes every coroutine waiting on it (single-threaded use on one executor).
+class Signal {
+ public:
+  explicit Signal(asio::any_io_executor executor)
+      : timer_(std::move(executor), Clock::time_point::max()) {}
+  awaitable<void> Wait() {
+    error_code ec;
+    co_await timer_.async_wait(asio::redirect_error(use_awaitable, ec));
+  }
+  void Notify() { timer_.cancel(); }
+
+ private:
+  asio::steady_timer timer_;
+};
+
+// Sleeps for `duration` on the current coroutine's executor.
+awaitable<void> SleepFor(Clock::duration duration);
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  struct Stream;  // the socket: plain TCP or TLS over TCP
+
+  Connection(std::unique_ptr<Stream> stream, std::string peer, ConnectionOptions options);
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  // Starts the reader, writer, heartbeat and watchdog. Call once.
+  void Start();
+
+  // The next frame other than a heartbeat; the close reason once the connection closed.
+  awaitable<Result<Frame>> Receive();
+  // Receive() with a deadline (Unavailable "timed out waiting for ..." naming `what`).
+  awaitable<Result<Frame>> Receive(std::chrono::milliseconds timeout, const std::string& what);
+  // Queues `frame`; waits while the queue is over its limit. Fails once closed.
+  awaitable<Status> Send(Frame frame);
+
+  // Closes now: pending Receive/Send return `reason`. Idempotent (the first reason stays).
+  void Close(Status reason);
+  // Closes once everything queued so far was written (e.g. after a Refused).
+  void CloseAfterFlush(Status reason);
+
+  bool closed() const { return closed_; }
+  const Status& close_reason() const { return close_reason_; }
+  const std::string& peer() const { return peer_; }  // "host:port" of the other end
+  uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
+  uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
+  bool shaped() const { return options_.shaping.active(); }
+  // Shapes frames queued or read from now on (a listener decides after the Hello).
+  void set_shaping(LinkShaping shaping) { options_.shaping = std::move(shaping); }
+  asio::any_io_executor executor() const;
+
+  // What the Hello/Welcome exchange told about the other end.
+  wire::Hello hello;      // server side: the client's Hello
+  wire::Welcome welcome;  // client side: the server's Welcome
+
+ private:
+  awaitable<void> ReadLoop();
+  awaitable<void> WriteLoop();
+  awaitable<void> HeartbeatLoop();
+  awaitable<void> Watchdog();
+
+  struct Outbound {
+    Frame frame;
+    Clock::time_point due;
+    size_t bytes;
+  };
+  struct Inbound {
+    Frame frame;
+    Clock::time_point due;
+    size_t bytes;
+  };
+
+  std::unique_ptr<Stream> stream_;
+  std::string peer_;
+  ConnectionOptions options_;
+  std::deque<Outbound> outbound_;
+  std::deque<Inbound> inbound_;
+  size_t outbound_bytes_ = 0;
+  size_t inbound_bytes_ = 0;
+  Signal outbound_ready_, outbound_space_, inbound_ready_, inbound_space_;
+  asio::steady_timer watchdog_timer_;
+  bool closed_ = false;
+  bool close_after_flush_ = false;
+  Status close_reason_;
+  Clock::time_point last_rx_, last_tx_;
+  std::optional<Clock::time_point> write_started_;
+  bool reader_paused_ = false;
+  std::atomic<uint64_t> bytes_in_{0}, bytes_out_{0};
+};
+
+struct DialOptions {
+  Endpoint endpoint;
+  std::shared_ptr<asio::ssl::context> tls;  // null: plain TCP
+  std::chrono::milliseconds timeout{5000};  // connect + TLS handshake + Hello/Welcome
+  ConnectionOptions connection;
+};
+
+// Connects, handshakes and sends `hello`; returns the started connection once the peer
+// answered Welcome (kept in connection->welcome). Refused is Unavailable with the peer's
+// reason ("refused by 127.0.0.1:7000: wrong or missing token").
+awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::Hello hello);
+
+struct ListenerOptions {
+  std::shared_ptr<asio::ssl::context> tls;             // null: plain TCP
+  std::string token;                                   // empty: no token required
+  std::chrono::milliseconds handshake_timeout{5000};   // TLS handshake + Hello
+  size_t max_connections = 1024;                       // more are closed at once
+  ConnectionOptions connection;
+  // Shaping for a peer, decided from its Hello (e.g. by region). Null: options above.
+  std::function<LinkShaping(const wire::Hello&)> shaping_for;
+};
+
+// Accepts connections, does the TLS handshake and checks the Hello (protocol version,
+// token), answers Welcome (from make_welcome) or Refused, then hands the started
+// connection to on_peer in its own coroutine.
+class Listener {
+ public:
+  using PeerHandler = std::function<awaitable<void>(std::shared_ptr<Connection>)>;
+
+  static Result<std::unique_ptr<Listener>> Bind(asio::any_io_executor executor,
+                                                const Endpoint& endpoint, ListenerOptions options);
+  ~Listener();
+  void Start(std::function<wire::Welcome(const wire::Hello&)> make_welcome, PeerHandler on_peer);
+  uint16_t port() const;
+  // Stops accepting and closes every connection it accepted. Idempotent.
+  void Stop();
+
+  struct Impl;
+
+ private:
+  explicit Listener(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<Impl> impl_;
+};
+
+namespace internal {
+template <typename Fn>
+struct PoolTask {
+  explicit PoolTask(Fn f) : fn(std::move(f)) {}
+  Fn fn;
+  std::optional<std::invoke_result_t<Fn>> result;
+};
+// GCC 12.2 destroys a lambda or braced (aggregate) temporary that appears in a co_await
+// full-expression twice (e.g. `co_await f([p] {...})` drops p's count by two). flywheel
+// never writes one: lambdas and aggregates are named first, then passed.
+template <typename Task>
+awaitable<void> RunTaskBody(std::shared_ptr<Task> task) {
+  task->result.emplace(task->fn());
+  co_return;
+}
+template <typename Task>
+awaitable<decltype(Task::result)> RunTask(asio::thread_pool* pool, std::shared_ptr<Task> task) {
+  co_await asio::co_spawn(*pool, RunTaskBody(task), use_awaitable);
+  co_return std::move(task->result);
+}
+}  // namespace internal
+
+// Runs `fn` on `pool` and resumes the calling coroutine with its result on its own
+// executor (CPU work off the network thread). Not a coroutine itself: `fn` moves into
+// shared state before any coroutine frame exists.
+template <typename Fn>
+awaitable<std::optional<std::invoke_result_t<Fn>>> RunOn(asio::thread_pool& pool, Fn fn) {
+  return internal::RunTask(&pool, std::make_shared<internal::PoolTask<Fn>>(std::move(fn)));
+}
+
+}  // namespace flywheel::transport
