@@ -9,11 +9,13 @@ namespace flywheel::transport {
 
 using namespace std::chrono_literals;
 
+// Asio's own ssl::stream over a plain socket (Beast's ssl_stream<tcp_stream> stalls large
+// writes here while a read is pending); deadlines are the watchdog's and DeadlineGuard's.
 struct Connection::Stream {
-  std::optional<beast::tcp_stream> plain;
-  std::optional<beast::ssl_stream<beast::tcp_stream>> tls;
+  std::optional<tcp::socket> plain;
+  std::optional<asio::ssl::stream<tcp::socket>> tls;
 
-  beast::tcp_stream& lowest() { return tls ? beast::get_lowest_layer(*tls) : *plain; }
+  tcp::socket& lowest() { return tls ? tls->next_layer() : *plain; }
 
   template <typename Buffers>
   awaitable<size_t> Read(const Buffers& buffers, error_code& ec) {
@@ -27,10 +29,34 @@ struct Connection::Stream {
   }
   void Close() {
     error_code ignored;
-    lowest().socket().shutdown(tcp::socket::shutdown_both, ignored);
-    lowest().socket().close(ignored);
+    lowest().shutdown(tcp::socket::shutdown_both, ignored);
+    lowest().close(ignored);
   }
 };
+
+namespace {
+
+// Closes the stream's socket if the guarded steps (connect, TLS handshake) are not done by
+// the deadline; the pending operation then fails and `expired()` tells why.
+class DeadlineGuard {
+ public:
+  DeadlineGuard(std::shared_ptr<Connection::Stream> stream, Clock::time_point deadline)
+      : timer_(stream->lowest().get_executor(), deadline), expired_(std::make_shared<bool>(false)) {
+    timer_.async_wait([stream, expired = expired_](error_code ec) {
+      if (ec) return;
+      *expired = true;
+      stream->Close();
+    });
+  }
+  ~DeadlineGuard() { timer_.cancel(); }
+  bool expired() const { return *expired_; }
+
+ private:
+  asio::steady_timer timer_;
+  std::shared_ptr<bool> expired_;
+};
+
+}  // namespace
 
 awaitable<void> SleepFor(Clock::duration duration) {
   asio::steady_timer timer(co_await asio::this_coro::executor, duration);
@@ -56,7 +82,7 @@ std::string PeerName(tcp::socket& socket) {
 
 }  // namespace
 
-Connection::Connection(std::unique_ptr<Stream> stream, std::string peer,
+Connection::Connection(std::shared_ptr<Stream> stream, std::string peer,
                        ConnectionOptions options)
     : stream_(std::move(stream)),
       peer_(std::move(peer)),
@@ -65,10 +91,7 @@ Connection::Connection(std::unique_ptr<Stream> stream, std::string peer,
       outbound_space_(stream_->lowest().get_executor()),
       inbound_ready_(stream_->lowest().get_executor()),
       inbound_space_(stream_->lowest().get_executor()),
-      watchdog_timer_(stream_->lowest().get_executor()) {
-  // Deadlines are the watchdog's; beast's own timer stays off.
-  stream_->lowest().expires_never();
-}
+      watchdog_timer_(stream_->lowest().get_executor()) {}
 
 Connection::~Connection() = default;
 
@@ -321,14 +344,18 @@ awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::H
       endpoint.host, std::to_string(endpoint.port), asio::redirect_error(use_awaitable, ec));
   if (ec) co_return StepFailed("resolving", endpoint, ec);
 
-  auto stream = std::make_unique<Connection::Stream>();
-  beast::tcp_stream tcp_stream(executor);
-  tcp_stream.expires_at(deadline);
-  co_await tcp_stream.async_connect(addresses, asio::redirect_error(use_awaitable, ec));
+  auto stream = std::make_shared<Connection::Stream>();
+  stream->plain.emplace(executor);
+  {
+    DeadlineGuard guard(stream, deadline);
+    co_await asio::async_connect(*stream->plain, addresses, asio::redirect_error(use_awaitable, ec));
+    if (guard.expired()) ec = asio::error::timed_out;
+  }
   if (ec) co_return StepFailed("connecting", endpoint, ec);
-  tcp_stream.socket().set_option(tcp::no_delay(true), ec);
+  stream->plain->set_option(tcp::no_delay(true), ec);
   if (options.tls) {
-    stream->tls.emplace(std::move(tcp_stream), *options.tls);
+    stream->tls.emplace(std::move(*stream->plain), *options.tls);
+    stream->plain.reset();
     asio::ip::make_address(endpoint.host, ec);
     // SNI carries names only, never addresses (RFC 6066).
     if (ec && SSL_set_tlsext_host_name(stream->tls->native_handle(), endpoint.host.c_str()) != 1) {
@@ -337,12 +364,11 @@ awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::H
     stream->tls->set_verify_mode(asio::ssl::verify_peer, ec);
     if (!ec) stream->tls->set_verify_callback(asio::ssl::host_name_verification(endpoint.host), ec);
     if (ec) co_return StepFailed("configuring TLS", endpoint, ec);
-    beast::get_lowest_layer(*stream->tls).expires_at(deadline);
+    DeadlineGuard guard(stream, deadline);
     co_await stream->tls->async_handshake(asio::ssl::stream_base::client,
                                           asio::redirect_error(use_awaitable, ec));
+    if (guard.expired()) ec = asio::error::timed_out;
     if (ec) co_return StepFailed("TLS handshake", endpoint, ec);
-  } else {
-    stream->plain.emplace(std::move(tcp_stream));
   }
 
   auto connection = std::make_shared<Connection>(std::move(stream), endpoint.ToString(),
@@ -426,13 +452,14 @@ awaitable<void> Listener::Impl::Serve(tcp::socket socket) {
   auto self = shared_from_this();
   const std::string peer = PeerName(socket);
   ++pending;
-  auto stream = std::make_unique<Connection::Stream>();
+  auto stream = std::make_shared<Connection::Stream>();
   error_code ec;
   if (options.tls) {
-    stream->tls.emplace(beast::tcp_stream(std::move(socket)), *options.tls);
-    beast::get_lowest_layer(*stream->tls).expires_after(options.handshake_timeout);
+    stream->tls.emplace(std::move(socket), *options.tls);
+    DeadlineGuard guard(stream, Clock::now() + options.handshake_timeout);
     co_await stream->tls->async_handshake(asio::ssl::stream_base::server,
                                           asio::redirect_error(use_awaitable, ec));
+    if (guard.expired()) ec = asio::error::timed_out;
     if (ec) {
       spdlog::warn("TLS handshake with {} failed: {}", peer, ec.message());
       --pending;

@@ -65,7 +65,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
  public:
   struct Stream;  // the socket: plain TCP or TLS over TCP
 
-  Connection(std::unique_ptr<Stream> stream, std::string peer, ConnectionOptions options);
+  Connection(std::shared_ptr<Stream> stream, std::string peer, ConnectionOptions options);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -116,7 +116,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     size_t bytes;
   };
 
-  std::unique_ptr<Stream> stream_;
+  std::shared_ptr<Stream> stream_;
   std::string peer_;
   ConnectionOptions options_;
   std::deque<Outbound> outbound_;
