@@ -33,8 +33,10 @@ struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Im
   std::vector<ArtifactInfo> artifacts;
   std::map<ArtifactKey, std::shared_ptr<MappedFile>> mapped;
 
-  // Publishing state (guarded by publish_mutex: the watcher and Publish() both publish).
-  mutable std::mutex publish_mutex;
+  // Appends are serialized by publish_mutex (the watcher and Publish() both publish);
+  // what status reads is under stats_mutex, so the network thread never waits for an encode.
+  std::mutex publish_mutex;
+  mutable std::mutex stats_mutex;
   std::map<uint64_t, std::string> rejected_drops;  // version -> reason
   double last_publish_ms = 0;
   uint64_t last_artifact_bytes = 0;
@@ -54,6 +56,7 @@ Result<std::vector<ArtifactInfo>> Publisher::Impl::Append(uint64_t version,
   const auto start = Clock::now();
   Result<std::vector<ArtifactInfo>> written = log->Append(version, checkpoint);
   if (!written.ok()) return written;
+  std::lock_guard stats_lock(stats_mutex);
   last_publish_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   last_artifact_bytes = 0;
   for (const ArtifactInfo& info : *written) last_artifact_bytes += info.size_bytes;
@@ -72,7 +75,7 @@ void Publisher::Impl::ScanDropsOnce() {
   for (const Drop& drop : *drops) {
     if (stopped) return;
     {
-      std::lock_guard lock(publish_mutex);
+      std::lock_guard lock(stats_mutex);
       if (rejected_drops.count(drop.version)) continue;
     }
     Result<Checkpoint> checkpoint = OpenDrop(drop);
@@ -81,7 +84,7 @@ void Publisher::Impl::ScanDropsOnce() {
     if (!status.ok()) {
       spdlog::error("rejected drop {}: {} (still serving v{})", drop.path, status.message(),
                     log->head_version());
-      std::lock_guard lock(publish_mutex);
+      std::lock_guard lock(stats_mutex);
       rejected_drops[drop.version] = status.message();
       continue;
     }
@@ -162,7 +165,7 @@ nlohmann::json Publisher::Impl::StatusJson() const {
                      {"via", node.via}});
   }
   nlohmann::json rejected = nlohmann::json::array();
-  std::lock_guard lock(publish_mutex);
+  std::lock_guard lock(stats_mutex);
   for (const auto& [version, reason] : rejected_drops) {
     rejected.push_back({{"version", version}, {"reason", reason}});
   }

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <set>
 #include <shared_mutex>
 
@@ -56,6 +57,17 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   std::vector<Hash128> tensor_hashes;
   std::atomic<uint64_t> version{0};
   Hash128 hash;  // guarded by weights_mutex
+  // (version, hash) for the network thread, which must never wait for an apply.
+  mutable std::mutex served_mutex;
+  Hash128 served_hash;
+  Hash128 ServedHash() const {
+    std::lock_guard lock(served_mutex);
+    return served_hash;
+  }
+  void PublishServed() {  // REQUIRES: weights_mutex held
+    std::lock_guard lock(served_mutex);
+    served_hash = hash;
+  }
 
   awaitable<void> UpdateLoop();
   std::vector<ArtifactInfo> Plan();
@@ -84,11 +96,7 @@ std::vector<ArtifactInfo> Worker::Impl::Plan() {
   const uint64_t head = catalog.head_version;
   const uint64_t current = version.load();
   if (head <= current) return {};
-  Hash128 current_hash;
-  {
-    std::shared_lock lock(weights_mutex);
-    current_hash = hash;
-  }
+  const Hash128 current_hash = ServedHash();
   auto usable = [&](const ArtifactInfo& info) {
     return !rejected.count({KeyOf(info), info.target_hash.ToHex()});
   };
@@ -161,6 +169,7 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
     tensor_hashes = std::move(stats.tensor_hashes);
     hash = manifest.target_hash;
     version.store(manifest.target_version);
+    PublishServed();
     return flywheel::Status::Ok();
   }
   // A keyframe: in place when the layout is the same (no second copy of the weights).
@@ -177,11 +186,13 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
         version.store(0);
         hash = Hash128{};
         tensor_hashes.clear();
+        PublishServed();
         return stats.status();
       }
       tensor_hashes = std::move(stats->tensor_hashes);
       hash = manifest.target_hash;
       version.store(manifest.target_version);
+      PublishServed();
       return flywheel::Status::Ok();
     }
   }
@@ -193,6 +204,7 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
   tensor_hashes = std::move(hashes);
   hash = manifest.target_hash;
   version.store(manifest.target_version);
+  PublishServed();
   return flywheel::Status::Ok();
 }
 
@@ -295,11 +307,7 @@ awaitable<void> Worker::Impl::UpdateLoop() {
 }
 
 nlohmann::json Worker::Impl::StatusJson() const {
-  Hash128 current_hash;
-  {
-    std::shared_lock lock(weights_mutex);
-    current_hash = hash;
-  }
+  const Hash128 current_hash = ServedHash();
   const uint64_t serving = version.load();
   const uint64_t head = std::max(catalog.head_version, serving);
   const FetchCounters& counters = upstream->counters();
@@ -374,10 +382,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
               node->set_region(raw->identity.region);
               node->set_role(wire::WORKER);
               node->set_version(raw->version.load());
-              {
-                std::shared_lock lock(raw->weights_mutex);
-                node->set_weights_hash(HashBytesOf(raw->hash));
-              }
+              node->set_weights_hash(HashBytesOf(raw->ServedHash()));
               node->set_bytes_in(raw->links.bytes_in());
               node->set_bytes_out(raw->links.bytes_out());
               node->set_upstream(raw->upstream->current());
