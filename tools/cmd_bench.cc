@@ -1,5 +1,5 @@
 // `flywheel bench codec` and `flywheel demo`: both run bench::RunCodecBench, the same code
-// as build/bin/codec_bench.
+// as build/bin/codec_bench. `flywheel bench fleet` runs bench::RunFleetBench.
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bench/codec_bench.h"
+#include "bench/fleet_bench.h"
 #include "tools/commands.h"
 
 namespace flywheel::tools {
@@ -45,6 +46,127 @@ std::string CheckLearningRate(const std::string& text) {
   return {};
 }
 
+Status RunFleet(const bench::FleetBenchOptions& options) {
+  spdlog::debug("bench fleet: {} params, {} updates, {} regions x {} workers, {} strategies",
+                options.parameters, options.updates, options.regions, options.workers_per_region,
+                options.strategies.size());
+  Status status = bench::RunFleetBench(options, std::cout);
+  std::cout.flush();
+  if (!status.ok()) return Failed("fleet benchmark failed", status);
+  return Status::Ok();
+}
+
+void AddFleetCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::FleetBenchOptions>();
+  CLI::App* fleet = bench_app.add_subcommand(
+      "fleet",
+      "Benchmark cross-region weight sync on a local fleet of processes.\n"
+      "Starts a publisher (region home), a relay and workers per region as separate\n"
+      "flywheel processes on loopback, drops generated consecutive checkpoints (bf16,\n"
+      "small optimiser steps) into the publisher's watch directory, and measures, per\n"
+      "update, the time from the drop's COMMIT to every worker serving it with the expected\n"
+      "weights hash, and the bytes that crossed the WAN. Three strategies side by side:\n"
+      "  full-direct  full checkpoints from the publisher to every worker (the peer)\n"
+      "  full-relay   full checkpoints through one relay per region\n"
+      "  delta-relay  keyframes and sparse deltas through the relays (flywheel's default)\n"
+      "The publisher emulates the WAN (--wan-rate per remote region and direction, and\n"
+      "--wan-latency-ms each way); relay -> worker links are unshaped. Checks: delta-relay\n"
+      "within 1.3 x (delta bytes / WAN rate + RTT) + 0.5 s, and its WAN bytes at most 1/50\n"
+      "of full-direct's. Ends with one loopback stream of flywheel (TCP, then TLS) against\n"
+      "iperf3 with the same write size, as a ratio (target >= 0.70 for TCP).\n"
+      "Needs about (1.7 x workers + 2.75 x relays + 2.5) x checkpoint bytes of memory\n"
+      "(about 22 GB with the defaults); refuses to start with less.");
+  fleet
+      ->add_option("--flywheel", options->flywheel_binary,
+                   "The flywheel binary whose roles are started (default: this one)")
+      ->type_name("PATH");
+  fleet
+      ->add_option("--params", options->parameters,
+                   "bf16 parameters per checkpoint (2 bytes each; default: a 1 GB checkpoint)")
+      ->type_name("N")
+      ->check(CLI::Range(uint64_t{32768}, uint64_t{1} << 40).description(""))
+      ->capture_default_str();
+  fleet->add_option("--updates", options->updates, "Measured updates after the initial version")
+      ->type_name("N")
+      ->check(CLI::Range(1, 10000).description(""))
+      ->capture_default_str();
+  fleet->add_option("--regions", options->regions, "Remote regions, each with a relay")
+      ->type_name("N")
+      ->check(CLI::Range(1, 64).description(""))
+      ->capture_default_str();
+  fleet->add_option("--workers-per-region", options->workers_per_region, "Workers per region")
+      ->type_name("N")
+      ->check(CLI::Range(1, 256).description(""))
+      ->capture_default_str();
+  fleet
+      ->add_option("--strategies", options->strategies,
+                   "Strategies to run, in this order (default: full-direct,full-relay,delta-relay)")
+      ->type_name("LIST")
+      ->delimiter(',')
+      ->check(CLI::IsMember({bench::kFullDirect, bench::kFullRelay, bench::kDeltaRelay}));
+  fleet
+      ->add_option("--wan-rate", options->wan_bytes_per_second,
+                   "Emulated WAN rate in bytes/s per remote region and direction (1 Gbit/s)")
+      ->type_name("B/s")
+      ->check(CLI::Range(uint64_t{1000}, uint64_t{1} << 40).description(""))
+      ->capture_default_str();
+  fleet
+      ->add_option("--wan-latency-ms", options->wan_latency_ms,
+                   "Emulated one-way WAN latency (RTT is twice this)")
+      ->type_name("MS")
+      ->check(CLI::Range(0, 10000).description(""))
+      ->capture_default_str();
+  fleet
+      ->add_option("--lr", options->learning_rate,
+                   "Size of each simulated optimiser step; sets how many bf16 words change")
+      ->type_name("X")
+      ->check(CheckLearningRate)
+      ->capture_default_str();
+  fleet
+      ->add_option("--keyframe-every", options->keyframe_every,
+                   "delta-relay: publisher keyframe period (default: the publisher's own)")
+      ->type_name("K")
+      ->check(CLI::Range(1, 1000000).description(""));
+  fleet->add_option("--seed", options->seed, "Seed of the generated checkpoints")
+      ->type_name("N")
+      ->capture_default_str();
+  fleet->add_option("--threads", options->threads, "Threads to generate and hash checkpoints")
+      ->type_name("N")
+      ->check(CLI::Range(1, 1024).description(""))
+      ->capture_default_str();
+  fleet
+      ->add_option("--update-timeout-s", options->update_timeout_seconds,
+                   "Fail an update not served everywhere after this long (default: derived from "
+                   "full-direct's WAN bytes)")
+      ->type_name("S")
+      ->check(CLI::PositiveNumber.description(""));
+  fleet
+      ->add_option("--stream-seconds", options->stream_seconds,
+                   "Length of the loopback stream comparison with iperf3; 0 skips it")
+      ->type_name("S")
+      ->check(CLI::Range(0, 600).description(""))
+      ->capture_default_str();
+  fleet
+      ->add_option("--work-dir", options->work_dir,
+                   "Scratch directory for drops, state and role logs (default: a fresh one "
+                   "under $TMPDIR, removed at the end)")
+      ->type_name("PATH");
+  fleet->add_flag("--keep", options->keep, "Keep the work directory (drops, state, logs/)");
+  fleet
+      ->add_option("--markdown", options->markdown_out,
+                   "Write the tables as the '## Fleet benchmark' section of this Markdown file "
+                   "(replaced if present, else appended)")
+      ->type_name("PATH");
+  fleet->add_option("--json", options->json_out, "Also write the raw results as JSON here")
+      ->type_name("PATH");
+  fleet->footer(
+      "\nExamples:\n"
+      "  flywheel bench fleet --params 20000000 --updates 2\n"
+      "  flywheel bench fleet --strategies delta-relay --wan-rate 12500000 --wan-latency-ms 75\n"
+      "  flywheel bench fleet --markdown docs/BENCHMARKS.md --json fleet.json");
+  fleet->callback([options, &action] { action = [options] { return RunFleet(*options); }; });
+}
+
 constexpr const char* kDemoBanner =
     "flywheel demo\n"
     "=============\n"
@@ -60,7 +182,9 @@ constexpr const char* kDemoBanner =
 void AddBenchCommands(CLI::App& app, Action& action) {
   CLI::App* bench_app = app.add_subcommand("bench", "Benchmarks that also check their results");
   bench_app->require_subcommand(1);
-  bench_app->footer("\nExample:\n  flywheel bench codec --size-mb 64 --no-peers");
+  bench_app->footer(
+      "\nExamples:\n  flywheel bench codec --size-mb 64 --no-peers\n"
+      "  flywheel bench fleet --params 20000000 --updates 2");
 
   auto args = std::make_shared<BenchArgs>();
   bench::CodecBenchOptions& options = args->options;
@@ -111,6 +235,8 @@ void AddBenchCommands(CLI::App& app, Action& action) {
       "  flywheel bench codec --size-mb 64 --lr 1e-6,1e-5 --threads 1,2\n"
       "  flywheel bench codec --markdown docs/BENCHMARKS.md --json bench.json");
   codec->callback([args, &action] { action = [args] { return RunBench(*args); }; });
+
+  AddFleetCommand(*bench_app, action);
 
   auto demo_args = std::make_shared<BenchArgs>();
   CLI::App* demo = app.add_subcommand(

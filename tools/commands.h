@@ -40,7 +40,7 @@ inline Status Failed(const std::string& what, const Status& status) {
 void AddDeltaCommands(CLI::App& app, Action& action);
 // `checkpoint hash`, `checkpoint info`.
 void AddCheckpointCommands(CLI::App& app, Action& action);
-// `bench codec` and `demo`.
+// `bench codec`, `bench fleet` and `demo`.
 void AddBenchCommands(CLI::App& app, Action& action);
 // `certs`: a test CA and certificates for the TLS flags.
 void AddCertsCommands(CLI::App& app, Action& action);

@@ -1,0 +1,1636 @@
+#include "bench/fleet_bench.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/statfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "bench/checkpoint_gen.h"
+#include "delta/delta_file.h"
+#include "delta/hash.h"
+#include "delta/safetensors.h"
+#include "transport/endpoint.h"
+#include "transport/http.h"
+#include "transport/stream_bench.h"
+
+namespace flywheel::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+using SteadyClock = std::chrono::steady_clock;
+constexpr double kNotMeasured = std::numeric_limits<double>::quiet_NaN();
+constexpr const char* kHomeRegion = "home";
+// How often the workers' status is polled while an update propagates.
+constexpr std::chrono::milliseconds kPollInterval{10};
+// How long a role may take to bind its ports and write its ready file.
+constexpr std::chrono::seconds kReadyTimeout{30};
+// How long the roles get to stop after SIGTERM before they are killed.
+constexpr std::chrono::seconds kStopGrace{5};
+// The targets the run checks and prints PASS/FAIL for.
+constexpr double kTargetSlack = 1.3;             // x (delta bytes / WAN rate + RTT)
+constexpr double kTargetOverheadSeconds = 0.5;   // + this
+constexpr double kWanFractionTarget = 1.0 / 50;  // delta-relay WAN bytes vs full-direct
+constexpr double kStreamRatioTarget = 0.70;      // flywheel TCP stream vs iperf3
+
+// ---- small helpers -------------------------------------------------------------------
+
+double SecondsSince(SteadyClock::time_point start) {
+  return std::chrono::duration<double>(SteadyClock::now() - start).count();
+}
+
+int64_t UnixMicrosNow() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string Fixed(double value, int digits) {
+  if (!std::isfinite(value)) return "-";
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(digits) << value;
+  return out.str();
+}
+
+// 500000000 -> "500,000,000".
+std::string Grouped(uint64_t value) {
+  std::string digits = std::to_string(value);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string Megabytes(double bytes) {
+  return Fixed(bytes / 1e6, bytes < 1e7 ? 3 : 1);
+}
+
+std::string Gigabytes(double bytes) {
+  return Fixed(bytes / 1e9, 2) + " GB";
+}
+
+std::string PassFail(bool pass) {
+  return pass ? "PASS" : "FAIL";
+}
+
+// 1e-06 -> "1e-6".
+std::string NumberText(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", value);
+  std::string out = text;
+  for (const char* padded : {"e-0", "e+0"}) {
+    if (const size_t at = out.find(padded); at != std::string::npos) out.erase(at + 2, 1);
+  }
+  return out;
+}
+
+double Median(std::vector<double> values) {
+  if (values.empty()) return kNotMeasured;
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+// The last `limit` bytes of a text file, trimmed; "" when it cannot be read.
+std::string FileTail(const std::string& path, size_t limit) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "";
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  const std::streamoff start = size > static_cast<std::streamoff>(limit) ? size - limit : 0;
+  in.seekg(start);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  return start > 0 ? "..." + text : text;
+}
+
+Result<std::string> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::IOError("cannot open " + path + ": " + std::strerror(errno));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Status::IOError("cannot read " + path);
+  return text.str();
+}
+
+std::optional<std::string> FindExecutable(const std::string& name) {
+  const char* path = std::getenv("PATH");
+  const std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
+  size_t begin = 0;
+  while (begin <= dirs.size()) {
+    size_t end = dirs.find(':', begin);
+    if (end == std::string::npos) end = dirs.size();
+    std::string dir = dirs.substr(begin, end - begin);
+    if (dir.empty()) dir = ".";
+    const std::string candidate = dir + "/" + name;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    begin = end + 1;
+  }
+  return std::nullopt;
+}
+
+// MemAvailable from /proc/meminfo in bytes, or nullopt where there is none.
+std::optional<uint64_t> MemAvailableBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return std::nullopt;
+}
+
+double LoadAverage() {
+  double load = kNotMeasured;
+  if (std::FILE* file = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(file, "%lf", &load) != 1) load = kNotMeasured;
+    std::fclose(file);
+  }
+  return load;
+}
+
+// Runs fn(block) for block in [0, blocks) on up to `threads` threads.
+template <typename Fn>
+void ParallelForBlocks(uint64_t blocks, int threads, const Fn& fn) {
+  std::atomic<uint64_t> next{0};
+  auto worker = [&] {
+    for (uint64_t block = next++; block < blocks; block = next++) fn(block);
+  };
+  const int extra = std::max(0, std::min<int>(threads, static_cast<int>(blocks)) - 1);
+  std::vector<std::thread> pool;
+  pool.reserve(extra);
+  for (int i = 0; i < extra; ++i) pool.emplace_back(worker);
+  worker();
+  for (std::thread& thread : pool) thread.join();
+}
+
+// ---- the checkpoint sequence -----------------------------------------------------------
+
+// Parameters per random stream. Fixed, so the checkpoints do not depend on the threads.
+constexpr uint64_t kBlockWords = 1 << 16;
+
+uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The starting state of the random stream of one (step, block).
+uint64_t StreamState(uint64_t seed, uint64_t step, uint64_t block) {
+  uint64_t key = seed;
+  key = SplitMix64(key) ^ (step * 0xD1B54A32D192ED03ull);
+  key = SplitMix64(key) ^ (block * 0x8CB92BA72F3D8DD7ull);
+  return SplitMix64(key);
+}
+
+// Consecutive bf16 checkpoints of one simulated training run, one version at a time. The
+// only state kept between versions are the fp32 masters (4 bytes per parameter), so a
+// 1 GB bf16 checkpoint costs 2 GB here, not the 6 GB of checkpoint_gen's full AdamW.
+//
+// Version 1 holds the initial weights: ~N(0, 0.02) (the sum of four uniforms, scaled:
+// bounded at 3.5 sigma, which changes nothing that matters here), norm weights 1.0. Each
+// later version is one step: every master moves by lr x s, with a random sign and |s|
+// uniform in [0.5, 1.5). That is the shape of early Adam steps, whose update
+// m_hat / sqrt(v_hat) is exactly sign(g) at step 1 and stays about 1 in size for a while;
+// weight decay (lr x 0.01 x w) is far smaller and left out. As in checkpoint_gen, most
+// steps stay below one bf16 ulp, so at lr 1e-6 about 1-3% of the bf16 words change.
+class CheckpointSequence {
+ public:
+  CheckpointSequence(uint64_t checkpoint_bytes, double learning_rate, uint64_t seed, int threads)
+      : shape_(ShapeForBytes(checkpoint_bytes)),
+        tensors_(TransformerTensors(shape_)),
+        words_(tensors_.back().word_offset + tensors_.back().words),
+        learning_rate_(static_cast<float>(learning_rate)),
+        seed_(seed),
+        threads_(threads),
+        master_(new float[words_]) {}
+
+  const TransformerShape& shape() const { return shape_; }
+  const std::vector<TensorLayout>& tensors() const { return tensors_; }
+  uint64_t words() const { return words_; }
+
+  // Writes the next version's bf16 words into `out` (resized to words()) and returns how
+  // many of them differ from the previous version (all of them for version 1).
+  uint64_t Next(std::vector<uint16_t>& out) {
+    out.resize(words_);
+    const uint64_t step = step_++;
+    if (step == 0) {
+      Initialise(out);
+      return words_;
+    }
+    return Step(step, out);
+  }
+
+  CheckpointView ViewOf(const std::vector<uint16_t>& words) const {
+    CheckpointView view;
+    view.reserve(tensors_.size());
+    const auto* bytes = reinterpret_cast<const std::byte*>(words.data());
+    for (const TensorLayout& tensor : tensors_) {
+      view.push_back(TensorView{tensor.name,
+                                DType::kBF16,
+                                tensor.shape,
+                                {bytes + tensor.word_offset * 2, tensor.words * 2}});
+    }
+    return view;
+  }
+
+ private:
+  template <typename Fn>
+  void ForEachBlock(uint64_t step, const Fn& fn) {
+    const uint64_t blocks = (words_ + kBlockWords - 1) / kBlockWords;
+    ParallelForBlocks(blocks, threads_, [&](uint64_t block) {
+      uint64_t state = StreamState(seed_, step, block);
+      const uint64_t begin = block * kBlockWords;
+      fn(begin, std::min(begin + kBlockWords, words_), state);
+    });
+  }
+
+  void Initialise(std::vector<uint16_t>& out) {
+    // Four 16-bit uniforms per draw; their sum has mean 2 and variance 1/3.
+    const float scale = 0.02f * std::sqrt(3.0f) / 65536.0f;
+    ForEachBlock(0, [&](uint64_t begin, uint64_t end, uint64_t& state) {
+      for (uint64_t i = begin; i < end; ++i) {
+        const uint64_t bits = SplitMix64(state);
+        const float sum = static_cast<float>((bits & 0xFFFF) + ((bits >> 16) & 0xFFFF) +
+                                             ((bits >> 32) & 0xFFFF) + (bits >> 48)) +
+                          2.0f;  // the four +0.5 centring terms
+        master_[i] = (sum - 2.0f * 65536.0f) * scale;
+      }
+    });
+    for (const TensorLayout& tensor : tensors_) {
+      if (tensor.is_norm) std::fill_n(master_.get() + tensor.word_offset, tensor.words, 1.0f);
+    }
+    ForEachBlock(0, [&](uint64_t begin, uint64_t end, uint64_t&) {
+      for (uint64_t i = begin; i < end; ++i) out[i] = FloatToBf16(master_[i]);
+    });
+  }
+
+  uint64_t Step(uint64_t step, std::vector<uint16_t>& out) {
+    std::atomic<uint64_t> changed{0};
+    ForEachBlock(step, [&](uint64_t begin, uint64_t end, uint64_t& state) {
+      uint64_t block_changed = 0;
+      // One 64-bit draw per two parameters: 32 random bits each.
+      for (uint64_t i = begin; i < end; i += 2) {
+        const uint64_t bits = SplitMix64(state);
+        block_changed += StepOne(i, static_cast<uint32_t>(bits), out);
+        if (i + 1 < end) block_changed += StepOne(i + 1, static_cast<uint32_t>(bits >> 32), out);
+      }
+      changed += block_changed;
+    });
+    return changed.load();
+  }
+
+  // Moves master i by lr x s (bit 31 of `bits`: the sign of s, bits 0..23: |s| - 0.5);
+  // returns whether its bf16 word changed.
+  bool StepOne(uint64_t i, uint32_t bits, std::vector<uint16_t>& out) {
+    constexpr float kUnit = 1.0f / 16777216.0f;  // 2^-24
+    const float size = 0.5f + static_cast<float>(bits & 0xFFFFFF) * kUnit;
+    const float update = (bits >> 31) != 0 ? -size : size;
+    const uint16_t before = FloatToBf16(master_[i]);
+    master_[i] -= learning_rate_ * update;
+    out[i] = FloatToBf16(master_[i]);
+    return out[i] != before;
+  }
+
+  TransformerShape shape_;
+  std::vector<TensorLayout> tensors_;
+  uint64_t words_;
+  float learning_rate_;
+  uint64_t seed_;
+  int threads_;
+  uint64_t step_ = 0;
+  // Left uninitialised by the allocation; Initialise() writes it block by block.
+  std::unique_ptr<float[]> master_;
+};
+
+// One generated version, written once and linked into every strategy's watch directory.
+struct StagedVersion {
+  uint64_t version = 0;
+  std::string model_path;    // <work>/staged/<version>/model.safetensors
+  std::string weights_hash;  // CheckpointHash, hex
+  uint64_t changed_words = 0;
+};
+
+struct StagedSequence {
+  TransformerShape shape;
+  size_t tensor_count = 0;
+  uint64_t checkpoint_bytes = 0;  // the bf16 data, without the safetensors header
+  uint64_t words = 0;
+  std::vector<StagedVersion> versions;
+};
+
+// Generates versions 1 .. versions and writes each to <dir>/<version>/model.safetensors.
+// Needs the masters plus one bf16 buffer; both are freed before this returns.
+Result<StagedSequence> StageVersions(const FleetBenchOptions& options, uint64_t versions,
+                                     const std::string& dir) {
+  CheckpointSequence sequence(options.parameters * sizeof(uint16_t), options.learning_rate,
+                              options.seed, options.threads);
+  StagedSequence staged;
+  staged.shape = sequence.shape();
+  staged.tensor_count = sequence.tensors().size();
+  staged.words = sequence.words();
+  staged.checkpoint_bytes = sequence.words() * sizeof(uint16_t);
+  std::vector<uint16_t> words;
+  for (uint64_t version = 1; version <= versions; ++version) {
+    const SteadyClock::time_point start = SteadyClock::now();
+    StagedVersion entry;
+    entry.version = version;
+    entry.changed_words = sequence.Next(words);
+    const CheckpointView view = sequence.ViewOf(words);
+    FW_ASSIGN_OR_RETURN(const Hash128 hash, CheckpointHash(view, options.threads));
+    entry.weights_hash = hash.ToHex();
+    const std::string version_dir = dir + "/" + std::to_string(version);
+    std::error_code error;
+    fs::create_directories(version_dir, error);
+    if (error) return Status::IOError("cannot create " + version_dir + ": " + error.message());
+    entry.model_path = version_dir + "/model.safetensors";
+    FW_RETURN_IF_ERROR(WriteSafetensors(entry.model_path, view, {{"format", "pt"}}));
+    std::cerr << "[fleet bench] generated version " << version << " ("
+              << Megabytes(static_cast<double>(staged.checkpoint_bytes)) << " MB, "
+              << (version == 1 ? std::string("initial weights")
+                               : Fixed(100.0 * entry.changed_words / staged.words, 2) +
+                                     "% of bf16 words changed")
+              << ") in " << Fixed(SecondsSince(start), 1) << " s\n";
+    staged.versions.push_back(std::move(entry));
+  }
+  return staged;
+}
+
+// Publishes a staged version the way a trainer drops it: <watch>/<version>/ with the
+// checkpoint (a hard link to the staged file, so the drop takes no copy), then an empty
+// COMMIT file, last. Returns the commit time in unix microseconds.
+Result<int64_t> DropVersion(const StagedVersion& staged, const std::string& watch_dir) {
+  const std::string version_dir = watch_dir + "/" + std::to_string(staged.version);
+  std::error_code error;
+  fs::create_directories(version_dir, error);
+  if (error) return Status::IOError("cannot create " + version_dir + ": " + error.message());
+  const std::string model_path = version_dir + "/model.safetensors";
+  fs::create_hard_link(staged.model_path, model_path, error);
+  if (error) {
+    error.clear();
+    fs::copy_file(staged.model_path, model_path, error);
+    if (error) {
+      return Status::IOError("cannot place " + staged.model_path + " at " + model_path + ": " +
+                             error.message());
+    }
+  }
+  const std::string commit_path = version_dir + "/COMMIT";
+  const int fd = ::open(commit_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0 || ::close(fd) != 0) {
+    return Status::IOError("cannot create " + commit_path + ": " + std::strerror(errno));
+  }
+  return UnixMicrosNow();
+}
+
+// ---- child processes -------------------------------------------------------------------
+
+// Processes started by the benchmark. Each child's stdout and stderr go to
+// <log_dir>/<name>.out and .err; a child also receives SIGTERM when the benchmark dies, so
+// nothing outlives a killed run. The destructor stops and reaps whatever is still running.
+class ProcessGroup {
+ public:
+  explicit ProcessGroup(std::string log_dir) : log_dir_(std::move(log_dir)) {}
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+  ~ProcessGroup() { (void)StopAll(); }
+
+  // Starts `program args...`; returns its index in this group.
+  Result<size_t> Start(const std::string& name, const std::string& program,
+                       const std::vector<std::string>& args) {
+    Child child;
+    child.name = name;
+    child.command = program;
+    for (const std::string& arg : args) child.command += " " + arg;
+    child.stdout_path = log_dir_ + "/" + name + ".out";
+    child.stderr_path = log_dir_ + "/" + name + ".err";
+    // Everything the child needs is prepared here: between fork and exec it may only make
+    // async-signal-safe calls.
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(program.c_str()));
+    for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+    argv.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) return Status::IOError("cannot start " + name + ": fork: " + std::strerror(errno));
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) ::_exit(127);  // the benchmark died before prctl
+      const int in = ::open("/dev/null", O_RDONLY);
+      const int out = ::open(child.stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      const int err = ::open(child.stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (in < 0 || out < 0 || err < 0) ::_exit(126);
+      ::dup2(in, 0);
+      ::dup2(out, 1);
+      ::dup2(err, 2);
+      ::execv(program.c_str(), argv.data());
+      constexpr char kMessage[] = "exec failed\n";
+      (void)!::write(2, kMessage, sizeof(kMessage) - 1);
+      ::_exit(127);
+    }
+    child.pid = pid;
+    children_.push_back(std::move(child));
+    return children_.size() - 1;
+  }
+
+  const std::string& stdout_path(size_t index) const { return children_[index].stdout_path; }
+
+  // OK while the child runs; else an error naming it, how it ended and its stderr's tail.
+  Status CheckRunning(size_t index) {
+    Child& child = children_[index];
+    if (!child.exited) {
+      int wait_status = 0;
+      const pid_t got = ::waitpid(child.pid, &wait_status, WNOHANG);
+      if (got == 0) return Status::Ok();
+      child.exited = true;
+      child.wait_status = got == child.pid ? wait_status : -1;
+    }
+    return Status::Unavailable(child.name + " (" + child.command + ") " + HowEnded(child) +
+                               "; stderr: " + Tail(child));
+  }
+
+  // CheckRunning for every child.
+  Status CheckAllRunning() {
+    for (size_t i = 0; i < children_.size(); ++i) FW_RETURN_IF_ERROR(CheckRunning(i));
+    return Status::Ok();
+  }
+
+  // Waits up to `timeout` for the child to exit by itself; returns its wait status, or
+  // an error (naming it) on timeout.
+  Result<int> Wait(size_t index, std::chrono::milliseconds timeout) {
+    Child& child = children_[index];
+    const SteadyClock::time_point deadline = SteadyClock::now() + timeout;
+    while (!child.exited) {
+      int wait_status = 0;
+      const pid_t got = ::waitpid(child.pid, &wait_status, WNOHANG);
+      if (got != 0) {
+        child.exited = true;
+        child.wait_status = got == child.pid ? wait_status : -1;
+        break;
+      }
+      if (SteadyClock::now() > deadline) {
+        return Status::Unavailable(child.name + " (" + child.command + ") did not finish within " +
+                                   std::to_string(timeout.count() / 1000) + " s");
+      }
+      std::this_thread::sleep_for(kPollInterval);
+    }
+    return child.wait_status;
+  }
+
+  // SIGTERM to every running child, up to kStopGrace for all of them to exit, then
+  // SIGKILL; reaps all. Returns one line per child that did not stop cleanly.
+  std::vector<std::string> StopAll() {
+    for (const Child& child : children_) {
+      if (!child.exited) ::kill(child.pid, SIGTERM);
+    }
+    const SteadyClock::time_point deadline = SteadyClock::now() + kStopGrace;
+    std::vector<std::string> unclean;
+    for (Child& child : children_) {
+      if (child.exited) continue;
+      int wait_status = 0;
+      pid_t got = 0;
+      while ((got = ::waitpid(child.pid, &wait_status, WNOHANG)) == 0 &&
+             SteadyClock::now() < deadline) {
+        std::this_thread::sleep_for(kPollInterval);
+      }
+      if (got == 0) {
+        ::kill(child.pid, SIGKILL);
+        while ((got = ::waitpid(child.pid, &wait_status, 0)) < 0 && errno == EINTR) {
+        }
+        unclean.push_back(child.name + " did not stop within " +
+                          std::to_string(kStopGrace.count()) + " s of SIGTERM and was killed");
+      } else if (!(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) &&
+                 !(WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGTERM)) {
+        child.wait_status = wait_status;
+        unclean.push_back(child.name + " " + HowEnded(child) +
+                          " after SIGTERM; stderr: " + Tail(child));
+      }
+      child.exited = true;
+      child.wait_status = wait_status;
+    }
+    children_.clear();
+    return unclean;
+  }
+
+ private:
+  struct Child {
+    std::string name;
+    std::string command;
+    std::string stdout_path;
+    std::string stderr_path;
+    pid_t pid = -1;
+    bool exited = false;
+    int wait_status = 0;
+  };
+
+  static std::string HowEnded(const Child& child) {
+    if (child.wait_status < 0) return "is gone (not our child any more)";
+    if (WIFEXITED(child.wait_status)) {
+      return "exited with status " + std::to_string(WEXITSTATUS(child.wait_status));
+    }
+    if (WIFSIGNALED(child.wait_status)) {
+      return "was killed by signal " + std::to_string(WTERMSIG(child.wait_status)) + " (" +
+             strsignal(WTERMSIG(child.wait_status)) + ")";
+    }
+    return "ended";
+  }
+
+  static std::string Tail(const Child& child) {
+    const std::string tail = FileTail(child.stderr_path, 600);
+    return tail.empty() ? "(empty, " + child.stderr_path + ")" : tail;
+  }
+
+  std::string log_dir_;
+  std::vector<Child> children_;
+};
+
+// ---- the roles -------------------------------------------------------------------------
+
+struct Node {
+  std::string name;  // "publisher", "relay-us", "worker-eu-3"
+  std::string region;
+  size_t process = 0;
+  transport::Endpoint listen;  // relays and the publisher
+  transport::Endpoint http;
+};
+
+// Waits for a role's ready file ({"listen": "...", "http": "..."}) while checking that the
+// role still runs; fills the node's endpoints.
+Status AwaitReady(ProcessGroup& processes, const std::string& ready_file, bool has_listen,
+                  Node& node) {
+  const SteadyClock::time_point deadline = SteadyClock::now() + kReadyTimeout;
+  while (!fs::exists(ready_file)) {
+    FW_RETURN_IF_ERROR(processes.CheckAllRunning().WithContext("starting the fleet"));
+    if (SteadyClock::now() > deadline) {
+      return Status::Unavailable(node.name + " did not write its ready file " + ready_file +
+                                 " within " + std::to_string(kReadyTimeout.count()) + " s");
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  FW_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(ready_file));
+  const Json ready = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  auto endpoint = [&](const char* key, transport::Endpoint& into) -> Status {
+    if (!ready.is_object() || !ready.contains(key) || !ready[key].is_string()) {
+      return Status::Corruption(node.name + "'s ready file " + ready_file + " has no \"" + key +
+                                "\" string: " + text);
+    }
+    FW_ASSIGN_OR_RETURN(into, transport::ParseEndpoint(ready[key].get<std::string>()));
+    return Status::Ok();
+  };
+  FW_RETURN_IF_ERROR(endpoint("http", node.http));
+  if (has_listen) FW_RETURN_IF_ERROR(endpoint("listen", node.listen));
+  return Status::Ok();
+}
+
+// The fields of GET /v1/status that the benchmark reads.
+struct NodeStatus {
+  uint64_t version = 0;
+  std::string weights_hash;
+  int64_t swap_unix_us = 0;
+  uint64_t wan_bytes = 0;  // wan_bytes_in + wan_bytes_out
+  uint64_t last_artifact_bytes = 0;
+};
+
+Result<NodeStatus> FetchStatus(const Node& node) {
+  transport::HttpGetOptions get_options;
+  get_options.timeout = std::chrono::milliseconds(2000);
+  Result<transport::HttpResponse> response =
+      transport::HttpGet(node.http, "/v1/status", get_options);
+  const std::string where = node.name + " GET http://" + node.http.ToString() + "/v1/status";
+  if (!response.ok()) return response.status().WithContext(where);
+  if (response->status != 200) {
+    return Status::Unavailable(where + ": HTTP " + std::to_string(response->status) + ": " +
+                               response->body.substr(0, 200));
+  }
+  const Json json = Json::parse(response->body, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object()) {
+    return Status::Corruption(where + ": not a JSON object: " + response->body.substr(0, 200));
+  }
+  NodeStatus status;
+  try {
+    status.version = json.value("version", uint64_t{0});
+    status.weights_hash = json.value("weights_hash", std::string());
+    status.swap_unix_us = json.value("swap_unix_us", int64_t{0});
+    status.wan_bytes =
+        json.value("wan_bytes_in", uint64_t{0}) + json.value("wan_bytes_out", uint64_t{0});
+    status.last_artifact_bytes = json.value("last_artifact_bytes", uint64_t{0});
+  } catch (const Json::exception& error) {
+    return Status::Corruption(where + ": unexpected field type: " + error.what());
+  }
+  return status;
+}
+
+// A running fleet of one strategy: the publisher, one relay per region (unless direct)
+// and the workers.
+struct Fleet {
+  explicit Fleet(std::string log_dir) : processes(std::move(log_dir)) {}
+  ProcessGroup processes;
+  Node publisher;
+  std::vector<Node> relays;
+  std::vector<Node> workers;
+};
+
+bool UsesRelays(const std::string& strategy) {
+  return strategy != kFullDirect;
+}
+
+std::vector<std::string> RegionNames(int regions) {
+  static const char* const kNames[] = {"us", "eu", "ap", "sa", "af", "me"};
+  std::vector<std::string> names;
+  for (int i = 0; i < regions; ++i) {
+    names.push_back(i < 6 ? kNames[i] : "region" + std::to_string(i + 1));
+  }
+  return names;
+}
+
+// Starts the publisher, then the relays, then the workers (each tier all at once, the next
+// when every one of them wrote its ready file).
+Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
+                  const std::string& strategy, const std::string& strategy_dir,
+                  const std::string& watch_dir, Fleet& fleet) {
+  const std::string ready_dir = strategy_dir + "/ready";
+  std::error_code error;
+  fs::create_directories(ready_dir, error);
+  if (error) return Status::IOError("cannot create " + ready_dir + ": " + error.message());
+  const std::string loopback_any = "127.0.0.1:0";
+  auto ready_file = [&](const Node& node) { return ready_dir + "/" + node.name + ".json"; };
+  auto launch = [&](Node& node, const std::string& role, std::vector<std::string> args) -> Status {
+    args.insert(args.begin(), role);
+    args.push_back("--ready-file");
+    args.push_back(ready_file(node));
+    FW_ASSIGN_OR_RETURN(node.process,
+                        fleet.processes.Start(strategy + "-" + node.name, flywheel, args));
+    return Status::Ok();
+  };
+
+  fleet.publisher.name = "publisher";
+  fleet.publisher.region = kHomeRegion;
+  std::vector<std::string> publisher_args = {
+      "--listen",         loopback_any,
+      "--http",           loopback_any,
+      "--state-dir",      strategy_dir + "/publisher",
+      "--watch",          watch_dir,
+      "--region",         kHomeRegion,
+      "--wan-rate",       std::to_string(options.wan_bytes_per_second),
+      "--wan-latency-ms", std::to_string(options.wan_latency_ms)};
+  if (strategy != kDeltaRelay) {
+    publisher_args.push_back("--no-deltas");
+  } else if (options.keyframe_every > 0) {
+    publisher_args.push_back("--keyframe-every");
+    publisher_args.push_back(std::to_string(options.keyframe_every));
+  }
+  FW_RETURN_IF_ERROR(launch(fleet.publisher, "publish", publisher_args));
+  FW_RETURN_IF_ERROR(
+      AwaitReady(fleet.processes, ready_file(fleet.publisher), true, fleet.publisher));
+  const std::string publisher_address = fleet.publisher.listen.ToString();
+
+  const std::vector<std::string> regions = RegionNames(options.regions);
+  if (UsesRelays(strategy)) {
+    for (const std::string& region : regions) {
+      Node& relay = fleet.relays.emplace_back();
+      relay.name = "relay-" + region;
+      relay.region = region;
+      FW_RETURN_IF_ERROR(launch(relay, "relay",
+                                {"--region", region, "--upstream", publisher_address, "--listen",
+                                 loopback_any, "--http", loopback_any}));
+    }
+    for (Node& relay : fleet.relays) {
+      FW_RETURN_IF_ERROR(AwaitReady(fleet.processes, ready_file(relay), true, relay));
+    }
+  }
+  for (size_t r = 0; r < regions.size(); ++r) {
+    const std::string upstream =
+        UsesRelays(strategy) ? fleet.relays[r].listen.ToString() : publisher_address;
+    for (int i = 1; i <= options.workers_per_region; ++i) {
+      Node& worker = fleet.workers.emplace_back();
+      worker.name = "worker-" + regions[r] + "-" + std::to_string(i);
+      worker.region = regions[r];
+      FW_RETURN_IF_ERROR(
+          launch(worker, "worker",
+                 {"--region", regions[r], "--upstream", upstream, "--http", loopback_any}));
+    }
+  }
+  for (Node& worker : fleet.workers) {
+    FW_RETURN_IF_ERROR(AwaitReady(fleet.processes, ready_file(worker), false, worker));
+  }
+  return Status::Ok();
+}
+
+// ---- measuring one update --------------------------------------------------------------
+
+struct UpdateResult {
+  uint64_t version = 0;
+  uint64_t changed_words = 0;
+  // Commit of the drop to the last worker's swap, from the workers' swap_unix_us.
+  double seconds = kNotMeasured;
+  // Commit to the poll that saw the last worker done: an upper bound of `seconds`.
+  double observed_seconds = kNotMeasured;
+  uint64_t wan_bytes = 0;                // publisher's wan_bytes_in + out during the update
+  uint64_t artifact_bytes = 0;           // publisher's last_artifact_bytes after it
+  double target_seconds = kNotMeasured;  // delta-relay only
+
+  bool meets_target() const { return seconds <= target_seconds; }
+};
+
+Result<NodeStatus> FetchPublisherStatus(Fleet& fleet) {
+  // The publisher is busy while it encodes; give a slow answer a few more tries.
+  Result<NodeStatus> status = FetchStatus(fleet.publisher);
+  for (int attempt = 1; attempt < 5 && !status.ok(); ++attempt) {
+    FW_RETURN_IF_ERROR(fleet.processes.CheckRunning(fleet.publisher.process));
+    status = FetchStatus(fleet.publisher);
+  }
+  return status;
+}
+
+// Polls every worker until all of them serve `version` with `weights_hash`. Fails when a
+// worker serves it with other weights, a role exits, or `timeout` passes. Fills the
+// update's seconds and observed_seconds, relative to the commit.
+Status AwaitWorkers(Fleet& fleet, const StagedVersion& staged, int64_t commit_unix_us,
+                    SteadyClock::time_point commit_steady, double timeout_seconds,
+                    UpdateResult& result) {
+  const SteadyClock::time_point deadline =
+      commit_steady + std::chrono::microseconds(static_cast<int64_t>(timeout_seconds * 1e6));
+  std::vector<int64_t> swap_unix_us(fleet.workers.size(), 0);
+  std::vector<std::string> last_seen(fleet.workers.size(), "no answer yet");
+  size_t done = 0;
+  while (true) {
+    for (size_t i = 0; i < fleet.workers.size(); ++i) {
+      if (swap_unix_us[i] != 0) continue;
+      const Node& worker = fleet.workers[i];
+      Result<NodeStatus> status = FetchStatus(worker);
+      if (!status.ok()) {
+        FW_RETURN_IF_ERROR(fleet.processes.CheckRunning(worker.process));
+        last_seen[i] = status.status().ToString();
+        continue;
+      }
+      last_seen[i] = "version " + std::to_string(status->version);
+      if (status->version != staged.version) continue;
+      if (status->weights_hash != staged.weights_hash) {
+        return Status::Mismatch(worker.name + " serves version " + std::to_string(staged.version) +
+                                " with weights_hash '" + status->weights_hash + "', expected " +
+                                staged.weights_hash);
+      }
+      if (status->swap_unix_us < commit_unix_us) {
+        // A status read between the version's swap and the update of its swap time still
+        // shows the previous swap's: not done until the two agree (or the deadline).
+        last_seen[i] += " with swap_unix_us " + std::to_string(status->swap_unix_us) +
+                        ", before the commit at " + std::to_string(commit_unix_us);
+        continue;
+      }
+      swap_unix_us[i] = status->swap_unix_us;
+      ++done;
+    }
+    if (done == fleet.workers.size()) break;
+    FW_RETURN_IF_ERROR(fleet.processes.CheckAllRunning());
+    if (SteadyClock::now() > deadline) {
+      std::string behind;
+      for (size_t i = 0; i < fleet.workers.size(); ++i) {
+        if (swap_unix_us[i] != 0) continue;
+        behind += (behind.empty() ? "" : ", ") + fleet.workers[i].name + " (" + last_seen[i] + ")";
+      }
+      return Status::Unavailable(std::to_string(fleet.workers.size() - done) + " of " +
+                                 std::to_string(fleet.workers.size()) +
+                                 " workers did not serve version " +
+                                 std::to_string(staged.version) + " within " +
+                                 Fixed(timeout_seconds, 0) + " s of its commit: " + behind);
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  result.observed_seconds = SecondsSince(commit_steady);
+  const int64_t last_swap = *std::max_element(swap_unix_us.begin(), swap_unix_us.end());
+  result.seconds = static_cast<double>(last_swap - commit_unix_us) * 1e-6;
+  // The swap times come from the workers' clocks (this machine's): none can be later than
+  // the poll that saw it, or the status field is wrong.
+  constexpr double kClockSlackSeconds = 0.005;
+  if (result.seconds > result.observed_seconds + kClockSlackSeconds) {
+    return Status::Internal("a worker's swap_unix_us for version " +
+                            std::to_string(staged.version) + " is " + Fixed(result.seconds, 3) +
+                            " s after the commit, but the poll saw " + "every worker done " +
+                            Fixed(result.observed_seconds, 3) + " s after it");
+  }
+  return Status::Ok();
+}
+
+// Drops one version and waits for the whole fleet to serve it; measures the update.
+Result<UpdateResult> RunUpdate(Fleet& fleet, const StagedVersion& staged,
+                               const std::string& watch_dir, double timeout_seconds) {
+  UpdateResult result;
+  result.version = staged.version;
+  result.changed_words = staged.changed_words;
+  FW_ASSIGN_OR_RETURN(const NodeStatus before, FetchPublisherStatus(fleet));
+  FW_ASSIGN_OR_RETURN(const int64_t commit_unix_us, DropVersion(staged, watch_dir));
+  const SteadyClock::time_point commit_steady = SteadyClock::now();
+  FW_RETURN_IF_ERROR(
+      AwaitWorkers(fleet, staged, commit_unix_us, commit_steady, timeout_seconds, result));
+  FW_ASSIGN_OR_RETURN(const NodeStatus after, FetchPublisherStatus(fleet));
+  result.wan_bytes = after.wan_bytes - std::min(after.wan_bytes, before.wan_bytes);
+  result.artifact_bytes = after.last_artifact_bytes;
+  return result;
+}
+
+// ---- one strategy ----------------------------------------------------------------------
+
+struct StrategyResult {
+  std::string name;
+  double initial_sync_seconds = kNotMeasured;  // version 1, not part of the statistics
+  uint64_t initial_wan_bytes = 0;
+  std::vector<UpdateResult> updates;
+  std::vector<std::string> notes;  // roles that did not stop cleanly
+
+  std::vector<double> Seconds() const {
+    std::vector<double> values;
+    for (const UpdateResult& update : updates) values.push_back(update.seconds);
+    return values;
+  }
+  double median_seconds() const { return Median(Seconds()); }
+  double max_seconds() const {
+    const std::vector<double> values = Seconds();
+    return values.empty() ? kNotMeasured : *std::max_element(values.begin(), values.end());
+  }
+  double mean_wan_bytes() const {
+    if (updates.empty()) return kNotMeasured;
+    double sum = 0;
+    for (const UpdateResult& update : updates) sum += static_cast<double>(update.wan_bytes);
+    return sum / updates.size();
+  }
+  double mean_artifact_bytes() const {
+    if (updates.empty()) return kNotMeasured;
+    double sum = 0;
+    for (const UpdateResult& update : updates) sum += static_cast<double>(update.artifact_bytes);
+    return sum / updates.size();
+  }
+};
+
+// Seconds the delta strategy should need: 1.3 x (artifact bytes at the WAN rate + one
+// RTT) + 0.5 s for discovering the drop, encoding, applying and the LAN hop.
+double TargetSeconds(const FleetBenchOptions& options, uint64_t artifact_bytes) {
+  const double rtt = 2.0 * options.wan_latency_ms / 1000.0;
+  return kTargetSlack * (static_cast<double>(artifact_bytes) / options.wan_bytes_per_second + rtt) +
+         kTargetOverheadSeconds;
+}
+
+// Default per-update timeout: generous for full-direct, whose workers in one region share
+// that region's WAN bucket.
+double UpdateTimeoutSeconds(const FleetBenchOptions& options, uint64_t checkpoint_bytes) {
+  if (options.update_timeout_seconds > 0) return options.update_timeout_seconds;
+  const double region_bytes = static_cast<double>(checkpoint_bytes) * options.workers_per_region;
+  return 30.0 + 5.0 * region_bytes / options.wan_bytes_per_second;
+}
+
+std::string Elapsed(SteadyClock::time_point run_start) {
+  return "elapsed " + Fixed(SecondsSince(run_start), 1) + " s";
+}
+
+Result<StrategyResult> RunStrategy(const FleetBenchOptions& options, const std::string& flywheel,
+                                   const std::string& strategy, const StagedSequence& staged,
+                                   const std::string& work_dir, SteadyClock::time_point run_start) {
+  StrategyResult result;
+  result.name = strategy;
+  const std::string strategy_dir = work_dir + "/" + strategy;
+  const std::string watch_dir = strategy_dir + "/watch";
+  const std::string log_dir = work_dir + "/logs";
+  std::error_code error;
+  fs::create_directories(watch_dir, error);
+  if (error) return Status::IOError("cannot create " + watch_dir + ": " + error.message());
+  const double timeout_seconds = UpdateTimeoutSeconds(options, staged.checkpoint_bytes);
+  const std::string tag = "[fleet bench] " + strategy + ": ";
+
+  Fleet fleet(log_dir);
+  std::cerr << tag << "starting publisher, " << (UsesRelays(strategy) ? options.regions : 0)
+            << " relays, " << options.regions * options.workers_per_region << " workers ("
+            << Elapsed(run_start) << ")\n";
+  FW_RETURN_IF_ERROR(StartFleet(options, flywheel, strategy, strategy_dir, watch_dir, fleet));
+
+  for (const StagedVersion& version : staged.versions) {
+    const bool initial = version.version == 1;
+    std::cerr << tag
+              << (initial ? std::string("initial sync of version 1")
+                          : "update " + std::to_string(version.version - 1) + "/" +
+                                std::to_string(options.updates) + " (version " +
+                                std::to_string(version.version) + ")")
+              << " ..." << std::flush;
+    Result<UpdateResult> update = RunUpdate(fleet, version, watch_dir, timeout_seconds);
+    if (!update.ok()) {
+      std::cerr << " failed\n";
+      return update.status().WithContext(strategy + " version " + std::to_string(version.version));
+    }
+    std::cerr << " " << Fixed(update->seconds, 3) << " s, WAN " << Megabytes(update->wan_bytes)
+              << " MB, artifacts " << Megabytes(update->artifact_bytes) << " MB ("
+              << Elapsed(run_start) << ")\n";
+    if (initial) {
+      result.initial_sync_seconds = update->seconds;
+      result.initial_wan_bytes = update->wan_bytes;
+      continue;
+    }
+    if (strategy == kDeltaRelay)
+      update->target_seconds = TargetSeconds(options, update->artifact_bytes);
+    result.updates.push_back(*update);
+  }
+  result.notes = fleet.processes.StopAll();
+  for (const std::string& note : result.notes) std::cerr << tag << "note: " << note << "\n";
+  if (!options.keep) fs::remove_all(strategy_dir, error);
+  return result;
+}
+
+// ---- loopback stream: flywheel against iperf3 -------------------------------------------
+
+struct StreamResult {
+  int seconds = 0;
+  double iperf3_bytes_per_second = kNotMeasured;
+  std::string iperf3_skipped;  // why there is no iperf3 row, when there is none
+  uint64_t write_bytes = transport::StreamBenchOptions{}.frame_bytes;  // per write / frame
+  uint64_t flywheel_bytes = 0;  // payload each flywheel stream moved
+  double flywheel_tcp_bytes_per_second = kNotMeasured;
+  double flywheel_tls_bytes_per_second = kNotMeasured;
+
+  double TcpRatio() const { return flywheel_tcp_bytes_per_second / iperf3_bytes_per_second; }
+  double TlsRatio() const { return flywheel_tls_bytes_per_second / iperf3_bytes_per_second; }
+};
+
+// A TCP port that was free a moment ago on 127.0.0.1.
+Result<uint16_t> FreeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return Status::IOError(std::string("socket: ") + std::strerror(errno));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    const int error = errno;
+    ::close(fd);
+    return Status::IOError(std::string("binding a loopback port: ") + std::strerror(error));
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// Whether some socket listens on TCP `port` (IPv4 or IPv6), from /proc/net/tcp{,6}.
+bool IsListening(uint16_t port) {
+  char port_hex[8];
+  std::snprintf(port_hex, sizeof(port_hex), "%04X", port);
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const size_t colon = local.rfind(':');
+      if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == port_hex) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+// One iperf3 TCP stream over loopback (`iperf3 -s -1` and `iperf3 -c ... -l WRITE -J`):
+// bytes/s received. `write_bytes` is iperf3's write size; the caller passes flywheel's
+// frame size, as iperf3's default (128 KiB) would handicap the peer with 8x the syscalls.
+Result<double> MeasureIperf3(const std::string& iperf3, int seconds, uint64_t write_bytes,
+                             const std::string& log_dir) {
+  FW_ASSIGN_OR_RETURN(const uint16_t port, FreeLoopbackPort());
+  const std::string port_text = std::to_string(port);
+  ProcessGroup processes(log_dir);
+  FW_ASSIGN_OR_RETURN(const size_t server,
+                      processes.Start("iperf3-server", iperf3, {"-s", "-1", "-p", port_text}));
+  const SteadyClock::time_point deadline = SteadyClock::now() + std::chrono::seconds(10);
+  while (!IsListening(port)) {
+    FW_RETURN_IF_ERROR(processes.CheckRunning(server));
+    if (SteadyClock::now() > deadline) {
+      return Status::Unavailable("iperf3 -s did not listen on port " + port_text + " within 10 s");
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+  FW_ASSIGN_OR_RETURN(const size_t client, processes.Start("iperf3-client", iperf3,
+                                                           {"-c", "127.0.0.1", "-p", port_text,
+                                                            "-t", std::to_string(seconds), "-l",
+                                                            std::to_string(write_bytes), "-J"}));
+  FW_ASSIGN_OR_RETURN(const int wait_status,
+                      processes.Wait(client, std::chrono::seconds(seconds + 30)));
+  const std::string client_out = processes.stdout_path(client);
+  if (!(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0)) {
+    return Status::Unavailable("iperf3 -c failed: " + FileTail(client_out, 400));
+  }
+  FW_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(client_out));
+  const Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  const Json::json_pointer pointer("/end/sum_received/bits_per_second");
+  if (!json.is_object() || !json.contains(pointer) || !json[pointer].is_number()) {
+    return Status::Corruption("iperf3 -J output has no end.sum_received.bits_per_second: " +
+                              text.substr(0, 300));
+  }
+  (void)processes.StopAll();
+  return json[pointer].get<double>() / 8.0;
+}
+
+// iperf3's single stream, then one flywheel stream (plain, then TLS) moving about what
+// iperf3 moved in the same time, so both run for similar durations.
+StreamResult MeasureStreams(const FleetBenchOptions& options, const std::string& log_dir,
+                            std::vector<Status>& failures) {
+  StreamResult result;
+  result.seconds = options.stream_seconds;
+  const std::optional<std::string> iperf3 = FindExecutable("iperf3");
+  if (!iperf3) {
+    result.iperf3_skipped =
+        "iperf3 is not installed (the peer is missing; apt-get install iperf3 to get this row)";
+    std::cerr << "[fleet bench] loopback stream: " << result.iperf3_skipped << "\n";
+  } else {
+    std::cerr << "[fleet bench] loopback stream: iperf3, " << options.stream_seconds << " s ..."
+              << std::flush;
+    Result<double> iperf =
+        MeasureIperf3(*iperf3, options.stream_seconds, result.write_bytes, log_dir);
+    if (iperf.ok()) {
+      result.iperf3_bytes_per_second = *iperf;
+      std::cerr << " " << Fixed(*iperf * 8 / 1e9, 2) << " Gbit/s\n";
+    } else {
+      std::cerr << " failed\n";
+      result.iperf3_skipped = "iperf3 failed: " + iperf.status().ToString();
+      failures.push_back(iperf.status().WithContext("loopback stream, iperf3"));
+    }
+  }
+  constexpr uint64_t kMinBytes = 256ull << 20;
+  constexpr uint64_t kMaxBytes = 16ull << 30;
+  constexpr uint64_t kDefaultBytes = 2ull << 30;
+  result.flywheel_bytes =
+      std::isfinite(result.iperf3_bytes_per_second)
+          ? std::clamp(static_cast<uint64_t>(result.iperf3_bytes_per_second * result.seconds),
+                       kMinBytes, kMaxBytes)
+          : kDefaultBytes;
+  for (bool tls : {false, true}) {
+    const std::string name = tls ? "flywheel TLS" : "flywheel TCP";
+    std::cerr << "[fleet bench] loopback stream: " << name << ", "
+              << Megabytes(static_cast<double>(result.flywheel_bytes)) << " MB ..." << std::flush;
+    transport::StreamBenchOptions stream_options;
+    stream_options.tls = tls;
+    stream_options.bytes = result.flywheel_bytes;
+    stream_options.frame_bytes = result.write_bytes;
+    Result<transport::StreamBenchResult> measured =
+        transport::MeasureLoopbackStream(stream_options);
+    if (!measured.ok()) {
+      std::cerr << " failed\n";
+      failures.push_back(measured.status().WithContext("loopback stream, " + name));
+      continue;
+    }
+    std::cerr << " " << Fixed(measured->bytes_per_second * 8 / 1e9, 2) << " Gbit/s in "
+              << Fixed(measured->seconds, 1) << " s\n";
+    (tls ? result.flywheel_tls_bytes_per_second : result.flywheel_tcp_bytes_per_second) =
+        measured->bytes_per_second;
+  }
+  return result;
+}
+
+// ---- output ----------------------------------------------------------------------------
+
+struct Table {
+  std::vector<std::string> header;
+  std::vector<std::vector<std::string>> rows;
+};
+
+// First column left-aligned, the others right-aligned.
+std::string RenderText(const Table& table) {
+  std::vector<size_t> widths(table.header.size(), 0);
+  auto widen = [&](const std::vector<std::string>& cells) {
+    for (size_t i = 0; i < cells.size(); ++i) widths[i] = std::max(widths[i], cells[i].size());
+  };
+  widen(table.header);
+  for (const auto& row : table.rows) widen(row);
+  auto line = [&](const std::vector<std::string>& cells) {
+    std::string out = "  ";
+    for (size_t i = 0; i < cells.size(); ++i) {
+      const std::string pad(widths[i] - cells[i].size(), ' ');
+      if (i > 0) out += "  ";
+      out += i == 0 ? cells[i] + pad : pad + cells[i];
+    }
+    while (!out.empty() && out.back() == ' ') out.pop_back();
+    return out + "\n";
+  };
+  std::string out = line(table.header);
+  size_t total = 0;
+  for (size_t width : widths) total += width;
+  out += "  " + std::string(total + 2 * (widths.size() - 1), '-') + "\n";
+  for (const auto& row : table.rows) out += line(row);
+  return out;
+}
+
+std::string RenderMarkdown(const Table& table) {
+  auto line = [](const std::vector<std::string>& cells) {
+    std::string out = "|";
+    for (const std::string& cell : cells) out += " " + cell + " |";
+    return out + "\n";
+  };
+  std::string out = line(table.header);
+  out += "|";
+  for (size_t i = 0; i < table.header.size(); ++i) out += i == 0 ? " --- |" : " ---: |";
+  out += "\n";
+  for (const auto& row : table.rows) out += line(row);
+  return out;
+}
+
+const StrategyResult* FindStrategy(const std::vector<StrategyResult>& results,
+                                   const std::string& name) {
+  for (const StrategyResult& result : results) {
+    if (result.name == name) return &result;
+  }
+  return nullptr;
+}
+
+Table UpdatesTable(const std::vector<StrategyResult>& results, const StagedSequence& staged) {
+  Table table;
+  table.header = {"strategy", "update", "version",  "changed", "artifacts MB",
+                  "WAN MB",   "sync s", "polled s", "target s"};
+  for (const StrategyResult& result : results) {
+    for (size_t i = 0; i < result.updates.size(); ++i) {
+      const UpdateResult& update = result.updates[i];
+      table.rows.push_back({result.name, std::to_string(i + 1), std::to_string(update.version),
+                            Fixed(100.0 * update.changed_words / staged.words, 2) + "%",
+                            Megabytes(update.artifact_bytes), Megabytes(update.wan_bytes),
+                            Fixed(update.seconds, 3), Fixed(update.observed_seconds, 3),
+                            Fixed(update.target_seconds, 3)});
+    }
+  }
+  return table;
+}
+
+// "1/412" for a small fraction, "0.25x" otherwise.
+std::string RatioText(double ratio) {
+  if (!std::isfinite(ratio)) return "-";
+  if (ratio > 0 && ratio < 0.1) return "1/" + Fixed(1.0 / ratio, 0);
+  return Fixed(ratio, 3) + "x";
+}
+
+Table SummaryTable(const std::vector<StrategyResult>& results) {
+  const StrategyResult* baseline = FindStrategy(results, kFullDirect);
+  Table table;
+  table.header = {"strategy",      "median s",           "max s",
+                  "WAN MB/update", "WAN vs full-direct", "artifacts MB/update",
+                  "initial sync s"};
+  for (const StrategyResult& result : results) {
+    const double ratio =
+        baseline != nullptr ? result.mean_wan_bytes() / baseline->mean_wan_bytes() : kNotMeasured;
+    table.rows.push_back({result.name, Fixed(result.median_seconds(), 3),
+                          Fixed(result.max_seconds(), 3), Megabytes(result.mean_wan_bytes()),
+                          RatioText(ratio), Megabytes(result.mean_artifact_bytes()),
+                          Fixed(result.initial_sync_seconds, 2)});
+  }
+  return table;
+}
+
+// PASS/FAIL lines of the targets.
+std::vector<std::string> Checks(const std::vector<StrategyResult>& results) {
+  std::vector<std::string> lines;
+  const StrategyResult* delta = FindStrategy(results, kDeltaRelay);
+  const StrategyResult* baseline = FindStrategy(results, kFullDirect);
+  const std::string time_target = "delta-relay sync time <= " + Fixed(kTargetSlack, 1) +
+                                  " x (artifact bytes / WAN rate + RTT) + " +
+                                  Fixed(kTargetOverheadSeconds, 1) + " s";
+  if (delta == nullptr || delta->updates.empty()) {
+    lines.push_back(time_target + ": n/a (needs --strategies delta-relay)");
+  } else {
+    size_t met = 0;
+    const UpdateResult* worst = &delta->updates.front();
+    for (const UpdateResult& update : delta->updates) {
+      met += update.meets_target();
+      if (update.seconds - update.target_seconds > worst->seconds - worst->target_seconds) {
+        worst = &update;
+      }
+    }
+    lines.push_back(time_target + ": " + PassFail(met == delta->updates.size()) + " (" +
+                    std::to_string(met) + "/" + std::to_string(delta->updates.size()) +
+                    " updates; closest: " + Fixed(worst->seconds, 3) + " s against " +
+                    Fixed(worst->target_seconds, 3) + " s)");
+  }
+  const std::string wan_target =
+      "delta-relay WAN bytes <= 1/" + Fixed(1.0 / kWanFractionTarget, 0) + " of full-direct";
+  if (delta == nullptr || baseline == nullptr || delta->updates.empty() ||
+      baseline->updates.empty()) {
+    lines.push_back(wan_target + ": n/a (needs --strategies full-direct,delta-relay)");
+  } else {
+    const double ratio = delta->mean_wan_bytes() / baseline->mean_wan_bytes();
+    lines.push_back(wan_target + ": " + PassFail(ratio <= kWanFractionTarget) + " (" +
+                    Megabytes(delta->mean_wan_bytes()) + " MB against " +
+                    Megabytes(baseline->mean_wan_bytes()) + " MB per update = " + RatioText(ratio) +
+                    ")");
+  }
+  return lines;
+}
+
+Table StreamTable(const StreamResult& stream) {
+  Table table;
+  table.header = {"stream", "Gbit/s", "vs iperf3"};
+  auto row = [&](const std::string& name, double bytes_per_second) {
+    if (!std::isfinite(bytes_per_second)) return;
+    table.rows.push_back({name, Fixed(bytes_per_second * 8 / 1e9, 2),
+                          Fixed(bytes_per_second / stream.iperf3_bytes_per_second, 2)});
+  };
+  row("iperf3 TCP (peer)", stream.iperf3_bytes_per_second);
+  row("flywheel TCP", stream.flywheel_tcp_bytes_per_second);
+  row("flywheel TLS 1.3", stream.flywheel_tls_bytes_per_second);
+  return table;
+}
+
+// The stream target's PASS/FAIL line.
+std::string StreamCheck(const StreamResult& stream) {
+  const std::string target =
+      "flywheel TCP stream >= " + Fixed(kStreamRatioTarget, 2) + " x iperf3 on loopback";
+  if (!std::isfinite(stream.iperf3_bytes_per_second)) {
+    return target + ": n/a (no iperf3 figure: " + stream.iperf3_skipped + ")";
+  }
+  if (!std::isfinite(stream.flywheel_tcp_bytes_per_second)) {
+    return target + ": FAIL (the flywheel stream was not measured)";
+  }
+  return target + ": " + PassFail(stream.TcpRatio() >= kStreamRatioTarget) + " (" +
+         Fixed(stream.TcpRatio(), 2) + "; TLS " + Fixed(stream.TlsRatio(), 2) + ")";
+}
+
+std::string Preamble(const FleetBenchOptions& options, const StagedSequence& staged,
+                     const std::string& flywheel) {
+  const std::vector<std::string> regions = RegionNames(options.regions);
+  std::string region_list;
+  for (const std::string& region : regions)
+    region_list += (region_list.empty() ? "" : ", ") + region;
+  std::ostringstream out;
+  out << "flywheel fleet benchmark: cross-region weight sync, full checkpoints direct vs "
+         "through relays vs deltas through relays\n"
+      << "fleet: publisher (region " << kHomeRegion << ") + " << options.regions << " regions ("
+      << region_list << ") x (relay + " << options.workers_per_region
+      << " workers); separate processes on loopback (" << flywheel << ")\n"
+      << "WAN: " << Fixed(options.wan_bytes_per_second * 8 / 1e9, 2)
+      << " Gbit/s per remote region and direction, " << options.wan_latency_ms
+      << " ms one way (RTT " << 2 * options.wan_latency_ms
+      << " ms), shaped by the publisher; relay -> workers unshaped\n"
+      << "checkpoint: " << Grouped(staged.words)
+      << " bf16 parameters = " << Megabytes(static_cast<double>(staged.checkpoint_bytes)) << " MB ("
+      << staged.tensor_count << " tensors: hidden " << staged.shape.hidden << ", "
+      << staged.shape.layers << " layers, vocab " << staged.shape.vocab << "); steps of ~lr "
+      << NumberText(options.learning_rate) << " per fp32 master, cast to bf16\n"
+      << "updates: " << options.updates << " measured after the initial version; delta-relay "
+      << "keyframe every "
+      << (options.keyframe_every > 0 ? std::to_string(options.keyframe_every)
+                                     : std::string("(publisher default)"))
+      << " versions\n"
+      << "machine: " << std::thread::hardware_concurrency() << " hardware threads";
+  const double load = LoadAverage();
+  if (std::isfinite(load)) out << ", load average " << Fixed(load, 2);
+  out << "\n";
+  return out.str();
+}
+
+std::vector<std::string> Legend() {
+  return {
+      "sync s: from the drop's COMMIT file to the last worker serving the new version with the "
+      "expected weights hash (the workers' swap_unix_us)",
+      "polled s: the same, as seen by polling GET /v1/status every 10 ms (an upper bound)",
+      "WAN MB: bytes the publisher sent and received on links to other regions during the "
+      "update (wan_bytes_out + wan_bytes_in)",
+      "artifacts MB: what the publisher wrote for the version (last_artifact_bytes: the delta, "
+      "plus the keyframe if one was written)"};
+}
+
+Json ResultsJson(const FleetBenchOptions& options, const StagedSequence& staged,
+                 const std::vector<StrategyResult>& results, const StreamResult& stream,
+                 const std::vector<std::string>& checks, bool ok) {
+  auto number = [](double value) { return std::isfinite(value) ? Json(value) : Json(nullptr); };
+  Json json;
+  json["benchmark"] = "flywheel fleet";
+  json["ok"] = ok;
+  json["topology"] = {{"home_region", kHomeRegion},
+                      {"regions", RegionNames(options.regions)},
+                      {"workers_per_region", options.workers_per_region},
+                      {"wan_bytes_per_second", options.wan_bytes_per_second},
+                      {"wan_latency_ms", options.wan_latency_ms}};
+  json["checkpoint"] = {{"parameters", staged.words},
+                        {"bytes", staged.checkpoint_bytes},
+                        {"tensors", staged.tensor_count},
+                        {"hidden", staged.shape.hidden},
+                        {"layers", staged.shape.layers},
+                        {"vocab", staged.shape.vocab},
+                        {"learning_rate", options.learning_rate},
+                        {"seed", options.seed}};
+  Json strategies = Json::array();
+  for (const StrategyResult& result : results) {
+    Json updates = Json::array();
+    for (const UpdateResult& update : result.updates) {
+      updates.push_back({{"version", update.version},
+                         {"changed_words", update.changed_words},
+                         {"seconds", number(update.seconds)},
+                         {"observed_seconds", number(update.observed_seconds)},
+                         {"wan_bytes", update.wan_bytes},
+                         {"artifact_bytes", update.artifact_bytes},
+                         {"target_seconds", number(update.target_seconds)}});
+    }
+    strategies.push_back({{"name", result.name},
+                          {"initial_sync_seconds", number(result.initial_sync_seconds)},
+                          {"initial_wan_bytes", result.initial_wan_bytes},
+                          {"median_seconds", number(result.median_seconds())},
+                          {"max_seconds", number(result.max_seconds())},
+                          {"mean_wan_bytes", number(result.mean_wan_bytes())},
+                          {"mean_artifact_bytes", number(result.mean_artifact_bytes())},
+                          {"updates", updates},
+                          {"notes", result.notes}});
+  }
+  json["strategies"] = strategies;
+  json["checks"] = checks;
+  json["loopback_stream"] = {
+      {"seconds", stream.seconds},
+      {"iperf3_bytes_per_second", number(stream.iperf3_bytes_per_second)},
+      {"iperf3_skipped", stream.iperf3_skipped},
+      {"write_bytes", stream.write_bytes},
+      {"flywheel_bytes", stream.flywheel_bytes},
+      {"flywheel_tcp_bytes_per_second", number(stream.flywheel_tcp_bytes_per_second)},
+      {"flywheel_tls_bytes_per_second", number(stream.flywheel_tls_bytes_per_second)},
+      {"flywheel_tcp_vs_iperf3", number(stream.TcpRatio())},
+      {"flywheel_tls_vs_iperf3", number(stream.TlsRatio())}};
+  return json;
+}
+
+// Replaces the "## Fleet benchmark" section of a Markdown file (from that heading to the
+// next "## " heading or the end), or appends one; creates the file if missing.
+Status WriteMarkdownSection(const std::string& path, const std::string& section) {
+  std::string text;
+  if (fs::exists(path)) {
+    FW_ASSIGN_OR_RETURN(text, ReadWholeFile(path));
+  }
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::string out;
+  bool replaced = false;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (!replaced && lines[i].rfind("## Fleet benchmark", 0) == 0) {
+      out += section;
+      replaced = true;
+      size_t next = i + 1;
+      while (next < lines.size() && lines[next].rfind("## ", 0) != 0) ++next;
+      if (next < lines.size()) out += "\n";
+      i = next - 1;
+      continue;
+    }
+    out += lines[i] + "\n";
+  }
+  if (!replaced) {
+    if (!out.empty() && out.back() != '\n') out += "\n";
+    if (!out.empty()) out += "\n";
+    out += section;
+  }
+  return delta::WriteFileAtomically(path, std::as_bytes(std::span(out)));
+}
+
+// ---- setup -----------------------------------------------------------------------------
+
+Status ValidateOptions(const FleetBenchOptions& options) {
+  if (options.strategies.empty()) return Status::InvalidArgument("no strategy given");
+  std::set<std::string> seen;
+  for (const std::string& strategy : options.strategies) {
+    if (strategy != kFullDirect && strategy != kFullRelay && strategy != kDeltaRelay) {
+      return Status::InvalidArgument("unknown strategy '" + strategy + "' (expected " +
+                                     kFullDirect + ", " + kFullRelay + " or " + kDeltaRelay + ")");
+    }
+    if (!seen.insert(strategy).second) {
+      return Status::InvalidArgument("strategy '" + strategy + "' is given twice");
+    }
+  }
+  if (options.parameters < 32768) {
+    return Status::InvalidArgument("--params must be at least 32768, got " +
+                                   std::to_string(options.parameters));
+  }
+  if (options.updates < 1) {
+    return Status::InvalidArgument("--updates must be >= 1, got " +
+                                   std::to_string(options.updates));
+  }
+  if (options.regions < 1 || options.workers_per_region < 1) {
+    return Status::InvalidArgument("need at least one region and one worker per region");
+  }
+  if (options.wan_bytes_per_second == 0) return Status::InvalidArgument("--wan-rate must be > 0");
+  if (options.wan_latency_ms < 0) return Status::InvalidArgument("--wan-latency-ms must be >= 0");
+  if (!(options.learning_rate > 0) || !std::isfinite(options.learning_rate)) {
+    return Status::InvalidArgument("--lr must be positive, got " +
+                                   NumberText(options.learning_rate));
+  }
+  if (options.threads < 1) return Status::InvalidArgument("threads must be >= 1");
+  return Status::Ok();
+}
+
+// Resident memory of each role in checkpoints (anonymous RSS, the peak over a full-relay
+// run with 3 updates, measured at 400 MB and 1 GB checkpoints): a worker holds its weights
+// plus the artifact it fetches; a relay caches the retained (compressed) artifacts; the
+// publisher holds the checkpoint it encodes from and the artifact it serves.
+constexpr double kWorkerCheckpoints = 1.7;
+constexpr double kRelayCheckpoints = 2.75;
+constexpr double kPublisherCheckpoints = 2.5;
+
+// Refuses to start when the largest fleet of the run would not fit in MemAvailable
+// (estimated from the figures above; on a tmpfs work dir the drops and the publisher's
+// keyframes count too).
+Status CheckMemory(const FleetBenchOptions& options, const std::string& work_dir) {
+  const double checkpoint_bytes = static_cast<double>(options.parameters * sizeof(uint16_t));
+  bool relays = false;
+  for (const std::string& strategy : options.strategies) relays |= UsesRelays(strategy);
+  const int workers = options.regions * options.workers_per_region;
+  const int relay_count = relays ? options.regions : 0;
+  double needed =
+      (kWorkerCheckpoints * workers + kRelayCheckpoints * relay_count + kPublisherCheckpoints) *
+      checkpoint_bytes;
+  std::string how = "(" + Fixed(kWorkerCheckpoints, 2) + " x " + std::to_string(workers) +
+                    " workers + " + Fixed(kRelayCheckpoints, 2) + " x " +
+                    std::to_string(relay_count) + " relays + " + Fixed(kPublisherCheckpoints, 2) +
+                    " for the publisher) x " + Gigabytes(checkpoint_bytes) + " checkpoint";
+  struct statfs filesystem {};
+  constexpr long kTmpfsMagic = 0x01021994;
+  if (::statfs(work_dir.c_str(), &filesystem) == 0 && filesystem.f_type == kTmpfsMagic) {
+    const double files = 2.0 * (options.updates + 1) * checkpoint_bytes;
+    needed += files;
+    how += " + " + Gigabytes(files) + " of drops and keyframes in tmpfs " + work_dir;
+  }
+  const std::optional<uint64_t> available = MemAvailableBytes();
+  if (!available) return Status::Ok();  // not Linux-like: nothing to check against
+  if (needed > static_cast<double>(*available)) {
+    return Status::ResourceExhausted(
+        "the fleet needs about " + Gigabytes(needed) + " of memory (" + how + "), but only " +
+        Gigabytes(static_cast<double>(*available)) +
+        " is available (MemAvailable); use a smaller --params or fewer --workers-per-region");
+  }
+  return Status::Ok();
+}
+
+// Removes a scratch directory this run created unless asked to keep it.
+class ScopedWorkDir {
+ public:
+  ScopedWorkDir() = default;
+  ScopedWorkDir(const ScopedWorkDir&) = delete;
+  ScopedWorkDir& operator=(const ScopedWorkDir&) = delete;
+  ~ScopedWorkDir() {
+    if (remove_) {
+      std::error_code ignored;
+      fs::remove_all(path_, ignored);
+    }
+  }
+  const std::string& path() const { return path_; }
+
+  // options.work_dir (created if missing) or a fresh directory under $TMPDIR.
+  Status Prepare(const FleetBenchOptions& options) {
+    if (!options.work_dir.empty()) {
+      std::error_code error;
+      const bool created = fs::create_directories(options.work_dir, error);
+      if (error) {
+        return Status::IOError("cannot create work dir " + options.work_dir + ": " +
+                               error.message());
+      }
+      path_ = fs::absolute(options.work_dir).string();
+      remove_ = created && !options.keep;
+      return Status::Ok();
+    }
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern =
+        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/flywheel-fleet-bench-XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return Status::IOError("cannot create a work dir from " + pattern + ": " +
+                             std::strerror(errno));
+    }
+    path_ = pattern;
+    remove_ = !options.keep;
+    return Status::Ok();
+  }
+
+ private:
+  std::string path_;
+  bool remove_ = false;
+};
+
+Result<std::string> ResolveFlywheel(const FleetBenchOptions& options) {
+  std::error_code error;
+  std::string path = options.flywheel_binary;
+  if (path.empty()) {
+    path = fs::read_symlink("/proc/self/exe", error).string();
+    if (error) return Status::IOError("cannot resolve /proc/self/exe: " + error.message());
+  } else {
+    path = fs::absolute(path, error).string();
+  }
+  if (::access(path.c_str(), X_OK) != 0) {
+    return Status::NotFound("flywheel binary " + path +
+                            " is not executable: " + std::strerror(errno));
+  }
+  return path;
+}
+
+}  // namespace
+
+Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
+  FW_RETURN_IF_ERROR(ValidateOptions(options));
+  FW_ASSIGN_OR_RETURN(const std::string flywheel, ResolveFlywheel(options));
+  ScopedWorkDir work_dir;
+  FW_RETURN_IF_ERROR(work_dir.Prepare(options));
+  FW_RETURN_IF_ERROR(CheckMemory(options, work_dir.path()));
+  if (options.keep) std::cerr << "[fleet bench] work dir (kept): " << work_dir.path() << "\n";
+  const std::string log_dir = work_dir.path() + "/logs";
+  std::error_code error;
+  fs::create_directories(log_dir, error);
+  if (error) return Status::IOError("cannot create " + log_dir + ": " + error.message());
+  const SteadyClock::time_point run_start = SteadyClock::now();
+
+  FW_ASSIGN_OR_RETURN(const StagedSequence staged,
+                      StageVersions(options, static_cast<uint64_t>(options.updates) + 1,
+                                    work_dir.path() + "/staged"));
+  const std::string preamble = Preamble(options, staged, flywheel);
+  out << preamble << "\n" << std::flush;
+
+  std::vector<StrategyResult> results;
+  for (const std::string& strategy : options.strategies) {
+    FW_ASSIGN_OR_RETURN(StrategyResult result, RunStrategy(options, flywheel, strategy, staged,
+                                                           work_dir.path(), run_start));
+    results.push_back(std::move(result));
+  }
+  if (!options.keep) fs::remove_all(work_dir.path() + "/staged", error);
+
+  std::vector<Status> failures;
+  StreamResult stream;
+  stream.seconds = options.stream_seconds;
+  if (options.stream_seconds > 0) {
+    stream = MeasureStreams(options, log_dir, failures);
+  }
+
+  std::vector<std::string> checks = Checks(results);
+  if (options.stream_seconds > 0) checks.push_back(StreamCheck(stream));
+  const Table updates = UpdatesTable(results, staged);
+  const Table summary = SummaryTable(results);
+  const Table streams = StreamTable(stream);
+  const std::string stream_setup =
+      "one stream over 127.0.0.1, " + std::to_string(stream.write_bytes >> 10) +
+      " KiB writes/frames; iperf3 for " + std::to_string(stream.seconds) + " s, flywheel " +
+      Megabytes(static_cast<double>(stream.flywheel_bytes)) + " MB";
+  out << "per update:\n" << RenderText(updates) << "\nper strategy:\n" << RenderText(summary);
+  if (options.stream_seconds > 0) {
+    out << "\nloopback stream (" << stream_setup << "):\n" << RenderText(streams);
+    if (!stream.iperf3_skipped.empty()) out << "  skipped " << stream.iperf3_skipped << "\n";
+  }
+  out << "\nchecks:\n";
+  for (const std::string& line : checks) out << "  " << line << "\n";
+  for (const StrategyResult& result : results) {
+    for (const std::string& note : result.notes) {
+      out << "  note: " << result.name << ": " << note << "\n";
+    }
+  }
+  out << "\n";
+  for (const std::string& line : Legend()) out << line << "\n";
+  out << std::flush;
+
+  if (!options.markdown_out.empty()) {
+    std::string section = "## Fleet benchmark\n\n```\n" + preamble + "```\n\n### Per update\n\n" +
+                          RenderMarkdown(updates) + "\n### Per strategy\n\n" +
+                          RenderMarkdown(summary);
+    if (options.stream_seconds > 0) {
+      section += "\n### Loopback stream (" + stream_setup + ")\n\n" + RenderMarkdown(streams);
+      if (!stream.iperf3_skipped.empty()) section += "\n- skipped " + stream.iperf3_skipped + "\n";
+    }
+    section += "\n### Checks\n\n";
+    for (const std::string& line : checks) section += "- " + line + "\n";
+    for (const StrategyResult& result : results) {
+      for (const std::string& note : result.notes) {
+        section += "- note: " + result.name + ": " + note + "\n";
+      }
+    }
+    section += "\n";
+    for (const std::string& line : Legend()) section += "- " + line + "\n";
+    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, section));
+  }
+  if (!options.json_out.empty()) {
+    const std::string json =
+        ResultsJson(options, staged, results, stream, checks, failures.empty()).dump(2) + "\n";
+    FW_RETURN_IF_ERROR(
+        delta::WriteFileAtomically(options.json_out, std::as_bytes(std::span(json))));
+  }
+  if (!failures.empty()) return failures.front();
+  return Status::Ok();
+}
+
+}  // namespace flywheel::bench
