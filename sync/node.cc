@@ -549,9 +549,12 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
     }
     std::shared_ptr<Connection>& connection = data_[stream];
     if (!connection || connection->closed()) {
+      // Requests still in flight died with the connection (frames already received were
+      // handled): another stream, or this one after a redial, asks again.
+      if (!in_flight.empty()) requeue_in_flight();
       if (connection) links_->Remove(connection);
       connection.reset();
-      if (pending.empty() && in_flight.empty()) {
+      if (pending.empty()) {
         co_await requeued.Wait();  // nothing to do until another stream gives work back
         continue;
       }
@@ -563,6 +566,8 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
       }
       connection = *dialed;
       data_index_[stream] = index;
+      spdlog::debug("data stream {} connected to {} (pending {}, in flight {})", stream,
+                    connection->peer(), pending.size(), in_flight.size());
     }
     // Fill the window.
     Status sent;
@@ -588,7 +593,9 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
       co_await requeued.Wait();
       continue;
     }
-    Result<Frame> frame = co_await connection->Receive();
+    // Answers come in order; a connection that keeps sending heartbeats but no piece for
+    // this long is closed, and its requests go elsewhere.
+    Result<Frame> frame = co_await connection->Receive(options_.give_up, "a piece");
     if (!frame.ok()) {
       spdlog::info("data stream {} to {}: {}; resuming {} with {}/{} pieces verified", stream,
                    connection->peer(), frame.status().message(), Describe(key),

@@ -1,5 +1,7 @@
 #include "sync/publisher.h"
 
+#include <sys/stat.h>
+
 #include <spdlog/spdlog.h>
 
 #include <atomic>
@@ -38,6 +40,10 @@ struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Im
   std::mutex publish_mutex;
   mutable std::mutex stats_mutex;
   std::map<uint64_t, std::string> rejected_drops;  // version -> reason
+  // The COMMIT marker of every drop directory at or below the last version, as first seen
+  // (or as published by this process): a marker that appears or changes later is a replay.
+  std::map<uint64_t, std::pair<uint64_t, int64_t>> known_commits;  // version -> (inode, mtime ns)
+  bool scanned_once = false;
   double last_publish_ms = 0;
   uint64_t last_artifact_bytes = 0;
   uint64_t published = 0;
@@ -66,21 +72,48 @@ Result<std::vector<ArtifactInfo>> Publisher::Impl::Append(uint64_t version,
   return written;
 }
 
+namespace {
+
+std::pair<uint64_t, int64_t> CommitStamp(const Drop& drop) {
+  struct stat info {};
+  if (::stat((std::filesystem::path(drop.path) / kCommitMarker).c_str(), &info) != 0) return {0, 0};
+  return {static_cast<uint64_t>(info.st_ino),
+          static_cast<int64_t>(info.st_mtim.tv_sec) * 1000000000 + info.st_mtim.tv_nsec};
+}
+
+}  // namespace
+
 void Publisher::Impl::ScanDropsOnce() {
-  Result<std::vector<Drop>> drops = ScanDrops(options.watch_dir, log->last_version());
+  Result<std::vector<Drop>> drops = ScanDrops(options.watch_dir, 0);
   if (!drops.ok()) {
     spdlog::warn("cannot scan {}: {}", options.watch_dir, drops.status().message());
     return;
   }
+  const bool first_scan = !scanned_once;
+  scanned_once = true;
   for (const Drop& drop : *drops) {
     if (stopped) return;
     {
       std::lock_guard lock(stats_mutex);
       if (rejected_drops.count(drop.version)) continue;
     }
-    Result<Checkpoint> checkpoint = OpenDrop(drop);
-    Status status = checkpoint.status();
-    if (checkpoint.ok()) status = Append(drop.version, checkpoint->tensors()).status();
+    const uint64_t last = log->last_version();
+    Status status;
+    if (drop.version <= last) {
+      // Versions only move forward: what was there at startup (or was published from this
+      // directory) is history; a commit that appears or changes later is a replay.
+      const auto stamp = CommitStamp(drop);
+      auto [known, inserted] = known_commits.emplace(drop.version, stamp);
+      if (first_scan || (!inserted && known->second == stamp)) continue;
+      status = Status::InvalidArgument("version " + std::to_string(drop.version) +
+                                       " is not above the last published v" +
+                                       std::to_string(last) + " (a replayed or reused version)");
+    } else {
+      Result<Checkpoint> checkpoint = OpenDrop(drop);
+      status = checkpoint.status();
+      if (checkpoint.ok()) status = Append(drop.version, checkpoint->tensors()).status();
+      if (status.ok()) known_commits[drop.version] = CommitStamp(drop);
+    }
     if (!status.ok()) {
       spdlog::error("rejected drop {}: {} (still serving v{})", drop.path, status.message(),
                     log->head_version());

@@ -1,0 +1,1311 @@
+// Weight sync end to end.
+//
+// FleetTest spawns real `flywheel publish|relay|worker` processes (FLYWHEEL_BIN) on
+// 127.0.0.1, drops checkpoints into the publisher's watch directory the way an external
+// trainer does, and watches every node through GET /v1/status. Faults come from outside
+// the code under test: SIGSTOP/SIGCONT/SIGKILL, and a proxy that cuts or corrupts the
+// byte stream (tests/sync/fault_proxy.h).
+//
+// CraftedUpstreamTest needs catalogs no publisher would send (a delta that lies about its
+// base, an older head): it runs a sync::Server with a test PieceSource and an in-process
+// sync::Worker on one io_context.
+//
+// Every process runs with --heartbeat-ms 100 --peer-timeout-ms 1000 so that failures are
+// noticed in about a second, and is killed and reaped in TearDown whatever happened.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "delta/delta.h"
+#include "delta/hash.h"
+#include "delta/safetensors.h"
+#include "sync/node.h"
+#include "sync/worker.h"
+#include "tests/delta/test_checkpoints.h"
+#include "tests/sync/fault_proxy.h"
+#include "transport/http.h"
+#include "transport/tls.h"
+
+namespace flywheel::sync {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+using flywheel::testing::Change;
+using flywheel::testing::FaultProxy;
+using flywheel::testing::FaultProxyOptions;
+using flywheel::testing::Mutate;
+using flywheel::testing::RandomCheckpoint;
+using flywheel::testing::TensorSpec;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kWait = std::chrono::milliseconds(20000);  // for anything a test waits on
+constexpr uint64_t kPieceBytes = 64 << 10;                 // --piece-kib 64
+constexpr double kChangedFraction = 0.02;                  // words replaced per version
+
+// About 6 MB of bf16 weights plus a small f32 tensor: random bytes, so a keyframe does not
+// compress and a delta is a few percent of it.
+std::vector<TensorSpec> FleetSpecs() {
+  return {
+      {"model.embed_tokens.weight", DType::kBF16, {1536, 1024}},
+      {"model.layers.0.mlp.up_proj.weight", DType::kBF16, {768, 1024}},
+      {"model.layers.1.mlp.up_proj.weight", DType::kBF16, {768, 1024}},
+      {"model.norm.weight", DType::kF32, {1024}},
+  };
+}
+
+// About 1 MB, for the in-process fixture.
+std::vector<TensorSpec> SmallSpecs() {
+  return {
+      {"model.embed_tokens.weight", DType::kBF16, {512, 512}},
+      {"model.layers.0.mlp.up_proj.weight", DType::kBF16, {256, 1024}},
+      {"model.norm.weight", DType::kF32, {512}},
+  };
+}
+
+Hash128 HashOf(const OwnedCheckpoint& checkpoint) {
+  Result<Hash128> hash = CheckpointHash(checkpoint.view());
+  EXPECT_TRUE(hash.ok()) << hash.status().ToString();
+  return hash.ok() ? *hash : Hash128{};
+}
+
+// A training run as the fleet sees it: v1 is random, every next version replaces about
+// kChangedFraction of the 16-bit words of the one before. Versions are made on first use.
+class Lineage {
+ public:
+  Lineage(std::vector<TensorSpec> specs, uint64_t seed) : specs_(std::move(specs)), seed_(seed) {}
+
+  const OwnedCheckpoint& At(uint64_t version) {
+    auto it = versions_.find(version);
+    if (it != versions_.end()) return it->second;
+    OwnedCheckpoint made = version <= 1 ? RandomCheckpoint(specs_, seed_)
+                                        : Mutate(At(version - 1), kChangedFraction,
+                                                 seed_ * 1000003 + version, Change::kArbitrary);
+    return versions_.emplace(version, std::move(made)).first->second;
+  }
+  std::string Hex(uint64_t version) { return HashOf(At(version)).ToHex(); }
+  // Content no version of this lineage has: `version`'s predecessor changed differently.
+  OwnedCheckpoint Impostor(uint64_t version) {
+    return Mutate(At(version - 1), kChangedFraction, seed_ * 7919 + version + 1, Change::kArbitrary);
+  }
+
+ private:
+  std::vector<TensorSpec> specs_;
+  uint64_t seed_;
+  std::map<uint64_t, OwnedCheckpoint> versions_;
+};
+
+uint64_t U64(const json& status, const char* key) {
+  auto it = status.find(key);
+  return it != status.end() && it->is_number_unsigned() ? it->get<uint64_t>() : 0;
+}
+
+std::string Str(const json& status, const char* key) {
+  auto it = status.find(key);
+  return it != status.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+// A status document without the bulky per-link list, for failure messages.
+std::string Brief(json status) {
+  if (status.is_object()) status.erase("links");
+  return status.dump(1);
+}
+
+std::function<bool(const json&)> Serves(uint64_t version, const std::string& hash) {
+  return [version, hash](const json& status) {
+    return U64(status, "version") == version && Str(status, "weights_hash") == hash;
+  };
+}
+
+std::string ReadText(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool WriteText(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  return out.good();
+}
+
+std::string DescribeWait(int wait_status) {
+  if (WIFEXITED(wait_status)) return "exit " + std::to_string(WEXITSTATUS(wait_status));
+  if (WIFSIGNALED(wait_status)) return "killed by signal " + std::to_string(WTERMSIG(wait_status));
+  return "wait status " + std::to_string(wait_status);
+}
+
+// A port that was free a moment ago (for a publisher that must come back on the same one).
+uint16_t FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  uint16_t port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
+    port = ntohs(address.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+// ---- processes -----------------------------------------------------------------------
+
+// One spawned flywheel process.
+struct Node {
+  std::string name;
+  pid_t pid = -1;         // -1 once reaped
+  int wait_status = -1;   // from waitpid, once reaped
+  fs::path log;           // stdout and stderr, appended across restarts
+  fs::path ready;         // --ready-file
+  transport::Endpoint listen;  // data plane (publisher, relay)
+  transport::Endpoint http;
+  // What its HTTP endpoint wants from a client.
+  std::string token;
+  std::shared_ptr<asio::ssl::context> tls;
+
+  std::string upstream() const { return listen.ToString(); }
+};
+
+class FleetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "fleet_test.XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+    watch_ = dir_ / "watch";
+    fs::create_directories(watch_);
+  }
+
+  void TearDown() override {
+    for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it) Stop(*it);
+    if (HasFailure()) {
+      for (const Node& node : nodes_) {
+        std::cerr << "---- " << node.name << " (" << node.log.string() << "), last lines ----\n"
+                  << Tail(node, 40);
+      }
+      std::cerr << "---- test directory kept: " << dir_.string() << "\n";
+      return;
+    }
+    std::error_code ignored;
+    fs::remove_all(dir_, ignored);
+  }
+
+  // Spawns FLYWHEEL_BIN `args`; stdout and stderr go to <dir>/<name>.log, stdin is
+  // /dev/null, and the child dies with this process (PR_SET_PDEATHSIG).
+  Node& Spawn(const std::string& name, const std::vector<std::string>& args) {
+    Node& node = nodes_.emplace_back();
+    node.name = name;
+    node.log = dir_ / (name + ".log");
+    node.ready = dir_ / (name + ".ready");
+    std::vector<std::string> storage = {FLYWHEEL_BIN};
+    if (std::getenv("FLEET_TEST_VERBOSE") != nullptr) storage.push_back("--verbose");  // debug logs
+    storage.insert(storage.end(), args.begin(), args.end());
+    std::string command_line = "$";
+    for (const std::string& arg : storage) command_line += " " + arg;
+    command_line += "\n";
+    std::vector<char*> argv;
+    for (std::string& arg : storage) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+
+    std::error_code ignored;
+    fs::remove(node.ready, ignored);
+    const int log_fd = ::open(node.log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (log_fd < 0 || null_fd < 0) {
+      ADD_FAILURE() << "cannot open " << node.log;
+      return node;
+    }
+    (void)!::write(log_fd, command_line.data(), command_line.size());
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      // Only async-signal-safe calls between fork and exec.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);
+      ::dup2(null_fd, 0);
+      ::dup2(log_fd, 1);
+      ::dup2(log_fd, 2);
+      ::execv(FLYWHEEL_BIN, argv.data());
+      ::_exit(127);
+    }
+    ::close(log_fd);
+    ::close(null_fd);
+    if (pid < 0) {
+      ADD_FAILURE() << "fork failed: " << std::strerror(errno);
+      return node;
+    }
+    node.pid = pid;
+    return node;
+  }
+
+  // Reaps `node` if it exited; true if it is no longer running.
+  bool Exited(Node& node) {
+    if (node.pid < 0) return true;
+    int status = 0;
+    if (::waitpid(node.pid, &status, WNOHANG) == node.pid) {
+      node.pid = -1;
+      node.wait_status = status;
+      return true;
+    }
+    return false;
+  }
+
+  // SIGTERM (and SIGCONT, in case it is stopped), SIGKILL after 3 s; always reaps.
+  void Stop(Node& node) {
+    if (Exited(node)) return;
+    ::kill(node.pid, SIGTERM);
+    ::kill(node.pid, SIGCONT);
+    const auto deadline = Clock::now() + 3s;
+    while (Clock::now() < deadline) {
+      if (Exited(node)) return;
+      std::this_thread::sleep_for(10ms);
+    }
+    KillNow(node);
+  }
+
+  void KillNow(Node& node) {
+    if (node.pid < 0) return;
+    ::kill(node.pid, SIGKILL);
+    int status = 0;
+    while (::waitpid(node.pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    node.pid = -1;
+    node.wait_status = status;
+  }
+
+  // Waits for a one-shot command to exit; its exit code, or -1 (with a failure).
+  int WaitExit(Node& node, std::chrono::milliseconds timeout = kWait) {
+    const auto deadline = Clock::now() + timeout;
+    while (!Exited(node)) {
+      if (Clock::now() > deadline) {
+        ADD_FAILURE() << node.name << " did not exit within " << timeout.count() << " ms";
+        KillNow(node);
+        return -1;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    return WIFEXITED(node.wait_status) ? WEXITSTATUS(node.wait_status) : -1;
+  }
+
+  std::string Tail(const Node& node, size_t lines) const {
+    const std::string text = ReadText(node.log);
+    size_t begin = text.size();
+    for (size_t seen = 0; begin > 0 && seen <= lines; --begin) {
+      if (text[begin - 1] == '\n') ++seen;
+    }
+    return text.substr(begin == 0 ? 0 : begin + 1);
+  }
+
+  // Waits for the node's --ready-file; false (with a failure) if it exits or times out.
+  bool WaitReady(Node& node) {
+    const auto deadline = Clock::now() + kWait;
+    while (true) {
+      std::ifstream in(node.ready);
+      if (in) {
+        json ready = json::parse(in, nullptr, /*allow_exceptions=*/false);
+        if (!ready.is_discarded() && ready.contains("http")) {
+          Result<transport::Endpoint> http = transport::ParseEndpoint(ready["http"].get<std::string>());
+          if (!http.ok()) {
+            ADD_FAILURE() << node.name << " ready file: " << http.status().ToString();
+            return false;
+          }
+          node.http = *http;
+          if (ready.contains("listen")) {
+            Result<transport::Endpoint> listen = transport::ParseEndpoint(ready["listen"].get<std::string>());
+            if (!listen.ok()) {
+              ADD_FAILURE() << node.name << " ready file: " << listen.status().ToString();
+              return false;
+            }
+            node.listen = *listen;
+          }
+          return true;
+        }
+      }
+      if (Exited(node)) {
+        ADD_FAILURE() << node.name << " exited before it was ready (" << DescribeWait(node.wait_status)
+                      << "):\n" << Tail(node, 20);
+        return false;
+      }
+      if (Clock::now() > deadline) {
+        ADD_FAILURE() << node.name << " wrote no ready file within " << kWait.count() << " ms";
+        return false;
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+
+  std::vector<std::string> CommonArgs(const std::string& name) const {
+    return {"--http",         "127.0.0.1:0", "--node-id",         name,  "--ready-file",
+            (dir_ / (name + ".ready")).string(), "--heartbeat-ms", "100", "--peer-timeout-ms",
+            "1000"};
+  }
+
+  fs::path StateDir(const std::string& name) const { return dir_ / (name + ".state"); }
+
+  // Role starters: spawn, then wait for the ready file. Null (with a failure) if it did
+  // not come up.
+  Node* Started(Node& node) { return WaitReady(node) ? &node : nullptr; }
+
+  Node* StartPublisher(const std::string& name, const std::vector<std::string>& extra = {},
+                       const std::string& listen = "127.0.0.1:0") {
+    std::vector<std::string> args = {"publish",   "--listen", listen, "--state-dir",
+                                     StateDir(name).string(), "--watch", watch_.string(),
+                                     "--piece-kib", std::to_string(kPieceBytes >> 10),
+                                     "--poll-ms", "20"};
+    for (const std::string& arg : CommonArgs(name)) args.push_back(arg);
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Started(Spawn(name, args));
+  }
+
+  Node* StartRelay(const std::string& name, const std::string& region,
+                   const std::vector<std::string>& upstreams, const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> args = {"relay", "--region", region, "--listen", "127.0.0.1:0"};
+    for (const std::string& upstream : upstreams) {
+      args.push_back("--upstream");
+      args.push_back(upstream);
+    }
+    for (const std::string& arg : CommonArgs(name)) args.push_back(arg);
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Started(Spawn(name, args));
+  }
+
+  Node& SpawnWorker(const std::string& name, const std::string& region,
+                    const std::vector<std::string>& upstreams, const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> args = {"worker", "--region", region};
+    for (const std::string& upstream : upstreams) {
+      args.push_back("--upstream");
+      args.push_back(upstream);
+    }
+    for (const std::string& arg : CommonArgs(name)) args.push_back(arg);
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Spawn(name, args);
+  }
+
+  Node* StartWorker(const std::string& name, const std::string& region,
+                    const std::vector<std::string>& upstreams, const std::vector<std::string>& extra = {}) {
+    return Started(SpawnWorker(name, region, upstreams, extra));
+  }
+
+  // ---- status ------------------------------------------------------------------------
+
+  Result<transport::HttpResponse> Get(const Node& node, const std::string& target,
+                                      const std::string& token) {
+    transport::HttpGetOptions options;
+    options.token = token;
+    options.tls = node.tls;
+    options.timeout = 2s;
+    return transport::HttpGet(node.http, target, options);
+  }
+
+  std::optional<json> GetStatus(const Node& node) {
+    Result<transport::HttpResponse> response = Get(node, "/v1/status", node.token);
+    if (!response.ok() || response->status != 200) return std::nullopt;
+    json status = json::parse(response->body, nullptr, /*allow_exceptions=*/false);
+    if (status.is_discarded()) return std::nullopt;
+    return status;
+  }
+
+  json StatusOrEmpty(const Node& node) { return GetStatus(node).value_or(json::object()); }
+
+  // Polls `node`'s status until `holds`; on timeout adds a failure naming `what` with the
+  // last status seen.
+  bool WaitStatus(const Node& node, const std::string& what, const std::function<bool(const json&)>& holds,
+                  std::chrono::milliseconds timeout = kWait) {
+    const auto deadline = Clock::now() + timeout;
+    json last;
+    while (true) {
+      if (std::optional<json> status = GetStatus(node)) {
+        if (holds(*status)) return true;
+        last = std::move(*status);
+      }
+      if (Clock::now() > deadline) break;
+      std::this_thread::sleep_for(20ms);
+    }
+    ADD_FAILURE() << node.name << ": not " << what << " within " << timeout.count()
+                  << " ms; last status:\n" << Brief(last);
+    return false;
+  }
+
+  // `holds` stays true of `node`'s status for `duration` (checked every 50 ms).
+  bool Holds(const Node& node, const std::string& what, const std::function<bool(const json&)>& holds,
+             std::chrono::milliseconds duration) {
+    const auto deadline = Clock::now() + duration;
+    while (Clock::now() < deadline) {
+      json status = StatusOrEmpty(node);
+      if (!holds(status)) {
+        ADD_FAILURE() << node.name << ": no longer " << what << "; status:\n" << Brief(status);
+        return false;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    return true;
+  }
+
+  // ---- drops -------------------------------------------------------------------------
+
+  // Writes <watch>/<version>/model.safetensors, then the COMMIT marker unless `commit` is
+  // false, as a trainer does.
+  bool Drop(uint64_t version, const OwnedCheckpoint& checkpoint, bool commit = true) {
+    const fs::path dir = watch_ / std::to_string(version);
+    std::error_code ignored;
+    fs::remove_all(dir, ignored);  // a replay starts from a fresh directory
+    fs::create_directories(dir);
+    const Status written =
+        WriteSafetensors((dir / "model.safetensors").string(), checkpoint.view(), {});
+    if (!written.ok()) {
+      ADD_FAILURE() << "drop v" << version << ": " << written.ToString();
+      return false;
+    }
+    if (commit && !WriteText(dir / "COMMIT", "")) {
+      ADD_FAILURE() << "drop v" << version << ": cannot write COMMIT";
+      return false;
+    }
+    return true;
+  }
+
+  // Drops lineage version `version` and waits until `publisher` serves it.
+  bool Publish(const Node& publisher, uint64_t version) {
+    return Drop(version, lineage_.At(version)) &&
+           WaitStatus(publisher, "publishing v" + std::to_string(version),
+                      Serves(version, lineage_.Hex(version)));
+  }
+
+  fs::path dir_;
+  fs::path watch_;
+  std::deque<Node> nodes_;  // stable addresses
+  Lineage lineage_{FleetSpecs(), 1234};
+};
+
+// ---- the happy path ------------------------------------------------------------------------
+
+TEST_F(FleetTest, HappyPathTwoRegions) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  std::map<std::string, Node*> relays;
+  std::map<std::string, std::vector<Node*>> workers;
+  for (const std::string region : {"us", "eu"}) {
+    relays[region] = StartRelay("relay-" + region, region, {publisher->upstream()});
+    ASSERT_NE(relays[region], nullptr);
+  }
+  for (const std::string region : {"us", "eu"}) {
+    for (int i = 0; i < 2; ++i) {
+      Node* worker = StartWorker("worker-" + region + "-" + std::to_string(i), region,
+                                 {relays[region]->upstream()});
+      ASSERT_NE(worker, nullptr);
+      workers[region].push_back(worker);
+    }
+  }
+  for (uint64_t version = 1; version <= 3; ++version) ASSERT_TRUE(Publish(*publisher, version));
+  for (const auto& [region, nodes] : workers) {
+    for (Node* worker : nodes) {
+      ASSERT_TRUE(WaitStatus(*worker, "serving v3", Serves(3, lineage_.Hex(3))));
+    }
+  }
+
+  // The publisher sees the whole fleet: the relays directly, the workers through their
+  // relays' reports, all at v3.
+  std::set<std::string> expected_nodes;
+  for (const auto& [region, relay] : relays) expected_nodes.insert(relay->name);
+  for (const auto& [region, nodes] : workers) {
+    for (Node* worker : nodes) expected_nodes.insert(worker->name);
+  }
+  ASSERT_TRUE(WaitStatus(*publisher, "listing all 6 nodes at v3", [&](const json& status) {
+    std::set<std::string> at_v3;
+    for (const json& node : status.value("nodes", json::array())) {
+      if (U64(node, "version") == 3) at_v3.insert(Str(node, "node_id"));
+    }
+    return at_v3 == expected_nodes;
+  }));
+  const json publisher_status = StatusOrEmpty(*publisher);
+  for (const json& node : publisher_status["nodes"]) {
+    const std::string id = Str(node, "node_id");
+    const std::string region = Str(node, "region");
+    EXPECT_EQ(Str(node, "role"), id.starts_with("relay") ? "relay" : "worker") << node.dump();
+    EXPECT_EQ(Str(node, "via"), id.starts_with("relay") ? id : "relay-" + region) << node.dump();
+  }
+
+  // Cross-region bytes are paid once per region: each relay took every artifact from the
+  // publisher once, and its workers took them from the relay.
+  const uint64_t artifact_bytes = U64(publisher_status, "log_bytes");
+  ASSERT_GT(artifact_bytes, 4u << 20) << Brief(publisher_status);
+  EXPECT_LT(U64(publisher_status, "bytes_out"), 2 * artifact_bytes + (1u << 20))
+      << Brief(publisher_status);
+  for (const auto& [region, relay] : relays) {
+    const json relay_status = StatusOrEmpty(*relay);
+    uint64_t workers_in = 0;
+    for (Node* worker : workers[region]) workers_in += U64(StatusOrEmpty(*worker), "bytes_in");
+    const uint64_t relay_in = U64(relay_status, "bytes_in");
+    EXPECT_GE(relay_in, artifact_bytes) << Brief(relay_status);
+    EXPECT_LT(relay_in, artifact_bytes + artifact_bytes / 10 + (256u << 10)) << Brief(relay_status);
+    EXPECT_GE(workers_in, 2 * artifact_bytes) << region;
+    EXPECT_LT(relay_in, workers_in * 6 / 10) << region << ": relay took " << relay_in
+                                             << " bytes, its workers " << workers_in;
+    EXPECT_EQ(U64(relay_status, "pieces_rejected"), 0u);
+  }
+}
+
+TEST_F(FleetTest, JoiningWorker) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()});
+  ASSERT_NE(relay, nullptr);
+  for (uint64_t version = 1; version <= 3; ++version) ASSERT_TRUE(Publish(*publisher, version));
+  ASSERT_TRUE(WaitStatus(*relay, "announcing v3", [](const json& s) { return U64(s, "head_version") == 3; }));
+
+  Node* worker = StartWorker("worker-late", "eu", {relay->upstream()});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(WaitStatus(*worker, "catching up to v3", Serves(3, lineage_.Hex(3))));
+  ASSERT_TRUE(Publish(*publisher, 4));
+  ASSERT_TRUE(WaitStatus(*worker, "following to v4", Serves(4, lineage_.Hex(4))));
+  const json status = StatusOrEmpty(*worker);
+  EXPECT_EQ(U64(status, "artifacts_rejected"), 0u);
+  EXPECT_EQ(U64(status, "pieces_rejected"), 0u);
+  EXPECT_EQ(Str(status, "upstream"), relay->upstream());
+}
+
+// ---- catching up -----------------------------------------------------------------------------
+
+TEST_F(FleetTest, ChainCatchUp) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  Node* worker = StartWorker("worker", "home", {publisher->upstream()});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  const uint64_t keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
+  ASSERT_GT(keyframe_bytes, 4u << 20);
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  const json before = StatusOrEmpty(*worker);
+
+  ASSERT_EQ(::kill(worker->pid, SIGSTOP), 0);
+  for (uint64_t version = 2; version <= 5; ++version) ASSERT_TRUE(Publish(*publisher, version));
+  ASSERT_EQ(::kill(worker->pid, SIGCONT), 0);
+
+  ASSERT_TRUE(WaitStatus(*worker, "catching up to v5", Serves(5, lineage_.Hex(5))));
+  const json after = StatusOrEmpty(*worker);
+  // Four deltas, no keyframe.
+  const uint64_t fetched = U64(after, "piece_bytes") - U64(before, "piece_bytes");
+  EXPECT_LT(fetched, keyframe_bytes / 4) << Brief(after);
+  EXPECT_EQ(U64(after, "swaps_total") - U64(before, "swaps_total"), 4u) << Brief(after);
+  EXPECT_EQ(U64(after, "artifacts_rejected"), 0u);
+}
+
+TEST_F(FleetTest, PastRetentionKeyframe) {
+  // Keyframes at v1, v4, v7; after v8 only K7, D7 and D8 are retained.
+  Node* publisher = StartPublisher("publisher", {"--retain", "2", "--keyframe-every", "3"});
+  ASSERT_NE(publisher, nullptr);
+  Node* worker = StartWorker("worker", "home", {publisher->upstream()});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  const uint64_t keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  const json before = StatusOrEmpty(*worker);
+
+  ASSERT_EQ(::kill(worker->pid, SIGSTOP), 0);
+  for (uint64_t version = 2; version <= 8; ++version) ASSERT_TRUE(Publish(*publisher, version));
+  EXPECT_EQ(U64(StatusOrEmpty(*publisher), "artifacts_retained"), 3u);
+  ASSERT_EQ(::kill(worker->pid, SIGCONT), 0);
+
+  ASSERT_TRUE(WaitStatus(*worker, "catching up to v8", Serves(8, lineage_.Hex(8))));
+  const json after = StatusOrEmpty(*worker);
+  // Through keyframe v7: the delta chain from v1 is gone.
+  EXPECT_GT(U64(after, "piece_bytes") - U64(before, "piece_bytes"), keyframe_bytes / 2) << Brief(after);
+  EXPECT_EQ(U64(after, "artifacts_rejected"), 0u) << Brief(after);
+  EXPECT_EQ(U64(after, "pieces_rejected"), 0u) << Brief(after);
+}
+
+// ---- failures in transit ---------------------------------------------------------------------
+
+TEST_F(FleetTest, RelayKilledMidTransfer) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  const uint64_t keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
+  // 2 MB/s from the publisher: the 6 MB keyframe takes about 3 s through the relay.
+  Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()}, {"--wan-rate", "2000000"});
+  ASSERT_NE(relay, nullptr);
+  ASSERT_TRUE(WaitStatus(*relay, "announcing v1", [](const json& s) { return U64(s, "head_version") == 1; }));
+
+  Node* worker = StartWorker("worker", "eu", {relay->upstream(), publisher->upstream()});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(WaitStatus(*worker, "receiving pieces", [](const json& s) { return U64(s, "piece_bytes") > 0; }));
+  const json at_kill = StatusOrEmpty(*worker);
+  KillNow(*relay);
+  EXPECT_EQ(Str(at_kill, "upstream"), relay->upstream()) << Brief(at_kill);
+  EXPECT_LT(U64(at_kill, "piece_bytes"), keyframe_bytes) << "the transfer was over before the kill";
+
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1 via the publisher", Serves(1, lineage_.Hex(1))));
+  const json after = StatusOrEmpty(*worker);
+  EXPECT_EQ(U64(after, "pieces_rejected"), 0u) << Brief(after);
+  EXPECT_EQ(U64(after, "artifacts_rejected"), 0u) << Brief(after);
+  // Pieces verified before the kill were kept, none fetched twice.
+  EXPECT_EQ(U64(after, "piece_bytes"), keyframe_bytes) << Brief(after);
+  ASSERT_TRUE(WaitStatus(*worker, "subscribed to the publisher",
+                         [&](const json& s) { return Str(s, "upstream") == publisher->upstream(); }));
+  // And it keeps following from there.
+  ASSERT_TRUE(Publish(*publisher, 2));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v2", Serves(2, lineage_.Hex(2))));
+}
+
+TEST_F(FleetTest, ConnectionCutMidChunk) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  const uint64_t keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
+  const uint64_t pieces = (keyframe_bytes + kPieceBytes - 1) / kPieceBytes;
+
+  FaultProxyOptions cut;
+  cut.cut_after_bytes = 1500000;  // not a piece boundary: mid-frame
+  FaultProxy proxy(publisher->listen.port, cut);
+  ASSERT_TRUE(proxy.ok()) << proxy.error();
+  Node* worker = StartWorker("worker", "home", {"127.0.0.1:" + std::to_string(proxy.port())});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  EXPECT_EQ(proxy.cuts(), 1);
+  EXPECT_GT(proxy.connections(), 5) << "no data stream reconnected after the cut";
+
+  const json status = StatusOrEmpty(*worker);
+  // Verified pieces are never fetched again; only requests in flight on the cut stream are
+  // repeated.
+  EXPECT_EQ(U64(status, "piece_bytes"), keyframe_bytes) << Brief(status);
+  EXPECT_EQ(U64(status, "pieces_verified"), pieces) << Brief(status);
+  EXPECT_EQ(U64(status, "pieces_rejected"), 0u) << Brief(status);
+  EXPECT_GE(U64(status, "piece_requests"), pieces) << Brief(status);
+  EXPECT_LE(U64(status, "piece_requests"), pieces + 4 * 8) << Brief(status);
+}
+
+TEST_F(FleetTest, RelayFlipsAByte) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+
+  FaultProxyOptions corrupt;
+  corrupt.corrupt_pieces = 3;
+  FaultProxy proxy(publisher->listen.port, corrupt);
+  ASSERT_TRUE(proxy.ok()) << proxy.error();
+  Node* worker = StartWorker("worker", "home", {"127.0.0.1:" + std::to_string(proxy.port())});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  ASSERT_TRUE(Publish(*publisher, 2));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v2", Serves(2, lineage_.Hex(2))));
+
+  EXPECT_EQ(proxy.corrupted(), 3);
+  const json status = StatusOrEmpty(*worker);
+  // Every damaged piece was caught by its checksum and fetched again; no artifact failed.
+  EXPECT_EQ(U64(status, "pieces_rejected"), static_cast<uint64_t>(proxy.corrupted())) << Brief(status);
+  EXPECT_EQ(U64(status, "artifacts_rejected"), 0u) << Brief(status);
+}
+
+// ---- what the publisher accepts ---------------------------------------------------------------
+
+TEST_F(FleetTest, ReplayedOldVersion) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  std::vector<Node*> workers;
+  for (int i = 0; i < 2; ++i) {
+    workers.push_back(StartWorker("worker-" + std::to_string(i), "home", {publisher->upstream()}));
+    ASSERT_NE(workers.back(), nullptr);
+  }
+  for (uint64_t version = 1; version <= 3; ++version) ASSERT_TRUE(Publish(*publisher, version));
+  for (Node* worker : workers) ASSERT_TRUE(WaitStatus(*worker, "serving v3", Serves(3, lineage_.Hex(3))));
+
+  // A replay of v2, and a v3 with other content.
+  ASSERT_TRUE(Drop(2, lineage_.At(2)));
+  ASSERT_TRUE(Drop(3, lineage_.Impostor(3)));
+  const auto still_v3 = Serves(3, lineage_.Hex(3));
+  EXPECT_TRUE(Holds(*publisher, "serving v3", still_v3, 1500ms));
+  for (Node* worker : workers) EXPECT_TRUE(Holds(*worker, "serving v3", still_v3, 200ms));
+
+  // The publisher is not wedged: the next version goes out.
+  ASSERT_TRUE(Publish(*publisher, 4));
+  for (Node* worker : workers) ASSERT_TRUE(WaitStatus(*worker, "serving v4", Serves(4, lineage_.Hex(4))));
+
+  // publisher.h: a drop whose version is not above the last published is rejected with a
+  // logged reason and listed in /v1/status.
+  const json status = StatusOrEmpty(*publisher);
+  std::set<uint64_t> rejected;
+  for (const json& drop : status.value("rejected_drops", json::array())) {
+    const uint64_t version = U64(drop, "version");
+    rejected.insert(version);
+    EXPECT_NE(Str(drop, "reason").find(std::to_string(version)), std::string::npos) << drop.dump();
+  }
+  EXPECT_EQ(rejected, (std::set<uint64_t>{2, 3})) << Brief(status);
+  EXPECT_GE(U64(status, "drops_rejected"), 2u);
+}
+
+TEST_F(FleetTest, MalformedDrop) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  Node* worker = StartWorker("worker", "home", {publisher->upstream()});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+
+  // v2: a truncated file, committed.
+  ASSERT_TRUE(Drop(2, lineage_.At(2), /*commit=*/false));
+  const fs::path truncated = watch_ / "2" / "model.safetensors";
+  fs::resize_file(truncated, fs::file_size(truncated) / 2);
+  ASSERT_TRUE(WriteText(watch_ / "2" / "COMMIT", ""));
+  // v3: not a safetensors file at all.
+  fs::create_directories(watch_ / "3");
+  ASSERT_TRUE(WriteText(watch_ / "3" / "model.safetensors", "this is not a checkpoint\n"));
+  ASSERT_TRUE(WriteText(watch_ / "3" / "COMMIT", ""));
+  // v5: complete but never committed: not read at all.
+  ASSERT_TRUE(Drop(5, lineage_.At(5), /*commit=*/false));
+
+  ASSERT_TRUE(WaitStatus(*publisher, "rejecting v2 and v3", [](const json& s) {
+    return U64(s, "drops_rejected") >= 2;
+  }));
+  const json status = StatusOrEmpty(*publisher);
+  EXPECT_TRUE(Serves(1, lineage_.Hex(1))(status)) << Brief(status);
+  std::map<uint64_t, std::string> reasons;
+  for (const json& drop : status["rejected_drops"]) reasons[U64(drop, "version")] = Str(drop, "reason");
+  ASSERT_EQ(reasons.size(), 2u) << Brief(status);
+  for (const uint64_t version : {2, 3}) {
+    const std::string& reason = reasons[version];
+    EXPECT_NE(reason.find((watch_ / std::to_string(version)).string()), std::string::npos)
+        << "the reason should name the drop: " << reason;
+    EXPECT_NE(reason.find("model.safetensors"), std::string::npos) << reason;
+  }
+  EXPECT_NE(ReadText(publisher->log).find("rejected drop"), std::string::npos);
+  EXPECT_TRUE(Holds(*worker, "serving v1", Serves(1, lineage_.Hex(1)), 500ms));
+  EXPECT_TRUE(Holds(*publisher, "ignoring uncommitted v5",
+                    [](const json& s) { return U64(s, "version") == 1 && U64(s, "drops_rejected") == 2; },
+                    500ms));
+
+  // The next good drop goes out; v5 is never read (committing it later is too late).
+  ASSERT_TRUE(Drop(4, lineage_.At(4)));
+  ASSERT_TRUE(WaitStatus(*publisher, "publishing v4", Serves(4, lineage_.Hex(4))));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v4", Serves(4, lineage_.Hex(4))));
+}
+
+// ---- authentication ------------------------------------------------------------------------
+
+TEST_F(FleetTest, WrongOrMissingToken) {
+  const std::string token = "s3cret";
+  Node* publisher = StartPublisher("publisher", {"--token", token});
+  ASSERT_NE(publisher, nullptr);
+  publisher->token = token;
+  Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()}, {"--token", token});
+  ASSERT_NE(relay, nullptr);
+  relay->token = token;
+  Node* worker = StartWorker("worker", "eu", {relay->upstream()}, {"--token", token});
+  ASSERT_NE(worker, nullptr);
+  worker->token = token;
+  // Wrong and missing tokens, at the publisher and at the relay.
+  Node* wrong_at_publisher = StartWorker("wrong-at-publisher", "home", {publisher->upstream()},
+                                         {"--token", "not-it"});
+  Node* missing_at_publisher = StartWorker("missing-at-publisher", "home", {publisher->upstream()});
+  Node* wrong_at_relay = StartWorker("wrong-at-relay", "eu", {relay->upstream()}, {"--token", "not-it"});
+  ASSERT_NE(wrong_at_publisher, nullptr);
+  ASSERT_NE(missing_at_publisher, nullptr);
+  ASSERT_NE(wrong_at_relay, nullptr);
+  wrong_at_publisher->token = wrong_at_relay->token = "not-it";
+
+  ASSERT_TRUE(Publish(*publisher, 1));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  for (Node* refused : {wrong_at_publisher, missing_at_publisher, wrong_at_relay}) {
+    EXPECT_TRUE(Holds(*refused, "unsubscribed at v0", [](const json& s) {
+      return U64(s, "version") == 0 && s.value("connected", true) == false && Str(s, "upstream").empty();
+    }, 300ms));
+  }
+  EXPECT_NE(ReadText(publisher->log).find("wrong token"), std::string::npos);
+  EXPECT_NE(ReadText(publisher->log).find("missing token"), std::string::npos);
+  EXPECT_NE(ReadText(relay->log).find("wrong token"), std::string::npos);
+  const json publisher_status = StatusOrEmpty(*publisher);
+  for (const json& node : publisher_status["nodes"]) {
+    EXPECT_TRUE(Str(node, "node_id") == "relay-eu" || Str(node, "node_id") == "worker") << node.dump();
+  }
+
+  // Every route of every role: /healthz is public, the rest need the token.
+  for (Node* node : {publisher, relay, worker}) {
+    for (const std::string route : {"/v1/status", "/metrics"}) {
+      for (const auto& [presented, expected] :
+           std::vector<std::pair<std::string, int>>{{"", 401}, {"not-it", 401}, {token + "x", 401},
+                                                    {token, 200}}) {
+        Result<transport::HttpResponse> response = Get(*node, route, presented);
+        ASSERT_TRUE(response.ok()) << node->name << route << ": " << response.status().ToString();
+        EXPECT_EQ(response->status, expected) << node->name << " " << route << " with token '"
+                                              << presented << "'";
+      }
+    }
+    Result<transport::HttpResponse> health = Get(*node, "/healthz", "");
+    ASSERT_TRUE(health.ok()) << health.status().ToString();
+    EXPECT_EQ(health->status, 200) << node->name;
+    Result<transport::HttpResponse> metrics = Get(*node, "/metrics", token);
+    ASSERT_TRUE(metrics.ok());
+    EXPECT_NE(metrics->body.find("flywheel_version{"), std::string::npos) << metrics->body;
+  }
+}
+
+TEST_F(FleetTest, TlsMutualAuth) {
+  const fs::path certs = dir_ / "certs";
+  Node& make_certs = Spawn("certs", {"certs", "--out", certs.string()});
+  ASSERT_EQ(WaitExit(make_certs), 0) << Tail(make_certs, 10);
+  auto file = [&](const char* name) { return (certs / name).string(); };
+
+  Node* publisher = StartPublisher("publisher", {"--tls-cert", file("server.crt"), "--tls-key",
+                                                 file("server.key"), "--tls-ca", file("ca.crt")});
+  ASSERT_NE(publisher, nullptr);
+  // Status over HTTPS: the publisher requires a client certificate there too.
+  Result<std::shared_ptr<asio::ssl::context>> client_tls =
+      transport::MakeClientTlsContext({file("client.crt"), file("client.key"), file("ca.crt")});
+  ASSERT_TRUE(client_tls.ok()) << client_tls.status().ToString();
+  publisher->tls = *client_tls;
+  ASSERT_TRUE(Publish(*publisher, 1));
+
+  Node* worker = StartWorker("worker", "home", {publisher->upstream()},
+                             {"--tls-cert", file("client.crt"), "--tls-key", file("client.key"),
+                              "--tls-ca", file("ca.crt")});
+  ASSERT_NE(worker, nullptr);
+  // A client certificate from a CA the publisher does not trust.
+  Node* rogue = StartWorker("rogue", "home", {publisher->upstream()},
+                            {"--tls-cert", file("rogue.crt"), "--tls-key", file("rogue.key"),
+                             "--tls-ca", file("ca.crt")});
+  ASSERT_NE(rogue, nullptr);
+  // No certificate at all: a worker is a TLS server too (its HTTP endpoint), so it refuses
+  // to start rather than run half-configured.
+  Node& no_cert = SpawnWorker("no-cert", "home", {publisher->upstream()}, {"--tls-ca", file("ca.crt")});
+  EXPECT_NE(WaitExit(no_cert), 0);
+  EXPECT_NE(ReadText(no_cert.log).find("--tls-cert"), std::string::npos) << Tail(no_cert, 5);
+
+  // The worker's sync is seen from the publisher (the worker's own HTTPS endpoint presents
+  // client.crt, which a verifying client does not accept as a server certificate).
+  ASSERT_TRUE(WaitStatus(*publisher, "seeing the worker at v1", [](const json& s) {
+    for (const json& node : s.value("nodes", json::array())) {
+      if (Str(node, "node_id") == "worker" && U64(node, "version") == 1) return true;
+    }
+    return false;
+  }));
+  ASSERT_TRUE(Publish(*publisher, 2));
+  ASSERT_TRUE(WaitStatus(*publisher, "seeing the worker at v2", [](const json& s) {
+    std::set<std::string> ids;
+    for (const json& node : s.value("nodes", json::array())) {
+      if (U64(node, "version") == 2) ids.insert(Str(node, "node_id"));
+    }
+    return ids == std::set<std::string>{"worker"};
+  }));
+  EXPECT_NE(ReadText(publisher->log).find("TLS handshake with"), std::string::npos);
+
+  // HTTPS: with the client certificate 200, without one no answer at all; plain HTTP to a
+  // TLS endpoint does not get through either.
+  Result<transport::HttpResponse> with_cert = Get(*publisher, "/v1/status", "");
+  ASSERT_TRUE(with_cert.ok()) << with_cert.status().ToString();
+  EXPECT_EQ(with_cert->status, 200);
+  Result<std::shared_ptr<asio::ssl::context>> ca_only = transport::MakeClientTlsContext({"", "", file("ca.crt")});
+  ASSERT_TRUE(ca_only.ok());
+  transport::HttpGetOptions no_client_cert;
+  no_client_cert.tls = *ca_only;
+  no_client_cert.timeout = 2s;
+  Result<transport::HttpResponse> without_cert = transport::HttpGet(publisher->http, "/v1/status", no_client_cert);
+  EXPECT_FALSE(without_cert.ok() && without_cert->status == 200);
+  transport::HttpGetOptions plain;
+  plain.timeout = 2s;
+  Result<transport::HttpResponse> over_plain = transport::HttpGet(publisher->http, "/v1/status", plain);
+  EXPECT_FALSE(over_plain.ok() && over_plain->status == 200);
+  Result<transport::HttpResponse> worker_status = Get(*worker, "/healthz", "");
+  if (!worker_status.ok()) {
+    // Documented, not asserted: see the comment above.
+    std::cerr << "note: worker HTTPS with the CA: " << worker_status.status().ToString() << "\n";
+  }
+}
+
+// ---- restarts and exports ------------------------------------------------------------------
+
+TEST_F(FleetTest, PublisherRestart) {
+  const uint16_t port = FreePort();
+  ASSERT_NE(port, 0);
+  const std::string listen = "127.0.0.1:" + std::to_string(port);
+  Node* publisher = StartPublisher("publisher", {}, listen);
+  ASSERT_NE(publisher, nullptr);
+  Node* worker = StartWorker("worker", "home", {listen});
+  ASSERT_NE(worker, nullptr);
+  for (uint64_t version = 1; version <= 3; ++version) ASSERT_TRUE(Publish(*publisher, version));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v3", Serves(3, lineage_.Hex(3))));
+
+  Stop(*publisher);
+  EXPECT_TRUE(WIFEXITED(publisher->wait_status) && WEXITSTATUS(publisher->wait_status) == 0)
+      << DescribeWait(publisher->wait_status);
+  // Same state directory, same port.
+  Node* restarted = StartPublisher("publisher", {}, listen);
+  ASSERT_NE(restarted, nullptr);
+  json status = StatusOrEmpty(*restarted);
+  EXPECT_TRUE(Serves(3, lineage_.Hex(3))(status)) << Brief(status);
+  EXPECT_EQ(U64(status, "last_version"), 3u);
+  EXPECT_TRUE(Holds(*worker, "serving v3", Serves(3, lineage_.Hex(3)), 300ms));
+
+  // v3 is never reused, even with the drop rewritten after the restart.
+  ASSERT_TRUE(Drop(3, lineage_.Impostor(3)));
+  EXPECT_TRUE(Holds(*restarted, "serving the original v3", Serves(3, lineage_.Hex(3)), 1000ms));
+
+  ASSERT_TRUE(Publish(*restarted, 4));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v4 after reconnecting", Serves(4, lineage_.Hex(4))));
+  Node* late = StartWorker("worker-late", "home", {listen});
+  ASSERT_NE(late, nullptr);
+  ASSERT_TRUE(WaitStatus(*late, "serving v4", Serves(4, lineage_.Hex(4))));
+  status = StatusOrEmpty(*restarted);
+  EXPECT_EQ(U64(status, "published_total"), 1u) << Brief(status);
+}
+
+TEST_F(FleetTest, ExportDir) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  const fs::path exports = dir_ / "exports";
+  Node* worker = StartWorker("worker", "home", {publisher->upstream()}, {"--export-dir", exports.string()});
+  ASSERT_NE(worker, nullptr);
+  auto listing = [&] {
+    std::set<std::string> names;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(exports, ec)) names.insert(entry.path().filename());
+    return names;
+  };
+
+  for (uint64_t version = 1; version <= 2; ++version) ASSERT_TRUE(Publish(*publisher, version));
+  ASSERT_TRUE(WaitStatus(*worker, "exporting v2", [&](const json& s) {
+    return Serves(2, lineage_.Hex(2))(s) && U64(s, "exports_total") >= 2;
+  }));
+  // Written under a temporary name, then renamed: nothing else is ever left there.
+  EXPECT_EQ(listing(), (std::set<std::string>{"v1.safetensors", "v2.safetensors"}));
+  const fs::path v2 = exports / "v2.safetensors";
+  Result<Checkpoint> exported = Checkpoint::Open(v2.string());
+  ASSERT_TRUE(exported.ok()) << exported.status().ToString();
+  Result<Hash128> hash = CheckpointHash(exported->tensors());
+  ASSERT_TRUE(hash.ok());
+  EXPECT_EQ(hash->ToHex(), lineage_.Hex(2));
+  EXPECT_EQ(exported->metadata().count("flywheel_version") ? exported->metadata().at("flywheel_version") : "",
+            "2");
+  Node& hash_command = Spawn("checkpoint-hash", {"checkpoint", "hash", v2.string()});
+  ASSERT_EQ(WaitExit(hash_command), 0) << Tail(hash_command, 5);
+  EXPECT_NE(ReadText(hash_command.log).find(lineage_.Hex(2) + "  " + v2.string()), std::string::npos)
+      << Tail(hash_command, 5);
+
+  // --export-keep 2 (the default): v1 goes when v3 arrives.
+  ASSERT_TRUE(Publish(*publisher, 3));
+  ASSERT_TRUE(WaitStatus(*worker, "exporting v3", [&](const json& s) {
+    return Serves(3, lineage_.Hex(3))(s) && U64(s, "exports_total") >= 3;
+  }));
+  EXPECT_EQ(listing(), (std::set<std::string>{"v2.safetensors", "v3.safetensors"}));
+}
+
+// ---- crafted catalogs, in process ------------------------------------------------------------
+
+// Serves artifacts the test made, whatever their catalog entries claim. Thread-safe.
+class CraftedSource : public PieceSource {
+ public:
+  void Put(const ArtifactInfo& info, std::vector<std::byte> bytes) {
+    std::lock_guard lock(mutex_);
+    artifacts_[KeyOf(info)] = {info, std::make_shared<const std::vector<std::byte>>(std::move(bytes))};
+  }
+
+  awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override {
+    std::shared_ptr<const std::vector<std::byte>> bytes;
+    uint64_t piece_bytes = 0;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = artifacts_.find(key);
+      if (it != artifacts_.end()) {
+        bytes = it->second.bytes;
+        piece_bytes = it->second.info.piece_bytes;
+      }
+    }
+    if (!bytes) co_return Status::NotFound("no " + Describe(key));
+    const uint64_t begin = static_cast<uint64_t>(index) * piece_bytes;
+    if (begin >= bytes->size()) co_return Status::NotFound(Describe(key) + " has no such piece");
+    const uint64_t end = std::min<uint64_t>(bytes->size(), begin + piece_bytes);
+    Piece piece{bytes, std::span<const std::byte>(*bytes).subspan(begin, end - begin)};
+    co_return piece;
+  }
+
+ private:
+  struct Stored {
+    ArtifactInfo info;
+    std::shared_ptr<const std::vector<std::byte>> bytes;
+  };
+  std::mutex mutex_;
+  std::map<ArtifactKey, Stored> artifacts_;
+};
+
+// A catalog entry for `bytes`, with whatever base the test says it has.
+ArtifactInfo Entry(ArtifactKind kind, uint64_t base_version, Hash128 base_hash, uint64_t target_version,
+                   Hash128 target_hash, const std::vector<std::byte>& bytes) {
+  ArtifactInfo info;
+  info.kind = kind;
+  info.base_version = base_version;
+  info.base_hash = base_hash;
+  info.target_version = target_version;
+  info.target_hash = target_hash;
+  info.size_bytes = bytes.size();
+  info.piece_bytes = kPieceBytes;
+  info.piece_hashes = PieceHashes(bytes, kPieceBytes);
+  return info;
+}
+
+class CraftedUpstreamTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    io_ = std::make_unique<asio::io_context>(1);
+    work_.emplace(asio::make_work_guard(*io_));
+    io_thread_ = std::thread([this] { io_->run(); });
+
+    transport::ConnectionOptions connection;
+    connection.heartbeat = 100ms;
+    connection.idle_timeout = 1000ms;
+    connection.io_timeout = 2000ms;
+    ServerOptions server_options;
+    server_options.listen = {"127.0.0.1", 0};
+    server_options.identity = {wire::PUBLISHER, "home", "crafted-publisher"};
+    server_options.listener.connection = connection;
+    WorkerOptions worker_options;
+    worker_options.common.region = "home";
+    worker_options.common.node_id = "worker";
+    worker_options.common.http = {"127.0.0.1", 0};
+    worker_options.common.connection = connection;
+    Status started = Status::Ok();
+    OnIo([&] {
+      Result<std::unique_ptr<Server>> server =
+          Server::Start(io_->get_executor(), server_options, &source_, &links_);
+      if (!server.ok()) {
+        started = server.status();
+        return;
+      }
+      server_ = std::move(*server);
+      worker_options.upstreams = {{"127.0.0.1", server_->port()}};
+      Result<std::unique_ptr<Worker>> worker = Worker::Start(io_->get_executor(), worker_options);
+      if (!worker.ok()) {
+        started = worker.status();
+        return;
+      }
+      worker_ = std::move(*worker);
+    });
+    ASSERT_TRUE(started.ok()) << started.ToString();
+  }
+
+  void TearDown() override {
+    StopWatching();
+    if (worker_) worker_->Stop();
+    OnIo([&] {
+      if (server_) server_->Stop();
+    });
+    std::this_thread::sleep_for(100ms);  // the posted stops close every connection
+    work_.reset();
+    io_->stop();
+    io_thread_.join();
+    // As in `flywheel worker`: the roles go first, then the io_context.
+    worker_.reset();
+    server_.reset();
+    io_.reset();
+  }
+
+  // Runs `fn` on the io thread and waits for it.
+  void OnIo(const std::function<void()>& fn) {
+    std::promise<void> done;
+    asio::post(io_->get_executor(), [&] {
+      fn();
+      done.set_value();
+    });
+    done.get_future().get();
+  }
+
+  void Announce(std::vector<ArtifactInfo> artifacts, uint64_t head_version, Hash128 head_hash) {
+    Catalog catalog;
+    catalog.artifacts = std::move(artifacts);
+    catalog.head_version = head_version;
+    catalog.head_hash = head_hash;
+    wire::Catalog on_wire = ToWire(catalog);
+    OnIo([&] { server_->SetCatalog(on_wire); });
+  }
+
+  json WorkerStatus() {
+    json status;
+    OnIo([&] { status = worker_->StatusJson(); });
+    return status;
+  }
+
+  bool WaitWorker(const std::string& what, const std::function<bool(const json&)>& holds) {
+    const auto deadline = Clock::now() + kWait;
+    json last;
+    while (Clock::now() < deadline) {
+      last = WorkerStatus();
+      if (holds(last)) return true;
+      std::this_thread::sleep_for(20ms);
+    }
+    ADD_FAILURE() << "worker: not " << what << "; last status:\n" << Brief(last);
+    return false;
+  }
+
+  // Watches the serving weights from another thread: whenever the worker serves version v,
+  // its bytes must hash to allowed[v], and versions never go back.
+  void WatchWeights(std::map<uint64_t, Hash128> allowed) {
+    allowed_ = std::move(allowed);
+    watching_ = true;
+    watcher_ = std::thread([this] {
+      uint64_t highest = 0;
+      while (watching_) {
+        worker_->WithWeights([&](uint64_t version, const CheckpointView& weights) {
+          if (version == 0) return;
+          ++samples_;
+          Result<Hash128> hash = CheckpointHash(weights);
+          std::lock_guard lock(violations_mutex_);
+          auto it = allowed_.find(version);
+          if (it == allowed_.end() || !hash.ok() || *hash != it->second) {
+            violations_.push_back("served v" + std::to_string(version) + " with weights hashing to " +
+                                  (hash.ok() ? hash->ToHex() : hash.status().ToString()));
+          }
+          if (version < highest) violations_.push_back("went back from v" + std::to_string(highest));
+          highest = std::max(highest, version);
+        });
+        std::this_thread::sleep_for(1ms);
+      }
+    });
+  }
+
+  std::vector<std::string> StopWatching() {
+    watching_ = false;
+    if (watcher_.joinable()) watcher_.join();
+    std::lock_guard lock(violations_mutex_);
+    return violations_;
+  }
+
+  std::unique_ptr<asio::io_context> io_;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
+  std::thread io_thread_;
+  CraftedSource source_;
+  LinkRegistry links_;
+  std::unique_ptr<Server> server_;
+  std::unique_ptr<Worker> worker_;
+
+  std::map<uint64_t, Hash128> allowed_;
+  std::atomic<bool> watching_{false};
+  std::thread watcher_;
+  std::atomic<uint64_t> samples_{0};
+  std::mutex violations_mutex_;
+  std::vector<std::string> violations_;
+};
+
+std::vector<std::byte> EncodedKeyframe(uint64_t version, const OwnedCheckpoint& target) {
+  delta::EncodeOptions options;
+  options.target_version = version;
+  Result<std::vector<std::byte>> bytes = delta::EncodeKeyframe(target.view(), options);
+  EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+  return bytes.ok() ? std::move(*bytes) : std::vector<std::byte>{};
+}
+
+std::vector<Hash128> TensorHashes(const OwnedCheckpoint& checkpoint) {
+  std::vector<Hash128> hashes;
+  for (const TensorView& tensor : checkpoint.view()) hashes.push_back(TensorHash(tensor));
+  return hashes;
+}
+
+TEST_F(CraftedUpstreamTest, WrongBaseDelta) {
+  Lineage lineage(SmallSpecs(), 77);
+  const OwnedCheckpoint& a = lineage.At(1);
+  const OwnedCheckpoint b = RandomCheckpoint(SmallSpecs(), 4242);  // not in the lineage
+  const OwnedCheckpoint c = Mutate(b, kChangedFraction, 5, Change::kArbitrary);
+  const Hash128 hash_a = HashOf(a);
+
+  const std::vector<std::byte> k1_bytes = EncodedKeyframe(1, a);
+  const ArtifactInfo k1 = Entry(ArtifactKind::kKeyframe, 0, {}, 1, hash_a, k1_bytes);
+  // Delta v2: the catalog says "from v1 (A)", the bytes were encoded from B.
+  delta::EncodeOptions options;
+  options.base_version = 1;
+  options.target_version = 2;
+  Result<std::vector<std::byte>> d2_bytes = delta::Encode(b.view(), c.view(), options);
+  ASSERT_TRUE(d2_bytes.ok()) << d2_bytes.status().ToString();
+  const ArtifactInfo d2 = Entry(ArtifactKind::kDelta, 1, hash_a, 2, HashOf(c), *d2_bytes);
+  source_.Put(k1, k1_bytes);
+  source_.Put(d2, *d2_bytes);
+  const OwnedCheckpoint& v3 = lineage.At(3);
+  WatchWeights({{1, hash_a}, {3, HashOf(v3)}});
+
+  Announce({k1, d2}, 2, HashOf(c));
+  ASSERT_TRUE(WaitWorker("rejecting delta v2", [](const json& s) { return U64(s, "artifacts_rejected") >= 1; }));
+  std::this_thread::sleep_for(300ms);
+  json status = WorkerStatus();
+  EXPECT_TRUE(Serves(1, hash_a.ToHex())(status)) << Brief(status);
+  EXPECT_NE(Str(status, "last_error").find("delta v2"), std::string::npos) << Brief(status);
+
+  // The same, with a manifest that lies as well: it names A's tensor hashes as its base,
+  // so only applying it shows the result is not C2. The worker must restore v1.
+  const OwnedCheckpoint c2 = Mutate(b, kChangedFraction, 6, Change::kArbitrary);
+  options.base_tensor_hashes = TensorHashes(a);
+  Result<std::vector<std::byte>> lying_bytes = delta::Encode(b.view(), c2.view(), options);
+  ASSERT_TRUE(lying_bytes.ok()) << lying_bytes.status().ToString();
+  const ArtifactInfo lying = Entry(ArtifactKind::kDelta, 1, hash_a, 2, HashOf(c2), *lying_bytes);
+  source_.Put(lying, *lying_bytes);
+  Announce({k1, lying}, 2, HashOf(c2));
+  ASSERT_TRUE(WaitWorker("rejecting the lying delta v2", [](const json& s) { return U64(s, "artifacts_rejected") >= 2; }));
+  std::this_thread::sleep_for(300ms);
+  status = WorkerStatus();
+  EXPECT_TRUE(Serves(1, hash_a.ToHex())(status)) << Brief(status);
+
+  // A good keyframe moves it on.
+  const std::vector<std::byte> k3_bytes = EncodedKeyframe(3, v3);
+  const ArtifactInfo k3 = Entry(ArtifactKind::kKeyframe, 0, {}, 3, HashOf(v3), k3_bytes);
+  source_.Put(k3, k3_bytes);
+  Announce({k1, lying, k3}, 3, HashOf(v3));
+  ASSERT_TRUE(WaitWorker("serving v3", Serves(3, HashOf(v3).ToHex())));
+  EXPECT_EQ(U64(WorkerStatus(), "artifacts_rejected"), 2u);
+
+  const std::vector<std::string> violations = StopWatching();
+  EXPECT_GT(samples_.load(), 0u);
+  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
+  worker_->WithWeights([&](uint64_t version, const CheckpointView& weights) {
+    EXPECT_EQ(version, 3u);
+    Result<Hash128> hash = CheckpointHash(weights);
+    ASSERT_TRUE(hash.ok());
+    EXPECT_EQ(*hash, HashOf(v3));
+  });
+}
+
+TEST_F(CraftedUpstreamTest, OlderHeadIgnored) {
+  Lineage lineage(SmallSpecs(), 78);
+  const Hash128 hash_1 = HashOf(lineage.At(1));
+  const Hash128 hash_3 = HashOf(lineage.At(3));
+  const std::vector<std::byte> k1_bytes = EncodedKeyframe(1, lineage.At(1));
+  const std::vector<std::byte> k3_bytes = EncodedKeyframe(3, lineage.At(3));
+  const ArtifactInfo k1 = Entry(ArtifactKind::kKeyframe, 0, {}, 1, hash_1, k1_bytes);
+  const ArtifactInfo k3 = Entry(ArtifactKind::kKeyframe, 0, {}, 3, hash_3, k3_bytes);
+  source_.Put(k1, k1_bytes);
+  source_.Put(k3, k3_bytes);
+  WatchWeights({{1, hash_1}, {3, hash_3}});
+
+  Announce({k1, k3}, 3, hash_3);
+  ASSERT_TRUE(WaitWorker("serving v3", Serves(3, hash_3.ToHex())));
+  // A restarted or replayed upstream announces v1 as its head.
+  Announce({k1}, 1, hash_1);
+  ASSERT_TRUE(WaitWorker("ignoring head v1", [](const json& s) { return U64(s, "older_heads_ignored") >= 1; }));
+  std::this_thread::sleep_for(300ms);
+  const json status = WorkerStatus();
+  EXPECT_TRUE(Serves(3, hash_3.ToHex())(status)) << Brief(status);
+  EXPECT_EQ(U64(status, "swaps_total"), 1u) << Brief(status);
+  const std::vector<std::string> violations = StopWatching();
+  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
+}
+
+}  // namespace
+}  // namespace flywheel::sync
