@@ -47,7 +47,6 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   uint64_t exports = 0;
   double last_swap_ms = 0;
   double last_apply_ms = 0;
-  uint64_t swap_unix_us = 0;
   std::string last_error;
   uint64_t ignored_older_heads = 0;
 
@@ -57,16 +56,24 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   std::vector<Hash128> tensor_hashes;
   std::atomic<uint64_t> version{0};
   Hash128 hash;  // guarded by weights_mutex
-  // (version, hash) for the network thread, which must never wait for an apply.
+  // What is served, as one snapshot for the network thread (which must never wait for an
+  // apply): version, hash and swap time always belong together.
+  struct Served {
+    uint64_t version = 0;
+    Hash128 hash;
+    uint64_t swap_unix_us = 0;  // when this version started being served
+  };
   mutable std::mutex served_mutex;
-  Hash128 served_hash;
-  Hash128 ServedHash() const {
+  Served served;
+  Served ServedNow() const {
     std::lock_guard lock(served_mutex);
-    return served_hash;
+    return served;
   }
   void PublishServed() {  // REQUIRES: weights_mutex held
     std::lock_guard lock(served_mutex);
-    served_hash = hash;
+    if (served.version != version.load() || served.hash != hash) served.swap_unix_us = UnixMicrosNow();
+    served.version = version.load();
+    served.hash = hash;
   }
 
   awaitable<void> UpdateLoop();
@@ -94,9 +101,10 @@ void Worker::Impl::OnCatalog(Catalog received) {
 
 std::vector<ArtifactInfo> Worker::Impl::Plan() {
   const uint64_t head = catalog.head_version;
-  const uint64_t current = version.load();
+  const Served now = ServedNow();
+  const uint64_t current = now.version;
   if (head <= current) return {};
-  const Hash128 current_hash = ServedHash();
+  const Hash128 current_hash = now.hash;
   auto usable = [&](const ArtifactInfo& info) {
     return !rejected.count({KeyOf(info), info.target_hash.ToHex()});
   };
@@ -289,7 +297,6 @@ awaitable<void> Worker::Impl::UpdateLoop() {
       last_swap_ms = std::chrono::duration<double, std::milli>(
                          now - (seen != head_seen.end() ? seen->second : fetch_start))
                          .count();
-      swap_unix_us = UnixMicrosNow();
       ++swaps;
       last_error.clear();
       spdlog::info("serving v{} ({}; fetched in {:.0f} ms, applied in {:.0f} ms)", serving,
@@ -307,8 +314,9 @@ awaitable<void> Worker::Impl::UpdateLoop() {
 }
 
 nlohmann::json Worker::Impl::StatusJson() const {
-  const Hash128 current_hash = ServedHash();
-  const uint64_t serving = version.load();
+  const Served now = ServedNow();
+  const Hash128 current_hash = now.hash;
+  const uint64_t serving = now.version;
   const uint64_t head = std::max(catalog.head_version, serving);
   const FetchCounters& counters = upstream->counters();
   return {
@@ -330,7 +338,7 @@ nlohmann::json Worker::Impl::StatusJson() const {
       {"links", links.ToJson()},
       {"last_swap_ms", last_swap_ms},
       {"last_apply_ms", last_apply_ms},
-      {"swap_unix_us", swap_unix_us},
+      {"swap_unix_us", now.swap_unix_us},
       {"swaps_total", swaps},
       {"exports_total", exports},
       {"piece_requests", counters.piece_requests},
@@ -381,8 +389,9 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
               node->set_node_id(raw->identity.node_id);
               node->set_region(raw->identity.region);
               node->set_role(wire::WORKER);
-              node->set_version(raw->version.load());
-              node->set_weights_hash(HashBytesOf(raw->ServedHash()));
+              const Impl::Served served = raw->ServedNow();
+              node->set_version(served.version);
+              node->set_weights_hash(HashBytesOf(served.hash));
               node->set_bytes_in(raw->links.bytes_in());
               node->set_bytes_out(raw->links.bytes_out());
               node->set_upstream(raw->upstream->current());

@@ -410,6 +410,9 @@ awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::H
 // ---------------------------------------------------------------------------------------
 // Listener
 
+// The largest frame header a peer may send before its Hello was accepted.
+constexpr uint32_t kMaxHelloBytes = 64u << 10;
+
 struct Listener::Impl : std::enable_shared_from_this<Listener::Impl> {
   Impl(asio::any_io_executor executor, ListenerOptions options)
       : acceptor(executor), options(std::move(options)) {}
@@ -468,8 +471,12 @@ awaitable<void> Listener::Impl::Serve(tcp::socket socket) {
   } else {
     stream->plain.emplace(std::move(socket));
   }
-  // The Hello decides the link's shaping, so the connection starts unshaped for it.
+  // The Hello decides the link's shaping, so the connection starts unshaped for it; and
+  // until the Hello is accepted, frames are small (no payload) whatever the limits.
   ConnectionOptions connection_options = options.connection;
+  connection_options.limits.max_header_bytes =
+      std::min<uint32_t>(connection_options.limits.max_header_bytes, kMaxHelloBytes);
+  connection_options.limits.max_payload_bytes = 0;
   auto connection = std::make_shared<Connection>(std::move(stream), peer, connection_options);
   connection->Start();
   Result<Frame> first = co_await connection->Receive(options.handshake_timeout, "the hello");
@@ -507,6 +514,7 @@ awaitable<void> Listener::Impl::Serve(tcp::socket socket) {
   }
   connection->hello = hello;
   connection->hello.clear_token();
+  connection->set_limits(options.connection.limits);
   if (options.shaping_for) connection->set_shaping(options.shaping_for(hello));
   wire::Header welcome;
   *welcome.mutable_welcome() = make_welcome(hello);

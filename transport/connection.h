@@ -93,6 +93,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool shaped() const { return options_.shaping.active(); }
   // Shapes frames queued or read from now on (a listener decides after the Hello).
   void set_shaping(LinkShaping shaping) { options_.shaping = std::move(shaping); }
+  // Limits for frames whose prefix is read from now on (a listener widens them after the
+  // Hello: an unauthenticated peer cannot make it allocate a large frame).
+  void set_limits(FrameLimits limits) { options_.limits = limits; }
   asio::any_io_executor executor() const;
 
   // What the Hello/Welcome exchange told about the other end.
