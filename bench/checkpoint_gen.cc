@@ -8,6 +8,8 @@
 #include <span>
 #include <thread>
 
+#include "bench/util.h"
+
 namespace flywheel::bench {
 namespace {
 
@@ -124,21 +126,6 @@ void FillStandardNormals(Xoshiro256Plus& rng, std::span<float> out) {
     NormalBatch(rng, batch);
     std::copy_n(batch, out.size() - done, out.data() + done);
   }
-}
-
-// Runs fn(block) for block in [0, blocks) on up to `threads` threads.
-template <typename Fn>
-void ParallelForBlocks(uint64_t blocks, int threads, const Fn& fn) {
-  std::atomic<uint64_t> next{0};
-  auto worker = [&] {
-    for (uint64_t block = next++; block < blocks; block = next++) fn(block);
-  };
-  const int extra = std::max(0, std::min<int>(threads, static_cast<int>(blocks)) - 1);
-  std::vector<std::thread> pool;
-  pool.reserve(extra);
-  for (int i = 0; i < extra; ++i) pool.emplace_back(worker);
-  worker();
-  for (std::thread& thread : pool) thread.join();
 }
 
 struct AdamWConstants {

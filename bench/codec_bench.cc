@@ -18,12 +18,14 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <sstream>
 #include <thread>
 
 #include "bench/checkpoint_gen.h"
+#include "bench/util.h"
 #include "delta/delta.h"
 #include "delta/hash.h"
 
@@ -525,56 +527,6 @@ void MeasurePeers(const CheckpointPair& pair, const std::string& work_dir, size_
 
 // ---- output ------------------------------------------------------------------------
 
-struct Table {
-  std::vector<std::string> header;
-  std::vector<std::vector<std::string>> rows;
-};
-
-size_t Utf8Width(const std::string& text) {
-  size_t width = 0;
-  for (unsigned char c : text) width += (c & 0xC0) != 0x80;
-  return width;
-}
-
-std::string RenderText(const Table& table) {
-  std::vector<size_t> widths(table.header.size(), 0);
-  auto widen = [&](const std::vector<std::string>& cells) {
-    for (size_t i = 0; i < cells.size(); ++i) widths[i] = std::max(widths[i], Utf8Width(cells[i]));
-  };
-  widen(table.header);
-  for (const auto& row : table.rows) widen(row);
-  auto line = [&](const std::vector<std::string>& cells) {
-    std::string out = "  ";
-    for (size_t i = 0; i < cells.size(); ++i) {
-      const std::string pad(widths[i] - Utf8Width(cells[i]), ' ');
-      if (i > 0) out += "  ";
-      out += i == 0 ? cells[i] + pad : pad + cells[i];
-    }
-    while (!out.empty() && out.back() == ' ') out.pop_back();
-    return out + "\n";
-  };
-  std::string out = line(table.header);
-  size_t total = 0;
-  for (size_t width : widths) total += width;
-  out += "  " + std::string(total + 2 * (widths.size() - 1), '-') + "\n";
-  for (const auto& row : table.rows) out += line(row);
-  return out;
-}
-
-std::string RenderMarkdown(const Table& table) {
-  auto line = [](const std::vector<std::string>& cells) {
-    std::string out = "|";
-    for (const std::string& cell : cells) out += " " + cell + " |";
-    return out + "\n";
-  };
-  std::string out = line(table.header);
-  out += "|";
-  for (size_t i = 0; i < table.header.size(); ++i) out += i == 0 ? " --- |" : " ---: |";
-  out += "\n";
-  for (const auto& row : table.rows) out += line(row);
-  return out;
-}
-
 Table MakeTable(const Group& group, const CodecBenchOptions& options, bool markdown) {
   Table table;
   auto threads_suffix = [&](int threads) {
@@ -1001,6 +953,12 @@ Status RunCodecBench(const CodecBenchOptions& options, std::ostream& out) {
   markdown += "\n" + Legend(options) + "\n";
 
   if (!options.markdown_out.empty()) {
+    // The fleet benchmark keeps its own section at the end of the same file.
+    std::ifstream existing(options.markdown_out, std::ios::binary);
+    const std::string previous((std::istreambuf_iterator<char>(existing)),
+                               std::istreambuf_iterator<char>());
+    const size_t fleet = previous.find("\n## Fleet benchmark");
+    if (fleet != std::string::npos) markdown += previous.substr(fleet);
     FW_RETURN_IF_ERROR(WriteFile(options.markdown_out, std::as_bytes(std::span(markdown))));
   }
   if (!options.json_out.empty()) {

@@ -31,6 +31,7 @@
 #include <thread>
 
 #include "bench/checkpoint_gen.h"
+#include "bench/util.h"
 #include "delta/delta_file.h"
 #include "delta/hash.h"
 #include "delta/safetensors.h"
@@ -176,21 +177,6 @@ double LoadAverage() {
     std::fclose(file);
   }
   return load;
-}
-
-// Runs fn(block) for block in [0, blocks) on up to `threads` threads.
-template <typename Fn>
-void ParallelForBlocks(uint64_t blocks, int threads, const Fn& fn) {
-  std::atomic<uint64_t> next{0};
-  auto worker = [&] {
-    for (uint64_t block = next++; block < blocks; block = next++) fn(block);
-  };
-  const int extra = std::max(0, std::min<int>(threads, static_cast<int>(blocks)) - 1);
-  std::vector<std::thread> pool;
-  pool.reserve(extra);
-  for (int i = 0; i < extra; ++i) pool.emplace_back(worker);
-  worker();
-  for (std::thread& thread : pool) thread.join();
 }
 
 // ---- the checkpoint sequence -----------------------------------------------------------
@@ -618,6 +604,8 @@ struct NodeStatus {
   int64_t swap_unix_us = 0;
   uint64_t wan_bytes = 0;  // wan_bytes_in + wan_bytes_out
   uint64_t last_artifact_bytes = 0;
+  double last_publish_ms = 0;  // publisher: validate + encode + write of the last version
+  double last_apply_ms = 0;    // worker: apply + verify of the last artifact
 };
 
 Result<NodeStatus> FetchStatus(const Node& node) {
@@ -643,6 +631,8 @@ Result<NodeStatus> FetchStatus(const Node& node) {
     status.wan_bytes =
         json.value("wan_bytes_in", uint64_t{0}) + json.value("wan_bytes_out", uint64_t{0});
     status.last_artifact_bytes = json.value("last_artifact_bytes", uint64_t{0});
+    status.last_publish_ms = json.value("last_publish_ms", 0.0);
+    status.last_apply_ms = json.value("last_apply_ms", 0.0);
   } catch (const Json::exception& error) {
     return Status::Corruption(where + ": unexpected field type: " + error.what());
   }
@@ -757,6 +747,10 @@ struct UpdateResult {
   uint64_t wan_bytes = 0;                // publisher's wan_bytes_in + out during the update
   uint64_t artifact_bytes = 0;           // publisher's last_artifact_bytes after it
   double target_seconds = kNotMeasured;  // delta-relay only
+  // Where the time went: the publisher's encode (validate, encode, write) and the slowest
+  // worker's apply (apply in place, verify, swap). The rest is transfer and waiting.
+  double publish_seconds = kNotMeasured;
+  double max_apply_seconds = kNotMeasured;
 
   bool meets_target() const { return seconds <= target_seconds; }
 };
@@ -807,6 +801,10 @@ Status AwaitWorkers(Fleet& fleet, const StagedVersion& staged, int64_t commit_un
         continue;
       }
       swap_unix_us[i] = status->swap_unix_us;
+      const double apply_seconds = status->last_apply_ms * 1e-3;
+      if (std::isnan(result.max_apply_seconds) || apply_seconds > result.max_apply_seconds) {
+        result.max_apply_seconds = apply_seconds;
+      }
       ++done;
     }
     if (done == fleet.workers.size()) break;
@@ -854,6 +852,7 @@ Result<UpdateResult> RunUpdate(Fleet& fleet, const StagedVersion& staged,
   FW_ASSIGN_OR_RETURN(const NodeStatus after, FetchPublisherStatus(fleet));
   result.wan_bytes = after.wan_bytes - std::min(after.wan_bytes, before.wan_bytes);
   result.artifact_bytes = after.last_artifact_bytes;
+  result.publish_seconds = after.last_publish_ms * 1e-3;
   return result;
 }
 
@@ -1112,51 +1111,6 @@ StreamResult MeasureStreams(const FleetBenchOptions& options, const std::string&
 
 // ---- output ----------------------------------------------------------------------------
 
-struct Table {
-  std::vector<std::string> header;
-  std::vector<std::vector<std::string>> rows;
-};
-
-// First column left-aligned, the others right-aligned.
-std::string RenderText(const Table& table) {
-  std::vector<size_t> widths(table.header.size(), 0);
-  auto widen = [&](const std::vector<std::string>& cells) {
-    for (size_t i = 0; i < cells.size(); ++i) widths[i] = std::max(widths[i], cells[i].size());
-  };
-  widen(table.header);
-  for (const auto& row : table.rows) widen(row);
-  auto line = [&](const std::vector<std::string>& cells) {
-    std::string out = "  ";
-    for (size_t i = 0; i < cells.size(); ++i) {
-      const std::string pad(widths[i] - cells[i].size(), ' ');
-      if (i > 0) out += "  ";
-      out += i == 0 ? cells[i] + pad : pad + cells[i];
-    }
-    while (!out.empty() && out.back() == ' ') out.pop_back();
-    return out + "\n";
-  };
-  std::string out = line(table.header);
-  size_t total = 0;
-  for (size_t width : widths) total += width;
-  out += "  " + std::string(total + 2 * (widths.size() - 1), '-') + "\n";
-  for (const auto& row : table.rows) out += line(row);
-  return out;
-}
-
-std::string RenderMarkdown(const Table& table) {
-  auto line = [](const std::vector<std::string>& cells) {
-    std::string out = "|";
-    for (const std::string& cell : cells) out += " " + cell + " |";
-    return out + "\n";
-  };
-  std::string out = line(table.header);
-  out += "|";
-  for (size_t i = 0; i < table.header.size(); ++i) out += i == 0 ? " --- |" : " ---: |";
-  out += "\n";
-  for (const auto& row : table.rows) out += line(row);
-  return out;
-}
-
 const StrategyResult* FindStrategy(const std::vector<StrategyResult>& results,
                                    const std::string& name) {
   for (const StrategyResult& result : results) {
@@ -1167,8 +1121,8 @@ const StrategyResult* FindStrategy(const std::vector<StrategyResult>& results,
 
 Table UpdatesTable(const std::vector<StrategyResult>& results, const StagedSequence& staged) {
   Table table;
-  table.header = {"strategy", "update", "version",  "changed", "artifacts MB",
-                  "WAN MB",   "sync s", "polled s", "target s"};
+  table.header = {"strategy", "update",   "version",  "changed",  "artifacts MB", "WAN MB",
+                  "sync s",   "polled s", "target s", "encode s", "apply s"};
   for (const StrategyResult& result : results) {
     for (size_t i = 0; i < result.updates.size(); ++i) {
       const UpdateResult& update = result.updates[i];
@@ -1176,7 +1130,8 @@ Table UpdatesTable(const std::vector<StrategyResult>& results, const StagedSeque
                             Fixed(100.0 * update.changed_words / staged.words, 2) + "%",
                             Megabytes(update.artifact_bytes), Megabytes(update.wan_bytes),
                             Fixed(update.seconds, 3), Fixed(update.observed_seconds, 3),
-                            Fixed(update.target_seconds, 3)});
+                            Fixed(update.target_seconds, 3), Fixed(update.publish_seconds, 2),
+                            Fixed(update.max_apply_seconds, 2)});
     }
   }
   return table;
@@ -1219,16 +1174,18 @@ std::vector<std::string> Checks(const std::vector<StrategyResult>& results) {
   } else {
     size_t met = 0;
     const UpdateResult* worst = &delta->updates.front();
+    const UpdateResult* best = worst;
     for (const UpdateResult& update : delta->updates) {
       met += update.meets_target();
-      if (update.seconds - update.target_seconds > worst->seconds - worst->target_seconds) {
-        worst = &update;
-      }
+      const double over = update.seconds - update.target_seconds;
+      if (over > worst->seconds - worst->target_seconds) worst = &update;
+      if (over < best->seconds - best->target_seconds) best = &update;
     }
     lines.push_back(time_target + ": " + PassFail(met == delta->updates.size()) + " (" +
                     std::to_string(met) + "/" + std::to_string(delta->updates.size()) +
-                    " updates; closest: " + Fixed(worst->seconds, 3) + " s against " +
-                    Fixed(worst->target_seconds, 3) + " s)");
+                    " updates; best " + Fixed(best->seconds, 3) + " s, worst " +
+                    Fixed(worst->seconds, 3) + " s, against " + Fixed(worst->target_seconds, 3) +
+                    " s)");
   }
   const std::string wan_target =
       "delta-relay WAN bytes <= 1/" + Fixed(1.0 / kWanFractionTarget, 0) + " of full-direct";
@@ -1311,6 +1268,9 @@ std::vector<std::string> Legend() {
       "sync s: from the drop's COMMIT file to the last worker serving the new version with the "
       "expected weights hash (the workers' swap_unix_us)",
       "polled s: the same, as seen by polling GET /v1/status every 10 ms (an upper bound)",
+      "encode s: the publisher's validate + encode + write of the version (last_publish_ms); "
+      "apply s: the slowest worker's apply + verify + swap (last_apply_ms); the rest of sync s "
+      "is transfer, relay hops and waiting for CPU (every role shares this machine's cores)",
       "WAN MB: bytes the publisher sent and received on links to other regions during the "
       "update (wan_bytes_out + wan_bytes_in)",
       "artifacts MB: what the publisher wrote for the version (last_artifact_bytes: the delta, "
@@ -1347,7 +1307,9 @@ Json ResultsJson(const FleetBenchOptions& options, const StagedSequence& staged,
                          {"observed_seconds", number(update.observed_seconds)},
                          {"wan_bytes", update.wan_bytes},
                          {"artifact_bytes", update.artifact_bytes},
-                         {"target_seconds", number(update.target_seconds)}});
+                         {"target_seconds", number(update.target_seconds)},
+                         {"publish_seconds", number(update.publish_seconds)},
+                         {"max_apply_seconds", number(update.max_apply_seconds)}});
     }
     strategies.push_back({{"name", result.name},
                           {"initial_sync_seconds", number(result.initial_sync_seconds)},

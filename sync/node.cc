@@ -68,7 +68,8 @@ Result<ArtifactInfo> FromWire(const wire::Artifact& artifact, uint64_t max_piece
     }
     FW_ASSIGN_OR_RETURN(info.base_hash, HashFromBytes(artifact.base_hash(), what + " base hash"));
   }
-  FW_ASSIGN_OR_RETURN(info.target_hash, HashFromBytes(artifact.target_hash(), what + " target hash"));
+  FW_ASSIGN_OR_RETURN(info.target_hash,
+                      HashFromBytes(artifact.target_hash(), what + " target hash"));
   info.size_bytes = artifact.size_bytes();
   info.piece_bytes = artifact.piece_bytes();
   if (info.piece_bytes == 0 || info.piece_bytes > max_piece_bytes) {
@@ -125,11 +126,16 @@ Result<Catalog> FromWire(const wire::Catalog& catalog, uint64_t max_piece_bytes)
 
 const char* RoleName(wire::Role role) {
   switch (role) {
-    case wire::PUBLISHER: return "publisher";
-    case wire::RELAY: return "relay";
-    case wire::WORKER: return "worker";
-    case wire::CLIENT: return "client";
-    default: return "unknown";
+    case wire::PUBLISHER:
+      return "publisher";
+    case wire::RELAY:
+      return "relay";
+    case wire::WORKER:
+      return "worker";
+    case wire::CLIENT:
+      return "client";
+    default:
+      return "unknown";
   }
 }
 
@@ -207,7 +213,8 @@ nlohmann::json LinkRegistry::ToJson() const {
 namespace {
 
 // Coroutines take shared_ptr parameters only (see transport::RunOn on GCC 12).
-awaitable<void> SendCatalog(std::shared_ptr<Connection> peer, std::shared_ptr<wire::Header> header) {
+awaitable<void> SendCatalog(std::shared_ptr<Connection> peer,
+                            std::shared_ptr<wire::Header> header) {
   (void)co_await peer->Send(MakeFrame(*header));
 }
 
@@ -216,11 +223,12 @@ awaitable<void> SendCatalog(std::shared_ptr<Connection> peer, std::shared_ptr<wi
 Server::Server(ServerOptions options, PieceSource* source, LinkRegistry* links)
     : options_(std::move(options)), source_(source), links_(links) {}
 
-Server::~Server() { Stop(); }
+Server::~Server() {
+  Stop();
+}
 
-Result<std::unique_ptr<Server>> Server::Start(asio::any_io_executor executor,
-                                              ServerOptions options, PieceSource* source,
-                                              LinkRegistry* links) {
+Result<std::unique_ptr<Server>> Server::Start(asio::any_io_executor executor, ServerOptions options,
+                                              PieceSource* source, LinkRegistry* links) {
   std::unique_ptr<Server> server(new Server(options, source, links));
   FW_ASSIGN_OR_RETURN(server->listener_,
                       transport::Listener::Bind(executor, options.listen, options.listener));
@@ -236,11 +244,15 @@ Result<std::unique_ptr<Server>> Server::Start(asio::any_io_executor executor,
             static_cast<uint32_t>(self->options_.listener.connection.heartbeat.count()));
         return welcome;
       },
-      [self](std::shared_ptr<Connection> connection) { return self->OnPeer(std::move(connection)); });
+      [self](std::shared_ptr<Connection> connection) {
+        return self->OnPeer(std::move(connection));
+      });
   return server;
 }
 
-uint16_t Server::port() const { return listener_->port(); }
+uint16_t Server::port() const {
+  return listener_->port();
+}
 
 void Server::Stop() {
   if (listener_) listener_->Stop();
@@ -318,14 +330,14 @@ awaitable<void> Server::ServeData(std::shared_ptr<Connection> connection) {
     Result<Frame> frame = co_await connection->Receive();
     if (!frame.ok()) co_return;
     if (!frame->header.has_piece_request()) {
-      connection->Close(Status::Corruption(std::string("unexpected ") +
-                                           FrameKindName(frame->header) +
-                                           " frame on a data channel"));
+      connection->Close(Status::Corruption(
+          std::string("unexpected ") + FrameKindName(frame->header) + " frame on a data channel"));
       co_return;
     }
     const wire::PieceRequest& request = frame->header.piece_request();
-    ArtifactKey key{request.kind() == wire::KEYFRAME ? ArtifactKind::kKeyframe : ArtifactKind::kDelta,
-                    request.target_version()};
+    ArtifactKey key{
+        request.kind() == wire::KEYFRAME ? ArtifactKind::kKeyframe : ArtifactKind::kDelta,
+        request.target_version()};
     Result<PieceSource::Piece> piece = co_await source_->GetPiece(key, request.index());
     wire::Header header;
     if (!piece.ok()) {
@@ -343,7 +355,8 @@ awaitable<void> Server::ServeData(std::shared_ptr<Connection> connection) {
     out->set_index(request.index());
     // Send() waits while this connection's queue is full: a slow peer stops this loop,
     // which stops reading its requests (bounded memory per peer).
-    if (!(co_await connection->Send(MakeFrame(std::move(header), piece->owner, piece->bytes))).ok()) {
+    if (!(co_await connection->Send(MakeFrame(std::move(header), piece->owner, piece->bytes)))
+             .ok()) {
       co_return;
     }
     ++pieces_served_;
@@ -369,7 +382,9 @@ Upstream::Upstream(asio::any_io_executor executor, UpstreamOptions options, Link
   data_index_.resize(data_.size(), 0);
 }
 
-Upstream::~Upstream() { Stop(); }
+Upstream::~Upstream() {
+  Stop();
+}
 
 void Upstream::Stop() {
   stopped_ = true;
@@ -414,32 +429,32 @@ awaitable<void> Upstream::ReportLoop(std::shared_ptr<Connection> connection,
                                      std::shared_ptr<bool> reporting,
                                      std::shared_ptr<size_t> index_ptr) {
   const size_t index = *index_ptr;
-          auto next_prefer = Clock::now() + options_.prefer_retry;
-          while (*reporting && !connection->closed()) {
-            wire::Header header;
-            *header.mutable_report() = report_();
-            if (!(co_await connection->Send(MakeFrame(std::move(header)))).ok()) co_return;
-            co_await transport::SleepFor(1s);
-            if (index != 0 && Clock::now() >= next_prefer && *reporting) {
-              next_prefer = Clock::now() + options_.prefer_retry;
-              transport::DialOptions probe;
-              probe.endpoint = options_.endpoints[0];
-              probe.tls = options_.tls;
-              probe.timeout = options_.dial_timeout;
-              wire::Hello hello;
-              hello.set_token(options_.token);
-              hello.set_role(wire::CLIENT);
-              hello.set_region(options_.identity.region);
-              hello.set_node_id(options_.identity.node_id + "-probe");
-              hello.set_channel(wire::DATA);
-              auto probed = co_await transport::Dial(probe, hello);
-              if (probed.ok()) {
-                (*probed)->Close(Status::Unavailable("probe done"));
-                spdlog::info("preferred upstream {} is back; switching", probe.endpoint.ToString());
-                connection->Close(Status::Unavailable("switching to the preferred upstream"));
-              }
-            }
-          }
+  auto next_prefer = Clock::now() + options_.prefer_retry;
+  while (*reporting && !connection->closed()) {
+    wire::Header header;
+    *header.mutable_report() = report_();
+    if (!(co_await connection->Send(MakeFrame(std::move(header)))).ok()) co_return;
+    co_await transport::SleepFor(1s);
+    if (index != 0 && Clock::now() >= next_prefer && *reporting) {
+      next_prefer = Clock::now() + options_.prefer_retry;
+      transport::DialOptions probe;
+      probe.endpoint = options_.endpoints[0];
+      probe.tls = options_.tls;
+      probe.timeout = options_.dial_timeout;
+      wire::Hello hello;
+      hello.set_token(options_.token);
+      hello.set_role(wire::CLIENT);
+      hello.set_region(options_.identity.region);
+      hello.set_node_id(options_.identity.node_id + "-probe");
+      hello.set_channel(wire::DATA);
+      auto probed = co_await transport::Dial(probe, hello);
+      if (probed.ok()) {
+        (*probed)->Close(Status::Unavailable("probe done"));
+        spdlog::info("preferred upstream {} is back; switching", probe.endpoint.ToString());
+        connection->Close(Status::Unavailable("switching to the preferred upstream"));
+      }
+    }
+  }
 }
 
 awaitable<void> Upstream::RunControl(std::function<void(Catalog)> on_catalog,
@@ -494,7 +509,8 @@ awaitable<void> Upstream::RunControl(std::function<void(Catalog)> on_catalog,
   }
 }
 
-awaitable<void> Upstream::StreamTask(std::shared_ptr<FetchState> state, std::shared_ptr<int> stream) {
+awaitable<void> Upstream::StreamTask(std::shared_ptr<FetchState> state,
+                                     std::shared_ptr<int> stream) {
   state->results[*stream] = co_await RunStream(*stream, *state->download, *state->pending,
                                                *state->requeued, *state->on_piece);
   --state->running;
@@ -512,9 +528,8 @@ awaitable<Status> Upstream::Fetch(Download& download, std::function<void(uint32_
   last_progress_ = Clock::now();
   const int streams = static_cast<int>(data_.size());
   transport::Signal finished(executor_);
-  auto state = std::make_shared<FetchState>(FetchState{&download, &pending, &requeued, &on_piece,
-                                                       std::vector<Status>(streams), streams,
-                                                       &finished});
+  auto state = std::make_shared<FetchState>(FetchState{
+      &download, &pending, &requeued, &on_piece, std::vector<Status>(streams), streams, &finished});
   for (int s = 0; s < streams; ++s) {
     asio::co_spawn(executor_, StreamTask(state, std::make_shared<int>(s)), asio::detached);
   }
@@ -530,7 +545,8 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
                                       std::vector<uint32_t>& pending, transport::Signal& requeued,
                                       const std::function<void(uint32_t)>& on_piece) {
   const ArtifactKey key = KeyOf(download.info);
-  const wire::ArtifactKind kind = key.kind == ArtifactKind::kKeyframe ? wire::KEYFRAME : wire::DELTA;
+  const wire::ArtifactKind kind =
+      key.kind == ArtifactKind::kKeyframe ? wire::KEYFRAME : wire::DELTA;
   std::vector<uint32_t> in_flight;
   auto requeue_in_flight = [&] {
     for (uint32_t index : in_flight) {
@@ -598,8 +614,8 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
     Result<Frame> frame = co_await connection->Receive(options_.give_up, "a piece");
     if (!frame.ok()) {
       spdlog::info("data stream {} to {}: {}; resuming {} with {}/{} pieces verified", stream,
-                   connection->peer(), frame.status().message(), Describe(key),
-                   download.have_count, download.have.size());
+                   connection->peer(), frame.status().message(), Describe(key), download.have_count,
+                   download.have.size());
       requeue_in_flight();
       continue;
     }
@@ -616,10 +632,10 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
       continue;
     }
     auto it = std::find(in_flight.begin(), in_flight.end(), index);
-    const bool matches = it != in_flight.end() &&
-                         (header.has_piece() ? header.piece().target_version()
-                                             : header.piece_unavailable().target_version()) ==
-                             key.target_version;
+    const bool matches =
+        it != in_flight.end() &&
+        (header.has_piece() ? header.piece().target_version()
+                            : header.piece_unavailable().target_version()) == key.target_version;
     if (!matches) {
       connection->Close(Status::Corruption("upstream " + connection->peer() +
                                            " sent a piece that was not requested"));

@@ -1,8 +1,7 @@
 #include "sync/publisher.h"
 
-#include <sys/stat.h>
-
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <map>
@@ -106,8 +105,8 @@ void Publisher::Impl::ScanDropsOnce() {
       auto [known, inserted] = known_commits.emplace(drop.version, stamp);
       if (first_scan || (!inserted && known->second == stamp)) continue;
       status = Status::InvalidArgument("version " + std::to_string(drop.version) +
-                                       " is not above the last published v" +
-                                       std::to_string(last) + " (a replayed or reused version)");
+                                       " is not above the last published v" + std::to_string(last) +
+                                       " (a replayed or reused version)");
     } else {
       Result<Checkpoint> checkpoint = OpenDrop(drop);
       status = checkpoint.status();
@@ -156,7 +155,7 @@ void Publisher::Impl::Announce() {
 }
 
 awaitable<Result<PieceSource::Piece>> Publisher::Impl::GetPiece(const ArtifactKey& key,
-                                                                 uint32_t index) {
+                                                                uint32_t index) {
   const ArtifactInfo* info = nullptr;
   for (const ArtifactInfo& candidate : artifacts) {
     if (KeyOf(candidate) == key) info = &candidate;
@@ -310,9 +309,17 @@ Result<std::vector<ArtifactInfo>> Publisher::Publish(uint64_t version,
   return written;
 }
 
-uint16_t Publisher::port() const { return impl_->server->port(); }
-uint16_t Publisher::http_port() const { return impl_->http->port(); }
-uint64_t Publisher::version() const { return impl_->log->head_version(); }
-nlohmann::json Publisher::StatusJson() const { return impl_->StatusJson(); }
+uint16_t Publisher::port() const {
+  return impl_->server->port();
+}
+uint16_t Publisher::http_port() const {
+  return impl_->http->port();
+}
+uint64_t Publisher::version() const {
+  return impl_->log->head_version();
+}
+nlohmann::json Publisher::StatusJson() const {
+  return impl_->StatusJson();
+}
 
 }  // namespace flywheel::sync

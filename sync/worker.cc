@@ -41,7 +41,7 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   transport::Signal catalog_changed;
   std::map<uint64_t, Clock::time_point> head_seen;  // when a head version was first announced
   std::map<std::pair<ArtifactKey, std::string>, bool> rejected;  // (artifact, target hash)
-  std::map<ArtifactKey, std::unique_ptr<Download>> downloads;  // partial, kept for resume
+  std::map<ArtifactKey, std::unique_ptr<Download>> downloads;    // partial, kept for resume
   uint64_t artifacts_rejected = 0;
   uint64_t swaps = 0;
   uint64_t exports = 0;
@@ -71,7 +71,8 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   }
   void PublishServed() {  // REQUIRES: weights_mutex held
     std::lock_guard lock(served_mutex);
-    if (served.version != version.load() || served.hash != hash) served.swap_unix_us = UnixMicrosNow();
+    if (served.version != version.load() || served.hash != hash)
+      served.swap_unix_us = UnixMicrosNow();
     served.version = version.load();
     served.hash = hash;
   }
@@ -157,16 +158,17 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
   const delta::Manifest& manifest = view.manifest();
   if (manifest.keyframe != (info.kind == ArtifactKind::kKeyframe) ||
       manifest.target_version != info.target_version || manifest.target_hash != info.target_hash ||
-      (!manifest.keyframe && (manifest.base_version != info.base_version ||
-                              manifest.base_hash != info.base_hash))) {
+      (!manifest.keyframe &&
+       (manifest.base_version != info.base_version || manifest.base_hash != info.base_hash))) {
     return flywheel::Status::Corruption(what + " does not match its catalog entry");
   }
   const int threads = std::max(1, options.common.threads);
   if (!manifest.keyframe) {
     std::unique_lock lock(weights_mutex);
     if (version.load() != manifest.base_version || hash != manifest.base_hash) {
-      return flywheel::Status::Mismatch(what + " applies to v" + std::to_string(manifest.base_version) +
-                                        " (" + manifest.base_hash.ToHex() + ") but this worker serves v" +
+      return flywheel::Status::Mismatch(what + " applies to v" +
+                                        std::to_string(manifest.base_version) + " (" +
+                                        manifest.base_hash.ToHex() + ") but this worker serves v" +
                                         std::to_string(version.load()) + " (" + hash.ToHex() + ")");
     }
     delta::ApplyOptions apply;
@@ -222,7 +224,8 @@ void Worker::Impl::Export(uint64_t serving_version) {
   std::error_code ec;
   fs::create_directories(options.export_dir, ec);
   char name[64];
-  std::snprintf(name, sizeof name, "v%llu.safetensors", static_cast<unsigned long long>(serving_version));
+  std::snprintf(name, sizeof name, "v%llu.safetensors",
+                static_cast<unsigned long long>(serving_version));
   const std::string path = (fs::path(options.export_dir) / name).string();
   std::map<std::string, std::string> metadata{{"flywheel_version", std::to_string(serving_version)},
                                               {"flywheel_weights_hash", hash.ToHex()}};
@@ -276,7 +279,8 @@ awaitable<void> Worker::Impl::UpdateLoop() {
         co_await transport::SleepFor(200ms);
         break;
       }
-      const auto fetch_ms = std::chrono::duration<double, std::milli>(Clock::now() - fetch_start).count();
+      const auto fetch_ms =
+          std::chrono::duration<double, std::milli>(Clock::now() - fetch_start).count();
       const auto apply_start = Clock::now();
       auto bytes = download.bytes;
       auto task = std::make_shared<ArtifactInfo>(info);
@@ -384,29 +388,29 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
           raw->OnCatalog(std::move(catalog));
         };
         std::function<wire::Report()> make_report = [raw = impl.get()] {
-              wire::Report report;
-              wire::NodeState* node = report.add_nodes();
-              node->set_node_id(raw->identity.node_id);
-              node->set_region(raw->identity.region);
-              node->set_role(wire::WORKER);
-              const Impl::Served served = raw->ServedNow();
-              node->set_version(served.version);
-              node->set_weights_hash(HashBytesOf(served.hash));
-              node->set_bytes_in(raw->links.bytes_in());
-              node->set_bytes_out(raw->links.bytes_out());
-              node->set_upstream(raw->upstream->current());
-              return report;
-            };
+          wire::Report report;
+          wire::NodeState* node = report.add_nodes();
+          node->set_node_id(raw->identity.node_id);
+          node->set_region(raw->identity.region);
+          node->set_role(wire::WORKER);
+          const Impl::Served served = raw->ServedNow();
+          node->set_version(served.version);
+          node->set_weights_hash(HashBytesOf(served.hash));
+          node->set_bytes_in(raw->links.bytes_in());
+          node->set_bytes_out(raw->links.bytes_out());
+          node->set_upstream(raw->upstream->current());
+          return report;
+        };
         co_await impl->upstream->RunControl(on_catalog, make_report);
       },
       asio::detached);
   asio::co_spawn(executor, impl->UpdateLoop(), asio::detached);
   if (!options.common.ready_file.empty()) {
     const std::string host = options.common.http.host;
-    FW_RETURN_IF_ERROR(WriteReadyFile(
-        options.common.ready_file,
-        {{"http", transport::Endpoint{host, impl->http->port()}.ToString()},
-         {"node_id", impl->identity.node_id}}));
+    FW_RETURN_IF_ERROR(
+        WriteReadyFile(options.common.ready_file,
+                       {{"http", transport::Endpoint{host, impl->http->port()}.ToString()},
+                        {"node_id", impl->identity.node_id}}));
   }
   spdlog::info("worker {} (region {}) serving HTTP on port {}", impl->identity.node_id,
                impl->identity.region, impl->http->port());
@@ -428,8 +432,12 @@ void Worker::Stop() {
   });
 }
 
-uint16_t Worker::http_port() const { return impl_->http->port(); }
-uint64_t Worker::version() const { return impl_->version.load(); }
+uint16_t Worker::http_port() const {
+  return impl_->http->port();
+}
+uint64_t Worker::version() const {
+  return impl_->version.load();
+}
 Hash128 Worker::weights_hash() const {
   std::shared_lock lock(impl_->weights_mutex);
   return impl_->hash;
@@ -442,6 +450,8 @@ void Worker::WithWeights(const std::function<void(uint64_t, const CheckpointView
   }
   fn(impl_->version.load(), impl_->weights.view());
 }
-nlohmann::json Worker::StatusJson() const { return impl_->StatusJson(); }
+nlohmann::json Worker::StatusJson() const {
+  return impl_->StatusJson();
+}
 
 }  // namespace flywheel::sync

@@ -19,12 +19,14 @@ struct Connection::Stream {
 
   template <typename Buffers>
   awaitable<size_t> Read(const Buffers& buffers, error_code& ec) {
-    if (tls) co_return co_await asio::async_read(*tls, buffers, asio::redirect_error(use_awaitable, ec));
+    if (tls)
+      co_return co_await asio::async_read(*tls, buffers, asio::redirect_error(use_awaitable, ec));
     co_return co_await asio::async_read(*plain, buffers, asio::redirect_error(use_awaitable, ec));
   }
   template <typename Buffers>
   awaitable<size_t> Write(const Buffers& buffers, error_code& ec) {
-    if (tls) co_return co_await asio::async_write(*tls, buffers, asio::redirect_error(use_awaitable, ec));
+    if (tls)
+      co_return co_await asio::async_write(*tls, buffers, asio::redirect_error(use_awaitable, ec));
     co_return co_await asio::async_write(*plain, buffers, asio::redirect_error(use_awaitable, ec));
   }
   void Close() {
@@ -82,8 +84,7 @@ std::string PeerName(tcp::socket& socket) {
 
 }  // namespace
 
-Connection::Connection(std::shared_ptr<Stream> stream, std::string peer,
-                       ConnectionOptions options)
+Connection::Connection(std::shared_ptr<Stream> stream, std::string peer, ConnectionOptions options)
     : stream_(std::move(stream)),
       peer_(std::move(peer)),
       options_(std::move(options)),
@@ -95,16 +96,22 @@ Connection::Connection(std::shared_ptr<Stream> stream, std::string peer,
 
 Connection::~Connection() = default;
 
-asio::any_io_executor Connection::executor() const { return stream_->lowest().get_executor(); }
+asio::any_io_executor Connection::executor() const {
+  return stream_->lowest().get_executor();
+}
 
 void Connection::Start() {
   last_rx_ = last_tx_ = Clock::now();
   auto self = shared_from_this();
   auto ex = executor();
-  asio::co_spawn(ex, [self]() { return self->ReadLoop(); }, asio::detached);
-  asio::co_spawn(ex, [self]() { return self->WriteLoop(); }, asio::detached);
-  asio::co_spawn(ex, [self]() { return self->HeartbeatLoop(); }, asio::detached);
-  asio::co_spawn(ex, [self]() { return self->Watchdog(); }, asio::detached);
+  asio::co_spawn(
+      ex, [self]() { return self->ReadLoop(); }, asio::detached);
+  asio::co_spawn(
+      ex, [self]() { return self->WriteLoop(); }, asio::detached);
+  asio::co_spawn(
+      ex, [self]() { return self->HeartbeatLoop(); }, asio::detached);
+  asio::co_spawn(
+      ex, [self]() { return self->Watchdog(); }, asio::detached);
 }
 
 void Connection::Close(Status reason) {
@@ -133,7 +140,8 @@ void Connection::CloseAfterFlush(Status reason) {
 awaitable<Status> Connection::Send(Frame frame) {
   while (!closed_ && outbound_bytes_ > options_.max_queued_bytes) co_await outbound_space_.Wait();
   if (closed_ || close_after_flush_) {
-    co_return closed_ ? close_reason_ : Status::Unavailable("connection to " + peer_ + " is closing");
+    co_return closed_ ? close_reason_
+                      : Status::Unavailable("connection to " + peer_ + " is closing");
   }
   const size_t bytes = frame.wire_bytes();
   const Clock::time_point now = Clock::now();
@@ -186,7 +194,8 @@ awaitable<void> Connection::ReadLoop() {
   while (!closed_) {
     if (inbound_bytes_ > options_.max_inbound_bytes) {
       reader_paused_ = true;
-      while (!closed_ && inbound_bytes_ > options_.max_inbound_bytes) co_await inbound_space_.Wait();
+      while (!closed_ && inbound_bytes_ > options_.max_inbound_bytes)
+        co_await inbound_space_.Wait();
       reader_paused_ = false;
       last_rx_ = Clock::now();
       continue;
@@ -207,7 +216,8 @@ awaitable<void> Connection::ReadLoop() {
     header_bytes.resize(prefix->header_bytes);
     co_await stream_->Read(asio::buffer(header_bytes), ec);
     if (ec) {
-      Close(Status::Unavailable("connection to " + peer_ + " lost in a frame header: " + ec.message()));
+      Close(Status::Unavailable("connection to " + peer_ +
+                                " lost in a frame header: " + ec.message()));
       co_return;
     }
     Result<wire::Header> header = ParseFrameHeader(header_bytes, *prefix, peer_);
@@ -290,10 +300,10 @@ awaitable<void> Connection::HeartbeatLoop() {
     if (closed_ || close_after_flush_) co_return;
     if (Clock::now() - last_tx_ < options_.heartbeat || !outbound_.empty()) continue;
     wire::Header header;
-    header.mutable_heartbeat()->set_unix_ms(static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(
-            std::chrono::system_clock::now().time_since_epoch())
-            .count()));
+    header.mutable_heartbeat()->set_unix_ms(
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  std::chrono::system_clock::now().time_since_epoch())
+                                  .count()));
     // Unshaped and outside the queue limit: it carries no data and must not wait.
     Frame frame = MakeFrame(std::move(header));
     const size_t bytes = frame.wire_bytes();
@@ -340,15 +350,16 @@ awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::H
   const Endpoint& endpoint = options.endpoint;
   error_code ec;
   tcp::resolver resolver(executor);
-  auto addresses = co_await resolver.async_resolve(
-      endpoint.host, std::to_string(endpoint.port), asio::redirect_error(use_awaitable, ec));
+  auto addresses = co_await resolver.async_resolve(endpoint.host, std::to_string(endpoint.port),
+                                                   asio::redirect_error(use_awaitable, ec));
   if (ec) co_return StepFailed("resolving", endpoint, ec);
 
   auto stream = std::make_shared<Connection::Stream>();
   stream->plain.emplace(executor);
   {
     DeadlineGuard guard(stream, deadline);
-    co_await asio::async_connect(*stream->plain, addresses, asio::redirect_error(use_awaitable, ec));
+    co_await asio::async_connect(*stream->plain, addresses,
+                                 asio::redirect_error(use_awaitable, ec));
     if (guard.expired()) ec = asio::error::timed_out;
   }
   if (ec) co_return StepFailed("connecting", endpoint, ec);
@@ -371,8 +382,8 @@ awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::H
     if (ec) co_return StepFailed("TLS handshake", endpoint, ec);
   }
 
-  auto connection = std::make_shared<Connection>(std::move(stream), endpoint.ToString(),
-                                                 options.connection);
+  auto connection =
+      std::make_shared<Connection>(std::move(stream), endpoint.ToString(), options.connection);
   connection->Start();
   hello.set_protocol(kProtocolVersion);
   wire::Header header;
@@ -500,8 +511,9 @@ awaitable<void> Listener::Impl::Serve(tcp::socket socket) {
   }
   const wire::Hello& hello = first->header.hello();
   if (hello.protocol() != kProtocolVersion) {
-    co_await refuse("protocol " + std::to_string(hello.protocol()) + " is not supported (this node speaks " +
-                    std::to_string(kProtocolVersion) + ")");
+    co_await refuse("protocol " + std::to_string(hello.protocol()) +
+                    " is not supported (this node speaks " + std::to_string(kProtocolVersion) +
+                    ")");
     co_return;
   }
   if (!options.token.empty() && !TokensEqual(hello.token(), options.token)) {
@@ -552,7 +564,9 @@ Result<std::unique_ptr<Listener>> Listener::Bind(asio::any_io_executor executor,
   return std::unique_ptr<Listener>(new Listener(std::move(impl)));
 }
 
-Listener::~Listener() { Stop(); }
+Listener::~Listener() {
+  Stop();
+}
 
 void Listener::Start(std::function<wire::Welcome(const wire::Hello&)> make_welcome,
                      PeerHandler on_peer) {

@@ -35,12 +35,12 @@ namespace flywheel::transport {
 
 struct ConnectionOptions {
   FrameLimits limits;
-  std::chrono::milliseconds heartbeat{1000};      // send a heartbeat when idle this long
-  std::chrono::milliseconds idle_timeout{5000};   // drop a peer silent this long
-  std::chrono::milliseconds io_timeout{10000};    // drop when one write takes this long
-  size_t max_queued_bytes = 8u << 20;             // outbound; Send() waits beyond this
-  size_t max_inbound_bytes = 8u << 20;            // read-ahead; reading pauses beyond this
-  LinkShaping shaping;                            // none by default
+  std::chrono::milliseconds heartbeat{1000};     // send a heartbeat when idle this long
+  std::chrono::milliseconds idle_timeout{5000};  // drop a peer silent this long
+  std::chrono::milliseconds io_timeout{10000};   // drop when one write takes this long
+  size_t max_queued_bytes = 8u << 20;            // outbound; Send() waits beyond this
+  size_t max_inbound_bytes = 8u << 20;           // read-ahead; reading pauses beyond this
+  LinkShaping shaping;                           // none by default
 };
 
 // Wakes every coroutine waiting on it (single-threaded use on one executor).
@@ -150,10 +150,10 @@ struct DialOptions {
 awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::Hello hello);
 
 struct ListenerOptions {
-  std::shared_ptr<asio::ssl::context> tls;             // null: plain TCP
-  std::string token;                                   // empty: no token required
-  std::chrono::milliseconds handshake_timeout{5000};   // TLS handshake + Hello
-  size_t max_connections = 1024;                       // more are closed at once
+  std::shared_ptr<asio::ssl::context> tls;            // null: plain TCP
+  std::string token;                                  // empty: no token required
+  std::chrono::milliseconds handshake_timeout{5000};  // TLS handshake + Hello
+  size_t max_connections = 1024;                      // more are closed at once
   ConnectionOptions connection;
   // Shaping for a peer, decided from its Hello (e.g. by region). Null: options above.
   std::function<LinkShaping(const wire::Hello&)> shaping_for;

@@ -42,7 +42,8 @@ class FaultProxy {
       : target_port_(target_port), options_(options), corrupt_left_(options.corrupt_pieces) {
     listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in address = Loopback(0);
-    if (listen_fd_ < 0 || ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
+    if (listen_fd_ < 0 ||
+        ::bind(listen_fd_, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
         ::listen(listen_fd_, 64) != 0) {
       error_ = "cannot listen: " + std::string(std::strerror(errno));
       return;
@@ -117,7 +118,8 @@ class FaultProxy {
       if (client < 0) continue;
       const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
       sockaddr_in target = Loopback(target_port_);
-      if (server < 0 || ::connect(server, reinterpret_cast<sockaddr*>(&target), sizeof target) != 0) {
+      if (server < 0 ||
+          ::connect(server, reinterpret_cast<sockaddr*>(&target), sizeof target) != 0) {
         if (server >= 0) ::close(server);
         ::close(client);
         continue;
@@ -186,8 +188,10 @@ class FaultProxy {
           !RecvAll(server, payload.data(), payload.size())) {
         return;
       }
-      Result<wire::Header> header = transport::ParseFrameHeader(header_bytes, *prefix, "fault proxy");
-      if (header.ok() && header->has_piece() && !payload.empty() && corrupt_left_.fetch_sub(1) > 0) {
+      Result<wire::Header> header =
+          transport::ParseFrameHeader(header_bytes, *prefix, "fault proxy");
+      if (header.ok() && header->has_piece() && !payload.empty() &&
+          corrupt_left_.fetch_sub(1) > 0) {
         payload[payload.size() / 2] ^= std::byte{0x5a};
         ++corrupted_;
       }

@@ -61,8 +61,8 @@ using flywheel::testing::TensorSpec;
 using Clock = std::chrono::steady_clock;
 
 constexpr auto kWait = std::chrono::milliseconds(20000);  // for anything a test waits on
-constexpr uint64_t kPieceBytes = 64 << 10;                 // --piece-kib 64
-constexpr double kChangedFraction = 0.02;                  // words replaced per version
+constexpr uint64_t kPieceBytes = 64 << 10;                // --piece-kib 64
+constexpr double kChangedFraction = 0.02;                 // words replaced per version
 
 // About 6 MB of bf16 weights plus a small f32 tensor: random bytes, so a keyframe does not
 // compress and a delta is a few percent of it.
@@ -107,7 +107,8 @@ class Lineage {
   std::string Hex(uint64_t version) { return HashOf(At(version)).ToHex(); }
   // Content no version of this lineage has: `version`'s predecessor changed differently.
   OwnedCheckpoint Impostor(uint64_t version) {
-    return Mutate(At(version - 1), kChangedFraction, seed_ * 7919 + version + 1, Change::kArbitrary);
+    return Mutate(At(version - 1), kChangedFraction, seed_ * 7919 + version + 1,
+                  Change::kArbitrary);
   }
 
  private:
@@ -179,10 +180,10 @@ uint16_t FreePort() {
 // One spawned flywheel process.
 struct Node {
   std::string name;
-  pid_t pid = -1;         // -1 once reaped
-  int wait_status = -1;   // from waitpid, once reaped
-  fs::path log;           // stdout and stderr, appended across restarts
-  fs::path ready;         // --ready-file
+  pid_t pid = -1;              // -1 once reaped
+  int wait_status = -1;        // from waitpid, once reaped
+  fs::path log;                // stdout and stderr, appended across restarts
+  fs::path ready;              // --ready-file
   transport::Endpoint listen;  // data plane (publisher, relay)
   transport::Endpoint http;
   // What its HTTP endpoint wants from a client.
@@ -330,14 +331,16 @@ class FleetTest : public ::testing::Test {
       if (in) {
         json ready = json::parse(in, nullptr, /*allow_exceptions=*/false);
         if (!ready.is_discarded() && ready.contains("http")) {
-          Result<transport::Endpoint> http = transport::ParseEndpoint(ready["http"].get<std::string>());
+          Result<transport::Endpoint> http =
+              transport::ParseEndpoint(ready["http"].get<std::string>());
           if (!http.ok()) {
             ADD_FAILURE() << node.name << " ready file: " << http.status().ToString();
             return false;
           }
           node.http = *http;
           if (ready.contains("listen")) {
-            Result<transport::Endpoint> listen = transport::ParseEndpoint(ready["listen"].get<std::string>());
+            Result<transport::Endpoint> listen =
+                transport::ParseEndpoint(ready["listen"].get<std::string>());
             if (!listen.ok()) {
               ADD_FAILURE() << node.name << " ready file: " << listen.status().ToString();
               return false;
@@ -348,8 +351,9 @@ class FleetTest : public ::testing::Test {
         }
       }
       if (Exited(node)) {
-        ADD_FAILURE() << node.name << " exited before it was ready (" << DescribeWait(node.wait_status)
-                      << "):\n" << Tail(node, 20);
+        ADD_FAILURE() << node.name << " exited before it was ready ("
+                      << DescribeWait(node.wait_status) << "):\n"
+                      << Tail(node, 20);
         return false;
       }
       if (Clock::now() > deadline) {
@@ -361,8 +365,15 @@ class FleetTest : public ::testing::Test {
   }
 
   std::vector<std::string> CommonArgs(const std::string& name) const {
-    return {"--http",         "127.0.0.1:0", "--node-id",         name,  "--ready-file",
-            (dir_ / (name + ".ready")).string(), "--heartbeat-ms", "100", "--peer-timeout-ms",
+    return {"--http",
+            "127.0.0.1:0",
+            "--node-id",
+            name,
+            "--ready-file",
+            (dir_ / (name + ".ready")).string(),
+            "--heartbeat-ms",
+            "100",
+            "--peer-timeout-ms",
             "1000"};
   }
 
@@ -374,17 +385,25 @@ class FleetTest : public ::testing::Test {
 
   Node* StartPublisher(const std::string& name, const std::vector<std::string>& extra = {},
                        const std::string& listen = "127.0.0.1:0") {
-    std::vector<std::string> args = {"publish",   "--listen", listen, "--state-dir",
-                                     StateDir(name).string(), "--watch", watch_.string(),
-                                     "--piece-kib", std::to_string(kPieceBytes >> 10),
-                                     "--poll-ms", "20"};
+    std::vector<std::string> args = {"publish",
+                                     "--listen",
+                                     listen,
+                                     "--state-dir",
+                                     StateDir(name).string(),
+                                     "--watch",
+                                     watch_.string(),
+                                     "--piece-kib",
+                                     std::to_string(kPieceBytes >> 10),
+                                     "--poll-ms",
+                                     "20"};
     for (const std::string& arg : CommonArgs(name)) args.push_back(arg);
     args.insert(args.end(), extra.begin(), extra.end());
     return Started(Spawn(name, args));
   }
 
   Node* StartRelay(const std::string& name, const std::string& region,
-                   const std::vector<std::string>& upstreams, const std::vector<std::string>& extra = {}) {
+                   const std::vector<std::string>& upstreams,
+                   const std::vector<std::string>& extra = {}) {
     std::vector<std::string> args = {"relay", "--region", region, "--listen", "127.0.0.1:0"};
     for (const std::string& upstream : upstreams) {
       args.push_back("--upstream");
@@ -396,7 +415,8 @@ class FleetTest : public ::testing::Test {
   }
 
   Node& SpawnWorker(const std::string& name, const std::string& region,
-                    const std::vector<std::string>& upstreams, const std::vector<std::string>& extra = {}) {
+                    const std::vector<std::string>& upstreams,
+                    const std::vector<std::string>& extra = {}) {
     std::vector<std::string> args = {"worker", "--region", region};
     for (const std::string& upstream : upstreams) {
       args.push_back("--upstream");
@@ -408,7 +428,8 @@ class FleetTest : public ::testing::Test {
   }
 
   Node* StartWorker(const std::string& name, const std::string& region,
-                    const std::vector<std::string>& upstreams, const std::vector<std::string>& extra = {}) {
+                    const std::vector<std::string>& upstreams,
+                    const std::vector<std::string>& extra = {}) {
     return Started(SpawnWorker(name, region, upstreams, extra));
   }
 
@@ -435,7 +456,8 @@ class FleetTest : public ::testing::Test {
 
   // Polls `node`'s status until `holds`; on timeout adds a failure naming `what` with the
   // last status seen.
-  bool WaitStatus(const Node& node, const std::string& what, const std::function<bool(const json&)>& holds,
+  bool WaitStatus(const Node& node, const std::string& what,
+                  const std::function<bool(const json&)>& holds,
                   std::chrono::milliseconds timeout = kWait) {
     const auto deadline = Clock::now() + timeout;
     json last;
@@ -448,13 +470,14 @@ class FleetTest : public ::testing::Test {
       std::this_thread::sleep_for(20ms);
     }
     ADD_FAILURE() << node.name << ": not " << what << " within " << timeout.count()
-                  << " ms; last status:\n" << Brief(last);
+                  << " ms; last status:\n"
+                  << Brief(last);
     return false;
   }
 
   // `holds` stays true of `node`'s status for `duration` (checked every 50 ms).
-  bool Holds(const Node& node, const std::string& what, const std::function<bool(const json&)>& holds,
-             std::chrono::milliseconds duration) {
+  bool Holds(const Node& node, const std::string& what,
+             const std::function<bool(const json&)>& holds, std::chrono::milliseconds duration) {
     const auto deadline = Clock::now() + duration;
     while (Clock::now() < deadline) {
       json status = StatusOrEmpty(node);
@@ -564,8 +587,8 @@ TEST_F(FleetTest, HappyPathTwoRegions) {
     EXPECT_GE(relay_in, artifact_bytes) << Brief(relay_status);
     EXPECT_LT(relay_in, artifact_bytes + artifact_bytes / 10 + (256u << 10)) << Brief(relay_status);
     EXPECT_GE(workers_in, 2 * artifact_bytes) << region;
-    EXPECT_LT(relay_in, workers_in * 6 / 10) << region << ": relay took " << relay_in
-                                             << " bytes, its workers " << workers_in;
+    EXPECT_LT(relay_in, workers_in * 6 / 10)
+        << region << ": relay took " << relay_in << " bytes, its workers " << workers_in;
     EXPECT_EQ(U64(relay_status, "pieces_rejected"), 0u);
   }
 }
@@ -576,7 +599,8 @@ TEST_F(FleetTest, JoiningWorker) {
   Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()});
   ASSERT_NE(relay, nullptr);
   for (uint64_t version = 1; version <= 3; ++version) ASSERT_TRUE(Publish(*publisher, version));
-  ASSERT_TRUE(WaitStatus(*relay, "announcing v3", [](const json& s) { return U64(s, "head_version") == 3; }));
+  ASSERT_TRUE(WaitStatus(*relay, "announcing v3",
+                         [](const json& s) { return U64(s, "head_version") == 3; }));
 
   Node* worker = StartWorker("worker-late", "eu", {relay->upstream()});
   ASSERT_NE(worker, nullptr);
@@ -634,7 +658,8 @@ TEST_F(FleetTest, PastRetentionKeyframe) {
   ASSERT_TRUE(WaitStatus(*worker, "catching up to v8", Serves(8, lineage_.Hex(8))));
   const json after = StatusOrEmpty(*worker);
   // Through keyframe v7: the delta chain from v1 is gone.
-  EXPECT_GT(U64(after, "piece_bytes") - U64(before, "piece_bytes"), keyframe_bytes / 2) << Brief(after);
+  EXPECT_GT(U64(after, "piece_bytes") - U64(before, "piece_bytes"), keyframe_bytes / 2)
+      << Brief(after);
   EXPECT_EQ(U64(after, "artifacts_rejected"), 0u) << Brief(after);
   EXPECT_EQ(U64(after, "pieces_rejected"), 0u) << Brief(after);
 }
@@ -649,11 +674,13 @@ TEST_F(FleetTest, RelayKilledMidTransfer) {
   // 2 MB/s from the publisher: the 6 MB keyframe takes about 3 s through the relay.
   Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()}, {"--wan-rate", "2000000"});
   ASSERT_NE(relay, nullptr);
-  ASSERT_TRUE(WaitStatus(*relay, "announcing v1", [](const json& s) { return U64(s, "head_version") == 1; }));
+  ASSERT_TRUE(WaitStatus(*relay, "announcing v1",
+                         [](const json& s) { return U64(s, "head_version") == 1; }));
 
   Node* worker = StartWorker("worker", "eu", {relay->upstream(), publisher->upstream()});
   ASSERT_NE(worker, nullptr);
-  ASSERT_TRUE(WaitStatus(*worker, "receiving pieces", [](const json& s) { return U64(s, "piece_bytes") > 0; }));
+  ASSERT_TRUE(WaitStatus(*worker, "receiving pieces",
+                         [](const json& s) { return U64(s, "piece_bytes") > 0; }));
   const json at_kill = StatusOrEmpty(*worker);
   KillNow(*relay);
   EXPECT_EQ(Str(at_kill, "upstream"), relay->upstream()) << Brief(at_kill);
@@ -665,8 +692,9 @@ TEST_F(FleetTest, RelayKilledMidTransfer) {
   EXPECT_EQ(U64(after, "artifacts_rejected"), 0u) << Brief(after);
   // Pieces verified before the kill were kept, none fetched twice.
   EXPECT_EQ(U64(after, "piece_bytes"), keyframe_bytes) << Brief(after);
-  ASSERT_TRUE(WaitStatus(*worker, "subscribed to the publisher",
-                         [&](const json& s) { return Str(s, "upstream") == publisher->upstream(); }));
+  ASSERT_TRUE(WaitStatus(*worker, "subscribed to the publisher", [&](const json& s) {
+    return Str(s, "upstream") == publisher->upstream();
+  }));
   // And it keeps following from there.
   ASSERT_TRUE(Publish(*publisher, 2));
   ASSERT_TRUE(WaitStatus(*worker, "serving v2", Serves(2, lineage_.Hex(2))));
@@ -717,7 +745,8 @@ TEST_F(FleetTest, RelayFlipsAByte) {
   EXPECT_EQ(proxy.corrupted(), 3);
   const json status = StatusOrEmpty(*worker);
   // Every damaged piece was caught by its checksum and fetched again; no artifact failed.
-  EXPECT_EQ(U64(status, "pieces_rejected"), static_cast<uint64_t>(proxy.corrupted())) << Brief(status);
+  EXPECT_EQ(U64(status, "pieces_rejected"), static_cast<uint64_t>(proxy.corrupted()))
+      << Brief(status);
   EXPECT_EQ(U64(status, "artifacts_rejected"), 0u) << Brief(status);
 }
 
@@ -732,7 +761,8 @@ TEST_F(FleetTest, ReplayedOldVersion) {
     ASSERT_NE(workers.back(), nullptr);
   }
   for (uint64_t version = 1; version <= 3; ++version) ASSERT_TRUE(Publish(*publisher, version));
-  for (Node* worker : workers) ASSERT_TRUE(WaitStatus(*worker, "serving v3", Serves(3, lineage_.Hex(3))));
+  for (Node* worker : workers)
+    ASSERT_TRUE(WaitStatus(*worker, "serving v3", Serves(3, lineage_.Hex(3))));
 
   // A replay of v2, and a v3 with other content.
   ASSERT_TRUE(Drop(2, lineage_.At(2)));
@@ -743,7 +773,8 @@ TEST_F(FleetTest, ReplayedOldVersion) {
 
   // The publisher is not wedged: the next version goes out.
   ASSERT_TRUE(Publish(*publisher, 4));
-  for (Node* worker : workers) ASSERT_TRUE(WaitStatus(*worker, "serving v4", Serves(4, lineage_.Hex(4))));
+  for (Node* worker : workers)
+    ASSERT_TRUE(WaitStatus(*worker, "serving v4", Serves(4, lineage_.Hex(4))));
 
   // publisher.h: a drop whose version is not above the last published is rejected with a
   // logged reason and listed in /v1/status.
@@ -778,13 +809,13 @@ TEST_F(FleetTest, MalformedDrop) {
   // v5: complete but never committed: not read at all.
   ASSERT_TRUE(Drop(5, lineage_.At(5), /*commit=*/false));
 
-  ASSERT_TRUE(WaitStatus(*publisher, "rejecting v2 and v3", [](const json& s) {
-    return U64(s, "drops_rejected") >= 2;
-  }));
+  ASSERT_TRUE(WaitStatus(*publisher, "rejecting v2 and v3",
+                         [](const json& s) { return U64(s, "drops_rejected") >= 2; }));
   const json status = StatusOrEmpty(*publisher);
   EXPECT_TRUE(Serves(1, lineage_.Hex(1))(status)) << Brief(status);
   std::map<uint64_t, std::string> reasons;
-  for (const json& drop : status["rejected_drops"]) reasons[U64(drop, "version")] = Str(drop, "reason");
+  for (const json& drop : status["rejected_drops"])
+    reasons[U64(drop, "version")] = Str(drop, "reason");
   ASSERT_EQ(reasons.size(), 2u) << Brief(status);
   for (const uint64_t version : {2, 3}) {
     const std::string& reason = reasons[version];
@@ -794,9 +825,10 @@ TEST_F(FleetTest, MalformedDrop) {
   }
   EXPECT_NE(ReadText(publisher->log).find("rejected drop"), std::string::npos);
   EXPECT_TRUE(Holds(*worker, "serving v1", Serves(1, lineage_.Hex(1)), 500ms));
-  EXPECT_TRUE(Holds(*publisher, "ignoring uncommitted v5",
-                    [](const json& s) { return U64(s, "version") == 1 && U64(s, "drops_rejected") == 2; },
-                    500ms));
+  EXPECT_TRUE(Holds(
+      *publisher, "ignoring uncommitted v5",
+      [](const json& s) { return U64(s, "version") == 1 && U64(s, "drops_rejected") == 2; },
+      500ms));
 
   // The next good drop goes out; v5 is never read (committing it later is too late).
   ASSERT_TRUE(Drop(4, lineage_.At(4)));
@@ -818,10 +850,11 @@ TEST_F(FleetTest, WrongOrMissingToken) {
   ASSERT_NE(worker, nullptr);
   worker->token = token;
   // Wrong and missing tokens, at the publisher and at the relay.
-  Node* wrong_at_publisher = StartWorker("wrong-at-publisher", "home", {publisher->upstream()},
-                                         {"--token", "not-it"});
+  Node* wrong_at_publisher =
+      StartWorker("wrong-at-publisher", "home", {publisher->upstream()}, {"--token", "not-it"});
   Node* missing_at_publisher = StartWorker("missing-at-publisher", "home", {publisher->upstream()});
-  Node* wrong_at_relay = StartWorker("wrong-at-relay", "eu", {relay->upstream()}, {"--token", "not-it"});
+  Node* wrong_at_relay =
+      StartWorker("wrong-at-relay", "eu", {relay->upstream()}, {"--token", "not-it"});
   ASSERT_NE(wrong_at_publisher, nullptr);
   ASSERT_NE(missing_at_publisher, nullptr);
   ASSERT_NE(wrong_at_relay, nullptr);
@@ -830,28 +863,32 @@ TEST_F(FleetTest, WrongOrMissingToken) {
   ASSERT_TRUE(Publish(*publisher, 1));
   ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
   for (Node* refused : {wrong_at_publisher, missing_at_publisher, wrong_at_relay}) {
-    EXPECT_TRUE(Holds(*refused, "unsubscribed at v0", [](const json& s) {
-      return U64(s, "version") == 0 && s.value("connected", true) == false && Str(s, "upstream").empty();
-    }, 300ms));
+    EXPECT_TRUE(Holds(
+        *refused, "unsubscribed at v0",
+        [](const json& s) {
+          return U64(s, "version") == 0 && s.value("connected", true) == false &&
+                 Str(s, "upstream").empty();
+        },
+        300ms));
   }
   EXPECT_NE(ReadText(publisher->log).find("wrong token"), std::string::npos);
   EXPECT_NE(ReadText(publisher->log).find("missing token"), std::string::npos);
   EXPECT_NE(ReadText(relay->log).find("wrong token"), std::string::npos);
   const json publisher_status = StatusOrEmpty(*publisher);
   for (const json& node : publisher_status["nodes"]) {
-    EXPECT_TRUE(Str(node, "node_id") == "relay-eu" || Str(node, "node_id") == "worker") << node.dump();
+    EXPECT_TRUE(Str(node, "node_id") == "relay-eu" || Str(node, "node_id") == "worker")
+        << node.dump();
   }
 
   // Every route of every role: /healthz is public, the rest need the token.
   for (Node* node : {publisher, relay, worker}) {
     for (const std::string route : {"/v1/status", "/metrics"}) {
-      for (const auto& [presented, expected] :
-           std::vector<std::pair<std::string, int>>{{"", 401}, {"not-it", 401}, {token + "x", 401},
-                                                    {token, 200}}) {
+      for (const auto& [presented, expected] : std::vector<std::pair<std::string, int>>{
+               {"", 401}, {"not-it", 401}, {token + "x", 401}, {token, 200}}) {
         Result<transport::HttpResponse> response = Get(*node, route, presented);
         ASSERT_TRUE(response.ok()) << node->name << route << ": " << response.status().ToString();
-        EXPECT_EQ(response->status, expected) << node->name << " " << route << " with token '"
-                                              << presented << "'";
+        EXPECT_EQ(response->status, expected)
+            << node->name << " " << route << " with token '" << presented << "'";
       }
     }
     Result<transport::HttpResponse> health = Get(*node, "/healthz", "");
@@ -890,7 +927,8 @@ TEST_F(FleetTest, TlsMutualAuth) {
   ASSERT_NE(rogue, nullptr);
   // No certificate at all: a worker is a TLS server too (its HTTP endpoint), so it refuses
   // to start rather than run half-configured.
-  Node& no_cert = SpawnWorker("no-cert", "home", {publisher->upstream()}, {"--tls-ca", file("ca.crt")});
+  Node& no_cert =
+      SpawnWorker("no-cert", "home", {publisher->upstream()}, {"--tls-ca", file("ca.crt")});
   EXPECT_NE(WaitExit(no_cert), 0);
   EXPECT_NE(ReadText(no_cert.log).find("--tls-cert"), std::string::npos) << Tail(no_cert, 5);
 
@@ -917,16 +955,19 @@ TEST_F(FleetTest, TlsMutualAuth) {
   Result<transport::HttpResponse> with_cert = Get(*publisher, "/v1/status", "");
   ASSERT_TRUE(with_cert.ok()) << with_cert.status().ToString();
   EXPECT_EQ(with_cert->status, 200);
-  Result<std::shared_ptr<asio::ssl::context>> ca_only = transport::MakeClientTlsContext({"", "", file("ca.crt")});
+  Result<std::shared_ptr<asio::ssl::context>> ca_only =
+      transport::MakeClientTlsContext({"", "", file("ca.crt")});
   ASSERT_TRUE(ca_only.ok());
   transport::HttpGetOptions no_client_cert;
   no_client_cert.tls = *ca_only;
   no_client_cert.timeout = 2s;
-  Result<transport::HttpResponse> without_cert = transport::HttpGet(publisher->http, "/v1/status", no_client_cert);
+  Result<transport::HttpResponse> without_cert =
+      transport::HttpGet(publisher->http, "/v1/status", no_client_cert);
   EXPECT_FALSE(without_cert.ok() && without_cert->status == 200);
   transport::HttpGetOptions plain;
   plain.timeout = 2s;
-  Result<transport::HttpResponse> over_plain = transport::HttpGet(publisher->http, "/v1/status", plain);
+  Result<transport::HttpResponse> over_plain =
+      transport::HttpGet(publisher->http, "/v1/status", plain);
   EXPECT_FALSE(over_plain.ok() && over_plain->status == 200);
   Result<transport::HttpResponse> worker_status = Get(*worker, "/healthz", "");
   if (!worker_status.ok()) {
@@ -976,12 +1017,14 @@ TEST_F(FleetTest, ExportDir) {
   Node* publisher = StartPublisher("publisher");
   ASSERT_NE(publisher, nullptr);
   const fs::path exports = dir_ / "exports";
-  Node* worker = StartWorker("worker", "home", {publisher->upstream()}, {"--export-dir", exports.string()});
+  Node* worker =
+      StartWorker("worker", "home", {publisher->upstream()}, {"--export-dir", exports.string()});
   ASSERT_NE(worker, nullptr);
   auto listing = [&] {
     std::set<std::string> names;
     std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(exports, ec)) names.insert(entry.path().filename());
+    for (const auto& entry : fs::directory_iterator(exports, ec))
+      names.insert(entry.path().filename());
     return names;
   };
 
@@ -997,11 +1040,14 @@ TEST_F(FleetTest, ExportDir) {
   Result<Hash128> hash = CheckpointHash(exported->tensors());
   ASSERT_TRUE(hash.ok());
   EXPECT_EQ(hash->ToHex(), lineage_.Hex(2));
-  EXPECT_EQ(exported->metadata().count("flywheel_version") ? exported->metadata().at("flywheel_version") : "",
+  EXPECT_EQ(exported->metadata().count("flywheel_version")
+                ? exported->metadata().at("flywheel_version")
+                : "",
             "2");
   Node& hash_command = Spawn("checkpoint-hash", {"checkpoint", "hash", v2.string()});
   ASSERT_EQ(WaitExit(hash_command), 0) << Tail(hash_command, 5);
-  EXPECT_NE(ReadText(hash_command.log).find(lineage_.Hex(2) + "  " + v2.string()), std::string::npos)
+  EXPECT_NE(ReadText(hash_command.log).find(lineage_.Hex(2) + "  " + v2.string()),
+            std::string::npos)
       << Tail(hash_command, 5);
 
   // --export-keep 2 (the default): v1 goes when v3 arrives.
@@ -1019,7 +1065,8 @@ class CraftedSource : public PieceSource {
  public:
   void Put(const ArtifactInfo& info, std::vector<std::byte> bytes) {
     std::lock_guard lock(mutex_);
-    artifacts_[KeyOf(info)] = {info, std::make_shared<const std::vector<std::byte>>(std::move(bytes))};
+    artifacts_[KeyOf(info)] = {info,
+                               std::make_shared<const std::vector<std::byte>>(std::move(bytes))};
   }
 
   awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override {
@@ -1051,8 +1098,9 @@ class CraftedSource : public PieceSource {
 };
 
 // A catalog entry for `bytes`, with whatever base the test says it has.
-ArtifactInfo Entry(ArtifactKind kind, uint64_t base_version, Hash128 base_hash, uint64_t target_version,
-                   Hash128 target_hash, const std::vector<std::byte>& bytes) {
+ArtifactInfo Entry(ArtifactKind kind, uint64_t base_version, Hash128 base_hash,
+                   uint64_t target_version, Hash128 target_hash,
+                   const std::vector<std::byte>& bytes) {
   ArtifactInfo info;
   info.kind = kind;
   info.base_version = base_version;
@@ -1173,10 +1221,12 @@ class CraftedUpstreamTest : public ::testing::Test {
           std::lock_guard lock(violations_mutex_);
           auto it = allowed_.find(version);
           if (it == allowed_.end() || !hash.ok() || *hash != it->second) {
-            violations_.push_back("served v" + std::to_string(version) + " with weights hashing to " +
+            violations_.push_back("served v" + std::to_string(version) +
+                                  " with weights hashing to " +
                                   (hash.ok() ? hash->ToHex() : hash.status().ToString()));
           }
-          if (version < highest) violations_.push_back("went back from v" + std::to_string(highest));
+          if (version < highest)
+            violations_.push_back("went back from v" + std::to_string(highest));
           highest = std::max(highest, version);
         });
         std::this_thread::sleep_for(1ms);
@@ -1243,7 +1293,8 @@ TEST_F(CraftedUpstreamTest, WrongBaseDelta) {
   WatchWeights({{1, hash_a}, {3, HashOf(v3)}});
 
   Announce({k1, d2}, 2, HashOf(c));
-  ASSERT_TRUE(WaitWorker("rejecting delta v2", [](const json& s) { return U64(s, "artifacts_rejected") >= 1; }));
+  ASSERT_TRUE(WaitWorker("rejecting delta v2",
+                         [](const json& s) { return U64(s, "artifacts_rejected") >= 1; }));
   std::this_thread::sleep_for(300ms);
   json status = WorkerStatus();
   EXPECT_TRUE(Serves(1, hash_a.ToHex())(status)) << Brief(status);
@@ -1258,7 +1309,8 @@ TEST_F(CraftedUpstreamTest, WrongBaseDelta) {
   const ArtifactInfo lying = Entry(ArtifactKind::kDelta, 1, hash_a, 2, HashOf(c2), *lying_bytes);
   source_.Put(lying, *lying_bytes);
   Announce({k1, lying}, 2, HashOf(c2));
-  ASSERT_TRUE(WaitWorker("rejecting the lying delta v2", [](const json& s) { return U64(s, "artifacts_rejected") >= 2; }));
+  ASSERT_TRUE(WaitWorker("rejecting the lying delta v2",
+                         [](const json& s) { return U64(s, "artifacts_rejected") >= 2; }));
   std::this_thread::sleep_for(300ms);
   status = WorkerStatus();
   EXPECT_TRUE(Serves(1, hash_a.ToHex())(status)) << Brief(status);
@@ -1273,7 +1325,8 @@ TEST_F(CraftedUpstreamTest, WrongBaseDelta) {
 
   const std::vector<std::string> violations = StopWatching();
   EXPECT_GT(samples_.load(), 0u);
-  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
+  EXPECT_TRUE(violations.empty()) << violations.size()
+                                  << " violations, first: " << violations.front();
   worker_->WithWeights([&](uint64_t version, const CheckpointView& weights) {
     EXPECT_EQ(version, 3u);
     Result<Hash128> hash = CheckpointHash(weights);
@@ -1298,13 +1351,15 @@ TEST_F(CraftedUpstreamTest, OlderHeadIgnored) {
   ASSERT_TRUE(WaitWorker("serving v3", Serves(3, hash_3.ToHex())));
   // A restarted or replayed upstream announces v1 as its head.
   Announce({k1}, 1, hash_1);
-  ASSERT_TRUE(WaitWorker("ignoring head v1", [](const json& s) { return U64(s, "older_heads_ignored") >= 1; }));
+  ASSERT_TRUE(WaitWorker("ignoring head v1",
+                         [](const json& s) { return U64(s, "older_heads_ignored") >= 1; }));
   std::this_thread::sleep_for(300ms);
   const json status = WorkerStatus();
   EXPECT_TRUE(Serves(3, hash_3.ToHex())(status)) << Brief(status);
   EXPECT_EQ(U64(status, "swaps_total"), 1u) << Brief(status);
   const std::vector<std::string> violations = StopWatching();
-  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
+  EXPECT_TRUE(violations.empty()) << violations.size()
+                                  << " violations, first: " << violations.front();
 }
 
 }  // namespace

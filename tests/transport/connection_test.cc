@@ -2,13 +2,14 @@
 // peers (oversized frames, garbage, silence), heartbeats and deadlines, backpressure,
 // shaping, TLS with mutual authentication. Loopback only; every listener and thread
 // stops at the end of its test.
+#include "transport/connection.h"
+
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
-
-#include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstring>
@@ -18,8 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include "tests/transport/cert_suite.h"
 #include "transport/certs.h"
-#include "transport/connection.h"
 #include "transport/frame.h"
 #include "transport/tls.h"
 
@@ -238,25 +239,18 @@ awaitable<void> Ignore(std::shared_ptr<Connection> connection, std::shared_ptr<S
   }
 }
 
-class ConnectionTest : public ::testing::Test {
+class ConnectionTest : public CertificateSuite {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new std::string(
-        (fs::temp_directory_path() / ("connection_test." + std::to_string(::getpid()))).string());
-    const Status status = WriteTestCertificates(*dir_);
-    ASSERT_TRUE(status.ok()) << status.ToString();
-  }
-  static void TearDownTestSuite() {
-    std::error_code ec;
-    fs::remove_all(*dir_, ec);
-    delete dir_;
-    dir_ = nullptr;
-  }
-  static std::string Path(const std::string& name) { return *dir_ + "/" + name; }
-
   void TearDown() override {
-    if (listener_) loop_.Call([this] { listener_->Stop(); return 0; });
-    loop_.Call([this] { listener_.reset(); return 0; });
+    if (listener_)
+      loop_.Call([this] {
+        listener_->Stop();
+        return 0;
+      });
+    loop_.Call([this] {
+      listener_.reset();
+      return 0;
+    });
   }
 
   // Starts a listener on 127.0.0.1 (a free port) with `options`.
@@ -297,7 +291,8 @@ class ConnectionTest : public ::testing::Test {
     return options;
   }
 
-  Result<std::shared_ptr<Connection>> DialNow(DialOptions options, wire::Hello hello = TestHello()) {
+  Result<std::shared_ptr<Connection>> DialNow(DialOptions options,
+                                              wire::Hello hello = TestHello()) {
     return loop_.Await(Dial(std::move(options), std::move(hello)));
   }
 
@@ -315,12 +310,14 @@ class ConnectionTest : public ::testing::Test {
     ASSERT_EQ(::send(fd, data, size, MSG_NOSIGNAL), static_cast<ssize_t>(size));
   }
   // Reads until the peer closes (true) or `limit` passes (false); what came is in `*got`.
-  static bool ClosedByPeerWithin(int fd, std::chrono::milliseconds limit, std::string* got = nullptr) {
+  static bool ClosedByPeerWithin(int fd, std::chrono::milliseconds limit,
+                                 std::string* got = nullptr) {
     const auto deadline = Clock::now() + limit;
     char buffer[4096];
     while (Clock::now() < deadline) {
       pollfd ready{fd, POLLIN, 0};
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (::poll(&ready, 1, static_cast<int>(std::max<int64_t>(1, left.count()))) <= 0) continue;
       const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
       if (n <= 0) return true;  // EOF or reset
@@ -338,7 +335,8 @@ class ConnectionTest : public ::testing::Test {
     std::memcpy(prefix_bytes.data(), bytes.data(), kFramePrefixBytes);
     Result<FramePrefix> prefix = ParseFramePrefix(prefix_bytes, {}, "server");
     if (!prefix.ok()) return prefix.status();
-    if (bytes.size() < kFramePrefixBytes + prefix->header_bytes) return Status::Unavailable("short");
+    if (bytes.size() < kFramePrefixBytes + prefix->header_bytes)
+      return Status::Unavailable("short");
     std::vector<std::byte> header(prefix->header_bytes);
     std::memcpy(header.data(), bytes.data() + kFramePrefixBytes, header.size());
     return ParseFrameHeader(header, *prefix, "server");
@@ -360,14 +358,12 @@ class ConnectionTest : public ::testing::Test {
     });
   }
 
-  static std::string* dir_;
   Loop loop_;
   std::unique_ptr<Listener> listener_;
   uint16_t port_ = 0;
   std::shared_ptr<ServerLog> log_ = std::make_shared<ServerLog>();
   std::shared_ptr<std::atomic<bool>> release_ = std::make_shared<std::atomic<bool>>(false);
 };
-std::string* ConnectionTest::dir_ = nullptr;
 
 TEST_F(ConnectionTest, DialExchangesFramesWithPayloads) {
   Listen({});
@@ -404,7 +400,8 @@ TEST_F(ConnectionTest, WrongOrMissingTokenIsRefusedWithTheReason) {
   EXPECT_EQ(wrong.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(wrong.status().message().find("refused by 127.0.0.1:"), std::string::npos)
       << wrong.status().message();
-  EXPECT_NE(wrong.status().message().find("wrong token"), std::string::npos) << wrong.status().message();
+  EXPECT_NE(wrong.status().message().find("wrong token"), std::string::npos)
+      << wrong.status().message();
 
   Result<std::shared_ptr<Connection>> longer = DialNow(DialTo(), TestHello("s3cret-and-more"));
   ASSERT_FALSE(longer.ok());
@@ -461,7 +458,8 @@ TEST_F(ConnectionTest, GarbageBytesCloseTheConnectionAndTheListenerSurvives) {
   Listen({});
   for (const std::string& garbage :
        {std::string("GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n"), std::string(4096, '\xa5'),
-        std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 11) + std::string(40, '\x01') /* a TLS hello */}) {
+        std::string("\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 11) +
+            std::string(40, '\x01') /* a TLS hello */}) {
     const int fd = RawConnect();
     RawSend(fd, garbage.data(), garbage.size());
     std::string got;
@@ -499,7 +497,8 @@ TEST_F(ConnectionTest, OversizedFrameAfterTheHelloClosesOnlyThatConnection) {
   auto payload = std::make_shared<std::vector<std::byte>>((1u << 20) + 1);
   wire::Header header;
   header.mutable_piece()->set_index(1);
-  Result<Frame> echoed = loop_.Await(SendAndReceive(connection, MakeFrame(header, payload, *payload)));
+  Result<Frame> echoed =
+      loop_.Await(SendAndReceive(connection, MakeFrame(header, payload, *payload)));
   ASSERT_FALSE(echoed.ok()) << "the server echoed a frame over its limit";
   EXPECT_EQ(echoed.status().code(), StatusCode::kUnavailable) << echoed.status().ToString();
   // The server says why in its close reason.
@@ -542,7 +541,8 @@ TEST_F(ConnectionTest, DeadPeerIsNoticedByTheMissingHeartbeats) {
   EXPECT_LT(waited, 2500ms);
   EXPECT_GT(got.size(), 0u) << "no welcome or heartbeat came";
   for (int i = 0; i < 100 && log_->All().empty(); ++i) std::this_thread::sleep_for(10ms);
-  EXPECT_NE(log_->All().find("sent nothing (not even a heartbeat)"), std::string::npos) << log_->All();
+  EXPECT_NE(log_->All().find("sent nothing (not even a heartbeat)"), std::string::npos)
+      << log_->All();
 }
 
 TEST_F(ConnectionTest, LiveButIdlePeersStayConnected) {
@@ -602,15 +602,18 @@ TEST_F(ConnectionTest, BackpressureBoundsWhatASlowReaderBuffers) {
       asio::co_spawn(loop_.executor(), sender(connection, payload, sent_frames), asio::use_future);
   std::this_thread::sleep_for(500ms);
   const size_t queued = sent_frames->load() * kFrame;
-  EXPECT_EQ(sending.wait_for(0ms), std::future_status::timeout) << "all 64 MiB went into a reader that reads nothing";
+  EXPECT_EQ(sending.wait_for(0ms), std::future_status::timeout)
+      << "all 64 MiB went into a reader that reads nothing";
   // Both queues plus loopback socket buffers (a few MiB at most).
   EXPECT_LT(queued, 16u << 20) << "the sender queued " << queued << " bytes";
-  EXPECT_LE(log_->max_bytes_in.load(), kLimit + 2 * (kFrame + 1024)) << "the reader read past its limit";
+  EXPECT_LE(log_->max_bytes_in.load(), kLimit + 2 * (kFrame + 1024))
+      << "the reader read past its limit";
 
   *release_ = true;  // the reader catches up: everything arrives
   ASSERT_EQ(sending.wait_for(20s), std::future_status::ready);
   EXPECT_TRUE(sending.get().ok());
-  for (int i = 0; i < 2000 && log_->received < kTotal / kFrame; ++i) std::this_thread::sleep_for(5ms);
+  for (int i = 0; i < 2000 && log_->received < kTotal / kFrame; ++i)
+    std::this_thread::sleep_for(5ms);
   EXPECT_EQ(log_->received.load(), kTotal / kFrame) << "frames lost or out of order";
   loop_.Call([&] {
     connection->Close(Status::Unavailable("test done"));
@@ -637,8 +640,8 @@ TEST_F(ConnectionTest, ShapedLinkAddsLatencyAndCapsTheRate) {
   // 2 MB out and 2 MB back through 4 MB/s buckets in each direction: about 0.5 s each way
   // at least, pipelined.
   auto payload = std::make_shared<std::vector<std::byte>>(64u << 10);
-  auto pump = [](std::shared_ptr<Connection> c, std::shared_ptr<std::vector<std::byte>> p)
-      -> awaitable<Status> {
+  auto pump = [](std::shared_ptr<Connection> c,
+                 std::shared_ptr<std::vector<std::byte>> p) -> awaitable<Status> {
     constexpr int kFrames = 32;  // 2 MiB
     for (int i = 0; i < kFrames; ++i) {
       Status sent = co_await c->Send(MakeFrame(PieceHeader(static_cast<uint32_t>(i)), p, *p));
@@ -676,7 +679,8 @@ TEST_F(ConnectionTest, TlsWithMutualAuthentication) {
   Result<std::shared_ptr<Connection>> dialed = DialNow(dial);
   ASSERT_TRUE(dialed.ok()) << dialed.status().ToString();
   auto payload = std::make_shared<std::vector<std::byte>>(5u << 20, std::byte{3});
-  Result<Frame> echoed = loop_.Await(SendAndReceive(*dialed, MakeFrame(PieceHeader(1), payload, *payload)));
+  Result<Frame> echoed =
+      loop_.Await(SendAndReceive(*dialed, MakeFrame(PieceHeader(1), payload, *payload)));
   ASSERT_TRUE(echoed.ok()) << echoed.status().ToString();
   EXPECT_EQ(echoed->payload.size(), payload->size());
   loop_.Call([&] {
@@ -738,8 +742,8 @@ TEST(RunOnTest, RunsOnThePoolAndResumesOnTheLoop) {
   auto task = [&pool, loop_thread]() -> awaitable<bool> {
     auto work = [] { return std::this_thread::get_id(); };
     std::optional<std::thread::id> worker = co_await RunOn(pool, work);
-    co_return worker.has_value() && *worker != loop_thread &&
-        std::this_thread::get_id() == loop_thread;
+    co_return worker.has_value() &&
+        *worker != loop_thread&& std::this_thread::get_id() == loop_thread;
   };
   EXPECT_TRUE(loop.Await(task()));
   pool.join();

@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "tests/transport/cert_suite.h"
 #include "transport/certs.h"
 #include "transport/tls.h"
 
@@ -381,26 +382,15 @@ TEST(HttpTest, ListeningOnABadAddressFails) {
   EXPECT_NE(server.status().message().find("192.0.2.1"), std::string::npos);
 }
 
-class HttpsTest : public ::testing::Test {
+class HttpsTest : public CertificateSuite {
  protected:
   static void SetUpTestSuite() {
-    std::string pattern = (fs::temp_directory_path() / "flywheel_https_test.XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = new std::string(pattern);
-    Status status = WriteTestCertificates(*dir_);
-    ASSERT_TRUE(status.ok()) << status.ToString();
+    CertificateSuite::SetUpTestSuite();
     CertificateOptions other_host;
     other_host.hosts = {"other.example"};
-    status = WriteTestCertificates(*dir_ + "/other", other_host);
+    const Status status = WriteTestCertificates(*dir_ + "/other", other_host);
     ASSERT_TRUE(status.ok()) << status.ToString();
   }
-  static void TearDownTestSuite() {
-    std::error_code ec;
-    fs::remove_all(*dir_, ec);
-    delete dir_;
-    dir_ = nullptr;
-  }
-  static std::string Path(const std::string& name) { return *dir_ + "/" + name; }
 
   static std::shared_ptr<asio::ssl::context> Server(const TlsOptions& options) {
     auto context = MakeServerTlsContext(options);
@@ -418,10 +408,7 @@ class HttpsTest : public ::testing::Test {
     options.timeout = milliseconds(2000);
     return options;
   }
-
-  static std::string* dir_;
 };
-std::string* HttpsTest::dir_ = nullptr;
 
 void ExpectUnavailable(const Result<HttpResponse>& response) {
   ASSERT_FALSE(response.ok()) << "status " << response->status;

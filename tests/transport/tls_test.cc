@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "tests/transport/cert_suite.h"
 #include "transport/certs.h"
 
 namespace flywheel::transport {
@@ -22,26 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TlsTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    std::string pattern = (fs::temp_directory_path() / "flywheel_tls_test.XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
-    dir_ = new std::string(pattern);
-    Status status = WriteTestCertificates(*dir_);
-    ASSERT_TRUE(status.ok()) << status.ToString();
-  }
-  static void TearDownTestSuite() {
-    std::error_code ec;
-    fs::remove_all(*dir_, ec);
-    delete dir_;
-    dir_ = nullptr;
-  }
-  static std::string Path(const std::string& name) { return *dir_ + "/" + name; }
-
-  static std::string* dir_;
-};
-std::string* TlsTest::dir_ = nullptr;
+class TlsTest : public CertificateSuite {};
 
 struct X509Deleter {
   void operator()(X509* cert) const { X509_free(cert); }

@@ -1,0 +1,82 @@
+// Small pieces the benchmarks share: result tables (aligned text and Markdown) and a
+// block-parallel loop for generating and hashing checkpoints.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace flywheel::bench {
+
+struct Table {
+  std::vector<std::string> header;
+  std::vector<std::vector<std::string>> rows;
+};
+
+// Display width of UTF-8 text (code points; the tables use no wide characters).
+inline size_t Utf8Width(const std::string& text) {
+  size_t width = 0;
+  for (unsigned char c : text) width += (c & 0xC0) != 0x80;
+  return width;
+}
+
+// Aligned text, indented two spaces: first column left-aligned, the others right-aligned.
+inline std::string RenderText(const Table& table) {
+  std::vector<size_t> widths(table.header.size(), 0);
+  auto widen = [&](const std::vector<std::string>& cells) {
+    for (size_t i = 0; i < cells.size(); ++i) widths[i] = std::max(widths[i], Utf8Width(cells[i]));
+  };
+  widen(table.header);
+  for (const auto& row : table.rows) widen(row);
+  auto line = [&](const std::vector<std::string>& cells) {
+    std::string out = "  ";
+    for (size_t i = 0; i < cells.size(); ++i) {
+      const std::string pad(widths[i] - Utf8Width(cells[i]), ' ');
+      if (i > 0) out += "  ";
+      out += i == 0 ? cells[i] + pad : pad + cells[i];
+    }
+    while (!out.empty() && out.back() == ' ') out.pop_back();
+    return out + "\n";
+  };
+  std::string out = line(table.header);
+  size_t total = 0;
+  for (size_t width : widths) total += width;
+  out += "  " + std::string(total + 2 * (widths.size() - 1), '-') + "\n";
+  for (const auto& row : table.rows) out += line(row);
+  return out;
+}
+
+// A GitHub Markdown table, numbers right-aligned.
+inline std::string RenderMarkdown(const Table& table) {
+  auto line = [](const std::vector<std::string>& cells) {
+    std::string out = "|";
+    for (const std::string& cell : cells) out += " " + cell + " |";
+    return out + "\n";
+  };
+  std::string out = line(table.header);
+  out += "|";
+  for (size_t i = 0; i < table.header.size(); ++i) out += i == 0 ? " --- |" : " ---: |";
+  out += "\n";
+  for (const auto& row : table.rows) out += line(row);
+  return out;
+}
+
+// Runs fn(block) for block in [0, blocks) on up to `threads` threads.
+template <typename Fn>
+void ParallelForBlocks(uint64_t blocks, int threads, const Fn& fn) {
+  std::atomic<uint64_t> next{0};
+  auto worker = [&] {
+    for (uint64_t block = next++; block < blocks; block = next++) fn(block);
+  };
+  const int extra = std::max(0, std::min<int>(threads, static_cast<int>(blocks)) - 1);
+  std::vector<std::thread> pool;
+  pool.reserve(extra);
+  for (int i = 0; i < extra; ++i) pool.emplace_back(worker);
+  worker();
+  for (std::thread& thread : pool) thread.join();
+}
+
+}  // namespace flywheel::bench
