@@ -56,7 +56,8 @@ void AddCertsCommands(CLI::App& app, Action& action) {
   certs->footer(
       "\nExample:\n"
       "  flywheel certs --out certs/ --host trainer.internal --host 10.0.0.5\n"
-      "  (server: --tls-cert certs/server.crt --tls-key certs/server.key --tls-ca certs/ca.crt)");
+      "  (publisher, relay, worker: --tls-cert certs/server.crt --tls-key certs/server.key\n"
+      "   --tls-ca certs/ca.crt; server.crt serves and dials, client.crt only dials)");
   certs->callback([args, &action] { action = [args] { return RunCerts(*args); }; });
 }
 

@@ -268,8 +268,8 @@ Status WriteTestCertificates(const std::string& dir, const CertificateOptions& o
   const int days = options.valid_days;
   FW_ASSIGN_OR_RETURN(CertPtr ca, IssueCa("flywheel test CA", ca_key.get(), days));
   const Issuer by_ca{ca.get(), ca_key.get()};
-  FW_ASSIGN_OR_RETURN(CertPtr server, IssueLeaf(options.hosts.front(), "serverAuth", options.hosts,
-                                                server_key.get(), by_ca, days));
+  FW_ASSIGN_OR_RETURN(CertPtr server, IssueLeaf(options.hosts.front(), "serverAuth,clientAuth",
+                                                options.hosts, server_key.get(), by_ca, days));
   FW_ASSIGN_OR_RETURN(CertPtr client, IssueLeaf("flywheel client", "clientAuth", {},
                                                 client_key.get(), by_ca, days));
   FW_ASSIGN_OR_RETURN(CertPtr rogue_ca, IssueCa("flywheel rogue CA", rogue_ca_key.get(), days));

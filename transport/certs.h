@@ -18,7 +18,8 @@ struct CertificateOptions {
 
 // Writes into `dir` (created if missing), each file atomically, keys with mode 0600:
 //   ca.crt ca.key            the CA (self-signed)
-//   server.crt server.key    serverAuth, SANs from options.hosts, signed by ca
+//   server.crt server.key    a node certificate: serverAuth and clientAuth (a relay or a
+//                            worker both listens and dials), SANs from options.hosts, signed by ca
 //   client.crt client.key    clientAuth, signed by ca
 //   rogue-ca.crt rogue.crt rogue.key   a client certificate from a CA that ca does not trust
 // EC P-256 keys, SHA-256 signatures, serial numbers random.

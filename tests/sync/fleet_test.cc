@@ -920,6 +920,19 @@ TEST_F(FleetTest, TlsMutualAuth) {
                              {"--tls-cert", file("client.crt"), "--tls-key", file("client.key"),
                               "--tls-ca", file("ca.crt")});
   ASSERT_NE(worker, nullptr);
+  // A relay and a worker behind it, with the node certificate (it serves and dials), all
+  // mutually authenticated.
+  const std::vector<std::string> node_tls = {"--tls-cert", file("server.crt"),
+                                             "--tls-key",  file("server.key"),
+                                             "--tls-ca",   file("ca.crt")};
+  Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()}, node_tls);
+  ASSERT_NE(relay, nullptr);
+  relay->tls = *client_tls;
+  Node* eu_worker = StartWorker("worker-eu", "eu", {relay->upstream()}, node_tls);
+  ASSERT_NE(eu_worker, nullptr);
+  eu_worker->tls = *client_tls;
+  ASSERT_TRUE(
+      WaitStatus(*eu_worker, "serving v1 through the TLS relay", Serves(1, lineage_.Hex(1))));
   // A client certificate from a CA the publisher does not trust.
   Node* rogue = StartWorker("rogue", "home", {publisher->upstream()},
                             {"--tls-cert", file("rogue.crt"), "--tls-key", file("rogue.key"),
@@ -946,8 +959,10 @@ TEST_F(FleetTest, TlsMutualAuth) {
     for (const json& node : s.value("nodes", json::array())) {
       if (U64(node, "version") == 2) ids.insert(Str(node, "node_id"));
     }
-    return ids == std::set<std::string>{"worker"};
+    return ids.count("worker") == 1 && ids.count("worker-eu") == 1 && ids.count("rogue") == 0;
   }));
+  ASSERT_TRUE(
+      WaitStatus(*eu_worker, "serving v2 through the TLS relay", Serves(2, lineage_.Hex(2))));
   EXPECT_NE(ReadText(publisher->log).find("TLS handshake with"), std::string::npos);
 
   // HTTPS: with the client certificate 200, without one no answer at all; plain HTTP to a
