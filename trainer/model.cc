@@ -1,0 +1,292 @@
+#include "trainer/model.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace flywheel::model {
+
+namespace {
+
+constexpr double kInitStd = 0.02;  // HF initializer_range
+
+torch::Tensor RotateHalf(const torch::Tensor& x) {
+  auto halves = x.chunk(2, -1);
+  return torch::cat({-halves[1], halves[0]}, -1);
+}
+
+}  // namespace
+
+ProjImpl::ProjImpl(int64_t in_features, int64_t out_features, bool bias) {
+  weight = register_parameter("weight", torch::randn({out_features, in_features}) * kInitStd);
+  if (bias) this->bias = register_parameter("bias", torch::zeros({out_features}));
+}
+
+torch::Tensor ProjImpl::forward(const torch::Tensor& x) {
+  torch::Tensor y = torch::linear(x, weight, bias);
+  if (lora_a_)
+    y = y + torch::linear(torch::linear(x, lora_a_->weight), lora_b_->weight) * lora_scale_;
+  return y;
+}
+
+void ProjImpl::EnableLora(int64_t rank, double alpha) {
+  const int64_t in = weight.size(1), out = weight.size(0);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  lora_a_ = register_module(
+      "lora_A", std::make_shared<WeightImpl>(torch::empty({rank, in}).uniform_(-bound, bound)));
+  lora_b_ = register_module("lora_B", std::make_shared<WeightImpl>(torch::zeros({out, rank})));
+  lora_scale_ = alpha / static_cast<double>(rank);
+}
+
+RmsNormImpl::RmsNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor RmsNormImpl::forward(const torch::Tensor& x) {
+  torch::Tensor variance = x.pow(2).mean(-1, /*keepdim=*/true);
+  return x * torch::rsqrt(variance + eps_) * weight;
+}
+
+MlpImpl::MlpImpl(int64_t hidden, int64_t intermediate) {
+  gate_proj_ =
+      register_module("gate_proj", std::make_shared<ProjImpl>(hidden, intermediate, false));
+  up_proj_ = register_module("up_proj", std::make_shared<ProjImpl>(hidden, intermediate, false));
+  down_proj_ =
+      register_module("down_proj", std::make_shared<ProjImpl>(intermediate, hidden, false));
+}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
+  return down_proj_->forward(torch::silu(gate_proj_->forward(x)) * up_proj_->forward(x));
+}
+
+AttentionImpl::AttentionImpl(const ModelConfig& c)
+    : heads_(c.num_attention_heads), kv_heads_(c.num_key_value_heads), head_dim_(c.head_dim) {
+  const int64_t d = c.hidden_size;
+  q_proj_ = register_module("q_proj",
+                            std::make_shared<ProjImpl>(d, heads_ * head_dim_, c.attention_bias));
+  k_proj_ = register_module("k_proj",
+                            std::make_shared<ProjImpl>(d, kv_heads_ * head_dim_, c.attention_bias));
+  v_proj_ = register_module("v_proj",
+                            std::make_shared<ProjImpl>(d, kv_heads_ * head_dim_, c.attention_bias));
+  o_proj_ = register_module("o_proj", std::make_shared<ProjImpl>(heads_ * head_dim_, d, false));
+  if (c.qk_norm) {
+    q_norm_ = register_module("q_norm", std::make_shared<RmsNormImpl>(head_dim_, c.rms_norm_eps));
+    k_norm_ = register_module("k_norm", std::make_shared<RmsNormImpl>(head_dim_, c.rms_norm_eps));
+  }
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                     const torch::Tensor& sin) {
+  const int64_t batch = x.size(0), length = x.size(1);
+  torch::Tensor q = q_proj_->forward(x).view({batch, length, heads_, head_dim_});
+  torch::Tensor k = k_proj_->forward(x).view({batch, length, kv_heads_, head_dim_});
+  torch::Tensor v = v_proj_->forward(x).view({batch, length, kv_heads_, head_dim_});
+  if (q_norm_) {
+    q = q_norm_->forward(q);
+    k = k_norm_->forward(k);
+  }
+  q = q.transpose(1, 2);  // [B, H, T, hd]
+  k = k.transpose(1, 2);
+  v = v.transpose(1, 2);
+  const torch::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // [B, 1, T, hd]
+  q = q * c + RotateHalf(q) * s;
+  k = k * c + RotateHalf(k) * s;
+  if (heads_ != kv_heads_) {
+    k = k.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
+    v = v.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
+  }
+  torch::Tensor scores =
+      torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+  torch::Tensor future = torch::ones({length, length}, torch::kBool).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  torch::Tensor out = torch::matmul(torch::softmax(scores, -1), v);  // [B, H, T, hd]
+  return o_proj_->forward(out.transpose(1, 2).reshape({batch, length, heads_ * head_dim_}));
+}
+
+MoeImpl::MoeImpl(const ModelConfig& c)
+    : num_experts_(c.num_experts),
+      top_k_(c.num_experts_per_tok),
+      norm_topk_prob_(c.norm_topk_prob) {
+  gate_ = register_module("gate", std::make_shared<ProjImpl>(c.hidden_size, num_experts_, false));
+  auto list = register_module("experts", std::make_shared<torch::nn::Module>());
+  for (int64_t e = 0; e < num_experts_; ++e) {
+    experts_.push_back(list->register_module(
+        std::to_string(e), std::make_shared<MlpImpl>(c.hidden_size, c.moe_intermediate_size)));
+  }
+}
+
+MoeOutput MoeImpl::forward(const torch::Tensor& x, const torch::Tensor& replay,
+                           const torch::Tensor& valid) {
+  const int64_t batch = x.size(0), length = x.size(1), d = x.size(2);
+  torch::Tensor flat = x.reshape({batch * length, d});
+  torch::Tensor probs = torch::softmax(gate_->forward(flat), -1);  // [N, E]
+  torch::Tensor weights, indices;
+  if (replay.defined()) {
+    indices = replay.reshape({batch * length, top_k_}).to(torch::kLong);
+    weights = probs.gather(1, indices);
+  } else {
+    std::tie(weights, indices) = probs.topk(top_k_, -1);
+  }
+  if (norm_topk_prob_) weights = weights / weights.sum(-1, /*keepdim=*/true);
+
+  torch::Tensor out = torch::zeros_like(flat);
+  for (int64_t e = 0; e < num_experts_; ++e) {
+    torch::Tensor hit = indices.eq(e);                       // [N, k]
+    torch::Tensor rows = hit.any(-1).nonzero().squeeze(-1);  // tokens routed to e
+    if (rows.numel() == 0) continue;
+    torch::Tensor gate = (weights * hit).sum(-1).index_select(0, rows).unsqueeze(-1);
+    torch::Tensor y = experts_[e]->forward(flat.index_select(0, rows)) * gate;
+    out = out.index_add(0, rows, y);
+  }
+
+  // Load balancing (Switch / HF load_balancing_loss_func) over valid tokens:
+  // E * sum_{k,e} f_{k,e} * P_e, f = share of tokens whose k-th choice is e.
+  torch::Tensor mask = valid.defined() ? valid.reshape({batch * length}).to(torch::kFloat)
+                                       : torch::ones({batch * length});
+  const torch::Tensor count = mask.sum().clamp_min(1.0);
+  torch::Tensor one_hot = torch::one_hot(indices, num_experts_).to(torch::kFloat);     // [N, k, E]
+  torch::Tensor tokens_per_expert = (one_hot * mask.view({-1, 1, 1})).sum(0) / count;  // [k, E]
+  torch::Tensor prob_per_expert = (probs * mask.view({-1, 1})).sum(0) / count;         // [E]
+  torch::Tensor aux =
+      (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * static_cast<double>(num_experts_);
+  return {out.view({batch, length, d}), indices.view({batch, length, top_k_}), aux};
+}
+
+DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t index) {
+  self_attn = register_module("self_attn", std::make_shared<AttentionImpl>(c));
+  if (c.IsMoeLayer(index)) {
+    moe = register_module("mlp", std::make_shared<MoeImpl>(c));
+  } else {
+    mlp = register_module("mlp", std::make_shared<MlpImpl>(c.hidden_size, c.intermediate_size));
+  }
+  input_layernorm = register_module("input_layernorm",
+                                    std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
+  post_attention_layernorm = register_module(
+      "post_attention_layernorm", std::make_shared<RmsNormImpl>(c.hidden_size, c.rms_norm_eps));
+}
+
+TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)) {
+  body_ = register_module("model", std::make_shared<torch::nn::Module>());
+  embed_tokens_ =
+      body_
+          ->register_module("embed_tokens",
+                            std::make_shared<WeightImpl>(
+                                torch::randn({config_.vocab_size, config_.hidden_size}) * kInitStd))
+          ->weight;
+  auto list = body_->register_module("layers", std::make_shared<torch::nn::Module>());
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    layers_.push_back(
+        list->register_module(std::to_string(i), std::make_shared<DecoderLayerImpl>(config_, i)));
+  }
+  norm_ = body_->register_module(
+      "norm", std::make_shared<RmsNormImpl>(config_.hidden_size, config_.rms_norm_eps));
+  if (!config_.tie_word_embeddings) {
+    lm_head_ = register_module(
+        "lm_head", std::make_shared<ProjImpl>(config_.hidden_size, config_.vocab_size, false));
+  }
+  inv_freq_ =
+      1.0 / torch::pow(config_.rope_theta, torch::arange(0, config_.head_dim, 2, torch::kDouble) /
+                                               static_cast<double>(config_.head_dim));
+  inv_freq_ = inv_freq_.to(torch::kFloat);
+}
+
+ForwardResult TransformerImpl::Hidden(const torch::Tensor& tokens,
+                                      const torch::Tensor& positions_in, const torch::Tensor& valid,
+                                      const std::vector<torch::Tensor>& replay) {
+  const int64_t batch = tokens.size(0), length = tokens.size(1);
+  torch::Tensor positions =
+      positions_in.defined()
+          ? positions_in
+          : torch::arange(length, torch::kLong).unsqueeze(0).expand({batch, length});
+  torch::Tensor freqs = positions.to(torch::kFloat).unsqueeze(-1) * inv_freq_;  // [B, T, hd/2]
+  torch::Tensor angles = torch::cat({freqs, freqs}, -1);
+  torch::Tensor cos = angles.cos(), sin = angles.sin();
+
+  torch::Tensor h = torch::embedding(embed_tokens_, tokens);
+  ForwardResult result;
+  std::vector<torch::Tensor> aux;
+  size_t moe_index = 0;
+  for (auto& layer : layers_) {
+    h = h + layer->self_attn->forward(layer->input_layernorm->forward(h), cos, sin);
+    torch::Tensor normed = layer->post_attention_layernorm->forward(h);
+    if (layer->is_moe()) {
+      torch::Tensor layer_replay = moe_index < replay.size() ? replay[moe_index] : torch::Tensor();
+      MoeOutput moe = layer->moe->forward(normed, layer_replay, valid);
+      h = h + moe.hidden;
+      result.routing.push_back(moe.indices);
+      aux.push_back(moe.aux_loss);
+      ++moe_index;
+    } else {
+      h = h + layer->mlp->forward(normed);
+    }
+  }
+  result.hidden = norm_->forward(h);
+  result.aux_loss = aux.empty() ? torch::zeros({}) : torch::stack(aux).mean();
+  return result;
+}
+
+torch::Tensor TransformerImpl::LmHead(const torch::Tensor& hidden) {
+  return lm_head_ ? lm_head_->forward(hidden) : torch::linear(hidden, embed_tokens_);
+}
+
+ForwardResult TransformerImpl::forward(const torch::Tensor& tokens, const torch::Tensor& positions,
+                                       const torch::Tensor& valid,
+                                       const std::vector<torch::Tensor>& replay) {
+  ForwardResult result = Hidden(tokens, positions, valid, replay);
+  result.logits = LmHead(result.hidden);
+  return result;
+}
+
+Status TransformerImpl::EnableLora(const LoraOptions& options) {
+  if (lora_) return Status::InvalidArgument("LoRA is already enabled on this model");
+  if (options.rank <= 0) {
+    return Status::InvalidArgument("LoRA rank must be > 0, got " + std::to_string(options.rank));
+  }
+  if (!(options.alpha > 0)) return Status::InvalidArgument("LoRA alpha must be > 0");
+  for (auto& p : parameters()) p.set_requires_grad(false);
+  int adapted = 0;
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
+    auto proj = std::dynamic_pointer_cast<ProjImpl>(item.value());
+    if (!proj) continue;
+    const std::string& name = item.key();
+    const std::string leaf = name.substr(name.rfind('.') + 1);
+    if (std::find(options.targets.begin(), options.targets.end(), leaf) == options.targets.end())
+      continue;
+    proj->EnableLora(options.rank, options.alpha);
+    ++adapted;
+  }
+  if (adapted == 0) {
+    return Status::InvalidArgument("LoRA targets match no projection of this model");
+  }
+  lora_ = options;
+  return Status::Ok();
+}
+
+Status ValidateReplay(const ModelConfig& config, const std::vector<torch::Tensor>& replay,
+                      int64_t batch, int64_t length) {
+  if (replay.empty()) return Status::Ok();
+  const int64_t layers = config.NumMoeLayers();
+  if (static_cast<int64_t>(replay.size()) != layers) {
+    return Status::InvalidArgument("routing replay has " + std::to_string(replay.size()) +
+                                   " layers, the model has " + std::to_string(layers) +
+                                   " MoE layers");
+  }
+  for (size_t i = 0; i < replay.size(); ++i) {
+    const torch::Tensor& r = replay[i];
+    if (r.dim() != 3 || r.size(0) != batch || r.size(1) != length ||
+        r.size(2) != config.num_experts_per_tok) {
+      return Status::InvalidArgument("routing replay for MoE layer " + std::to_string(i) +
+                                     " has shape " + c10::str(r.sizes()) + ", expected [" +
+                                     std::to_string(batch) + ", " + std::to_string(length) + ", " +
+                                     std::to_string(config.num_experts_per_tok) + "]");
+    }
+    if (r.numel() > 0 &&
+        (r.min().item<int64_t>() < 0 || r.max().item<int64_t>() >= config.num_experts)) {
+      return Status::InvalidArgument("routing replay for MoE layer " + std::to_string(i) +
+                                     " names an expert outside [0, " +
+                                     std::to_string(config.num_experts) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace flywheel::model

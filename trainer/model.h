@@ -1,0 +1,171 @@
+// The decoder-only transformer shared by the trainer and the rollout engine: token
+// embedding, RMSNorm, rotary position embedding, grouped-query attention (optional q/k
+// norm, optional q/k/v bias), SwiGLU MLP or a Qwen3-MoE block (softmax router, top-k,
+// optional renormalisation, load-balancing loss), tied or untied LM head.
+//
+// Parameters are registered under their Hugging Face names
+// (`model.layers.3.self_attn.q_proj.weight`, `model.layers.1.mlp.experts.7.up_proj.weight`,
+// `lm_head.weight`), so `named_parameters()` is the safetensors checkpoint. Compute is fp32
+// (the master weights); the serving dtype only appears when weights are exported.
+//
+// Routing replay: Forward() may take, per MoE layer, the top-k expert indices a rollout
+// worker recorded; the layer then uses exactly those experts and gathers their gate
+// probabilities from this model's own router softmax, so the router still gets gradients.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "trainer/model_config.h"
+
+namespace flywheel::model {
+
+// A parameter holder whose single parameter is named `weight` (LoRA A/B factors).
+class WeightImpl : public torch::nn::Module {
+ public:
+  explicit WeightImpl(torch::Tensor value) { weight = register_parameter("weight", value); }
+  torch::Tensor weight;
+};
+
+// y = x W^T (+ b), plus a rank-r LoRA update scale * (x A^T) B^T once EnableLora() ran.
+class ProjImpl : public torch::nn::Module {
+ public:
+  ProjImpl(int64_t in_features, int64_t out_features, bool bias);
+  torch::Tensor forward(const torch::Tensor& x);
+  // Adds lora_A [rank, in] (uniform ±1/sqrt(in), as PEFT's kaiming init) and lora_B
+  // [out, rank] = 0, so the adapted layer starts equal to the base layer.
+  void EnableLora(int64_t rank, double alpha);
+  bool has_lora() const { return lora_a_ != nullptr; }
+
+  torch::Tensor weight;
+  torch::Tensor bias;  // undefined without bias
+
+ private:
+  std::shared_ptr<WeightImpl> lora_a_, lora_b_;
+  double lora_scale_ = 0;
+};
+
+class RmsNormImpl : public torch::nn::Module {
+ public:
+  RmsNormImpl(int64_t dim, double eps);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;
+
+ private:
+  double eps_;
+};
+
+class MlpImpl : public torch::nn::Module {
+ public:
+  MlpImpl(int64_t hidden, int64_t intermediate);
+  torch::Tensor forward(const torch::Tensor& x);
+
+ private:
+  std::shared_ptr<ProjImpl> gate_proj_, up_proj_, down_proj_;
+};
+
+class AttentionImpl : public torch::nn::Module {
+ public:
+  explicit AttentionImpl(const ModelConfig& config);
+  // x [B, T, D]; cos/sin [B, T, head_dim] for the tokens' positions. Causal over T.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  std::shared_ptr<ProjImpl> q_proj_, k_proj_, v_proj_, o_proj_;
+  std::shared_ptr<RmsNormImpl> q_norm_, k_norm_;
+};
+
+struct MoeOutput {
+  torch::Tensor hidden;    // [B, T, D]
+  torch::Tensor indices;   // [B, T, k] int64: the experts used
+  torch::Tensor aux_loss;  // scalar: E * sum_e f_e * P_e over valid tokens
+};
+
+class MoeImpl : public torch::nn::Module {
+ public:
+  explicit MoeImpl(const ModelConfig& config);
+  // `replay` [B, T, k] int64 or undefined; `valid` [B, T] bool (tokens counted by aux loss).
+  MoeOutput forward(const torch::Tensor& x, const torch::Tensor& replay,
+                    const torch::Tensor& valid);
+
+ private:
+  int64_t num_experts_, top_k_;
+  bool norm_topk_prob_;
+  std::shared_ptr<ProjImpl> gate_;
+  std::vector<std::shared_ptr<MlpImpl>> experts_;
+};
+
+class DecoderLayerImpl : public torch::nn::Module {
+ public:
+  DecoderLayerImpl(const ModelConfig& config, int64_t index);
+  bool is_moe() const { return moe != nullptr; }
+  std::shared_ptr<AttentionImpl> self_attn;
+  std::shared_ptr<MlpImpl> mlp;  // dense layers
+  std::shared_ptr<MoeImpl> moe;  // MoE layers (registered as "mlp")
+  std::shared_ptr<RmsNormImpl> input_layernorm, post_attention_layernorm;
+};
+
+struct ForwardResult {
+  torch::Tensor logits;                // [B, T, V] fp32 (undefined from Hidden())
+  torch::Tensor hidden;                // [B, T, D] final hidden states, after the last norm
+  std::vector<torch::Tensor> routing;  // one [B, T, k] int64 per MoE layer, in layer order
+  torch::Tensor aux_loss;              // mean over MoE layers of their aux loss; 0 if dense
+};
+
+struct LoraOptions {
+  int64_t rank = 8;
+  double alpha = 16;
+  // Leaf names of the projections that get adapters (attention and MLP / experts).
+  std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                      "gate_proj", "up_proj", "down_proj"};
+};
+
+class TransformerImpl : public torch::nn::Module {
+ public:
+  // Random init (normal(0, 0.02) for projections and embeddings, ones for norms) from the
+  // global torch seed; load real weights with LoadWeights() (trainer/weights.h).
+  explicit TransformerImpl(ModelConfig config);
+
+  // tokens [B, T] int64. `positions` [B, T] int64 or undefined (0..T-1). `valid` [B, T]
+  // bool or undefined (all valid): padding excluded from the MoE aux loss. `replay`: empty,
+  // or one [B, T, k] int64 per MoE layer (see the file comment).
+  ForwardResult forward(const torch::Tensor& tokens, const torch::Tensor& positions = {},
+                        const torch::Tensor& valid = {},
+                        const std::vector<torch::Tensor>& replay = {});
+
+  // Final hidden states [B, T, D] (before the LM head) and the routing, for callers that
+  // compute token logprobs without materialising all logits at once.
+  ForwardResult Hidden(const torch::Tensor& tokens, const torch::Tensor& positions,
+                       const torch::Tensor& valid, const std::vector<torch::Tensor>& replay);
+  torch::Tensor LmHead(const torch::Tensor& hidden);
+
+  // Adds adapters to every targeted projection and freezes everything else.
+  Status EnableLora(const LoraOptions& options);
+  bool lora_enabled() const { return lora_.has_value(); }
+  const std::optional<LoraOptions>& lora() const { return lora_; }
+
+  const ModelConfig& config() const { return config_; }
+
+ private:
+  ModelConfig config_;
+  std::optional<LoraOptions> lora_;
+  std::shared_ptr<torch::nn::Module> body_;  // "model"
+  torch::Tensor embed_tokens_;               // model.embed_tokens.weight
+  std::vector<std::shared_ptr<DecoderLayerImpl>> layers_;
+  std::shared_ptr<RmsNormImpl> norm_;
+  std::shared_ptr<ProjImpl> lm_head_;  // null when tied
+  torch::Tensor inv_freq_;             // [head_dim / 2], not a parameter
+};
+
+// Validates `replay` against the config and the batch shape; the message names the layer.
+Status ValidateReplay(const ModelConfig& config, const std::vector<torch::Tensor>& replay,
+                      int64_t batch, int64_t length);
+
+}  // namespace flywheel::model

@@ -1,0 +1,562 @@
+#include "trainer/training_client.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "delta/hash.h"
+#include "delta/safetensors.h"
+#include "sync/publisher.h"
+#include "trainer/weights.h"
+
+namespace flywheel::trainer {
+
+namespace fs = std::filesystem;
+
+struct TrainingClient::Batch {
+  torch::Tensor tokens, targets;            // [B, T] int64 (targets 0 at padding)
+  torch::Tensor valid;                      // [B, T] bool
+  torch::Tensor weights;                    // [B, T] fp32, 0 at padding
+  torch::Tensor sampling, advantages, ref;  // [B, T] fp32 or undefined
+  std::vector<torch::Tensor> replay;        // per MoE layer [B, T, k], or empty
+  std::vector<int64_t> lengths;
+  int64_t loss_tokens = 0;
+  double weight_sum = 0;
+};
+
+struct TrainingClient::LogprobResult {
+  torch::Tensor logprobs;  // [B, T]
+  std::vector<torch::Tensor> routing;
+  torch::Tensor aux_loss;
+};
+
+namespace {
+
+constexpr int kStateFormat = 1;
+
+std::string DatumField(size_t index, const char* field) {
+  return "datum " + std::to_string(index) + ": " + field;
+}
+
+// Copies a per-token float array into row `row` of `out`, checking length and finiteness.
+Status FillRow(const std::vector<float>& values, size_t index, const char* field, int64_t length,
+               torch::Tensor& out, int64_t row) {
+  if (static_cast<int64_t>(values.size()) != length) {
+    return Status::InvalidArgument(DatumField(index, field) + " has " +
+                                   std::to_string(values.size()) + " entries, tokens has " +
+                                   std::to_string(length));
+  }
+  auto acc = out.accessor<float, 2>();
+  for (int64_t t = 0; t < length; ++t) {
+    if (!std::isfinite(values[t])) {
+      return Status::InvalidArgument(DatumField(index, field) + " entry " + std::to_string(t) +
+                                     " is not finite");
+    }
+    acc[row][t] = values[t];
+  }
+  return Status::Ok();
+}
+
+std::string ReadFile(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+Status AdamWParams::Validate() const {
+  auto bad = [](const std::string& what, double v) {
+    return Status::InvalidArgument("optim_step: " + what + ", got " + std::to_string(v));
+  };
+  if (!(lr >= 0 && std::isfinite(lr))) return bad("lr must be finite and >= 0", lr);
+  if (!(beta1 >= 0 && beta1 < 1)) return bad("beta1 must be in [0, 1)", beta1);
+  if (!(beta2 >= 0 && beta2 < 1)) return bad("beta2 must be in [0, 1)", beta2);
+  if (!(eps > 0)) return bad("eps must be > 0", eps);
+  if (!(weight_decay >= 0)) return bad("weight_decay must be >= 0", weight_decay);
+  if (!(grad_clip >= 0)) return bad("grad_clip must be >= 0 (0 = off)", grad_clip);
+  return Status::Ok();
+}
+
+TrainingClient::TrainingClient(TrainerOptions options) : options_(std::move(options)) {}
+TrainingClient::~TrainingClient() = default;
+
+Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions options) {
+  FW_RETURN_IF_ERROR(options.config.Validate());
+  if (options.serving_dtype != DType::kBF16 && options.serving_dtype != DType::kF16 &&
+      options.serving_dtype != DType::kF32) {
+    return Status::InvalidArgument(std::string("serving dtype must be BF16, F16 or F32, got ") +
+                                   DTypeName(options.serving_dtype));
+  }
+  if (options.threads < 0) return Status::InvalidArgument("threads must be >= 0");
+  if (options.threads > 0) torch::set_num_threads(options.threads);
+  std::unique_ptr<TrainingClient> client(new TrainingClient(std::move(options)));
+  torch::manual_seed(client->options_.seed);
+  client->model_ = std::make_shared<model::TransformerImpl>(client->options_.config);
+  if (!client->options_.init_weights.empty()) {
+    FW_ASSIGN_OR_RETURN(Checkpoint checkpoint, Checkpoint::Open(client->options_.init_weights));
+    FW_RETURN_IF_ERROR(
+        model::LoadWeights(*client->model_, checkpoint.tensors(), client->options_.init_weights));
+  }
+  if (client->options_.lora) {
+    torch::manual_seed(client->options_.seed + 1);
+    FW_RETURN_IF_ERROR(client->model_->EnableLora(*client->options_.lora));
+  }
+  for (auto& item : client->model_->named_parameters()) {
+    if (item.value().requires_grad()) client->trainable_.emplace_back(item.key(), item.value());
+  }
+  std::sort(client->trainable_.begin(), client->trainable_.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& [name, p] : client->trainable_) {
+    client->exp_avg_.push_back(torch::zeros_like(p));
+    client->exp_avg_sq_.push_back(torch::zeros_like(p));
+  }
+  return client;
+}
+
+Result<TrainingClient::Batch> TrainingClient::MakeBatch(const std::vector<Datum>& datums,
+                                                        bool need_sampling, bool need_advantages,
+                                                        bool need_ref) const {
+  const model::ModelConfig& config = options_.config;
+  if (datums.empty()) return Status::InvalidArgument("no datums");
+  int64_t max_length = 0;
+  for (size_t i = 0; i < datums.size(); ++i) {
+    if (datums[i].tokens.empty())
+      return Status::InvalidArgument(DatumField(i, "tokens") + " is empty");
+    max_length = std::max<int64_t>(max_length, datums[i].tokens.size());
+  }
+  if (max_length > config.max_position_embeddings) {
+    return Status::InvalidArgument("a datum has " + std::to_string(max_length) +
+                                   " tokens, more than max_position_embeddings (" +
+                                   std::to_string(config.max_position_embeddings) + ")");
+  }
+  const bool any_routing =
+      std::any_of(datums.begin(), datums.end(), [](const Datum& d) { return !d.routing.empty(); });
+  const int64_t moe_layers = config.NumMoeLayers(), top_k = config.num_experts_per_tok;
+  if (any_routing && moe_layers == 0)
+    return Status::InvalidArgument("datums carry routing but the model is dense");
+
+  const int64_t b = static_cast<int64_t>(datums.size()), t_max = max_length;
+  Batch batch;
+  batch.tokens = torch::zeros({b, t_max}, torch::kLong);
+  batch.targets = torch::zeros({b, t_max}, torch::kLong);
+  batch.valid = torch::zeros({b, t_max}, torch::kBool);
+  batch.weights = torch::zeros({b, t_max});
+  if (need_sampling) batch.sampling = torch::zeros({b, t_max});
+  if (need_advantages) batch.advantages = torch::zeros({b, t_max});
+  if (need_ref) batch.ref = torch::zeros({b, t_max});
+  torch::Tensor replay =
+      any_routing ? torch::zeros({moe_layers, b, t_max, top_k}, torch::kLong) : torch::Tensor();
+  auto tokens = batch.tokens.accessor<int64_t, 2>();
+  auto targets = batch.targets.accessor<int64_t, 2>();
+  auto valid = batch.valid.accessor<bool, 2>();
+  for (size_t i = 0; i < datums.size(); ++i) {
+    const Datum& d = datums[i];
+    const int64_t length = d.tokens.size(), row = static_cast<int64_t>(i);
+    batch.lengths.push_back(length);
+    if (static_cast<int64_t>(d.target_tokens.size()) != length) {
+      return Status::InvalidArgument(DatumField(i, "target_tokens") + " has " +
+                                     std::to_string(d.target_tokens.size()) +
+                                     " entries, tokens has " + std::to_string(length));
+    }
+    for (int64_t t = 0; t < length; ++t) {
+      for (int32_t id : {d.tokens[t], d.target_tokens[t]}) {
+        if (id < 0 || id >= config.vocab_size) {
+          return Status::InvalidArgument(DatumField(i, "token id ") + std::to_string(id) +
+                                         " at position " + std::to_string(t) +
+                                         " is outside the vocabulary [0, " +
+                                         std::to_string(config.vocab_size) + ")");
+        }
+      }
+      tokens[row][t] = d.tokens[t];
+      targets[row][t] = d.target_tokens[t];
+      valid[row][t] = true;
+    }
+    if (d.weights.empty()) {
+      batch.weights[row].narrow(0, 0, length).fill_(1.0f);
+    } else {
+      FW_RETURN_IF_ERROR(FillRow(d.weights, i, "weights", length, batch.weights, row));
+      if (std::any_of(d.weights.begin(), d.weights.end(), [](float w) { return w < 0; })) {
+        return Status::InvalidArgument(DatumField(i, "weights") + " has a negative entry");
+      }
+    }
+    if (need_sampling)
+      FW_RETURN_IF_ERROR(FillRow(d.logprobs, i, "logprobs", length, batch.sampling, row));
+    if (need_advantages)
+      FW_RETURN_IF_ERROR(FillRow(d.advantages, i, "advantages", length, batch.advantages, row));
+    if (need_ref)
+      FW_RETURN_IF_ERROR(FillRow(d.ref_logprobs, i, "ref_logprobs", length, batch.ref, row));
+    if (!d.policy_versions.empty() && static_cast<int64_t>(d.policy_versions.size()) != length) {
+      return Status::InvalidArgument(DatumField(i, "policy_versions") + " has " +
+                                     std::to_string(d.policy_versions.size()) +
+                                     " entries, tokens has " + std::to_string(length));
+    }
+    if (any_routing) {
+      if (static_cast<int64_t>(d.routing.size()) != length * moe_layers * top_k) {
+        return Status::InvalidArgument(
+            DatumField(i, "routing") + " has " + std::to_string(d.routing.size()) +
+            " entries, expected tokens x MoE layers x top-k = " +
+            std::to_string(length * moe_layers * top_k) +
+            (d.routing.empty() ? " (every datum of a batch or none carries routing)" : ""));
+      }
+      auto r = replay.accessor<int64_t, 4>();
+      for (int64_t t = 0; t < length; ++t) {
+        for (int64_t l = 0; l < moe_layers; ++l) {
+          for (int64_t k = 0; k < top_k; ++k) {
+            const int32_t e = d.routing[(t * moe_layers + l) * top_k + k];
+            if (e < 0 || e >= config.num_experts) {
+              return Status::InvalidArgument(DatumField(i, "routing") + " names expert " +
+                                             std::to_string(e) + " at position " +
+                                             std::to_string(t) + ", the model has " +
+                                             std::to_string(config.num_experts));
+            }
+            r[l][row][t][k] = e;
+          }
+        }
+      }
+    }
+  }
+  if (any_routing) {
+    for (int64_t l = 0; l < moe_layers; ++l) batch.replay.push_back(replay[l]);
+  }
+  batch.loss_tokens = batch.weights.gt(0).sum().item<int64_t>();
+  batch.weight_sum = batch.weights.sum().item<double>();
+  return batch;
+}
+
+TrainingClient::LogprobResult TrainingClient::Logprobs(const Batch& batch) {
+  model::ForwardResult out = model_->Hidden(batch.tokens, {}, batch.valid, batch.replay);
+  torch::Tensor logits = model_->LmHead(out.hidden);  // [B, T, V]
+  torch::Tensor picked = logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1);
+  return {picked - logits.logsumexp(-1), std::move(out.routing), out.aux_loss};
+}
+
+void TrainingClient::Accumulate(const Batch& batch, Metrics& metrics) {
+  if (!have_pending_) {
+    pending_since_ = std::chrono::steady_clock::now();
+    have_pending_ = true;
+  }
+  pending_norm_ += options_.normalization == Normalization::kTokens
+                       ? batch.weight_sum
+                       : static_cast<double>(batch.lengths.size());
+  pending_tokens_ += batch.loss_tokens;
+  metrics.sequences = static_cast<int64_t>(batch.lengths.size());
+  metrics.tokens = batch.loss_tokens;
+  metrics.step = step_;
+}
+
+Result<ForwardOutput> TrainingClient::Forward(const std::vector<Datum>& datums) {
+  FW_ASSIGN_OR_RETURN(Batch batch, MakeBatch(datums, false, false, false));
+  torch::NoGradGuard no_grad;
+  LogprobResult lp = Logprobs(batch);
+  ForwardOutput out;
+  const int64_t layers = static_cast<int64_t>(lp.routing.size());
+  for (size_t i = 0; i < datums.size(); ++i) {
+    const int64_t length = batch.lengths[i];
+    torch::Tensor row = lp.logprobs[i].narrow(0, 0, length).contiguous();
+    out.logprobs.emplace_back(row.data_ptr<float>(), row.data_ptr<float>() + length);
+    std::vector<int32_t> routing;
+    if (layers > 0) {
+      // [L, T, k] -> [T, L, k], token-major.
+      std::vector<torch::Tensor> per_layer;
+      for (const auto& r : lp.routing) per_layer.push_back(r[i].narrow(0, 0, length));
+      torch::Tensor packed = torch::stack(per_layer, 1).to(torch::kInt).contiguous();
+      routing.assign(packed.data_ptr<int32_t>(), packed.data_ptr<int32_t>() + packed.numel());
+    }
+    out.routing.push_back(std::move(routing));
+  }
+  return out;
+}
+
+Result<Metrics> TrainingClient::ForwardBackward(const std::vector<Datum>& datums,
+                                                std::string_view loss_name,
+                                                const LossConfig& config) {
+  FW_ASSIGN_OR_RETURN(LossName name, ParseLossName(loss_name));
+  FW_RETURN_IF_ERROR(config.Validate());
+  FW_ASSIGN_OR_RETURN(Batch batch,
+                      MakeBatch(datums, NeedsSamplingLogprobs(name, config), NeedsAdvantages(name),
+                                NeedsRefLogprobs(name, config)));
+  if (name == LossName::kDpo && datums.size() % 2 != 0) {
+    return Status::InvalidArgument("loss dpo needs datums in (chosen, rejected) pairs; got " +
+                                   std::to_string(datums.size()));
+  }
+  LogprobResult lp = Logprobs(batch);
+  LossBatch loss_batch{lp.logprobs, batch.sampling, batch.advantages, batch.weights, batch.ref};
+  FW_ASSIGN_OR_RETURN(LossResult loss, ComputeLoss(name, config, loss_batch));
+  torch::Tensor total = loss.loss;
+  if (options_.config.num_experts > 0 && options_.config.router_aux_loss_coef > 0) {
+    total = total + lp.aux_loss * options_.config.router_aux_loss_coef;
+  }
+  Metrics metrics;
+  Accumulate(batch, metrics);
+  const double norm = options_.normalization == Normalization::kTokens
+                          ? batch.weight_sum
+                          : static_cast<double>(datums.size());
+  (total * norm).backward();
+  metrics.loss = loss.loss.item<double>();
+  metrics.kl_sampler_k3 = loss.kl_sampler_k3;
+  metrics.clip_fraction = loss.clip_fraction;
+  metrics.kl_reference = loss.kl_reference;
+  metrics.tis_truncated = loss.tis_truncated;
+  metrics.aux_loss = lp.aux_loss.item<double>();
+  return metrics;
+}
+
+Result<Metrics> TrainingClient::ForwardBackwardCustom(const std::vector<Datum>& datums,
+                                                      const CustomLossFn& fn) {
+  if (!fn) return Status::InvalidArgument("forward_backward_custom: no loss function");
+  FW_ASSIGN_OR_RETURN(Batch batch, MakeBatch(datums, false, false, false));
+  // Pass 1: logprobs without a graph; MoE routing is pinned for pass 2.
+  std::vector<torch::Tensor> leaves;
+  {
+    torch::NoGradGuard no_grad;
+    LogprobResult first = Logprobs(batch);
+    if (batch.replay.empty()) batch.replay = first.routing;
+    for (size_t i = 0; i < datums.size(); ++i) {
+      leaves.push_back(
+          first.logprobs[i].narrow(0, 0, batch.lengths[i]).clone().set_requires_grad(true));
+    }
+  }
+  FW_ASSIGN_OR_RETURN(torch::Tensor loss, fn(datums, leaves));
+  if (!loss.defined() || loss.numel() != 1 || !loss.requires_grad()) {
+    return Status::InvalidArgument(
+        "forward_backward_custom: the loss function must return a scalar that "
+        "depends on the logprobs it was given");
+  }
+  if (!std::isfinite(loss.item<double>()))
+    return Status::InvalidArgument("forward_backward_custom: the loss is not finite");
+  std::vector<torch::Tensor> grads =
+      torch::autograd::grad({loss.reshape({})}, leaves, {}, false, false, true);
+  torch::Tensor upstream = torch::zeros_like(batch.weights);
+  for (size_t i = 0; i < datums.size(); ++i) {
+    if (grads[i].defined())
+      upstream[i].narrow(0, 0, batch.lengths[i]).copy_(grads[i].to(torch::kFloat));
+  }
+  // Pass 2: the same forward with a graph; sum(logprob * dL/dlogprob) has the loss's gradient.
+  LogprobResult second = Logprobs(batch);
+  torch::Tensor surrogate = (second.logprobs * upstream).sum();
+  if (options_.config.num_experts > 0 && options_.config.router_aux_loss_coef > 0) {
+    surrogate = surrogate + second.aux_loss * options_.config.router_aux_loss_coef;
+  }
+  Metrics metrics;
+  Accumulate(batch, metrics);
+  const double norm = options_.normalization == Normalization::kTokens
+                          ? batch.weight_sum
+                          : static_cast<double>(datums.size());
+  (surrogate * norm).backward();
+  metrics.loss = loss.item<double>();
+  metrics.aux_loss = second.aux_loss.item<double>();
+  return metrics;
+}
+
+Result<Metrics> TrainingClient::OptimStep(const AdamWParams& params) {
+  FW_RETURN_IF_ERROR(params.Validate());
+  if (!have_pending_ || pending_norm_ <= 0) {
+    return Status::InvalidArgument(
+        "optim_step: no gradients accumulated since the last step "
+        "(call forward_backward first, with at least one loss token)");
+  }
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  double squares = 0;
+  for (auto& [name, p] : trainable_) {
+    torch::Tensor g = p.grad().defined() ? p.grad() / pending_norm_ : torch::Tensor();
+    if (g.defined()) squares += g.to(torch::kDouble).pow(2).sum().item<double>();
+    grads.push_back(g);
+  }
+  Metrics metrics;
+  metrics.grad_norm = std::sqrt(squares);
+  if (!std::isfinite(metrics.grad_norm)) {
+    for (auto& [name, p] : trainable_) p.mutable_grad() = torch::Tensor();
+    have_pending_ = false;
+    pending_norm_ = 0;
+    pending_tokens_ = 0;
+    return Status::InvalidArgument(
+        "optim_step: the gradient is not finite; step skipped and gradients cleared");
+  }
+  const double clip = params.grad_clip > 0 && metrics.grad_norm > params.grad_clip
+                          ? params.grad_clip / (metrics.grad_norm + 1e-6)
+                          : 1.0;
+  ++step_;
+  const double bias1 = 1 - std::pow(params.beta1, static_cast<double>(step_));
+  const double bias2 = 1 - std::pow(params.beta2, static_cast<double>(step_));
+  for (size_t i = 0; i < trainable_.size(); ++i) {
+    if (!grads[i].defined())
+      continue;  // as torch.optim: a parameter without a gradient is left alone
+    torch::Tensor& p = trainable_[i].second;
+    torch::Tensor g = clip != 1.0 ? grads[i] * clip : grads[i];
+    p.mul_(1 - params.lr * params.weight_decay);
+    exp_avg_[i].mul_(params.beta1).add_(g, 1 - params.beta1);
+    exp_avg_sq_[i].mul_(params.beta2).addcmul_(g, g, 1 - params.beta2);
+    torch::Tensor denom = (exp_avg_sq_[i].sqrt() / std::sqrt(bias2)).add_(params.eps);
+    p.addcdiv_(exp_avg_[i], denom, -params.lr / bias1);
+    p.mutable_grad() = torch::Tensor();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - pending_since_).count();
+  metrics.tokens = pending_tokens_;
+  metrics.tokens_per_s = seconds > 0 ? static_cast<double>(pending_tokens_) / seconds : 0;
+  metrics.step = step_;
+  have_pending_ = false;
+  pending_norm_ = 0;
+  pending_tokens_ = 0;
+  return metrics;
+}
+
+Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) {
+  if (version <= last_version_) {
+    return Status::InvalidArgument("save_weights_for_sampler: version " + std::to_string(version) +
+                                   " does not move forward (last was " +
+                                   std::to_string(last_version_) + ")");
+  }
+  SamplerSnapshot snapshot;
+  snapshot.version = version;
+  snapshot.adapters_only = model_->lora_enabled();
+  FW_ASSIGN_OR_RETURN(snapshot.checkpoint, model::SnapshotWeights(*model_, options_.serving_dtype,
+                                                                  snapshot.adapters_only));
+  const CheckpointView view = snapshot.checkpoint.view();
+  for (const TensorView& t : view) snapshot.bytes += t.data.size();
+  FW_ASSIGN_OR_RETURN(Hash128 hash, CheckpointHash(view));
+  snapshot.weights_hash = hash.ToHex();
+  if (publisher_) {
+    auto published = publisher_->Publish(version, view);
+    if (!published.ok()) return published.status();
+  }
+  last_version_ = version;
+  return snapshot;
+}
+
+Status TrainingClient::SaveState(const std::string& dir) {
+  if (have_pending_) {
+    return Status::InvalidArgument(
+        "save_state: gradients are pending (forward_backward without optim_step); "
+        "step first so nothing is lost");
+  }
+  const fs::path target = fs::absolute(dir);
+  const fs::path temp = target.string() + ".tmp." + std::to_string(::getpid());
+  std::error_code ec;
+  fs::remove_all(temp, ec);
+  fs::create_directories(temp, ec);
+  if (ec)
+    return Status::IOError("save_state: cannot create " + temp.string() + ": " + ec.message());
+
+  OwnedCheckpoint weights, moments;
+  for (auto& item : model_->named_parameters()) {
+    FW_ASSIGN_OR_RETURN(OwnedTensor t, model::FromTorch(item.key(), item.value(), DType::kF32));
+    weights.tensors.push_back(std::move(t));
+  }
+  for (size_t i = 0; i < trainable_.size(); ++i) {
+    FW_ASSIGN_OR_RETURN(OwnedTensor m, model::FromTorch("exp_avg." + trainable_[i].first,
+                                                        exp_avg_[i], DType::kF32));
+    FW_ASSIGN_OR_RETURN(OwnedTensor v, model::FromTorch("exp_avg_sq." + trainable_[i].first,
+                                                        exp_avg_sq_[i], DType::kF32));
+    moments.tensors.push_back(std::move(m));
+    moments.tensors.push_back(std::move(v));
+  }
+  FW_RETURN_IF_ERROR(WriteSafetensors((temp / "weights.safetensors").string(), weights.view(), {}));
+  FW_RETURN_IF_ERROR(
+      WriteSafetensors((temp / "optimizer.safetensors").string(), moments.view(), {}));
+  nlohmann::json state = {
+      {"format", kStateFormat},
+      {"step", step_},
+      {"last_sampler_version", last_version_},
+      {"config", options_.config.ToJson()},
+      {"lora", options_.lora ? nlohmann::json{{"rank", options_.lora->rank},
+                                              {"alpha", options_.lora->alpha},
+                                              {"targets", options_.lora->targets}}
+                             : nlohmann::json(nullptr)},
+  };
+  {
+    std::ofstream out(temp / "trainer.json");
+    out << state.dump(2) << "\n";
+    if (!out)
+      return Status::IOError("save_state: cannot write " + (temp / "trainer.json").string());
+  }
+  // Swap in: the old state stays whole until the new one is complete.
+  const fs::path old = target.string() + ".old." + std::to_string(::getpid());
+  fs::remove_all(old, ec);
+  if (fs::exists(target)) {
+    fs::rename(target, old, ec);
+    if (ec)
+      return Status::IOError("save_state: cannot move aside " + target.string() + ": " +
+                             ec.message());
+  }
+  fs::rename(temp, target, ec);
+  if (ec) {
+    std::error_code restore;
+    if (fs::exists(old)) fs::rename(old, target, restore);
+    return Status::IOError("save_state: cannot rename " + temp.string() + " to " + target.string() +
+                           ": " + ec.message());
+  }
+  fs::remove_all(old, ec);
+  return Status::Ok();
+}
+
+Status TrainingClient::LoadState(const std::string& dir) {
+  const fs::path root = dir;
+  const fs::path meta_path = root / "trainer.json";
+  if (!fs::exists(meta_path))
+    return Status::NotFound("load_state: " + meta_path.string() + " does not exist");
+  nlohmann::json state = nlohmann::json::parse(ReadFile(meta_path), nullptr, false);
+  if (state.is_discarded() || !state.is_object())
+    return Status::Corruption("load_state: " + meta_path.string() + " is not JSON");
+  if (state.value("format", 0) != kStateFormat) {
+    return Status::InvalidArgument("load_state: " + meta_path.string() + " has an unknown format");
+  }
+  if (state.value("config", nlohmann::json()) != options_.config.ToJson()) {
+    return Status::Mismatch("load_state: " + dir + " was saved from a different model config");
+  }
+  const bool saved_lora = state.contains("lora") && !state["lora"].is_null();
+  if (saved_lora != options_.lora.has_value() ||
+      (saved_lora &&
+       (state["lora"].value("rank", 0) != options_.lora->rank ||
+        state["lora"].value("alpha", 0.0) != options_.lora->alpha ||
+        state["lora"].value("targets", std::vector<std::string>{}) != options_.lora->targets))) {
+    return Status::Mismatch("load_state: " + dir + " was saved with different LoRA settings");
+  }
+  FW_ASSIGN_OR_RETURN(SafetensorsFile weights,
+                      SafetensorsFile::Open((root / "weights.safetensors").string()));
+  FW_ASSIGN_OR_RETURN(SafetensorsFile moments,
+                      SafetensorsFile::Open((root / "optimizer.safetensors").string()));
+  std::map<std::string, const TensorView*> by_name;
+  for (const TensorView& t : weights.tensors()) by_name[t.name] = &t;
+  for (const TensorView& t : moments.tensors()) by_name[t.name] = &t;
+  // Check everything before touching the model, so a bad state leaves it unchanged.
+  auto find = [&](const std::string& name, const torch::Tensor& like) -> Result<torch::Tensor> {
+    auto it = by_name.find(name);
+    if (it == by_name.end())
+      return Status::NotFound("load_state: " + dir + " lacks tensor " + name);
+    if (it->second->dtype != DType::kF32 || it->second->shape != like.sizes().vec()) {
+      return Status::Mismatch("load_state: tensor " + name + " in " + dir +
+                              " has the wrong dtype or shape");
+    }
+    return model::ToTorch(*it->second);
+  };
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
+  for (auto& item : model_->named_parameters()) {
+    FW_ASSIGN_OR_RETURN(torch::Tensor value, find(item.key(), item.value()));
+    copies.emplace_back(item.value(), value);
+  }
+  for (size_t i = 0; i < trainable_.size(); ++i) {
+    FW_ASSIGN_OR_RETURN(torch::Tensor m, find("exp_avg." + trainable_[i].first, exp_avg_[i]));
+    FW_ASSIGN_OR_RETURN(torch::Tensor v, find("exp_avg_sq." + trainable_[i].first, exp_avg_sq_[i]));
+    copies.emplace_back(exp_avg_[i], m);
+    copies.emplace_back(exp_avg_sq_[i], v);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [dst, src] : copies) dst.copy_(src);
+  for (auto& [name, p] : trainable_) p.mutable_grad() = torch::Tensor();
+  step_ = state.value("step", uint64_t{0});
+  last_version_ = state.value("last_sampler_version", uint64_t{0});
+  have_pending_ = false;
+  pending_norm_ = 0;
+  pending_tokens_ = 0;
+  return Status::Ok();
+}
+
+}  // namespace flywheel::trainer

@@ -1,0 +1,159 @@
+// The embedded trainer's client API, modelled on the training APIs RL teams know
+// (Tinker, Fireworks' training SDK): forward / forward_backward / forward_backward_custom /
+// optim_step / save_weights_for_sampler / save_state / load_state.
+//
+// A Datum is one sequence: position i of `tokens` predicts `target_tokens[i]`. Batches are
+// right-padded to the longest datum; padding never counts.
+//
+// Gradient accumulation: every ForwardBackward* call adds (its aggregated loss x its
+// normaliser n) to the gradients, where n is the call's number of sequences or its sum of
+// loss weights (Normalization); OptimStep divides by the sum of n since the last step. So
+// k calls of B sequences step exactly like one call of k*B sequences when the aggregation
+// matches the mode (token-mean with kTokens, seq-mean-* with kSequences).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "base/status.h"
+#include "delta/tensor.h"
+#include "trainer/losses.h"
+#include "trainer/model.h"
+
+namespace flywheel::sync {
+class Publisher;
+}
+
+namespace flywheel::trainer {
+
+struct Datum {
+  std::vector<int32_t> tokens;            // model input, length T >= 1
+  std::vector<int32_t> target_tokens;     // length T
+  std::vector<float> weights;             // length T; empty = all 1 (loss mask / SFT weights)
+  std::vector<float> logprobs;            // sampling logprobs, length T (RL losses, TIS)
+  std::vector<float> advantages;          // length T (RL losses)
+  std::vector<float> ref_logprobs;        // length T (dpo, kl_coef > 0)
+  std::vector<uint64_t> policy_versions;  // optional, length T: the version that sampled each token
+  // Optional routing replay: T x num_moe_layers x top_k expert indices, token-major.
+  std::vector<int32_t> routing;
+};
+
+enum class Normalization { kTokens, kSequences };
+
+struct AdamWParams {
+  double lr = 1e-5;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double grad_clip = 1.0;  // max global L2 norm; 0 off
+  Status Validate() const;
+};
+
+struct Metrics {
+  double loss = 0;           // the call's aggregated loss (ForwardBackward*)
+  double kl_sampler_k3 = 0;  // sampling vs recomputed logprobs, mean k3 over loss tokens
+  double clip_fraction = 0;
+  double kl_reference = 0;
+  double tis_truncated = 0;
+  double aux_loss = 0;      // MoE load balancing (mean over layers), before its coefficient
+  double grad_norm = 0;     // OptimStep: global norm before clipping
+  double tokens_per_s = 0;  // loss tokens (OptimStep: since the last step) per wall second
+  int64_t sequences = 0;
+  int64_t tokens = 0;  // loss tokens (weight > 0)
+  uint64_t step = 0;   // optimizer steps taken (after this call)
+};
+
+struct ForwardOutput {
+  std::vector<std::vector<float>> logprobs;  // per datum, length T
+  // Per datum, T x num_moe_layers x top_k, token-major (empty for dense models).
+  std::vector<std::vector<int32_t>> routing;
+};
+
+struct SamplerSnapshot {
+  uint64_t version = 0;
+  std::string weights_hash;  // hex, as `flywheel checkpoint hash` prints it
+  uint64_t bytes = 0;        // serving-dtype bytes of the snapshot
+  bool adapters_only = false;
+  OwnedCheckpoint checkpoint;  // what was hashed and published
+};
+
+struct TrainerOptions {
+  model::ModelConfig config;
+  std::string init_weights;                // optional safetensors file or sharded dir to start from
+  uint64_t seed = 0;                       // random init (when no init_weights) and LoRA A factors
+  std::optional<model::LoraOptions> lora;  // set: LoRA mode (base frozen)
+  DType serving_dtype = DType::kBF16;
+  Normalization normalization = Normalization::kTokens;
+  int threads = 0;  // torch intra-op threads; 0 leaves torch's default
+};
+
+// The user loss of ForwardBackwardCustom: given the datums and their current logprobs
+// (one 1-D fp32 tensor of length T per datum, requiring grad), return a scalar loss.
+using CustomLossFn = std::function<Result<torch::Tensor>(const std::vector<Datum>&,
+                                                         const std::vector<torch::Tensor>&)>;
+
+class TrainingClient {
+ public:
+  static Result<std::unique_ptr<TrainingClient>> Create(TrainerOptions options);
+  ~TrainingClient();
+
+  // Logprobs of the targets (and the routing used), no gradients.
+  Result<ForwardOutput> Forward(const std::vector<Datum>& datums);
+  // One forward and one backward with the loss fused in; gradients accumulate.
+  Result<Metrics> ForwardBackward(const std::vector<Datum>& datums, std::string_view loss_name,
+                                  const LossConfig& config = {});
+  // The general path: a no-grad forward for logprobs, `fn` computes the loss and
+  // d loss / d logprob, then a forward+backward of sum(logprob * that gradient).
+  Result<Metrics> ForwardBackwardCustom(const std::vector<Datum>& datums, const CustomLossFn& fn);
+  // AdamW on the accumulated gradients (divided by the accumulated normaliser), with
+  // global-norm clipping; clears the gradients.
+  Result<Metrics> OptimStep(const AdamWParams& params);
+
+  // Casts the weights (LoRA: only the adapters) to the serving dtype, hashes them and, when
+  // a publisher is attached, publishes them as `version` (must exceed the last one).
+  Result<SamplerSnapshot> SaveWeightsForSampler(uint64_t version);
+  void AttachPublisher(sync::Publisher* publisher) { publisher_ = publisher; }
+
+  // Weights (fp32), optimizer moments, step and pending accumulation, so a run resumes
+  // bit-exactly. `dir` is replaced atomically (written beside it, then renamed).
+  Status SaveState(const std::string& dir);
+  Status LoadState(const std::string& dir);
+
+  model::TransformerImpl& model() { return *model_; }
+  const TrainerOptions& options() const { return options_; }
+  uint64_t step() const { return step_; }
+  uint64_t last_sampler_version() const { return last_version_; }
+
+ private:
+  struct Batch;
+  explicit TrainingClient(TrainerOptions options);
+  Result<Batch> MakeBatch(const std::vector<Datum>& datums, bool need_sampling,
+                          bool need_advantages, bool need_ref) const;
+  // Token logprobs [B, T] of the batch's targets, and the MoE outputs.
+  struct LogprobResult;
+  LogprobResult Logprobs(const Batch& batch);
+  void Accumulate(const Batch& batch, Metrics& metrics);
+
+  TrainerOptions options_;
+  std::shared_ptr<model::TransformerImpl> model_;
+  std::vector<std::pair<std::string, torch::Tensor>> trainable_;  // name-sorted
+  std::vector<torch::Tensor> exp_avg_, exp_avg_sq_;
+  uint64_t step_ = 0;
+  double pending_norm_ = 0;  // sum of normalisers since the last step
+  int64_t pending_tokens_ = 0;
+  std::chrono::steady_clock::time_point pending_since_{};
+  bool have_pending_ = false;
+  uint64_t last_version_ = 0;
+  sync::Publisher* publisher_ = nullptr;
+};
+
+}  // namespace flywheel::trainer
