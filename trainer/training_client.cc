@@ -116,6 +116,13 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
     client->exp_avg_.push_back(torch::zeros_like(p));
     client->exp_avg_sq_.push_back(torch::zeros_like(p));
   }
+  if (client->options_.data_parallel) {
+    FW_ASSIGN_OR_RETURN(client->data_parallel_,
+                        DataParallel::Join(*client->options_.data_parallel));
+    std::vector<torch::Tensor> params;
+    for (auto& item : client->model_->named_parameters()) params.push_back(item.value());
+    FW_RETURN_IF_ERROR(client->data_parallel_->Broadcast(params));
+  }
   return client;
 }
 
@@ -356,12 +363,41 @@ Result<Metrics> TrainingClient::ForwardBackwardCustom(const std::vector<Datum>& 
 
 Result<Metrics> TrainingClient::OptimStep(const AdamWParams& params) {
   FW_RETURN_IF_ERROR(params.Validate());
+  torch::NoGradGuard no_grad;
+  if (data_parallel_) {
+    // One reduction: every gradient (zeros where this rank has none), a has-gradient flag
+    // per parameter, and the normaliser and token count.
+    std::vector<torch::Tensor> buffers;
+    torch::Tensor flags = torch::zeros({static_cast<int64_t>(trainable_.size())}, torch::kDouble);
+    for (size_t i = 0; i < trainable_.size(); ++i) {
+      torch::Tensor& p = trainable_[i].second;
+      if (p.grad().defined()) {
+        flags[i] = 1.0;
+      } else {
+        p.mutable_grad() = torch::zeros_like(p);
+      }
+      buffers.push_back(p.mutable_grad());
+    }
+    torch::Tensor counters =
+        torch::tensor({pending_norm_, static_cast<double>(pending_tokens_)}, torch::kDouble);
+    buffers.push_back(flags);
+    buffers.push_back(counters);
+    FW_RETURN_IF_ERROR(data_parallel_->AllReduceSum(buffers));
+    for (size_t i = 0; i < trainable_.size(); ++i) {
+      if (flags[i].item<double>() == 0) trainable_[i].second.mutable_grad() = torch::Tensor();
+    }
+    pending_norm_ = counters[0].item<double>();
+    pending_tokens_ = static_cast<int64_t>(counters[1].item<double>());
+    if (!have_pending_) {
+      pending_since_ = std::chrono::steady_clock::now();
+      have_pending_ = pending_norm_ > 0;
+    }
+  }
   if (!have_pending_ || pending_norm_ <= 0) {
     return Status::InvalidArgument(
         "optim_step: no gradients accumulated since the last step "
         "(call forward_backward first, with at least one loss token)");
   }
-  torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> grads;
   double squares = 0;
   for (auto& [name, p] : trainable_) {

@@ -25,6 +25,7 @@
 
 #include "base/status.h"
 #include "delta/tensor.h"
+#include "trainer/data_parallel.h"
 #include "trainer/losses.h"
 #include "trainer/model.h"
 
@@ -94,6 +95,9 @@ struct TrainerOptions {
   DType serving_dtype = DType::kBF16;
   Normalization normalization = Normalization::kTokens;
   int threads = 0;  // torch intra-op threads; 0 leaves torch's default
+  // Set: join a c10d/Gloo group (trainer/data_parallel.h). Rank 0's initial weights are
+  // broadcast; every rank must call optim_step together; only rank 0 should publish.
+  std::optional<DataParallelOptions> data_parallel;
 };
 
 // The user loss of ForwardBackwardCustom: given the datums and their current logprobs
@@ -115,7 +119,8 @@ class TrainingClient {
   // d loss / d logprob, then a forward+backward of sum(logprob * that gradient).
   Result<Metrics> ForwardBackwardCustom(const std::vector<Datum>& datums, const CustomLossFn& fn);
   // AdamW on the accumulated gradients (divided by the accumulated normaliser), with
-  // global-norm clipping; clears the gradients.
+  // global-norm clipping; clears the gradients. Data parallel: gradients, normalisers and
+  // token counts are summed over the ranks first (a rank may contribute nothing).
   Result<Metrics> OptimStep(const AdamWParams& params);
 
   // Casts the weights (LoRA: only the adapters) to the serving dtype, hashes them and, when
@@ -154,6 +159,7 @@ class TrainingClient {
   bool have_pending_ = false;
   uint64_t last_version_ = 0;
   sync::Publisher* publisher_ = nullptr;
+  std::unique_ptr<DataParallel> data_parallel_;
 };
 
 }  // namespace flywheel::trainer

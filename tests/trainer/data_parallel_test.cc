@@ -1,0 +1,205 @@
+// Data parallel over c10d/Gloo: two real processes on loopback (this test binary, started
+// again as a child rank) train on halves of a batch; both end bit-identical to each other
+// and equal (up to float summation order) to one process training on the whole batch.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <random>
+#include <thread>
+
+#include "delta/safetensors.h"
+#include "trainer/training_client.h"
+#include "trainer/weights.h"
+
+extern char** environ;
+
+namespace flywheel::trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kSteps = 3;
+constexpr int kDatums = 8;
+
+model::ModelConfig Config() {
+  model::ModelConfig c;
+  c.model_type = "qwen3_moe";
+  c.vocab_size = 40;
+  c.hidden_size = 32;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.intermediate_size = 64;
+  c.qk_norm = true;
+  c.num_experts = 8;  // several experts stay unused on one rank: the has-gradient flags matter
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 16;
+  c.max_position_embeddings = 64;
+  // The load-balancing loss is a product of batch means, so per-rank (and per-call) values
+  // do not add up to the whole batch's, in any framework; leave it out of the equality check.
+  c.router_aux_loss_coef = 0;
+  return c;
+}
+
+std::vector<Datum> Batch() {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> noise(0, 0.3f);
+  std::vector<Datum> out;
+  for (int i = 0; i < kDatums; ++i) {
+    Datum d;
+    const int length = 6 + i % 4;
+    for (int t = 0; t < length; ++t) {
+      d.tokens.push_back(static_cast<int32_t>(rng() % 40));
+      d.target_tokens.push_back(static_cast<int32_t>(rng() % 40));
+      d.logprobs.push_back(-3.7f + noise(rng));
+      d.advantages.push_back(i % 2 ? 1.0f : -1.0f);
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+// Trains kSteps of PPO on `datums`; returns the grad norm of every step.
+std::vector<double> Train(TrainingClient& client, const std::vector<Datum>& datums) {
+  std::vector<double> norms;
+  for (int step = 0; step < kSteps; ++step) {
+    if (!datums.empty()) {
+      auto m = client.ForwardBackward(datums, "ppo", {.clip_high = 0.28});
+      EXPECT_TRUE(m.ok()) << m.status().ToString();
+    }
+    auto s = client.OptimStep({.lr = 1e-3});
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    norms.push_back(s.ok() ? s->grad_norm : -1);
+  }
+  return norms;
+}
+
+// The child rank: runs only when started by TwoProcessesMatchOneProcess.
+TEST(DataParallelChild, DISABLED_Rank) {
+  const char* rank_env = std::getenv("FLYWHEEL_DP_RANK");
+  const char* init = std::getenv("FLYWHEEL_DP_INIT");
+  const char* out = std::getenv("FLYWHEEL_DP_OUT");
+  ASSERT_TRUE(rank_env && init && out) << "started without the parent's environment";
+  const int rank = std::atoi(rank_env);
+  torch::set_num_threads(1);
+  DataParallelOptions dp{
+      .init_method = init, .rank = rank, .world_size = 2, .timeout = std::chrono::seconds(60)};
+  // Different seeds: rank 0's weights must reach rank 1 through the initial broadcast.
+  auto client = TrainingClient::Create(
+      {.config = Config(), .seed = rank == 0 ? 31u : 999u, .data_parallel = dp});
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  const auto all = Batch();
+  // Rank 0 takes 3 datums, rank 1 the other 5: unequal shares still normalise globally.
+  const auto mine = rank == 0 ? std::vector<Datum>(all.begin(), all.begin() + 3)
+                              : std::vector<Datum>(all.begin() + 3, all.end());
+  const auto norms = Train(**client, mine);
+  ASSERT_TRUE(model::SaveModel((*client)->model(),
+                               std::string(out) + "/rank" + rank_env + ".safetensors", DType::kF32)
+                  .ok());
+  std::ofstream(std::string(out) + "/rank" + rank_env + ".norms")
+      << std::setprecision(17) << norms[0] << " " << norms[1] << " " << norms[2];
+}
+
+pid_t Spawn(int rank, const std::string& init, const std::string& out) {
+  const std::string self = fs::read_symlink("/proc/self/exe").string();
+  std::vector<std::string> env_strings = {"FLYWHEEL_DP_RANK=" + std::to_string(rank),
+                                          "FLYWHEEL_DP_INIT=" + init, "FLYWHEEL_DP_OUT=" + out,
+                                          "OMP_NUM_THREADS=1"};
+  std::vector<char*> envp;
+  for (char** e = environ; *e; ++e) envp.push_back(*e);
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string filter = "--gtest_filter=DataParallelChild.DISABLED_Rank";
+  std::string disabled = "--gtest_also_run_disabled_tests";
+  std::vector<char*> argv = {const_cast<char*>(self.c_str()), filter.data(), disabled.data(),
+                             nullptr};
+  pid_t pid = 0;
+  if (posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv.data(), envp.data()) != 0) return -1;
+  return pid;
+}
+
+// Waits for `pid` up to `limit`; kills it past that. Returns the exit status or -1.
+int Reap(pid_t pid, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  return -1;
+}
+
+TEST(DataParallelTest, TwoProcessesMatchOneProcess) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("flywheel_dp_test_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string init = "file://" + (dir / "rendezvous").string();
+  const pid_t rank0 = Spawn(0, init, dir.string());
+  const pid_t rank1 = Spawn(1, init, dir.string());
+  ASSERT_GT(rank0, 0);
+  ASSERT_GT(rank1, 0);
+
+  // Meanwhile, the single-process reference on the whole batch.
+  auto single = TrainingClient::Create({.config = Config(), .seed = 31});
+  ASSERT_TRUE(single.ok());
+  const auto norms = Train(**single, Batch());
+
+  EXPECT_EQ(Reap(rank0, std::chrono::seconds(240)), 0);
+  EXPECT_EQ(Reap(rank1, std::chrono::seconds(240)), 0);
+  auto r0 = Checkpoint::Open((dir / "rank0.safetensors").string());
+  auto r1 = Checkpoint::Open((dir / "rank1.safetensors").string());
+  ASSERT_TRUE(r0.ok() && r1.ok()) << "a rank wrote no weights";
+  ASSERT_EQ(r0->tensors().size(), r1->tensors().size());
+  auto params = (*single)->model().named_parameters();
+  double max_diff = 0;
+  for (size_t i = 0; i < r0->tensors().size(); ++i) {
+    const TensorView& a = r0->tensors()[i];
+    const TensorView& b = r1->tensors()[i];
+    ASSERT_EQ(a.name, b.name);
+    EXPECT_TRUE(std::equal(a.data.begin(), a.data.end(), b.data.begin(), b.data.end()))
+        << "ranks diverged on " << a.name;
+    auto ta = model::ToTorch(a);
+    ASSERT_TRUE(ta.ok());
+    max_diff = std::max(max_diff, (*ta - params[a.name]).abs().max().item<double>());
+  }
+  // Adam steps of lr 1e-3: the ranks agree with one process to 1% of a step.
+  EXPECT_LT(max_diff, 1e-5);
+  for (int rank = 0; rank < 2; ++rank) {
+    std::ifstream in(dir / ("rank" + std::to_string(rank) + ".norms"));
+    for (int step = 0; step < kSteps; ++step) {
+      double norm = 0;
+      ASSERT_TRUE(in >> norm);
+      EXPECT_NEAR(norm, norms[step], 1e-5 * norms[step]) << "rank " << rank << " step " << step;
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST(DataParallelTest, BadOptionsAreClearErrors) {
+  auto bad_rank = DataParallel::Join({.init_method = "file:///tmp/x", .rank = 2, .world_size = 2});
+  ASSERT_FALSE(bad_rank.ok());
+  EXPECT_NE(bad_rank.status().message().find("outside [0, 2)"), std::string::npos);
+  auto bad_init = DataParallel::Join({.init_method = "env://", .rank = 0, .world_size = 1});
+  ASSERT_FALSE(bad_init.ok());
+  EXPECT_NE(bad_init.status().message().find("tcp:// or file://"), std::string::npos);
+  auto bad_port =
+      DataParallel::Join({.init_method = "tcp://127.0.0.1:notaport", .rank = 0, .world_size = 1});
+  ASSERT_FALSE(bad_port.ok());
+  EXPECT_NE(bad_port.status().message().find("bad port"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace flywheel::trainer
