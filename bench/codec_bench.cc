@@ -953,12 +953,13 @@ Status RunCodecBench(const CodecBenchOptions& options, std::ostream& out) {
   markdown += "\n" + Legend(options) + "\n";
 
   if (!options.markdown_out.empty()) {
-    // The fleet benchmark keeps its own section at the end of the same file.
+    // The fleet and trainer benchmarks keep their own sections after the codec's.
     std::ifstream existing(options.markdown_out, std::ios::binary);
     const std::string previous((std::istreambuf_iterator<char>(existing)),
                                std::istreambuf_iterator<char>());
-    const size_t fleet = previous.find("\n## Fleet benchmark");
-    if (fleet != std::string::npos) markdown += previous.substr(fleet);
+    const size_t kept =
+        std::min(previous.find("\n## Fleet benchmark"), previous.find("\n## Trainer benchmark"));
+    if (kept != std::string::npos) markdown += previous.substr(kept);
     FW_RETURN_IF_ERROR(WriteFile(options.markdown_out, std::as_bytes(std::span(markdown))));
   }
   if (!options.json_out.empty()) {

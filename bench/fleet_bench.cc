@@ -1336,38 +1336,6 @@ Json ResultsJson(const FleetBenchOptions& options, const StagedSequence& staged,
   return json;
 }
 
-// Replaces the "## Fleet benchmark" section of a Markdown file (from that heading to the
-// next "## " heading or the end), or appends one; creates the file if missing.
-Status WriteMarkdownSection(const std::string& path, const std::string& section) {
-  std::string text;
-  if (fs::exists(path)) {
-    FW_ASSIGN_OR_RETURN(text, ReadWholeFile(path));
-  }
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  std::string out;
-  bool replaced = false;
-  for (size_t i = 0; i < lines.size(); ++i) {
-    if (!replaced && lines[i].rfind("## Fleet benchmark", 0) == 0) {
-      out += section;
-      replaced = true;
-      size_t next = i + 1;
-      while (next < lines.size() && lines[next].rfind("## ", 0) != 0) ++next;
-      if (next < lines.size()) out += "\n";
-      i = next - 1;
-      continue;
-    }
-    out += lines[i] + "\n";
-  }
-  if (!replaced) {
-    if (!out.empty() && out.back() != '\n') out += "\n";
-    if (!out.empty()) out += "\n";
-    out += section;
-  }
-  return delta::WriteFileAtomically(path, std::as_bytes(std::span(out)));
-}
-
 // ---- setup -----------------------------------------------------------------------------
 
 Status ValidateOptions(const FleetBenchOptions& options) {
@@ -1583,7 +1551,7 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
     }
     section += "\n";
     for (const std::string& line : Legend()) section += "- " + line + "\n";
-    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, section));
+    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Fleet benchmark", section));
   }
   if (!options.json_out.empty()) {
     const std::string json =

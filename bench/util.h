@@ -9,7 +9,15 @@
 #include <thread>
 #include <vector>
 
+#include "base/status.h"
+
 namespace flywheel::bench {
+
+// Replaces the section of a Markdown file that starts with the line `heading` (up to the
+// next "## " heading or the end) with `section`, or appends it; creates the file if
+// missing; writes atomically. (bench/markdown.cc)
+Status WriteMarkdownSection(const std::string& path, const std::string& heading,
+                            const std::string& section);
 
 struct Table {
   std::vector<std::string> header;

@@ -11,6 +11,7 @@
 
 #include "bench/codec_bench.h"
 #include "bench/fleet_bench.h"
+#include "bench/trainer_bench.h"
 #include "tools/commands.h"
 
 namespace flywheel::tools {
@@ -167,6 +168,67 @@ void AddFleetCommand(CLI::App& bench_app, Action& action) {
   fleet->callback([options, &action] { action = [options] { return RunFleet(*options); }; });
 }
 
+void AddTrainerCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::TrainerReportOptions>();
+  auto& b = options->bench;
+  CLI::App* trainer = bench_app.add_subcommand(
+      "trainer",
+      "Benchmark the embedded trainer on the demo-size models (about 20M parameters).\n"
+      "Throughput: forward_backward tokens/s of the dense and the MoE model with the fused\n"
+      "PPO loss, against the same loss through forward_backward_custom (a no-grad forward\n"
+      "for logprobs, the user's loss, then a forward+backward) on the same batch; the two\n"
+      "losses are checked equal. Target: fused >= 1.4x custom.\n"
+      "Sparsity: trains the dense model with SFT first, then takes PPO steps at each\n"
+      "learning rate and reports the share of bf16 weights that change per step (what\n"
+      "makes deltas small). Takes a few minutes on 2 cores.");
+  trainer->add_option("--sequences", b.sequences, "Sequences per call")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  trainer->add_option("--length", b.sequence_length, "Tokens per sequence")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 4096));
+  trainer->add_option("--reps", b.repetitions, "Timed calls per path (median reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100));
+  trainer->add_option("--warmup", b.warmup, "Untimed calls per path")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100));
+  trainer->add_flag("!--no-moe", b.moe, "Skip the MoE model");
+  trainer
+      ->add_option("--pretrain-steps", b.pretrain_steps,
+                   "SFT steps before the sparsity measurement")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100000));
+  trainer->add_option("--rl-steps", b.rl_steps, "PPO steps measured per learning rate")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  trainer->add_option("--lr", b.learning_rates, "Learning rates of the sparsity measurement")
+      ->delimiter(',')
+      ->type_name("LR[,LR...]")
+      ->check(CLI::Range(1e-12, 0.5).description(""))
+      ->capture_default_str();
+  trainer->add_option("--threads", b.threads, "torch threads (0: one per hardware thread)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
+  trainer->add_option("--seed", b.seed, "Seed of the models and batches")->capture_default_str();
+  trainer
+      ->add_option("--markdown", options->markdown_out,
+                   "Write the tables as the '## Trainer benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  trainer->footer(
+      "\nExamples:\n"
+      "  flywheel bench trainer --sequences 4 --length 128 --no-moe\n"
+      "  flywheel bench trainer --markdown docs/BENCHMARKS.md");
+  trainer->callback([options, &action] {
+    action = [options]() -> Status {
+      Status status = bench::RunTrainerReport(*options, std::cout);
+      std::cout.flush();
+      if (!status.ok()) return Failed("trainer benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 constexpr const char* kDemoBanner =
     "flywheel demo\n"
     "=============\n"
@@ -237,6 +299,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   codec->callback([args, &action] { action = [args] { return RunBench(*args); }; });
 
   AddFleetCommand(*bench_app, action);
+  AddTrainerCommand(*bench_app, action);
 
   auto demo_args = std::make_shared<BenchArgs>();
   CLI::App* demo = app.add_subcommand(

@@ -182,4 +182,29 @@ nlohmann::json ModelConfig::ToJson() const {
   return j;
 }
 
+ModelConfig DemoDenseConfig() {
+  ModelConfig c;
+  c.model_type = "qwen3";
+  c.vocab_size = 8192;
+  c.hidden_size = 512;
+  c.num_hidden_layers = 4;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.intermediate_size = 1408;
+  c.rope_theta = 1e6;
+  c.qk_norm = true;
+  c.max_position_embeddings = 4096;
+  return c;
+}
+
+ModelConfig DemoMoeConfig() {
+  ModelConfig c = DemoDenseConfig();
+  c.model_type = "qwen3_moe";
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 704;
+  return c;
+}
+
 }  // namespace flywheel::model

@@ -53,4 +53,10 @@ struct ModelConfig {
   nlohmann::json ToJson() const;
 };
 
+// The demo-size models (about 20M parameters; a CPU trains them at a few hundred tokens/s):
+// Qwen3-style dense (4 layers, hidden 512, GQA 8/4, SwiGLU 1408, vocab 8192) and the same
+// with MoE layers (8 experts, top-2, width 704).
+ModelConfig DemoDenseConfig();
+ModelConfig DemoMoeConfig();
+
 }  // namespace flywheel::model

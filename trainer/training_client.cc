@@ -236,11 +236,23 @@ Result<TrainingClient::Batch> TrainingClient::MakeBatch(const std::vector<Datum>
   return batch;
 }
 
-TrainingClient::LogprobResult TrainingClient::Logprobs(const Batch& batch) {
+TrainingClient::LogprobResult TrainingClient::Logprobs(const Batch& batch,
+                                                       const torch::Tensor& positions,
+                                                       const torch::Tensor& filler) {
   model::ForwardResult out = model_->Hidden(batch.tokens, {}, batch.valid, batch.replay);
-  torch::Tensor logits = model_->LmHead(out.hidden);  // [B, T, V]
-  torch::Tensor picked = logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1);
-  return {picked - logits.logsumexp(-1), std::move(out.routing), out.aux_loss};
+  if (!positions.defined()) {
+    torch::Tensor logits = model_->LmHead(out.hidden);  // [B, T, V]
+    torch::Tensor picked = logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1);
+    return {picked - logits.logsumexp(-1), std::move(out.routing), out.aux_loss};
+  }
+  torch::Tensor hidden = out.hidden.index({positions});  // [N, D]
+  torch::Tensor logits = model_->LmHead(hidden);         // [N, V]
+  torch::Tensor targets = batch.targets.index({positions});
+  torch::Tensor selected =
+      logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1);
+  torch::Tensor base =
+      filler.defined() ? filler.detach().clone() : torch::zeros_like(batch.weights);
+  return {base.masked_scatter(positions, selected), std::move(out.routing), out.aux_loss};
 }
 
 void TrainingClient::Accumulate(const Batch& batch, Metrics& metrics) {
@@ -292,7 +304,9 @@ Result<Metrics> TrainingClient::ForwardBackward(const std::vector<Datum>& datums
     return Status::InvalidArgument("loss dpo needs datums in (chosen, rejected) pairs; got " +
                                    std::to_string(datums.size()));
   }
-  LogprobResult lp = Logprobs(batch);
+  // Tokens without loss weight (prompts, padding) need no logits; their logprob is the
+  // sampling one (ratio 1), so no formula meets an extreme value it then multiplies by 0.
+  LogprobResult lp = Logprobs(batch, batch.weights.gt(0), batch.sampling);
   LossBatch loss_batch{lp.logprobs, batch.sampling, batch.advantages, batch.weights, batch.ref};
   FW_ASSIGN_OR_RETURN(LossResult loss, ComputeLoss(name, config, loss_batch));
   torch::Tensor total = loss.loss;
@@ -345,7 +359,7 @@ Result<Metrics> TrainingClient::ForwardBackwardCustom(const std::vector<Datum>& 
       upstream[i].narrow(0, 0, batch.lengths[i]).copy_(grads[i].to(torch::kFloat));
   }
   // Pass 2: the same forward with a graph; sum(logprob * dL/dlogprob) has the loss's gradient.
-  LogprobResult second = Logprobs(batch);
+  LogprobResult second = Logprobs(batch, upstream.ne(0));
   torch::Tensor surrogate = (second.logprobs * upstream).sum();
   if (options_.config.num_experts > 0 && options_.config.router_aux_loss_coef > 0) {
     surrogate = surrogate + second.aux_loss * options_.config.router_aux_loss_coef;

@@ -143,9 +143,12 @@ class TrainingClient {
   explicit TrainingClient(TrainerOptions options);
   Result<Batch> MakeBatch(const std::vector<Datum>& datums, bool need_sampling,
                           bool need_advantages, bool need_ref) const;
-  // Token logprobs [B, T] of the batch's targets, and the MoE outputs.
+  // Token logprobs [B, T] of the batch's targets, and the MoE outputs. With `positions`
+  // ([B, T] bool), the LM head runs only there (the vocabulary projection is the largest
+  // matmul of a small model); elsewhere the result holds `filler` (or 0), without gradient.
   struct LogprobResult;
-  LogprobResult Logprobs(const Batch& batch);
+  LogprobResult Logprobs(const Batch& batch, const torch::Tensor& positions = {},
+                         const torch::Tensor& filler = {});
   void Accumulate(const Batch& batch, Metrics& metrics);
 
   TrainerOptions options_;

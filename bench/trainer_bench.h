@@ -1,0 +1,23 @@
+// `flywheel bench trainer`: runs trainer::RunTrainerBench (trainer/trainer_bench.h), prints
+// its tables with ratios, checks them, and optionally writes a "## Trainer benchmark"
+// section into a Markdown file.
+#pragma once
+
+#include <ostream>
+#include <string>
+
+#include "base/status.h"
+#include "trainer/trainer_bench.h"
+
+namespace flywheel::bench {
+
+struct TrainerReportOptions {
+  trainer::TrainerBenchOptions bench;
+  std::string markdown_out;  // when set, the section is written there
+};
+
+// Fails when the run fails or a correctness check fails (fused and custom losses differ);
+// a missed performance target is reported as FAIL in the table, not as an error.
+Status RunTrainerReport(const TrainerReportOptions& options, std::ostream& out);
+
+}  // namespace flywheel::bench
