@@ -119,6 +119,7 @@ Status LoadAdapters(TransformerImpl& model, const CheckpointView& checkpoint,
   std::map<std::string, const TensorView*> by_name;
   for (const TensorView& t : checkpoint) {
     std::string name = t.name;
+    if (name == kAdapterConfigTensor) continue;
     if (name.rfind(kPeftPrefix, 0) == 0) name = name.substr(std::strlen(kPeftPrefix));
     if (!IsAdapterName(name)) {
       return Status::InvalidArgument(source + ": tensor " + t.name +
@@ -158,7 +159,27 @@ Result<OwnedCheckpoint> SnapshotWeights(TransformerImpl& model, DType dtype, boo
     FW_ASSIGN_OR_RETURN(OwnedTensor t, FromTorch(name, item.value(), dtype));
     out.tensors.push_back(std::move(t));
   }
+  if (adapters_only) {
+    // The adapter config travels with the factors (and is covered by the same hash).
+    const std::string text = AdapterConfigJson(model).dump();
+    OwnedTensor config;
+    config.name = kAdapterConfigTensor;
+    config.dtype = DType::kU8;
+    config.shape = {static_cast<int64_t>(text.size())};
+    config.data.resize(text.size());
+    std::memcpy(config.data.data(), text.data(), text.size());
+    out.tensors.push_back(std::move(config));
+  }
   return out;
+}
+
+nlohmann::json AdapterConfigJson(const TransformerImpl& model) {
+  const LoraOptions& lora = model.lora().value();
+  return {{"peft_type", "LORA"},
+          {"r", lora.rank},
+          {"lora_alpha", lora.alpha},
+          {"target_modules", lora.targets},
+          {"base_model_config", model.config().ToJson()}};
 }
 
 Status SaveModel(TransformerImpl& model, const std::string& path, DType dtype) {

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "base/status.h"
@@ -28,9 +29,16 @@ Status LoadAdapters(TransformerImpl& model, const CheckpointView& checkpoint,
 
 // The model's parameters cast to `dtype` (BF16, F16 or F32) under their HF names: all of
 // them, or with `adapters_only` just the LoRA tensors under PEFT names
-// (`base_model.model.<name>`). The cast rounds to nearest even, as torch's .to() does.
+// (`base_model.model.<name>`) plus the U8 tensor kAdapterConfigTensor holding
+// AdapterConfigJson() as UTF-8 (so the config syncs and hashes with the factors). The cast
+// rounds to nearest even, as torch's .to() does.
 Result<OwnedCheckpoint> SnapshotWeights(TransformerImpl& model, DType dtype,
                                         bool adapters_only = false);
+
+inline constexpr const char* kAdapterConfigTensor = "flywheel.adapter_config";
+// PEFT's adapter_config.json fields (peft_type, r, lora_alpha, target_modules) plus the base
+// model's config. REQUIRES: LoRA enabled.
+nlohmann::json AdapterConfigJson(const TransformerImpl& model);
 
 // Safetensors bytes <-> tensors.
 Result<torch::Tensor> ToTorch(const TensorView& view);  // a copy, in the view's dtype

@@ -272,7 +272,19 @@ TEST(LoraTest, ZeroBEqualsTheBaseModelAndOnlyAdaptersTrain) {
   EXPECT_EQ(adapters, 2u * (2 * 4 + 3 + 6 * 3));
   auto snapshot = SnapshotWeights(model, DType::kBF16, /*adapters_only=*/true);
   ASSERT_TRUE(snapshot.ok());
-  EXPECT_EQ(snapshot->tensors.size(), adapters);
+  ASSERT_EQ(snapshot->tensors.size(), adapters + 1);
+  const OwnedTensor& config = snapshot->tensors.back();
+  EXPECT_EQ(config.name, kAdapterConfigTensor);
+  auto parsed = nlohmann::json::parse(
+      std::string(reinterpret_cast<const char*>(config.data.data()), config.data.size()));
+  EXPECT_EQ(parsed["r"], 4);
+  EXPECT_EQ(parsed["lora_alpha"], 8.0);
+  EXPECT_EQ(parsed["base_model_config"]["num_experts"], 6);
+  // The adapters load back into a model with the same LoRA settings.
+  torch::manual_seed(10);
+  auto other = std::make_shared<TransformerImpl>(TinyMoe());
+  ASSERT_TRUE(other->EnableLora({.rank = 4, .alpha = 8}).ok());
+  ASSERT_TRUE(LoadAdapters(*other, snapshot->view(), "adapters").ok());
   EXPECT_EQ(
       snapshot->tensors[0].name.rfind("base_model.model.model.layers.0.self_attn.q_proj.lora_", 0),
       0u)
