@@ -46,7 +46,7 @@ Status RunTrainerReport(const TrainerReportOptions& options, std::ostream& out) 
   out << preamble << "\n";
 
   Table throughput{{"model", "params M", "tokens/call", "fused s", "fused tok/s", "custom s",
-                    "custom tok/s", "fused vs custom", "forward tok/s", "|loss diff|"},
+                    "custom tok/s", "fused vs custom", "forward tok/s", "loss abs diff"},
                    {}};
   std::vector<std::string> checks;
   bool correct = true;

@@ -74,8 +74,27 @@ AttentionImpl::AttentionImpl(const ModelConfig& c)
   }
 }
 
+int64_t KvCache::bytes() const {
+  int64_t total = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    total +=
+        keys[i].numel() * keys[i].element_size() + values[i].numel() * values[i].element_size();
+  }
+  return total;
+}
+
+void KvCache::MoveSlot(int64_t from, int64_t to) {
+  if (from == to) return;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    keys[i][to].copy_(keys[i][from]);
+    values[i][to].copy_(values[i][from]);
+  }
+}
+
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                     const torch::Tensor& sin) {
+                                     const torch::Tensor& sin, const CacheSpan* cache,
+                                     size_t layer) {
   const int64_t batch = x.size(0), length = x.size(1);
   torch::Tensor q = q_proj_->forward(x).view({batch, length, heads_, head_dim_});
   torch::Tensor k = k_proj_->forward(x).view({batch, length, kv_heads_, head_dim_});
@@ -90,13 +109,35 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   const torch::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // [B, 1, T, hd]
   q = q * c + RotateHalf(q) * s;
   k = k * c + RotateHalf(k) * s;
+  torch::Tensor future;
+  if (cache) {
+    using torch::indexing::Slice;
+    const torch::Tensor& positions = cache->positions;  // [B, T]
+    torch::Tensor rows = (torch::arange(batch, torch::kLong) + cache->first_slot)
+                             .unsqueeze(1)
+                             .expand({batch, length});
+    torch::Tensor& keys = cache->cache->keys[layer];
+    torch::Tensor& values = cache->cache->values[layer];
+    {
+      torch::NoGradGuard no_grad;
+      keys.index_put_({rows, Slice(), positions}, k.permute({0, 2, 1, 3}));
+      values.index_put_({rows, Slice(), positions}, v.permute({0, 2, 1, 3}));
+    }
+    const int64_t span = positions.max().item<int64_t>() + 1;
+    k = keys.narrow(0, cache->first_slot, batch).narrow(2, 0, span);
+    v = values.narrow(0, cache->first_slot, batch).narrow(2, 0, span);
+    // Key j is visible to a query at position p when j <= p.
+    future = torch::arange(span, torch::kLong).view({1, 1, 1, span}) >
+             positions.view({batch, 1, length, 1});
+  } else {
+    future = torch::ones({length, length}, torch::kBool).triu(1);
+  }
   if (heads_ != kv_heads_) {
     k = k.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
     v = v.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
   }
   torch::Tensor scores =
       torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
-  torch::Tensor future = torch::ones({length, length}, torch::kBool).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
   torch::Tensor out = torch::matmul(torch::softmax(scores, -1), v);  // [B, H, T, hd]
   return o_proj_->forward(out.transpose(1, 2).reshape({batch, length, heads_ * head_dim_}));
@@ -189,9 +230,21 @@ TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)
   inv_freq_ = inv_freq_.to(torch::kFloat);
 }
 
+KvCache TransformerImpl::NewCache(int64_t slots, int64_t capacity) const {
+  KvCache cache;
+  for (int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+    cache.keys.push_back(
+        torch::zeros({slots, config_.num_key_value_heads, capacity, config_.head_dim}));
+    cache.values.push_back(
+        torch::zeros({slots, config_.num_key_value_heads, capacity, config_.head_dim}));
+  }
+  return cache;
+}
+
 ForwardResult TransformerImpl::Hidden(const torch::Tensor& tokens,
                                       const torch::Tensor& positions_in, const torch::Tensor& valid,
-                                      const std::vector<torch::Tensor>& replay) {
+                                      const std::vector<torch::Tensor>& replay,
+                                      const CacheSpan* cache) {
   const int64_t batch = tokens.size(0), length = tokens.size(1);
   torch::Tensor positions =
       positions_in.defined()
@@ -205,8 +258,9 @@ ForwardResult TransformerImpl::Hidden(const torch::Tensor& tokens,
   ForwardResult result;
   std::vector<torch::Tensor> aux;
   size_t moe_index = 0;
-  for (auto& layer : layers_) {
-    h = h + layer->self_attn->forward(layer->input_layernorm->forward(h), cos, sin);
+  for (size_t index = 0; index < layers_.size(); ++index) {
+    auto& layer = layers_[index];
+    h = h + layer->self_attn->forward(layer->input_layernorm->forward(h), cos, sin, cache, index);
     torch::Tensor normed = layer->post_attention_layernorm->forward(h);
     if (layer->is_moe()) {
       torch::Tensor layer_replay = moe_index < replay.size() ? replay[moe_index] : torch::Tensor();

@@ -70,11 +70,32 @@ class MlpImpl : public torch::nn::Module {
   std::shared_ptr<ProjImpl> gate_proj_, up_proj_, down_proj_;
 };
 
+// Keys and values of earlier tokens, for generation: per layer [slots, kv_heads,
+// capacity, head_dim]. A forward over rows [first_slot, first_slot + B) writes each new
+// token's key and value at its position and attends to every cached position <= its own,
+// so stale entries past a row's length are never read.
+struct KvCache {
+  std::vector<torch::Tensor> keys, values;
+  int64_t slots() const { return keys.empty() ? 0 : keys[0].size(0); }
+  int64_t capacity() const { return keys.empty() ? 0 : keys[0].size(2); }
+  int64_t bytes() const;
+  // Copies slot `from` over slot `to` (compaction when a request leaves).
+  void MoveSlot(int64_t from, int64_t to);
+};
+
+struct CacheSpan {
+  KvCache* cache = nullptr;
+  int64_t first_slot = 0;
+  torch::Tensor positions;  // [B, T] int64, the same the rotary embedding uses
+};
+
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const ModelConfig& config);
-  // x [B, T, D]; cos/sin [B, T, head_dim] for the tokens' positions. Causal over T.
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  // x [B, T, D]; cos/sin [B, T, head_dim] for the tokens' positions. Causal over T; with
+  // `cache`, over the cached positions instead (see KvCache), layer `layer`.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const CacheSpan* cache = nullptr, size_t layer = 0);
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
@@ -143,7 +164,11 @@ class TransformerImpl : public torch::nn::Module {
   // Final hidden states [B, T, D] (before the LM head) and the routing, for callers that
   // compute token logprobs without materialising all logits at once.
   ForwardResult Hidden(const torch::Tensor& tokens, const torch::Tensor& positions,
-                       const torch::Tensor& valid, const std::vector<torch::Tensor>& replay);
+                       const torch::Tensor& valid, const std::vector<torch::Tensor>& replay,
+                       const CacheSpan* cache = nullptr);
+
+  // An empty cache for `slots` sequences of up to `capacity` tokens (fp32).
+  KvCache NewCache(int64_t slots, int64_t capacity) const;
   torch::Tensor LmHead(const torch::Tensor& hidden);
 
   // Adds adapters to every targeted projection and freezes everything else.

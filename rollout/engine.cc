@@ -1,0 +1,257 @@
+#include "rollout/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+
+namespace flywheel::rollout {
+
+Status SamplingParams::Validate(int64_t vocab) const {
+  if (!(temperature >= 0 && std::isfinite(temperature))) {
+    return Status::InvalidArgument("temperature must be a finite number >= 0, got " +
+                                   std::to_string(temperature));
+  }
+  if (top_k < 0)
+    return Status::InvalidArgument("top_k must be >= 0 (0 = off), got " + std::to_string(top_k));
+  if (!(top_p > 0 && top_p <= 1))
+    return Status::InvalidArgument("top_p must be in (0, 1], got " + std::to_string(top_p));
+  if (max_tokens < 1)
+    return Status::InvalidArgument("max_tokens must be >= 1, got " + std::to_string(max_tokens));
+  for (int32_t t : stop_tokens) {
+    if (t < 0 || t >= vocab) {
+      return Status::InvalidArgument("stop token " + std::to_string(t) +
+                                     " is outside the vocabulary [0, " + std::to_string(vocab) +
+                                     ")");
+    }
+  }
+  return Status::Ok();
+}
+
+Status EngineOptions::Validate(const model::ModelConfig& config) const {
+  if (max_batch < 1)
+    return Status::InvalidArgument("max_batch must be >= 1, got " + std::to_string(max_batch));
+  if (max_sequence < 2 || max_sequence > config.max_position_embeddings) {
+    return Status::InvalidArgument("max_sequence must be in [2, max_position_embeddings = " +
+                                   std::to_string(config.max_position_embeddings) + "], got " +
+                                   std::to_string(max_sequence));
+  }
+  return Status::Ok();
+}
+
+Engine::Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions options,
+               uint64_t version)
+    : model_(std::move(model)), options_(options), version_(version) {
+  cache_ = model_->NewCache(options_.max_batch, options_.max_sequence);
+}
+
+Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::TransformerImpl> model,
+                                               EngineOptions options, uint64_t version) {
+  if (!model) return Status::InvalidArgument("engine: no model");
+  FW_RETURN_IF_ERROR(options.Validate(model->config()));
+  return std::unique_ptr<Engine>(new Engine(std::move(model), options, version));
+}
+
+Result<uint64_t> Engine::Submit(GenerationRequest request) {
+  const model::ModelConfig& config = model_->config();
+  if (request.prompt.empty()) return Status::InvalidArgument("the prompt is empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    const int32_t t = request.prompt[i];
+    if (t < 0 || t >= config.vocab_size) {
+      return Status::InvalidArgument("prompt token " + std::to_string(t) + " at position " +
+                                     std::to_string(i) + " is outside the vocabulary [0, " +
+                                     std::to_string(config.vocab_size) + ")");
+    }
+  }
+  FW_RETURN_IF_ERROR(request.params.Validate(config.vocab_size));
+  const int64_t needed = static_cast<int64_t>(request.prompt.size()) + request.params.max_tokens;
+  if (needed > options_.max_sequence) {
+    return Status::InvalidArgument(
+        "prompt of " + std::to_string(request.prompt.size()) + " tokens + max_tokens " +
+        std::to_string(request.params.max_tokens) + " exceeds the engine's max_sequence " +
+        std::to_string(options_.max_sequence));
+  }
+  auto sequence = std::make_unique<Sequence>();
+  sequence->id = next_id_++;
+  sequence->result.id = sequence->id;
+  sequence->result.prompt = request.prompt;
+  sequence->result.routing_bytes_per_index = config.num_experts > 256 ? 2 : 1;
+  sequence->rng.seed(request.params.seed ? *request.params.seed : std::random_device{}());
+  sequence->request = std::move(request);
+  const uint64_t id = sequence->id;
+  waiting_.push_back(std::move(sequence));
+  return id;
+}
+
+void Engine::AppendRouting(Sequence& sequence, const std::vector<torch::Tensor>& routing,
+                           int64_t row, int64_t tokens) {
+  if (!sequence.request.params.return_routing || routing.empty()) return;
+  const int64_t k = routing[0].size(2);
+  std::vector<torch::Tensor> rows;
+  for (const auto& layer : routing) rows.push_back(layer[row].narrow(0, 0, tokens));  // [tokens, k]
+  torch::Tensor packed = torch::stack(rows, 1).contiguous();  // [tokens, L, k]
+  const int64_t* data = packed.data_ptr<int64_t>();
+  const int width = sequence.result.routing_bytes_per_index;
+  for (int64_t i = 0; i < tokens * static_cast<int64_t>(routing.size()) * k; ++i) {
+    sequence.result.routing.push_back(static_cast<uint8_t>(data[i] & 0xff));
+    if (width == 2) sequence.result.routing.push_back(static_cast<uint8_t>((data[i] >> 8) & 0xff));
+  }
+}
+
+bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in) {
+  const SamplingParams& p = sequence.request.params;
+  torch::Tensor logits = logits_in.to(torch::kDouble).contiguous();
+  const double* raw = logits.data_ptr<double>();
+  const int64_t vocab = logits.numel();
+  const double temperature = p.temperature > 0 ? p.temperature : 1.0;
+  std::vector<double> scaled(vocab);
+  double top = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < vocab; ++i) {
+    scaled[i] = raw[i] / temperature;
+    top = std::max(top, scaled[i]);
+  }
+  double sum = 0;
+  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(scaled[i] - top);
+  const double log_normaliser = top + std::log(sum);
+
+  int64_t token = 0;
+  if (p.temperature == 0) {
+    token = std::max_element(scaled.begin(), scaled.end()) - scaled.begin();
+  } else {
+    std::vector<int64_t> order(vocab);
+    std::iota(order.begin(), order.end(), 0);
+    // Highest probability first; ties by token id, so the order never depends on the sort.
+    auto by_prob = [&](int64_t a, int64_t b) {
+      return scaled[a] > scaled[b] || (scaled[a] == scaled[b] && a < b);
+    };
+    int64_t keep = vocab;
+    if (p.top_k > 0 && p.top_k < vocab) {
+      keep = p.top_k;
+      std::partial_sort(order.begin(), order.begin() + keep, order.end(), by_prob);
+    } else if (p.top_p < 1) {
+      std::sort(order.begin(), order.end(), by_prob);
+    }
+    std::vector<double> probs(keep);
+    double kept = 0;
+    for (int64_t i = 0; i < keep; ++i)
+      kept += probs[i] = std::exp(scaled[order[i]] - log_normaliser);
+    if (p.top_p < 1) {
+      if (p.top_k == 0 || p.top_k >= vocab) std::sort(order.begin(), order.begin() + keep, by_prob);
+      double cumulative = 0;
+      int64_t nucleus = 0;
+      while (nucleus < keep && cumulative < p.top_p * kept) cumulative += probs[nucleus++];
+      keep = std::max<int64_t>(nucleus, 1);
+      kept = cumulative > 0 ? cumulative : probs[0];
+    }
+    const double u = std::uniform_real_distribution<double>(0.0, 1.0)(sequence.rng) * kept;
+    double cumulative = 0;
+    token = order[keep - 1];
+    for (int64_t i = 0; i < keep; ++i) {
+      cumulative += probs[i];
+      if (u < cumulative) {
+        token = order[i];
+        break;
+      }
+    }
+  }
+  GenerationResult& r = sequence.result;
+  r.tokens.push_back(static_cast<int32_t>(token));
+  r.logprobs.push_back(static_cast<float>(scaled[token] - log_normaliser));
+  r.versions.push_back(version_);
+  if (std::find(p.stop_tokens.begin(), p.stop_tokens.end(), token) != p.stop_tokens.end()) {
+    r.finish_reason = "stop";
+    return true;
+  }
+  if (static_cast<int64_t>(r.tokens.size()) >= p.max_tokens) {
+    r.finish_reason = "length";
+    return true;
+  }
+  return false;
+}
+
+void Engine::Prefill(Sequence& sequence, int64_t slot) {
+  const auto& prompt = sequence.request.prompt;
+  const int64_t length = static_cast<int64_t>(prompt.size());
+  torch::Tensor tokens =
+      torch::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), torch::kLong)
+          .view({1, length});
+  torch::Tensor positions = torch::arange(length, torch::kLong).view({1, length});
+  model::CacheSpan span{&cache_, slot, positions};
+  model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
+  sequence.length = length;
+  AppendRouting(sequence, out.routing, 0, length);
+  torch::Tensor logits = model_->LmHead(out.hidden.select(1, length - 1));  // [1, V]
+  sequence.finished_at_prefill = Sample(sequence, logits[0]);
+}
+
+std::vector<GenerationResult> Engine::Step() {
+  torch::NoGradGuard no_grad;
+  std::vector<GenerationResult> finished;
+  while (!waiting_.empty() && static_cast<int64_t>(active_.size()) < options_.max_batch) {
+    std::unique_ptr<Sequence> sequence = std::move(waiting_.front());
+    waiting_.pop_front();
+    Prefill(*sequence, static_cast<int64_t>(active_.size()));
+    if (sequence->finished_at_prefill) {
+      finished.push_back(std::move(sequence->result));
+    } else {
+      active_.push_back(std::move(sequence));
+    }
+  }
+  if (active_.empty()) return finished;
+
+  const int64_t batch = static_cast<int64_t>(active_.size());
+  torch::Tensor tokens = torch::empty({batch, 1}, torch::kLong);
+  torch::Tensor positions = torch::empty({batch, 1}, torch::kLong);
+  for (int64_t i = 0; i < batch; ++i) {
+    tokens[i][0] = active_[i]->result.tokens.back();
+    positions[i][0] = active_[i]->length;
+  }
+  model::CacheSpan span{&cache_, 0, positions};
+  model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
+  torch::Tensor logits = model_->LmHead(out.hidden.squeeze(1));  // [B, V]
+  std::vector<bool> done(batch);
+  for (int64_t i = 0; i < batch; ++i) {
+    Sequence& sequence = *active_[i];
+    sequence.length += 1;
+    AppendRouting(sequence, out.routing, i, 1);
+    done[i] = Sample(sequence, logits[i]);
+  }
+  // Compact from the back: the last active request moves into a finished one's slot.
+  for (int64_t i = batch - 1; i >= 0; --i) {
+    if (!done[i]) continue;
+    finished.push_back(std::move(active_[i]->result));
+    const int64_t last = static_cast<int64_t>(active_.size()) - 1;
+    if (i != last) {
+      cache_.MoveSlot(last, i);
+      active_[i] = std::move(active_[last]);
+    }
+    active_.pop_back();
+  }
+  return finished;
+}
+
+Result<std::vector<GenerationResult>> Engine::Generate(std::vector<GenerationRequest> requests) {
+  std::vector<uint64_t> ids;
+  for (auto& request : requests) {
+    FW_ASSIGN_OR_RETURN(uint64_t id, Submit(std::move(request)));
+    ids.push_back(id);
+  }
+  std::map<uint64_t, GenerationResult> done;
+  while (done.size() < ids.size()) {
+    for (auto& r : Step()) done.emplace(r.id, std::move(r));
+  }
+  std::vector<GenerationResult> out;
+  for (uint64_t id : ids) out.push_back(std::move(done.at(id)));
+  return out;
+}
+
+Status Engine::SetVersion(uint64_t version) {
+  if (version < version_) {
+    return Status::InvalidArgument("engine: version " + std::to_string(version) +
+                                   " is older than the current " + std::to_string(version_));
+  }
+  version_ = version;
+  return Status::Ok();
+}
+
+}  // namespace flywheel::rollout

@@ -1,0 +1,129 @@
+// The rollout engine: batched autoregressive generation on the shared transformer
+// (trainer/model.h) with a KV cache and continuous batching, so what is sampled is what
+// the trainer trains.
+//
+// Scheduling: every Step() first admits waiting requests into free cache slots (a prefill
+// of the prompt each), then decodes one token for every active request in one batched
+// forward. Active requests always occupy slots [0, active): when one finishes, the last
+// slot's cache moves into its place, so a decode step attends over a view of the cache,
+// never a copy.
+//
+// Per generated token the engine returns the token id, its sampling logprob, the policy
+// version whose weights produced it, and for MoE models the routing: the top-k experts of
+// every MoE layer for every token the trainer will feed back (the prompt and all generated
+// tokens but the last), packed as uint8 (uint16 when a model has more than 256 experts).
+//
+// Sampling logprob: log softmax(logits / temperature) at the chosen token (before top-k /
+// top-p truncation; temperature 0, greedy, reports the untempered distribution), so at
+// temperature 1 it is exactly the logprob the trainer recomputes. Seeded requests draw from
+// their own generator: the same request and seed give the same tokens whatever else is in
+// the batch.
+//
+// Not thread-safe: one thread drives Submit/Step (the serving layer owns that thread).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "trainer/model.h"
+
+namespace flywheel::rollout {
+
+struct SamplingParams {
+  double temperature = 1.0;  // 0: greedy
+  int64_t top_k = 0;         // 0: off
+  double top_p = 1.0;        // (0, 1]
+  std::optional<uint64_t> seed;
+  int64_t max_tokens = 16;
+  std::vector<int32_t> stop_tokens;  // generation ends after emitting one of these
+  bool return_routing = false;       // MoE: also return the routing matrix
+
+  // Names the bad field and value; `vocab` bounds the stop tokens.
+  Status Validate(int64_t vocab) const;
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams params;
+};
+
+struct GenerationResult {
+  uint64_t id = 0;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> tokens;     // generated
+  std::vector<float> logprobs;     // one per generated token
+  std::vector<uint64_t> versions;  // the policy version that sampled each generated token
+  // With return_routing on a MoE model: (prompt + generated - 1) tokens x MoE layers x top-k,
+  // token-major, one byte per index (two, little endian, when experts > 256).
+  std::vector<uint8_t> routing;
+  int routing_bytes_per_index = 1;
+  std::string finish_reason;  // "stop" or "length"
+};
+
+struct EngineOptions {
+  int64_t max_batch = 32;       // cache slots: requests decoded together
+  int64_t max_sequence = 1024;  // prompt + generated tokens per request
+  Status Validate(const model::ModelConfig& config) const;
+};
+
+class Engine {
+ public:
+  // `model` is used for inference only (no gradients); `version` is the policy version of
+  // its current weights.
+  static Result<std::unique_ptr<Engine>> Create(std::shared_ptr<model::TransformerImpl> model,
+                                                EngineOptions options, uint64_t version);
+
+  // Validates and queues a request; returns its id. Errors name the bad field.
+  Result<uint64_t> Submit(GenerationRequest request);
+  // One scheduler iteration (admit + prefill, then one batched decode step); returns the
+  // requests that finished in it.
+  std::vector<GenerationResult> Step();
+  // Submits `requests`, steps until they finish, returns their results in order.
+  Result<std::vector<GenerationResult>> Generate(std::vector<GenerationRequest> requests);
+
+  // The weights changed between steps (in-flight swap): tokens sampled from now on carry
+  // `version`. Versions only move forward.
+  Status SetVersion(uint64_t version);
+  uint64_t version() const { return version_; }
+
+  size_t active() const { return active_.size(); }
+  size_t waiting() const { return waiting_.size(); }
+  int64_t cache_bytes() const { return cache_.bytes(); }
+  const model::ModelConfig& config() const { return model_->config(); }
+
+ private:
+  struct Sequence {
+    uint64_t id = 0;
+    GenerationRequest request;
+    GenerationResult result;
+    int64_t length = 0;  // tokens whose keys and values are cached
+    std::mt19937_64 rng;
+    bool finished_at_prefill = false;
+  };
+
+  Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions options, uint64_t version);
+  void Prefill(Sequence& sequence, int64_t slot);
+  // Samples from `logits` [V] for `sequence`; appends token, logprob, version; returns
+  // whether the sequence finished.
+  bool Sample(Sequence& sequence, const torch::Tensor& logits);
+  void AppendRouting(Sequence& sequence, const std::vector<torch::Tensor>& routing, int64_t row,
+                     int64_t tokens);
+
+  std::shared_ptr<model::TransformerImpl> model_;
+  EngineOptions options_;
+  uint64_t version_;
+  uint64_t next_id_ = 1;
+  model::KvCache cache_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> active_;  // active_[i] lives in cache slot i
+};
+
+}  // namespace flywheel::rollout
