@@ -990,7 +990,7 @@ std::string ChunkName(const Manifest& m, size_t index) {
 }
 
 Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
-                      bool keep_undo, UndoRecord* undo) {
+                      bool keep_undo, bool keep_positions, UndoRecord* undo) {
   const Manifest& m = delta.manifest();
   const ChunkEntry& e = m.chunks[index];
   const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
@@ -1045,8 +1045,10 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
     if (!st.ok()) return st.WithContext(ChunkName(m, index));
     // Everything decoded and in bounds: only now touch the state.
     void* old_values = nullptr;
-    if (keep_undo) {
+    if (keep_undo || keep_positions) {
       undo->positions.assign(s.positions.begin(), s.positions.begin() + count);
+    }
+    if (keep_undo) {
       undo->old_bytes.resize(count * w);
       old_values = undo->old_bytes.data();
     }
@@ -1067,9 +1069,9 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
 // ApplyChunkImpl, with allocation failure reported as a status so that the caller's
 // rollback runs (no exception leaves a pool thread).
 Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
-                  bool keep_undo, UndoRecord* undo) {
+                  bool keep_undo, bool keep_positions, UndoRecord* undo) {
   try {
-    Status st = ApplyChunkImpl(delta, index, tensor_data, keep_undo, undo);
+    Status st = ApplyChunkImpl(delta, index, tensor_data, keep_undo, keep_positions, undo);
     TrimScratch(ThreadScratch());
     return st;
   } catch (const std::bad_alloc&) {
@@ -1177,7 +1179,7 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
     if (failed.load(std::memory_order_relaxed)) return;
     const ChunkEntry& e = m.chunks[c];
     errors[c] = ApplyChunk(delta, c, state[state_of[e.tensor_index]].data,
-                           options.restore_on_failure, &undo[c]);
+                           options.restore_on_failure, options.report_changes, &undo[c]);
     if (!errors[c].ok()) failed = true;
     const uint64_t bytes = e.word_count * DTypeWordBytes(m.tensors[e.tensor_index].dtype);
     uint64_t done = done_bytes.fetch_add(bytes) + bytes;
@@ -1227,6 +1229,19 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
   stats.changed_words = m.changed_words();
   stats.chunks = m.chunks.size();
   stats.tensor_hashes = std::move(hashes);
+  if (options.report_changes) {
+    stats.changes.reserve(m.chunks.size());
+    for (size_t c = 0; c < m.chunks.size(); ++c) {
+      const ChunkEntry& e = m.chunks[c];
+      ChangedWords changed;
+      changed.state_index = state_of[e.tensor_index];
+      changed.word_begin = e.word_begin;
+      changed.word_count = e.word_count;
+      changed.all = e.kind != ChunkKind::kSparse;
+      if (!changed.all) changed.positions = undo[c].positions;
+      stats.changes.push_back(std::move(changed));
+    }
+  }
   return stats;
 }
 

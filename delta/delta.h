@@ -155,13 +155,28 @@ struct ApplyOptions {
   // Keep undo records so a failure restores the state (ApplyInPlace). An apply into a
   // scratch copy that is thrown away on failure may turn this off.
   bool restore_on_failure = true;
+  // Report which words the apply wrote (ApplyStats::changes), for a consumer that keeps a
+  // derived copy in step (the rollout engine's fp32 mirror of bf16 weights).
+  bool report_changes = false;
   ProgressFn progress;
+};
+
+// Words of one chunk that an apply wrote: every word of [word_begin, word_begin +
+// word_count) when `all` (dense chunks, keyframes), else those at `positions` (relative to
+// word_begin, ascending).
+struct ChangedWords {
+  size_t state_index = 0;  // into the state passed to ApplyInPlace
+  uint64_t word_begin = 0;
+  uint64_t word_count = 0;
+  bool all = false;
+  std::vector<uint32_t> positions;
 };
 
 struct ApplyStats {
   uint64_t changed_words = 0;
   uint64_t chunks = 0;
   std::vector<Hash128> tensor_hashes;  // verified target hashes, aligned with the state
+  std::vector<ChangedWords> changes;   // with ApplyOptions::report_changes
 };
 
 // Applies `delta` to `state` in place. Either the whole target is in place and every

@@ -1,6 +1,7 @@
 #include "rollout/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -53,6 +54,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::Transforme
 }
 
 Result<uint64_t> Engine::Submit(GenerationRequest request) {
+  std::lock_guard lock(mutex_);
   const model::ModelConfig& config = model_->config();
   if (request.prompt.empty()) return Status::InvalidArgument("the prompt is empty");
   for (size_t i = 0; i < request.prompt.size(); ++i) {
@@ -185,6 +187,7 @@ void Engine::Prefill(Sequence& sequence, int64_t slot) {
 }
 
 std::vector<GenerationResult> Engine::Step() {
+  std::lock_guard lock(mutex_);
   torch::NoGradGuard no_grad;
   std::vector<GenerationResult> finished;
   while (!waiting_.empty() && static_cast<int64_t>(active_.size()) < options_.max_batch) {
@@ -245,7 +248,25 @@ Result<std::vector<GenerationResult>> Engine::Generate(std::vector<GenerationReq
   return out;
 }
 
+Status Engine::Swap(uint64_t version, const std::function<Status()>& patch) {
+  std::lock_guard lock(mutex_);
+  const auto start = std::chrono::steady_clock::now();  // decoding is held from here
+  if (version < version_) {
+    return Status::InvalidArgument("engine: version " + std::to_string(version) +
+                                   " is older than the current " + std::to_string(version_));
+  }
+  Status patched = patch();
+  if (patched.ok()) {
+    version_ = version;
+    swaps_.fetch_add(1);
+  }
+  last_swap_pause_ms_.store(
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  return patched;
+}
+
 Status Engine::SetVersion(uint64_t version) {
+  std::lock_guard lock(mutex_);
   if (version < version_) {
     return Status::InvalidArgument("engine: version " + std::to_string(version) +
                                    " is older than the current " + std::to_string(version_));

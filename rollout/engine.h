@@ -19,14 +19,18 @@
 // their own generator: the same request and seed give the same tokens whatever else is in
 // the batch.
 //
-// Not thread-safe: one thread drives Submit/Step (the serving layer owns that thread).
+// One thread drives Submit/Step (the serving layer owns that thread); Swap may come from
+// another (the sync worker's apply thread) and runs between two steps.
 #pragma once
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <string>
@@ -92,6 +96,12 @@ class Engine {
   // The weights changed between steps (in-flight swap): tokens sampled from now on carry
   // `version`. Versions only move forward.
   Status SetVersion(uint64_t version);
+  // The in-flight swap from another thread: waits for the current step to end, runs
+  // `patch` (which updates the model's weights), sets `version`, and lets decoding resume;
+  // requests in flight keep going. The time the engine was held is the swap pause.
+  Status Swap(uint64_t version, const std::function<Status()>& patch);
+  double last_swap_pause_ms() const { return last_swap_pause_ms_.load(); }
+  uint64_t swaps() const { return swaps_.load(); }
   uint64_t version() const { return version_; }
 
   size_t active() const { return active_.size(); }
@@ -119,6 +129,9 @@ class Engine {
 
   std::shared_ptr<model::TransformerImpl> model_;
   EngineOptions options_;
+  std::mutex mutex_;  // Submit, Step and Swap exclude each other
+  std::atomic<double> last_swap_pause_ms_{0};
+  std::atomic<uint64_t> swaps_{0};
   uint64_t version_;
   uint64_t next_id_ = 1;
   model::KvCache cache_;

@@ -47,6 +47,7 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   uint64_t exports = 0;
   double last_swap_ms = 0;
   double last_apply_ms = 0;
+  std::atomic<uint64_t> last_swap_pause_us{0};  // time spent in options.on_swap
   std::string last_error;
   uint64_t ignored_older_heads = 0;
 
@@ -75,6 +76,18 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
       served.swap_unix_us = UnixMicrosNow();
     served.version = version.load();
     served.hash = hash;
+  }
+
+  // REQUIRES: weights_mutex held exclusively, the new version verified.
+  void NotifySwap(uint64_t new_version, const std::vector<delta::ChangedWords>* changes,
+                  bool full) {
+    if (!options.on_swap) return;
+    const auto start = Clock::now();
+    const CheckpointView view = weights.view();
+    static const std::vector<delta::ChangedWords> kNone;
+    options.on_swap(SwapEvent{new_version, &view, changes ? changes : &kNone, full});
+    last_swap_pause_us.store(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count()));
   }
 
   awaitable<void> UpdateLoop();
@@ -174,11 +187,13 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
     delta::ApplyOptions apply;
     apply.threads = threads;
     apply.state_tensor_hashes = tensor_hashes;
+    apply.report_changes = static_cast<bool>(options.on_swap);
     MutableCheckpointView state = weights.mutable_view();
     FW_ASSIGN_OR_RETURN(delta::ApplyStats stats, delta::ApplyInPlace(state, view, apply));
     tensor_hashes = std::move(stats.tensor_hashes);
     hash = manifest.target_hash;
     version.store(manifest.target_version);
+    NotifySwap(manifest.target_version, &stats.changes, false);
     PublishServed();
     return flywheel::Status::Ok();
   }
@@ -189,6 +204,7 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
       delta::ApplyOptions apply;
       apply.threads = threads;
       apply.restore_on_failure = false;  // the undo log would be a whole copy
+      apply.report_changes = static_cast<bool>(options.on_swap);
       MutableCheckpointView state = weights.mutable_view();
       Result<delta::ApplyStats> stats = delta::ApplyInPlace(state, view, apply);
       if (!stats.ok()) {
@@ -202,6 +218,7 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
       tensor_hashes = std::move(stats->tensor_hashes);
       hash = manifest.target_hash;
       version.store(manifest.target_version);
+      NotifySwap(manifest.target_version, &stats->changes, false);
       PublishServed();
       return flywheel::Status::Ok();
     }
@@ -214,6 +231,7 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
   tensor_hashes = std::move(hashes);
   hash = manifest.target_hash;
   version.store(manifest.target_version);
+  NotifySwap(manifest.target_version, nullptr, true);
   PublishServed();
   return flywheel::Status::Ok();
 }
@@ -342,6 +360,7 @@ nlohmann::json Worker::Impl::StatusJson() const {
       {"links", links.ToJson()},
       {"last_swap_ms", last_swap_ms},
       {"last_apply_ms", last_apply_ms},
+      {"last_swap_pause_ms", static_cast<double>(last_swap_pause_us.load()) / 1000.0},
       {"swap_unix_us", now.swap_unix_us},
       {"swaps_total", swaps},
       {"exports_total", exports},

@@ -12,20 +12,31 @@
 // never moves the worker back.
 #pragma once
 
-#include <nlohmann/json.hpp>
-
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "base/status.h"
+#include "delta/delta.h"
 #include "delta/hash.h"
 #include "delta/tensor.h"
 #include "sync/role.h"
 #include "transport/endpoint.h"
 
 namespace flywheel::sync {
+
+// A verified new version, handed to WorkerOptions::on_swap under the exclusive weights
+// lock before it is served: `changes` lists the words the apply wrote (delta::ApplyInPlace
+// with report_changes; indices into `weights`), unless `full` (a keyframe decoded into a new
+// layout), when every word is new.
+struct SwapEvent {
+  uint64_t version = 0;
+  const CheckpointView* weights = nullptr;
+  const std::vector<delta::ChangedWords>* changes = nullptr;
+  bool full = false;
+};
 
 struct WorkerOptions {
   CommonOptions common;
@@ -34,6 +45,10 @@ struct WorkerOptions {
   int export_keep = 2;     // newest exports kept in export_dir
   int streams = 4;         // parallel data streams per artifact
   int window = 8;          // piece requests in flight per stream
+  // Runs on every swap (see SwapEvent), e.g. to patch an inference engine's compute copy
+  // between its decode steps. Readers of the weights wait while it runs: keep it short. Its
+  // duration is reported as last_swap_pause_ms in /v1/status.
+  std::function<void(const SwapEvent&)> on_swap;
 };
 
 class Worker {

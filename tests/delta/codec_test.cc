@@ -99,6 +99,77 @@ TEST(CodecTest, WrapAroundDifferences) {
   EXPECT_TRUE(SameBytes(MustApply(base, MustEncode(base, target)), target));
 }
 
+// report_changes: sparse chunks list exactly the words that differ; dense chunks (and
+// keyframes) say "all" for a range that covers them.
+TEST(CodecTest, ReportedChangesCoverExactlyTheChangedWords) {
+  auto v1 = RandomCheckpoint(testing::MixedSpecs(), 21);
+  for (double density : {0.01, 0.6}) {
+    SCOPED_TRACE(density);
+    auto v2 = Mutate(v1, density, 22);
+    auto bytes = MustEncode(v1, v2);
+    auto view = MustParse(bytes);
+    for (bool restore : {true, false}) {
+      OwnedCheckpoint state = v1;
+      auto mv = state.mutable_view();
+      ApplyOptions options;
+      options.report_changes = true;
+      options.restore_on_failure = restore;
+      auto stats = ApplyInPlace(mv, view, options);
+      ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+      ASSERT_TRUE(SameBytes(state, v2));
+      std::vector<std::vector<bool>> covered(state.tensors.size());
+      std::vector<std::vector<bool>> listed(state.tensors.size());
+      for (size_t t = 0; t < state.tensors.size(); ++t) {
+        const size_t words = state.tensors[t].data.size() / DTypeWordBytes(state.tensors[t].dtype);
+        covered[t].assign(words, false);
+        listed[t].assign(words, false);
+      }
+      bool any_sparse = false;
+      for (const ChangedWords& c : stats->changes) {
+        ASSERT_LT(c.state_index, state.tensors.size());
+        if (c.all) {
+          for (uint64_t i = 0; i < c.word_count; ++i)
+            covered[c.state_index][c.word_begin + i] = true;
+        } else {
+          any_sparse = true;
+          for (uint32_t p : c.positions) {
+            ASSERT_LT(p, c.word_count);
+            listed[c.state_index][c.word_begin + p] = true;
+            covered[c.state_index][c.word_begin + p] = true;
+          }
+        }
+      }
+      if (density < 0.1) {
+        EXPECT_TRUE(any_sparse);
+      }
+      for (size_t t = 0; t < state.tensors.size(); ++t) {
+        const int w = DTypeWordBytes(v1.tensors[t].dtype);
+        for (size_t i = 0; i < covered[t].size(); ++i) {
+          const bool differs = std::memcmp(v1.tensors[t].data.data() + i * w,
+                                           v2.tensors[t].data.data() + i * w, w) != 0;
+          if (differs) {
+            EXPECT_TRUE(covered[t][i])
+                << v1.tensors[t].name << " word " << i << " changed, not reported";
+          }
+          if (listed[t][i]) {
+            EXPECT_TRUE(differs) << v1.tensors[t].name << " word " << i << " listed, unchanged";
+          }
+        }
+      }
+    }
+  }
+  auto keyframe = EncodeKeyframe(v1.view(), {});
+  ASSERT_TRUE(keyframe.ok());
+  auto key_view = MustParse(*keyframe);
+  OwnedCheckpoint state = Mutate(v1, 0.5, 23);
+  auto mv = state.mutable_view();
+  ApplyOptions options;
+  options.report_changes = true;
+  auto stats = ApplyInPlace(mv, key_view, options);
+  ASSERT_TRUE(stats.ok());
+  for (const ChangedWords& c : stats->changes) EXPECT_TRUE(c.all);
+}
+
 TEST(CodecTest, ChainAppliesInOrder) {
   auto v1 = RandomCheckpoint(testing::MixedSpecs(), 11);
   auto v2 = Mutate(v1, 0.02, 12);

@@ -1,0 +1,104 @@
+#include "rollout/mirror.h"
+
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <map>
+
+#include "trainer/weights.h"
+
+namespace flywheel::rollout {
+
+namespace {
+
+// Converts `count` words starting at word `begin` (or at begin + positions[i]) of a serving
+// tensor into the fp32 parameter.
+template <typename Index>
+void Convert(const TensorView& src, float* dst, uint64_t begin, const Index& index, size_t count) {
+  const std::byte* data = src.data.data();
+  switch (src.dtype) {
+    case DType::kBF16:
+      for (size_t i = 0; i < count; ++i) {
+        const uint64_t w = begin + index(i);
+        uint16_t bits;
+        std::memcpy(&bits, data + 2 * w, 2);
+        const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+        std::memcpy(dst + w, &wide, 4);
+      }
+      break;
+    case DType::kF16:
+      for (size_t i = 0; i < count; ++i) {
+        const uint64_t w = begin + index(i);
+        uint16_t bits;
+        std::memcpy(&bits, data + 2 * w, 2);
+        dst[w] = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+      }
+      break;
+    default:  // F32
+      for (size_t i = 0; i < count; ++i) {
+        const uint64_t w = begin + index(i);
+        std::memcpy(dst + w, data + 4 * w, 4);
+      }
+      break;
+  }
+}
+
+Status CheckServing(const TensorView& src, const torch::Tensor& param) {
+  if (src.dtype != DType::kBF16 && src.dtype != DType::kF16 && src.dtype != DType::kF32) {
+    return Status::InvalidArgument("serving tensor " + src.name + " has dtype " +
+                                   DTypeName(src.dtype) +
+                                   "; the engine computes from BF16, F16 or F32");
+  }
+  if (src.shape != param.sizes().vec() || !param.is_contiguous() ||
+      param.scalar_type() != torch::kFloat) {
+    return Status::Mismatch("serving tensor " + src.name + " does not match the model's parameter");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LoadMirror(model::TransformerImpl& model, const CheckpointView& weights) {
+  return model::LoadWeights(model, weights, "serving copy");
+}
+
+Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointView& weights,
+                                const std::vector<delta::ChangedWords>& changes) {
+  auto params = model.named_parameters();
+  MirrorStats stats;
+  std::vector<torch::Tensor*> by_index(weights.size(), nullptr);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    torch::Tensor* p = params.find(weights[i].name);
+    if (!p) {
+      ++stats.tensors_ignored;
+      continue;
+    }
+    FW_RETURN_IF_ERROR(CheckServing(weights[i], *p));
+    by_index[i] = p;
+  }
+  torch::NoGradGuard no_grad;
+  for (const delta::ChangedWords& c : changes) {
+    if (c.state_index >= weights.size())
+      return Status::Internal("swap change names tensor index out of range");
+    torch::Tensor* p = by_index[c.state_index];
+    if (!p) continue;
+    const TensorView& src = weights[c.state_index];
+    float* dst = p->data_ptr<float>();
+    if (c.word_begin + c.word_count > static_cast<uint64_t>(p->numel())) {
+      return Status::Internal("swap change of " + src.name + " runs past the tensor");
+    }
+    if (c.all) {
+      Convert(
+          src, dst, c.word_begin, [](size_t i) { return i; }, c.word_count);
+      stats.words_patched += c.word_count;
+    } else {
+      Convert(
+          src, dst, c.word_begin, [&](size_t i) { return static_cast<uint64_t>(c.positions[i]); },
+          c.positions.size());
+      stats.words_patched += c.positions.size();
+    }
+  }
+  return stats;
+}
+
+}  // namespace flywheel::rollout
