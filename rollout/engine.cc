@@ -4,7 +4,10 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <numeric>
+
+#include "trainer/weights.h"
 
 namespace flywheel::rollout {
 
@@ -44,6 +47,8 @@ Engine::Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions opti
                uint64_t version)
     : model_(std::move(model)), options_(options), version_(version) {
   cache_ = model_->NewCache(options_.max_batch, options_.max_sequence);
+  multi_lora_ = std::make_shared<model::MultiLora>();
+  model_->AttachMultiLora(multi_lora_);
 }
 
 Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::TransformerImpl> model,
@@ -66,6 +71,9 @@ Result<uint64_t> Engine::Submit(GenerationRequest request) {
     }
   }
   FW_RETURN_IF_ERROR(request.params.Validate(config.vocab_size));
+  if (!request.adapter.empty() && !adapter_slots_.count(request.adapter)) {
+    return Status::NotFound("unknown adapter '" + request.adapter + "'");
+  }
   const int64_t needed = static_cast<int64_t>(request.prompt.size()) + request.params.max_tokens;
   if (needed > options_.max_sequence) {
     return Status::InvalidArgument(
@@ -179,7 +187,9 @@ void Engine::Prefill(Sequence& sequence, int64_t slot) {
           .view({1, length});
   torch::Tensor positions = torch::arange(length, torch::kLong).view({1, length});
   model::CacheSpan span{&cache_, slot, positions};
+  AssignAdapters({&sequence});
   model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
+  multi_lora_->row_adapter.clear();
   sequence.length = length;
   AppendRouting(sequence, out.routing, 0, length);
   torch::Tensor logits = model_->LmHead(out.hidden.select(1, length - 1));  // [1, V]
@@ -210,7 +220,11 @@ std::vector<GenerationResult> Engine::Step() {
     positions[i][0] = active_[i]->length;
   }
   model::CacheSpan span{&cache_, 0, positions};
+  std::vector<Sequence*> rows;
+  for (auto& a : active_) rows.push_back(a.get());
+  AssignAdapters(rows);
   model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
+  multi_lora_->row_adapter.clear();
   torch::Tensor logits = model_->LmHead(out.hidden.squeeze(1));  // [B, V]
   std::vector<bool> done(batch);
   for (int64_t i = 0; i < batch; ++i) {
@@ -263,6 +277,116 @@ Status Engine::Swap(uint64_t version, const std::function<Status()>& patch) {
   last_swap_pause_ms_.store(
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   return patched;
+}
+
+void Engine::AssignAdapters(const std::vector<Sequence*>& sequences) {
+  multi_lora_->row_adapter.clear();
+  bool any = false;
+  for (Sequence* s : sequences) {
+    auto it =
+        s->request.adapter.empty() ? adapter_slots_.end() : adapter_slots_.find(s->request.adapter);
+    multi_lora_->row_adapter.push_back(
+        it == adapter_slots_.end() ? -1 : static_cast<int64_t>(it->second));
+    any |= it != adapter_slots_.end();
+  }
+  if (!any) multi_lora_->row_adapter.clear();
+}
+
+Status Engine::LoadAdapter(const std::string& name, const CheckpointView& adapter) {
+  if (name.empty()) return Status::InvalidArgument("adapter name is empty");
+  const auto shapes = model_->ProjectionShapes();
+  const TensorView* config_tensor = nullptr;
+  std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> factors;
+  const std::string prefix = "base_model.model.";
+  for (const TensorView& t : adapter) {
+    if (t.name == model::kAdapterConfigTensor) {
+      config_tensor = &t;
+      continue;
+    }
+    std::string tname = t.name.rfind(prefix, 0) == 0 ? t.name.substr(prefix.size()) : t.name;
+    const bool is_a =
+        tname.size() > 14 && tname.compare(tname.size() - 14, 14, ".lora_A.weight") == 0;
+    const bool is_b =
+        tname.size() > 14 && tname.compare(tname.size() - 14, 14, ".lora_B.weight") == 0;
+    if (!is_a && !is_b)
+      return Status::InvalidArgument("adapter '" + name + "': tensor " + t.name +
+                                     " is not a LoRA factor");
+    const std::string module = tname.substr(0, tname.size() - 14);
+    if (!shapes.count(module)) {
+      return Status::InvalidArgument("adapter '" + name + "': " + module +
+                                     " is not a projection of this model");
+    }
+    FW_ASSIGN_OR_RETURN(torch::Tensor value, model::ToTorch(t));
+    (is_a ? factors[module].first : factors[module].second) = value.to(torch::kFloat);
+  }
+  if (!config_tensor)
+    return Status::InvalidArgument("adapter '" + name + "' lacks its config tensor " +
+                                   model::kAdapterConfigTensor);
+  const std::string text(reinterpret_cast<const char*>(config_tensor->data.data()),
+                         config_tensor->data.size());
+  nlohmann::json config = nlohmann::json::parse(text, nullptr, false);
+  if (config.is_discarded() || !config.contains("r") || !config.contains("lora_alpha")) {
+    return Status::InvalidArgument("adapter '" + name + "': malformed adapter config");
+  }
+  const double rank = config["r"].get<double>(), alpha = config["lora_alpha"].get<double>();
+  if (!(rank > 0) || !(alpha > 0))
+    return Status::InvalidArgument("adapter '" + name + "': r and lora_alpha must be > 0");
+  std::map<std::string, model::LoraFactors> loaded;
+  for (auto& [module, ab] : factors) {
+    const auto [out, in] = shapes.at(module);
+    if (!ab.first.defined() || !ab.second.defined()) {
+      return Status::InvalidArgument("adapter '" + name + "': " + module +
+                                     " lacks lora_A or lora_B");
+    }
+    if (ab.first.dim() != 2 || ab.second.dim() != 2 || ab.first.size(0) != rank ||
+        ab.first.size(1) != in || ab.second.size(0) != out || ab.second.size(1) != rank) {
+      return Status::Mismatch("adapter '" + name + "': factors of " + module + " have shapes " +
+                              c10::str(ab.first.sizes()) + " and " + c10::str(ab.second.sizes()) +
+                              ", expected [" + std::to_string(static_cast<int64_t>(rank)) + ", " +
+                              std::to_string(in) + "] and [" + std::to_string(out) + ", " +
+                              std::to_string(static_cast<int64_t>(rank)) + "]");
+    }
+    loaded[module] = {ab.first, ab.second, alpha / rank};
+  }
+  if (loaded.empty()) return Status::InvalidArgument("adapter '" + name + "' has no factors");
+  std::lock_guard lock(mutex_);
+  auto it = adapter_slots_.find(name);
+  if (it != adapter_slots_.end()) {
+    multi_lora_->adapters[it->second] = std::move(loaded);
+    return Status::Ok();
+  }
+  size_t slot = multi_lora_->adapters.size();
+  for (size_t i = 0; i < multi_lora_->adapters.size(); ++i) {
+    if (multi_lora_->adapters[i].empty()) {
+      slot = i;
+      break;
+    }
+  }
+  if (slot == multi_lora_->adapters.size()) multi_lora_->adapters.emplace_back();
+  multi_lora_->adapters[slot] = std::move(loaded);
+  adapter_slots_[name] = slot;
+  return Status::Ok();
+}
+
+Status Engine::UnloadAdapter(const std::string& name) {
+  std::lock_guard lock(mutex_);
+  auto it = adapter_slots_.find(name);
+  if (it == adapter_slots_.end()) return Status::NotFound("unknown adapter '" + name + "'");
+  auto uses = [&](const std::unique_ptr<Sequence>& s) { return s->request.adapter == name; };
+  if (std::any_of(active_.begin(), active_.end(), uses) ||
+      std::any_of(waiting_.begin(), waiting_.end(), uses)) {
+    return Status::InvalidArgument("adapter '" + name + "' is in use by a request in flight");
+  }
+  multi_lora_->adapters[it->second].clear();
+  adapter_slots_.erase(it);
+  return Status::Ok();
+}
+
+std::vector<std::string> Engine::adapters() {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> names;
+  for (const auto& [name, slot] : adapter_slots_) names.push_back(name);
+  return names;
 }
 
 Status Engine::SetVersion(uint64_t version) {

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -37,6 +38,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "delta/tensor.h"
 #include "trainer/model.h"
 
 namespace flywheel::rollout {
@@ -57,6 +59,7 @@ struct SamplingParams {
 struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams params;
+  std::string adapter;  // a loaded LoRA adapter's name; empty: the base model
 };
 
 struct GenerationResult {
@@ -101,6 +104,15 @@ class Engine {
   // requests in flight keep going. The time the engine was held is the swap pause.
   Status Swap(uint64_t version, const std::function<Status()>& patch);
   double last_swap_pause_ms() const { return last_swap_pause_ms_.load(); }
+
+  // Multi-LoRA on the frozen base: loads, or replaces between two steps, adapter `name` from
+  // an adapters-only snapshot (trainer::TrainingClient::SaveWeightsForSampler in LoRA mode:
+  // PEFT-named lora_A / lora_B factors plus the flywheel.adapter_config tensor). Requests
+  // choose it by name; a replacement applies to their next token.
+  Status LoadAdapter(const std::string& name, const CheckpointView& adapter);
+  // Refused while a waiting or active request uses it.
+  Status UnloadAdapter(const std::string& name);
+  std::vector<std::string> adapters();
   uint64_t swaps() const { return swaps_.load(); }
   uint64_t version() const { return version_; }
 
@@ -129,7 +141,11 @@ class Engine {
 
   std::shared_ptr<model::TransformerImpl> model_;
   EngineOptions options_;
-  std::mutex mutex_;  // Submit, Step and Swap exclude each other
+  std::mutex mutex_;  // Submit, Step, Swap and the adapter calls exclude each other
+  std::shared_ptr<model::MultiLora> multi_lora_;
+  std::map<std::string, size_t> adapter_slots_;  // name -> index in multi_lora_->adapters
+  // REQUIRES: mutex_. Row r of the next forward uses the adapter of `sequences[r]`.
+  void AssignAdapters(const std::vector<Sequence*>& sequences);
   std::atomic<double> last_swap_pause_ms_{0};
   std::atomic<uint64_t> swaps_{0};
   uint64_t version_;

@@ -25,6 +25,25 @@ torch::Tensor ProjImpl::forward(const torch::Tensor& x) {
   torch::Tensor y = torch::linear(x, weight, bias);
   if (lora_a_)
     y = y + torch::linear(torch::linear(x, lora_a_->weight), lora_b_->weight) * lora_scale_;
+  if (multi_ && !multi_->row_adapter.empty() && x.dim() >= 2 &&
+      static_cast<int64_t>(multi_->row_adapter.size()) == x.size(0)) {
+    // Group the rows by adapter; each group adds its own low-rank update.
+    std::map<int64_t, std::vector<int64_t>> groups;
+    for (size_t row = 0; row < multi_->row_adapter.size(); ++row) {
+      if (multi_->row_adapter[row] >= 0)
+        groups[multi_->row_adapter[row]].push_back(static_cast<int64_t>(row));
+    }
+    for (const auto& [slot, rows] : groups) {
+      const auto& factors = multi_->adapters[slot];
+      auto it = factors.find(name_);
+      if (it == factors.end()) continue;
+      torch::Tensor index = torch::tensor(rows, torch::kLong);
+      torch::Tensor update =
+          torch::linear(torch::linear(x.index_select(0, index), it->second.a), it->second.b) *
+          it->second.scale;
+      y = y.index_add(0, index, update);
+    }
+  }
   return y;
 }
 
@@ -313,6 +332,23 @@ Status TransformerImpl::EnableLora(const LoraOptions& options) {
   }
   lora_ = options;
   return Status::Ok();
+}
+
+void TransformerImpl::AttachMultiLora(std::shared_ptr<const MultiLora> multi) {
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
+    if (auto proj = std::dynamic_pointer_cast<ProjImpl>(item.value()))
+      proj->AttachMultiLora(multi, item.key());
+  }
+}
+
+std::map<std::string, std::pair<int64_t, int64_t>> TransformerImpl::ProjectionShapes() {
+  std::map<std::string, std::pair<int64_t, int64_t>> out;
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
+    if (auto proj = std::dynamic_pointer_cast<ProjImpl>(item.value())) {
+      out[item.key()] = {proj->weight.size(0), proj->weight.size(1)};
+    }
+  }
+  return out;
 }
 
 Status ValidateReplay(const ModelConfig& config, const std::vector<torch::Tensor>& replay,

@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,11 +34,29 @@ class WeightImpl : public torch::nn::Module {
   torch::Tensor weight;
 };
 
-// y = x W^T (+ b), plus a rank-r LoRA update scale * (x A^T) B^T once EnableLora() ran.
+// Several LoRA adapters served on one frozen base (rollout): per adapter, per projection
+// (by its HF module name) the fp32 factors; per batch row the adapter it uses. The engine
+// sets `row_adapter` before each forward; rows with -1 use the base alone.
+struct LoraFactors {
+  torch::Tensor a;  // [rank, in]
+  torch::Tensor b;  // [out, rank]
+  double scale = 1;
+};
+struct MultiLora {
+  std::vector<std::map<std::string, LoraFactors>> adapters;  // by adapter slot
+  std::vector<int64_t> row_adapter;                          // one per batch row
+};
+
+// y = x W^T (+ b), plus a rank-r LoRA update scale * (x A^T) B^T once EnableLora() ran, plus
+// the per-row updates of a MultiLora when one is attached.
 class ProjImpl : public torch::nn::Module {
  public:
   ProjImpl(int64_t in_features, int64_t out_features, bool bias);
   torch::Tensor forward(const torch::Tensor& x);
+  void AttachMultiLora(std::shared_ptr<const MultiLora> multi, std::string name) {
+    multi_ = std::move(multi);
+    name_ = std::move(name);
+  }
   // Adds lora_A [rank, in] (uniform ±1/sqrt(in), as PEFT's kaiming init) and lora_B
   // [out, rank] = 0, so the adapted layer starts equal to the base layer.
   void EnableLora(int64_t rank, double alpha);
@@ -49,6 +68,8 @@ class ProjImpl : public torch::nn::Module {
  private:
   std::shared_ptr<WeightImpl> lora_a_, lora_b_;
   double lora_scale_ = 0;
+  std::shared_ptr<const MultiLora> multi_;
+  std::string name_;
 };
 
 class RmsNormImpl : public torch::nn::Module {
@@ -173,6 +194,10 @@ class TransformerImpl : public torch::nn::Module {
 
   // Adds adapters to every targeted projection and freezes everything else.
   Status EnableLora(const LoraOptions& options);
+  // Serves several adapters at once (rollout): every projection consults `multi`.
+  void AttachMultiLora(std::shared_ptr<const MultiLora> multi);
+  // Module names of all projections ("model.layers.0.self_attn.q_proj") with [out, in].
+  std::map<std::string, std::pair<int64_t, int64_t>> ProjectionShapes();
   bool lora_enabled() const { return lora_.has_value(); }
   const std::optional<LoraOptions>& lora() const { return lora_; }
 
