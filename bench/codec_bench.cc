@@ -958,7 +958,8 @@ Status RunCodecBench(const CodecBenchOptions& options, std::ostream& out) {
     const std::string previous((std::istreambuf_iterator<char>(existing)),
                                std::istreambuf_iterator<char>());
     const size_t kept =
-        std::min(previous.find("\n## Fleet benchmark"), previous.find("\n## Trainer benchmark"));
+        std::min({previous.find("\n## Fleet benchmark"), previous.find("\n## Trainer benchmark"),
+                  previous.find("\n## Rollout benchmark")});
     if (kept != std::string::npos) markdown += previous.substr(kept);
     FW_RETURN_IF_ERROR(WriteFile(options.markdown_out, std::as_bytes(std::span(markdown))));
   }

@@ -11,6 +11,7 @@
 
 #include "bench/codec_bench.h"
 #include "bench/fleet_bench.h"
+#include "bench/rollout_bench.h"
 #include "bench/trainer_bench.h"
 #include "tools/commands.h"
 
@@ -229,6 +230,54 @@ void AddTrainerCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddRolloutCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::RolloutReportOptions>();
+  auto& b = options->bench;
+  CLI::App* rollout = bench_app.add_subcommand(
+      "rollout",
+      "Benchmark the rollout engine on the demo-size models.\n"
+      "Throughput: generated tokens/s of the dense and MoE models at each batch size.\n"
+      "Swap: applies real deltas (a share of bf16 words changed) to a bf16 serving copy and\n"
+      "patches the engine's fp32 mirror at the written words between two decode steps with\n"
+      "requests in flight; reports the pause (target <= 50 ms) and checks the mirror equals\n"
+      "the served weights. Memory: serving copy, mirror and KV cache against the bf16\n"
+      "weights (target <= 3.2x + KV cache), and the process RSS growth.");
+  rollout->add_option("--batch", b.batches, "Batch sizes")
+      ->delimiter(',')
+      ->type_name("N[,N...]")
+      ->capture_default_str();
+  rollout->add_option("--prompt-tokens", b.prompt_tokens, "Prompt length")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 2048));
+  rollout->add_option("--new-tokens", b.new_tokens, "Tokens generated per request")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 2048));
+  rollout->add_option("--swaps", b.swaps, "Measured swaps per model")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  rollout
+      ->add_option("--changed", b.changed_fraction,
+                   "Share of bf16 words changed per swapped version")
+      ->capture_default_str()
+      ->check(CLI::Range(1e-9, 0.999));
+  rollout->add_flag("!--no-moe", b.moe, "Skip the MoE model");
+  rollout->add_option("--threads", b.threads, "torch threads (0: one per hardware thread)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
+  rollout
+      ->add_option("--markdown", options->markdown_out,
+                   "Write the tables as the '## Rollout benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  rollout->callback([options, &action] {
+    action = [options]() -> Status {
+      Status status = bench::RunRolloutReport(*options, std::cout);
+      std::cout.flush();
+      if (!status.ok()) return Failed("rollout benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 constexpr const char* kDemoBanner =
     "flywheel demo\n"
     "=============\n"
@@ -300,6 +349,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
 
   AddFleetCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
+  AddRolloutCommand(*bench_app, action);
 
   auto demo_args = std::make_shared<BenchArgs>();
   CLI::App* demo = app.add_subcommand(

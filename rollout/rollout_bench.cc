@@ -1,0 +1,184 @@
+#include "rollout/rollout_bench.h"
+
+#include <malloc.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "delta/delta.h"
+#include "rollout/engine.h"
+#include "rollout/mirror.h"
+#include "trainer/weights.h"
+
+namespace flywheel::rollout {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+std::vector<GenerationRequest> Requests(int64_t batch, const RolloutBenchOptions& o, int64_t vocab,
+                                        uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<GenerationRequest> out;
+  for (int64_t i = 0; i < batch; ++i) {
+    GenerationRequest r;
+    for (int64_t t = 0; t < o.prompt_tokens; ++t)
+      r.prompt.push_back(static_cast<int32_t>(rng() % vocab));
+    r.params.max_tokens = o.new_tokens;
+    r.params.temperature = 1.0;
+    r.params.seed = seed + i;
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+// The next version's serving copy: `fraction` of the bf16 words moved by one ulp, as small
+// RL steps do.
+OwnedCheckpoint NextVersion(const OwnedCheckpoint& current, double fraction, std::mt19937_64& rng) {
+  OwnedCheckpoint next = current;
+  std::bernoulli_distribution flip(fraction);
+  for (OwnedTensor& t : next.tensors) {
+    const size_t words = t.data.size() / 2;
+    for (size_t i = 0; i < words; ++i) {
+      if (!flip(rng)) continue;
+      uint16_t bits;
+      std::memcpy(&bits, t.data.data() + 2 * i, 2);
+      bits = static_cast<uint16_t>(bits + ((rng() & 1) ? 1 : -1));
+      std::memcpy(t.data.data() + 2 * i, &bits, 2);
+    }
+  }
+  return next;
+}
+
+}  // namespace
+
+Result<RolloutBenchResult> RunRolloutBench(const RolloutBenchOptions& options,
+                                           std::ostream& progress) {
+  if (options.batches.empty() || options.prompt_tokens < 1 || options.new_tokens < 1 ||
+      options.swaps < 1 || !(options.changed_fraction > 0 && options.changed_fraction < 1) ||
+      options.threads < 0) {
+    return Status::InvalidArgument(
+        "bench rollout: batches, prompt and new tokens, swaps must be >= 1 and the "
+        "changed fraction in (0, 1)");
+  }
+  for (int64_t b : options.batches) {
+    if (b < 1 || b > 1024)
+      return Status::InvalidArgument("bench rollout: batch sizes must be in [1, 1024]");
+  }
+  torch::set_num_threads(options.threads > 0
+                             ? options.threads
+                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  torch::NoGradGuard no_grad;
+  RolloutBenchResult result;
+  result.threads = torch::get_num_threads();
+  std::vector<std::pair<std::string, model::ModelConfig>> models = {
+      {"dense", model::DemoDenseConfig()}};
+  if (options.moe) models.emplace_back("moe", model::DemoMoeConfig());
+  const int64_t max_batch = *std::max_element(options.batches.begin(), options.batches.end());
+  for (const auto& [name, config] : models) {
+    torch::manual_seed(options.seed);
+    // The worker side: the bf16 serving copy (source of truth) and the engine's fp32 mirror.
+    OwnedCheckpoint serving;
+    {
+      model::TransformerImpl trained(config);
+      FW_ASSIGN_OR_RETURN(serving, model::SnapshotWeights(trained, DType::kBF16));
+    }
+    ::malloc_trim(0);  // what the generating model freed goes back before measuring
+    const uint64_t rss_before = ResidentBytes();
+    auto mirror = std::make_shared<model::TransformerImpl>(config);
+    FW_RETURN_IF_ERROR(LoadMirror(*mirror, serving.view()));
+    FW_ASSIGN_OR_RETURN(auto engine,
+                        Engine::Create(mirror,
+                                       {.max_batch = max_batch,
+                                        .max_sequence = options.prompt_tokens + options.new_tokens},
+                                       1));
+    RolloutModelRow row;
+    row.model = name;
+    for (const auto& p : mirror->parameters()) {
+      row.parameters += p.numel();
+      row.mirror_bytes += p.numel() * 4;
+    }
+    for (const auto& t : serving.tensors) row.serving_bytes += t.data.size();
+    row.kv_cache_bytes = engine->cache_bytes();
+
+    FW_RETURN_IF_ERROR(
+        engine->Generate(Requests(1, options, config.vocab_size, 7)).status());  // warm-up
+    for (int64_t batch : options.batches) {
+      auto start = Clock::now();
+      FW_ASSIGN_OR_RETURN(
+          auto out, engine->Generate(Requests(batch, options, config.vocab_size, 100 + batch)));
+      const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      int64_t tokens = 0;
+      for (const auto& r : out) tokens += static_cast<int64_t>(r.tokens.size());
+      result.throughput.push_back({name, batch, tokens, seconds});
+      progress << "[rollout bench] " << name << " batch " << batch << ": " << tokens
+               << " tokens in " << seconds << " s\n"
+               << std::flush;
+    }
+    // The engine side after serving the largest batch: mirror, KV cache, activations, torch.
+    ::malloc_trim(0);
+    const uint64_t rss_after = ResidentBytes();
+    row.rss_growth_bytes = rss_after > rss_before ? rss_after - rss_before : 0;
+
+    // Swaps with requests in flight: a real delta applied to the serving copy with its
+    // changed words reported, the mirror patched between two decode steps.
+    std::mt19937_64 rng(options.seed + 99);
+    for (const auto& r : Requests(std::min<int64_t>(8, max_batch), options, config.vocab_size, 5)) {
+      FW_RETURN_IF_ERROR(engine->Submit(r).status());
+    }
+    engine->Step();
+    for (int s = 0; s < options.swaps; ++s) {
+      OwnedCheckpoint next = NextVersion(serving, options.changed_fraction, rng);
+      delta::EncodeOptions encode;
+      encode.base_version = 1 + s;
+      encode.target_version = 2 + s;
+      FW_ASSIGN_OR_RETURN(auto bytes, delta::Encode(serving.view(), next.view(), encode));
+      FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(bytes));
+      delta::ApplyOptions apply;
+      apply.report_changes = true;
+      MutableCheckpointView state = serving.mutable_view();
+      FW_ASSIGN_OR_RETURN(delta::ApplyStats stats, delta::ApplyInPlace(state, view, apply));
+      const CheckpointView weights = serving.view();
+      uint64_t patched = 0;
+      FW_RETURN_IF_ERROR(engine->Swap(2 + s, [&]() -> Status {
+        FW_ASSIGN_OR_RETURN(MirrorStats m, PatchMirror(*mirror, weights, stats.changes));
+        patched = m.words_patched;
+        return Status::Ok();
+      }));
+      row.swap_pause_ms.push_back(engine->last_swap_pause_ms());
+      row.words_patched_per_swap = patched;
+      engine->Step();  // the requests in flight go on
+      progress << "[rollout bench] " << name << " swap " << s + 1 << ": " << patched
+               << " words, pause " << engine->last_swap_pause_ms() << " ms\n"
+               << std::flush;
+    }
+    // The mirror must equal the served weights after the swaps.
+    {
+      auto check = std::make_shared<model::TransformerImpl>(config);
+      FW_RETURN_IF_ERROR(LoadMirror(*check, serving.view()));
+      auto want = check->named_parameters();
+      for (const auto& p : mirror->named_parameters()) {
+        if (!torch::equal(p.value(), want[p.key()])) {
+          return Status::Internal(
+              "bench rollout: the patched mirror differs from the served weights at " + p.key());
+        }
+      }
+    }
+    while (engine->active() + engine->waiting() > 0) engine->Step();
+    result.models.push_back(row);
+  }
+  return result;
+}
+
+}  // namespace flywheel::rollout
