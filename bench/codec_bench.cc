@@ -959,7 +959,7 @@ Status RunCodecBench(const CodecBenchOptions& options, std::ostream& out) {
                                std::istreambuf_iterator<char>());
     const size_t kept =
         std::min({previous.find("\n## Fleet benchmark"), previous.find("\n## Trainer benchmark"),
-                  previous.find("\n## Rollout benchmark")});
+                  previous.find("\n## Rollout benchmark"), previous.find("\n## Parity benchmark")});
     if (kept != std::string::npos) markdown += previous.substr(kept);
     FW_RETURN_IF_ERROR(WriteFile(options.markdown_out, std::as_bytes(std::span(markdown))));
   }

@@ -11,6 +11,7 @@
 
 #include "bench/codec_bench.h"
 #include "bench/fleet_bench.h"
+#include "bench/parity_bench.h"
 #include "bench/rollout_bench.h"
 #include "bench/trainer_bench.h"
 #include "tools/commands.h"
@@ -278,6 +279,46 @@ void AddRolloutCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddParityCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::ParityReportOptions>();
+  auto& b = options->bench;
+  CLI::App* parity = bench_app.add_subcommand(
+      "parity",
+      "Check that the trainer trains what the engine sampled.\n"
+      "The engine samples from the served bf16 weights of the demo-size dense and MoE models;\n"
+      "the trainer recomputes the same sequences' logprobs on those very weights (MoE without\n"
+      "and with routing replay) and on its fp32 masters. Reports mean k3 and max |delta\n"
+      "logprob|; target k3 <= 1e-6 on the served weights.");
+  parity->add_option("--requests", b.requests, "Sampled sequences")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  parity->add_option("--prompt-tokens", b.prompt_tokens, "Prompt length")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 90));
+  parity->add_option("--new-tokens", b.new_tokens, "Sampled tokens per sequence")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 2048));
+  parity->add_option("--sft-steps", b.sft_steps, "SFT steps that sharpen the models first")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 10000));
+  parity->add_flag("!--no-moe", b.moe, "Skip the MoE model");
+  parity->add_option("--threads", b.threads, "torch threads (0: one per hardware thread)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
+  parity
+      ->add_option("--markdown", options->markdown_out,
+                   "Write the table as the '## Parity benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  parity->callback([options, &action] {
+    action = [options]() -> Status {
+      Status status = bench::RunParityReport(*options, std::cout);
+      std::cout.flush();
+      if (!status.ok()) return Failed("parity benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 constexpr const char* kDemoBanner =
     "flywheel demo\n"
     "=============\n"
@@ -350,6 +391,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddFleetCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);
+  AddParityCommand(*bench_app, action);
 
   auto demo_args = std::make_shared<BenchArgs>();
   CLI::App* demo = app.add_subcommand(

@@ -1,0 +1,20 @@
+// `flywheel bench parity`: runs rollout::RunParityBench (rollout/parity_bench.h), prints
+// the table and checks k3 <= 1e-6 on the served weights (dense; MoE with routing replay).
+#pragma once
+
+#include <ostream>
+#include <string>
+
+#include "base/status.h"
+#include "rollout/parity_bench.h"
+
+namespace flywheel::bench {
+
+struct ParityReportOptions {
+  rollout::ParityBenchOptions bench;
+  std::string markdown_out;
+};
+
+Status RunParityReport(const ParityReportOptions& options, std::ostream& out);
+
+}  // namespace flywheel::bench
