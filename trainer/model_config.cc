@@ -130,6 +130,23 @@ Result<ModelConfig> ModelConfig::FromJson(const nlohmann::json& json) {
   FW_RETURN_IF_ERROR(Read(json, "router_aux_loss_coef", c.router_aux_loss_coef));
   FW_RETURN_IF_ERROR(Read(json, "decoder_sparse_step", c.decoder_sparse_step));
   FW_RETURN_IF_ERROR(Read(json, "mlp_only_layers", c.mlp_only_layers));
+  // Features this transformer does not implement must not be silently ignored: a model that
+  // needs them would load and compute something else.
+  auto it = json.find("rope_scaling");
+  if (it != json.end() && !it->is_null()) {
+    return Status::InvalidArgument("model config: rope_scaling (" + it->dump() + ") is not supported");
+  }
+  for (const char* key : {"use_sliding_window", "use_qk_norm_in_gate"}) {
+    auto flag = json.find(key);
+    if (flag != json.end() && flag->is_boolean() && flag->get<bool>()) {
+      return Status::InvalidArgument(std::string("model config: ") + key + " = true is not supported");
+    }
+  }
+  auto act = json.find("hidden_act");
+  if (act != json.end() && act->is_string() && *act != "silu") {
+    return Status::InvalidArgument("model config: hidden_act '" + act->get<std::string>() +
+                                   "' is not supported (only silu / SwiGLU)");
+  }
   FW_RETURN_IF_ERROR(c.Validate());
   return c;
 }

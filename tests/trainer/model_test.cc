@@ -105,6 +105,10 @@ TEST(ModelConfigTest, BadValuesNameTheField) {
           R"(,"num_attention_heads":8,"num_experts":4,"num_experts_per_tok":5,"moe_intermediate_size":8})",
       "num_experts_per_tok");
   expect_error("{" + base + R"(,"num_attention_heads":8,"rope_theta":0})", "rope_theta");
+  expect_error("{" + base + R"(,"num_attention_heads":8,"rope_scaling":{"rope_type":"llama3","factor":8.0}})",
+               "rope_scaling");
+  expect_error("{" + base + R"(,"num_attention_heads":8,"use_sliding_window":true})", "use_sliding_window");
+  expect_error("{" + base + R"(,"num_attention_heads":8,"hidden_act":"gelu"})", "hidden_act 'gelu'");
   expect_error("[1,2]", "not a JSON object");
   expect_error("{nope", "not valid JSON");
 }
