@@ -255,14 +255,21 @@ TrainingClient::LogprobResult TrainingClient::Logprobs(const Batch& batch,
   return {base.masked_scatter(positions, selected), std::move(out.routing), out.aux_loss};
 }
 
-void TrainingClient::Accumulate(const Batch& batch, Metrics& metrics) {
+void TrainingClient::Backward(const Batch& batch, const torch::Tensor& loss,
+                              const torch::Tensor& aux_loss, Metrics& metrics) {
+  torch::Tensor total = loss;
+  if (options_.config.num_experts > 0 && options_.config.router_aux_loss_coef > 0) {
+    total = total + aux_loss * options_.config.router_aux_loss_coef;
+  }
+  const double norm = options_.normalization == Normalization::kTokens
+                          ? batch.weight_sum
+                          : static_cast<double>(batch.lengths.size());
+  (total * norm).backward();
   if (!have_pending_) {
     pending_since_ = std::chrono::steady_clock::now();
     have_pending_ = true;
   }
-  pending_norm_ += options_.normalization == Normalization::kTokens
-                       ? batch.weight_sum
-                       : static_cast<double>(batch.lengths.size());
+  pending_norm_ += norm;
   pending_tokens_ += batch.loss_tokens;
   metrics.sequences = static_cast<int64_t>(batch.lengths.size());
   metrics.tokens = batch.loss_tokens;
@@ -309,16 +316,8 @@ Result<Metrics> TrainingClient::ForwardBackward(const std::vector<Datum>& datums
   LogprobResult lp = Logprobs(batch, batch.weights.gt(0), batch.sampling);
   LossBatch loss_batch{lp.logprobs, batch.sampling, batch.advantages, batch.weights, batch.ref};
   FW_ASSIGN_OR_RETURN(LossResult loss, ComputeLoss(name, config, loss_batch));
-  torch::Tensor total = loss.loss;
-  if (options_.config.num_experts > 0 && options_.config.router_aux_loss_coef > 0) {
-    total = total + lp.aux_loss * options_.config.router_aux_loss_coef;
-  }
   Metrics metrics;
-  Accumulate(batch, metrics);
-  const double norm = options_.normalization == Normalization::kTokens
-                          ? batch.weight_sum
-                          : static_cast<double>(datums.size());
-  (total * norm).backward();
+  Backward(batch, loss.loss, lp.aux_loss, metrics);
   metrics.loss = loss.loss.item<double>();
   metrics.kl_sampler_k3 = loss.kl_sampler_k3;
   metrics.clip_fraction = loss.clip_fraction;
@@ -360,16 +359,8 @@ Result<Metrics> TrainingClient::ForwardBackwardCustom(const std::vector<Datum>& 
   }
   // Pass 2: the same forward with a graph; sum(logprob * dL/dlogprob) has the loss's gradient.
   LogprobResult second = Logprobs(batch, upstream.ne(0));
-  torch::Tensor surrogate = (second.logprobs * upstream).sum();
-  if (options_.config.num_experts > 0 && options_.config.router_aux_loss_coef > 0) {
-    surrogate = surrogate + second.aux_loss * options_.config.router_aux_loss_coef;
-  }
   Metrics metrics;
-  Accumulate(batch, metrics);
-  const double norm = options_.normalization == Normalization::kTokens
-                          ? batch.weight_sum
-                          : static_cast<double>(datums.size());
-  (surrogate * norm).backward();
+  Backward(batch, (second.logprobs * upstream).sum(), second.aux_loss, metrics);
   metrics.loss = loss.item<double>();
   metrics.aux_loss = second.aux_loss.item<double>();
   return metrics;

@@ -149,7 +149,10 @@ class TrainingClient {
   struct LogprobResult;
   LogprobResult Logprobs(const Batch& batch, const torch::Tensor& positions = {},
                          const torch::Tensor& filler = {});
-  void Accumulate(const Batch& batch, Metrics& metrics);
+  // Backpropagates (loss [+ MoE aux loss x its coefficient]) x the batch's normaliser and
+  // accumulates the normaliser and token counts (see the file comment).
+  void Backward(const Batch& batch, const torch::Tensor& loss, const torch::Tensor& aux_loss,
+                Metrics& metrics);
 
   TrainerOptions options_;
   std::shared_ptr<model::TransformerImpl> model_;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "tests/trainer/tiny_models.h"
 #include "trainer/training_client.h"
 #include "trainer/weights.h"
 
@@ -18,23 +19,7 @@ namespace {
 namespace fs = std::filesystem;
 
 model::ModelConfig Tiny(bool moe) {
-  model::ModelConfig c;
-  c.model_type = moe ? "qwen3_moe" : "qwen3";
-  c.vocab_size = 50;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.intermediate_size = 64;
-  c.qk_norm = true;
-  c.max_position_embeddings = 128;
-  if (moe) {
-    c.num_experts = 6;
-    c.num_experts_per_tok = 2;
-    c.moe_intermediate_size = 16;
-  }
-  return c;
+  return testing::TinyConfig({.vocab = 50, .experts = moe ? 6 : 0});
 }
 
 std::shared_ptr<model::TransformerImpl> MakeModel(bool moe, uint64_t seed) {

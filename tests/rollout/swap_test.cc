@@ -14,6 +14,7 @@
 #include "rollout/mirror.h"
 #include "sync/publisher.h"
 #include "sync/worker.h"
+#include "tests/trainer/tiny_models.h"
 #include "trainer/training_client.h"
 #include "trainer/weights.h"
 #include "transport/asio.h"
@@ -26,17 +27,7 @@ namespace asio = boost::asio;
 using namespace std::chrono_literals;
 
 model::ModelConfig Tiny() {
-  model::ModelConfig c;
-  c.vocab_size = 60;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.intermediate_size = 64;
-  c.qk_norm = true;
-  c.max_position_embeddings = 128;
-  return c;
+  return testing::TinyConfig({.vocab = 60});
 }
 
 template <typename Predicate>

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "delta/safetensors.h"
+#include "tests/trainer/tiny_models.h"
 #include "trainer/training_client.h"
 #include "trainer/weights.h"
 
@@ -31,20 +32,8 @@ constexpr int kSteps = 3;
 constexpr int kDatums = 8;
 
 model::ModelConfig Config() {
-  model::ModelConfig c;
-  c.model_type = "qwen3_moe";
-  c.vocab_size = 40;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.intermediate_size = 64;
-  c.qk_norm = true;
-  c.num_experts = 8;  // several experts stay unused on one rank: the has-gradient flags matter
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 16;
-  c.max_position_embeddings = 64;
+  // Several of the 8 experts stay unused on one rank: the has-gradient flags matter.
+  model::ModelConfig c = testing::TinyConfig({.vocab = 40, .experts = 8});
   // The load-balancing loss is a product of batch means, so per-rank (and per-call) values
   // do not add up to the whole batch's, in any framework; leave it out of the equality check.
   c.router_aux_loss_coef = 0;

@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "delta/safetensors.h"
+#include "tests/trainer/tiny_models.h"
 #include "trainer/weights.h"
 
 namespace flywheel::model {
@@ -16,28 +17,11 @@ namespace {
 namespace fs = std::filesystem;
 
 ModelConfig TinyDense() {
-  ModelConfig c;
-  c.model_type = "qwen3";
-  c.vocab_size = 48;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.intermediate_size = 64;
-  c.qk_norm = true;
-  c.max_position_embeddings = 64;
-  return c;
+  return testing::TinyConfig();
 }
 
 ModelConfig TinyMoe() {
-  ModelConfig c = TinyDense();
-  c.model_type = "qwen3_moe";
-  c.num_experts = 6;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 24;
-  c.mlp_only_layers = {0};  // layer 0 dense, layer 1 MoE
-  return c;
+  return testing::TinyConfig({.experts = 6, .moe_intermediate = 24, .mlp_only_layers = {0}});
 }
 
 fs::path TempDir(const std::string& name) {
@@ -105,10 +89,14 @@ TEST(ModelConfigTest, BadValuesNameTheField) {
           R"(,"num_attention_heads":8,"num_experts":4,"num_experts_per_tok":5,"moe_intermediate_size":8})",
       "num_experts_per_tok");
   expect_error("{" + base + R"(,"num_attention_heads":8,"rope_theta":0})", "rope_theta");
-  expect_error("{" + base + R"(,"num_attention_heads":8,"rope_scaling":{"rope_type":"llama3","factor":8.0}})",
-               "rope_scaling");
-  expect_error("{" + base + R"(,"num_attention_heads":8,"use_sliding_window":true})", "use_sliding_window");
-  expect_error("{" + base + R"(,"num_attention_heads":8,"hidden_act":"gelu"})", "hidden_act 'gelu'");
+  expect_error(
+      "{" + base +
+          R"(,"num_attention_heads":8,"rope_scaling":{"rope_type":"llama3","factor":8.0}})",
+      "rope_scaling");
+  expect_error("{" + base + R"(,"num_attention_heads":8,"use_sliding_window":true})",
+               "use_sliding_window");
+  expect_error("{" + base + R"(,"num_attention_heads":8,"hidden_act":"gelu"})",
+               "hidden_act 'gelu'");
   expect_error("[1,2]", "not a JSON object");
   expect_error("{nope", "not valid JSON");
 }

@@ -13,6 +13,7 @@
 #include "delta/hash.h"
 #include "delta/safetensors.h"
 #include "sync/publisher.h"
+#include "tests/trainer/tiny_models.h"
 #include "trainer/weights.h"
 #include "transport/asio.h"
 
@@ -23,23 +24,7 @@ namespace fs = std::filesystem;
 namespace asio = boost::asio;
 
 model::ModelConfig Tiny(bool moe = false) {
-  model::ModelConfig c;
-  c.model_type = moe ? "qwen3_moe" : "qwen3";
-  c.vocab_size = 40;
-  c.hidden_size = 32;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.intermediate_size = 64;
-  c.qk_norm = true;
-  c.max_position_embeddings = 64;
-  if (moe) {
-    c.num_experts = 4;
-    c.num_experts_per_tok = 2;
-    c.moe_intermediate_size = 32;
-  }
-  return c;
+  return testing::TinyConfig({.vocab = 40, .experts = moe ? 4 : 0, .moe_intermediate = 32});
 }
 
 std::unique_ptr<TrainingClient> MakeClient(TrainerOptions options) {
