@@ -48,13 +48,6 @@ double ProcessCpuSeconds() {
   return static_cast<double>(now.tv_sec) + now.tv_nsec * 1e-9;
 }
 
-std::string Fixed(double value, int digits) {
-  if (!std::isfinite(value)) return "-";
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(digits) << value;
-  return out.str();
-}
-
 // Throughput with about three significant digits (peers can be far below 0.1 GB/s).
 std::string Rate(double gbps) {
   if (!std::isfinite(gbps)) return "-";

@@ -71,13 +71,6 @@ int64_t UnixMicrosNow() {
       .count();
 }
 
-std::string Fixed(double value, int digits) {
-  if (!std::isfinite(value)) return "-";
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(digits) << value;
-  return out.str();
-}
-
 // 500000000 -> "500,000,000".
 std::string Grouped(uint64_t value) {
   std::string digits = std::to_string(value);

@@ -16,12 +16,6 @@ constexpr double kPauseTargetMs = 50;
 constexpr double kMirrorTarget = 3.2;    // x bf16 weights, plus the KV cache
 constexpr double kNoMirrorTarget = 1.3;  // without a mirror (not built: fp32 serving)
 
-std::string Fixed(double v, int digits) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, v);
-  return buffer;
-}
-
 }  // namespace
 
 Status RunRolloutReport(const RolloutReportOptions& options, std::ostream& out) {

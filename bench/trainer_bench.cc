@@ -15,12 +15,6 @@ namespace {
 constexpr double kFusedTarget = 1.4;     // fused >= 1.4x custom (issue target)
 constexpr double kLossTolerance = 1e-4;  // fused and custom compute the same PPO loss
 
-std::string Fixed(double v, int digits) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, v);
-  return buffer;
-}
-
 }  // namespace
 
 Status RunTrainerReport(const TrainerReportOptions& options, std::ostream& out) {

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +25,14 @@ struct Table {
   std::vector<std::string> header;
   std::vector<std::vector<std::string>> rows;
 };
+
+// `value` with `digits` decimals ("-" for NaN or infinity).
+inline std::string Fixed(double value, int digits) {
+  if (!std::isfinite(value)) return "-";
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, value);
+  return buffer;
+}
 
 // Display width of UTF-8 text (code points; the tables use no wide characters).
 inline size_t Utf8Width(const std::string& text) {
