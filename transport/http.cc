@@ -17,7 +17,8 @@ namespace http = beast::http;
 namespace {
 
 constexpr uint32_t kHeaderLimit = 8 * 1024;
-// Every route is a GET; a request body is only read so that a POST can be answered 405.
+// GET routes: a request body is only read so that a stray POST can be answered 405. POST
+// routes set their own limit.
 constexpr uint64_t kRequestBodyLimit = 16 * 1024;
 constexpr uint64_t kResponseBodyLimit = 64 * 1024 * 1024;
 
@@ -50,7 +51,16 @@ struct HttpServer::Impl {
   Impl(asio::any_io_executor executor, HttpServerOptions options)
       : executor(executor), acceptor(executor), options(std::move(options)) {}
 
+  struct PostEntry {
+    HttpPostHandler handler;
+    uint64_t body_limit = 0;
+  };
+
   Response Handle(const Request& request);
+  awaitable<Response> HandlePost(const Request& request, const PostEntry& entry);
+  // The body limit for a request whose header has been read, and the largest of all.
+  uint64_t BodyLimit(const Request& request) const;
+  uint64_t MaxBodyLimit() const;
   void StopAll();
 
   asio::any_io_executor executor;
@@ -58,6 +68,7 @@ struct HttpServer::Impl {
   HttpServerOptions options;
   uint16_t port = 0;
   std::map<std::string, RouteEntry, std::less<>> routes;
+  std::map<std::string, PostEntry, std::less<>> post_routes;
   // Counts sessions from accept to the end of their coroutine (for max_connections).
   size_t active_sessions = 0;
   // Streams of the sessions that are running, so that Stop() can close them.
@@ -119,10 +130,23 @@ awaitable<bool> ServeRequests(Impl& impl, Stream& stream) {
   for (;;) {
     http::request_parser<http::string_body> parser;
     parser.header_limit(kHeaderLimit);
-    parser.body_limit(kRequestBodyLimit);
+    // The parser checks Content-Length against this when the header completes, before the
+    // route is known: the largest limit here, the route's own right after the header.
+    parser.body_limit(impl.MaxBodyLimit());
     error_code ec;
     lowest.expires_after(impl.options.timeout);
-    co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+    co_await http::async_read_header(stream, buffer, parser,
+                                     asio::redirect_error(use_awaitable, ec));
+    if (!ec) {
+      const uint64_t limit = impl.BodyLimit(parser.get());
+      if (parser.content_length() && *parser.content_length() > limit) {
+        ec = http::error::body_limit;
+      } else {
+        lowest.expires_after(impl.options.timeout);
+        co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+        if (!ec && parser.get().body().size() > limit) ec = http::error::body_limit;
+      }
+    }
     if (ec == http::error::end_of_stream) co_return true;
     if (ec == http::error::header_limit || ec == http::error::body_limit) {
       Response response =
@@ -144,7 +168,16 @@ awaitable<bool> ServeRequests(Impl& impl, Stream& stream) {
     }
     if (impl.stopped) co_return false;
 
-    Response response = impl.Handle(parser.get());
+    const Request& request = parser.get();
+    const std::string_view target(request.target().data(), request.target().size());
+    const std::string_view path = target.substr(0, target.find('?'));
+    auto post = impl.post_routes.find(path);
+    Response response;
+    if (request.method() == http::verb::post && post != impl.post_routes.end()) {
+      response = co_await impl.HandlePost(request, post->second);
+    } else {
+      response = impl.Handle(request);
+    }
     lowest.expires_after(impl.options.timeout);
     co_await http::async_write(stream, response, asio::redirect_error(use_awaitable, ec));
     if (ec) {
@@ -231,7 +264,10 @@ Response HttpServer::Impl::Handle(const Request& request) {
   const bool is_head = request.method() == http::verb::head;
   Response response;
   auto route = routes.find(path);
-  if (request.method() != http::verb::get && !is_head) {
+  if (route == routes.end() && post_routes.count(path)) {
+    response = MakeTextResponse(http::status::method_not_allowed, "method not allowed\n");
+    response.set(http::field::allow, "POST");
+  } else if (request.method() != http::verb::get && !is_head) {
     response = MakeTextResponse(http::status::method_not_allowed, "method not allowed\n");
     response.set(http::field::allow, "GET, HEAD");
   } else if (route == routes.end()) {
@@ -264,6 +300,53 @@ Response HttpServer::Impl::Handle(const Request& request) {
   response.prepare_payload();
   if (is_head) response.body().clear();  // keeps the Content-Length of the GET
   return response;
+}
+
+uint64_t HttpServer::Impl::BodyLimit(const Request& request) const {
+  const std::string_view target(request.target().data(), request.target().size());
+  auto post = post_routes.find(target.substr(0, target.find('?')));
+  if (request.method() == http::verb::post && post != post_routes.end())
+    return post->second.body_limit;
+  return kRequestBodyLimit;
+}
+
+uint64_t HttpServer::Impl::MaxBodyLimit() const {
+  uint64_t limit = kRequestBodyLimit;
+  for (const auto& [path, entry] : post_routes) limit = std::max(limit, entry.body_limit);
+  return limit;
+}
+
+awaitable<Response> HttpServer::Impl::HandlePost(const Request& request, const PostEntry& entry) {
+  const std::string target(request.target());
+  Response response;
+  if (!options.token.empty() && !TokensEqual(BearerToken(request), options.token)) {
+    response = MakeTextResponse(http::status::unauthorized, "unauthorized\n");
+    response.set(http::field::www_authenticate, "Bearer");
+  } else {
+    HttpResponse result;
+    bool failed = false;
+    try {
+      HttpPostHandler handler = entry.handler;  // the route table may change while this runs
+      // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
+      std::string body = request.body();
+      awaitable<HttpResponse> call = handler(target, std::move(body));
+      result = co_await std::move(call);
+    } catch (const std::exception& e) {
+      spdlog::warn("http: POST handler for {} failed: {}", target, e.what());
+      failed = true;
+    }
+    if (failed || result.status < 100 || result.status > 599) {
+      result = {500, "text/plain; charset=utf-8", "internal error\n"};
+    }
+    response.result(static_cast<unsigned>(result.status));
+    if (!result.content_type.empty()) response.set(http::field::content_type, result.content_type);
+    response.body() = std::move(result.body);
+  }
+  response.version(request.version());
+  response.set(http::field::server, "flywheel");
+  response.keep_alive(request.keep_alive() && !stopped);
+  response.prepare_payload();
+  co_return response;
 }
 
 void HttpServer::Impl::StopAll() {
@@ -323,6 +406,10 @@ void HttpServer::Route(const std::string& path, HttpHandler handler, bool is_pub
   impl_->routes[path] = Impl::RouteEntry{std::move(handler), is_public};
 }
 
+void HttpServer::RoutePost(const std::string& path, HttpPostHandler handler, uint64_t body_limit) {
+  impl_->post_routes[path] = Impl::PostEntry{std::move(handler), body_limit};
+}
+
 uint16_t HttpServer::port() const {
   return impl_->port;
 }
@@ -338,6 +425,9 @@ struct GetContext {
   std::string target;
   const HttpGetOptions& options;
   std::chrono::steady_clock::time_point deadline;
+  http::verb method = http::verb::get;
+  std::string body;
+  std::string content_type;
 };
 
 // Maps a failed step to Unavailable, naming the step ("connect", "TLS handshake", ...).
@@ -349,8 +439,13 @@ Status StepFailed(const std::string& step, const error_code& ec) {
 template <typename Stream>
 awaitable<Result<HttpResponse>> Exchange(GetContext& get, Stream& stream) {
   beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
-  Request request{http::verb::get, get.target, 11};
+  Request request{get.method, get.target, 11};
   request.set(http::field::host, get.endpoint.ToString());
+  if (get.method == http::verb::post) {
+    request.set(http::field::content_type, get.content_type);
+    request.body() = get.body;
+    request.prepare_payload();
+  }
   request.set(http::field::user_agent, "flywheel");
   if (!get.options.token.empty()) {
     request.set(http::field::authorization, "Bearer " + get.options.token);
@@ -424,14 +519,19 @@ awaitable<void> RunGet(GetContext get, std::optional<Result<HttpResponse>>* out)
 
 }  // namespace
 
-Result<HttpResponse> HttpGet(const Endpoint& endpoint, const std::string& target,
-                             const HttpGetOptions& options) {
+namespace {
+
+Result<HttpResponse> Request1(const Endpoint& endpoint, const std::string& target,
+                              const HttpGetOptions& options, http::verb method,
+                              const std::string& body, const std::string& content_type) {
   const std::string url =
       std::string(options.tls ? "https://" : "http://") + endpoint.ToString() + target;
   std::optional<Result<HttpResponse>> result;
   try {
     asio::io_context io_context;
-    GetContext get{endpoint, target, options, std::chrono::steady_clock::now() + options.timeout};
+    GetContext get{
+        endpoint, target, options,     std::chrono::steady_clock::now() + options.timeout,
+        method,   body,   content_type};
     asio::co_spawn(io_context, RunGet(std::move(get), &result), [&](std::exception_ptr error) {
       if (!error) return;
       try {
@@ -447,8 +547,24 @@ Result<HttpResponse> HttpGet(const Endpoint& endpoint, const std::string& target
     result = Status::Unavailable(e.what());
   }
   if (!result) result = Status::Internal("request did not complete");
-  if (!result->ok()) return result->status().WithContext("GET " + url);
+  if (!result->ok()) {
+    return result->status().WithContext(std::string(method == http::verb::post ? "POST " : "GET ") +
+                                        url);
+  }
   return std::move(*result);
+}
+
+}  // namespace
+
+Result<HttpResponse> HttpGet(const Endpoint& endpoint, const std::string& target,
+                             const HttpGetOptions& options) {
+  return Request1(endpoint, target, options, http::verb::get, {}, {});
+}
+
+Result<HttpResponse> HttpPost(const Endpoint& endpoint, const std::string& target,
+                              const std::string& body, const HttpGetOptions& options,
+                              const std::string& content_type) {
+  return Request1(endpoint, target, options, http::verb::post, body, content_type);
 }
 
 }  // namespace flywheel::transport

@@ -5,8 +5,9 @@
 // When a token is configured, every route except the public ones (/healthz) requires
 // "Authorization: Bearer <token>", compared in constant time; a missing or wrong token is
 // answered 401 with "WWW-Authenticate: Bearer". Unknown paths are 404, methods other than
-// GET/HEAD 405. Every read and write has a deadline; request headers are size-limited;
-// the server serves each connection in its own coroutine and closes it after an error.
+// GET/HEAD (or POST on POST routes) 405. Every read and write has a deadline; request headers are
+// size-limited; the server serves each connection in its own coroutine and closes it after an
+// error.
 #pragma once
 
 #include <chrono>
@@ -32,11 +33,17 @@ struct HttpResponse {
 // target (path and query). Called on the server's executor.
 using HttpHandler = std::function<HttpResponse(const std::string& target)>;
 
+// Produces the response to a POST of the route's path from its body. Runs as a coroutine on
+// the server's executor: long work belongs on another thread (see transport::RunOn), so
+// that the server keeps serving while it runs.
+using HttpPostHandler =
+    std::function<awaitable<HttpResponse>(std::string target, std::string body)>;
+
 struct HttpServerOptions {
-  std::string token;                        // empty: no authentication
-  std::shared_ptr<asio::ssl::context> tls;  // null: plain HTTP
+  std::string token;                         // empty: no authentication
+  std::shared_ptr<asio::ssl::context> tls;   // null: plain HTTP
   std::chrono::milliseconds timeout{10000};  // per read/write/handshake
-  size_t max_connections = 256;             // further connections are closed at once
+  size_t max_connections = 256;              // further connections are closed at once
 };
 
 class HttpServer {
@@ -51,6 +58,9 @@ class HttpServer {
   // Adds a route for an exact path. Public routes need no token.
   // REQUIRES: called on the server's executor (or before any request arrives).
   void Route(const std::string& path, HttpHandler handler, bool is_public = false);
+  // Adds a POST route; bodies over `body_limit` bytes are answered 413. A GET of the path is
+  // 405. REQUIRES: as Route().
+  void RoutePost(const std::string& path, HttpPostHandler handler, uint64_t body_limit = 1 << 20);
 
   uint16_t port() const;
   // Stops accepting and closes open connections. Idempotent. Must be called on the
@@ -65,14 +75,18 @@ class HttpServer {
 };
 
 struct HttpGetOptions {
-  std::string token;                              // sent as a bearer token when non-empty
-  std::shared_ptr<asio::ssl::context> tls;        // null: plain HTTP
-  std::chrono::milliseconds timeout{5000};        // for the whole request
+  std::string token;                        // sent as a bearer token when non-empty
+  std::shared_ptr<asio::ssl::context> tls;  // null: plain HTTP
+  std::chrono::milliseconds timeout{5000};  // for the whole request
 };
 
 // GET http(s)://endpoint<target>; blocking, on its own io_context. Any HTTP status is a
 // successful result; connection, TLS or parse failures (and timeouts) are Unavailable.
 Result<HttpResponse> HttpGet(const Endpoint& endpoint, const std::string& target,
                              const HttpGetOptions& options = {});
+// POST `body` (as `content_type`) to http(s)://endpoint<target>; otherwise as HttpGet.
+Result<HttpResponse> HttpPost(const Endpoint& endpoint, const std::string& target,
+                              const std::string& body, const HttpGetOptions& options = {},
+                              const std::string& content_type = "application/json");
 
 }  // namespace flywheel::transport

@@ -44,6 +44,16 @@ class TestServer {
     server_->Route("/bad-status", [](const std::string&) {
       return HttpResponse{1000, "text/plain", ""};
     });
+    // A POST route whose handler suspends (a timer) before answering: the server keeps
+    // serving other requests meanwhile.
+    server_->RoutePost(
+        "/v1/echo",
+        [this](std::string target, std::string body) -> awaitable<HttpResponse> {
+          asio::steady_timer timer(io_context_, milliseconds(20));
+          co_await timer.async_wait(use_awaitable);
+          co_return HttpResponse{200, "application/json", target + " " + body};
+        },
+        /*body_limit=*/64);
     server_->Route(
         "/healthz",
         [](const std::string&) {
@@ -189,6 +199,28 @@ TEST(HttpTest, OtherMethodsAre405) {
   }
 }
 
+TEST(HttpTest, PostRoutesGetTheBodyAndKeepTheirLimits) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  auto echo = HttpPost(server.endpoint(), "/v1/echo?x=1", R"({"a":1})");
+  ASSERT_TRUE(echo.ok()) << echo.status().ToString();
+  EXPECT_EQ(echo->status, 200);
+  EXPECT_EQ(echo->body, R"(/v1/echo?x=1 {"a":1})");
+  // A GET of a POST route is 405 naming POST.
+  RawClient client(server.port());
+  client.Send("GET /v1/echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  std::string response = client.ReadToEnd();
+  EXPECT_EQ(response.rfind("HTTP/1.1 405", 0), 0u) << response;
+  EXPECT_NE(response.find("Allow: POST"), std::string::npos) << response;
+  // The route's own body limit.
+  auto big = HttpPost(server.endpoint(), "/v1/echo", std::string(65, 'x'));
+  ASSERT_TRUE(big.ok()) << big.status().ToString();
+  EXPECT_EQ(big->status, 413);
+  auto health = HttpGet(server.endpoint(), "/healthz");
+  ASSERT_TRUE(health.ok());
+  EXPECT_EQ(health->status, 200);
+}
+
 TEST(HttpTest, HeadSendsHeadersOnly) {
   TestServer server;
   ASSERT_TRUE(server.started());
@@ -251,6 +283,13 @@ TEST(HttpTest, TokenIsRequiredExceptOnPublicRoutes) {
   auto health = HttpGet(server.endpoint(), "/healthz");
   ASSERT_TRUE(health.ok()) << health.status().ToString();
   EXPECT_EQ(health->status, 200);
+
+  auto post_missing = HttpPost(server.endpoint(), "/v1/echo", "{}");
+  ASSERT_TRUE(post_missing.ok());
+  EXPECT_EQ(post_missing->status, 401);
+  auto post_right = HttpPost(server.endpoint(), "/v1/echo", "{}", GetOptions("s3cret-token"));
+  ASSERT_TRUE(post_right.ok());
+  EXPECT_EQ(post_right->status, 200);
 }
 
 TEST(HttpTest, UnauthorizedNamesTheBearerScheme) {
