@@ -58,8 +58,12 @@ Result<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<model::Transforme
   return std::unique_ptr<Engine>(new Engine(std::move(model), options, version));
 }
 
-Result<uint64_t> Engine::Submit(GenerationRequest request) {
+Status Engine::Validate(const GenerationRequest& request) {
   std::lock_guard lock(mutex_);
+  return ValidateLocked(request);
+}
+
+Status Engine::ValidateLocked(const GenerationRequest& request) const {
   const model::ModelConfig& config = model_->config();
   if (request.prompt.empty()) return Status::InvalidArgument("the prompt is empty");
   for (size_t i = 0; i < request.prompt.size(); ++i) {
@@ -81,6 +85,13 @@ Result<uint64_t> Engine::Submit(GenerationRequest request) {
         std::to_string(request.params.max_tokens) + " exceeds the engine's max_sequence " +
         std::to_string(options_.max_sequence));
   }
+  return Status::Ok();
+}
+
+Result<uint64_t> Engine::Submit(GenerationRequest request) {
+  std::lock_guard lock(mutex_);
+  FW_RETURN_IF_ERROR(ValidateLocked(request));
+  const model::ModelConfig& config = model_->config();
   auto sequence = std::make_unique<Sequence>();
   sequence->id = next_id_++;
   sequence->result.id = sequence->id;

@@ -88,8 +88,11 @@ class Engine {
   static Result<std::unique_ptr<Engine>> Create(std::shared_ptr<model::TransformerImpl> model,
                                                 EngineOptions options, uint64_t version);
 
-  // Validates and queues a request; returns its id. Errors name the bad field.
+  // Validates and queues a request; returns its id. Errors name the bad field
+  // (InvalidArgument; NotFound for an unknown adapter).
   Result<uint64_t> Submit(GenerationRequest request);
+  // The checks Submit makes, without queueing.
+  Status Validate(const GenerationRequest& request);
   // One scheduler iteration (admit + prefill, then one batched decode step); returns the
   // requests that finished in it.
   std::vector<GenerationResult> Step();
@@ -136,6 +139,7 @@ class Engine {
   // Samples from `logits` [V] for `sequence`; appends token, logprob, version; returns
   // whether the sequence finished.
   bool Sample(Sequence& sequence, const torch::Tensor& logits);
+  Status ValidateLocked(const GenerationRequest& request) const;  // REQUIRES: mutex_
   void AppendRouting(Sequence& sequence, const std::vector<torch::Tensor>& routing, int64_t row,
                      int64_t tokens);
 
