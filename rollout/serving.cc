@@ -11,12 +11,16 @@ namespace {
 
 using nlohmann::json;
 
+}  // namespace
+
 transport::HttpResponse JsonError(int status, const std::string& message) {
   json body = {{"error",
                 {{"message", message},
                  {"type", status == 404 ? "not_found_error" : "invalid_request_error"}}}};
   return {status, "application/json", body.dump(-1, ' ', false, json::error_handler_t::replace)};
 }
+
+namespace {
 
 int HttpStatusFor(const Status& status) {
   switch (status.code()) {
@@ -254,17 +258,17 @@ transport::HttpResponse CompletionService::Complete(const std::string& body) {
   return {200, "application/json", answer.dump(-1, ' ', false, json::error_handler_t::replace)};
 }
 
+transport::awaitable<transport::HttpResponse> CompletionService::HandleHttp(std::string body) {
+  auto work = [this, body = std::move(body)] { return Complete(body); };
+  std::optional<transport::HttpResponse> answer =
+      co_await transport::RunOn(*http_pool_, std::move(work));
+  if (!answer) co_return JsonError(503, "the rollout worker is stopping");
+  co_return std::move(*answer);
+}
+
 void CompletionService::Register(transport::HttpServer& server) {
-  server.RoutePost(
-      "/v1/completions",
-      [this](std::string, std::string body) -> transport::awaitable<transport::HttpResponse> {
-        // Generation blocks: it waits on a pool thread while the server goes on serving.
-        auto work = [this, body = std::move(body)] { return Complete(body); };
-        std::optional<transport::HttpResponse> answer =
-            co_await transport::RunOn(*http_pool_, std::move(work));
-        if (!answer) co_return JsonError(503, "the rollout worker is stopping");
-        co_return std::move(*answer);
-      });
+  server.RoutePost("/v1/completions",
+                   [this](std::string, std::string body) { return HandleHttp(std::move(body)); });
 }
 
 }  // namespace flywheel::rollout

@@ -34,6 +34,9 @@
 
 namespace flywheel::rollout {
 
+// {"error":{"message","type"}} with `status`, as the completions API answers errors.
+transport::HttpResponse JsonError(int status, const std::string& message);
+
 struct ServingOptions {
   int64_t max_n = 16;
   std::string model_name = "flywheel";
@@ -54,6 +57,8 @@ class CompletionService {
   transport::HttpResponse Complete(const std::string& body);
   // Adds POST /v1/completions to `server` (call on its executor or before it serves).
   void Register(transport::HttpServer& server);
+  // The route's handler: Complete() on a pool thread, so the server goes on serving.
+  transport::awaitable<transport::HttpResponse> HandleHttp(std::string body);
 
   Engine& engine() { return *engine_; }
 

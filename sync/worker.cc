@@ -400,6 +400,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
   Impl* raw = impl.get();
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
                                                     [raw] { return raw->StatusJson(); }));
+  if (options.configure_http) options.configure_http(*impl->http);
   asio::co_spawn(
       executor,
       [impl]() -> awaitable<void> {

@@ -24,6 +24,7 @@
 #include "delta/tensor.h"
 #include "sync/role.h"
 #include "transport/endpoint.h"
+#include "transport/http.h"
 
 namespace flywheel::sync {
 
@@ -49,6 +50,9 @@ struct WorkerOptions {
   // between its decode steps. Readers of the weights wait while it runs: keep it short. Its
   // duration is reported as last_swap_pause_ms in /v1/status.
   std::function<void(const SwapEvent&)> on_swap;
+  // Called once with the worker's HTTP server right after it starts, on the executor's
+  // thread, to add routes (the rollout engine's POST /v1/completions).
+  std::function<void(transport::HttpServer&)> configure_http;
 };
 
 class Worker {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "rollout/worker_engine.h"
 #include "sync/publisher.h"
 #include "sync/relay.h"
 #include "sync/worker.h"
@@ -50,10 +51,16 @@ struct SyncArgs {
   int streams = 4, window = 8;
   std::string export_dir;
   int export_keep = 2;
+  // worker: the rollout engine
+  std::string model;
+  int64_t max_batch = 32, max_sequence = 1024;
+  std::string tokenizer = "byte";
+  std::vector<std::string> adapters;
 };
 
 void AddCommonOptions(CLI::App* app, CommonArgs& args, bool region_required) {
-  auto* region = app->add_option("--region", args.region, "Region this node runs in")->type_name("R");
+  auto* region =
+      app->add_option("--region", args.region, "Region this node runs in")->type_name("R");
   if (region_required) region->required();
   app->add_option("--node-id", args.node_id,
                   "Name in status and fleet views (default: <role>-<region>-<host>-<pid>)")
@@ -112,7 +119,8 @@ Result<sync::CommonOptions> MakeCommon(const CommonArgs& args) {
     std::ifstream in(args.token_file);
     if (!in) return Status::NotFound("cannot read --token-file " + args.token_file);
     std::getline(in, common.token);
-    if (common.token.empty()) return Status::InvalidArgument("--token-file " + args.token_file + " is empty");
+    if (common.token.empty())
+      return Status::InvalidArgument("--token-file " + args.token_file + " is empty");
   }
   common.tls = {args.tls_cert, args.tls_key, args.tls_ca};
   common.ready_file = args.ready_file;
@@ -167,7 +175,8 @@ Status RunPublish(const SyncArgs& args) {
   options.poll = std::chrono::milliseconds(args.poll_ms);
   options.max_staleness = args.max_staleness;
   asio::io_context io(1);
-  Result<std::unique_ptr<sync::Publisher>> publisher = sync::Publisher::Start(io.get_executor(), options);
+  Result<std::unique_ptr<sync::Publisher>> publisher =
+      sync::Publisher::Start(io.get_executor(), options);
   if (!publisher.ok()) return Failed("publish", publisher.status());
   RunUntilSignalled(io, [&] { (*publisher)->Stop(); });
   return Status::Ok();
@@ -197,6 +206,29 @@ Status RunWorker(const SyncArgs& args) {
   options.export_keep = args.export_keep;
   options.streams = args.streams;
   options.window = args.window;
+  std::unique_ptr<rollout::WorkerEngine> engine;
+  if (!args.model.empty()) {
+    rollout::WorkerEngineOptions engine_options;
+    engine_options.model_config = args.model;
+    engine_options.max_batch = args.max_batch;
+    engine_options.max_sequence = args.max_sequence;
+    engine_options.tokenizer = args.tokenizer;
+    for (const std::string& adapter : args.adapters) {
+      const size_t eq = adapter.find('=');
+      if (eq == std::string::npos || eq == 0 || eq + 1 == adapter.size()) {
+        return Failed("worker",
+                      Status::InvalidArgument("--adapter '" + adapter + "' is not NAME=PATH"));
+      }
+      engine_options.adapters.emplace_back(adapter.substr(0, eq), adapter.substr(eq + 1));
+    }
+    Result<std::unique_ptr<rollout::WorkerEngine>> created =
+        rollout::WorkerEngine::Create(engine_options);
+    if (!created.ok()) return Failed("worker", created.status());
+    engine = std::move(*created);
+    rollout::WorkerEngine* raw = engine.get();
+    options.on_swap = [raw](const sync::SwapEvent& event) { raw->OnSwap(event); };
+    options.configure_http = [raw](transport::HttpServer& server) { raw->Register(server); };
+  }
   asio::io_context io(1);
   Result<std::unique_ptr<sync::Worker>> worker = sync::Worker::Start(io.get_executor(), options);
   if (!worker.ok()) return Failed("worker", worker.status());
@@ -234,7 +266,10 @@ void AddSyncCommands(CLI::App& app, Action& action) {
       "model.safetensors.index.json, then an empty COMMIT file written last). A malformed\n"
       "drop is rejected with a logged reason; the last good version stays served.");
   AddCommonOptions(publish, args->common, /*region_required=*/false);
-  publish->get_option("--region")->description("Region of the publisher (default: home); links to\nother regions are the WAN links that --wan-rate shapes");
+  publish->get_option("--region")
+      ->description(
+          "Region of the publisher (default: home); links to\nother regions are the WAN links that "
+          "--wan-rate shapes");
   publish->add_option("--listen", args->listen, "Where relays and workers connect (port 0: any)")
       ->type_name("HOST:PORT")
       ->required();
@@ -248,7 +283,9 @@ void AddSyncCommands(CLI::App& app, Action& action) {
       ->type_name("K")
       ->capture_default_str()
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32));
-  publish->add_option("--retain", args->retain, "Versions kept in the log (plus the latest keyframe's chain)")
+  publish
+      ->add_option("--retain", args->retain,
+                   "Versions kept in the log (plus the latest keyframe's chain)")
       ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32));
@@ -260,8 +297,9 @@ void AddSyncCommands(CLI::App& app, Action& action) {
       ->check(CLI::Range(uint64_t{4}, uint64_t{65536}));
   publish->add_option("--compressor", args->compressor, "Chunk compressor: zstd, lz4 or none")
       ->capture_default_str();
-  publish->add_option("--max-staleness", args->max_staleness,
-                      "Versions a node may lag before its status says stale (0: no bound)")
+  publish
+      ->add_option("--max-staleness", args->max_staleness,
+                   "Versions a node may lag before its status says stale (0: no bound)")
       ->type_name("N")
       ->capture_default_str();
   publish->add_option("--poll-ms", args->poll_ms, "How often the watched directory is scanned")
@@ -298,14 +336,34 @@ void AddSyncCommands(CLI::App& app, Action& action) {
       "after it), verifying every piece and the target hash, and swaps atomically.");
   AddCommonOptions(worker, args->common, /*region_required=*/true);
   AddTransferOptions(worker, *args);
-  worker->add_option("--export-dir", args->export_dir,
-                     "After every swap write the weights to DIR/v<version>.safetensors\n"
-                     "(temporary name, then rename), for an external inference engine")
+  worker
+      ->add_option("--export-dir", args->export_dir,
+                   "After every swap write the weights to DIR/v<version>.safetensors\n"
+                   "(temporary name, then rename), for an external inference engine")
       ->type_name("DIR");
   worker->add_option("--export-keep", args->export_keep, "Exports kept in --export-dir")
       ->type_name("N")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
+  worker
+      ->add_option("--model", args->model,
+                   "Run the rollout engine: the model's config.json (its weights are the served\n"
+                   "versions); serves POST /v1/completions on --http, follows every swap in flight")
+      ->type_name("CONFIG");
+  worker->add_option("--max-batch", args->max_batch, "Engine: requests decoded together")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  worker
+      ->add_option("--max-sequence", args->max_sequence,
+                   "Engine: prompt + generated tokens per request")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1 << 20));
+  worker->add_option("--tokenizer", args->tokenizer, "Engine: byte, or chars:<alphabet>")
+      ->capture_default_str();
+  worker
+      ->add_option("--adapter", args->adapters,
+                   "Engine: a LoRA adapter NAME=PATH (adapters-only safetensors); repeatable")
+      ->type_name("NAME=PATH");
   worker->footer(
       "\nExample:\n"
       "  flywheel worker --region eu --upstream relay-eu:7100 --upstream trainer.example:7000 \\\n"

@@ -1,0 +1,123 @@
+#include "rollout/worker_engine.h"
+
+#include <spdlog/spdlog.h>
+
+#include <mutex>
+
+#include "delta/safetensors.h"
+#include "rollout/engine.h"
+#include "rollout/mirror.h"
+#include "rollout/serving.h"
+#include "rollout/tokenizer.h"
+
+namespace flywheel::rollout {
+
+struct WorkerEngine::Impl {
+  WorkerEngineOptions options;
+  model::ModelConfig config;
+  std::shared_ptr<const Tokenizer> tokenizer;
+  std::shared_ptr<model::TransformerImpl> model;
+  std::mutex mutex;  // guards engine / service creation
+  std::shared_ptr<Engine> engine;
+  std::shared_ptr<CompletionService> service;
+  bool broken = false;  // a version did not fit the model: serve nothing rather than wrong weights
+
+  std::shared_ptr<CompletionService> Service() {
+    std::lock_guard lock(mutex);
+    return broken ? nullptr : service;
+  }
+};
+
+WorkerEngine::WorkerEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+WorkerEngine::~WorkerEngine() = default;
+
+Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  FW_ASSIGN_OR_RETURN(impl->config, model::ModelConfig::Load(options.model_config));
+  if (options.tokenizer == "byte") {
+    impl->tokenizer = std::make_shared<ByteTokenizer>();
+  } else if (options.tokenizer.rfind("chars:", 0) == 0) {
+    FW_ASSIGN_OR_RETURN(auto chars, CharTokenizer::Create(options.tokenizer.substr(6)));
+    impl->tokenizer = std::move(chars);
+  } else {
+    return Status::InvalidArgument("unknown tokenizer '" + options.tokenizer +
+                                   "' (byte, or chars:<alphabet>)");
+  }
+  if (impl->tokenizer->vocab_size() > impl->config.vocab_size) {
+    return Status::InvalidArgument(
+        "the tokenizer has " + std::to_string(impl->tokenizer->vocab_size()) +
+        " ids, more than the model's vocab_size " + std::to_string(impl->config.vocab_size));
+  }
+  EngineOptions engine_options{options.max_batch, options.max_sequence};
+  FW_RETURN_IF_ERROR(engine_options.Validate(impl->config));
+  for (const auto& [name, path] : options.adapters) {
+    if (name.empty() || path.empty()) return Status::InvalidArgument("--adapter wants NAME=PATH");
+  }
+  impl->model = std::make_shared<model::TransformerImpl>(impl->config);
+  return std::unique_ptr<WorkerEngine>(new WorkerEngine(std::move(impl)));
+}
+
+void WorkerEngine::OnSwap(const sync::SwapEvent& event) {
+  Impl& s = *impl_;
+  std::lock_guard lock(s.mutex);
+  if (s.broken) return;
+  if (!s.engine) {
+    Status loaded = LoadMirror(*s.model, *event.weights);
+    if (!loaded.ok()) {
+      spdlog::error("rollout engine: version {} does not fit the model: {}", event.version,
+                    loaded.message());
+      s.broken = true;
+      return;
+    }
+    auto engine =
+        Engine::Create(s.model, {s.options.max_batch, s.options.max_sequence}, event.version);
+    if (!engine.ok()) {
+      spdlog::error("rollout engine: {}", engine.status().message());
+      s.broken = true;
+      return;
+    }
+    s.engine = std::shared_ptr<Engine>(std::move(*engine));
+    for (const auto& [name, path] : s.options.adapters) {
+      auto file = Checkpoint::Open(path);
+      Status added = file.ok() ? s.engine->LoadAdapter(name, file->tensors()) : file.status();
+      if (!added.ok()) spdlog::error("rollout engine: adapter {}: {}", name, added.message());
+    }
+    s.service = std::make_shared<CompletionService>(s.engine, s.tokenizer);
+    spdlog::info("rollout engine: serving version {}", event.version);
+    return;
+  }
+  Status swapped = s.engine->Swap(event.version, [&]() -> Status {
+    if (event.full) return LoadMirror(*s.model, *event.weights);
+    return PatchMirror(*s.model, *event.weights, *event.changes).status();
+  });
+  if (!swapped.ok()) {
+    // The mirror may be half patched: stop answering rather than sample from it.
+    spdlog::error("rollout engine: swap to version {} failed: {}", event.version,
+                  swapped.message());
+    s.broken = true;
+    return;
+  }
+  spdlog::info("rollout engine: version {} in {:.2f} ms", event.version,
+               s.engine->last_swap_pause_ms());
+}
+
+namespace {
+
+transport::awaitable<transport::HttpResponse> Answer(std::shared_ptr<CompletionService> service,
+                                                     std::string body) {
+  if (!service) co_return JsonError(503, "this worker serves no policy version yet");
+  transport::awaitable<transport::HttpResponse> call = service->HandleHttp(std::move(body));
+  co_return co_await std::move(call);
+}
+
+}  // namespace
+
+void WorkerEngine::Register(transport::HttpServer& server) {
+  Impl* impl = impl_.get();
+  server.RoutePost("/v1/completions", [impl](std::string, std::string body) {
+    return Answer(impl->Service(), std::move(body));
+  });
+}
+
+}  // namespace flywheel::rollout

@@ -1,0 +1,45 @@
+// The rollout engine inside `flywheel worker` (torch-free interface for tools/): built from
+// a model config, it takes the worker's first served version as its weights, follows every
+// later swap between two decode steps (WorkerOptions::on_swap), and answers
+// POST /v1/completions on the worker's HTTP server (503 until a version is served).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/status.h"
+#include "sync/worker.h"
+#include "transport/http.h"
+
+namespace flywheel::rollout {
+
+struct WorkerEngineOptions {
+  std::string model_config;  // config.json (or a directory holding one)
+  int64_t max_batch = 32;
+  int64_t max_sequence = 1024;
+  std::string tokenizer = "byte";  // "byte", or "chars:<alphabet>"
+  // LoRA adapters loaded at the first version: (name, adapters-only safetensors file).
+  std::vector<std::pair<std::string, std::string>> adapters;
+};
+
+class WorkerEngine {
+ public:
+  static Result<std::unique_ptr<WorkerEngine>> Create(const WorkerEngineOptions& options);
+  ~WorkerEngine();
+
+  // For WorkerOptions::on_swap (runs under the worker's weights lock).
+  void OnSwap(const sync::SwapEvent& event);
+  // For WorkerOptions::configure_http.
+  void Register(transport::HttpServer& server);
+
+  struct Impl;
+
+ private:
+  explicit WorkerEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flywheel::rollout

@@ -1,0 +1,149 @@
+// `flywheel worker --model` end to end, as real processes on loopback: a publisher takes
+// checkpoint drops of a tiny model, the worker's rollout engine serves POST /v1/completions
+// from the served weights (503 before the first version), and a new version reaches the
+// engine in flight: later answers carry it.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "tests/trainer/tiny_models.h"
+#include "trainer/model.h"
+#include "trainer/weights.h"
+#include "transport/http.h"
+
+extern char** environ;
+
+namespace flywheel::rollout {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+class Process {
+ public:
+  explicit Process(std::vector<std::string> args) {
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (posix_spawn(&pid_, args[0].c_str(), nullptr, nullptr, argv.data(), environ) != 0) pid_ = -1;
+  }
+  ~Process() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGTERM);
+    for (int i = 0; i < 100; ++i) {
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) return;
+      std::this_thread::sleep_for(20ms);
+    }
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  bool started() const { return pid_ > 0; }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+template <typename Predicate>
+bool WaitFor(Predicate predicate, std::chrono::milliseconds limit = 30s) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (predicate()) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return predicate();
+}
+
+json ReadJson(const fs::path& path) {
+  std::ifstream in(path);
+  return json::parse(in, nullptr, false);
+}
+
+transport::Endpoint Parse(const std::string& host_port) {
+  const size_t colon = host_port.rfind(':');
+  return {host_port.substr(0, colon),
+          static_cast<uint16_t>(std::stoi(host_port.substr(colon + 1)))};
+}
+
+void Drop(const fs::path& watch, uint64_t version, model::TransformerImpl& m) {
+  const fs::path dir = watch / std::to_string(version);
+  fs::create_directories(dir);
+  ASSERT_TRUE(model::SaveModel(m, (dir / "model.safetensors").string(), DType::kBF16).ok());
+  std::ofstream(dir / "COMMIT").close();
+}
+
+TEST(WorkerProcessTest, CompletionsFollowTheServedVersion) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("flywheel_worker_engine_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "watch");
+  const model::ModelConfig config = testing::TinyConfig({.vocab = 260});
+  { std::ofstream(dir / "config.json") << config.ToJson().dump(); }
+  const std::string bin = FLYWHEEL_BIN;
+  Process publisher({bin, "publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                     "--state-dir", (dir / "state").string(), "--watch", (dir / "watch").string(),
+                     "--ready-file", (dir / "publisher.ready").string()});
+  ASSERT_TRUE(publisher.started());
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(dir / "publisher.ready"); }));
+  const std::string upstream = ReadJson(dir / "publisher.ready")["listen"];
+  Process worker({bin, "worker", "--region", "home", "--upstream", upstream, "--http",
+                  "127.0.0.1:0", "--model", (dir / "config.json").string(), "--max-sequence", "64",
+                  "--ready-file", (dir / "worker.ready").string()});
+  ASSERT_TRUE(worker.started());
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(dir / "worker.ready"); }));
+  const transport::Endpoint http = Parse(ReadJson(dir / "worker.ready")["http"]);
+  const std::string request = R"({"prompt": "hi", "max_tokens": 4, "temperature": 0})";
+
+  auto early = transport::HttpPost(http, "/v1/completions", request);
+  ASSERT_TRUE(early.ok()) << early.status().ToString();
+  EXPECT_EQ(early->status, 503) << early->body;
+
+  torch::manual_seed(1);
+  model::TransformerImpl m(config);
+  Drop(dir / "watch", 1, m);
+  json answer;
+  ASSERT_TRUE(WaitFor([&] {
+    auto r = transport::HttpPost(http, "/v1/completions", request);
+    if (!r.ok() || r->status != 200) return false;
+    answer = json::parse(r->body, nullptr, false);
+    return true;
+  })) << "the worker never served version 1";
+  EXPECT_EQ(answer["choices"][0]["policy_versions"], json::array({1, 1, 1, 1}));
+  EXPECT_EQ(answer["choices"][0]["token_ids"].size(), 4u);
+
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : m.parameters()) p.add_(0.01);
+  }
+  Drop(dir / "watch", 2, m);
+  ASSERT_TRUE(WaitFor([&] {
+    auto r = transport::HttpPost(http, "/v1/completions", request);
+    if (!r.ok() || r->status != 200) return false;
+    answer = json::parse(r->body, nullptr, false);
+    return answer["choices"][0]["policy_versions"][0] == 2;
+  })) << "version 2 never reached the engine";
+  auto status = transport::HttpGet(http, "/v1/status");
+  ASSERT_TRUE(status.ok());
+  json s = json::parse(status->body, nullptr, false);
+  EXPECT_EQ(s["version"], 2);
+  EXPECT_GE(s["last_swap_pause_ms"].get<double>(), 0.0);
+  // A bad request is a 400 and the worker keeps serving.
+  auto bad = transport::HttpPost(http, "/v1/completions", R"({"prompt": "hi", "top_p": 2})");
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ(bad->status, 400);
+  auto again = transport::HttpPost(http, "/v1/completions", request);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->status, 200);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace flywheel::rollout
