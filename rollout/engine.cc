@@ -339,6 +339,9 @@ Status Engine::LoadAdapter(const std::string& name, const CheckpointView& adapte
   if (config.is_discarded() || !config.contains("r") || !config.contains("lora_alpha")) {
     return Status::InvalidArgument("adapter '" + name + "': malformed adapter config");
   }
+  if (!config["r"].is_number() || !config["lora_alpha"].is_number()) {
+    return Status::InvalidArgument("adapter '" + name + "': r and lora_alpha must be numbers");
+  }
   const double rank = config["r"].get<double>(), alpha = config["lora_alpha"].get<double>();
   if (!(rank > 0) || !(alpha > 0))
     return Status::InvalidArgument("adapter '" + name + "': r and lora_alpha must be > 0");

@@ -485,6 +485,14 @@ Status TrainingClient::SaveState(const std::string& dir) {
   fs::create_directories(temp, ec);
   if (ec)
     return Status::IOError("save_state: cannot create " + temp.string() + ": " + ec.message());
+  // A failed save leaves no half-written directory behind (after the rename it is gone).
+  struct RemoveTemp {
+    fs::path path;
+    ~RemoveTemp() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
+    }
+  } remove_temp{temp};
 
   OwnedCheckpoint weights, moments;
   for (auto& item : model_->named_parameters()) {
@@ -546,19 +554,28 @@ Status TrainingClient::LoadState(const std::string& dir) {
   nlohmann::json state = nlohmann::json::parse(ReadFile(meta_path), nullptr, false);
   if (state.is_discarded() || !state.is_object())
     return Status::Corruption("load_state: " + meta_path.string() + " is not JSON");
-  if (state.value("format", 0) != kStateFormat) {
-    return Status::InvalidArgument("load_state: " + meta_path.string() + " has an unknown format");
-  }
-  if (state.value("config", nlohmann::json()) != options_.config.ToJson()) {
-    return Status::Mismatch("load_state: " + dir + " was saved from a different model config");
-  }
-  const bool saved_lora = state.contains("lora") && !state["lora"].is_null();
-  if (saved_lora != options_.lora.has_value() ||
-      (saved_lora &&
-       (state["lora"].value("rank", 0) != options_.lora->rank ||
-        state["lora"].value("alpha", 0.0) != options_.lora->alpha ||
-        state["lora"].value("targets", std::vector<std::string>{}) != options_.lora->targets))) {
-    return Status::Mismatch("load_state: " + dir + " was saved with different LoRA settings");
+  // Every field is read up front; a field of the wrong type is a corrupt state, not a throw.
+  uint64_t saved_step = 0, saved_version = 0;
+  try {
+    if (state.value("format", 0) != kStateFormat) {
+      return Status::InvalidArgument("load_state: " + meta_path.string() +
+                                     " has an unknown format");
+    }
+    if (state.value("config", nlohmann::json()) != options_.config.ToJson()) {
+      return Status::Mismatch("load_state: " + dir + " was saved from a different model config");
+    }
+    const bool saved_lora = state.contains("lora") && !state["lora"].is_null();
+    if (saved_lora != options_.lora.has_value() ||
+        (saved_lora &&
+         (state["lora"].value("rank", 0) != options_.lora->rank ||
+          state["lora"].value("alpha", 0.0) != options_.lora->alpha ||
+          state["lora"].value("targets", std::vector<std::string>{}) != options_.lora->targets))) {
+      return Status::Mismatch("load_state: " + dir + " was saved with different LoRA settings");
+    }
+    saved_step = state.value("step", uint64_t{0});
+    saved_version = state.value("last_sampler_version", uint64_t{0});
+  } catch (const nlohmann::json::exception& e) {
+    return Status::Corruption("load_state: " + meta_path.string() + ": " + e.what());
   }
   FW_ASSIGN_OR_RETURN(SafetensorsFile weights,
                       SafetensorsFile::Open((root / "weights.safetensors").string()));
@@ -592,8 +609,8 @@ Status TrainingClient::LoadState(const std::string& dir) {
   torch::NoGradGuard no_grad;
   for (auto& [dst, src] : copies) dst.copy_(src);
   for (auto& [name, p] : trainable_) p.mutable_grad() = torch::Tensor();
-  step_ = state.value("step", uint64_t{0});
-  last_version_ = state.value("last_sampler_version", uint64_t{0});
+  step_ = saved_step;
+  last_version_ = saved_version;
   have_pending_ = false;
   pending_norm_ = 0;
   pending_tokens_ = 0;

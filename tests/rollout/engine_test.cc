@@ -369,6 +369,16 @@ TEST(EngineTest, MultiLoraRequestsDoNotLeakIntoEachOther) {
   while (engine->active() + engine->waiting() > 0) engine->Step();
   EXPECT_TRUE(engine->UnloadAdapter("a").ok());
   EXPECT_EQ(engine->adapters(), (std::vector<std::string>{"b"}));
+  // An adapter config with a non-numeric rank is refused, not a crash.
+  OwnedCheckpoint typo = snapshots[1].checkpoint;
+  const std::string bad_config = R"({"r": "four", "lora_alpha": 8})";
+  typo.tensors.back().data.assign(
+      reinterpret_cast<const std::byte*>(bad_config.data()),
+      reinterpret_cast<const std::byte*>(bad_config.data()) + bad_config.size());
+  typo.tensors.back().shape = {static_cast<int64_t>(bad_config.size())};
+  auto typo_status = engine->LoadAdapter("t", typo.view());
+  EXPECT_NE(typo_status.message().find("must be numbers"), std::string::npos)
+      << typo_status.message();
   // A snapshot that is not an adapter is refused.
   auto full = model::SnapshotWeights(*base, DType::kBF16);
   ASSERT_TRUE(full.ok());

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -223,6 +224,12 @@ TEST(TrainingClientTest, SaveAndLoadStateResumesBitExactly) {
   auto other = MakeClient({.config = Tiny(false), .seed = 1});
   EXPECT_EQ(other->LoadState((dir / "ckpt").string()).code(), StatusCode::kMismatch);
   EXPECT_EQ(other->LoadState((dir / "absent").string()).code(), StatusCode::kNotFound);
+  // A state whose trainer.json has a field of the wrong type is corrupt, not a crash.
+  fs::copy(dir / "ckpt", dir / "typo", fs::copy_options::recursive);
+  std::ofstream(dir / "typo" / "trainer.json") << R"({"format": "one", "step": 2})";
+  EXPECT_EQ(b->LoadState((dir / "typo").string()).code(), StatusCode::kCorruption);
+  std::ofstream(dir / "typo" / "trainer.json") << R"({"format": 1, "step": "two"})";
+  EXPECT_NE(b->LoadState((dir / "typo").string()).code(), StatusCode::kOk);
   fs::remove_all(dir);
 }
 
