@@ -112,7 +112,7 @@ void KvCache::MoveSlot(int64_t from, int64_t to) {
 }
 
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
-                                     const torch::Tensor& sin, const CacheSpan* cache,
+                                     const torch::Tensor& sin, const AttentionStep& step,
                                      size_t layer) {
   const int64_t batch = x.size(0), length = x.size(1);
   torch::Tensor q = q_proj_->forward(x).view({batch, length, heads_, head_dim_});
@@ -128,28 +128,18 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   const torch::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);  // [B, 1, T, hd]
   q = q * c + RotateHalf(q) * s;
   k = k * c + RotateHalf(k) * s;
-  torch::Tensor future;
-  if (cache) {
+  if (step.cache) {
     using torch::indexing::Slice;
-    const torch::Tensor& positions = cache->positions;  // [B, T]
-    torch::Tensor rows = (torch::arange(batch, torch::kLong) + cache->first_slot)
-                             .unsqueeze(1)
-                             .expand({batch, length});
-    torch::Tensor& keys = cache->cache->keys[layer];
-    torch::Tensor& values = cache->cache->values[layer];
+    const CacheSpan& cache = *step.cache;
+    torch::Tensor& keys = cache.cache->keys[layer];
+    torch::Tensor& values = cache.cache->values[layer];
     {
       torch::NoGradGuard no_grad;
-      keys.index_put_({rows, Slice(), positions}, k.permute({0, 2, 1, 3}));
-      values.index_put_({rows, Slice(), positions}, v.permute({0, 2, 1, 3}));
+      keys.index_put_({step.rows, Slice(), cache.positions}, k.permute({0, 2, 1, 3}));
+      values.index_put_({step.rows, Slice(), cache.positions}, v.permute({0, 2, 1, 3}));
     }
-    const int64_t span = positions.max().item<int64_t>() + 1;
-    k = keys.narrow(0, cache->first_slot, batch).narrow(2, 0, span);
-    v = values.narrow(0, cache->first_slot, batch).narrow(2, 0, span);
-    // Key j is visible to a query at position p when j <= p.
-    future = torch::arange(span, torch::kLong).view({1, 1, 1, span}) >
-             positions.view({batch, 1, length, 1});
-  } else {
-    future = torch::ones({length, length}, torch::kBool).triu(1);
+    k = keys.narrow(0, cache.first_slot, batch).narrow(2, 0, step.span);
+    v = values.narrow(0, cache.first_slot, batch).narrow(2, 0, step.span);
   }
   if (heads_ != kv_heads_) {
     k = k.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
@@ -157,7 +147,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   }
   torch::Tensor scores =
       torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
-  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  scores = scores.masked_fill(step.future, -std::numeric_limits<float>::infinity());
   torch::Tensor out = torch::matmul(torch::softmax(scores, -1), v);  // [B, H, T, hd]
   return o_proj_->forward(out.transpose(1, 2).reshape({batch, length, heads_ * head_dim_}));
 }
@@ -273,13 +263,27 @@ ForwardResult TransformerImpl::Hidden(const torch::Tensor& tokens,
   torch::Tensor angles = torch::cat({freqs, freqs}, -1);
   torch::Tensor cos = angles.cos(), sin = angles.sin();
 
+  AttentionStep step;
+  if (cache) {
+    step.cache = cache;
+    step.rows = (torch::arange(batch, torch::kLong) + cache->first_slot)
+                    .unsqueeze(1)
+                    .expand({batch, length});
+    step.span = cache->positions.max().item<int64_t>() + 1;
+    // Key j is visible to a query at position p when j <= p.
+    step.future = torch::arange(step.span, torch::kLong).view({1, 1, 1, step.span}) >
+                  cache->positions.view({batch, 1, length, 1});
+  } else {
+    step.future = torch::ones({length, length}, torch::kBool).triu(1);
+  }
+
   torch::Tensor h = torch::embedding(embed_tokens_, tokens);
   ForwardResult result;
   std::vector<torch::Tensor> aux;
   size_t moe_index = 0;
   for (size_t index = 0; index < layers_.size(); ++index) {
     auto& layer = layers_[index];
-    h = h + layer->self_attn->forward(layer->input_layernorm->forward(h), cos, sin, cache, index);
+    h = h + layer->self_attn->forward(layer->input_layernorm->forward(h), cos, sin, step, index);
     torch::Tensor normed = layer->post_attention_layernorm->forward(h);
     if (layer->is_moe()) {
       torch::Tensor layer_replay = moe_index < replay.size() ? replay[moe_index] : torch::Tensor();

@@ -110,13 +110,23 @@ struct CacheSpan {
   torch::Tensor positions;  // [B, T] int64, the same the rotary embedding uses
 };
 
+// What every layer of one forward shares, computed once by TransformerImpl::Hidden: the
+// attention mask ([T, T] causal, or [B, 1, T, span] over cached positions) and, with a
+// cache, the rows written and the cached span attended to.
+struct AttentionStep {
+  torch::Tensor future;  // true where a key is hidden from a query
+  const CacheSpan* cache = nullptr;
+  torch::Tensor rows;  // [B, T] cache slot of every new token
+  int64_t span = 0;    // cached positions [0, span) are attended to
+};
+
 class AttentionImpl : public torch::nn::Module {
  public:
   explicit AttentionImpl(const ModelConfig& config);
   // x [B, T, D]; cos/sin [B, T, head_dim] for the tokens' positions. Causal over T; with
   // `cache`, over the cached positions instead (see KvCache), layer `layer`.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const CacheSpan* cache = nullptr, size_t layer = 0);
+                        const AttentionStep& step, size_t layer = 0);
 
  private:
   int64_t heads_, kv_heads_, head_dim_;
