@@ -32,6 +32,7 @@
 
 #include "bench/checkpoint_gen.h"
 #include "bench/util.h"
+#include "pipeline/process.h"
 #include "delta/delta_file.h"
 #include "delta/hash.h"
 #include "delta/safetensors.h"
@@ -43,6 +44,9 @@ namespace flywheel::bench {
 namespace {
 
 namespace fs = std::filesystem;
+using pipeline::FileTail;
+using pipeline::ProcessGroup;
+using pipeline::ReadWholeFile;
 using Json = nlohmann::ordered_json;
 using SteadyClock = std::chrono::steady_clock;
 constexpr double kNotMeasured = std::numeric_limits<double>::quiet_NaN();
@@ -51,8 +55,6 @@ constexpr const char* kHomeRegion = "home";
 constexpr std::chrono::milliseconds kPollInterval{10};
 // How long a role may take to bind its ports and write its ready file.
 constexpr std::chrono::seconds kReadyTimeout{30};
-// How long the roles get to stop after SIGTERM before they are killed.
-constexpr std::chrono::seconds kStopGrace{5};
 // The targets the run checks and prints PASS/FAIL for.
 constexpr double kTargetSlack = 1.3;             // x (delta bytes / WAN rate + RTT)
 constexpr double kTargetOverheadSeconds = 0.5;   // + this
@@ -112,27 +114,6 @@ double Median(std::vector<double> values) {
   return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
 }
 
-// The last `limit` bytes of a text file, trimmed; "" when it cannot be read.
-std::string FileTail(const std::string& path, size_t limit) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return "";
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  const std::streamoff start = size > static_cast<std::streamoff>(limit) ? size - limit : 0;
-  in.seekg(start);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  return start > 0 ? "..." + text : text;
-}
-
-Result<std::string> ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::IOError("cannot open " + path + ": " + std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) return Status::IOError("cannot read " + path);
-  return text.str();
-}
 
 std::optional<std::string> FindExecutable(const std::string& name) {
   const char* path = std::getenv("PATH");
@@ -392,165 +373,6 @@ Result<int64_t> DropVersion(const StagedVersion& staged, const std::string& watc
 }
 
 // ---- child processes -------------------------------------------------------------------
-
-// Processes started by the benchmark. Each child's stdout and stderr go to
-// <log_dir>/<name>.out and .err; a child also receives SIGTERM when the benchmark dies, so
-// nothing outlives a killed run. The destructor stops and reaps whatever is still running.
-class ProcessGroup {
- public:
-  explicit ProcessGroup(std::string log_dir) : log_dir_(std::move(log_dir)) {}
-  ProcessGroup(const ProcessGroup&) = delete;
-  ProcessGroup& operator=(const ProcessGroup&) = delete;
-  ~ProcessGroup() { (void)StopAll(); }
-
-  // Starts `program args...`; returns its index in this group.
-  Result<size_t> Start(const std::string& name, const std::string& program,
-                       const std::vector<std::string>& args) {
-    Child child;
-    child.name = name;
-    child.command = program;
-    for (const std::string& arg : args) child.command += " " + arg;
-    child.stdout_path = log_dir_ + "/" + name + ".out";
-    child.stderr_path = log_dir_ + "/" + name + ".err";
-    // Everything the child needs is prepared here: between fork and exec it may only make
-    // async-signal-safe calls.
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(program.c_str()));
-    for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    const pid_t pid = ::fork();
-    if (pid < 0) return Status::IOError("cannot start " + name + ": fork: " + std::strerror(errno));
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (::getppid() != parent) ::_exit(127);  // the benchmark died before prctl
-      const int in = ::open("/dev/null", O_RDONLY);
-      const int out = ::open(child.stdout_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      const int err = ::open(child.stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (in < 0 || out < 0 || err < 0) ::_exit(126);
-      ::dup2(in, 0);
-      ::dup2(out, 1);
-      ::dup2(err, 2);
-      ::execv(program.c_str(), argv.data());
-      constexpr char kMessage[] = "exec failed\n";
-      (void)!::write(2, kMessage, sizeof(kMessage) - 1);
-      ::_exit(127);
-    }
-    child.pid = pid;
-    children_.push_back(std::move(child));
-    return children_.size() - 1;
-  }
-
-  const std::string& stdout_path(size_t index) const { return children_[index].stdout_path; }
-
-  // OK while the child runs; else an error naming it, how it ended and its stderr's tail.
-  Status CheckRunning(size_t index) {
-    Child& child = children_[index];
-    if (!child.exited) {
-      int wait_status = 0;
-      const pid_t got = ::waitpid(child.pid, &wait_status, WNOHANG);
-      if (got == 0) return Status::Ok();
-      child.exited = true;
-      child.wait_status = got == child.pid ? wait_status : -1;
-    }
-    return Status::Unavailable(child.name + " (" + child.command + ") " + HowEnded(child) +
-                               "; stderr: " + Tail(child));
-  }
-
-  // CheckRunning for every child.
-  Status CheckAllRunning() {
-    for (size_t i = 0; i < children_.size(); ++i) FW_RETURN_IF_ERROR(CheckRunning(i));
-    return Status::Ok();
-  }
-
-  // Waits up to `timeout` for the child to exit by itself; returns its wait status, or
-  // an error (naming it) on timeout.
-  Result<int> Wait(size_t index, std::chrono::milliseconds timeout) {
-    Child& child = children_[index];
-    const SteadyClock::time_point deadline = SteadyClock::now() + timeout;
-    while (!child.exited) {
-      int wait_status = 0;
-      const pid_t got = ::waitpid(child.pid, &wait_status, WNOHANG);
-      if (got != 0) {
-        child.exited = true;
-        child.wait_status = got == child.pid ? wait_status : -1;
-        break;
-      }
-      if (SteadyClock::now() > deadline) {
-        return Status::Unavailable(child.name + " (" + child.command + ") did not finish within " +
-                                   std::to_string(timeout.count() / 1000) + " s");
-      }
-      std::this_thread::sleep_for(kPollInterval);
-    }
-    return child.wait_status;
-  }
-
-  // SIGTERM to every running child, up to kStopGrace for all of them to exit, then
-  // SIGKILL; reaps all. Returns one line per child that did not stop cleanly.
-  std::vector<std::string> StopAll() {
-    for (const Child& child : children_) {
-      if (!child.exited) ::kill(child.pid, SIGTERM);
-    }
-    const SteadyClock::time_point deadline = SteadyClock::now() + kStopGrace;
-    std::vector<std::string> unclean;
-    for (Child& child : children_) {
-      if (child.exited) continue;
-      int wait_status = 0;
-      pid_t got = 0;
-      while ((got = ::waitpid(child.pid, &wait_status, WNOHANG)) == 0 &&
-             SteadyClock::now() < deadline) {
-        std::this_thread::sleep_for(kPollInterval);
-      }
-      if (got == 0) {
-        ::kill(child.pid, SIGKILL);
-        while ((got = ::waitpid(child.pid, &wait_status, 0)) < 0 && errno == EINTR) {
-        }
-        unclean.push_back(child.name + " did not stop within " +
-                          std::to_string(kStopGrace.count()) + " s of SIGTERM and was killed");
-      } else if (!(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) &&
-                 !(WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGTERM)) {
-        child.wait_status = wait_status;
-        unclean.push_back(child.name + " " + HowEnded(child) +
-                          " after SIGTERM; stderr: " + Tail(child));
-      }
-      child.exited = true;
-      child.wait_status = wait_status;
-    }
-    children_.clear();
-    return unclean;
-  }
-
- private:
-  struct Child {
-    std::string name;
-    std::string command;
-    std::string stdout_path;
-    std::string stderr_path;
-    pid_t pid = -1;
-    bool exited = false;
-    int wait_status = 0;
-  };
-
-  static std::string HowEnded(const Child& child) {
-    if (child.wait_status < 0) return "is gone (not our child any more)";
-    if (WIFEXITED(child.wait_status)) {
-      return "exited with status " + std::to_string(WEXITSTATUS(child.wait_status));
-    }
-    if (WIFSIGNALED(child.wait_status)) {
-      return "was killed by signal " + std::to_string(WTERMSIG(child.wait_status)) + " (" +
-             strsignal(WTERMSIG(child.wait_status)) + ")";
-    }
-    return "ended";
-  }
-
-  static std::string Tail(const Child& child) {
-    const std::string tail = FileTail(child.stderr_path, 600);
-    return tail.empty() ? "(empty, " + child.stderr_path + ")" : tail;
-  }
-
-  std::string log_dir_;
-  std::vector<Child> children_;
-};
 
 // ---- the roles -------------------------------------------------------------------------
 

@@ -43,10 +43,19 @@ Status EngineOptions::Validate(const model::ModelConfig& config) const {
   return Status::Ok();
 }
 
+namespace {
+int64_t UnixMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
 Engine::Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions options,
                uint64_t version)
     : model_(std::move(model)), options_(options), version_(version) {
   cache_ = model_->NewCache(options_.max_batch, options_.max_sequence);
+  serving_since_us_ = UnixMicros();
   multi_lora_ = std::make_shared<model::MultiLora>();
   model_->AttachMultiLora(multi_lora_);
 }
@@ -283,11 +292,17 @@ Status Engine::Swap(uint64_t version, const std::function<Status()>& patch) {
   Status patched = patch();
   if (patched.ok()) {
     version_ = version;
+    serving_since_us_ = UnixMicros();
     swaps_.fetch_add(1);
   }
   last_swap_pause_ms_.store(
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   return patched;
+}
+
+std::pair<uint64_t, int64_t> Engine::serving() {
+  std::lock_guard lock(mutex_);
+  return {version_, serving_since_us_};
 }
 
 void Engine::AssignAdapters(const std::vector<Sequence*>& sequences) {

@@ -118,6 +118,9 @@ class Engine {
   std::vector<std::string> adapters();
   uint64_t swaps() const { return swaps_.load(); }
   uint64_t version() const { return version_; }
+  // The version served and the wall-clock time (unix microseconds) it started being
+  // served; thread-safe (waits for the current step).
+  std::pair<uint64_t, int64_t> serving();
 
   size_t active() const { return active_.size(); }
   size_t waiting() const { return waiting_.size(); }
@@ -153,6 +156,7 @@ class Engine {
   std::atomic<double> last_swap_pause_ms_{0};
   std::atomic<uint64_t> swaps_{0};
   uint64_t version_;
+  int64_t serving_since_us_ = 0;  // GUARDED_BY(mutex_)
   uint64_t next_id_ = 1;
   model::KvCache cache_;
   std::deque<std::unique_ptr<Sequence>> waiting_;

@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "delta/safetensors.h"
+#include "rollout/actor.h"
 #include "rollout/engine.h"
 #include "rollout/mirror.h"
 #include "rollout/serving.h"
@@ -26,6 +27,7 @@ struct WorkerEngine::Impl {
     std::lock_guard lock(mutex);
     return broken ? nullptr : service;
   }
+  std::unique_ptr<Actor> actor;  // last: stops before the service goes
 };
 
 WorkerEngine::WorkerEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -55,6 +57,16 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
     if (name.empty() || path.empty()) return Status::InvalidArgument("--adapter wants NAME=PATH");
   }
   impl->model = std::make_shared<model::TransformerImpl>(impl->config);
+  if (!options.trainer.empty()) {
+    ActorOptions actor;
+    FW_ASSIGN_OR_RETURN(actor.trainer, transport::ParseEndpoint(options.trainer));
+    actor.token = options.trainer_token;
+    actor.worker_id = options.worker_id;
+    actor.max_groups = options.actor_groups;
+    if (actor.worker_id.empty()) return Status::InvalidArgument("the actor needs a worker id");
+    Impl* raw = impl.get();
+    impl->actor = std::make_unique<Actor>(actor, [raw] { return raw->Service(); }, impl->tokenizer);
+  }
   return std::unique_ptr<WorkerEngine>(new WorkerEngine(std::move(impl)));
 }
 

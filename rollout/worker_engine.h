@@ -23,6 +23,11 @@ struct WorkerEngineOptions {
   std::string tokenizer = "byte";  // "byte", or "chars:<alphabet>"
   // LoRA adapters loaded at the first version: (name, adapters-only safetensors file).
   std::vector<std::pair<std::string, std::string>> adapters;
+  // Set: run the pipeline-RL actor (rollout/actor.h) against this trainer HTTP endpoint.
+  std::string trainer;
+  std::string trainer_token;
+  std::string worker_id;
+  int64_t actor_groups = 8;  // groups claimed at once
 };
 
 class WorkerEngine {

@@ -1,5 +1,5 @@
-// `flywheel bench codec` and `flywheel demo`: both run bench::RunCodecBench, the same code
-// as build/bin/codec_bench. `flywheel bench fleet` runs bench::RunFleetBench.
+// `flywheel bench codec|fleet|trainer|rollout|parity`: the benchmark reports (the codec one
+// is also build/bin/codec_bench); `bench pipeline` is registered from cmd_rl.cc.
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
@@ -319,16 +319,6 @@ void AddParityCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
-constexpr const char* kDemoBanner =
-    "flywheel demo\n"
-    "=============\n"
-    "Generates two consecutive RL policy checkpoints (bf16 weights in transformer-like\n"
-    "shapes, one AdamW step apart at small learning rates, as in RL fine-tuning), encodes\n"
-    "the delta between them, applies it back and checks the result bit for bit. The table\n"
-    "compares the delta's size and speed with what one would use instead: zstd of the full\n"
-    "checkpoint, zstd --patch-from and xdelta3, and with the entropy floor (the size an\n"
-    "ideal coder of the changed positions and values, taken as independent, would reach).\n";
-
 }  // namespace
 
 void AddBenchCommands(CLI::App& app, Action& action) {
@@ -393,27 +383,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddRolloutCommand(*bench_app, action);
   AddParityCommand(*bench_app, action);
 
-  auto demo_args = std::make_shared<BenchArgs>();
-  CLI::App* demo = app.add_subcommand(
-      "demo",
-      "Show what flywheel does: delta vs zstd / xdelta3 on generated RL checkpoints.\n"
-      "Runs the codec benchmark with its defaults on two generated consecutive RL\n"
-      "checkpoints and prints the delta's size and speed next to zstd, zstd --patch-from,\n"
-      "xdelta3 and the entropy floor.");
-  demo->add_option("--size-mb", demo_args->size_mb, "Size of one bf16 checkpoint in MiB")
-      ->type_name("N")
-      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 20).description(""))
-      ->capture_default_str();
-  demo->add_option("--markdown", demo_args->options.markdown_out,
-                   "Also write the table as Markdown here")
-      ->type_name("PATH");
-  demo->footer("\nExample:\n  flywheel demo --size-mb 32");
-  demo->callback([demo_args, &action] {
-    action = [demo_args] {
-      std::cout << kDemoBanner << std::endl;
-      return RunBench(*demo_args);
-    };
-  });
+  AddPipelineBenchCommand(*bench_app, action);
 }
 
 }  // namespace flywheel::tools

@@ -2,6 +2,7 @@
 //
 // Each runs until SIGINT or SIGTERM, logging at info level to stderr (-v: debug).
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <csignal>
@@ -56,6 +57,9 @@ struct SyncArgs {
   int64_t max_batch = 32, max_sequence = 1024;
   std::string tokenizer = "byte";
   std::vector<std::string> adapters;
+  // worker: the pipeline-RL actor
+  std::string trainer;
+  int64_t actor_groups = 8;
 };
 
 void AddCommonOptions(CLI::App* app, CommonArgs& args, bool region_required) {
@@ -221,6 +225,14 @@ Status RunWorker(const SyncArgs& args) {
       }
       engine_options.adapters.emplace_back(adapter.substr(0, eq), adapter.substr(eq + 1));
     }
+    if (!args.trainer.empty()) {
+      engine_options.trainer = args.trainer;
+      engine_options.trainer_token = options.common.token;
+      engine_options.worker_id = args.common.node_id.empty()
+                                     ? "worker-" + args.common.region + "-" + std::to_string(::getpid())
+                                     : args.common.node_id;
+      engine_options.actor_groups = args.actor_groups;
+    }
     Result<std::unique_ptr<rollout::WorkerEngine>> created =
         rollout::WorkerEngine::Create(engine_options);
     if (!created.ok()) return Failed("worker", created.status());
@@ -364,6 +376,15 @@ void AddSyncCommands(CLI::App& app, Action& action) {
       ->add_option("--adapter", args->adapters,
                    "Engine: a LoRA adapter NAME=PATH (adapters-only safetensors); repeatable")
       ->type_name("NAME=PATH");
+  worker
+      ->add_option("--trainer", args->trainer,
+                   "Pipeline RL: claim prompts from this trainer (its --http), sample groups,\n"
+                   "score them and stream them back (needs --model)")
+      ->type_name("HOST:PORT")
+      ->needs("--model");
+  worker->add_option("--actor-groups", args->actor_groups, "Pipeline RL: groups claimed at once")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   worker->footer(
       "\nExample:\n"
       "  flywheel worker --region eu --upstream relay-eu:7100 --upstream trainer.example:7000 \\\n"

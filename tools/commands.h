@@ -40,11 +40,15 @@ inline Status Failed(const std::string& what, const Status& status) {
 void AddDeltaCommands(CLI::App& app, Action& action);
 // `checkpoint hash`, `checkpoint info`.
 void AddCheckpointCommands(CLI::App& app, Action& action);
-// `bench codec`, `bench fleet` and `demo`.
+// `bench codec|fleet|trainer|rollout|parity|pipeline`.
 void AddBenchCommands(CLI::App& app, Action& action);
 // `certs`: a test CA and certificates for the TLS flags.
 void AddCertsCommands(CLI::App& app, Action& action);
 // `publish`, `relay`, `worker`: the weight-sync roles.
 void AddSyncCommands(CLI::App& app, Action& action);
+// `demo` and `train`: the pipeline-RL loop.
+void AddRlCommands(CLI::App& app, Action& action);
+// `bench pipeline` (registered by AddBenchCommands).
+void AddPipelineBenchCommand(CLI::App& bench_app, Action& action);
 
 }  // namespace flywheel::tools

@@ -42,7 +42,7 @@ constexpr const char* kFooter =
     "  flywheel delta apply --base step100.safetensors --delta 101.fwd --out step101.safetensors\n"
     "  flywheel delta inspect 101.fwd --json\n"
     "  flywheel checkpoint hash step101.safetensors path/to/sharded_dir\n"
-    "  flywheel demo --size-mb 64\n"
+    "  flywheel demo                      # the pipeline-RL demo\n"
     "\n"
     "Exit status: 0 on success, 1 when the command failed (missing or corrupt input, wrong\n"
     "base, I/O error), 2 when the command line was wrong. A failure prints one line,\n"
@@ -106,6 +106,7 @@ int Run(int argc, char** argv) {
   AddCheckpointCommands(app, action);
   AddBenchCommands(app, action);
   AddSyncCommands(app, action);
+  AddRlCommands(app, action);
   AddCertsCommands(app, action);
   // After the subcommands, which would inherit it otherwise; they have their own.
   app.footer(kFooter);

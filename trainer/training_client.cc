@@ -467,6 +467,10 @@ Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) 
   if (publisher_) {
     auto published = publisher_->Publish(version, view);
     if (!published.ok()) return published.status();
+    for (const sync::ArtifactInfo& info : *published) {
+      (info.kind == sync::ArtifactKind::kDelta ? snapshot.published_delta_bytes
+                                               : snapshot.published_keyframe_bytes) += info.size_bytes;
+    }
   }
   last_version_ = version;
   return snapshot;

@@ -85,6 +85,9 @@ struct SamplerSnapshot {
   uint64_t bytes = 0;        // serving-dtype bytes of the snapshot
   bool adapters_only = false;
   OwnedCheckpoint checkpoint;  // what was hashed and published
+  // With a publisher: the sizes of what it wrote for this version (0 when not written).
+  uint64_t published_delta_bytes = 0;
+  uint64_t published_keyframe_bytes = 0;
 };
 
 struct TrainerOptions {

@@ -1,0 +1,352 @@
+#include "pipeline/coordinator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace flywheel::pipeline {
+namespace {
+
+using nlohmann::json;
+
+json Wait(int retry_ms, const std::string& reason) {
+  return {{"status", "wait"}, {"retry_ms", retry_ms}, {"reason", reason}};
+}
+
+template <class T>
+bool ReadArray(const json& value, std::vector<T>& out) {
+  if (!value.is_array()) return false;
+  out.clear();
+  out.reserve(value.size());
+  for (const json& element : value) {
+    if (!element.is_number()) return false;
+    out.push_back(element.get<T>());
+  }
+  return true;
+}
+
+}  // namespace
+
+uint64_t Group::oldest_version() const {
+  uint64_t oldest = std::numeric_limits<uint64_t>::max();
+  for (const Sample& sample : samples) {
+    for (uint64_t version : sample.versions) oldest = std::min(oldest, version);
+  }
+  return oldest == std::numeric_limits<uint64_t>::max() ? 0 : oldest;
+}
+
+Coordinator::Coordinator(const Task& task, CoordinatorOptions options)
+    : task_(task), options_(std::move(options)), rng_(options_.seed) {
+  std::random_device device;
+  epoch_ = (static_cast<uint64_t>(device()) << 32) ^ device();
+  epoch_ &= 0xffffffffull;  // claim ids stay below 2^53 (exact in any JSON reader)
+}
+
+Problem Coordinator::NextProblem() {
+  if (!requeued_.empty()) {
+    Problem problem = std::move(requeued_.front());
+    requeued_.pop_front();
+    return problem;
+  }
+  return task_.Sample(rng_, /*held_out=*/false);
+}
+
+void Coordinator::ExpireLeases(Clock::time_point now) {
+  for (auto it = leases_.begin(); it != leases_.end();) {
+    if (it->second.expires <= now) {
+      requeued_.push_back(std::move(it->second.problem));
+      ++stats_.leases_expired;
+      it = leases_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+json Coordinator::Claim(const json& request) {
+  std::string worker, incarnation;
+  uint64_t version = 0;
+  int64_t max_groups = 1;
+  int64_t serving_since = 0;
+  try {
+    serving_since = request.value("serving_since_unix_us", int64_t{0});
+    worker = request.at("worker").get<std::string>();
+    incarnation = request.value("incarnation", std::string());
+    version = request.at("version").get<uint64_t>();
+    max_groups = request.value("max_groups", int64_t{1});
+  } catch (const json::exception& error) {
+    return {{"status", "error"}, {"reason", std::string("bad claim request: ") + error.what()}};
+  }
+  if (worker.empty() || max_groups < 1) {
+    return {{"status", "error"}, {"reason", "bad claim request: worker must be named and "
+                                            "max_groups >= 1"}};
+  }
+  std::lock_guard lock(mutex_);
+  if (finished_) return {{"status", "done"}};
+  const Clock::time_point now = Clock::now();
+  // A worker back with a new incarnation restarted: what it held goes back to the pool.
+  auto [known, inserted] = incarnations_.try_emplace(worker, incarnation);
+  if (!inserted && known->second != incarnation) {
+    for (auto it = leases_.begin(); it != leases_.end();) {
+      if (it->second.worker == worker) {
+        requeued_.push_back(std::move(it->second.problem));
+        ++stats_.leases_expired;
+        it = leases_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    known->second = incarnation;
+  }
+  ExpireLeases(now);
+  if (version > 0 && serving_since > 0) {
+    auto [view, fresh] = workers_.try_emplace(worker);
+    if (fresh) view->second.first_version = version;
+    view->second.last_claim = now;
+    for (const auto& [published, at] : published_) {
+      if (published > version) break;
+      if (published > view->second.first_version) view->second.served_since.try_emplace(published, serving_since);
+    }
+  }
+  if (version == 0) return Wait(100, "the worker serves no version yet");
+  const int64_t k = options_.max_staleness;
+  const uint64_t next = version_ + (in_training_ ? 1 : 0);  // the version the next batch trains at
+  if (version > next) {
+    // A worker ahead of the trainer (the trainer restarted from an older state): its samples
+    // would carry versions the trainer never had.
+    return Wait(200, "worker version " + std::to_string(version) + " is ahead of trainer version " +
+                         std::to_string(next));
+  }
+  const int64_t lag = static_cast<int64_t>(next - version);
+  const int64_t outstanding = static_cast<int64_t>(queue_.size() + leases_.size());
+  const int64_t allowed = (k - lag + 1) * options_.groups_per_step - outstanding;
+  if (allowed <= 0) {
+    ++stats_.waits;
+    return Wait(lag > k ? 50 : 20,
+                lag > k ? "worker version " + std::to_string(version) + " is more than " +
+                              std::to_string(k) + " behind trainer version " + std::to_string(next)
+                        : "enough groups are out for the staleness bound");
+  }
+  const int64_t count = std::min(allowed, max_groups);
+  json groups = json::array();
+  for (int64_t i = 0; i < count; ++i) {
+    const uint64_t id = (epoch_ << 20) + next_claim_++;
+    Problem problem = NextProblem();
+    groups.push_back({{"claim", id}, {"prompt", problem.prompt}, {"answer", problem.answer}});
+    leases_[id] = Lease{std::move(problem), worker, incarnation, now + options_.lease};
+    ++stats_.claims;
+  }
+  return {{"status", "ok"},
+          {"trainer_version", next},
+          {"groups", std::move(groups)},
+          {"group_size", options_.group_size},
+          {"temperature", options_.temperature},
+          {"max_tokens", options_.max_tokens}};
+}
+
+Status Coordinator::ParseGroup(const json& samples, std::vector<Sample>& out) const {
+  if (!samples.is_array() || static_cast<int64_t>(samples.size()) != options_.group_size) {
+    return Status::InvalidArgument("samples must be an array of group_size = " +
+                                   std::to_string(options_.group_size) + " samples");
+  }
+  for (size_t i = 0; i < samples.size(); ++i) {
+    const json& s = samples[i];
+    Sample sample;
+    const std::string where = "sample " + std::to_string(i) + ": ";
+    if (!s.is_object() || !ReadArray(s.value("prompt_tokens", json()), sample.prompt_tokens) ||
+        !ReadArray(s.value("tokens", json()), sample.tokens) ||
+        !ReadArray(s.value("logprobs", json()), sample.logprobs) ||
+        !ReadArray(s.value("versions", json()), sample.versions) || !s.contains("reward") ||
+        !s["reward"].is_number()) {
+      return Status::InvalidArgument(where + "needs prompt_tokens, tokens, logprobs, versions "
+                                             "(arrays of numbers) and a numeric reward");
+    }
+    sample.reward = s["reward"].get<double>();
+    if (sample.prompt_tokens.empty() || sample.tokens.empty() ||
+        sample.logprobs.size() != sample.tokens.size() ||
+        sample.versions.size() != sample.tokens.size()) {
+      return Status::InvalidArgument(where + "empty prompt or tokens, or logprobs/versions of "
+                                             "another length than tokens");
+    }
+    for (const auto* ids : {&sample.prompt_tokens, &sample.tokens}) {
+      for (int32_t id : *ids) {
+        if (id < 0 || id >= options_.vocab_size) {
+          return Status::InvalidArgument(where + "token id " + std::to_string(id) +
+                                         " outside the vocabulary");
+        }
+      }
+    }
+    for (float logprob : sample.logprobs) {
+      if (!std::isfinite(logprob) || logprob > 1e-3f) {
+        return Status::InvalidArgument(where + "logprob " + std::to_string(logprob) +
+                                       " is not a finite log probability");
+      }
+    }
+    if (!std::isfinite(sample.reward)) return Status::InvalidArgument(where + "reward is not finite");
+    if (s.contains("routing") && !s["routing"].empty()) {
+      if (!ReadArray(s["routing"], sample.routing) ||
+          !ReadArray(s.value("routing_shape", json()), sample.routing_shape) ||
+          sample.routing_shape.size() != 3) {
+        return Status::InvalidArgument(where + "routing needs routing_shape [rows, layers, top_k]");
+      }
+      const int64_t rows = static_cast<int64_t>(sample.prompt_tokens.size() + sample.tokens.size()) - 1;
+      const auto& shape = sample.routing_shape;
+      if (shape[0] != rows || shape[1] < 1 || shape[2] < 1 ||
+          shape[0] * shape[1] * shape[2] != static_cast<int64_t>(sample.routing.size())) {
+        return Status::InvalidArgument(where + "routing of " + std::to_string(sample.routing.size()) +
+                                       " ids does not match routing_shape and the sequence");
+      }
+    }
+    out.push_back(std::move(sample));
+  }
+  return Status::Ok();
+}
+
+json Coordinator::Submit(const json& request) {
+  uint64_t claim = 0;
+  std::string worker, incarnation;
+  try {
+    claim = request.at("claim").get<uint64_t>();
+    worker = request.at("worker").get<std::string>();
+    incarnation = request.value("incarnation", std::string());
+  } catch (const json::exception& error) {
+    std::lock_guard lock(mutex_);
+    ++stats_.submissions_refused;
+    return {{"accepted", false}, {"reason", std::string("bad submission: ") + error.what()}};
+  }
+  std::vector<Sample> samples;
+  Status parsed = ParseGroup(request.value("samples", json()), samples);
+  std::lock_guard lock(mutex_);
+  auto lease = leases_.find(claim);
+  const auto refuse = [&](const std::string& reason) {
+    ++stats_.submissions_refused;
+    return json{{"accepted", false}, {"reason", reason}};
+  };
+  if (lease == leases_.end()) {
+    return refuse("claim " + std::to_string(claim) +
+                  " is not out (its lease lapsed, it was submitted already, or the trainer "
+                  "restarted); its prompt was handed out again");
+  }
+  if (lease->second.worker != worker || lease->second.incarnation != incarnation) {
+    return refuse("claim " + std::to_string(claim) + " belongs to another worker");
+  }
+  if (!parsed.ok()) {
+    // A malformed group returns its prompt to the pool; the claim is closed.
+    requeued_.push_back(std::move(lease->second.problem));
+    leases_.erase(lease);
+    changed_.notify_all();
+    return refuse("claim " + std::to_string(claim) + ": " + parsed.message());
+  }
+  for (const Sample& sample : samples) {
+    for (uint64_t version : sample.versions) {
+      if (version > version_ + 1) {
+        requeued_.push_back(std::move(lease->second.problem));
+        leases_.erase(lease);
+        return refuse("claim " + std::to_string(claim) + ": token version " +
+                      std::to_string(version) + " is newer than the trainer's " +
+                      std::to_string(version_));
+      }
+    }
+  }
+  Group group;
+  group.claim = claim;
+  group.problem = std::move(lease->second.problem);
+  group.worker = worker;
+  group.samples = std::move(samples);
+  leases_.erase(lease);
+  queue_.push_back(std::move(group));
+  ++stats_.groups_accepted;
+  ++stats_.groups_by_worker[worker];
+  changed_.notify_all();
+  return {{"accepted", true}};
+}
+
+void Coordinator::SetVersion(uint64_t version) {
+  std::lock_guard lock(mutex_);
+  version_ = version;
+  in_training_ = false;
+  changed_.notify_all();
+}
+
+std::vector<Group> Coordinator::TakeBatch(Clock::time_point deadline, bool partial) {
+  std::unique_lock lock(mutex_);
+  const size_t want = static_cast<size_t>(options_.groups_per_step);
+  for (;;) {
+    // Admission: a group too stale for the current version is dropped, its prompt requeued.
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      const uint64_t oldest = it->oldest_version();
+      if (version_ > oldest && version_ - oldest > static_cast<uint64_t>(options_.max_staleness)) {
+        stats_.samples_dropped_stale += it->samples.size();
+        ++stats_.groups_dropped_stale;
+        requeued_.push_back(std::move(it->problem));
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    const bool timed_out = Clock::now() >= deadline;
+    if (queue_.size() >= want || finished_ || (timed_out && partial && !queue_.empty())) break;
+    if (timed_out) return {};
+    ExpireLeases(Clock::now());
+    changed_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(100)));
+  }
+  std::vector<Group> batch;
+  while (!queue_.empty() && batch.size() < want) {
+    batch.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  stats_.groups_trained += batch.size();
+  if (!batch.empty()) in_training_ = true;
+  return batch;
+}
+
+void Coordinator::Finish() {
+  std::lock_guard lock(mutex_);
+  finished_ = true;
+  changed_.notify_all();
+}
+
+void Coordinator::NotePublished(uint64_t version, int64_t unix_us) {
+  std::lock_guard lock(mutex_);
+  published_[version] = unix_us;
+}
+
+std::vector<Coordinator::Synced> Coordinator::TakeSynced() {
+  std::lock_guard lock(mutex_);
+  const Clock::time_point now = Clock::now();
+  std::vector<Synced> out;
+  for (auto it = published_.begin(); it != published_.end();) {
+    const auto [version, at] = *it;
+    int64_t last = at;
+    size_t live = 0;
+    bool complete = true;
+    for (auto& [name, view] : workers_) {
+      if (now - view.last_claim > std::chrono::seconds(5)) continue;
+      ++live;
+      if (version <= view.first_version) continue;
+      auto served = view.served_since.find(version);
+      if (served == view.served_since.end()) {
+        complete = false;
+        break;
+      }
+      last = std::max(last, served->second);
+    }
+    if (!complete || live == 0) break;
+    out.push_back({version, (last - at) / 1000.0, live});
+    for (auto& [name, view] : workers_) view.served_since.erase(version);
+    it = published_.erase(it);
+  }
+  return out;
+}
+
+CoordinatorStats Coordinator::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+size_t Coordinator::queued() const {
+  std::lock_guard lock(mutex_);
+  return queue_.size();
+}
+
+}  // namespace flywheel::pipeline

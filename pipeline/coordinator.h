@@ -1,0 +1,156 @@
+// The trainer's side of the sample stream: hands out prompts to rollout workers, takes their
+// scored groups back, and admits them to training under the staleness bound. Torch-free;
+// the trainer process serves it over HTTP (POST /v1/rollout/claim and /v1/rollout/submit,
+// JSON below) and takes batches from it.
+//
+// Staleness: a group's staleness is the trainer version it is trained at minus the oldest
+// policy version among its tokens; at most max_staleness (k) is admitted. Pacing keeps it
+// there without discarding work: a worker serving version w gets a claim only if the groups
+// already out (claimed or queued) will be consumed early enough, i.e. the claim's group
+// lands in batch i (counting from the next) with V + i - w <= k, where V is the trainer's
+// version. k = 0 is synchronous RL: generate a batch on the current version, train, publish,
+// and only then generate again. A group that is stale anyway (a worker swapped late) is
+// dropped at admission, counted, and its prompt goes back to the pool.
+//
+// Leases: a claim not submitted within the lease goes back to the pool; so do a worker's
+// claims when it comes back with a new incarnation (it restarted). A late or repeated
+// submission of a claim that is no longer out is refused, so nothing is counted twice and
+// no prompt is lost.
+//
+// Claim request  {"worker": id, "incarnation": str, "version": w, "max_groups": n}
+// Claim answer   {"status": "ok", "trainer_version": V, "groups": [{"claim": id, "prompt":
+//                "3142>", "answer": "1234"}], "group_size", "temperature", "max_tokens"}
+//                | {"status": "wait", "retry_ms", "reason"} | {"status": "done"}
+// Submit request {"worker", "incarnation", "claim", "samples": [{"prompt_tokens": [...],
+//                "tokens": [...], "logprobs": [...], "versions": [...], "reward": r,
+//                "routing": [...], "routing_shape": [rows, layers, top_k]}]}  (group_size)
+// Submit answer  {"accepted": true} | {"accepted": false, "reason": "..."}
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "pipeline/task.h"
+
+namespace flywheel::pipeline {
+
+struct Sample {
+  std::vector<int32_t> prompt_tokens;
+  std::vector<int32_t> tokens;     // generated
+  std::vector<float> logprobs;     // per generated token
+  std::vector<uint64_t> versions;  // per generated token
+  std::vector<int32_t> routing;    // rows x layers x top_k, token-major (MoE), else empty
+  std::vector<int64_t> routing_shape;
+  double reward = 0;
+};
+
+struct Group {
+  uint64_t claim = 0;
+  Problem problem;
+  std::string worker;
+  std::vector<Sample> samples;
+  uint64_t oldest_version() const;
+};
+
+struct CoordinatorOptions {
+  int64_t group_size = 8;
+  int64_t groups_per_step = 8;
+  int64_t max_staleness = 2;
+  std::chrono::milliseconds lease{20000};
+  double temperature = 1.0;
+  int64_t max_tokens = 8;
+  int64_t vocab_size = 0;  // bounds submitted token ids
+  uint64_t seed = 1;
+};
+
+struct CoordinatorStats {
+  uint64_t claims = 0;              // groups handed out
+  uint64_t groups_accepted = 0;     // submitted and queued
+  uint64_t groups_trained = 0;      // taken into batches
+  uint64_t samples_dropped_stale = 0;
+  uint64_t groups_dropped_stale = 0;
+  uint64_t leases_expired = 0;      // groups whose claim lapsed (or whose worker restarted)
+  uint64_t submissions_refused = 0;  // late, repeated or malformed submissions
+  uint64_t waits = 0;               // claims answered "wait" (pacing)
+  std::map<std::string, uint64_t> groups_by_worker;  // accepted groups per worker
+};
+
+class Coordinator {
+ public:
+  using Clock = std::chrono::steady_clock;
+  Coordinator(const Task& task, CoordinatorOptions options);
+
+  nlohmann::json Claim(const nlohmann::json& request);
+  nlohmann::json Submit(const nlohmann::json& request);
+
+  // The trainer's version (what it trains on now); claims and admission follow it.
+  void SetVersion(uint64_t version);
+  // Waits until groups_per_step groups are admitted at the current version (dropping stale
+  // ones) and returns them; at `deadline` returns nothing, or with `partial` what there is;
+  // after Finish() returns what there is at once. A returned batch counts as in training
+  // until the next SetVersion.
+  std::vector<Group> TakeBatch(Clock::time_point deadline, bool partial = false);
+  // Claims are answered "done" from now on; TakeBatch returns at once.
+  void Finish();
+  CoordinatorStats stats() const;
+  size_t queued() const;
+
+  // Sync latency, from what the workers say in their claims ("version" and
+  // "serving_since_unix_us", the wall-clock time they began serving it): the trainer
+  // published `version` at `unix_us`...
+  void NotePublished(uint64_t version, int64_t unix_us);
+  // ... and every version that all live workers (those that claimed in the last 5 s) now
+  // serve, once, oldest first, with the time from its publication to the last worker's swap.
+  struct Synced {
+    uint64_t version = 0;
+    double ms = 0;
+    size_t workers = 0;
+  };
+  std::vector<Synced> TakeSynced();
+
+ private:
+  struct Lease {
+    Problem problem;
+    std::string worker;
+    std::string incarnation;
+    Clock::time_point expires;
+  };
+  void ExpireLeases(Clock::time_point now);  // REQUIRES: mutex_
+  Problem NextProblem();                      // REQUIRES: mutex_
+  Status ParseGroup(const nlohmann::json& samples, std::vector<Sample>& out) const;
+
+  const Task& task_;
+  CoordinatorOptions options_;
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::mt19937_64 rng_;
+  uint64_t epoch_;  // random per process: claims of an earlier trainer run never match
+  uint64_t next_claim_ = 1;
+  uint64_t version_ = 0;
+  bool finished_ = false;
+  bool in_training_ = false;  // a batch was taken and its version is not published yet
+  std::deque<Problem> requeued_;
+  std::map<uint64_t, Lease> leases_;
+  std::map<std::string, std::string> incarnations_;  // worker -> latest incarnation
+  struct WorkerView {
+    Clock::time_point last_claim;
+    uint64_t first_version = 0;               // serving when first seen
+    std::map<uint64_t, int64_t> served_since;  // published version -> when it served it
+  };
+  std::map<std::string, WorkerView> workers_;
+  std::map<uint64_t, int64_t> published_;  // version -> unix us, until every worker swapped
+  std::deque<Group> queue_;
+  CoordinatorStats stats_;
+};
+
+}  // namespace flywheel::pipeline

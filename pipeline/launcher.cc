@@ -1,0 +1,247 @@
+#include "pipeline/launcher.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "transport/endpoint.h"
+#include "transport/http.h"
+
+namespace flywheel::pipeline {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+constexpr std::chrono::seconds kReadyTimeout{60};
+
+// A loopback port free right now (bound, read, closed): fixed up front so that a process
+// restarted later comes back at the same address.
+Result<int> FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return Status::IOError("socket() failed");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof address;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    ::close(fd);
+    return Status::IOError("cannot bind a loopback port");
+  }
+  ::close(fd);
+  return static_cast<int>(ntohs(address.sin_port));
+}
+
+Result<json> GetJson(const std::string& endpoint_text, const std::string& token) {
+  FW_ASSIGN_OR_RETURN(transport::Endpoint endpoint, transport::ParseEndpoint(endpoint_text));
+  transport::HttpGetOptions options;
+  options.token = token;
+  options.timeout = std::chrono::milliseconds(3000);
+  FW_ASSIGN_OR_RETURN(transport::HttpResponse response,
+                      transport::HttpGet(endpoint, "/v1/status", options));
+  if (response.status != 200) {
+    return Status::Unavailable("GET http://" + endpoint_text + "/v1/status: HTTP " +
+                               std::to_string(response.status));
+  }
+  json body = json::parse(response.body, nullptr, false);
+  if (!body.is_object()) return Status::Corruption("GET /v1/status: not a JSON object");
+  return body;
+}
+
+}  // namespace
+
+Fleet::Fleet(FleetOptions options)
+    : options_(std::move(options)),
+      state_dir_((fs::path(options_.run_dir) / "state").string()),
+      report_dir_(options_.report_dir.empty() ? (fs::path(options_.run_dir) / "report").string()
+                                              : options_.report_dir),
+      log_dir_((fs::path(options_.run_dir) / "logs").string()),
+      processes_(log_dir_) {}
+
+Fleet::~Fleet() { (void)Stop(); }
+
+Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
+  FW_RETURN_IF_ERROR(options.config.Validate());
+  if (options.token.empty()) {
+    std::random_device device;
+    std::ostringstream token;
+    token << std::hex << device() << device() << device() << device();
+    options.token = token.str();
+  }
+  std::unique_ptr<Fleet> fleet(new Fleet(options));
+  std::error_code ec;
+  for (const std::string& dir : {fleet->state_dir_, fleet->report_dir_, fleet->log_dir_}) {
+    fs::create_directories(dir, ec);
+    if (ec) return Status::IOError("cannot create " + dir + ": " + ec.message());
+  }
+  const fs::path run_dir = options.run_dir;
+  const std::string config_path = (run_dir / "run.toml").string();
+  {
+    std::ofstream out(config_path, std::ios::trunc);
+    out << "# The run's configuration (every key; `flywheel demo --config` takes it back).\n"
+        << options.config.ToToml();
+    if (!out) return Status::IOError("cannot write " + config_path);
+  }
+  const std::string token_file = (run_dir / "token").string();
+  {
+    std::ofstream out(token_file, std::ios::trunc);
+    out << options.token << "\n";
+    ::chmod(token_file.c_str(), 0600);
+  }
+  // The workers' engines run one thread each: the machine's cores are shared by all.
+  ::setenv("OMP_NUM_THREADS", "1", 1);
+
+  const RunConfig& config = options.config;
+  FW_ASSIGN_OR_RETURN(int listen_port, FreePort());
+  FW_ASSIGN_OR_RETURN(int http_port, FreePort());
+  const std::string publisher = "127.0.0.1:" + std::to_string(listen_port);
+  fleet->trainer_http_ = "127.0.0.1:" + std::to_string(http_port);
+  Role trainer;
+  trainer.ready_file = (run_dir / "trainer.ready").string();
+  trainer.args = {"train", "--config", config_path, "--state", fleet->state_dir_, "--report",
+                  fleet->report_dir_, "--listen", publisher, "--http", fleet->trainer_http_,
+                  "--token-file", token_file, "--ready-file", trainer.ready_file};
+  fleet->roles_["trainer"] = trainer;
+  fleet->order_.push_back("trainer");
+  FW_RETURN_IF_ERROR(fleet->Launch("trainer", fleet->roles_["trainer"]));
+  FW_ASSIGN_OR_RETURN(json ready, AwaitReadyFile(fleet->processes_, trainer.ready_file, "trainer",
+                                                 kReadyTimeout));
+  const std::string model_config = ready.value("model_config", "");
+  const std::string tokenizer = ready.value("tokenizer", "");
+
+  for (const std::string& region : config.fleet.regions) {
+    FW_ASSIGN_OR_RETURN(int relay_port, FreePort());
+    const std::string relay_listen = "127.0.0.1:" + std::to_string(relay_port);
+    const std::string name = "relay-" + region;
+    Role relay;
+    relay.ready_file = (run_dir / (name + ".ready")).string();
+    relay.args = {"relay", "--region", region, "--node-id", name, "--listen", relay_listen,
+                  "--http", "127.0.0.1:0", "--upstream", publisher, "--token-file", token_file,
+                  "--ready-file", relay.ready_file};
+    fleet->roles_[name] = relay;
+    fleet->order_.push_back(name);
+    FW_RETURN_IF_ERROR(fleet->Launch(name, fleet->roles_[name]));
+    for (int64_t i = 1; i <= config.fleet.workers_per_region; ++i) {
+      const std::string worker_name = "worker-" + region + "-" + std::to_string(i);
+      Role worker;
+      worker.ready_file = (run_dir / (worker_name + ".ready")).string();
+      worker.args = {"worker", "--region", region, "--node-id", worker_name,
+                     "--upstream", relay_listen, "--upstream", publisher,
+                     "--http", "127.0.0.1:0", "--token-file", token_file,
+                     "--ready-file", worker.ready_file, "--model", model_config,
+                     "--tokenizer", tokenizer, "--trainer", fleet->trainer_http_,
+                     "--max-batch", std::to_string(config.fleet.worker_max_batch),
+                     "--max-sequence", "64",
+                     "--actor-groups",
+                     std::to_string(std::max<int64_t>(1, config.fleet.worker_max_batch /
+                                                             config.algorithm.group_size))};
+      fleet->roles_[worker_name] = worker;
+      fleet->order_.push_back(worker_name);
+      FW_RETURN_IF_ERROR(fleet->Launch(worker_name, fleet->roles_[worker_name]));
+    }
+  }
+  for (const std::string& name : fleet->order_) {
+    Role& role = fleet->roles_[name];
+    FW_ASSIGN_OR_RETURN(json role_ready, AwaitReadyFile(fleet->processes_, role.ready_file, name,
+                                                        kReadyTimeout));
+    role.http = role_ready.value("http", "");
+  }
+  return fleet;
+}
+
+Status Fleet::Launch(const std::string& name, Role& role) {
+  std::error_code ec;
+  fs::remove(role.ready_file, ec);
+  ++role.starts;
+  const std::string log_name = role.starts == 1 ? name : name + ".restart" + std::to_string(role.starts - 1);
+  FW_ASSIGN_OR_RETURN(role.index, processes_.Start(log_name, options_.program, role.args));
+  if (name == "trainer") {
+    echo_index_ = role.index;
+    echoed_ = 0;
+  }
+  return Status::Ok();
+}
+
+std::vector<std::string> Fleet::names() const { return order_; }
+
+Status Fleet::Kill(const std::string& name, int signal) {
+  auto it = roles_.find(name);
+  if (it == roles_.end()) return Status::NotFound("no process named " + name);
+  processes_.Signal(it->second.index, signal);
+  // Reap it, so that Running() is false at once.
+  for (int i = 0; i < 500 && processes_.running(it->second.index); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return Status::Ok();
+}
+
+Status Fleet::Restart(const std::string& name) {
+  auto it = roles_.find(name);
+  if (it == roles_.end()) return Status::NotFound("no process named " + name);
+  if (processes_.running(it->second.index)) return Status::InvalidArgument(name + " still runs; kill it first");
+  FW_RETURN_IF_ERROR(Launch(name, it->second));
+  FW_ASSIGN_OR_RETURN(json ready, AwaitReadyFile(processes_, it->second.ready_file, name, kReadyTimeout));
+  it->second.http = ready.value("http", "");
+  return Status::Ok();
+}
+
+bool Fleet::Running(const std::string& name) {
+  auto it = roles_.find(name);
+  return it != roles_.end() && processes_.running(it->second.index);
+}
+
+Result<json> Fleet::TrainerStatus() {
+  FW_ASSIGN_OR_RETURN(std::string token, ReadWholeFile((fs::path(options_.run_dir) / "token").string()));
+  while (!token.empty() && (token.back() == '\n')) token.pop_back();
+  return GetJson(trainer_http_, token);
+}
+
+Result<json> Fleet::WorkerStatus(const std::string& name) {
+  auto it = roles_.find(name);
+  if (it == roles_.end()) return Status::NotFound("no process named " + name);
+  return GetJson(it->second.http, options_.token);
+}
+
+void Fleet::Echo(std::ostream& out) {
+  if (echo_index_ == SIZE_MAX) return;
+  std::ifstream in(processes_.stdout_path(echo_index_), std::ios::binary);
+  if (!in) return;
+  in.seekg(static_cast<std::streamoff>(echoed_));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t end = text.rfind('\n');
+  if (end == std::string::npos) return;
+  out << text.substr(0, end + 1) << std::flush;
+  echoed_ += end + 1;
+}
+
+Status Fleet::WaitTrainer(std::chrono::milliseconds timeout, std::ostream* out) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const size_t index = roles_["trainer"].index;
+  while (processes_.running(index)) {
+    if (out) Echo(*out);
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Status::Unavailable("the trainer did not finish within " +
+                                 std::to_string(timeout.count() / 1000) + " s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (out) Echo(*out);
+  FW_ASSIGN_OR_RETURN(int wait_status, processes_.Wait(index, std::chrono::milliseconds(0)));
+  if (WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) return Status::Ok();
+  return processes_.CheckRunning(index);
+}
+
+std::vector<std::string> Fleet::Stop() { return processes_.StopAll(); }
+
+}  // namespace flywheel::pipeline

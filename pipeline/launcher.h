@@ -1,0 +1,88 @@
+// Runs a pipeline-RL fleet on one machine as separate processes of the flywheel binary:
+// the trainer (`flywheel train`: trainer + publisher + sample coordinator), one relay per
+// region and the rollout workers (`flywheel worker --model ... --trainer ...`), on loopback
+// ports chosen up front so that a restarted process comes back at the same address. The
+// regions' WAN links are shaped by the publisher (fleet.wan_rate_mbit, wan_latency_ms);
+// workers reach their region's relay and, should it die, the trainer's publisher directly.
+//
+// `flywheel demo` and `flywheel bench pipeline` drive it; the failure tests kill and
+// restart its processes by name ("trainer", "relay-us", "worker-eu-1").
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "pipeline/process.h"
+#include "pipeline/run_config.h"
+
+namespace flywheel::pipeline {
+
+struct FleetOptions {
+  RunConfig config;
+  std::string program;  // the flywheel binary
+  std::string run_dir;  // run.toml, state/, report/, logs/
+  std::string report_dir;  // default: <run_dir>/report
+  std::string token;    // bearer token between the processes (generated when empty)
+};
+
+class Fleet {
+ public:
+  // Starts every process and waits until each has bound its ports.
+  static Result<std::unique_ptr<Fleet>> Start(FleetOptions options);
+  ~Fleet();  // stops whatever still runs
+
+  // Names: "trainer", "relay-<region>", "worker-<region>-<i>" (i from 1).
+  std::vector<std::string> names() const;
+  Status Kill(const std::string& name, int signal);
+  // Starts `name` again with the same command line (the trainer resumes from its state).
+  Status Restart(const std::string& name);
+  bool Running(const std::string& name);
+
+  // GET /v1/status of the trainer's coordinator, or of a worker.
+  Result<nlohmann::json> TrainerStatus();
+  Result<nlohmann::json> WorkerStatus(const std::string& name);
+
+  // Copies the trainer's new stdout lines to `out`.
+  void Echo(std::ostream& out);
+  // Waits up to `timeout` for the trainer to exit by itself (Echoing meanwhile); OK when it
+  // exited with status 0, else an error with its stderr's tail.
+  Status WaitTrainer(std::chrono::milliseconds timeout, std::ostream* out);
+  // Stops every process; returns the lines of those that did not stop cleanly.
+  std::vector<std::string> Stop();
+
+  const std::string& state_dir() const { return state_dir_; }
+  const std::string& report_dir() const { return report_dir_; }
+  const std::string& log_dir() const { return log_dir_; }
+
+ private:
+  struct Role {
+    std::vector<std::string> args;
+    size_t index = 0;  // in processes_
+    int starts = 0;
+    std::string ready_file;
+    std::string http;  // from the ready file
+  };
+  Fleet(FleetOptions options);
+  Status Launch(const std::string& name, Role& role);
+
+  FleetOptions options_;
+  std::string state_dir_, report_dir_, log_dir_;
+  ProcessGroup processes_;
+  std::map<std::string, Role> roles_;
+  std::vector<std::string> order_;
+  std::string trainer_http_;
+  size_t echoed_ = 0;  // bytes of the trainer's current stdout already echoed
+  size_t echo_index_ = SIZE_MAX;
+};
+
+// The report of a finished run in `report_dir` (metrics.csv, summary.json): PNG plots via
+// gnuplot (skipped with a note when it is missing) and the summary table, printed to `out`.
+Status WriteReport(const std::string& report_dir, std::ostream& out);
+
+}  // namespace flywheel::pipeline

@@ -1,0 +1,94 @@
+// The run configuration of a pipeline-RL run: one TOML file, every value defaulted, unknown
+// keys and wrong types are errors that name the key. `flywheel demo` writes the file it
+// runs with into its report directory, so a run can be repeated with `--config`.
+//
+//   [run]        seed, max_steps, time_limit_s, target_accuracy (stop when reached; 0: run
+//                all steps), eval_every, eval_prompts, threads (trainer), state_every
+//   [model]      preset ("tiny", "tiny-moe"), config (a config.json; overrides the preset),
+//                routing_replay (MoE: train on the experts the sampler used)
+//   [task]       name (sort, reverse, add), digits
+//   [algorithm]  name (grpo, dapo, gspo, cispo), group_size, groups_per_step, lr,
+//                temperature, clip_low, clip_high, tis_cap, weight_decay, grad_clip
+//   [sft]        dataset (JSONL, OpenAI chat format), steps, batch_size, lr
+//   [dpo]        dataset (JSONL preference pairs), steps, batch_size, lr, beta
+//   [pipeline]   max_staleness (0: synchronous, generate then train), lease_s
+//   [fleet]      regions, workers_per_region, wan_rate_mbit, wan_latency_ms,
+//                keyframe_every, worker_max_batch
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "base/status.h"
+#include "pipeline/task.h"
+
+namespace flywheel::pipeline {
+
+struct RunConfig {
+  struct Run {
+    int64_t seed = 1;
+    int64_t max_steps = 400;
+    double time_limit_s = 600;
+    double target_accuracy = 0.8;
+    int64_t eval_every = 5;
+    int64_t eval_prompts = 256;
+    int64_t threads = 1;
+    int64_t state_every = 1;
+  } run;
+  struct Model {
+    std::string preset = "tiny";
+    std::string config;
+    bool routing_replay = true;
+  } model;
+  TaskConfig task;
+  struct Algorithm {
+    std::string name = "grpo";
+    int64_t group_size = 8;
+    int64_t groups_per_step = 8;
+    double lr = 3e-4;
+    double temperature = 1.0;
+    double clip_low = 0.2;
+    double clip_high = 0.2;  // dapo: 0.28 unless set
+    double tis_cap = 2.0;
+    double weight_decay = 0.0;
+    double grad_clip = 1.0;
+  } algorithm;
+  struct Sft {
+    std::string dataset;
+    int64_t steps = 0;
+    int64_t batch_size = 32;
+    double lr = 1e-3;
+  } sft;
+  struct Dpo {
+    std::string dataset;
+    int64_t steps = 0;
+    int64_t batch_size = 16;
+    double lr = 1e-4;
+    double beta = 0.1;
+  } dpo;
+  struct Pipeline {
+    int64_t max_staleness = 2;
+    double lease_s = 20;
+  } pipeline;
+  struct Fleet {
+    std::vector<std::string> regions = {"us", "eu"};
+    int64_t workers_per_region = 2;
+    double wan_rate_mbit = 100;
+    double wan_latency_ms = 20;
+    int64_t keyframe_every = 20;
+    int64_t worker_max_batch = 64;
+  } fleet;
+
+  // Range checks; messages name the key ("algorithm.group_size = 1: ...").
+  Status Validate() const;
+  // Parses TOML text (`source` names it in errors); validates.
+  static Result<RunConfig> FromToml(const std::string& text, const std::string& source);
+  static Result<RunConfig> Load(const std::string& path);
+  // Every key with its value, in the sections above (parses back to the same config).
+  std::string ToToml() const;
+  // Overrides one key from "section.key=value" (the CLI's --set).
+  Status Set(const std::string& assignment);
+};
+
+}  // namespace flywheel::pipeline

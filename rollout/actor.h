@@ -1,0 +1,63 @@
+// The rollout worker's side of the pipeline-RL loop (pipeline/coordinator.h has the
+// protocol): a thread that claims prompts from the trainer, samples a group per prompt with
+// the worker's engine (whatever version it serves; a swap mid-group tags the tokens it
+// affects), scores every sample with the task's verifiable reward (exact match) and submits
+// the group with its tokens, sampling logprobs, per-token versions and MoE routing.
+//
+// The trainer may be away (restarting): the actor retries every half second and goes on
+// when it answers. A restarted worker comes back with a new incarnation, so the trainer
+// hands its old claims to others.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "transport/endpoint.h"
+
+namespace flywheel::rollout {
+
+class CompletionService;
+class Tokenizer;
+
+struct ActorOptions {
+  transport::Endpoint trainer;  // the trainer's HTTP endpoint
+  std::string token;            // bearer token for it
+  std::string worker_id;
+  int64_t max_groups = 8;  // groups claimed at once
+};
+
+struct ActorStats {
+  std::atomic<uint64_t> groups_submitted{0};
+  std::atomic<uint64_t> groups_refused{0};
+  std::atomic<uint64_t> samples{0};
+  std::atomic<uint64_t> trainer_unreachable{0};
+};
+
+class Actor {
+ public:
+  // `service` returns the worker's completion service, or null before it serves a version.
+  Actor(ActorOptions options, std::function<std::shared_ptr<CompletionService>()> service,
+        std::shared_ptr<const Tokenizer> tokenizer);
+  ~Actor();  // stops the thread
+
+  const ActorStats& stats() const { return stats_; }
+
+ private:
+  void Run();
+  // One claim and its groups; returns how long to wait before the next claim.
+  std::chrono::milliseconds Round(CompletionService& service);
+
+  ActorOptions options_;
+  std::function<std::shared_ptr<CompletionService>()> service_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  std::string incarnation_;
+  ActorStats stats_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace flywheel::rollout

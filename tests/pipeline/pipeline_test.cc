@@ -1,0 +1,288 @@
+// The pipeline loop's torch-free parts: run configuration, tasks, the sample coordinator.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+
+#include "pipeline/coordinator.h"
+#include "pipeline/run_config.h"
+#include "pipeline/task.h"
+
+namespace flywheel::pipeline {
+namespace {
+
+using nlohmann::json;
+
+TEST(RunConfigTest, DefaultsRoundTripThroughToml) {
+  RunConfig config;
+  config.algorithm.lr = 1.5e-5;
+  config.fleet.regions = {"a", "b", "c"};
+  config.model.routing_replay = false;
+  auto parsed = RunConfig::FromToml(config.ToToml(), "round-trip");
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->ToToml(), config.ToToml());
+  EXPECT_EQ(parsed->fleet.regions, config.fleet.regions);
+  EXPECT_DOUBLE_EQ(parsed->algorithm.lr, 1.5e-5);
+  EXPECT_FALSE(parsed->model.routing_replay);
+}
+
+TEST(RunConfigTest, EmptyFileIsAllDefaults) {
+  auto parsed = RunConfig::FromToml("", "empty");
+  ASSERT_TRUE(parsed.ok());
+  EXPECT_EQ(parsed->ToToml(), RunConfig().ToToml());
+}
+
+TEST(RunConfigTest, ErrorsNameTheKey) {
+  auto unknown = RunConfig::FromToml("[algorithm]\nlearning_rate = 1e-4\n", "run.toml");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("unknown key algorithm.learning_rate"), std::string::npos)
+      << unknown.status().message();
+  auto section = RunConfig::FromToml("[optimizer]\nlr = 1\n", "run.toml");
+  ASSERT_FALSE(section.ok());
+  EXPECT_NE(section.status().message().find("unknown section [optimizer]"), std::string::npos);
+  auto type = RunConfig::FromToml("[algorithm]\ngroup_size = \"eight\"\n", "run.toml");
+  ASSERT_FALSE(type.ok());
+  EXPECT_NE(type.status().message().find("algorithm.group_size must be an integer"), std::string::npos);
+  auto range = RunConfig::FromToml("[algorithm]\ngroup_size = 1\n", "run.toml");
+  ASSERT_FALSE(range.ok());
+  EXPECT_NE(range.status().message().find("algorithm.group_size = 1"), std::string::npos);
+  auto syntax = RunConfig::FromToml("[algorithm\n", "run.toml");
+  ASSERT_FALSE(syntax.ok());
+  EXPECT_NE(syntax.status().message().find("run.toml:1"), std::string::npos) << syntax.status().message();
+  auto algorithm = RunConfig::FromToml("[algorithm]\nname = \"reinforce\"\n", "run.toml");
+  ASSERT_FALSE(algorithm.ok());
+  EXPECT_NE(algorithm.status().message().find("algorithm.name"), std::string::npos);
+  auto regions = RunConfig::FromToml("[fleet]\nregions = [\"us\", \"us\"]\n", "run.toml");
+  EXPECT_FALSE(regions.ok());
+}
+
+TEST(RunConfigTest, DapoDefaultsToClipHigher) {
+  auto dapo = RunConfig::FromToml("[algorithm]\nname = \"dapo\"\n", "run.toml");
+  ASSERT_TRUE(dapo.ok());
+  EXPECT_DOUBLE_EQ(dapo->algorithm.clip_high, 0.28);
+  auto explicit_clip = RunConfig::FromToml("[algorithm]\nname = \"dapo\"\nclip_high = 0.3\n", "r");
+  ASSERT_TRUE(explicit_clip.ok());
+  EXPECT_DOUBLE_EQ(explicit_clip->algorithm.clip_high, 0.3);
+}
+
+TEST(RunConfigTest, SetOverridesOneKey) {
+  RunConfig config;
+  ASSERT_TRUE(config.Set("algorithm.lr=2e-4").ok());
+  EXPECT_DOUBLE_EQ(config.algorithm.lr, 2e-4);
+  ASSERT_TRUE(config.Set("task.name=reverse").ok());  // bare words are strings
+  EXPECT_EQ(config.task.name, "reverse");
+  ASSERT_TRUE(config.Set("fleet.regions=[\"x\"]").ok());
+  EXPECT_EQ(config.fleet.regions, std::vector<std::string>{"x"});
+  const RunConfig before = config;
+  EXPECT_FALSE(config.Set("algorithm.group_size=0").ok());
+  EXPECT_FALSE(config.Set("nodot=1").ok());
+  EXPECT_FALSE(config.Set("algorithm.nope=1").ok());
+  EXPECT_EQ(config.ToToml(), before.ToToml());  // a refused --set changes nothing
+}
+
+TEST(TaskTest, AnswersAreRightAndHeldOutIsDisjoint) {
+  for (const char* name : {"sort", "reverse", "add"}) {
+    auto task = Task::Create({name, 3});
+    ASSERT_TRUE(task.ok()) << name;
+    std::mt19937_64 rng(7);
+    for (int i = 0; i < 200; ++i) {
+      const Problem p = (*task)->Sample(rng, false);
+      EXPECT_FALSE(Task::IsHeldOut(p.prompt));
+      EXPECT_LE(static_cast<int>(p.answer.size()), (*task)->max_answer_chars());
+      const std::string digits = p.prompt.substr(0, p.prompt.size() - 1);
+      if (std::string(name) == "sort") {
+        std::string sorted = digits;
+        std::sort(sorted.begin(), sorted.end());
+        EXPECT_EQ(p.answer, sorted);
+      } else if (std::string(name) == "reverse") {
+        EXPECT_EQ(p.answer, std::string(digits.rbegin(), digits.rend()));
+      } else {
+        const size_t plus = digits.find('+');
+        EXPECT_EQ(std::stoi(p.answer), std::stoi(digits.substr(0, plus)) + std::stoi(digits.substr(plus + 1)));
+      }
+    }
+    const auto held_out = (*task)->HeldOut(50, 1);
+    EXPECT_EQ(held_out.size(), 50u);
+    std::set<std::string> prompts;
+    for (const auto& p : held_out) {
+      EXPECT_TRUE(Task::IsHeldOut(p.prompt));
+      prompts.insert(p.prompt);
+    }
+    EXPECT_EQ(prompts.size(), 50u);  // distinct
+  }
+  EXPECT_FALSE(Task::Create({"sort", 0}).ok());
+  EXPECT_FALSE(Task::Create({"multiply", 3}).ok());
+  EXPECT_EQ(Task::Reward("123", "123"), 1.0);
+  EXPECT_EQ(Task::Reward("1234", "123"), 0.0);
+}
+
+// A coordinator over the sort task with small groups.
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  CoordinatorTest() : task_(std::move(Task::Create({"sort", 3}).value())) {}
+
+  std::unique_ptr<Coordinator> Make(int64_t k, int64_t groups_per_step = 2,
+                                    std::chrono::milliseconds lease = std::chrono::seconds(20)) {
+    CoordinatorOptions options;
+    options.group_size = 2;
+    options.groups_per_step = groups_per_step;
+    options.max_staleness = k;
+    options.lease = lease;
+    options.vocab_size = 15;
+    auto c = std::make_unique<Coordinator>(*task_, options);
+    c->SetVersion(1);
+    return c;
+  }
+
+  static json Claim(Coordinator& c, const std::string& worker, uint64_t version, int64_t max,
+                    const std::string& incarnation = "a") {
+    return c.Claim({{"worker", worker}, {"incarnation", incarnation}, {"version", version},
+                    {"max_groups", max}, {"serving_since_unix_us", 1000}});
+  }
+  static json Sample(uint64_t version, double reward = 1) {
+    return {{"prompt_tokens", {13, 1, 2, 3, 12}}, {"tokens", {1, 2, 3, 14}},
+            {"logprobs", {-0.1, -0.2, -0.3, -0.4}}, {"versions", {version, version, version, version}},
+            {"reward", reward}};
+  }
+  static json Submit(Coordinator& c, const std::string& worker, uint64_t claim, uint64_t version,
+                     const std::string& incarnation = "a") {
+    return c.Submit({{"worker", worker}, {"incarnation", incarnation}, {"claim", claim},
+                     {"samples", {Sample(version), Sample(version, 0)}}});
+  }
+  static auto Soon() { return Coordinator::Clock::now() + std::chrono::milliseconds(200); }
+
+  std::unique_ptr<Task> task_;
+};
+
+TEST_F(CoordinatorTest, ClaimSubmitTake) {
+  auto c = Make(/*k=*/1);
+  json claim = Claim(*c, "w1", 1, 2);
+  ASSERT_EQ(claim["status"], "ok") << claim.dump();
+  ASSERT_EQ(claim["groups"].size(), 2u);
+  EXPECT_EQ(claim["group_size"], 2);
+  for (const json& g : claim["groups"]) {
+    EXPECT_FALSE(Task::IsHeldOut(g["prompt"].get<std::string>()));
+    EXPECT_TRUE(Submit(*c, "w1", g["claim"], 1)["accepted"].get<bool>());
+  }
+  const auto batch = c->TakeBatch(Soon());
+  ASSERT_EQ(batch.size(), 2u);
+  EXPECT_EQ(batch[0].samples.size(), 2u);
+  EXPECT_EQ(batch[0].worker, "w1");
+  EXPECT_EQ(c->stats().groups_trained, 2u);
+  EXPECT_EQ(c->stats().groups_by_worker.at("w1"), 2u);
+}
+
+TEST_F(CoordinatorTest, SynchronousModeWaitsForTheNextVersion) {
+  auto c = Make(/*k=*/0);
+  json first = Claim(*c, "w1", 1, 8);
+  ASSERT_EQ(first["groups"].size(), 2u);  // exactly one batch
+  EXPECT_EQ(Claim(*c, "w2", 1, 8)["status"], "wait");
+  for (const json& g : first["groups"]) Submit(*c, "w1", g["claim"], 1);
+  ASSERT_EQ(c->TakeBatch(Soon()).size(), 2u);
+  // Training: version 1 samples would be stale for the batch at version 2.
+  EXPECT_EQ(Claim(*c, "w1", 1, 8)["status"], "wait");
+  c->SetVersion(2);
+  EXPECT_EQ(Claim(*c, "w1", 1, 8)["status"], "wait");  // the worker has not swapped yet
+  EXPECT_EQ(Claim(*c, "w1", 2, 8)["groups"].size(), 2u);
+}
+
+TEST_F(CoordinatorTest, PacingKeepsStalenessBounded) {
+  auto c = Make(/*k=*/2);
+  // At version 1 three batches may be out: they train at versions 1, 2 and 3.
+  EXPECT_EQ(Claim(*c, "w1", 1, 100)["groups"].size(), 6u);
+  EXPECT_EQ(Claim(*c, "w2", 1, 100)["status"], "wait");
+  // A worker two versions behind gets nothing.
+  c->SetVersion(3);
+  EXPECT_EQ(Claim(*c, "w3", 1, 100)["status"], "wait");
+  // A worker claiming ahead of the trainer (after a trainer restart) waits too.
+  EXPECT_EQ(Claim(*c, "w3", 9, 100)["status"], "wait");
+}
+
+TEST_F(CoordinatorTest, StaleGroupsAreDroppedAndTheirPromptsRequeued) {
+  auto c = Make(/*k=*/1, /*groups_per_step=*/1);
+  json claim = Claim(*c, "w1", 1, 1);
+  const std::string prompt = claim["groups"][0]["prompt"];
+  c->SetVersion(3);  // the trainer moved on meanwhile (other workers)
+  ASSERT_TRUE(Submit(*c, "w1", claim["groups"][0]["claim"], 1)["accepted"].get<bool>());
+  EXPECT_TRUE(c->TakeBatch(Soon()).empty());
+  EXPECT_EQ(c->stats().samples_dropped_stale, 2u);
+  EXPECT_EQ(c->stats().groups_dropped_stale, 1u);
+  // The prompt comes back first.
+  json again = Claim(*c, "w1", 3, 1);
+  EXPECT_EQ(again["groups"][0]["prompt"], prompt);
+}
+
+TEST_F(CoordinatorTest, LapsedLeaseRequeuesAndRefusesTheLateSubmission) {
+  auto c = Make(/*k=*/1, 1, std::chrono::milliseconds(50));
+  json claim = Claim(*c, "w1", 1, 1);
+  const uint64_t id = claim["groups"][0]["claim"];
+  const std::string prompt = claim["groups"][0]["prompt"];
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  json other = Claim(*c, "w2", 1, 1);  // expires w1's lease, hands its prompt out again
+  EXPECT_EQ(other["groups"][0]["prompt"], prompt);
+  EXPECT_EQ(c->stats().leases_expired, 1u);
+  json late = Submit(*c, "w1", id, 1);
+  EXPECT_FALSE(late["accepted"].get<bool>());
+  EXPECT_NE(late["reason"].get<std::string>().find("not out"), std::string::npos);
+  // Submitting twice counts once.
+  const uint64_t id2 = other["groups"][0]["claim"];
+  EXPECT_TRUE(Submit(*c, "w2", id2, 1)["accepted"].get<bool>());
+  EXPECT_FALSE(Submit(*c, "w2", id2, 1)["accepted"].get<bool>());
+  EXPECT_EQ(c->stats().groups_accepted, 1u);
+  EXPECT_EQ(c->stats().submissions_refused, 2u);
+}
+
+TEST_F(CoordinatorTest, RestartedWorkerReleasesItsClaims) {
+  auto c = Make(/*k=*/1, 2);
+  json claim = Claim(*c, "w1", 1, 2, "first");
+  ASSERT_EQ(claim["groups"].size(), 2u);
+  json after = Claim(*c, "w1", 1, 4, "second");  // same worker, new incarnation
+  EXPECT_EQ(c->stats().leases_expired, 2u);
+  ASSERT_EQ(after["groups"].size(), 4u);
+  EXPECT_EQ(after["groups"][0]["prompt"], claim["groups"][0]["prompt"]);
+  // The old incarnation's submission is refused.
+  EXPECT_FALSE(Submit(*c, "w1", claim["groups"][0]["claim"], 1, "first")["accepted"].get<bool>());
+}
+
+TEST_F(CoordinatorTest, MalformedSubmissionsAreRefusedAndThePromptReturns) {
+  auto c = Make(/*k=*/1, 1);
+  json claim = Claim(*c, "w1", 1, 1);
+  const uint64_t id = claim["groups"][0]["claim"];
+  json bad_token = {{"worker", "w1"}, {"incarnation", "a"}, {"claim", id},
+                    {"samples", {Sample(1), Sample(1)}}};
+  bad_token["samples"][1]["tokens"] = {1, 99, 3, 14};  // outside the vocabulary
+  json answer = c->Submit(bad_token);
+  EXPECT_FALSE(answer["accepted"].get<bool>());
+  EXPECT_NE(answer["reason"].get<std::string>().find("outside the vocabulary"), std::string::npos);
+  EXPECT_EQ(Claim(*c, "w1", 1, 1)["groups"][0]["prompt"], claim["groups"][0]["prompt"]);
+  for (json broken : {json{{"claim", "x"}}, json::array(), json{{"worker", "w1"}, {"claim", 1}}}) {
+    EXPECT_FALSE(c->Submit(broken)["accepted"].get<bool>()) << broken.dump();
+  }
+  EXPECT_EQ(c->Claim(json::array())["status"], "error");
+  EXPECT_EQ(c->Claim({{"worker", ""}, {"version", 1}})["status"], "error");
+}
+
+TEST_F(CoordinatorTest, SyncLatencyFromTheWorkersClaims) {
+  auto c = Make(/*k=*/1);
+  auto claim = [&](const std::string& w, uint64_t v, int64_t since) {
+    return c->Claim({{"worker", w}, {"incarnation", "a"}, {"version", v}, {"max_groups", 1},
+                     {"serving_since_unix_us", since}});
+  };
+  claim("w1", 1, 1'000);
+  claim("w2", 1, 1'000);
+  c->NotePublished(2, 10'000);
+  EXPECT_TRUE(c->TakeSynced().empty());
+  claim("w1", 2, 30'000);
+  EXPECT_TRUE(c->TakeSynced().empty());  // w2 still serves 1
+  claim("w2", 2, 50'000);
+  auto synced = c->TakeSynced();
+  ASSERT_EQ(synced.size(), 1u);
+  EXPECT_EQ(synced[0].version, 2u);
+  EXPECT_DOUBLE_EQ(synced[0].ms, 40.0);  // the last worker's swap, 40 ms after publishing
+  EXPECT_EQ(synced[0].workers, 2u);
+  EXPECT_TRUE(c->TakeSynced().empty());  // reported once
+}
+
+}  // namespace
+}  // namespace flywheel::pipeline
