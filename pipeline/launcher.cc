@@ -191,7 +191,8 @@ Status Fleet::Restart(const std::string& name) {
   if (it == roles_.end()) return Status::NotFound("no process named " + name);
   if (processes_.running(it->second.index)) return Status::InvalidArgument(name + " still runs; kill it first");
   FW_RETURN_IF_ERROR(Launch(name, it->second));
-  FW_ASSIGN_OR_RETURN(json ready, AwaitReadyFile(processes_, it->second.ready_file, name, kReadyTimeout));
+  FW_ASSIGN_OR_RETURN(json ready, AwaitReadyFile(processes_, it->second.ready_file, name,
+                                                 kReadyTimeout, it->second.index));
   it->second.http = ready.value("http", "");
   return Status::Ok();
 }

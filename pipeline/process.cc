@@ -167,10 +167,11 @@ void ProcessGroup::Signal(size_t index, int signal) {
 }
 
 Result<nlohmann::json> AwaitReadyFile(ProcessGroup& processes, const std::string& path,
-                                      const std::string& name, std::chrono::milliseconds timeout) {
+                                      const std::string& name, std::chrono::milliseconds timeout,
+                                      size_t index) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!std::filesystem::exists(path)) {
-    FW_RETURN_IF_ERROR(processes.CheckAllRunning());
+    FW_RETURN_IF_ERROR(index == SIZE_MAX ? processes.CheckAllRunning() : processes.CheckRunning(index));
     if (std::chrono::steady_clock::now() > deadline) {
       return Status::Unavailable(name + " did not write its ready file " + path + " within " +
                                  std::to_string(timeout.count() / 1000) + " s");

@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -77,8 +78,9 @@ class ProcessGroup {
 };
 
 // Waits up to `timeout` for `path` (a role's --ready-file) to appear while every child of
-// `processes` still runs; returns its JSON ({"listen": ..., "http": ...}).
+// `processes` (or only child `index`) still runs; returns its JSON ({"listen", "http"}).
 Result<nlohmann::json> AwaitReadyFile(ProcessGroup& processes, const std::string& path,
-                                      const std::string& name, std::chrono::milliseconds timeout);
+                                      const std::string& name, std::chrono::milliseconds timeout,
+                                      size_t index = SIZE_MAX);
 
 }  // namespace flywheel::pipeline

@@ -46,7 +46,7 @@ struct RunConfig {
     std::string name = "grpo";
     int64_t group_size = 8;
     int64_t groups_per_step = 8;
-    double lr = 3e-4;
+    double lr = 5e-5;
     double temperature = 1.0;
     double clip_low = 0.2;
     double clip_high = 0.2;  // dapo: 0.28 unless set

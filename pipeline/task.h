@@ -30,7 +30,7 @@ struct Problem {
 
 struct TaskConfig {
   std::string name = "sort";  // sort, reverse, add
-  int digits = 4;             // sort / reverse: string length; add: digits per operand
+  int digits = 6;             // sort / reverse: string length; add: digits per operand
 };
 
 class Task {

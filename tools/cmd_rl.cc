@@ -41,11 +41,11 @@ struct RlArgs {
   bool quiet = false;
 };
 
-// The demo's defaults on top of RunConfig's: sorting 4 digits with the tiny model, a short
+// The demo's defaults on top of RunConfig's: sorting 6 digits with the tiny model, a short
 // SFT warm-up on generated examples, then async GRPO on 2 regions x 2 workers.
 pipeline::RunConfig DemoConfig() {
   pipeline::RunConfig config;
-  config.sft.steps = 40;
+  config.sft.steps = 30;
   config.sft.batch_size = 32;
   config.sft.lr = 1e-3;
   return config;

@@ -1,0 +1,161 @@
+// The pipeline-RL fleet's failure behaviour, end to end: the trainer, relays and workers run
+// as processes of build/bin/flywheel on loopback (pipeline::Fleet), and the tests kill and
+// restart them mid-run. Every wait is bounded; the fleet is stopped when a test ends.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "pipeline/launcher.h"
+
+namespace flywheel::pipeline {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr int64_t kGroupsPerStep = 2;
+
+RunConfig SmallRun() {
+  RunConfig config;
+  config.task = {"sort", 3};
+  config.run.max_steps = 100000;  // the tests end the run
+  config.run.time_limit_s = 600;
+  config.run.target_accuracy = 0;
+  config.run.eval_every = 1000;
+  config.run.eval_prompts = 16;
+  config.algorithm.group_size = 4;
+  config.algorithm.groups_per_step = kGroupsPerStep;
+  config.pipeline.max_staleness = 2;
+  config.pipeline.lease_s = 5;
+  config.fleet.regions = {"us", "eu"};
+  config.fleet.workers_per_region = 1;
+  config.fleet.wan_rate_mbit = 50;
+  config.fleet.wan_latency_ms = 5;
+  config.fleet.worker_max_batch = 8;
+  return config;
+}
+
+class PipelineFleetTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() / ("flywheel-pipeline-" + std::string(info->name()) + "-" +
+                                        std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    FleetOptions options;
+    options.config = SmallRun();
+    options.program = FLYWHEEL_BIN;
+    options.run_dir = dir_.string();
+    auto fleet = Fleet::Start(options);
+    ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+    fleet_ = std::move(*fleet);
+  }
+  void TearDown() override {
+    if (fleet_) {
+      for (const std::string& line : fleet_->Stop()) ADD_FAILURE() << line;
+    }
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+
+  // The trainer's status; an empty object while it does not answer.
+  json Trainer() {
+    auto status = fleet_->TrainerStatus();
+    return status.ok() ? *status : json::object();
+  }
+  uint64_t Step() { return Trainer().value("step", uint64_t{0}); }
+  uint64_t WorkerVersion(const std::string& name) {
+    auto status = fleet_->WorkerStatus(name);
+    return status.ok() ? status->value("version", uint64_t{0}) : 0;
+  }
+  uint64_t GroupsOf(const std::string& worker) {
+    const json status = Trainer();
+    if (!status.contains("groups_by_worker")) return 0;
+    return status["groups_by_worker"].value(worker, uint64_t{0});
+  }
+  static bool WaitFor(const std::function<bool()>& predicate, std::chrono::seconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (predicate()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return predicate();
+  }
+  std::string Logs() { return " (logs in " + fleet_->log_dir() + ")"; }
+
+  fs::path dir_;
+  std::unique_ptr<Fleet> fleet_;
+};
+
+TEST_F(PipelineFleetTest, KilledWorkerRejoinsAndContributesAgain) {
+  ASSERT_TRUE(WaitFor([&] { return Step() >= 5; }, std::chrono::seconds(90))) << Logs();
+  ASSERT_TRUE(fleet_->Kill("worker-us-1", SIGKILL).ok());
+  EXPECT_FALSE(fleet_->Running("worker-us-1"));
+  // The run goes on with the other worker.
+  const uint64_t at_kill = Step();
+  ASSERT_TRUE(WaitFor([&] { return Step() >= at_kill + 8; }, std::chrono::seconds(90)))
+      << "the run stalled without worker-us-1" << Logs();
+  // Restarted, it catches up (weights) and contributes groups again.
+  const uint64_t before = GroupsOf("worker-us-1");
+  Status restarted = fleet_->Restart("worker-us-1");
+  ASSERT_TRUE(restarted.ok()) << restarted.ToString();
+  ASSERT_TRUE(WaitFor([&] { return GroupsOf("worker-us-1") > before; }, std::chrono::seconds(90)))
+      << "the restarted worker contributed nothing" << Logs();
+  const uint64_t trainer_version = Trainer().value("version", uint64_t{0});
+  ASSERT_TRUE(WaitFor([&] { return WorkerVersion("worker-us-1") + 2 >= trainer_version; },
+                      std::chrono::seconds(60)));
+  // Nothing counted twice: every trained group belongs to exactly one step's batch.
+  const json status = Trainer();
+  EXPECT_EQ(status.value("groups_trained", uint64_t{0}), status.value("step", uint64_t{0}) * kGroupsPerStep)
+      << status.dump();
+  EXPECT_EQ(status.value("samples_dropped_stale", uint64_t{1}), 0u) << status.dump();
+}
+
+TEST_F(PipelineFleetTest, KilledRelaysWorkersGoUpstream) {
+  ASSERT_TRUE(WaitFor([&] { return Step() >= 3; }, std::chrono::seconds(90))) << Logs();
+  ASSERT_TRUE(fleet_->Kill("relay-us", SIGKILL).ok());
+  const uint64_t version = Trainer().value("version", uint64_t{0});
+  // worker-us-1 keeps following new versions through the publisher itself.
+  ASSERT_TRUE(WaitFor([&] { return WorkerVersion("worker-us-1") >= version + 5; },
+                      std::chrono::seconds(90)))
+      << "worker-us-1 stopped following versions after its relay died" << Logs();
+  const uint64_t groups = GroupsOf("worker-us-1");
+  ASSERT_TRUE(WaitFor([&] { return GroupsOf("worker-us-1") > groups; }, std::chrono::seconds(60)));
+}
+
+TEST_F(PipelineFleetTest, KilledTrainerResumesFromItsStateAndTheFleetFollows) {
+  ASSERT_TRUE(WaitFor([&] { return Step() >= 6; }, std::chrono::seconds(90))) << Logs();
+  const json before = Trainer();
+  const uint64_t step_before = before.value("step", uint64_t{0});
+  const uint64_t version_before = before.value("version", uint64_t{0});
+  ASSERT_TRUE(fleet_->Kill("trainer", SIGKILL).ok());
+  Status restarted = fleet_->Restart("trainer");
+  ASSERT_TRUE(restarted.ok()) << restarted.ToString();
+  // It resumed (from the state saved after its last step or the one before) and goes on.
+  ASSERT_TRUE(WaitFor([&] { return Trainer().value("step", uint64_t{0}) >= step_before + 3; },
+                      std::chrono::seconds(120)))
+      << "the restarted trainer did not train on" << Logs();
+  const json after = Trainer();
+  EXPECT_TRUE(after.value("resumed", false)) << after.dump();
+  EXPECT_GT(after.value("version", uint64_t{0}), version_before);
+  // The workers follow the restarted trainer's versions.
+  const uint64_t version = after.value("version", uint64_t{0});
+  for (const std::string worker : {"worker-us-1", "worker-eu-1"}) {
+    ASSERT_TRUE(WaitFor([&] { return WorkerVersion(worker) >= version; }, std::chrono::seconds(60)))
+        << worker << " did not follow the restarted trainer" << Logs();
+  }
+  // The per-step record continues where the state left it (no step missing).
+  std::ifstream progress_file(fs::path(fleet_->state_dir()) / "progress.json");
+  const json progress = json::parse(progress_file, nullptr, false);
+  ASSERT_TRUE(progress.is_object());
+  const json& rows = progress["rows"];
+  for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(rows[i]["step"], i + 1);
+}
+
+}  // namespace
+}  // namespace flywheel::pipeline
