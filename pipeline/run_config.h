@@ -28,7 +28,7 @@ namespace flywheel::pipeline {
 struct RunConfig {
   struct Run {
     int64_t seed = 1;
-    int64_t max_steps = 400;
+    int64_t max_steps = 5000;
     double time_limit_s = 600;
     double target_accuracy = 0.8;
     int64_t eval_every = 5;

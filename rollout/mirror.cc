@@ -101,4 +101,40 @@ Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointV
   return stats;
 }
 
+bool AllF32(const CheckpointView& weights) {
+  for (const TensorView& t : weights) {
+    if (t.dtype != DType::kF32) return false;
+  }
+  return !weights.empty();
+}
+
+Status AliasWeights(model::TransformerImpl& model, const CheckpointView& weights) {
+  std::map<std::string, const TensorView*> by_name;
+  for (const TensorView& t : weights) by_name[t.name] = &t;
+  torch::NoGradGuard no_grad;
+  // Check everything first, so a refused version leaves the model as it was.
+  auto params = model.named_parameters();
+  for (const auto& item : params) {
+    auto it = by_name.find(item.key());
+    if (it == by_name.end()) {
+      return Status::NotFound("the served weights have no tensor " + item.key());
+    }
+    if (it->second->dtype != DType::kF32) {
+      return Status::InvalidArgument("serving tensor " + item.key() + " is " +
+                                     DTypeName(it->second->dtype) +
+                                     "; serving without a mirror needs F32");
+    }
+    FW_RETURN_IF_ERROR(CheckServing(*it->second, item.value()));
+    if (reinterpret_cast<uintptr_t>(it->second->data.data()) % alignof(float) != 0) {
+      return Status::InvalidArgument("serving tensor " + item.key() + " is not 4-byte aligned");
+    }
+  }
+  for (auto& item : params) {
+    const TensorView& t = *by_name[item.key()];
+    item.value().set_data(torch::from_blob(const_cast<std::byte*>(t.data.data()), t.shape,
+                                           torch::TensorOptions().dtype(torch::kFloat32)));
+  }
+  return Status::Ok();
+}
+
 }  // namespace flywheel::rollout

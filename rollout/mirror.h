@@ -25,6 +25,15 @@ struct MirrorStats {
 // Loads every parameter of `model` from `weights` (BF16, F16 or F32, same shapes).
 Status LoadMirror(model::TransformerImpl& model, const CheckpointView& weights);
 
+// fp32 serving without a mirror: the model's parameters become views of the served F32
+// tensors themselves (no copy). Deltas the sync worker applies in place show up in the
+// model at once, so engine steps must not overlap an apply (ServingOptions::step_guard);
+// a keyframe decoded into new buffers needs AliasWeights again. Errors name a missing,
+// misshapen or non-F32 tensor.
+Status AliasWeights(model::TransformerImpl& model, const CheckpointView& weights);
+// Whether every tensor of `weights` is F32 (the worker then serves without a mirror).
+bool AllF32(const CheckpointView& weights);
+
 // Patches the parameters at `changes` (indices into `weights`, the new serving copy).
 // Tensors of `weights` without a parameter of that name are counted, not errors (an
 // adapter config rides along with adapters).

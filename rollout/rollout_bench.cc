@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -176,6 +177,49 @@ Result<RolloutBenchResult> RunRolloutBench(const RolloutBenchOptions& options,
       }
     }
     while (engine->active() + engine->waiting() > 0) engine->Step();
+    result.models.push_back(row);
+  }
+  // fp32 serving without a mirror: the model's parameters are views of the F32 serving copy.
+  for (const auto& [name, config] : models) {
+    torch::manual_seed(options.seed);
+    OwnedCheckpoint serving;
+    {
+      model::TransformerImpl trained(config);
+      FW_ASSIGN_OR_RETURN(serving, model::SnapshotWeights(trained, DType::kF32));
+    }
+    ::malloc_trim(0);
+    const uint64_t rss_before = ResidentBytes();
+    auto model = std::make_shared<model::TransformerImpl>(config);
+    FW_RETURN_IF_ERROR(AliasWeights(*model, serving.view()));
+    ::malloc_trim(0);  // the parameters' own storage, replaced by the views, goes back
+    FW_ASSIGN_OR_RETURN(auto engine,
+                        Engine::Create(model,
+                                       {.max_batch = max_batch,
+                                        .max_sequence = options.prompt_tokens + options.new_tokens},
+                                       1));
+    RolloutModelRow row;
+    row.model = name;
+    row.serving = "fp32, no mirror";
+    for (const auto& p : model->parameters()) row.parameters += p.numel();
+    for (const auto& t : serving.tensors) row.serving_bytes += t.data.size();
+    row.kv_cache_bytes = engine->cache_bytes();
+    FW_RETURN_IF_ERROR(
+        engine->Generate(Requests(max_batch, options, config.vocab_size, 100 + max_batch)).status());
+    ::malloc_trim(0);
+    const uint64_t rss_after = ResidentBytes();
+    row.rss_growth_bytes = rss_after > rss_before ? rss_after - rss_before : 0;
+    // The views must be the serving copy itself, tensor by tensor.
+    std::map<std::string, const void*> served;
+    for (const auto& t : serving.tensors) served[t.name] = t.data.data();
+    for (const auto& p : model->named_parameters()) {
+      if (served[p.key()] != p.value().data_ptr()) {
+        return Status::Internal("bench rollout: fp32 serving copied " + p.key() +
+                                " instead of viewing the served tensor");
+      }
+    }
+    progress << "[rollout bench] " << name << " fp32 serving without a mirror: RSS +"
+             << row.rss_growth_bytes / 1e6 << " MB\n"
+             << std::flush;
     result.models.push_back(row);
   }
   return result;

@@ -1,7 +1,9 @@
 // `flywheel bench rollout`: generation throughput of the engine on the demo-size models at
 // several batch sizes, the pause an in-flight swap costs (a real delta applied to a bf16
 // serving copy, the fp32 mirror patched at the written words, requests in flight), and the
-// memory a worker holds against the serving weights' own size. Torch-free interface.
+// memory a worker holds against the serving weights' own size, with the mirror (bf16
+// serving) and without it (f32 serving, the parameters viewing the served tensors).
+// Torch-free interface.
 #pragma once
 
 #include <cstdint>
@@ -33,9 +35,12 @@ struct RolloutThroughputRow {
 
 struct RolloutModelRow {
   std::string model;
+  // "bf16 + fp32 mirror" (the default), or "fp32, no mirror" (the engine computes from the
+  // F32 serving copy itself: memory only, no swap timings).
+  std::string serving = "bf16 + fp32 mirror";
   int64_t parameters = 0;
-  uint64_t serving_bytes = 0;  // bf16 serving copy
-  uint64_t mirror_bytes = 0;   // fp32 compute mirror
+  uint64_t serving_bytes = 0;  // the serving copy (bf16, or f32)
+  uint64_t mirror_bytes = 0;   // fp32 compute mirror (0 without)
   uint64_t kv_cache_bytes = 0;
   // Process RSS growth from just before the mirror is built to just after the largest batch
   // was generated: mirror, KV cache, activations and torch's own overhead.

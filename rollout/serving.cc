@@ -96,7 +96,12 @@ void CompletionService::Drive() {
       wake_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
       if (stopping_) return;
     }
-    std::vector<GenerationResult> finished = engine_->Step();
+    std::vector<GenerationResult> finished;
+    if (options_.step_guard) {
+      options_.step_guard([&] { finished = engine_->Step(); });
+    } else {
+      finished = engine_->Step();
+    }
     if (finished.empty()) continue;
     std::lock_guard lock(mutex_);
     for (auto& r : finished) {

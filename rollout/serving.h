@@ -19,6 +19,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -41,6 +42,10 @@ struct ServingOptions {
   int64_t max_n = 16;
   std::string model_name = "flywheel";
   int http_threads = 16;  // HTTP requests waiting for their samples at once
+  // Runs every engine step (the argument) inside it, e.g. under the sync worker's shared
+  // weights lock when the engine computes straight from the served weights (fp32 serving:
+  // rollout/mirror.h AliasWeights), so a swap never lands in the middle of a step.
+  std::function<void(const std::function<void()>&)> step_guard;
 };
 
 class CompletionService {

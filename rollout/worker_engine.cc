@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <atomic>
 #include <mutex>
 
 #include "delta/safetensors.h"
@@ -22,6 +23,8 @@ struct WorkerEngine::Impl {
   std::shared_ptr<Engine> engine;
   std::shared_ptr<CompletionService> service;
   bool broken = false;  // a version did not fit the model: serve nothing rather than wrong weights
+  bool aliased = false;  // fp32 serving: the parameters are views of the worker's weights
+  std::atomic<const sync::Worker*> worker{nullptr};
 
   std::shared_ptr<CompletionService> Service() {
     std::lock_guard lock(mutex);
@@ -75,7 +78,9 @@ void WorkerEngine::OnSwap(const sync::SwapEvent& event) {
   std::lock_guard lock(s.mutex);
   if (s.broken) return;
   if (!s.engine) {
-    Status loaded = LoadMirror(*s.model, *event.weights);
+    s.aliased = AllF32(*event.weights);
+    Status loaded = s.aliased ? AliasWeights(*s.model, *event.weights)
+                              : LoadMirror(*s.model, *event.weights);
     if (!loaded.ok()) {
       spdlog::error("rollout engine: version {} does not fit the model: {}", event.version,
                     loaded.message());
@@ -95,11 +100,25 @@ void WorkerEngine::OnSwap(const sync::SwapEvent& event) {
       Status added = file.ok() ? s.engine->LoadAdapter(name, file->tensors()) : file.status();
       if (!added.ok()) spdlog::error("rollout engine: adapter {}: {}", name, added.message());
     }
-    s.service = std::make_shared<CompletionService>(s.engine, s.tokenizer);
+    ServingOptions serving;
+    if (s.aliased) {
+      Impl* impl = &s;
+      serving.step_guard = [impl](const std::function<void()>& step) {
+        const sync::Worker* worker = impl->worker.load();
+        if (worker == nullptr) return step();
+        worker->WithWeights([&](uint64_t, const CheckpointView&) { step(); });
+      };
+    }
+    s.service = std::make_shared<CompletionService>(s.engine, s.tokenizer, serving);
     spdlog::info("rollout engine: serving version {}", event.version);
     return;
   }
   Status swapped = s.engine->Swap(event.version, [&]() -> Status {
+    if (s.aliased) {
+      // Deltas were applied in place into the tensors the model views; a keyframe decoded
+      // into new buffers is viewed afresh.
+      return event.full ? AliasWeights(*s.model, *event.weights) : Status::Ok();
+    }
     if (event.full) return LoadMirror(*s.model, *event.weights);
     return PatchMirror(*s.model, *event.weights, *event.changes).status();
   });
@@ -124,6 +143,8 @@ transport::awaitable<transport::HttpResponse> Answer(std::shared_ptr<CompletionS
 }
 
 }  // namespace
+
+void WorkerEngine::Attach(const sync::Worker* worker) { impl_->worker.store(worker); }
 
 void WorkerEngine::Register(transport::HttpServer& server) {
   Impl* impl = impl_.get();

@@ -2,6 +2,11 @@
 // a model config, it takes the worker's first served version as its weights, follows every
 // later swap between two decode steps (WorkerOptions::on_swap), and answers
 // POST /v1/completions on the worker's HTTP server (503 until a version is served).
+//
+// bf16 (or f16) served weights are computed from an fp32 mirror patched at the words each
+// swap wrote (rollout/mirror.h); f32 served weights (a trainer publishing with serving
+// dtype F32) are computed from directly, without a copy: the engine's steps then run under
+// the worker's shared weights lock, so applies and steps never overlap.
 #pragma once
 
 #include <cstdint>
@@ -39,6 +44,9 @@ class WorkerEngine {
   void OnSwap(const sync::SwapEvent& event);
   // For WorkerOptions::configure_http.
   void Register(transport::HttpServer& server);
+  // The worker whose weights the engine serves; call right after sync::Worker::Start
+  // (fp32 serving computes from the worker's weights under its shared lock).
+  void Attach(const sync::Worker* worker);
 
   struct Impl;
 

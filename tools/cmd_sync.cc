@@ -244,7 +244,9 @@ Status RunWorker(const SyncArgs& args) {
   asio::io_context io(1);
   Result<std::unique_ptr<sync::Worker>> worker = sync::Worker::Start(io.get_executor(), options);
   if (!worker.ok()) return Failed("worker", worker.status());
+  if (engine) engine->Attach(worker->get());
   RunUntilSignalled(io, [&] { (*worker)->Stop(); });
+  engine.reset();  // its steps may hold the worker's weights lock: it goes first
   return Status::Ok();
 }
 

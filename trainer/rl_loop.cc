@@ -879,6 +879,8 @@ Status RunTrainer(const TrainRunOptions& options) {
       {"delta_bytes_mean", delta_sum / n},
       {"full_bytes", rows.empty() ? 0 : rows.back().full_bytes},
       {"wan_bytes_total", wan_total},
+      {"workers", config.fleet.regions.size() * config.fleet.workers_per_region},
+      {"regions", config.fleet.regions.size()},
       {"sync_ms_mean", syncs ? sync_sum / syncs : -1.0},
       {"samples_dropped_stale", stats.samples_dropped_stale},
       {"leases_expired", stats.leases_expired},

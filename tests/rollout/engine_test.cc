@@ -230,6 +230,80 @@ TEST(EngineTest, LogprobsMatchTheTrainerAndRoutingReplays) {
   }
 }
 
+// The trainer's router has moved since the engine sampled (a later version): without
+// replay it picks other experts for some tokens, so its logprobs drift from the sampler's;
+// replaying the sampled routing uses the engine's experts and brings the logprobs back.
+TEST(EngineTest, RoutingReplayChangesTheTrainersMoeResults) {
+  auto sampler = MakeModel(/*moe=*/true, 6);
+  auto engine = MakeEngine(sampler);
+  std::vector<GenerationRequest> requests;
+  for (uint64_t s = 0; s < 6; ++s) {
+    GenerationRequest r = Request({static_cast<int32_t>(s + 1), 7, 9}, 16, 1.0, s);
+    r.params.return_routing = true;
+    requests.push_back(r);
+  }
+  auto results = engine->Generate(requests);
+  ASSERT_TRUE(results.ok());
+
+  // The trainer: the same weights but every router perturbed.
+  const fs::path dir =
+      fs::temp_directory_path() / ("flywheel_replay_test_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string weights = (dir / "model.safetensors").string();
+  {
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(11);
+    auto moved = MakeModel(true, 6);
+    int routers = 0;
+    for (auto& p : moved->named_parameters()) {
+      if (p.key().find("mlp.gate.weight") != std::string::npos) {
+        p.value().add_(torch::randn_like(p.value()) * 0.5);
+        ++routers;
+      }
+    }
+    ASSERT_GT(routers, 0);
+    ASSERT_TRUE(model::SaveModel(*moved, weights, DType::kF32).ok());
+  }
+  auto trainer = trainer::TrainingClient::Create({.config = Tiny(true), .init_weights = weights});
+  ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
+
+  std::vector<trainer::Datum> plain, replayed;
+  for (const auto& r : *results) {
+    trainer::Datum d;
+    d.tokens = r.prompt;
+    d.tokens.insert(d.tokens.end(), r.tokens.begin(), r.tokens.end() - 1);
+    d.target_tokens.assign(r.prompt.begin() + 1, r.prompt.end());
+    d.target_tokens.insert(d.target_tokens.end(), r.tokens.begin(), r.tokens.end());
+    plain.push_back(d);
+    d.routing.assign(r.routing.begin(), r.routing.end());
+    replayed.push_back(std::move(d));
+  }
+  auto own = (*trainer)->Forward(plain);
+  auto replay = (*trainer)->Forward(replayed);
+  ASSERT_TRUE(own.ok() && replay.ok());
+  double k3_own = 0, k3_replay = 0, count = 0;
+  size_t rerouted = 0;
+  for (size_t i = 0; i < results->size(); ++i) {
+    const auto& sampled = (*results)[i];
+    const std::vector<int32_t> engine_routing(sampled.routing.begin(), sampled.routing.end());
+    EXPECT_EQ(replay->routing[i], engine_routing);  // replay used exactly the sampled experts
+    for (size_t j = 0; j < engine_routing.size(); ++j) rerouted += own->routing[i][j] != engine_routing[j];
+    const size_t offset = sampled.prompt.size() - 1;
+    for (size_t t = 0; t < sampled.tokens.size(); ++t) {
+      const double d_own = sampled.logprobs[t] - own->logprobs[i][offset + t];
+      const double d_replay = sampled.logprobs[t] - replay->logprobs[i][offset + t];
+      k3_own += std::exp(d_own) - d_own - 1;
+      k3_replay += std::exp(d_replay) - d_replay - 1;
+      count += 1;
+    }
+  }
+  EXPECT_GT(rerouted, 0u) << "the perturbed routers chose the same experts everywhere";
+  EXPECT_NE(own->logprobs, replay->logprobs);
+  EXPECT_LT(k3_replay / count, k3_own / count) << "replay " << k3_replay / count << " vs own "
+                                                << k3_own / count;
+  fs::remove_all(dir);
+}
+
 TEST(EngineTest, VersionsAreTaggedPerTokenAcrossASwap) {
   auto m = MakeModel(false, 7);
   auto engine = MakeEngine(m);

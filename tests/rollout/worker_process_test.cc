@@ -73,16 +73,22 @@ transport::Endpoint Parse(const std::string& host_port) {
           static_cast<uint16_t>(std::stoi(host_port.substr(colon + 1)))};
 }
 
-void Drop(const fs::path& watch, uint64_t version, model::TransformerImpl& m) {
+void Drop(const fs::path& watch, uint64_t version, model::TransformerImpl& m, DType dtype) {
   const fs::path dir = watch / std::to_string(version);
   fs::create_directories(dir);
-  ASSERT_TRUE(model::SaveModel(m, (dir / "model.safetensors").string(), DType::kBF16).ok());
+  ASSERT_TRUE(model::SaveModel(m, (dir / "model.safetensors").string(), dtype).ok());
   std::ofstream(dir / "COMMIT").close();
 }
 
-TEST(WorkerProcessTest, CompletionsFollowTheServedVersion) {
-  const fs::path dir =
-      fs::temp_directory_path() / ("flywheel_worker_engine_" + std::to_string(::getpid()));
+// bf16 serving computes from a patched fp32 mirror; f32 serving computes from the served
+// weights themselves (no mirror), which deltas patch in place.
+class WorkerProcessTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
+  const DType dtype = GetParam();
+  const fs::path dir = fs::temp_directory_path() /
+                       ("flywheel_worker_engine_" + std::string(DTypeName(dtype)) + "_" +
+                        std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir / "watch");
   const model::ModelConfig config = testing::TinyConfig({.vocab = 260});
@@ -100,7 +106,8 @@ TEST(WorkerProcessTest, CompletionsFollowTheServedVersion) {
   ASSERT_TRUE(worker.started());
   ASSERT_TRUE(WaitFor([&] { return fs::exists(dir / "worker.ready"); }));
   const transport::Endpoint http = Parse(ReadJson(dir / "worker.ready")["http"]);
-  const std::string request = R"({"prompt": "hi", "max_tokens": 4, "temperature": 0})";
+  const std::string request =
+      R"({"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": true})";
 
   auto early = transport::HttpPost(http, "/v1/completions", request);
   ASSERT_TRUE(early.ok()) << early.status().ToString();
@@ -108,7 +115,7 @@ TEST(WorkerProcessTest, CompletionsFollowTheServedVersion) {
 
   torch::manual_seed(1);
   model::TransformerImpl m(config);
-  Drop(dir / "watch", 1, m);
+  Drop(dir / "watch", 1, m, dtype);
   json answer;
   ASSERT_TRUE(WaitFor([&] {
     auto r = transport::HttpPost(http, "/v1/completions", request);
@@ -118,18 +125,22 @@ TEST(WorkerProcessTest, CompletionsFollowTheServedVersion) {
   })) << "the worker never served version 1";
   EXPECT_EQ(answer["choices"][0]["policy_versions"], json::array({1, 1, 1, 1}));
   EXPECT_EQ(answer["choices"][0]["token_ids"].size(), 4u);
+  const json v1_logprobs = answer["choices"][0]["logprobs"]["token_logprobs"];
 
   {
     torch::NoGradGuard no_grad;
     for (auto& p : m.parameters()) p.add_(0.01);
   }
-  Drop(dir / "watch", 2, m);
+  Drop(dir / "watch", 2, m, dtype);
   ASSERT_TRUE(WaitFor([&] {
     auto r = transport::HttpPost(http, "/v1/completions", request);
     if (!r.ok() || r->status != 200) return false;
     answer = json::parse(r->body, nullptr, false);
     return answer["choices"][0]["policy_versions"][0] == 2;
   })) << "version 2 never reached the engine";
+  // The engine computes from the new weights (with fp32 serving: the in-place patched
+  // served tensors themselves).
+  EXPECT_NE(answer["choices"][0]["logprobs"]["token_logprobs"], v1_logprobs);
   auto status = transport::HttpGet(http, "/v1/status");
   ASSERT_TRUE(status.ok());
   json s = json::parse(status->body, nullptr, false);
@@ -144,6 +155,9 @@ TEST(WorkerProcessTest, CompletionsFollowTheServedVersion) {
   EXPECT_EQ(again->status, 200);
   fs::remove_all(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(ServingDtypes, WorkerProcessTest, ::testing::Values(DType::kBF16, DType::kF32),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 }  // namespace
 }  // namespace flywheel::rollout
