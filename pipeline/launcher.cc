@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -120,6 +121,12 @@ Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
   const std::string model_config = ready.value("model_config", "");
   const std::string tokenizer = ready.value("tokenizer", "");
 
+  // Each worker claims its share of a batch at a time (at most what its engine batches), so
+  // that a batch spreads over the fleet, in synchronous mode too.
+  const int64_t workers = static_cast<int64_t>(config.fleet.regions.size()) * config.fleet.workers_per_region;
+  const int64_t actor_groups = std::clamp<int64_t>(
+      (config.algorithm.groups_per_step + workers - 1) / workers, 1,
+      std::max<int64_t>(1, config.fleet.worker_max_batch / config.algorithm.group_size));
   for (const std::string& region : config.fleet.regions) {
     FW_ASSIGN_OR_RETURN(int relay_port, FreePort());
     const std::string relay_listen = "127.0.0.1:" + std::to_string(relay_port);
@@ -143,9 +150,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
                      "--tokenizer", tokenizer, "--trainer", fleet->trainer_http_,
                      "--max-batch", std::to_string(config.fleet.worker_max_batch),
                      "--max-sequence", "64",
-                     "--actor-groups",
-                     std::to_string(std::max<int64_t>(1, config.fleet.worker_max_batch /
-                                                             config.algorithm.group_size))};
+                     "--actor-groups", std::to_string(actor_groups)};
       fleet->roles_[worker_name] = worker;
       fleet->order_.push_back(worker_name);
       FW_RETURN_IF_ERROR(fleet->Launch(worker_name, fleet->roles_[worker_name]));

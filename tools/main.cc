@@ -30,7 +30,9 @@ int DefaultThreads() {
 namespace {
 
 constexpr const char* kDescription =
-    "flywheel: ship RL policy checkpoints as sparse bit-exact deltas.\n"
+    "flywheel: asynchronous RL post-training of language models, and the sparse bit-exact\n"
+    "deltas that ship every new policy version to rollout workers in several regions.\n"
+    "`flywheel demo` runs the whole loop (trainer, relays, workers) on this machine.\n"
     "Consecutive RL checkpoints differ in a few percent of their bf16 words; a flywheel\n"
     "delta stores only those words (positions and values, entropy-coded), applies back\n"
     "bit for bit, and is verified by per-tensor and whole-checkpoint hashes.";

@@ -631,6 +631,31 @@ TEST_F(CliTest, BenchCodecRunsAndWritesJson) {
   EXPECT_EQ(RunFlywheel({"bench", "codec", "--lr", "2"}).exit_code, 2);
 }
 
+TEST_F(CliTest, PipelineRunConfigErrorsAreOneLineAndStartNothing) {
+  // A bad value, an unknown key, a malformed file: exit 1, one line naming the key, and no
+  // run directory is created.
+  const std::string run_dir = Path("run");
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"demo", "--run-dir", run_dir, "--set", "algorithm.group_size=1"},
+        std::vector<std::string>{"demo", "--run-dir", run_dir, "--set", "algorithm.learning_rate=1"},
+        std::vector<std::string>{"bench", "pipeline", "--run-dir", run_dir, "--set", "fleet.regions=[]"}}) {
+    CommandResult result = RunFlywheel(args);
+    EXPECT_EQ(result.exit_code, 1) << Describe(result);
+    EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << result.err;
+    EXPECT_NE(result.err.find(args.back().substr(0, args.back().find('='))), std::string::npos)
+        << result.err;
+  }
+  {
+    std::ofstream(Path("bad.toml")) << "[algorithm]\ngroup_size = \"eight\"\n";
+    CommandResult result = RunFlywheel({"demo", "--run-dir", run_dir, "--config", Path("bad.toml")});
+    EXPECT_EQ(result.exit_code, 1) << Describe(result);
+    EXPECT_NE(result.err.find("algorithm.group_size must be an integer"), std::string::npos) << result.err;
+  }
+  EXPECT_FALSE(fs::exists(run_dir));
+  EXPECT_EQ(RunFlywheel({"demo", "--config", Path("missing.toml")}).exit_code, 2);
+  EXPECT_EQ(RunFlywheel({"train", "--config", Path("bad.toml")}).exit_code, 2);  // --state missing
+}
+
 TEST_F(CliTest, HelpMentionsEveryCommand) {
   CommandResult help = RunFlywheel({"--help"});
   ExpectSuccess(help);

@@ -169,6 +169,17 @@ TEST(EngineTest, StopTokensEndGeneration) {
 
 // Parity: the trainer's forward on the very weights the engine served gives the same
 // logprobs for the sampled sequences (temperature 1).
+// `count` sampled requests (temperature 1, seeds 0..count-1) that return their routing.
+std::vector<GenerationRequest> RoutedRequests(uint64_t count) {
+  std::vector<GenerationRequest> requests;
+  for (uint64_t s = 0; s < count; ++s) {
+    GenerationRequest r = Request({static_cast<int32_t>(s + 1), 7, 9}, 16, 1.0, s);
+    r.params.return_routing = true;
+    requests.push_back(r);
+  }
+  return requests;
+}
+
 TEST(EngineTest, LogprobsMatchTheTrainerAndRoutingReplays) {
   for (bool moe : {false, true}) {
     SCOPED_TRACE(moe ? "moe" : "dense");
@@ -182,13 +193,7 @@ TEST(EngineTest, LogprobsMatchTheTrainerAndRoutingReplays) {
     ASSERT_TRUE(trainer.ok()) << trainer.status().ToString();
 
     auto engine = MakeEngine(m);
-    std::vector<GenerationRequest> requests;
-    for (uint64_t s = 0; s < 4; ++s) {
-      GenerationRequest r = Request({static_cast<int32_t>(s + 1), 7, 9}, 16, 1.0, s);
-      r.params.return_routing = true;
-      requests.push_back(r);
-    }
-    auto results = engine->Generate(requests);
+    auto results = engine->Generate(RoutedRequests(4));
     ASSERT_TRUE(results.ok());
     std::vector<trainer::Datum> datums;
     for (const auto& r : *results) {
@@ -236,13 +241,7 @@ TEST(EngineTest, LogprobsMatchTheTrainerAndRoutingReplays) {
 TEST(EngineTest, RoutingReplayChangesTheTrainersMoeResults) {
   auto sampler = MakeModel(/*moe=*/true, 6);
   auto engine = MakeEngine(sampler);
-  std::vector<GenerationRequest> requests;
-  for (uint64_t s = 0; s < 6; ++s) {
-    GenerationRequest r = Request({static_cast<int32_t>(s + 1), 7, 9}, 16, 1.0, s);
-    r.params.return_routing = true;
-    requests.push_back(r);
-  }
-  auto results = engine->Generate(requests);
+  auto results = engine->Generate(RoutedRequests(6));
   ASSERT_TRUE(results.ok());
 
   // The trainer: the same weights but every router perturbed.
