@@ -237,8 +237,8 @@ Status RunPipelineBench(const RlArgs& args) {
 
 void AddConfigOptions(CLI::App* app, RlArgs& args) {
   app->add_option("--config", args.config, "Run configuration (TOML; every key has a default)")
-      ->type_name("FILE")
-      ->check(CLI::ExistingFile);
+      ->check(CLI::ExistingFile)
+      ->option_text("FILE");
   app->add_option("--set", args.sets, "Override one key, e.g. --set algorithm.lr=1e-4; repeatable")
       ->type_name("SECTION.KEY=VALUE");
   app->add_flag("--moe", args.moe, "The MoE variant (model.preset = tiny-moe, routing replay)");
@@ -255,11 +255,12 @@ void AddRlCommands(CLI::App& app, Action& action) {
       "The main job: an asynchronous pipeline-RL run that visibly learns.\n"
       "Starts the trainer (with its publisher), a relay per region and the rollout workers\n"
       "as separate processes on loopback, with shaped WAN links between the regions. The\n"
-      "workers sample groups of answers to held-out-split arithmetic-style problems, score\n"
-      "them exactly, and stream them to the trainer; every step publishes a new policy\n"
-      "version as a delta that the relays fan out and the workers swap in flight. One line\n"
-      "per step; at the end a summary and a report directory (metrics.csv, summary.json,\n"
-      "PNG plots).");
+      "workers sample groups of answers to generated problems (default: sort 6 digits),\n"
+      "score them by exact match and stream them to the trainer; every step publishes a new\n"
+      "policy version as a delta that the relays fan out and the workers swap in flight.\n"
+      "Accuracy is measured on a held-out split of the problems. The run stops at\n"
+      "run.target_accuracy (0.8) or run.time_limit_s (600). One line per step; at the end a\n"
+      "summary and a report directory (metrics.csv, summary.json, PNG plots, run.toml).");
   AddConfigOptions(demo, *args);
   demo->add_option("--run-dir", args->run_dir,
                    "Where the run lives (default: flywheel-runs/demo-<time>)")

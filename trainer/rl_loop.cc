@@ -646,7 +646,8 @@ Status RunTrainer(const TrainRunOptions& options) {
     if (config.sft.steps > 0 || config.dpo.steps > 0) {
       say("after warm-up: held-out accuracy " + std::to_string(warmup_accuracy));
     }
-    FW_ASSIGN_OR_RETURN(SamplerSnapshot first, publish(1));
+    // Version 1, or above what an earlier attempt published before it could save progress.
+    FW_ASSIGN_OR_RETURN(SamplerSnapshot first, publish(publisher->version() + 1));
     previous = std::move(first.checkpoint);
     FW_RETURN_IF_ERROR(save_progress());
   } else {

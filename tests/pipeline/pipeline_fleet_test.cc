@@ -157,5 +157,51 @@ TEST_F(PipelineFleetTest, KilledTrainerResumesFromItsStateAndTheFleetFollows) {
   for (size_t i = 0; i < rows.size(); ++i) EXPECT_EQ(rows[i]["step"], i + 1);
 }
 
+// Every algorithm of the run config trains in the real loop, after an SFT and a DPO warm-up
+// from JSONL files (chat format; preference pairs).
+TEST(PipelineAlgorithmsTest, EveryAlgorithmTrainsAfterSftAndDpoWarmUp) {
+  const fs::path dir = fs::temp_directory_path() /
+                       ("flywheel-pipeline-algorithms-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    std::ofstream sft(dir / "sft.jsonl");
+    sft << R"({"messages": [{"role": "user", "content": "321>"}, {"role": "assistant", "content": "123", "weight": 1}]})" "\n"
+        << R"({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "907>"}, {"role": "assistant", "content": "079"}]})" "\n";
+    std::ofstream dpo(dir / "dpo.jsonl");
+    dpo << R"({"prompt": "321>", "chosen": "123", "rejected": "321"})" "\n"
+        << R"({"prompt": "554>", "chosen": "455", "rejected": "545"})" "\n";
+  }
+  for (const char* algorithm : {"dapo", "gspo", "cispo"}) {
+    SCOPED_TRACE(algorithm);
+    RunConfig config = SmallRun();
+    config.algorithm.name = algorithm;
+    config.sft = {(dir / "sft.jsonl").string(), 3, 4, 1e-3};
+    config.dpo = {(dir / "dpo.jsonl").string(), 3, 2, 1e-4, 0.1};
+    config.run.max_steps = 3;
+    config.fleet.regions = {"us"};
+    FleetOptions options;
+    options.config = config;
+    options.program = FLYWHEEL_BIN;
+    options.run_dir = (dir / algorithm).string();
+    auto fleet = Fleet::Start(options);
+    ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+    Status finished = (*fleet)->WaitTrainer(std::chrono::seconds(120), nullptr);
+    ASSERT_TRUE(finished.ok()) << finished.ToString();
+    std::ifstream in(fs::path((*fleet)->report_dir()) / "summary.json");
+    const json summary = json::parse(in, nullptr, false);
+    ASSERT_TRUE(summary.is_object());
+    EXPECT_EQ(summary["algorithm"], algorithm);
+    EXPECT_EQ(summary["steps"], 3);
+    EXPECT_EQ(summary["versions"], 4);  // version 1 after the warm-up, one per step
+    for (const std::string& line : (*fleet)->Stop()) ADD_FAILURE() << line;
+    std::ifstream log(fs::path((*fleet)->log_dir()) / "trainer.out");
+    const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("sft     3/3"), std::string::npos) << text;
+    EXPECT_NE(text.find("dpo     3/3"), std::string::npos) << text;
+  }
+  if (!::testing::Test::HasFailure()) fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace flywheel::pipeline

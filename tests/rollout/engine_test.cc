@@ -169,6 +169,17 @@ TEST(EngineTest, StopTokensEndGeneration) {
 
 // Parity: the trainer's forward on the very weights the engine served gives the same
 // logprobs for the sampled sequences (temperature 1).
+// The trainer's view of a generated sequence: prompt + generated, each position predicting
+// the next (no routing).
+trainer::Datum AsDatum(const GenerationResult& r) {
+  trainer::Datum d;
+  d.tokens = r.prompt;
+  d.tokens.insert(d.tokens.end(), r.tokens.begin(), r.tokens.end() - 1);
+  d.target_tokens.assign(r.prompt.begin() + 1, r.prompt.end());
+  d.target_tokens.insert(d.target_tokens.end(), r.tokens.begin(), r.tokens.end());
+  return d;
+}
+
 // `count` sampled requests (temperature 1, seeds 0..count-1) that return their routing.
 std::vector<GenerationRequest> RoutedRequests(uint64_t count) {
   std::vector<GenerationRequest> requests;
@@ -197,11 +208,7 @@ TEST(EngineTest, LogprobsMatchTheTrainerAndRoutingReplays) {
     ASSERT_TRUE(results.ok());
     std::vector<trainer::Datum> datums;
     for (const auto& r : *results) {
-      trainer::Datum d;
-      d.tokens = r.prompt;
-      d.tokens.insert(d.tokens.end(), r.tokens.begin(), r.tokens.end() - 1);
-      d.target_tokens.assign(r.prompt.begin() + 1, r.prompt.end());
-      d.target_tokens.insert(d.target_tokens.end(), r.tokens.begin(), r.tokens.end());
+      trainer::Datum d = AsDatum(r);
       if (moe) {
         EXPECT_EQ(r.routing.size(), d.tokens.size() * Tiny(true).NumMoeLayers() * 2);
         d.routing.assign(r.routing.begin(), r.routing.end());
@@ -268,11 +275,7 @@ TEST(EngineTest, RoutingReplayChangesTheTrainersMoeResults) {
 
   std::vector<trainer::Datum> plain, replayed;
   for (const auto& r : *results) {
-    trainer::Datum d;
-    d.tokens = r.prompt;
-    d.tokens.insert(d.tokens.end(), r.tokens.begin(), r.tokens.end() - 1);
-    d.target_tokens.assign(r.prompt.begin() + 1, r.prompt.end());
-    d.target_tokens.insert(d.target_tokens.end(), r.tokens.begin(), r.tokens.end());
+    trainer::Datum d = AsDatum(r);
     plain.push_back(d);
     d.routing.assign(r.routing.begin(), r.routing.end());
     replayed.push_back(std::move(d));
