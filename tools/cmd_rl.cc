@@ -2,7 +2,9 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -39,6 +41,7 @@ struct RlArgs {
   std::string state, listen = "127.0.0.1:0", http = "127.0.0.1:0", publisher_http = "127.0.0.1:0";
   std::string token, token_file, ready_file;
   bool quiet = false;
+  bool resume = false;
 };
 
 // The demo's defaults on top of RunConfig's: sorting 6 digits with the tiny model, a short
@@ -87,6 +90,9 @@ std::string DefaultRunDir(const std::string& what) {
   return name.str();
 }
 
+std::atomic<bool> g_interrupted{false};
+extern "C" void OnInterrupt(int) { g_interrupted = true; }
+
 std::string SelfPath() {
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
@@ -95,13 +101,14 @@ std::string SelfPath() {
 
 // Runs one fleet to the end of its run; the trainer's lines go to `out` when `echo`.
 Status RunFleet(const pipeline::RunConfig& config, const std::string& run_dir,
-                const std::string& report_dir, bool echo, std::ostream& out) {
+                const std::string& report_dir, bool echo, std::ostream& out, bool resume = false) {
   pipeline::RunConfig effective = config;
   std::error_code ec;
   fs::create_directories(run_dir, ec);
   if (ec) return Status::IOError("cannot create " + run_dir + ": " + ec.message());
-  if (fs::exists(fs::path(run_dir) / "state")) {
-    return Status::InvalidArgument(run_dir + " already holds a run (state/); choose another --run-dir");
+  if (!resume && fs::exists(fs::path(run_dir) / "state")) {
+    return Status::InvalidArgument(run_dir + " already holds a run (state/); choose another "
+                                   "--run-dir, or --resume it");
   }
   if (effective.sft.steps > 0 && effective.sft.dataset.empty()) {
     effective.sft.dataset = fs::absolute(fs::path(run_dir) / "sft.jsonl").string();
@@ -119,20 +126,57 @@ Status RunFleet(const pipeline::RunConfig& config, const std::string& run_dir,
       << effective.pipeline.max_staleness << (effective.pipeline.max_staleness == 0 ? " (synchronous)" : "")
       << std::endl;
   FW_ASSIGN_OR_RETURN(std::unique_ptr<pipeline::Fleet> fleet, pipeline::Fleet::Start(options));
+  // Ctrl-C (or SIGTERM) ends the run early but cleanly: the trainer is told to stop, saves
+  // its state and writes its report, then the rest of the fleet is stopped.
+  g_interrupted = false;
+  std::signal(SIGINT, OnInterrupt);
+  std::signal(SIGTERM, OnInterrupt);
   const auto limit = std::chrono::milliseconds(static_cast<int64_t>(effective.run.time_limit_s * 1000) + 180000);
-  Status finished = fleet->WaitTrainer(limit, echo ? &out : nullptr);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  Status finished = Status::Ok();
+  bool told = false;
+  for (;;) {
+    finished = fleet->WaitTrainer(std::chrono::milliseconds(500), echo ? &out : nullptr);
+    if (finished.ok() || !fleet->Running("trainer")) break;
+    if (g_interrupted && !told) {
+      out << "interrupted: stopping the trainer (it saves its state and writes its report)" << std::endl;
+      (void)fleet->Kill("trainer", SIGTERM);
+      told = true;
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      finished = Status::Unavailable("the trainer did not finish within " +
+                                     std::to_string(limit.count() / 1000) + " s");
+      break;
+    }
+  }
+  std::signal(SIGINT, SIG_DFL);
+  std::signal(SIGTERM, SIG_DFL);
   for (const std::string& line : fleet->Stop()) spdlog::warn("{}", line);
   if (!finished.ok()) return finished.WithContext("logs in " + fleet->log_dir());
   return Status::Ok();
 }
 
 Status RunDemo(const RlArgs& args) {
-  FW_ASSIGN_OR_RETURN(pipeline::RunConfig config, LoadConfig(args, DemoConfig()));
+  pipeline::RunConfig config;
+  if (args.resume) {
+    // The interrupted run's own configuration (the trainer resumes from its state); --set
+    // may change it, e.g. run.time_limit_s (which counts the time already spent).
+    if (args.run_dir.empty()) return Status::InvalidArgument("--resume needs the run's --run-dir");
+    const std::string saved = (fs::path(args.run_dir) / "run.toml").string();
+    if (!fs::exists(fs::path(args.run_dir) / "state" / "progress.json")) {
+      return Status::NotFound(args.run_dir + " holds no run to resume (no state/progress.json)");
+    }
+    RlArgs from_saved = args;
+    from_saved.config = saved;
+    FW_ASSIGN_OR_RETURN(config, LoadConfig(from_saved, DemoConfig()));
+  } else {
+    FW_ASSIGN_OR_RETURN(config, LoadConfig(args, DemoConfig()));
+  }
   const std::string run_dir = args.run_dir.empty() ? DefaultRunDir("demo") : args.run_dir;
   std::cout << "flywheel demo: asynchronous pipeline RL on " << config.task.name << " ("
             << config.task.digits << " digits, exact-match reward), model " << config.model.preset
             << ", " << config.algorithm.name << "\n";
-  FW_RETURN_IF_ERROR(RunFleet(config, run_dir, args.report, /*echo=*/true, std::cout));
+  FW_RETURN_IF_ERROR(RunFleet(config, run_dir, args.report, /*echo=*/true, std::cout, args.resume));
   const std::string report = args.report.empty() ? (fs::path(run_dir) / "report").string() : args.report;
   return pipeline::WriteReport(report, std::cout);
 }
@@ -267,10 +311,15 @@ void AddRlCommands(CLI::App& app, Action& action) {
       ->type_name("DIR");
   demo->add_option("--report", args->report, "Report directory (default: <run-dir>/report)")
       ->type_name("DIR");
+  demo->add_flag("--resume", args->resume,
+                 "Continue an interrupted run in --run-dir with its run.toml and state")
+      ->needs("--run-dir")
+      ->excludes("--config");
   demo->footer(
       "\nExamples:\n"
       "  flywheel demo\n"
       "  flywheel demo --moe\n"
+      "  flywheel demo --resume --run-dir flywheel-runs/demo-20261123-120000\n"
       "  flywheel demo --set task.name=reverse --set algorithm.name=dapo --report /tmp/report");
   demo->callback([args, &action] { action = [args] { return RunDemo(*args); }; });
 

@@ -665,7 +665,7 @@ Status RunTrainer(const TrainRunOptions& options) {
       // Already served; the first step after the resume reports no density (no baseline).
       coordinator.SetVersion(version);
     }
-    say("resumed at step " + std::to_string(client->step()) + ", version " + std::to_string(version) +
+    say("resumed after optimizer step " + std::to_string(client->step()) + ", version " + std::to_string(version) +
         " (" + std::to_string(rows.size()) + " RL steps done)");
   }
 

@@ -652,6 +652,10 @@ TEST_F(CliTest, PipelineRunConfigErrorsAreOneLineAndStartNothing) {
     EXPECT_NE(result.err.find("algorithm.group_size must be an integer"), std::string::npos) << result.err;
   }
   EXPECT_FALSE(fs::exists(run_dir));
+  CommandResult nothing = RunFlywheel({"demo", "--resume", "--run-dir", run_dir});
+  EXPECT_EQ(nothing.exit_code, 1) << Describe(nothing);
+  EXPECT_NE(nothing.err.find("no run to resume"), std::string::npos) << nothing.err;
+  EXPECT_EQ(RunFlywheel({"demo", "--resume"}).exit_code, 2);  // needs --run-dir
   EXPECT_EQ(RunFlywheel({"demo", "--config", Path("missing.toml")}).exit_code, 2);
   EXPECT_EQ(RunFlywheel({"train", "--config", Path("bad.toml")}).exit_code, 2);  // --state missing
 }
