@@ -341,7 +341,9 @@ std::vector<Coordinator::Synced> Coordinator::TakeSynced() {
 
 CoordinatorStats Coordinator::stats() const {
   std::lock_guard lock(mutex_);
-  return stats_;
+  CoordinatorStats stats = stats_;
+  for (const auto& [claim, lease] : leases_) ++stats.leases_by_worker[lease.worker];
+  return stats;
 }
 
 size_t Coordinator::queued() const {

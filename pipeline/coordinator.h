@@ -83,6 +83,7 @@ struct CoordinatorStats {
   uint64_t submissions_refused = 0;  // late, repeated or malformed submissions
   uint64_t waits = 0;               // claims answered "wait" (pacing)
   std::map<std::string, uint64_t> groups_by_worker;  // accepted groups per worker
+  std::map<std::string, uint64_t> leases_by_worker;  // claims out now, per worker
 };
 
 class Coordinator {

@@ -486,9 +486,24 @@ Status RunTrainer(const TrainRunOptions& options) {
         return JsonAnswer(coordinator_ptr->Submit(request));
       },
       64 << 20);
-  http->Route("/v1/status", [&status_mutex, &status](const std::string&) {
-    std::lock_guard lock(status_mutex);
-    return transport::HttpResponse{200, "application/json", status.dump()};
+  http->Route("/v1/status", [&status_mutex, &status, coordinator_ptr](const std::string&) {
+    json answer;
+    {
+      std::lock_guard lock(status_mutex);
+      answer = status;
+    }
+    // The coordinator's counters live (the rest is as of the last step).
+    const pipeline::CoordinatorStats stats = coordinator_ptr->stats();
+    answer["claims"] = stats.claims;
+    answer["groups_accepted"] = stats.groups_accepted;
+    answer["groups_trained"] = stats.groups_trained;
+    answer["samples_dropped_stale"] = stats.samples_dropped_stale;
+    answer["leases_expired"] = stats.leases_expired;
+    answer["submissions_refused"] = stats.submissions_refused;
+    answer["groups_by_worker"] = stats.groups_by_worker;
+    answer["leases_by_worker"] = stats.leases_by_worker;
+    answer["queued_groups"] = coordinator_ptr->queued();
+    return transport::HttpResponse{200, "application/json", answer.dump()};
   });
   std::thread io_thread([&io] { io.run(); });
   struct Joiner {
@@ -812,11 +827,6 @@ Status RunTrainer(const TrainRunOptions& options) {
       status["version"] = version;
       status["accuracy"] = last_accuracy;
       status["mean_reward"] = row.mean_reward;
-      status["samples_dropped_stale"] = stats.samples_dropped_stale;
-      status["leases_expired"] = stats.leases_expired;
-      status["submissions_refused"] = stats.submissions_refused;
-      status["groups_trained"] = stats.groups_trained;
-      status["groups_by_worker"] = stats.groups_by_worker;
       status["resumed"] = resumed;
     }
     if (save_now || reached) {
