@@ -168,6 +168,14 @@ Status Coordinator::ParseGroup(const json& samples, std::vector<Sample>& out) co
       return Status::InvalidArgument(where + "empty prompt or tokens, or logprobs/versions of "
                                              "another length than tokens");
     }
+    if (static_cast<int64_t>(sample.tokens.size()) > options_.max_tokens ||
+        (options_.max_prompt_tokens > 0 &&
+         static_cast<int64_t>(sample.prompt_tokens.size()) > options_.max_prompt_tokens)) {
+      return Status::InvalidArgument(where + "longer than the claim allows (" +
+                                     std::to_string(sample.prompt_tokens.size()) + " prompt + " +
+                                     std::to_string(sample.tokens.size()) + " generated tokens; at most " +
+                                     std::to_string(options_.max_tokens) + " generated)");
+    }
     for (const auto* ids : {&sample.prompt_tokens, &sample.tokens}) {
       for (int32_t id : *ids) {
         if (id < 0 || id >= options_.vocab_size) {
@@ -191,10 +199,18 @@ Status Coordinator::ParseGroup(const json& samples, std::vector<Sample>& out) co
       }
       const int64_t rows = static_cast<int64_t>(sample.prompt_tokens.size() + sample.tokens.size()) - 1;
       const auto& shape = sample.routing_shape;
-      if (shape[0] != rows || shape[1] < 1 || shape[2] < 1 ||
+      if (shape[0] != rows || shape[1] != options_.moe_layers || shape[2] != options_.top_k ||
+          options_.moe_layers == 0 ||
           shape[0] * shape[1] * shape[2] != static_cast<int64_t>(sample.routing.size())) {
         return Status::InvalidArgument(where + "routing of " + std::to_string(sample.routing.size()) +
-                                       " ids does not match routing_shape and the sequence");
+                                       " ids does not match routing_shape, the sequence and the "
+                                       "model's MoE layers x top_k");
+      }
+      for (int32_t expert : sample.routing) {
+        if (expert < 0 || expert >= options_.num_experts) {
+          return Status::InvalidArgument(where + "routing names expert " + std::to_string(expert) +
+                                         " of " + std::to_string(options_.num_experts));
+        }
       }
     }
     out.push_back(std::move(sample));

@@ -70,6 +70,14 @@ struct CoordinatorOptions {
   double temperature = 1.0;
   int64_t max_tokens = 8;
   int64_t vocab_size = 0;  // bounds submitted token ids
+  // Bounds on what a submission may hold, so that a hostile or broken worker cannot make
+  // the trainer's forward fail: prompt tokens per sample (0: unbounded), and the MoE
+  // routing the model replays (layers x top_k, expert ids below num_experts; 0: no MoE,
+  // routing refused).
+  int64_t max_prompt_tokens = 0;
+  int64_t moe_layers = 0;
+  int64_t top_k = 0;
+  int64_t num_experts = 0;
   uint64_t seed = 1;
 };
 

@@ -17,6 +17,7 @@ class SortTask final : public Task {
  public:
   using Task::Task;
   int max_answer_chars() const override { return config_.digits; }
+  int max_prompt_chars() const override { return config_.digits + 1; }
   Problem Random(std::mt19937_64& rng) const override {
     std::string digits = RandomDigits(rng, config_.digits);
     std::string sorted = digits;
@@ -29,6 +30,7 @@ class ReverseTask final : public Task {
  public:
   using Task::Task;
   int max_answer_chars() const override { return config_.digits; }
+  int max_prompt_chars() const override { return config_.digits + 1; }
   Problem Random(std::mt19937_64& rng) const override {
     std::string digits = RandomDigits(rng, config_.digits);
     return {digits + ">", std::string(digits.rbegin(), digits.rend())};
@@ -39,6 +41,7 @@ class AddTask final : public Task {
  public:
   using Task::Task;
   int max_answer_chars() const override { return config_.digits + 1; }
+  int max_prompt_chars() const override { return 2 * config_.digits + 2; }
   Problem Random(std::mt19937_64& rng) const override {
     uint64_t limit = 1;
     for (int i = 0; i < config_.digits; ++i) limit *= 10;

@@ -43,6 +43,8 @@ class Task {
   std::string alphabet() const { return "0123456789+=>"; }
   // The longest answer in characters (generation stops one token later, at EOS).
   virtual int max_answer_chars() const = 0;
+  // The longest prompt in characters, separator included.
+  virtual int max_prompt_chars() const = 0;
 
   // A random problem from the training part, or from the held-out part.
   Problem Sample(std::mt19937_64& rng, bool held_out) const;

@@ -464,6 +464,10 @@ Status RunTrainer(const TrainRunOptions& options) {
   coordinator_options.temperature = config.algorithm.temperature;
   coordinator_options.max_tokens = max_tokens;
   coordinator_options.vocab_size = tokenizer->vocab_size();
+  coordinator_options.max_prompt_tokens = 1 + task->max_prompt_chars();  // BOS + prompt
+  coordinator_options.moe_layers = model_config.NumMoeLayers();
+  coordinator_options.top_k = model_config.num_experts_per_tok;
+  coordinator_options.num_experts = model_config.num_experts;
   coordinator_options.seed = static_cast<uint64_t>(config.run.seed) * 7919 + rows.size();
   pipeline::Coordinator coordinator(*task, coordinator_options);
 

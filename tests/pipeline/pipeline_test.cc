@@ -1,6 +1,7 @@
 // The pipeline loop's torch-free parts: run configuration, tasks, the sample coordinator.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
@@ -90,6 +91,7 @@ TEST(TaskTest, AnswersAreRightAndHeldOutIsDisjoint) {
       const Problem p = (*task)->Sample(rng, false);
       EXPECT_FALSE(Task::IsHeldOut(p.prompt));
       EXPECT_LE(static_cast<int>(p.answer.size()), (*task)->max_answer_chars());
+      EXPECT_LE(static_cast<int>(p.prompt.size()), (*task)->max_prompt_chars());
       const std::string digits = p.prompt.substr(0, p.prompt.size() - 1);
       if (std::string(name) == "sort") {
         std::string sorted = digits;
@@ -261,6 +263,37 @@ TEST_F(CoordinatorTest, MalformedSubmissionsAreRefusedAndThePromptReturns) {
   }
   EXPECT_EQ(c->Claim(json::array())["status"], "error");
   EXPECT_EQ(c->Claim({{"worker", ""}, {"version", 1}})["status"], "error");
+}
+
+TEST_F(CoordinatorTest, OverlongSamplesAndBadRoutingAreRefused) {
+  auto c = Make(/*k=*/1, 1);
+  const auto submit = [&](const std::function<void(json&)>& spoil) {
+    json claim = Claim(*c, "w1", 1, 1);
+    json request = {{"worker", "w1"}, {"incarnation", "a"}, {"claim", claim["groups"][0]["claim"]},
+                    {"samples", {Sample(1), Sample(1)}}};
+    spoil(request["samples"][0]);
+    return c->Submit(request);
+  };
+  json longer = submit([](json& s) {  // more generated tokens than max_tokens (8)
+    s["tokens"] = json::array();
+    s["logprobs"] = json::array();
+    s["versions"] = json::array();
+    for (int i = 0; i < 9; ++i) {
+      s["tokens"].push_back(1);
+      s["logprobs"].push_back(-0.5);
+      s["versions"].push_back(1);
+    }
+  });
+  EXPECT_FALSE(longer["accepted"].get<bool>());
+  EXPECT_NE(longer["reason"].get<std::string>().find("longer than the claim allows"), std::string::npos);
+  json routed = submit([](json& s) {  // routing for a dense model
+    s["routing"] = json::array();
+    for (int i = 0; i < 8; ++i) s["routing"].push_back(0);
+    s["routing_shape"] = {8, 1, 1};
+  });
+  EXPECT_FALSE(routed["accepted"].get<bool>());
+  EXPECT_NE(routed["reason"].get<std::string>().find("routing"), std::string::npos);
+  EXPECT_EQ(c->stats().groups_accepted, 0u);
 }
 
 TEST_F(CoordinatorTest, SyncLatencyFromTheWorkersClaims) {
