@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "sync/role.h"
 #include "trainer/weights.h"
 
 namespace flywheel::rollout {
@@ -43,19 +44,11 @@ Status EngineOptions::Validate(const model::ModelConfig& config) const {
   return Status::Ok();
 }
 
-namespace {
-int64_t UnixMicros() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-}  // namespace
-
 Engine::Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions options,
                uint64_t version)
     : model_(std::move(model)), options_(options), version_(version) {
   cache_ = model_->NewCache(options_.max_batch, options_.max_sequence);
-  serving_since_us_ = UnixMicros();
+  serving_since_us_ = static_cast<int64_t>(sync::UnixMicrosNow());
   multi_lora_ = std::make_shared<model::MultiLora>();
   model_->AttachMultiLora(multi_lora_);
 }
@@ -292,7 +285,7 @@ Status Engine::Swap(uint64_t version, const std::function<Status()>& patch) {
   Status patched = patch();
   if (patched.ok()) {
     version_ = version;
-    serving_since_us_ = UnixMicros();
+    serving_since_us_ = static_cast<int64_t>(sync::UnixMicrosNow());
     swaps_.fetch_add(1);
   }
   last_swap_pause_ms_.store(

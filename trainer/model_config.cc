@@ -224,4 +224,26 @@ ModelConfig DemoMoeConfig() {
   return c;
 }
 
+ModelConfig PipelineTinyConfig(int64_t vocab, bool moe) {
+  ModelConfig c;
+  c.model_type = "qwen3";
+  c.vocab_size = vocab;
+  c.hidden_size = 128;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 32;
+  c.intermediate_size = 384;
+  c.qk_norm = true;
+  c.max_position_embeddings = 64;
+  if (moe) {
+    c.model_type = "qwen3_moe";
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 192;
+    c.mlp_only_layers = {0};
+  }
+  return c;
+}
+
 }  // namespace flywheel::model

@@ -59,4 +59,10 @@ struct ModelConfig {
 ModelConfig DemoDenseConfig();
 ModelConfig DemoMoeConfig();
 
+// The pipeline demo's tiny presets (a few hundred thousand parameters: trained and sampled
+// in milliseconds per step on a CPU, yet enough to learn the demo tasks): Qwen3-style, 3
+// layers, hidden 128, GQA 4/2, SwiGLU 384; with `moe`, layers 1-2 have 4 experts, top-2,
+// width 192. `vocab` comes from the task's tokenizer.
+ModelConfig PipelineTinyConfig(int64_t vocab, bool moe);
+
 }  // namespace flywheel::model

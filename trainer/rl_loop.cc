@@ -15,12 +15,14 @@
 #include <set>
 #include <thread>
 
+#include "delta/delta_file.h"
 #include "delta/tensor.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/task.h"
 #include "rollout/engine.h"
 #include "rollout/tokenizer.h"
 #include "sync/publisher.h"
+#include "sync/role.h"
 #include "trainer/training_client.h"
 #include "transport/http.h"
 
@@ -35,12 +37,6 @@ using pipeline::RunConfig;
 std::atomic<bool> g_stop{false};
 extern "C" void OnStopSignal(int) { g_stop = true; }
 
-int64_t UnixMicros() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 Result<model::ModelConfig> MakeModelConfig(const RunConfig& config, int64_t vocab) {
   if (!config.model.config.empty()) {
     FW_ASSIGN_OR_RETURN(model::ModelConfig loaded, model::ModelConfig::Load(config.model.config));
@@ -51,41 +47,13 @@ Result<model::ModelConfig> MakeModelConfig(const RunConfig& config, int64_t voca
     }
     return loaded;
   }
-  // The tiny presets: a few hundred thousand parameters, trained and sampled in
-  // milliseconds per step on a CPU, yet enough to learn the demo tasks.
-  model::ModelConfig c;
-  c.model_type = "qwen3";
-  c.vocab_size = vocab;
-  c.hidden_size = 128;
-  c.num_hidden_layers = 3;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 32;
-  c.intermediate_size = 384;
-  c.qk_norm = true;
-  c.max_position_embeddings = 64;
-  if (config.model.preset == "tiny-moe") {
-    c.model_type = "qwen3_moe";
-    c.num_experts = 4;
-    c.num_experts_per_tok = 2;
-    c.moe_intermediate_size = 192;
-    c.mlp_only_layers = {0};
-  }
+  model::ModelConfig c = model::PipelineTinyConfig(vocab, config.model.preset == "tiny-moe");
   FW_RETURN_IF_ERROR(c.Validate());
   return c;
 }
 
 Status WriteFileAtomically(const fs::path& path, const std::string& text) {
-  const fs::path temp = path.string() + ".tmp";
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out.flush()) return Status::IOError("cannot write " + temp.string());
-  }
-  std::error_code ec;
-  fs::rename(temp, path, ec);
-  if (ec) return Status::IOError("cannot rename " + temp.string() + ": " + ec.message());
-  return Status::Ok();
+  return delta::WriteFileAtomically(path.string(), std::as_bytes(std::span(text)));
 }
 
 // ---- datasets -----------------------------------------------------------------------------
@@ -601,7 +569,7 @@ Status RunTrainer(const TrainRunOptions& options) {
     return WriteFileAtomically(progress_path, progress.dump());
   };
   const auto publish = [&](uint64_t new_version) -> Result<SamplerSnapshot> {
-    const int64_t at = UnixMicros();
+    const int64_t at = static_cast<int64_t>(sync::UnixMicrosNow());
     coordinator.NotePublished(new_version, at);
     FW_ASSIGN_OR_RETURN(SamplerSnapshot snapshot, client->SaveWeightsForSampler(new_version));
     version = new_version;
