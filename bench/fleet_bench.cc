@@ -38,7 +38,7 @@
 #include "delta/safetensors.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"
-#include "transport/stream_bench.h"
+#include "bench/stream_measure.h"
 
 namespace flywheel::bench {
 namespace {

@@ -1,4 +1,4 @@
-// `flywheel bench parity`: runs rollout::RunParityBench (rollout/parity_bench.h), prints
+// `flywheel bench parity`: runs rollout::RunParityBench (bench/parity_measure.h), prints
 // the table and checks k3 <= 1e-6 on the served weights (dense; MoE with routing replay).
 #pragma once
 
@@ -6,7 +6,7 @@
 #include <string>
 
 #include "base/status.h"
-#include "rollout/parity_bench.h"
+#include "bench/parity_measure.h"
 
 namespace flywheel::bench {
 

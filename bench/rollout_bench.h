@@ -1,4 +1,4 @@
-// `flywheel bench rollout`: runs rollout::RunRolloutBench (rollout/rollout_bench.h), prints
+// `flywheel bench rollout`: runs rollout::RunRolloutBench (bench/rollout_measure.h), prints
 // its tables with ratios and checks, and optionally writes a "## Rollout benchmark" section.
 #pragma once
 
@@ -6,7 +6,7 @@
 #include <string>
 
 #include "base/status.h"
-#include "rollout/rollout_bench.h"
+#include "bench/rollout_measure.h"
 
 namespace flywheel::bench {
 

@@ -1,4 +1,4 @@
-// `flywheel bench trainer`: runs trainer::RunTrainerBench (trainer/trainer_bench.h), prints
+// `flywheel bench trainer`: runs trainer::RunTrainerBench (bench/trainer_measure.h), prints
 // its tables with ratios, checks them, and optionally writes a "## Trainer benchmark"
 // section into a Markdown file.
 #pragma once
@@ -7,7 +7,7 @@
 #include <string>
 
 #include "base/status.h"
-#include "trainer/trainer_bench.h"
+#include "bench/trainer_measure.h"
 
 namespace flywheel::bench {
 

@@ -15,7 +15,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-// metrics.csv columns (trainer/rl_loop.cc StepRow): 1 step, 2 version, 3 wall_s,
+// metrics.csv columns (rl/rl_loop.cc StepRow): 1 step, 2 version, 3 wall_s,
 // 4 mean_reward, 5 eval_accuracy, 6 k3, 7 staleness_mean, 8 staleness_max, 9 delta_density,
 // 10 delta_bytes, 11 full_bytes, 12 wan_bytes, 13 sync_ms, 14 sync_version.
 constexpr const char* kPlots = R"gp(set datafile separator ","

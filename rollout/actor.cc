@@ -7,7 +7,7 @@
 #include <random>
 
 #include "rollout/serving.h"
-#include "rollout/tokenizer.h"
+#include "model/tokenizer.h"
 #include "transport/http.h"
 
 namespace flywheel::rollout {
@@ -19,7 +19,7 @@ using std::chrono::milliseconds;
 }  // namespace
 
 Actor::Actor(ActorOptions options, std::function<std::shared_ptr<CompletionService>()> service,
-             std::shared_ptr<const Tokenizer> tokenizer)
+             std::shared_ptr<const model::Tokenizer> tokenizer)
     : options_(std::move(options)), service_(std::move(service)), tokenizer_(std::move(tokenizer)) {
   std::random_device device;
   incarnation_ = std::to_string(device()) + "-" + std::to_string(device());

@@ -18,10 +18,13 @@
 
 #include "transport/endpoint.h"
 
+namespace flywheel::model {
+class Tokenizer;
+}  // namespace flywheel::model
+
 namespace flywheel::rollout {
 
 class CompletionService;
-class Tokenizer;
 
 struct ActorOptions {
   transport::Endpoint trainer;  // the trainer's HTTP endpoint
@@ -41,7 +44,7 @@ class Actor {
  public:
   // `service` returns the worker's completion service, or null before it serves a version.
   Actor(ActorOptions options, std::function<std::shared_ptr<CompletionService>()> service,
-        std::shared_ptr<const Tokenizer> tokenizer);
+        std::shared_ptr<const model::Tokenizer> tokenizer);
   ~Actor();  // stops the thread
 
   const ActorStats& stats() const { return stats_; }
@@ -53,7 +56,7 @@ class Actor {
 
   ActorOptions options_;
   std::function<std::shared_ptr<CompletionService>()> service_;
-  std::shared_ptr<const Tokenizer> tokenizer_;
+  std::shared_ptr<const model::Tokenizer> tokenizer_;
   std::string incarnation_;
   ActorStats stats_;
   std::atomic<bool> stopping_{false};

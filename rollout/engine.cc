@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "sync/role.h"
-#include "trainer/weights.h"
+#include "model/weights.h"
 
 namespace flywheel::rollout {
 

@@ -1,5 +1,5 @@
 // The rollout engine: batched autoregressive generation on the shared transformer
-// (trainer/model.h) with a KV cache and continuous batching, so what is sampled is what
+// (model/model.h) with a KV cache and continuous batching, so what is sampled is what
 // the trainer trains.
 //
 // Scheduling: every Step() first admits waiting requests into free cache slots (a prefill
@@ -39,7 +39,7 @@
 
 #include "base/status.h"
 #include "delta/tensor.h"
-#include "trainer/model.h"
+#include "model/model.h"
 
 namespace flywheel::rollout {
 

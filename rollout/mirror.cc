@@ -5,7 +5,7 @@
 #include <cstring>
 #include <map>
 
-#include "trainer/weights.h"
+#include "model/weights.h"
 
 namespace flywheel::rollout {
 

@@ -13,7 +13,7 @@
 #include "base/status.h"
 #include "delta/delta.h"
 #include "delta/tensor.h"
-#include "trainer/model.h"
+#include "model/model.h"
 
 namespace flywheel::rollout {
 

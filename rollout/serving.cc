@@ -61,7 +61,7 @@ Status Field(const json& request, const char* key, T& out) {
 }  // namespace
 
 CompletionService::CompletionService(std::shared_ptr<Engine> engine,
-                                     std::shared_ptr<const Tokenizer> tokenizer,
+                                     std::shared_ptr<const model::Tokenizer> tokenizer,
                                      ServingOptions options)
     : engine_(std::move(engine)), tokenizer_(std::move(tokenizer)), options_(std::move(options)) {
   http_pool_ = std::make_unique<boost::asio::thread_pool>(

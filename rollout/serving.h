@@ -30,7 +30,7 @@
 
 #include "base/status.h"
 #include "rollout/engine.h"
-#include "rollout/tokenizer.h"
+#include "model/tokenizer.h"
 #include "transport/http.h"
 
 namespace flywheel::rollout {
@@ -50,7 +50,7 @@ struct ServingOptions {
 
 class CompletionService {
  public:
-  CompletionService(std::shared_ptr<Engine> engine, std::shared_ptr<const Tokenizer> tokenizer,
+  CompletionService(std::shared_ptr<Engine> engine, std::shared_ptr<const model::Tokenizer> tokenizer,
                     ServingOptions options = {});
   // Stops the driver; requests still waiting fail with Unavailable.
   ~CompletionService();
@@ -71,7 +71,7 @@ class CompletionService {
   void Drive();
 
   std::shared_ptr<Engine> engine_;
-  std::shared_ptr<const Tokenizer> tokenizer_;
+  std::shared_ptr<const model::Tokenizer> tokenizer_;
   ServingOptions options_;
   std::mutex mutex_;
   std::condition_variable wake_;

@@ -10,14 +10,14 @@
 #include "rollout/engine.h"
 #include "rollout/mirror.h"
 #include "rollout/serving.h"
-#include "rollout/tokenizer.h"
+#include "model/tokenizer.h"
 
 namespace flywheel::rollout {
 
 struct WorkerEngine::Impl {
   WorkerEngineOptions options;
   model::ModelConfig config;
-  std::shared_ptr<const Tokenizer> tokenizer;
+  std::shared_ptr<const model::Tokenizer> tokenizer;
   std::shared_ptr<model::TransformerImpl> model;
   std::mutex mutex;  // guards engine / service creation
   std::shared_ptr<Engine> engine;
@@ -41,9 +41,9 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
   impl->options = options;
   FW_ASSIGN_OR_RETURN(impl->config, model::ModelConfig::Load(options.model_config));
   if (options.tokenizer == "byte") {
-    impl->tokenizer = std::make_shared<ByteTokenizer>();
+    impl->tokenizer = std::make_shared<model::ByteTokenizer>();
   } else if (options.tokenizer.rfind("chars:", 0) == 0) {
-    FW_ASSIGN_OR_RETURN(auto chars, CharTokenizer::Create(options.tokenizer.substr(6)));
+    FW_ASSIGN_OR_RETURN(auto chars, model::CharTokenizer::Create(options.tokenizer.substr(6)));
     impl->tokenizer = std::move(chars);
   } else {
     return Status::InvalidArgument("unknown tokenizer '" + options.tokenizer +

@@ -21,7 +21,7 @@
 #include "pipeline/run_config.h"
 #include "pipeline/task.h"
 #include "tools/commands.h"
-#include "trainer/rl_loop.h"
+#include "rl/rl_loop.h"
 
 namespace flywheel::tools {
 namespace {
@@ -184,7 +184,7 @@ Status RunDemo(const RlArgs& args) {
 Status RunTrain(const RlArgs& args) {
   if (spdlog::get_level() == spdlog::level::off) spdlog::set_level(spdlog::level::warn);
   FW_ASSIGN_OR_RETURN(pipeline::RunConfig config, LoadConfig(args, pipeline::RunConfig()));
-  trainer::TrainRunOptions options;
+  rl::TrainRunOptions options;
   options.config = config;
   options.state_dir = args.state;
   options.report_dir = args.report.empty() ? (fs::path(args.state) / "report").string() : args.report;
@@ -199,7 +199,7 @@ Status RunTrain(const RlArgs& args) {
     std::getline(in, options.token);
   }
   options.quiet = args.quiet;
-  return trainer::RunTrainer(options);
+  return rl::RunTrainer(options);
 }
 
 Result<json> ReadSummary(const std::string& report_dir) {

@@ -11,7 +11,7 @@
 #include "delta/hash.h"
 #include "delta/safetensors.h"
 #include "sync/publisher.h"
-#include "trainer/weights.h"
+#include "model/weights.h"
 
 namespace flywheel::trainer {
 

@@ -27,7 +27,7 @@
 #include "delta/tensor.h"
 #include "trainer/data_parallel.h"
 #include "trainer/losses.h"
-#include "trainer/model.h"
+#include "model/model.h"
 
 namespace flywheel::sync {
 class Publisher;

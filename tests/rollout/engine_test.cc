@@ -9,9 +9,9 @@
 #include <cmath>
 #include <filesystem>
 
-#include "tests/trainer/tiny_models.h"
+#include "tests/model/tiny_models.h"
 #include "trainer/training_client.h"
-#include "trainer/weights.h"
+#include "model/weights.h"
 
 namespace flywheel::rollout {
 namespace {

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "tests/trainer/tiny_models.h"
+#include "tests/model/tiny_models.h"
 #include "transport/asio.h"
 
 namespace flywheel::rollout {
@@ -28,7 +28,7 @@ class ServingTest : public ::testing::Test {
     auto engine = Engine::Create(model_, {.max_batch = 8, .max_sequence = 64}, 7);
     ASSERT_TRUE(engine.ok());
     engine_ = std::shared_ptr<Engine>(std::move(*engine));
-    service_ = std::make_unique<CompletionService>(engine_, std::make_shared<ByteTokenizer>());
+    service_ = std::make_unique<CompletionService>(engine_, std::make_shared<model::ByteTokenizer>());
     auto server = transport::HttpServer::Start(io_.get_executor(), {"127.0.0.1", 0}, {});
     ASSERT_TRUE(server.ok());
     server_ = std::move(*server);

@@ -14,9 +14,9 @@
 #include "rollout/mirror.h"
 #include "sync/publisher.h"
 #include "sync/worker.h"
-#include "tests/trainer/tiny_models.h"
+#include "tests/model/tiny_models.h"
 #include "trainer/training_client.h"
-#include "trainer/weights.h"
+#include "model/weights.h"
 #include "transport/asio.h"
 
 namespace flywheel::rollout {

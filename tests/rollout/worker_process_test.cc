@@ -14,9 +14,9 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "tests/trainer/tiny_models.h"
-#include "trainer/model.h"
-#include "trainer/weights.h"
+#include "tests/model/tiny_models.h"
+#include "model/model.h"
+#include "model/weights.h"
 #include "transport/http.h"
 
 extern char** environ;

@@ -17,9 +17,9 @@
 #include <thread>
 
 #include "delta/safetensors.h"
-#include "tests/trainer/tiny_models.h"
+#include "tests/model/tiny_models.h"
 #include "trainer/training_client.h"
-#include "trainer/weights.h"
+#include "model/weights.h"
 
 extern char** environ;
 

@@ -14,8 +14,8 @@
 #include "delta/hash.h"
 #include "delta/safetensors.h"
 #include "sync/publisher.h"
-#include "tests/trainer/tiny_models.h"
-#include "trainer/weights.h"
+#include "tests/model/tiny_models.h"
+#include "model/weights.h"
 #include "transport/asio.h"
 
 namespace flywheel::trainer {

@@ -1,4 +1,4 @@
-#include "trainer/rl_loop.h"
+#include "rl/rl_loop.h"
 
 #include <spdlog/spdlog.h>
 
@@ -20,19 +20,31 @@
 #include "pipeline/coordinator.h"
 #include "pipeline/task.h"
 #include "rollout/engine.h"
-#include "rollout/tokenizer.h"
+#include "model/tokenizer.h"
 #include "sync/publisher.h"
 #include "sync/role.h"
 #include "trainer/training_client.h"
 #include "transport/http.h"
 
-namespace flywheel::trainer {
+namespace flywheel::rl {
 namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 using pipeline::RunConfig;
+using trainer::AdamWParams;
+using trainer::Aggregation;
+using trainer::ComputeGroupAdvantages;
+using trainer::ForwardOutput;
+using trainer::GroupAdvantageOptions;
+using trainer::GroupAdvantages;
+using trainer::SamplerSnapshot;
+using trainer::TrainerOptions;
+using trainer::Datum;
+using trainer::LossConfig;
+using trainer::Metrics;
+using trainer::TrainingClient;
 
 std::atomic<bool> g_stop{false};
 extern "C" void OnStopSignal(int) { g_stop = true; }
@@ -89,7 +101,7 @@ Result<std::vector<json>> ReadJsonl(const std::string& path, const std::string& 
 
 // SFT examples in the OpenAI chat format: {"messages": [{"role", "content", "weight"}]};
 // assistant messages weigh 1 unless given, the others 0.
-Result<std::vector<Datum>> LoadSft(const std::string& path, const rollout::Tokenizer& tokenizer) {
+Result<std::vector<Datum>> LoadSft(const std::string& path, const model::Tokenizer& tokenizer) {
   FW_ASSIGN_OR_RETURN(std::vector<json> lines, ReadJsonl(path, "sft.dataset"));
   std::vector<Datum> datums;
   for (const json& line : lines) {
@@ -135,7 +147,7 @@ Result<std::vector<Datum>> LoadSft(const std::string& path, const rollout::Token
 }
 
 // DPO pairs: {"prompt": text, "chosen": text, "rejected": text}; datums chosen, rejected.
-Result<std::vector<Datum>> LoadDpo(const std::string& path, const rollout::Tokenizer& tokenizer) {
+Result<std::vector<Datum>> LoadDpo(const std::string& path, const model::Tokenizer& tokenizer) {
   FW_ASSIGN_OR_RETURN(std::vector<json> lines, ReadJsonl(path, "dpo.dataset"));
   std::vector<Datum> datums;
   for (const json& line : lines) {
@@ -171,7 +183,7 @@ Result<std::vector<Datum>> LoadDpo(const std::string& path, const rollout::Token
 class Evaluator {
  public:
   Evaluator(const model::ModelConfig& config, std::vector<pipeline::Problem> problems,
-            std::shared_ptr<const rollout::Tokenizer> tokenizer, int64_t max_tokens)
+            std::shared_ptr<const model::Tokenizer> tokenizer, int64_t max_tokens)
       : problems_(std::move(problems)), tokenizer_(std::move(tokenizer)), max_tokens_(max_tokens) {
     model_ = std::make_shared<model::TransformerImpl>(config);
     for (auto& p : model_->parameters()) p.set_requires_grad(false);
@@ -214,7 +226,7 @@ class Evaluator {
 
  private:
   std::vector<pipeline::Problem> problems_;
-  std::shared_ptr<const rollout::Tokenizer> tokenizer_;
+  std::shared_ptr<const model::Tokenizer> tokenizer_;
   int64_t max_tokens_;
   std::shared_ptr<model::TransformerImpl> model_;
   std::unique_ptr<rollout::Engine> engine_;
@@ -371,9 +383,9 @@ Status RunTrainer(const TrainRunOptions& options) {
   if (ec) return Status::IOError("cannot create " + state_dir.string() + " or " + report_dir.string());
 
   FW_ASSIGN_OR_RETURN(std::unique_ptr<pipeline::Task> task, pipeline::Task::Create(config.task));
-  FW_ASSIGN_OR_RETURN(std::unique_ptr<rollout::CharTokenizer> char_tokenizer,
-                      rollout::CharTokenizer::Create(task->alphabet()));
-  std::shared_ptr<const rollout::Tokenizer> tokenizer = std::move(char_tokenizer);
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<model::CharTokenizer> char_tokenizer,
+                      model::CharTokenizer::Create(task->alphabet()));
+  std::shared_ptr<const model::Tokenizer> tokenizer = std::move(char_tokenizer);
   FW_ASSIGN_OR_RETURN(model::ModelConfig model_config,
                       MakeModelConfig(config, tokenizer->vocab_size()));
   const fs::path model_config_path = state_dir / "config.json";
@@ -874,4 +886,4 @@ Status RunTrainer(const TrainRunOptions& options) {
   return Status::Ok();
 }
 
-}  // namespace flywheel::trainer
+}  // namespace flywheel::rl

@@ -1,4 +1,4 @@
-#include "rollout/rollout_bench.h"
+#include "bench/rollout_measure.h"
 
 #include <malloc.h>
 #include <unistd.h>
@@ -13,7 +13,7 @@
 #include "delta/delta.h"
 #include "rollout/engine.h"
 #include "rollout/mirror.h"
-#include "trainer/weights.h"
+#include "model/weights.h"
 
 namespace flywheel::rollout {
 

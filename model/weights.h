@@ -9,7 +9,7 @@
 
 #include "base/status.h"
 #include "delta/tensor.h"
-#include "trainer/model.h"
+#include "model/model.h"
 
 namespace flywheel::model {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "trainer/model_config.h"
+#include "model/model_config.h"
 
 namespace flywheel::testing {
 

@@ -1,4 +1,4 @@
-#include "trainer/model.h"
+#include "model/model.h"
 
 #include <algorithm>
 #include <cmath>

@@ -25,7 +25,7 @@
 #include "base/status.h"
 #include "pipeline/run_config.h"
 
-namespace flywheel::trainer {
+namespace flywheel::rl {
 
 struct TrainRunOptions {
   pipeline::RunConfig config;
@@ -45,4 +45,4 @@ Status RunTrainer(const TrainRunOptions& options);
 // The model of a run config (preset or config.json) for a tokenizer of `vocab` ids; torch-free.
 Result<std::string> ModelConfigJson(const pipeline::RunConfig& config, int64_t vocab);
 
-}  // namespace flywheel::trainer
+}  // namespace flywheel::rl

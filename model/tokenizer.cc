@@ -1,8 +1,8 @@
-#include "rollout/tokenizer.h"
+#include "model/tokenizer.h"
 
 #include <algorithm>
 
-namespace flywheel::rollout {
+namespace flywheel::model {
 
 Result<std::vector<int32_t>> ByteTokenizer::Encode(std::string_view text) const {
   std::vector<int32_t> ids;
@@ -72,4 +72,4 @@ Result<std::string> CharTokenizer::Decode(std::span<const int32_t> ids) const {
   return out;
 }
 
-}  // namespace flywheel::rollout
+}  // namespace flywheel::model

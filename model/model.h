@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "base/status.h"
-#include "trainer/model_config.h"
+#include "model/model_config.h"
 
 namespace flywheel::model {
 
@@ -182,7 +182,7 @@ struct LoraOptions {
 class TransformerImpl : public torch::nn::Module {
  public:
   // Random init (normal(0, 0.02) for projections and embeddings, ones for norms) from the
-  // global torch seed; load real weights with LoadWeights() (trainer/weights.h).
+  // global torch seed; load real weights with LoadWeights() (model/weights.h).
   explicit TransformerImpl(ModelConfig config);
 
   // tokens [B, T] int64. `positions` [B, T] int64 or undefined (0..T-1). `valid` [B, T]

@@ -1,4 +1,4 @@
-#include "transport/stream_bench.h"
+#include "bench/stream_measure.h"
 
 #include <unistd.h>
 

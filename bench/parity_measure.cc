@@ -1,4 +1,4 @@
-#include "rollout/parity_bench.h"
+#include "bench/parity_measure.h"
 
 #include <unistd.h>
 
@@ -11,7 +11,7 @@
 #include "rollout/engine.h"
 #include "rollout/mirror.h"
 #include "trainer/training_client.h"
-#include "trainer/weights.h"
+#include "model/weights.h"
 
 namespace flywheel::rollout {
 

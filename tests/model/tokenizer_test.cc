@@ -1,8 +1,8 @@
-#include "rollout/tokenizer.h"
+#include "model/tokenizer.h"
 
 #include <gtest/gtest.h>
 
-namespace flywheel::rollout {
+namespace flywheel::model {
 namespace {
 
 TEST(TokenizerTest, BytesRoundTripAnyText) {
@@ -41,4 +41,4 @@ TEST(TokenizerTest, CharactersOfAnAlphabet) {
 }
 
 }  // namespace
-}  // namespace flywheel::rollout
+}  // namespace flywheel::model

@@ -1,6 +1,6 @@
 // The shared transformer: config parsing and its errors, HF-named safetensors round trips,
 // causality, MoE routing replay, LoRA starting equal to the base model.
-#include "trainer/model.h"
+#include "model/model.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -8,8 +8,8 @@
 #include <filesystem>
 
 #include "delta/safetensors.h"
-#include "tests/trainer/tiny_models.h"
-#include "trainer/weights.h"
+#include "tests/model/tiny_models.h"
+#include "model/weights.h"
 
 namespace flywheel::model {
 namespace {

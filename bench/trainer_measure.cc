@@ -1,4 +1,4 @@
-#include "trainer/trainer_bench.h"
+#include "bench/trainer_measure.h"
 
 #include <unistd.h>
 

@@ -1,4 +1,4 @@
-#include "trainer/weights.h"
+#include "model/weights.h"
 
 #include <cstring>
 #include <set>

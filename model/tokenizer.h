@@ -15,7 +15,7 @@
 
 #include "base/status.h"
 
-namespace flywheel::rollout {
+namespace flywheel::model {
 
 class Tokenizer {
  public:
@@ -53,4 +53,4 @@ class CharTokenizer final : public Tokenizer {
   int32_t index_[256];
 };
 
-}  // namespace flywheel::rollout
+}  // namespace flywheel::model
