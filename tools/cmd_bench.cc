@@ -59,6 +59,54 @@ Status RunFleet(const bench::FleetBenchOptions& options) {
   return Status::Ok();
 }
 
+// The simulated steps, timeouts, scratch space and outputs of `bench fleet` (the fleet's
+// shape and WAN are set in AddFleetCommand).
+void AddFleetRunOptions(CLI::App* fleet, bench::FleetBenchOptions& options) {
+  fleet
+      ->add_option("--lr", options.learning_rate,
+                   "Size of each simulated optimiser step; sets how many bf16 words change")
+      ->type_name("X")
+      ->check(CheckLearningRate)
+      ->capture_default_str();
+  fleet
+      ->add_option("--keyframe-every", options.keyframe_every,
+                   "delta-relay: publisher keyframe period (default: the publisher's own)")
+      ->type_name("K")
+      ->check(CLI::Range(1, 1000000).description(""));
+  fleet->add_option("--seed", options.seed, "Seed of the generated checkpoints")
+      ->type_name("N")
+      ->capture_default_str();
+  fleet->add_option("--threads", options.threads, "Threads to generate and hash checkpoints")
+      ->type_name("N")
+      ->check(CLI::Range(1, 1024).description(""))
+      ->capture_default_str();
+  fleet
+      ->add_option("--update-timeout-s", options.update_timeout_seconds,
+                   "Fail an update not served everywhere after this long (default: derived from "
+                   "full-direct's WAN bytes)")
+      ->type_name("S")
+      ->check(CLI::PositiveNumber.description(""));
+  fleet
+      ->add_option("--stream-seconds", options.stream_seconds,
+                   "Length of the loopback stream comparison with iperf3; 0 skips it")
+      ->type_name("S")
+      ->check(CLI::Range(0, 600).description(""))
+      ->capture_default_str();
+  fleet
+      ->add_option("--work-dir", options.work_dir,
+                   "Scratch directory for drops, state and role logs (default: a fresh one "
+                   "under $TMPDIR, removed at the end)")
+      ->type_name("PATH");
+  fleet->add_flag("--keep", options.keep, "Keep the work directory (drops, state, logs/)");
+  fleet
+      ->add_option("--markdown", options.markdown_out,
+                   "Write the tables as the '## Fleet benchmark' section of this Markdown file "
+                   "(replaced if present, else appended)")
+      ->type_name("PATH");
+  fleet->add_option("--json", options.json_out, "Also write the raw results as JSON here")
+      ->type_name("PATH");
+}
+
 void AddFleetCommand(CLI::App& bench_app, Action& action) {
   auto options = std::make_shared<bench::FleetBenchOptions>();
   CLI::App* fleet = bench_app.add_subcommand(
@@ -119,49 +167,7 @@ void AddFleetCommand(CLI::App& bench_app, Action& action) {
       ->type_name("MS")
       ->check(CLI::Range(0, 10000).description(""))
       ->capture_default_str();
-  fleet
-      ->add_option("--lr", options->learning_rate,
-                   "Size of each simulated optimiser step; sets how many bf16 words change")
-      ->type_name("X")
-      ->check(CheckLearningRate)
-      ->capture_default_str();
-  fleet
-      ->add_option("--keyframe-every", options->keyframe_every,
-                   "delta-relay: publisher keyframe period (default: the publisher's own)")
-      ->type_name("K")
-      ->check(CLI::Range(1, 1000000).description(""));
-  fleet->add_option("--seed", options->seed, "Seed of the generated checkpoints")
-      ->type_name("N")
-      ->capture_default_str();
-  fleet->add_option("--threads", options->threads, "Threads to generate and hash checkpoints")
-      ->type_name("N")
-      ->check(CLI::Range(1, 1024).description(""))
-      ->capture_default_str();
-  fleet
-      ->add_option("--update-timeout-s", options->update_timeout_seconds,
-                   "Fail an update not served everywhere after this long (default: derived from "
-                   "full-direct's WAN bytes)")
-      ->type_name("S")
-      ->check(CLI::PositiveNumber.description(""));
-  fleet
-      ->add_option("--stream-seconds", options->stream_seconds,
-                   "Length of the loopback stream comparison with iperf3; 0 skips it")
-      ->type_name("S")
-      ->check(CLI::Range(0, 600).description(""))
-      ->capture_default_str();
-  fleet
-      ->add_option("--work-dir", options->work_dir,
-                   "Scratch directory for drops, state and role logs (default: a fresh one "
-                   "under $TMPDIR, removed at the end)")
-      ->type_name("PATH");
-  fleet->add_flag("--keep", options->keep, "Keep the work directory (drops, state, logs/)");
-  fleet
-      ->add_option("--markdown", options->markdown_out,
-                   "Write the tables as the '## Fleet benchmark' section of this Markdown file "
-                   "(replaced if present, else appended)")
-      ->type_name("PATH");
-  fleet->add_option("--json", options->json_out, "Also write the raw results as JSON here")
-      ->type_name("PATH");
+  AddFleetRunOptions(fleet, *options);
   fleet->footer(
       "\nExamples:\n"
       "  flywheel bench fleet --params 20000000 --updates 2\n"

@@ -266,11 +266,7 @@ void AddTransferOptions(CLI::App* app, SyncArgs& args) {
       ->check(CLI::Range(1, 256));
 }
 
-}  // namespace
-
-void AddSyncCommands(CLI::App& app, Action& action) {
-  auto args = std::make_shared<SyncArgs>();
-
+void AddPublish(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
   CLI::App* publish = app.add_subcommand(
       "publish",
       "Serve policy versions to relays and workers (the trainer side).\n"
@@ -325,7 +321,9 @@ void AddSyncCommands(CLI::App& app, Action& action) {
       "  flywheel publish --listen 0.0.0.0:7000 --http 0.0.0.0:7080 --state-dir /var/lib/fw \\\n"
       "      --watch /checkpoints/drops --token-file /etc/fw/token");
   publish->callback([args, &action] { action = [args] { return RunPublish(*args); }; });
+}
 
+void AddRelay(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
   CLI::App* relay = app.add_subcommand(
       "relay",
       "Cache and fan out versions within one region.\n"
@@ -342,7 +340,9 @@ void AddSyncCommands(CLI::App& app, Action& action) {
       "  flywheel relay --region eu --upstream trainer.example:7000 --listen 0.0.0.0:7100 \\\n"
       "      --http 0.0.0.0:7180 --wan-rate 125000000");
   relay->callback([args, &action] { action = [args] { return RunRelay(*args); }; });
+}
 
+void AddWorker(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
   CLI::App* worker = app.add_subcommand(
       "worker",
       "Hold the serving weights in memory and keep them at the newest version.\n"
@@ -392,6 +392,16 @@ void AddSyncCommands(CLI::App& app, Action& action) {
       "  flywheel worker --region eu --upstream relay-eu:7100 --upstream trainer.example:7000 \\\n"
       "      --http 0.0.0.0:7280 --export-dir /dev/shm/policy");
   worker->callback([args, &action] { action = [args] { return RunWorker(*args); }; });
+}
+
+}  // namespace
+
+void AddSyncCommands(CLI::App& app, Action& action) {
+  // One SyncArgs for the three roles: CLI11 runs only the chosen subcommand's callback.
+  auto args = std::make_shared<SyncArgs>();
+  AddPublish(app, args, action);
+  AddRelay(app, args, action);
+  AddWorker(app, args, action);
 }
 
 }  // namespace flywheel::tools

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Function length in the top layers: no function body in rl/, pipeline/ or tools/ may be
+longer than --max lines (default 80), so that the code that wires the system together
+reads as parts with names.
+
+A function is found by its body: a `{` that closes a signature (`...)`, `...) const`,
+`...) -> T`, `...) override`, a constructor's initialiser list) at any nesting level that is
+not itself inside a function. Lines are counted from the signature's first line to the
+closing brace. Lambdas and local classes count towards the function that holds them.
+
+  function_length.py [--root DIR] [--max N] [--report K] [FOLDER ...]
+  function_length.py --self-test
+"""
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+
+FOLDERS = ["rl", "pipeline", "tools"]
+SUFFIXES = (".cc", ".h")
+NOT_A_FUNCTION = re.compile(r"^\s*(namespace|struct|class|union|enum|extern)\b|=\s*$|\[\]\s*$")
+
+
+def strip(text):
+    """Blanks out comments and string/char literals, keeping line structure."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+        elif text.startswith('R"', i):
+            m = re.match(r'R"([^(]*)\(', text[i:])
+            end = text.find(")" + m.group(1) + '"', i) if m else -1
+            j = n if end < 0 else end + len(m.group(1)) + 2
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            out.append(c + " " * (min(j, n) - i - 1) + (c if j < n else ""))
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def functions(text):
+    """Yields (name, first_line, line_count) for every function body in `text`."""
+    code = strip(text)
+    depth = 0
+    inside = None  # (depth at which the function's body opened, name, first line)
+    line = 1
+    stack = []  # the kind of each open brace: "function" / "scope"
+    for i, c in enumerate(code):
+        if c == "\n":
+            line += 1
+        elif c == "{":
+            if inside is None:
+                head = code[max(0, i - 2000):i]
+                # The text since the previous ; { or } is this brace's declaration.
+                start = max(head.rfind(";"), head.rfind("{"), head.rfind("}")) + 1
+                decl = head[start:].strip()
+                if (")" in decl and "(" in decl and not NOT_A_FUNCTION.search(decl)
+                        and not re.search(r"\b(if|for|while|switch|catch)\s*\(", decl.split("(")[0] + "(")):
+                    name_match = re.search(r"([~\w:<>]+)\s*\(", decl)
+                    first = line - head[start:].strip("\n").count("\n") + (
+                        len(head[start:]) - len(head[start:].lstrip("\n")) and 0)
+                    first = line - decl.count("\n")
+                    inside = (depth, name_match.group(1) if name_match else "?", first)
+                    stack.append("function")
+                else:
+                    stack.append("scope")
+            else:
+                stack.append("inner")
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            kind = stack.pop() if stack else "scope"
+            if kind == "function" and inside is not None and inside[0] == depth:
+                yield inside[1], inside[2], line - inside[2] + 1
+                inside = None
+    return
+
+
+def measure(root, folders):
+    found = []
+    for folder in folders:
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for name in sorted(files):
+                if name.endswith(SUFFIXES):
+                    path = os.path.join(dirpath, name)
+                    with open(path, encoding="utf-8", errors="replace") as f:
+                        text = f.read()
+                    rel = os.path.relpath(path, root)
+                    for fn, first, count in functions(text):
+                        found.append((count, rel, first, fn))
+    found.sort(reverse=True)
+    return found
+
+
+def self_test():
+    sample = (
+        "namespace a {\n"                   # 1
+        "struct S { int f() const { return 1; } };\n"  # 2: f, 1 line
+        "// int fake() {\n"                 # 3
+        "Status Long(int x,\n"              # 4
+        "            int y) {\n"            # 5
+        "  if (x) {\n"                      # 6
+        "    auto l = [&] { return \"}\"; };\n"  # 7
+        "  }\n"                             # 8
+        "  return Ok();\n"                  # 9
+        "}\n"                               # 10: Long = lines 4..10 = 7
+        "const int kTable[] = {1, 2};\n"    # 11: not a function
+        "}  // namespace a\n"
+    )
+    got = {name: count for name, _, count in functions(sample)}
+    want = {"f": 1, "Long": 7}
+    if got != want:
+        print(f"self-test FAILED: {got} != {want}")
+        return 1
+    print("self-test: function bodies measured as expected")
+    return 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "..", ".."))
+    parser.add_argument("--max", type=int, default=80)
+    parser.add_argument("--report", type=int, default=5, help="print the K longest")
+    parser.add_argument("--self-test", action="store_true")
+    parser.add_argument("folders", nargs="*", default=FOLDERS)
+    args = parser.parse_args()
+    if args.self_test:
+        return self_test()
+    found = measure(os.path.abspath(args.root), args.folders)
+    for count, rel, first, fn in found[:args.report]:
+        print(f"{count:5d} lines  {rel}:{first}  {fn}")
+    over = [f for f in found if f[0] > args.max]
+    if over:
+        print(f"{len(over)} function(s) in {', '.join(args.folders)} are longer than {args.max} lines")
+        return 1
+    print(f"longest function in {', '.join(args.folders)}: {found[0][0] if found else 0} lines "
+          f"(limit {args.max})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
