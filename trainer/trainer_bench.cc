@@ -22,11 +22,6 @@ double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 // Sequences whose continuation is learnable (a repeating pattern per sequence, with noise),
 // so SFT makes real progress and the RL steps start from a trained model.
 std::vector<Datum> MakeBatch(int sequences, int length, int64_t vocab, uint64_t seed) {
@@ -90,51 +85,25 @@ int64_t CountParameters(TrainingClient& client) {
 
 Result<ThroughputRow> Throughput(const std::string& name, const model::ModelConfig& config,
                                  const TrainerBenchOptions& options, std::ostream& progress) {
-  FW_ASSIGN_OR_RETURN(auto client,
-                      TrainingClient::Create({.config = config, .seed = options.seed}));
+  FW_ASSIGN_OR_RETURN(FusedVsCustomTiming timing,
+                      MeasureFusedVsCustom(config,
+                                           {.sequences = options.sequences,
+                                            .sequence_length = options.sequence_length,
+                                            .warmup = options.warmup,
+                                            .repetitions = options.repetitions,
+                                            .seed = options.seed},
+                                           name, &progress));
   ThroughputRow row;
   row.model = name;
-  row.parameters = CountParameters(*client);
-  auto batch =
-      MakeBatch(options.sequences, options.sequence_length, config.vocab_size, options.seed + 1);
-  FW_RETURN_IF_ERROR(AddRlFields(*client, batch, options.seed + 2));
-  for (const Datum& d : batch) row.tokens += static_cast<int64_t>(d.tokens.size());
-  const LossConfig ppo{.clip_low = 0.2, .clip_high = 0.28};
-  CustomLossFn custom = [&](const std::vector<Datum>& datums,
-                            const std::vector<torch::Tensor>& lps) {
-    return UserPpo(datums, lps, ppo.clip_low, ppo.clip_high);
-  };
-  // lr 0 and no decay: optim_step only clears the gradients, the weights stay put, so every
-  // call sees the same model and the two losses can be compared.
-  const AdamWParams clear{.lr = 0, .weight_decay = 0, .grad_clip = 0};
-  std::vector<double> fused, custom_times, forward;
-  double fused_loss = 0, custom_loss = 0;
-  for (int i = 0; i < options.warmup + options.repetitions; ++i) {
-    const bool timed = i >= options.warmup;
-    auto start = Clock::now();
-    FW_ASSIGN_OR_RETURN(Metrics m, client->ForwardBackward(batch, "ppo", ppo));
-    if (timed) fused.push_back(Seconds(start));
-    fused_loss = m.loss;
-    FW_RETURN_IF_ERROR(client->OptimStep(clear).status());
-
-    start = Clock::now();
-    FW_ASSIGN_OR_RETURN(Metrics c, client->ForwardBackwardCustom(batch, custom));
-    if (timed) custom_times.push_back(Seconds(start));
-    custom_loss = c.loss;
-    FW_RETURN_IF_ERROR(client->OptimStep(clear).status());
-
-    start = Clock::now();
-    FW_RETURN_IF_ERROR(client->Forward(batch).status());
-    if (timed) forward.push_back(Seconds(start));
-    progress << "[trainer bench] " << name << ": " << (timed ? "rep " : "warmup ")
-             << (timed ? i - options.warmup + 1 : i + 1) << "  fused " << (timed ? fused.back() : 0)
-             << " s, custom " << (timed ? custom_times.back() : 0) << " s\n"
-             << std::flush;
-  }
-  row.fused_seconds = Median(fused);
-  row.custom_seconds = Median(custom_times);
-  row.forward_seconds = Median(forward);
-  row.loss_difference = std::abs(fused_loss - custom_loss);
+  row.parameters = timing.parameters;
+  row.tokens = timing.tokens;
+  row.fused = Summarize(timing.fused);
+  row.custom = Summarize(timing.custom);
+  row.forward = Summarize(timing.forward);
+  row.pair_ratio = timing.MedianPairRatio();
+  row.warmup_fused = timing.warmup_fused;
+  row.warmup_custom = timing.warmup_custom;
+  row.loss_difference = timing.loss_difference;
   return row;
 }
 
@@ -209,6 +178,95 @@ Result<std::vector<SparsityRow>> Sparsity(const TrainerBenchOptions& options,
 }
 
 }  // namespace
+
+Spread Summarize(const std::vector<double>& seconds) {
+  if (seconds.empty()) return {};
+  std::vector<double> sorted = seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  return {.min = sorted.front(), .median = median, .max = sorted.back()};
+}
+
+double FusedVsCustomTiming::MedianPairRatio() const {
+  std::vector<double> ratios;
+  for (size_t i = 0; i < fused.size() && i < custom.size(); ++i) {
+    if (fused[i] > 0) ratios.push_back(custom[i] / fused[i]);
+  }
+  return Summarize(ratios).median;
+}
+
+Result<FusedVsCustomTiming> MeasureFusedVsCustom(const model::ModelConfig& config,
+                                                 const FusedVsCustomOptions& options,
+                                                 const std::string& name, std::ostream* progress) {
+  if (options.sequences < 1 || options.sequence_length < 2 || options.repetitions < 1 ||
+      options.warmup < 0) {
+    return Status::InvalidArgument(
+        "fused vs custom: sequences and repetitions must be >= 1, sequence length >= 2, "
+        "warmup >= 0");
+  }
+  FW_ASSIGN_OR_RETURN(auto client,
+                      TrainingClient::Create({.config = config, .seed = options.seed}));
+  FusedVsCustomTiming timing;
+  timing.parameters = CountParameters(*client);
+  auto batch =
+      MakeBatch(options.sequences, options.sequence_length, config.vocab_size, options.seed + 1);
+  FW_RETURN_IF_ERROR(AddRlFields(*client, batch, options.seed + 2));
+  for (const Datum& d : batch) timing.tokens += static_cast<int64_t>(d.tokens.size());
+  const LossConfig ppo{.clip_low = 0.2, .clip_high = 0.28};
+  CustomLossFn custom = [&](const std::vector<Datum>& datums,
+                            const std::vector<torch::Tensor>& lps) {
+    return UserPpo(datums, lps, ppo.clip_low, ppo.clip_high);
+  };
+  // Every call starts from no gradients, the same weights and the same optimizer state:
+  // the gradients are dropped, not stepped on (an optimizer step would also move the
+  // moments and the step count, and a real step the weights).
+  auto fused_call = [&]() -> Result<std::pair<double, double>> {
+    const auto start = Clock::now();
+    FW_ASSIGN_OR_RETURN(Metrics m, client->ForwardBackward(batch, "ppo", ppo));
+    const double seconds = Seconds(start);
+    client->DiscardGradients();
+    return std::make_pair(seconds, m.loss);
+  };
+  auto custom_call = [&]() -> Result<std::pair<double, double>> {
+    const auto start = Clock::now();
+    FW_ASSIGN_OR_RETURN(Metrics m, client->ForwardBackwardCustom(batch, custom));
+    const double seconds = Seconds(start);
+    client->DiscardGradients();
+    return std::make_pair(seconds, m.loss);
+  };
+  for (int i = 0; i < options.warmup + options.repetitions; ++i) {
+    const bool timed = i >= options.warmup;
+    std::pair<double, double> f, c;
+    if (i % 2 == 0) {
+      FW_ASSIGN_OR_RETURN(f, fused_call());
+      FW_ASSIGN_OR_RETURN(c, custom_call());
+    } else {
+      FW_ASSIGN_OR_RETURN(c, custom_call());
+      FW_ASSIGN_OR_RETURN(f, fused_call());
+    }
+    timing.loss_difference = std::max(timing.loss_difference, std::abs(f.second - c.second));
+    (timed ? timing.fused : timing.warmup_fused).push_back(f.first);
+    (timed ? timing.custom : timing.warmup_custom).push_back(c.first);
+    double forward_seconds = 0;
+    if (options.forward) {
+      const auto start = Clock::now();
+      FW_RETURN_IF_ERROR(client->Forward(batch).status());
+      forward_seconds = Seconds(start);
+      if (timed) timing.forward.push_back(forward_seconds);
+    }
+    if (progress) {
+      *progress << "[trainer bench] " << name << ": "
+                << (timed ? "rep " + std::to_string(i - options.warmup + 1)
+                          : "warmup " + std::to_string(i + 1))
+                << (i % 2 == 0 ? " (fused first)" : " (custom first)") << "  fused " << f.first
+                << " s, custom " << c.first << " s, ratio " << c.first / f.first;
+      if (options.forward) *progress << ", forward " << forward_seconds << " s";
+      *progress << "\n" << std::flush;
+    }
+  }
+  return timing;
+}
 
 Result<TrainerBenchResult> RunTrainerBench(const TrainerBenchOptions& options,
                                            std::ostream& progress) {

@@ -1,5 +1,6 @@
 #include "trainer/training_client.h"
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -69,6 +70,26 @@ std::string ReadFile(const fs::path& path) {
 }
 
 }  // namespace
+
+namespace {
+
+// Looked up at run time: the OpenBLAS symbols are not part of the BLAS interface libtorch
+// links against (libblas.so.3 may be another implementation).
+using SetThreadsFn = void (*)(int);
+using GetThreadsFn = int (*)();
+
+}  // namespace
+
+int SetBlasThreads(int threads) {
+  auto set = reinterpret_cast<SetThreadsFn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (set != nullptr && threads > 0) set(threads);
+  return BlasThreads();
+}
+
+int BlasThreads() {
+  auto get = reinterpret_cast<GetThreadsFn>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : 0;
+}
 
 Status AdamWParams::Validate() const {
   auto bad = [](const std::string& what, double v) {
@@ -447,6 +468,13 @@ Result<Metrics> TrainingClient::OptimStep(const AdamWParams& params) {
   pending_norm_ = 0;
   pending_tokens_ = 0;
   return metrics;
+}
+
+void TrainingClient::DiscardGradients() {
+  for (auto& [name, p] : trainable_) p.mutable_grad() = torch::Tensor();
+  have_pending_ = false;
+  pending_norm_ = 0;
+  pending_tokens_ = 0;
 }
 
 Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) {

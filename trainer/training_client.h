@@ -103,6 +103,13 @@ struct TrainerOptions {
   std::optional<DataParallelOptions> data_parallel;
 };
 
+// OpenBLAS, the BLAS Debian's libtorch calls for its matmuls, keeps a pthread pool of its
+// own (one thread per core) beside torch's OpenMP intra-op pool. Sets OpenBLAS's thread
+// count (found at run time; a no-op when the process's BLAS is not OpenBLAS) and returns
+// the count in effect afterwards, 0 when there is no OpenBLAS.
+int SetBlasThreads(int threads);
+int BlasThreads();
+
 // The user loss of ForwardBackwardCustom: given the datums and their current logprobs
 // (one 1-D fp32 tensor of length T per datum, requiring grad), return a scalar loss.
 using CustomLossFn = std::function<Result<torch::Tensor>(const std::vector<Datum>&,
@@ -125,6 +132,10 @@ class TrainingClient {
   // global-norm clipping; clears the gradients. Data parallel: gradients, normalisers and
   // token counts are summed over the ranks first (a rank may contribute nothing).
   Result<Metrics> OptimStep(const AdamWParams& params);
+  // Drops the gradients accumulated since the last step without stepping: weights,
+  // optimizer moments and the step count stay as they were (a skipped batch; benchmarks
+  // that repeat the same call).
+  void DiscardGradients();
 
   // Casts the weights (LoRA: only the adapters) to the serving dtype, hashes them and, when
   // a publisher is attached, publishes them as `version` (must exceed the last one).
