@@ -1,5 +1,6 @@
 #include "trainer/trainer_bench.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,6 +22,38 @@ using Clock = std::chrono::steady_clock;
 double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
+
+// What one call cost: wall time, CPU time of all the process's threads (less sensitive to
+// other processes on a shared machine than wall time), and minor page faults (fresh pages
+// the allocator had returned to the kernel).
+struct Cost {
+  double wall = 0, cpu = 0;
+  int64_t faults = 0;
+  double loss = 0;
+};
+
+class CostMeter {
+ public:
+  CostMeter() : start_(Clock::now()), cpu_(CpuSeconds()), faults_(Faults()) {}
+  Cost Stop(double loss) const {
+    return {Seconds(start_), CpuSeconds() - cpu_, Faults() - faults_, loss};
+  }
+
+ private:
+  static double CpuSeconds() {
+    timespec t{};
+    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+  }
+  static int64_t Faults() {
+    rusage usage{};
+    ::getrusage(RUSAGE_SELF, &usage);
+    return usage.ru_minflt;
+  }
+  Clock::time_point start_;
+  double cpu_;
+  int64_t faults_;
+};
 
 // Sequences whose continuation is learnable (a repeating pattern per sequence, with noise),
 // so SFT makes real progress and the RL steps start from a trained model.
@@ -91,7 +124,8 @@ Result<ThroughputRow> Throughput(const std::string& name, const model::ModelConf
                                             .sequence_length = options.sequence_length,
                                             .warmup = options.warmup,
                                             .repetitions = options.repetitions,
-                                            .seed = options.seed},
+                                            .seed = options.seed,
+                                            .threads = options.threads},
                                            name, &progress));
   ThroughputRow row;
   row.model = name;
@@ -129,7 +163,8 @@ Result<std::vector<SparsityRow>> Sparsity(const TrainerBenchOptions& options,
                                           std::ostream& progress) {
   const model::ModelConfig config = model::DemoDenseConfig();
   FW_ASSIGN_OR_RETURN(auto client,
-                      TrainingClient::Create({.config = config, .seed = options.seed}));
+                      TrainingClient::Create(
+                          {.config = config, .seed = options.seed, .threads = options.threads}));
   // Shorter sequences for the many pretraining steps.
   auto sft = MakeBatch(options.sequences, std::min(options.sequence_length, 128), config.vocab_size,
                        options.seed + 3);
@@ -188,12 +223,21 @@ Spread Summarize(const std::vector<double>& seconds) {
   return {.min = sorted.front(), .median = median, .max = sorted.back()};
 }
 
-double FusedVsCustomTiming::MedianPairRatio() const {
+namespace {
+
+double MedianRatio(const std::vector<double>& numerators, const std::vector<double>& denominators) {
   std::vector<double> ratios;
-  for (size_t i = 0; i < fused.size() && i < custom.size(); ++i) {
-    if (fused[i] > 0) ratios.push_back(custom[i] / fused[i]);
+  for (size_t i = 0; i < numerators.size() && i < denominators.size(); ++i) {
+    if (denominators[i] > 0) ratios.push_back(numerators[i] / denominators[i]);
   }
   return Summarize(ratios).median;
+}
+
+}  // namespace
+
+double FusedVsCustomTiming::MedianPairRatio() const { return MedianRatio(custom, fused); }
+double FusedVsCustomTiming::MedianPairCpuRatio() const {
+  return MedianRatio(custom_cpu, fused_cpu);
 }
 
 Result<FusedVsCustomTiming> MeasureFusedVsCustom(const model::ModelConfig& config,
@@ -205,8 +249,9 @@ Result<FusedVsCustomTiming> MeasureFusedVsCustom(const model::ModelConfig& confi
         "fused vs custom: sequences and repetitions must be >= 1, sequence length >= 2, "
         "warmup >= 0");
   }
-  FW_ASSIGN_OR_RETURN(auto client,
-                      TrainingClient::Create({.config = config, .seed = options.seed}));
+  FW_ASSIGN_OR_RETURN(auto client, TrainingClient::Create({.config = config,
+                                                            .seed = options.seed,
+                                                            .threads = options.threads}));
   FusedVsCustomTiming timing;
   timing.parameters = CountParameters(*client);
   auto batch =
@@ -221,23 +266,23 @@ Result<FusedVsCustomTiming> MeasureFusedVsCustom(const model::ModelConfig& confi
   // Every call starts from no gradients, the same weights and the same optimizer state:
   // the gradients are dropped, not stepped on (an optimizer step would also move the
   // moments and the step count, and a real step the weights).
-  auto fused_call = [&]() -> Result<std::pair<double, double>> {
-    const auto start = Clock::now();
+  auto fused_call = [&]() -> Result<Cost> {
+    const CostMeter meter;
     FW_ASSIGN_OR_RETURN(Metrics m, client->ForwardBackward(batch, "ppo", ppo));
-    const double seconds = Seconds(start);
+    const Cost cost = meter.Stop(m.loss);
     client->DiscardGradients();
-    return std::make_pair(seconds, m.loss);
+    return cost;
   };
-  auto custom_call = [&]() -> Result<std::pair<double, double>> {
-    const auto start = Clock::now();
+  auto custom_call = [&]() -> Result<Cost> {
+    const CostMeter meter;
     FW_ASSIGN_OR_RETURN(Metrics m, client->ForwardBackwardCustom(batch, custom));
-    const double seconds = Seconds(start);
+    const Cost cost = meter.Stop(m.loss);
     client->DiscardGradients();
-    return std::make_pair(seconds, m.loss);
+    return cost;
   };
   for (int i = 0; i < options.warmup + options.repetitions; ++i) {
     const bool timed = i >= options.warmup;
-    std::pair<double, double> f, c;
+    Cost f, c;
     if (i % 2 == 0) {
       FW_ASSIGN_OR_RETURN(f, fused_call());
       FW_ASSIGN_OR_RETURN(c, custom_call());
@@ -245,23 +290,29 @@ Result<FusedVsCustomTiming> MeasureFusedVsCustom(const model::ModelConfig& confi
       FW_ASSIGN_OR_RETURN(c, custom_call());
       FW_ASSIGN_OR_RETURN(f, fused_call());
     }
-    timing.loss_difference = std::max(timing.loss_difference, std::abs(f.second - c.second));
-    (timed ? timing.fused : timing.warmup_fused).push_back(f.first);
-    (timed ? timing.custom : timing.warmup_custom).push_back(c.first);
-    double forward_seconds = 0;
+    timing.loss_difference = std::max(timing.loss_difference, std::abs(f.loss - c.loss));
+    (timed ? timing.fused : timing.warmup_fused).push_back(f.wall);
+    (timed ? timing.custom : timing.warmup_custom).push_back(c.wall);
+    if (timed) {
+      timing.fused_cpu.push_back(f.cpu);
+      timing.custom_cpu.push_back(c.cpu);
+    }
+    Cost forward;
     if (options.forward) {
-      const auto start = Clock::now();
+      const CostMeter meter;
       FW_RETURN_IF_ERROR(client->Forward(batch).status());
-      forward_seconds = Seconds(start);
-      if (timed) timing.forward.push_back(forward_seconds);
+      forward = meter.Stop(0);
+      if (timed) timing.forward.push_back(forward.wall);
     }
     if (progress) {
       *progress << "[trainer bench] " << name << ": "
                 << (timed ? "rep " + std::to_string(i - options.warmup + 1)
                           : "warmup " + std::to_string(i + 1))
-                << (i % 2 == 0 ? " (fused first)" : " (custom first)") << "  fused " << f.first
-                << " s, custom " << c.first << " s, ratio " << c.first / f.first;
-      if (options.forward) *progress << ", forward " << forward_seconds << " s";
+                << (i % 2 == 0 ? " (fused first)" : " (custom first)") << "  fused " << f.wall
+                << " s (cpu " << f.cpu << " s, " << f.faults << " faults), custom " << c.wall
+                << " s (cpu " << c.cpu << " s, " << c.faults << " faults), ratio "
+                << c.wall / f.wall << " (cpu " << c.cpu / f.cpu << ")";
+      if (options.forward) *progress << ", forward " << forward.wall << " s";
       *progress << "\n" << std::flush;
     }
   }
@@ -282,11 +333,12 @@ Result<TrainerBenchResult> RunTrainerBench(const TrainerBenchOptions& options,
       return Status::InvalidArgument("bench trainer: learning rate " + std::to_string(lr) +
                                      " is not in (0, 1)");
   }
-  torch::set_num_threads(options.threads > 0
-                             ? options.threads
-                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  // The split every TrainingClient makes (trainer/training_client.h): the bench measures
+  // the trainer as it runs, not a configuration of its own.
+  const CpuThreads threads = ConfigureCpuThreads(options.threads);
   TrainerBenchResult result;
-  result.threads = torch::get_num_threads();
+  result.threads = threads.torch;
+  result.blas_threads = threads.blas;
   result.dense_config = model::DemoDenseConfig().ToJson().dump();
   result.moe_config = model::DemoMoeConfig().ToJson().dump();
   FW_ASSIGN_OR_RETURN(ThroughputRow dense,

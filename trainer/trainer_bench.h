@@ -37,7 +37,7 @@ struct TrainerBenchOptions {
   int rl_steps = 3;
   std::vector<double> learning_rates = {1e-6, 1e-5};
   uint64_t seed = 1;
-  int threads = 0;  // torch threads; 0: one per hardware thread
+  int threads = 0;  // TrainerOptions::threads (trainer/training_client.h ConfigureCpuThreads)
 };
 
 // Seconds of the timed repetitions of one kind of call.
@@ -58,6 +58,7 @@ struct FusedVsCustomOptions {
   int repetitions = 5;  // timed pairs
   uint64_t seed = 1;
   bool forward = true;  // also time a no-grad forward per pair
+  int threads = 0;      // TrainerOptions::threads of the client
 };
 
 struct FusedVsCustomTiming {
@@ -67,10 +68,14 @@ struct FusedVsCustomTiming {
   // when odd, so a drift in machine speed falls on both paths alike.
   std::vector<double> warmup_fused, warmup_custom;
   std::vector<double> fused, custom, forward;
+  // CPU seconds of the whole process (all threads) per timed call: what the call cost the
+  // machine, nearly independent of how many other processes share the cores.
+  std::vector<double> fused_cpu, custom_cpu;
   double loss_difference = 0;  // max |fused - custom| over all calls (same batch and weights)
 
   // Median over the timed pairs of custom_i / fused_i: a noisy pair moves it by one rank.
   double MedianPairRatio() const;
+  double MedianPairCpuRatio() const;  // the same for the CPU seconds
 };
 
 // REQUIRES: options.sequences >= 1, sequence_length >= 2, repetitions >= 1, warmup >= 0.
