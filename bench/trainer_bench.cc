@@ -1,6 +1,7 @@
 #include "bench/trainer_bench.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <iostream>
 #include <map>
@@ -41,11 +42,18 @@ Status RunTrainerReport(const TrainerReportOptions& options, std::ostream& out) 
                          "median [min-max] per call, spread = (max-min)/median, ratio = median "
                          "over pairs of custom/fused; bound = 1 + forward/fused, the ratio if "
                          "the custom path cost exactly one extra no-grad forward\n";
+  // Timings on a shared machine mean little without the load they were taken under.
+  double load_before[1] = {-1};
+  ::getloadavg(load_before, 1);
   FW_ASSIGN_OR_RETURN(trainer::TrainerBenchResult result, trainer::RunTrainerBench(b, std::cerr));
+  double load_after[1] = {-1};
+  ::getloadavg(load_after, 1);
   preamble += "machine: " + std::to_string(std::thread::hardware_concurrency()) +
               " hardware threads, torch threads " + std::to_string(result.threads) +
               ", OpenBLAS threads " +
-              (result.blas_threads > 0 ? std::to_string(result.blas_threads) : "n/a") + "\n";
+              (result.blas_threads > 0 ? std::to_string(result.blas_threads) : "n/a") +
+              ", load average " + Fixed(load_before[0], 2) + " before, " +
+              Fixed(load_after[0], 2) + " after\n";
   preamble += "dense model: " + result.dense_config + "\n";
   preamble += "moe model: " + result.moe_config + "\n";
   preamble += "sparsity: demo dense model after " + std::to_string(b.pretrain_steps) +
