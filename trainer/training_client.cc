@@ -71,10 +71,6 @@ std::string ReadFile(const fs::path& path) {
   return text.str();
 }
 
-}  // namespace
-
-namespace {
-
 // Looked up at run time: the OpenBLAS symbols are not part of the BLAS interface libtorch
 // links against (libblas.so.3 may be another implementation).
 using SetThreadsFn = void (*)(int);

@@ -109,7 +109,7 @@ struct TrainerOptions {
 // its work before sleeping, so on a small machine the two take each other's cores: a
 // 2-thread OpenMP region or GEMM then waits for a thread that is spinning in the other
 // pool. On 2 busy cores that made a forward_backward take 5-17x its CPU time instead of ~3x
-// and swing the fused/custom ratio between 0.4x and 2.5x (NOTES-issue20.md). So one pool
+// and swing the fused/custom ratio between 0.4x and 2.5x (issue 20). So one pool
 // gets the cores: OpenBLAS (the matmuls are most of the work) gets `threads` (0: one per
 // hardware thread) and torch's own ops run on the calling thread. Without OpenBLAS (looked
 // up at run time; libblas.so.3 may be another BLAS), torch gets `threads` as before.
