@@ -1,5 +1,6 @@
 #include "bench/trainer_measure.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -22,10 +23,37 @@ double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+// What one call cost: wall time, CPU time of all the process's threads (less sensitive to
+// other processes on a shared machine than wall time), and minor page faults (fresh pages
+// the allocator had returned to the kernel).
+struct Cost {
+  double wall = 0, cpu = 0;
+  int64_t faults = 0;
+  double loss = 0;
+};
+
+class CostMeter {
+ public:
+  CostMeter() : start_(Clock::now()), cpu_(CpuSeconds()), faults_(Faults()) {}
+  Cost Stop(double loss) const {
+    return {Seconds(start_), CpuSeconds() - cpu_, Faults() - faults_, loss};
+  }
+
+ private:
+  static double CpuSeconds() {
+    timespec t{};
+    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+  }
+  static int64_t Faults() {
+    rusage usage{};
+    ::getrusage(RUSAGE_SELF, &usage);
+    return usage.ru_minflt;
+  }
+  Clock::time_point start_;
+  double cpu_;
+  int64_t faults_;
+};
 
 // Sequences whose continuation is learnable (a repeating pattern per sequence, with noise),
 // so SFT makes real progress and the RL steps start from a trained model.
@@ -90,51 +118,26 @@ int64_t CountParameters(TrainingClient& client) {
 
 Result<ThroughputRow> Throughput(const std::string& name, const model::ModelConfig& config,
                                  const TrainerBenchOptions& options, std::ostream& progress) {
-  FW_ASSIGN_OR_RETURN(auto client,
-                      TrainingClient::Create({.config = config, .seed = options.seed}));
+  FW_ASSIGN_OR_RETURN(FusedVsCustomTiming timing,
+                      MeasureFusedVsCustom(config,
+                                           {.sequences = options.sequences,
+                                            .sequence_length = options.sequence_length,
+                                            .warmup = options.warmup,
+                                            .repetitions = options.repetitions,
+                                            .seed = options.seed,
+                                            .threads = options.threads},
+                                           name, &progress));
   ThroughputRow row;
   row.model = name;
-  row.parameters = CountParameters(*client);
-  auto batch =
-      MakeBatch(options.sequences, options.sequence_length, config.vocab_size, options.seed + 1);
-  FW_RETURN_IF_ERROR(AddRlFields(*client, batch, options.seed + 2));
-  for (const Datum& d : batch) row.tokens += static_cast<int64_t>(d.tokens.size());
-  const LossConfig ppo{.clip_low = 0.2, .clip_high = 0.28};
-  CustomLossFn custom = [&](const std::vector<Datum>& datums,
-                            const std::vector<torch::Tensor>& lps) {
-    return UserPpo(datums, lps, ppo.clip_low, ppo.clip_high);
-  };
-  // lr 0 and no decay: optim_step only clears the gradients, the weights stay put, so every
-  // call sees the same model and the two losses can be compared.
-  const AdamWParams clear{.lr = 0, .weight_decay = 0, .grad_clip = 0};
-  std::vector<double> fused, custom_times, forward;
-  double fused_loss = 0, custom_loss = 0;
-  for (int i = 0; i < options.warmup + options.repetitions; ++i) {
-    const bool timed = i >= options.warmup;
-    auto start = Clock::now();
-    FW_ASSIGN_OR_RETURN(Metrics m, client->ForwardBackward(batch, "ppo", ppo));
-    if (timed) fused.push_back(Seconds(start));
-    fused_loss = m.loss;
-    FW_RETURN_IF_ERROR(client->OptimStep(clear).status());
-
-    start = Clock::now();
-    FW_ASSIGN_OR_RETURN(Metrics c, client->ForwardBackwardCustom(batch, custom));
-    if (timed) custom_times.push_back(Seconds(start));
-    custom_loss = c.loss;
-    FW_RETURN_IF_ERROR(client->OptimStep(clear).status());
-
-    start = Clock::now();
-    FW_RETURN_IF_ERROR(client->Forward(batch).status());
-    if (timed) forward.push_back(Seconds(start));
-    progress << "[trainer bench] " << name << ": " << (timed ? "rep " : "warmup ")
-             << (timed ? i - options.warmup + 1 : i + 1) << "  fused " << (timed ? fused.back() : 0)
-             << " s, custom " << (timed ? custom_times.back() : 0) << " s\n"
-             << std::flush;
-  }
-  row.fused_seconds = Median(fused);
-  row.custom_seconds = Median(custom_times);
-  row.forward_seconds = Median(forward);
-  row.loss_difference = std::abs(fused_loss - custom_loss);
+  row.parameters = timing.parameters;
+  row.tokens = timing.tokens;
+  row.fused = Summarize(timing.fused);
+  row.custom = Summarize(timing.custom);
+  row.forward = Summarize(timing.forward);
+  row.pair_ratio = timing.MedianPairRatio();
+  row.warmup_fused = timing.warmup_fused;
+  row.warmup_custom = timing.warmup_custom;
+  row.loss_difference = timing.loss_difference;
   return row;
 }
 
@@ -160,7 +163,8 @@ Result<std::vector<SparsityRow>> Sparsity(const TrainerBenchOptions& options,
                                           std::ostream& progress) {
   const model::ModelConfig config = model::DemoDenseConfig();
   FW_ASSIGN_OR_RETURN(auto client,
-                      TrainingClient::Create({.config = config, .seed = options.seed}));
+                      TrainingClient::Create(
+                          {.config = config, .seed = options.seed, .threads = options.threads}));
   // Shorter sequences for the many pretraining steps.
   auto sft = MakeBatch(options.sequences, std::min(options.sequence_length, 128), config.vocab_size,
                        options.seed + 3);
@@ -210,6 +214,111 @@ Result<std::vector<SparsityRow>> Sparsity(const TrainerBenchOptions& options,
 
 }  // namespace
 
+Spread Summarize(const std::vector<double>& seconds) {
+  if (seconds.empty()) return {};
+  std::vector<double> sorted = seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  return {.min = sorted.front(), .median = median, .max = sorted.back()};
+}
+
+namespace {
+
+double MedianRatio(const std::vector<double>& numerators, const std::vector<double>& denominators) {
+  std::vector<double> ratios;
+  for (size_t i = 0; i < numerators.size() && i < denominators.size(); ++i) {
+    if (denominators[i] > 0) ratios.push_back(numerators[i] / denominators[i]);
+  }
+  return Summarize(ratios).median;
+}
+
+}  // namespace
+
+double FusedVsCustomTiming::MedianPairRatio() const { return MedianRatio(custom, fused); }
+double FusedVsCustomTiming::MedianPairCpuRatio() const {
+  return MedianRatio(custom_cpu, fused_cpu);
+}
+
+Result<FusedVsCustomTiming> MeasureFusedVsCustom(const model::ModelConfig& config,
+                                                 const FusedVsCustomOptions& options,
+                                                 const std::string& name, std::ostream* progress) {
+  if (options.sequences < 1 || options.sequence_length < 2 || options.repetitions < 1 ||
+      options.warmup < 0) {
+    return Status::InvalidArgument(
+        "fused vs custom: sequences and repetitions must be >= 1, sequence length >= 2, "
+        "warmup >= 0");
+  }
+  FW_ASSIGN_OR_RETURN(auto client, TrainingClient::Create({.config = config,
+                                                            .seed = options.seed,
+                                                            .threads = options.threads}));
+  FusedVsCustomTiming timing;
+  timing.parameters = CountParameters(*client);
+  auto batch =
+      MakeBatch(options.sequences, options.sequence_length, config.vocab_size, options.seed + 1);
+  FW_RETURN_IF_ERROR(AddRlFields(*client, batch, options.seed + 2));
+  for (const Datum& d : batch) timing.tokens += static_cast<int64_t>(d.tokens.size());
+  const LossConfig ppo{.clip_low = 0.2, .clip_high = 0.28};
+  CustomLossFn custom = [&](const std::vector<Datum>& datums,
+                            const std::vector<torch::Tensor>& lps) {
+    return UserPpo(datums, lps, ppo.clip_low, ppo.clip_high);
+  };
+  // Every call starts from no gradients, the same weights and the same optimizer state:
+  // the gradients are dropped, not stepped on (an optimizer step would also move the
+  // moments and the step count, and a real step the weights).
+  auto fused_call = [&]() -> Result<Cost> {
+    const CostMeter meter;
+    FW_ASSIGN_OR_RETURN(Metrics m, client->ForwardBackward(batch, "ppo", ppo));
+    const Cost cost = meter.Stop(m.loss);
+    client->DiscardGradients();
+    return cost;
+  };
+  auto custom_call = [&]() -> Result<Cost> {
+    const CostMeter meter;
+    FW_ASSIGN_OR_RETURN(Metrics m, client->ForwardBackwardCustom(batch, custom));
+    const Cost cost = meter.Stop(m.loss);
+    client->DiscardGradients();
+    return cost;
+  };
+  for (int i = 0; i < options.warmup + options.repetitions; ++i) {
+    const bool timed = i >= options.warmup;
+    Cost f, c;
+    if (i % 2 == 0) {
+      FW_ASSIGN_OR_RETURN(f, fused_call());
+      FW_ASSIGN_OR_RETURN(c, custom_call());
+    } else {
+      FW_ASSIGN_OR_RETURN(c, custom_call());
+      FW_ASSIGN_OR_RETURN(f, fused_call());
+    }
+    timing.loss_difference = std::max(timing.loss_difference, std::abs(f.loss - c.loss));
+    (timed ? timing.fused : timing.warmup_fused).push_back(f.wall);
+    (timed ? timing.custom : timing.warmup_custom).push_back(c.wall);
+    if (timed) {
+      timing.fused_cpu.push_back(f.cpu);
+      timing.custom_cpu.push_back(c.cpu);
+    }
+    Cost forward;
+    if (options.forward) {
+      const CostMeter meter;
+      FW_RETURN_IF_ERROR(client->Forward(batch).status());
+      forward = meter.Stop(0);
+      if (timed) timing.forward.push_back(forward.wall);
+    }
+    if (progress) {
+      *progress << "[trainer bench] " << name << ": "
+                << (timed ? "rep " + std::to_string(i - options.warmup + 1)
+                          : "warmup " + std::to_string(i + 1))
+                << (i % 2 == 0 ? " (fused first)" : " (custom first)") << "  fused " << f.wall
+                << " s (cpu " << f.cpu << " s, " << f.faults << " faults), custom " << c.wall
+                << " s (cpu " << c.cpu << " s, " << c.faults << " faults), ratio "
+                << c.wall / f.wall << " (cpu " << c.cpu / f.cpu << ")";
+      if (options.forward) *progress << ", forward " << forward.wall << " s";
+      *progress << "\n" << std::flush;
+    }
+  }
+  return timing;
+}
+
 Result<TrainerBenchResult> RunTrainerBench(const TrainerBenchOptions& options,
                                            std::ostream& progress) {
   if (options.sequences < 1 || options.sequence_length < 2 || options.repetitions < 1 ||
@@ -224,11 +333,12 @@ Result<TrainerBenchResult> RunTrainerBench(const TrainerBenchOptions& options,
       return Status::InvalidArgument("bench trainer: learning rate " + std::to_string(lr) +
                                      " is not in (0, 1)");
   }
-  torch::set_num_threads(options.threads > 0
-                             ? options.threads
-                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  // The split every TrainingClient makes (trainer/training_client.h): the bench measures
+  // the trainer as it runs, not a configuration of its own.
+  const CpuThreads threads = ConfigureCpuThreads(options.threads);
   TrainerBenchResult result;
-  result.threads = torch::get_num_threads();
+  result.threads = threads.torch;
+  result.blas_threads = threads.blas;
   result.dense_config = model::DemoDenseConfig().ToJson().dump();
   result.moe_config = model::DemoMoeConfig().ToJson().dump();
   FW_ASSIGN_OR_RETURN(ThroughputRow dense,

@@ -195,10 +195,12 @@ void AddTrainerCommand(CLI::App& bench_app, Action& action) {
   trainer->add_option("--length", b.sequence_length, "Tokens per sequence")
       ->capture_default_str()
       ->check(CLI::Range(2, 4096));
-  trainer->add_option("--reps", b.repetitions, "Timed calls per path (median reported)")
+  trainer
+      ->add_option("--reps", b.repetitions,
+                   "Timed (fused, custom) pairs, order alternating (median and spread reported)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
-  trainer->add_option("--warmup", b.warmup, "Untimed calls per path")
+  trainer->add_option("--warmup", b.warmup, "Warm-up pairs (printed, left out of the statistics)")
       ->capture_default_str()
       ->check(CLI::Range(0, 100));
   trainer->add_flag("!--no-moe", b.moe, "Skip the MoE model");

@@ -1,12 +1,15 @@
 #include "trainer/training_client.h"
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "delta/hash.h"
 #include "delta/safetensors.h"
@@ -68,7 +71,32 @@ std::string ReadFile(const fs::path& path) {
   return text.str();
 }
 
+// Looked up at run time: the OpenBLAS symbols are not part of the BLAS interface libtorch
+// links against (libblas.so.3 may be another implementation).
+using SetThreadsFn = void (*)(int);
+using GetThreadsFn = int (*)();
+
 }  // namespace
+
+CpuThreads CurrentCpuThreads() {
+  auto get = reinterpret_cast<GetThreadsFn>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return {.torch = torch::get_num_threads(), .blas = get != nullptr ? get() : 0};
+}
+
+CpuThreads ConfigureCpuThreads(int threads) {
+  // An explicit choice in the environment (what both libraries read at load) wins.
+  if (std::getenv("OMP_NUM_THREADS") != nullptr || std::getenv("OPENBLAS_NUM_THREADS") != nullptr)
+    return CurrentCpuThreads();
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  auto set = reinterpret_cast<SetThreadsFn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  if (set != nullptr) {
+    set(threads);
+    torch::set_num_threads(1);
+  } else {
+    torch::set_num_threads(threads);
+  }
+  return CurrentCpuThreads();
+}
 
 Status AdamWParams::Validate() const {
   auto bad = [](const std::string& what, double v) {
@@ -94,7 +122,7 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
                                    DTypeName(options.serving_dtype));
   }
   if (options.threads < 0) return Status::InvalidArgument("threads must be >= 0");
-  if (options.threads > 0) torch::set_num_threads(options.threads);
+  ConfigureCpuThreads(options.threads);
   std::unique_ptr<TrainingClient> client(new TrainingClient(std::move(options)));
   torch::manual_seed(client->options_.seed);
   client->model_ = std::make_shared<model::TransformerImpl>(client->options_.config);
@@ -447,6 +475,13 @@ Result<Metrics> TrainingClient::OptimStep(const AdamWParams& params) {
   pending_norm_ = 0;
   pending_tokens_ = 0;
   return metrics;
+}
+
+void TrainingClient::DiscardGradients() {
+  for (auto& [name, p] : trainable_) p.mutable_grad() = torch::Tensor();
+  have_pending_ = false;
+  pending_norm_ = 0;
+  pending_tokens_ = 0;
 }
 
 Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) {

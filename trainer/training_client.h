@@ -97,11 +97,31 @@ struct TrainerOptions {
   std::optional<model::LoraOptions> lora;  // set: LoRA mode (base frozen)
   DType serving_dtype = DType::kBF16;
   Normalization normalization = Normalization::kTokens;
-  int threads = 0;  // torch intra-op threads; 0 leaves torch's default
+  int threads = 0;  // compute threads (see ConfigureCpuThreads); 0: one per hardware thread
   // Set: join a c10d/Gloo group (trainer/data_parallel.h). Rank 0's initial weights are
   // broadcast; every rank must call optim_step together; only rank 0 should publish.
   std::optional<DataParallelOptions> data_parallel;
 };
+
+// A CPU trainer has two thread pools: torch's OpenMP intra-op pool (element-wise ops,
+// softmax, reductions) and the pthread pool of OpenBLAS, the BLAS Debian's libtorch runs
+// its matmuls in. Each defaults to one thread per core, and each spins for a while after
+// its work before sleeping, so on a small machine the two take each other's cores: a
+// 2-thread OpenMP region or GEMM then waits for a thread that is spinning in the other
+// pool. On 2 busy cores that made a forward_backward take 5-17x its CPU time instead of ~3x
+// and swing the fused/custom ratio between 0.4x and 2.5x (issue 20). So one pool
+// gets the cores: OpenBLAS (the matmuls are most of the work) gets `threads` (0: one per
+// hardware thread) and torch's own ops run on the calling thread. Without OpenBLAS (looked
+// up at run time; libblas.so.3 may be another BLAS), torch gets `threads` as before.
+// Process-wide; TrainingClient::Create calls it with TrainerOptions::threads. When
+// OMP_NUM_THREADS or OPENBLAS_NUM_THREADS is set, the pools are left as the environment
+// made them.
+struct CpuThreads {
+  int torch = 0;  // torch intra-op threads
+  int blas = 0;   // OpenBLAS threads; 0: the BLAS is not OpenBLAS
+};
+CpuThreads ConfigureCpuThreads(int threads);
+CpuThreads CurrentCpuThreads();
 
 // The user loss of ForwardBackwardCustom: given the datums and their current logprobs
 // (one 1-D fp32 tensor of length T per datum, requiring grad), return a scalar loss.
@@ -125,6 +145,10 @@ class TrainingClient {
   // global-norm clipping; clears the gradients. Data parallel: gradients, normalisers and
   // token counts are summed over the ranks first (a rank may contribute nothing).
   Result<Metrics> OptimStep(const AdamWParams& params);
+  // Drops the gradients accumulated since the last step without stepping: weights,
+  // optimizer moments and the step count stay as they were (a skipped batch; benchmarks
+  // that repeat the same call).
+  void DiscardGradients();
 
   // Casts the weights (LoRA: only the adapters) to the serving dtype, hashes them and, when
   // a publisher is attached, publishes them as `version` (must exceed the last one).
