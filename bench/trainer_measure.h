@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "base/status.h"
-#include "trainer/model_config.h"
+#include "model/model_config.h"
 
 namespace flywheel::trainer {
 

@@ -12,7 +12,7 @@
 #include <iostream>
 #include <sstream>
 
-#include "trainer/trainer_bench.h"
+#include "bench/trainer_measure.h"
 
 namespace flywheel::trainer {
 namespace {
