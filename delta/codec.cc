@@ -1104,6 +1104,9 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
     return Status::InvalidArgument("threads must be in [1, " + std::to_string(kMaxThreads) +
                                    "], got " + std::to_string(options.threads));
   }
+  if (options.before_commit && !options.restore_on_failure) {
+    return Status::InvalidArgument("before_commit needs restore_on_failure (a refusal restores the base)");
+  }
   const int threads = options.threads;
   if (state.size() != m.tensors.size()) {
     return Status::Mismatch("state has " + std::to_string(state.size()) + " tensors, the delta " +
@@ -1240,6 +1243,13 @@ Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& d
       changed.all = e.kind != ChunkKind::kSparse;
       if (!changed.all) changed.positions = undo[c].positions;
       stats.changes.push_back(std::move(changed));
+    }
+  }
+  if (options.before_commit) {
+    Status accepted = options.before_commit(stats);
+    if (!accepted.ok()) {
+      rollback();
+      return accepted;
     }
   }
   return stats;

@@ -146,21 +146,6 @@ Result<std::vector<std::byte>> Encode(const CheckpointView& base, const Checkpoi
 Result<std::vector<std::byte>> EncodeKeyframe(const CheckpointView& target,
                                               const EncodeOptions& options);
 
-struct ApplyOptions {
-  int threads = 1;  // in [1, kMaxThreads]
-  // Already verified per-tensor hashes of the state, index-aligned with it (a worker keeps
-  // them from its last apply). Empty: the state is hashed and checked against the
-  // delta's base hashes before anything is written.
-  std::vector<Hash128> state_tensor_hashes;
-  // Keep undo records so a failure restores the state (ApplyInPlace). An apply into a
-  // scratch copy that is thrown away on failure may turn this off.
-  bool restore_on_failure = true;
-  // Report which words the apply wrote (ApplyStats::changes), for a consumer that keeps a
-  // derived copy in step (the rollout engine's fp32 mirror of bf16 weights).
-  bool report_changes = false;
-  ProgressFn progress;
-};
-
 // Words of one chunk that an apply wrote: every word of [word_begin, word_begin +
 // word_count) when `all` (dense chunks, keyframes), else those at `positions` (relative to
 // word_begin, ascending).
@@ -177,6 +162,26 @@ struct ApplyStats {
   uint64_t chunks = 0;
   std::vector<Hash128> tensor_hashes;  // verified target hashes, aligned with the state
   std::vector<ChangedWords> changes;   // with ApplyOptions::report_changes
+};
+
+struct ApplyOptions {
+  int threads = 1;  // in [1, kMaxThreads]
+  // Already verified per-tensor hashes of the state, index-aligned with it (a worker keeps
+  // them from its last apply). Empty: the state is hashed and checked against the
+  // delta's base hashes before anything is written.
+  std::vector<Hash128> state_tensor_hashes;
+  // Keep undo records so a failure restores the state (ApplyInPlace). An apply into a
+  // scratch copy that is thrown away on failure may turn this off.
+  bool restore_on_failure = true;
+  // Report which words the apply wrote (ApplyStats::changes), for a consumer that keeps a
+  // derived copy in step (the rollout engine's fp32 mirror of bf16 weights).
+  bool report_changes = false;
+  ProgressFn progress;
+  // Called once the whole target is in place and verified, before ApplyInPlace returns,
+  // with the stats it is about to return: a consumer that must take the new version too
+  // (the rollout engine patching its mirror) says yes or no. An error restores the state to
+  // the base exactly and is returned as the apply's own (REQUIRES: restore_on_failure).
+  std::function<Status(const ApplyStats&)> before_commit;
 };
 
 // Applies `delta` to `state` in place. Either the whole target is in place and every

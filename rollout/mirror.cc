@@ -62,6 +62,20 @@ Status LoadMirror(model::TransformerImpl& model, const CheckpointView& weights) 
   return model::LoadWeights(model, weights, "serving copy");
 }
 
+Status LoadMirrorOrRestore(model::TransformerImpl& model, const CheckpointView& weights,
+                           const CheckpointView* previous) {
+  Status loaded = LoadMirror(model, weights);
+  if (loaded.ok() || previous == nullptr) return loaded;
+  // The mirror is a function of the served words: loading the previous version again
+  // restores it exactly.
+  Status restored = LoadMirror(model, *previous);
+  if (!restored.ok()) {
+    return Status::Internal(loaded.message() + "; restoring the previous version failed too: " +
+                            restored.message());
+  }
+  return loaded;
+}
+
 Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointView& weights,
                                 const std::vector<delta::ChangedWords>& changes) {
   auto params = model.named_parameters();
@@ -76,17 +90,23 @@ Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointV
     FW_RETURN_IF_ERROR(CheckServing(weights[i], *p));
     by_index[i] = p;
   }
-  torch::NoGradGuard no_grad;
+  // Everything is checked before the first word is written, so an error leaves the mirror
+  // as it was (the worker then keeps serving the version before).
   for (const delta::ChangedWords& c : changes) {
     if (c.state_index >= weights.size())
       return Status::Internal("swap change names tensor index out of range");
+    const torch::Tensor* p = by_index[c.state_index];
+    if (p && c.word_begin + c.word_count > static_cast<uint64_t>(p->numel())) {
+      return Status::Internal("swap change of " + weights[c.state_index].name +
+                              " runs past the tensor");
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (const delta::ChangedWords& c : changes) {
     torch::Tensor* p = by_index[c.state_index];
     if (!p) continue;
     const TensorView& src = weights[c.state_index];
     float* dst = p->data_ptr<float>();
-    if (c.word_begin + c.word_count > static_cast<uint64_t>(p->numel())) {
-      return Status::Internal("swap change of " + src.name + " runs past the tensor");
-    }
     if (c.all) {
       Convert(
           src, dst, c.word_begin, [](size_t i) { return i; }, c.word_count);

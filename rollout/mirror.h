@@ -24,6 +24,10 @@ struct MirrorStats {
 
 // Loads every parameter of `model` from `weights` (BF16, F16 or F32, same shapes).
 Status LoadMirror(model::TransformerImpl& model, const CheckpointView& weights);
+// LoadMirror, and when it fails half-way, LoadMirror(*previous) (the version served before;
+// null: none to go back to), so that a refused keyframe leaves the mirror as it was.
+Status LoadMirrorOrRestore(model::TransformerImpl& model, const CheckpointView& weights,
+                           const CheckpointView* previous);
 
 // fp32 serving without a mirror: the model's parameters become views of the served F32
 // tensors themselves (no copy). Deltas the sync worker applies in place show up in the

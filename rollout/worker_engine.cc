@@ -22,13 +22,12 @@ struct WorkerEngine::Impl {
   std::mutex mutex;  // guards engine / service creation
   std::shared_ptr<Engine> engine;
   std::shared_ptr<CompletionService> service;
-  bool broken = false;  // a version did not fit the model: serve nothing rather than wrong weights
   bool aliased = false;  // fp32 serving: the parameters are views of the worker's weights
   std::atomic<const sync::Worker*> worker{nullptr};
 
   std::shared_ptr<CompletionService> Service() {
     std::lock_guard lock(mutex);
-    return broken ? nullptr : service;
+    return service;
   }
   std::unique_ptr<Actor> actor;  // last: stops before the service goes
 };
@@ -73,65 +72,76 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
   return std::unique_ptr<WorkerEngine>(new WorkerEngine(std::move(impl)));
 }
 
-void WorkerEngine::OnSwap(const sync::SwapEvent& event) {
+namespace {
+
+// The first served version: the engine is built on it.
+Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event);
+
+}  // namespace
+
+Status WorkerEngine::OnSwap(const sync::SwapEvent& event) {
   Impl& s = *impl_;
   std::lock_guard lock(s.mutex);
-  if (s.broken) return;
   if (!s.engine) {
-    s.aliased = AllF32(*event.weights);
-    Status loaded = s.aliased ? AliasWeights(*s.model, *event.weights)
-                              : LoadMirror(*s.model, *event.weights);
-    if (!loaded.ok()) {
-      spdlog::error("rollout engine: version {} does not fit the model: {}", event.version,
-                    loaded.message());
-      s.broken = true;
-      return;
+    Status started = StartEngine(s, event);
+    if (!started.ok()) {
+      spdlog::error("rollout engine: version {} refused: {}", event.version, started.message());
     }
-    auto engine =
-        Engine::Create(s.model, {s.options.max_batch, s.options.max_sequence}, event.version);
-    if (!engine.ok()) {
-      spdlog::error("rollout engine: {}", engine.status().message());
-      s.broken = true;
-      return;
-    }
-    s.engine = std::shared_ptr<Engine>(std::move(*engine));
-    for (const auto& [name, path] : s.options.adapters) {
-      auto file = Checkpoint::Open(path);
-      Status added = file.ok() ? s.engine->LoadAdapter(name, file->tensors()) : file.status();
-      if (!added.ok()) spdlog::error("rollout engine: adapter {}: {}", name, added.message());
-    }
-    ServingOptions serving;
-    if (s.aliased) {
-      Impl* impl = &s;
-      serving.step_guard = [impl](const std::function<void()>& step) {
-        const sync::Worker* worker = impl->worker.load();
-        if (worker == nullptr) return step();
-        worker->WithWeights([&](uint64_t, const CheckpointView&) { step(); });
-      };
-    }
-    s.service = std::make_shared<CompletionService>(s.engine, s.tokenizer, serving);
-    spdlog::info("rollout engine: serving version {}", event.version);
-    return;
+    return started;
   }
+  if (s.options.before_swap) FW_RETURN_IF_ERROR(s.options.before_swap(event.version));
+  // Every patch below validates all it will write before writing, so a refused version
+  // leaves the engine computing from the version before.
   Status swapped = s.engine->Swap(event.version, [&]() -> Status {
     if (s.aliased) {
       // Deltas were applied in place into the tensors the model views; a keyframe decoded
       // into new buffers is viewed afresh.
       return event.full ? AliasWeights(*s.model, *event.weights) : Status::Ok();
     }
-    if (event.full) return LoadMirror(*s.model, *event.weights);
+    if (event.full) return LoadMirrorOrRestore(*s.model, *event.weights, event.previous);
     return PatchMirror(*s.model, *event.weights, *event.changes).status();
   });
   if (!swapped.ok()) {
-    // The mirror may be half patched: stop answering rather than sample from it.
-    spdlog::error("rollout engine: swap to version {} failed: {}", event.version,
-                  swapped.message());
-    s.broken = true;
-    return;
+    spdlog::error("rollout engine: version {} refused, still serving version {}: {}",
+                  event.version, s.engine->version(), swapped.message());
+    return swapped;
   }
   spdlog::info("rollout engine: version {} in {:.2f} ms", event.version,
                s.engine->last_swap_pause_ms());
+  return Status::Ok();
 }
+
+namespace {
+
+Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
+  const bool aliased = AllF32(*event.weights);
+  FW_RETURN_IF_ERROR(aliased ? AliasWeights(*s.model, *event.weights)
+                             : LoadMirror(*s.model, *event.weights));
+  FW_ASSIGN_OR_RETURN(
+      auto engine,
+      Engine::Create(s.model, {s.options.max_batch, s.options.max_sequence}, event.version));
+  s.aliased = aliased;
+  s.engine = std::shared_ptr<Engine>(std::move(engine));
+  for (const auto& [name, path] : s.options.adapters) {
+    auto file = Checkpoint::Open(path);
+    Status added = file.ok() ? s.engine->LoadAdapter(name, file->tensors()) : file.status();
+    if (!added.ok()) spdlog::error("rollout engine: adapter {}: {}", name, added.message());
+  }
+  ServingOptions serving;
+  if (s.aliased) {
+    WorkerEngine::Impl* impl = &s;
+    serving.step_guard = [impl](const std::function<void()>& step) {
+      const sync::Worker* worker = impl->worker.load();
+      if (worker == nullptr) return step();
+      worker->WithWeights([&](uint64_t, const CheckpointView&) { step(); });
+    };
+  }
+  s.service = std::make_shared<CompletionService>(s.engine, s.tokenizer, serving);
+  spdlog::info("rollout engine: serving version {}", event.version);
+  return Status::Ok();
+}
+
+}  // namespace
 
 namespace {
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -33,6 +34,9 @@ struct WorkerEngineOptions {
   std::string trainer_token;
   std::string worker_id;
   int64_t actor_groups = 8;  // groups claimed at once
+  // Runs before the engine takes each version after its first (a seam for fault injection
+  // in tests, or an operator's veto): an error refuses that version like any failed swap.
+  std::function<Status(uint64_t version)> before_swap;
 };
 
 class WorkerEngine {
@@ -40,8 +44,11 @@ class WorkerEngine {
   static Result<std::unique_ptr<WorkerEngine>> Create(const WorkerEngineOptions& options);
   ~WorkerEngine();
 
-  // For WorkerOptions::on_swap (runs under the worker's weights lock).
-  void OnSwap(const sync::SwapEvent& event);
+  // For WorkerOptions::on_swap (runs under the worker's weights lock). An error means the
+  // engine did not take the version and still serves the one before, unchanged (the sync
+  // worker then restores its weights and keeps advertising the old version). A first version
+  // that does not fit the model is refused too: nothing is served until one fits.
+  Status OnSwap(const sync::SwapEvent& event);
   // For WorkerOptions::configure_http.
   void Register(transport::HttpServer& server);
   // The worker whose weights the engine serves; call right after sync::Worker::Start

@@ -48,6 +48,7 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   double last_swap_ms = 0;
   double last_apply_ms = 0;
   std::atomic<uint64_t> last_swap_pause_us{0};  // time spent in options.on_swap
+  std::atomic<uint64_t> swaps_refused{0};       // versions options.on_swap refused
   std::string last_error;
   uint64_t ignored_older_heads = 0;
 
@@ -78,16 +79,25 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
     served.hash = hash;
   }
 
-  // REQUIRES: weights_mutex held exclusively, the new version verified.
-  void NotifySwap(uint64_t new_version, const std::vector<delta::ChangedWords>* changes,
-                  bool full) {
-    if (!options.on_swap) return;
+  // Hands the verified new version (`view`) to options.on_swap; its error refuses it.
+  // REQUIRES: weights_mutex held exclusively.
+  flywheel::Status NotifySwap(uint64_t new_version, const CheckpointView& view,
+                              const std::vector<delta::ChangedWords>* changes, bool full,
+                              const CheckpointView* previous = nullptr) {
+    if (!options.on_swap) return flywheel::Status::Ok();
     const auto start = Clock::now();
-    const CheckpointView view = weights.view();
     static const std::vector<delta::ChangedWords> kNone;
-    options.on_swap(SwapEvent{new_version, &view, changes ? changes : &kNone, full});
+    flywheel::Status accepted = options.on_swap(
+        SwapEvent{new_version, &view, changes ? changes : &kNone, full, previous});
     last_swap_pause_us.store(static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count()));
+    if (!accepted.ok()) {
+      swaps_refused.fetch_add(1);
+      return flywheel::Status(accepted.code(), "the serving engine refused v" +
+                                                   std::to_string(new_version) + ": " +
+                                                   accepted.message());
+    }
+    return accepted;
   }
 
   awaitable<void> UpdateLoop();
@@ -188,12 +198,18 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
     apply.threads = threads;
     apply.state_tensor_hashes = tensor_hashes;
     apply.report_changes = static_cast<bool>(options.on_swap);
+    if (options.on_swap) {
+      // The engine takes the version while the undo records still exist, so its refusal
+      // restores the base.
+      apply.before_commit = [&](const delta::ApplyStats& applied) {
+        return NotifySwap(manifest.target_version, weights.view(), &applied.changes, false);
+      };
+    }
     MutableCheckpointView state = weights.mutable_view();
     FW_ASSIGN_OR_RETURN(delta::ApplyStats stats, delta::ApplyInPlace(state, view, apply));
     tensor_hashes = std::move(stats.tensor_hashes);
     hash = manifest.target_hash;
     version.store(manifest.target_version);
-    NotifySwap(manifest.target_version, &stats.changes, false);
     PublishServed();
     return flywheel::Status::Ok();
   }
@@ -203,10 +219,18 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
     if (version.load() != 0 && SameLayout(weights, manifest)) {
       delta::ApplyOptions apply;
       apply.threads = threads;
-      apply.restore_on_failure = false;  // the undo log would be a whole copy
+      // Without an engine the undo log (a whole copy) is not kept: a failed keyframe leaves
+      // nothing served until a good one. With an engine that may refuse the version it is.
+      apply.restore_on_failure = static_cast<bool>(options.on_swap);
       apply.report_changes = static_cast<bool>(options.on_swap);
+      if (options.on_swap) {
+        apply.before_commit = [&](const delta::ApplyStats& applied) {
+          return NotifySwap(manifest.target_version, weights.view(), &applied.changes, false);
+        };
+      }
       MutableCheckpointView state = weights.mutable_view();
       Result<delta::ApplyStats> stats = delta::ApplyInPlace(state, view, apply);
+      if (!stats.ok() && apply.restore_on_failure) return stats.status();  // the old version stays
       if (!stats.ok()) {
         // The weights are partly overwritten: serve nothing until a good keyframe.
         version.store(0);
@@ -218,7 +242,6 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
       tensor_hashes = std::move(stats->tensor_hashes);
       hash = manifest.target_hash;
       version.store(manifest.target_version);
-      NotifySwap(manifest.target_version, &stats->changes, false);
       PublishServed();
       return flywheel::Status::Ok();
     }
@@ -227,11 +250,16 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
   std::vector<Hash128> hashes;
   for (const delta::TensorEntry& entry : manifest.tensors) hashes.push_back(entry.target_hash);
   std::unique_lock lock(weights_mutex);
-  weights = std::move(decoded);
+  // The engine sees the new buffers first; refused, they are dropped and nothing changed.
+  {
+    const CheckpointView previous = weights.view();
+    FW_RETURN_IF_ERROR(NotifySwap(manifest.target_version, decoded.view(), nullptr, true,
+                                  version.load() != 0 ? &previous : nullptr));
+  }
+  weights = std::move(decoded);  // the tensors' buffers move, so views of them stay valid
   tensor_hashes = std::move(hashes);
   hash = manifest.target_hash;
   version.store(manifest.target_version);
-  NotifySwap(manifest.target_version, nullptr, true);
   PublishServed();
   return flywheel::Status::Ok();
 }
@@ -369,6 +397,7 @@ nlohmann::json Worker::Impl::StatusJson() const {
       {"pieces_rejected", counters.pieces_rejected},
       {"piece_bytes", counters.piece_bytes},
       {"artifacts_rejected", artifacts_rejected},
+      {"swaps_refused", swaps_refused.load()},
       {"older_heads_ignored", ignored_older_heads},
       {"last_error", last_error},
   };

@@ -37,6 +37,9 @@ struct SwapEvent {
   const CheckpointView* weights = nullptr;
   const std::vector<delta::ChangedWords>* changes = nullptr;
   bool full = false;
+  // With `full`: the weights served until now, still intact during the call (the new
+  // version was decoded into new buffers), so a hook can go back to them; else null.
+  const CheckpointView* previous = nullptr;
 };
 
 struct WorkerOptions {
@@ -48,8 +51,12 @@ struct WorkerOptions {
   int window = 8;          // piece requests in flight per stream
   // Runs on every swap (see SwapEvent), e.g. to patch an inference engine's compute copy
   // between its decode steps. Readers of the weights wait while it runs: keep it short. Its
-  // duration is reported as last_swap_pause_ms in /v1/status.
-  std::function<void(const SwapEvent&)> on_swap;
+  // duration is reported as last_swap_pause_ms in /v1/status. An error refuses the version:
+  // the weights are restored to the version served before (bit for bit), which stays served
+  // and advertised; the refusal is logged, counted (swaps_refused in /v1/status and
+  // /metrics) and that artifact is not tried again. On an error the hook must leave its own
+  // copy as it was before the call (the rollout engine validates before it patches).
+  std::function<Status(const SwapEvent&)> on_swap;
   // Called once with the worker's HTTP server right after it starts, on the executor's
   // thread, to add routes (the rollout engine's POST /v1/completions).
   std::function<void(transport::HttpServer&)> configure_http;

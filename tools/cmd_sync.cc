@@ -238,7 +238,7 @@ Status RunWorker(const SyncArgs& args) {
     if (!created.ok()) return Failed("worker", created.status());
     engine = std::move(*created);
     rollout::WorkerEngine* raw = engine.get();
-    options.on_swap = [raw](const sync::SwapEvent& event) { raw->OnSwap(event); };
+    options.on_swap = [raw](const sync::SwapEvent& event) { return raw->OnSwap(event); };
     options.configure_http = [raw](transport::HttpServer& server) { raw->Register(server); };
   }
   asio::io_context io(1);

@@ -217,6 +217,48 @@ TEST(CodecTest, RefusesWrongBaseAndLeavesStateUntouched) {
   EXPECT_FALSE(ApplyToCopy(v1.view(), view23).ok());
 }
 
+TEST(CodecTest, RefusalBeforeCommitRestoresTheBaseExactly) {
+  // A consumer that must take the new version too (the rollout engine) refuses it after the
+  // whole target is in place and verified: the state goes back to the base bit for bit,
+  // for a delta and for a keyframe applied in place.
+  auto v1 = RandomCheckpoint(testing::MixedSpecs(), 31);
+  auto v2 = Mutate(v1, 0.05, 32);
+  auto delta12 = MustEncode(v1, v2);
+  auto keyframe2 = EncodeKeyframe(v2.view(), {});
+  ASSERT_TRUE(keyframe2.ok());
+  for (const std::vector<std::byte>* bytes : {&delta12, &*keyframe2}) {
+    auto view = MustParse(*bytes);
+    OwnedCheckpoint state = v1;
+    auto mv = state.mutable_view();
+    ApplyOptions options;
+    options.report_changes = true;
+    bool saw_target = false;
+    options.before_commit = [&](const ApplyStats& stats) {
+      saw_target = SameBytes(state, v2) && !stats.changes.empty();
+      return Status::Mismatch("engine says no");
+    };
+    auto result = ApplyInPlace(mv, view, options);
+    ASSERT_FALSE(result.ok());
+    EXPECT_EQ(result.status().message(), "engine says no");
+    EXPECT_TRUE(saw_target) << "before_commit must see the verified target";
+    EXPECT_TRUE(SameBytes(state, v1));
+    // Accepted, the apply commits as usual.
+    options.before_commit = [](const ApplyStats&) { return Status::Ok(); };
+    ASSERT_TRUE(ApplyInPlace(mv, view, options).ok());
+    EXPECT_TRUE(SameBytes(state, v2));
+  }
+  // Without undo records a refusal could not restore anything: refused up front.
+  OwnedCheckpoint state = v1;
+  auto mv = state.mutable_view();
+  ApplyOptions no_undo;
+  no_undo.restore_on_failure = false;
+  no_undo.before_commit = [](const ApplyStats&) { return Status::Ok(); };
+  auto refused = ApplyInPlace(mv, MustParse(delta12), no_undo);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(SameBytes(state, v1));
+}
+
 TEST(CodecTest, RefusesLyingCachedHashes) {
   // Cached hashes that claim the state is the base are checked against the manifest;
   // if they lie, the target hash check still catches it and the state is restored.

@@ -8,16 +8,19 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "rollout/engine.h"
 #include "rollout/mirror.h"
+#include "rollout/worker_engine.h"
 #include "sync/publisher.h"
 #include "sync/worker.h"
 #include "tests/model/tiny_models.h"
 #include "trainer/training_client.h"
 #include "model/weights.h"
 #include "transport/asio.h"
+#include "transport/http.h"
 
 namespace flywheel::rollout {
 namespace {
@@ -69,8 +72,8 @@ TEST(SwapTest, DeltaPatchesTheMirrorBetweenDecodeStepsOfALiveRequest) {
   worker_options.common.region = "home";
   worker_options.common.http = {"127.0.0.1", 0};
   worker_options.upstreams = {{"127.0.0.1", (*publisher)->port()}};
-  worker_options.on_swap = [&](const sync::SwapEvent& event) {
-    if (!engine) return;  // the first version is loaded wholesale below
+  worker_options.on_swap = [&](const sync::SwapEvent& event) -> Status {
+    if (!engine) return Status::Ok();  // the first version is loaded wholesale below
     Status s = engine->Swap(event.version, [&]() -> Status {
       if (event.full) return LoadMirror(*model, *event.weights);
       auto stats = PatchMirror(*model, *event.weights, *event.changes);
@@ -80,6 +83,7 @@ TEST(SwapTest, DeltaPatchesTheMirrorBetweenDecodeStepsOfALiveRequest) {
     });
     EXPECT_TRUE(s.ok()) << s.ToString();
     ++patched_swaps;
+    return s;
   };
   auto worker = sync::Worker::Start(io.get_executor(), worker_options);
   ASSERT_TRUE(worker.ok()) << worker.status().ToString();
@@ -153,6 +157,139 @@ TEST(SwapTest, DeltaPatchesTheMirrorBetweenDecodeStepsOfALiveRequest) {
   guard.reset();
   io.stop();
   io_thread.join();
+  worker->reset();
+  publisher->reset();
+  fs::remove_all(dir);
+}
+
+// One step of the tiny model, so the next version differs.
+void TrainOneStep(trainer::TrainingClient& trainer, int salt) {
+  std::vector<trainer::Datum> data(2);
+  for (int i = 0; i < 2; ++i) {
+    for (int t = 0; t < 12; ++t) {
+      data[i].tokens.push_back((t * 7 + i + salt) % 60);
+      data[i].target_tokens.push_back((t * 7 + i + salt + 1) % 60);
+    }
+  }
+  ASSERT_TRUE(trainer.ForwardBackward(data, "cross_entropy").ok());
+  ASSERT_TRUE(trainer.OptimStep({.lr = 1e-3}).ok());
+}
+
+// The worker's weights as bytes, to compare a refused swap's aftermath bit for bit.
+std::string WeightBytes(const sync::Worker& worker) {
+  std::string bytes;
+  worker.WithWeights([&](uint64_t, const CheckpointView& weights) {
+    for (const TensorView& t : weights)
+      bytes.append(reinterpret_cast<const char*>(t.data.data()), t.data.size());
+  });
+  return bytes;
+}
+
+// A swap the engine refuses (a failure injected through WorkerEngineOptions::before_swap)
+// leaves the worker serving and advertising the old version: its weights are restored bit
+// for bit, /v1/status keeps the old version and hash and counts the refusal, completions
+// are still sampled at the old version, and the next version is taken normally.
+TEST(SwapTest, RefusedSwapKeepsServingAndAdvertisingTheOldVersion) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("flywheel_refused_swap_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    std::ofstream config(dir / "config.json");
+    config << Tiny().ToJson().dump();
+  }
+  asio::io_context io(1);
+  auto guard = asio::make_work_guard(io);
+  std::thread io_thread([&] { io.run(); });
+
+  sync::PublisherOptions publisher_options;
+  publisher_options.listen = {"127.0.0.1", 0};
+  publisher_options.common.http = {"127.0.0.1", 0};
+  publisher_options.log.dir = (dir / "state").string();
+  // Keyframes at versions 1, 3, 5...: the refused delta to version 2 is undone, and since
+  // the delta 2 -> 3 needs version 2, version 3 arrives as a keyframe applied in place over
+  // version 1 (the same engine-acceptance path).
+  publisher_options.log.keyframe_every = 2;
+  auto publisher = sync::Publisher::Start(io.get_executor(), publisher_options);
+  ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
+  auto trainer = trainer::TrainingClient::Create({.config = Tiny(), .seed = 3});
+  ASSERT_TRUE(trainer.ok());
+  (*trainer)->AttachPublisher(publisher->get());
+  auto v1 = (*trainer)->SaveWeightsForSampler(1);
+  ASSERT_TRUE(v1.ok());
+
+  std::atomic<uint64_t> refuse_version{2};
+  rollout::WorkerEngineOptions engine_options;
+  engine_options.model_config = (dir / "config.json").string();
+  engine_options.max_batch = 2;
+  engine_options.max_sequence = 64;
+  engine_options.tokenizer = "chars:0123456789";  // the tiny model has 60 ids
+  engine_options.before_swap = [&](uint64_t version) {
+    return version == refuse_version.load() ? Status::Internal("injected swap failure")
+                                            : Status::Ok();
+  };
+  auto engine = WorkerEngine::Create(engine_options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  WorkerEngine* raw = engine->get();
+  sync::WorkerOptions worker_options;
+  worker_options.common.region = "home";
+  worker_options.common.http = {"127.0.0.1", 0};
+  worker_options.upstreams = {{"127.0.0.1", (*publisher)->port()}};
+  worker_options.on_swap = [raw](const sync::SwapEvent& event) { return raw->OnSwap(event); };
+  worker_options.configure_http = [raw](transport::HttpServer& server) { raw->Register(server); };
+  auto worker = sync::Worker::Start(io.get_executor(), worker_options);
+  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+  raw->Attach(worker->get());
+  ASSERT_TRUE(WaitFor([&] { return (*worker)->version() == 1; }));
+  const std::string v1_bytes = WeightBytes(**worker);
+  const transport::Endpoint http{"127.0.0.1", (*worker)->http_port()};
+  auto status = [&] {
+    auto response = transport::HttpGet(http, "/v1/status");
+    EXPECT_TRUE(response.ok());
+    return nlohmann::json::parse(response.ok() ? response->body : "{}");
+  };
+  auto completion_version = [&] {
+    auto response = transport::HttpPost(
+        http, "/v1/completions",
+        R"({"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0, "logprobs": 1})");
+    EXPECT_TRUE(response.ok() && response->status == 200) << (response.ok() ? response->body : "");
+    auto body = nlohmann::json::parse(response.ok() ? response->body : "{}", nullptr, false);
+    return body.is_object() ? body["choices"].dump() : std::string();  // ids, versions, logprobs
+  };
+  const std::string v1_answer = completion_version();
+
+  // Version 2: the engine refuses it.
+  TrainOneStep(**trainer, 0);
+  auto v2 = (*trainer)->SaveWeightsForSampler(2);
+  ASSERT_TRUE(v2.ok());
+  ASSERT_TRUE(WaitFor([&] { return status().value("swaps_refused", 0) >= 1; }))
+      << status().dump(2);
+  nlohmann::json after = status();
+  EXPECT_EQ(after["version"], 1) << after.dump(2);
+  EXPECT_EQ(after["weights_hash"], v1->weights_hash);
+  EXPECT_EQ(after["swaps_refused"], 1);
+  EXPECT_EQ(after["artifacts_rejected"], 1);
+  EXPECT_EQ((*worker)->version(), 1u);
+  EXPECT_EQ((*worker)->weights_hash().ToHex(), v1->weights_hash);
+  EXPECT_TRUE(WeightBytes(**worker) == v1_bytes) << "the refused delta was not undone";
+  // Completions are still sampled from version 1's weights (same greedy answer, version 1).
+  EXPECT_EQ(completion_version(), v1_answer);
+
+  // Version 3 is taken normally (the refusal is not sticky).
+  TrainOneStep(**trainer, 3);
+  auto v3 = (*trainer)->SaveWeightsForSampler(3);
+  ASSERT_TRUE(v3.ok());
+  ASSERT_TRUE(WaitFor([&] { return (*worker)->version() == 3; })) << status().dump(2);
+  EXPECT_EQ(status()["weights_hash"], v3->weights_hash);
+  EXPECT_NE(completion_version(), v1_answer);
+
+  (*worker)->Stop();
+  (*publisher)->Stop();
+  std::this_thread::sleep_for(100ms);
+  guard.reset();
+  io.stop();
+  io_thread.join();
+  engine->reset();
   worker->reset();
   publisher->reset();
   fs::remove_all(dir);
