@@ -22,6 +22,7 @@
 #include "delta/safetensors.h"
 #include "delta/tensor.h"
 #include "pipeline/process.h"
+#include "tests/delta/test_checkpoints.h"
 
 namespace flywheel {
 namespace {
@@ -99,32 +100,18 @@ std::set<std::string> ListDir(const fs::path& dir) {
   return names;
 }
 
-OwnedTensor RandomTensor(std::mt19937_64& rng, std::string name, DType dtype,
-                         std::vector<int64_t> shape) {
-  OwnedTensor tensor;
-  tensor.name = std::move(name);
-  tensor.dtype = dtype;
-  tensor.shape = std::move(shape);
-  uint64_t elements = 1;
-  for (int64_t dim : tensor.shape) elements *= static_cast<uint64_t>(dim);
-  tensor.data.resize(elements * static_cast<uint64_t>(DTypeWordBytes(dtype)));
-  for (std::byte& b : tensor.data) b = static_cast<std::byte>(rng());
-  return tensor;
-}
-
-// A small model: bf16 matrices (one spanning two 4 MiB chunks) and f32 norms.
+// A small model: bf16 matrices (one spanning two 4 MiB chunks) and f32 norms; random bytes
+// (tests/delta/test_checkpoints.h).
 OwnedCheckpoint MakeBase(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  OwnedCheckpoint checkpoint;
-  checkpoint.tensors.push_back(
-      RandomTensor(rng, "model.embed_tokens.weight", DType::kBF16, {1536, 2048}));
-  checkpoint.tensors.push_back(
-      RandomTensor(rng, "model.layers.0.self_attn.q_proj.weight", DType::kBF16, {256, 256}));
-  checkpoint.tensors.push_back(
-      RandomTensor(rng, "model.layers.0.input_layernorm.weight", DType::kF32, {256}));
-  checkpoint.tensors.push_back(RandomTensor(rng, "model.norm.weight", DType::kF32, {3, 7}));
-  checkpoint.tensors.push_back(RandomTensor(rng, "lm_head.weight", DType::kBF16, {1, 733}));
-  return checkpoint;
+  return testing::RandomCheckpoint(
+      {
+          {"model.embed_tokens.weight", DType::kBF16, {1536, 2048}},
+          {"model.layers.0.self_attn.q_proj.weight", DType::kBF16, {256, 256}},
+          {"model.layers.0.input_layernorm.weight", DType::kF32, {256}},
+          {"model.norm.weight", DType::kF32, {3, 7}},
+          {"lm_head.weight", DType::kBF16, {1, 733}},
+      },
+      seed);
 }
 
 // Changes ~`fraction` of the words of every tensor (each changed word surely differs).
