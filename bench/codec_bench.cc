@@ -1,9 +1,6 @@
 #include "bench/codec_bench.h"
 
-#include <fcntl.h>
-#include <spawn.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -28,14 +25,15 @@
 #include "bench/util.h"
 #include "delta/delta.h"
 #include "delta/hash.h"
-
-extern char** environ;
+#include "pipeline/process.h"
 
 namespace flywheel::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr double kNotMeasured = std::numeric_limits<double>::quiet_NaN();
+// A peer tool that runs longer is stuck (the largest runs take a few minutes).
+constexpr std::chrono::minutes kToolTimeout{30};
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -294,57 +292,25 @@ std::optional<std::string> FindExecutable(const std::string& name) {
   return std::nullopt;
 }
 
-std::string ReadSmallFile(const std::string& path, size_t limit) {
-  std::ifstream in(path, std::ios::binary);
-  std::string text(limit, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(limit));
-  text.resize(static_cast<size_t>(in.gcount()));
-  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-  return text;
-}
-
-// Runs `program args...` with stdin from /dev/null and stdout to `stdout_path` (or
-// /dev/null); returns the wall time from spawn to exit. A non-zero exit is an error
-// carrying the start of the tool's stderr.
+// Runs `program args...` to completion (pipeline::RunToCompletion: stdin /dev/null, stdout
+// to `stdout_path` or captured) and returns its wall time from start to exit. A non-zero
+// exit is an error carrying the start of the tool's stderr.
 Result<double> RunTool(const std::string& program, const std::vector<std::string>& args,
-                       const std::string& stdout_path, const std::string& stderr_path) {
+                       const std::string& stdout_path) {
+  pipeline::RunOptions options;
+  options.stdout_path = stdout_path;
+  options.timeout = kToolTimeout;
+  FW_ASSIGN_OR_RETURN(const pipeline::Completion done,
+                      pipeline::RunToCompletion(program, args, options));
+  if (done.exit_code == 0) return done.elapsed.count();
   std::string command = program;
-  std::vector<char*> argv;
-  argv.push_back(const_cast<char*>(program.c_str()));
-  for (const std::string& arg : args) {
-    argv.push_back(const_cast<char*>(arg.c_str()));
-    command += " " + arg;
-  }
-  argv.push_back(nullptr);
-
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_addopen(&actions, 1,
-                                   stdout_path.empty() ? "/dev/null" : stdout_path.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_addopen(&actions, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  pid_t pid = 0;
-  const Clock::time_point start = Clock::now();
-  const int spawn_error =
-      posix_spawn(&pid, program.c_str(), &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (spawn_error != 0) {
-    return Status::IOError("could not start '" + command + "': " + std::strerror(spawn_error));
-  }
-  int wait_status = 0;
-  while (::waitpid(pid, &wait_status, 0) < 0) {
-    if (errno != EINTR) {
-      return Status::IOError("waiting for '" + command + "': " + std::strerror(errno));
-    }
-  }
-  const double seconds = SecondsSince(start);
-  if (WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) return seconds;
-  const std::string how = WIFEXITED(wait_status)
-                              ? "exited with status " + std::to_string(WEXITSTATUS(wait_status))
-                              : "was killed by signal " + std::to_string(WTERMSIG(wait_status));
-  return Status::IOError("'" + command + "' " + how + ": " + ReadSmallFile(stderr_path, 400));
+  for (const std::string& arg : args) command += " " + arg;
+  std::string err = done.err.substr(0, 400);
+  while (!err.empty() && (err.back() == '\n' || err.back() == ' ')) err.pop_back();
+  const std::string how = done.exit_code > 128
+                              ? "was killed by signal " + std::to_string(done.exit_code - 128)
+                              : "exited with status " + std::to_string(done.exit_code);
+  return Status::IOError("'" + command + "' " + how + ": " + err);
 }
 
 Status WriteFile(const std::string& path, std::span<const std::byte> bytes) {
@@ -417,14 +383,14 @@ struct PeerSpec {
 };
 
 // Runs one peer: encode, decode, compare with the target. Fills `row`.
-Status MeasurePeer(const PeerSpec& peer, const std::string& program, const std::string& stderr_path,
+Status MeasurePeer(const PeerSpec& peer, const std::string& program,
                    std::span<const std::byte> target_bytes, Row& row) {
   Result<double> encode_seconds =
-      RunTool(program, peer.encode_args, peer.encode_to_stdout ? peer.encoded : "", stderr_path);
+      RunTool(program, peer.encode_args, peer.encode_to_stdout ? peer.encoded : "");
   if (!encode_seconds.ok()) return encode_seconds.status().WithContext(peer.label + " encode");
   row.bytes = static_cast<double>(FileSize(peer.encoded));
   Result<double> decode_seconds =
-      RunTool(program, peer.decode_args, peer.decode_to_stdout ? peer.decoded : "", stderr_path);
+      RunTool(program, peer.decode_args, peer.decode_to_stdout ? peer.decoded : "");
   if (!decode_seconds.ok()) return decode_seconds.status().WithContext(peer.label + " decode");
   const Status same = CompareFile(peer.decoded, target_bytes, peer.label + " round trip");
   std::error_code ignored;
@@ -443,7 +409,6 @@ void MeasurePeers(const CheckpointPair& pair, const std::string& work_dir, size_
                   Group& group, std::vector<Status>& failures) {
   const std::string base_path = work_dir + "/base.bf16";
   const std::string target_path = work_dir + "/target.bf16";
-  const std::string stderr_path = work_dir + "/tool-stderr.txt";
   const auto base_bytes = std::as_bytes(std::span(pair.base));
   const auto target_bytes = std::as_bytes(std::span(pair.target));
   if (Status status = WriteFile(base_path, base_bytes); !status.ok()) {
@@ -501,7 +466,7 @@ void MeasurePeers(const CheckpointPair& pair, const std::string& work_dir, size_
     std::cerr << "[codec bench]   " << peer.label << " ..." << std::flush;
     Row row = EmptyRow(peer.label, thread_columns);
     const Clock::time_point start = Clock::now();
-    Status status = MeasurePeer(peer, *program, stderr_path, target_bytes, row);
+    Status status = MeasurePeer(peer, *program, target_bytes, row);
     std::cerr << " " << Fixed(SecondsSince(start), 1) << " s\n";
     if (!status.ok()) {
       row.round_trip = RoundTrip::kFail;
@@ -513,7 +478,7 @@ void MeasurePeers(const CheckpointPair& pair, const std::string& work_dir, size_
     group.rows.push_back(std::move(row));
   }
   std::error_code ignored;
-  for (const std::string& path : {base_path, target_path, stderr_path}) {
+  for (const std::string& path : {base_path, target_path}) {
     std::filesystem::remove(path, ignored);
   }
 }

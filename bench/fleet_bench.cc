@@ -1,10 +1,7 @@
 #include "bench/fleet_bench.h"
 
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/statfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -388,21 +385,14 @@ struct Node {
 // role still runs; fills the node's endpoints.
 Status AwaitReady(ProcessGroup& processes, const std::string& ready_file, bool has_listen,
                   Node& node) {
-  const SteadyClock::time_point deadline = SteadyClock::now() + kReadyTimeout;
-  while (!fs::exists(ready_file)) {
-    FW_RETURN_IF_ERROR(processes.CheckAllRunning().WithContext("starting the fleet"));
-    if (SteadyClock::now() > deadline) {
-      return Status::Unavailable(node.name + " did not write its ready file " + ready_file +
-                                 " within " + std::to_string(kReadyTimeout.count()) + " s");
-    }
-    std::this_thread::sleep_for(kPollInterval);
-  }
-  FW_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(ready_file));
-  const Json ready = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  Result<nlohmann::json> awaited =
+      pipeline::AwaitReadyFile(processes, ready_file, node.name, kReadyTimeout);
+  if (!awaited.ok()) return awaited.status().WithContext("starting the fleet");
+  const nlohmann::json& ready = *awaited;
   auto endpoint = [&](const char* key, transport::Endpoint& into) -> Status {
-    if (!ready.is_object() || !ready.contains(key) || !ready[key].is_string()) {
+    if (!ready.contains(key) || !ready[key].is_string()) {
       return Status::Corruption(node.name + "'s ready file " + ready_file + " has no \"" + key +
-                                "\" string: " + text);
+                                "\" string: " + ready.dump());
     }
     FW_ASSIGN_OR_RETURN(into, transport::ParseEndpoint(ready[key].get<std::string>()));
     return Status::Ok();
@@ -790,24 +780,6 @@ struct StreamResult {
   double TlsRatio() const { return flywheel_tls_bytes_per_second / iperf3_bytes_per_second; }
 };
 
-// A TCP port that was free a moment ago on 127.0.0.1.
-Result<uint16_t> FreeLoopbackPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return Status::IOError(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof(address);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    const int error = errno;
-    ::close(fd);
-    return Status::IOError(std::string("binding a loopback port: ") + std::strerror(error));
-  }
-  ::close(fd);
-  return ntohs(address.sin_port);
-}
-
 // Whether some socket listens on TCP `port` (IPv4 or IPv6), from /proc/net/tcp{,6}.
 bool IsListening(uint16_t port) {
   char port_hex[8];
@@ -834,19 +806,22 @@ bool IsListening(uint16_t port) {
 // frame size, as iperf3's default (128 KiB) would handicap the peer with 8x the syscalls.
 Result<double> MeasureIperf3(const std::string& iperf3, int seconds, uint64_t write_bytes,
                              const std::string& log_dir) {
-  FW_ASSIGN_OR_RETURN(const uint16_t port, FreeLoopbackPort());
+  // iperf3 takes no port 0: FreePort's race is accepted (a lost race is a failed run).
+  FW_ASSIGN_OR_RETURN(const uint16_t port, pipeline::FreePort());
   const std::string port_text = std::to_string(port);
   ProcessGroup processes(log_dir);
   FW_ASSIGN_OR_RETURN(const size_t server,
                       processes.Start("iperf3-server", iperf3, {"-s", "-1", "-p", port_text}));
-  const SteadyClock::time_point deadline = SteadyClock::now() + std::chrono::seconds(10);
-  while (!IsListening(port)) {
-    FW_RETURN_IF_ERROR(processes.CheckRunning(server));
-    if (SteadyClock::now() > deadline) {
-      return Status::Unavailable("iperf3 -s did not listen on port " + port_text + " within 10 s");
-    }
-    std::this_thread::sleep_for(kPollInterval);
-  }
+  Status died = Status::Ok();
+  const Status listening = pipeline::WaitUntil(
+      [&] {
+        if (IsListening(port)) return true;
+        died = processes.CheckRunning(server);
+        return !died.ok();
+      },
+      std::chrono::seconds(10), "iperf3 -s to listen on port " + port_text);
+  FW_RETURN_IF_ERROR(died);
+  FW_RETURN_IF_ERROR(listening);
   FW_ASSIGN_OR_RETURN(const size_t client, processes.Start("iperf3-client", iperf3,
                                                            {"-c", "127.0.0.1", "-p", port_text,
                                                             "-t", std::to_string(seconds), "-l",

@@ -1,8 +1,6 @@
 #include "pipeline/launcher.h"
 
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,7 +11,6 @@
 #include <fstream>
 #include <random>
 #include <sstream>
-#include <thread>
 
 #include "transport/endpoint.h"
 #include "transport/http.h"
@@ -24,25 +21,6 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 constexpr std::chrono::seconds kReadyTimeout{60};
-
-// A loopback port free right now (bound, read, closed): fixed up front so that a process
-// restarted later comes back at the same address.
-Result<int> FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return Status::IOError("socket() failed");
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  socklen_t length = sizeof address;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    ::close(fd);
-    return Status::IOError("cannot bind a loopback port");
-  }
-  ::close(fd);
-  return static_cast<int>(ntohs(address.sin_port));
-}
 
 Result<json> GetJson(const std::string& endpoint_text, const std::string& token) {
   FW_ASSIGN_OR_RETURN(transport::Endpoint endpoint, transport::ParseEndpoint(endpoint_text));
@@ -104,8 +82,10 @@ Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
   ::setenv("OMP_NUM_THREADS", "1", 1);
 
   const RunConfig& config = options.config;
-  FW_ASSIGN_OR_RETURN(int listen_port, FreePort());
-  FW_ASSIGN_OR_RETURN(int http_port, FreePort());
+  // Fixed up front (see FreePort): the relays and workers start before the trainer's
+  // ready file says where it listens, and a restarted trainer comes back at the same ports.
+  FW_ASSIGN_OR_RETURN(const uint16_t listen_port, FreePort());
+  FW_ASSIGN_OR_RETURN(const uint16_t http_port, FreePort());
   const std::string publisher = "127.0.0.1:" + std::to_string(listen_port);
   fleet->trainer_http_ = "127.0.0.1:" + std::to_string(http_port);
   Role trainer;
@@ -128,7 +108,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
       (config.algorithm.groups_per_step + workers - 1) / workers, 1,
       std::max<int64_t>(1, config.fleet.worker_max_batch / config.algorithm.group_size));
   for (const std::string& region : config.fleet.regions) {
-    FW_ASSIGN_OR_RETURN(int relay_port, FreePort());
+    FW_ASSIGN_OR_RETURN(const uint16_t relay_port, FreePort());
     const std::string relay_listen = "127.0.0.1:" + std::to_string(relay_port);
     const std::string name = "relay-" + region;
     Role relay;
@@ -168,9 +148,8 @@ Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
 Status Fleet::Launch(const std::string& name, Role& role) {
   std::error_code ec;
   fs::remove(role.ready_file, ec);
-  ++role.starts;
-  const std::string log_name = role.starts == 1 ? name : name + ".restart" + std::to_string(role.starts - 1);
-  FW_ASSIGN_OR_RETURN(role.index, processes_.Start(log_name, options_.program, role.args));
+  // A restart logs to <name>.restart<n>.{out,err} (ProcessGroup's naming).
+  FW_ASSIGN_OR_RETURN(role.index, processes_.Start(name, options_.program, role.args));
   if (name == "trainer") {
     echo_index_ = role.index;
     echoed_ = 0;
@@ -183,11 +162,11 @@ std::vector<std::string> Fleet::names() const { return order_; }
 Status Fleet::Kill(const std::string& name, int signal) {
   auto it = roles_.find(name);
   if (it == roles_.end()) return Status::NotFound("no process named " + name);
-  processes_.Signal(it->second.index, signal);
-  // Reap it, so that Running() is false at once.
-  for (int i = 0; i < 500 && processes_.running(it->second.index); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  const size_t index = it->second.index;
+  if (!processes_.Signal(index, signal).ok()) return Status::Ok();  // already gone
+  // Reap it, so that Running() is false at once; a signal it survives is the caller's choice.
+  (void)WaitUntil([&] { return !processes_.running(index); }, std::chrono::seconds(5),
+                  name + " to end after signal " + std::to_string(signal));
   return Status::Ok();
 }
 
@@ -232,17 +211,15 @@ void Fleet::Echo(std::ostream& out) {
 }
 
 Status Fleet::WaitTrainer(std::chrono::milliseconds timeout, std::ostream* out) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
   const size_t index = roles_["trainer"].index;
-  while (processes_.running(index)) {
-    if (out) Echo(*out);
-    if (std::chrono::steady_clock::now() > deadline) {
-      return Status::Unavailable("the trainer did not finish within " +
-                                 std::to_string(timeout.count() / 1000) + " s");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
+  const Status finished = WaitUntil(
+      [&] {
+        if (out) Echo(*out);
+        return !processes_.running(index);
+      },
+      timeout, "the trainer to finish", std::chrono::milliseconds(100));
   if (out) Echo(*out);
+  FW_RETURN_IF_ERROR(finished);
   FW_ASSIGN_OR_RETURN(int wait_status, processes_.Wait(index, std::chrono::milliseconds(0)));
   if (WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0) return Status::Ok();
   return processes_.CheckRunning(index);

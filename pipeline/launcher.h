@@ -64,7 +64,6 @@ class Fleet {
   struct Role {
     std::vector<std::string> args;
     size_t index = 0;  // in processes_
-    int starts = 0;
     std::string ready_file;
     std::string http;  // from the ready file
   };

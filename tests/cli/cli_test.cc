@@ -1,12 +1,7 @@
 // The flywheel CLI end to end: spawns build/bin/flywheel (FLYWHEEL_BIN) on checkpoints
 // made with the library and checks exit codes, stdout, the one-line stderr contract and
 // that failed commands leave no output behind.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,15 +21,15 @@
 
 #include "delta/safetensors.h"
 #include "delta/tensor.h"
-
-extern char** environ;
+#include "pipeline/process.h"
+#include "tests/delta/test_checkpoints.h"
 
 namespace flywheel {
 namespace {
 
 namespace fs = std::filesystem;
 
-constexpr auto kCommandTimeout = std::chrono::seconds(60);
+constexpr std::chrono::milliseconds kCommandTimeout = std::chrono::seconds(60);
 
 struct CommandResult {
   int exit_code = -1;  // 128 + signal when killed
@@ -43,74 +38,22 @@ struct CommandResult {
   std::string err;
 };
 
-// Runs FLYWHEEL_BIN with `args`; stdin is /dev/null; killed after kCommandTimeout.
+// Runs FLYWHEEL_BIN with `args` through the harness; stdin is /dev/null; killed after
+// kCommandTimeout (then timed_out, with the harness's message in `err`).
 CommandResult RunFlywheel(const std::vector<std::string>& args) {
+  pipeline::RunOptions options;
+  options.timeout = kCommandTimeout;
+  Result<pipeline::Completion> completion = pipeline::RunToCompletion(FLYWHEEL_BIN, args, options);
   CommandResult result;
-  int out_pipe[2], err_pipe[2];
-  if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0) {
-    ADD_FAILURE() << "pipe2 failed";
+  if (!completion.ok()) {
+    ADD_FAILURE() << completion.status().ToString();
+    result.timed_out = true;
+    result.err = completion.status().ToString();
     return result;
   }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, out_pipe[1], 1);
-  posix_spawn_file_actions_adddup2(&actions, err_pipe[1], 2);
-
-  std::vector<std::string> argv_storage = {FLYWHEEL_BIN};
-  argv_storage.insert(argv_storage.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& arg : argv_storage) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-
-  pid_t pid = -1;
-  const int spawn_error = posix_spawn(&pid, FLYWHEEL_BIN, &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(out_pipe[1]);
-  ::close(err_pipe[1]);
-  if (spawn_error != 0) {
-    ::close(out_pipe[0]);
-    ::close(err_pipe[0]);
-    ADD_FAILURE() << "posix_spawn " << FLYWHEEL_BIN << " failed: " << spawn_error;
-    return result;
-  }
-
-  const auto deadline = std::chrono::steady_clock::now() + kCommandTimeout;
-  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
-  std::string* sinks[2] = {&result.out, &result.err};
-  int open_fds = 2;
-  while (open_fds > 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    if (left.count() <= 0) {
-      result.timed_out = true;
-      ::kill(pid, SIGKILL);
-      break;
-    }
-    const int ready = ::poll(fds, 2, static_cast<int>(left.count()));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) continue;
-    for (int i = 0; i < 2; ++i) {
-      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
-      char buffer[65536];
-      const ssize_t n = ::read(fds[i].fd, buffer, sizeof(buffer));
-      if (n > 0) {
-        sinks[i]->append(buffer, static_cast<size_t>(n));
-      } else if (n == 0 || errno != EINTR) {
-        ::close(fds[i].fd);
-        fds[i].fd = -1;
-        --open_fds;
-      }
-    }
-  }
-  for (pollfd& fd : fds) {
-    if (fd.fd >= 0) ::close(fd.fd);
-  }
-  int wait_status = 0;
-  while (::waitpid(pid, &wait_status, 0) < 0 && errno == EINTR) {
-  }
-  if (WIFEXITED(wait_status)) result.exit_code = WEXITSTATUS(wait_status);
-  if (WIFSIGNALED(wait_status)) result.exit_code = 128 + WTERMSIG(wait_status);
+  result.exit_code = completion->exit_code;
+  result.out = std::move(completion->out);
+  result.err = std::move(completion->err);
   return result;
 }
 
@@ -157,32 +100,18 @@ std::set<std::string> ListDir(const fs::path& dir) {
   return names;
 }
 
-OwnedTensor RandomTensor(std::mt19937_64& rng, std::string name, DType dtype,
-                         std::vector<int64_t> shape) {
-  OwnedTensor tensor;
-  tensor.name = std::move(name);
-  tensor.dtype = dtype;
-  tensor.shape = std::move(shape);
-  uint64_t elements = 1;
-  for (int64_t dim : tensor.shape) elements *= static_cast<uint64_t>(dim);
-  tensor.data.resize(elements * static_cast<uint64_t>(DTypeWordBytes(dtype)));
-  for (std::byte& b : tensor.data) b = static_cast<std::byte>(rng());
-  return tensor;
-}
-
-// A small model: bf16 matrices (one spanning two 4 MiB chunks) and f32 norms.
+// A small model: bf16 matrices (one spanning two 4 MiB chunks) and f32 norms; random bytes
+// (tests/delta/test_checkpoints.h).
 OwnedCheckpoint MakeBase(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  OwnedCheckpoint checkpoint;
-  checkpoint.tensors.push_back(
-      RandomTensor(rng, "model.embed_tokens.weight", DType::kBF16, {1536, 2048}));
-  checkpoint.tensors.push_back(
-      RandomTensor(rng, "model.layers.0.self_attn.q_proj.weight", DType::kBF16, {256, 256}));
-  checkpoint.tensors.push_back(
-      RandomTensor(rng, "model.layers.0.input_layernorm.weight", DType::kF32, {256}));
-  checkpoint.tensors.push_back(RandomTensor(rng, "model.norm.weight", DType::kF32, {3, 7}));
-  checkpoint.tensors.push_back(RandomTensor(rng, "lm_head.weight", DType::kBF16, {1, 733}));
-  return checkpoint;
+  return testing::RandomCheckpoint(
+      {
+          {"model.embed_tokens.weight", DType::kBF16, {1536, 2048}},
+          {"model.layers.0.self_attn.q_proj.weight", DType::kBF16, {256, 256}},
+          {"model.layers.0.input_layernorm.weight", DType::kF32, {256}},
+          {"model.norm.weight", DType::kF32, {3, 7}},
+          {"lm_head.weight", DType::kBF16, {1, 733}},
+      },
+      seed);
 }
 
 // Changes ~`fraction` of the words of every tensor (each changed word surely differs).

@@ -9,7 +9,6 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
-#include <thread>
 
 #include "pipeline/launcher.h"
 
@@ -84,13 +83,9 @@ class PipelineFleetTest : public ::testing::Test {
     if (!status.contains("groups_by_worker") || !status["groups_by_worker"].is_object()) return 0;
     return status["groups_by_worker"].value(worker, uint64_t{0});
   }
+  // pipeline::WaitUntil at the pace of the trainer's status (each poll is an HTTP GET).
   static bool WaitFor(const std::function<bool()>& predicate, std::chrono::seconds limit) {
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (predicate()) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    return predicate();
+    return WaitUntil(predicate, limit, "a fleet condition", std::chrono::milliseconds(100)).ok();
   }
   std::string Logs() { return " (logs in " + fleet_->log_dir() + ")"; }
 

@@ -3,23 +3,19 @@
 // from the served weights (503 before the first version), and a new version reaches the
 // engine in flight: later answers carry it.
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
-#include <thread>
 
-#include "tests/model/tiny_models.h"
 #include "model/model.h"
 #include "model/weights.h"
+#include "pipeline/process.h"
+#include "tests/model/tiny_models.h"
 #include "transport/http.h"
-
-extern char** environ;
 
 namespace flywheel::rollout {
 namespace {
@@ -28,43 +24,12 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace std::chrono_literals;
 
-class Process {
- public:
-  explicit Process(std::vector<std::string> args) {
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    if (posix_spawn(&pid_, args[0].c_str(), nullptr, nullptr, argv.data(), environ) != 0) pid_ = -1;
-  }
-  ~Process() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    for (int i = 0; i < 100; ++i) {
-      if (waitpid(pid_, nullptr, WNOHANG) == pid_) return;
-      std::this_thread::sleep_for(20ms);
-    }
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-  }
-  bool started() const { return pid_ > 0; }
-
- private:
-  pid_t pid_ = -1;
-};
-
-template <typename Predicate>
-bool WaitFor(Predicate predicate, std::chrono::milliseconds limit = 30s) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (predicate()) return true;
-    std::this_thread::sleep_for(20ms);
-  }
-  return predicate();
-}
-
-json ReadJson(const fs::path& path) {
-  std::ifstream in(path);
-  return json::parse(in, nullptr, false);
+// Polls `predicate` for up to `limit` (pipeline::WaitUntil); the error names `what`.
+::testing::AssertionResult WaitFor(const std::function<bool()>& predicate, const std::string& what,
+                                   std::chrono::milliseconds limit = 30s) {
+  const Status waited = pipeline::WaitUntil(predicate, limit, what, 20ms);
+  if (waited.ok()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << waited.ToString();
 }
 
 transport::Endpoint Parse(const std::string& host_port) {
@@ -93,19 +58,28 @@ TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
   fs::create_directories(dir / "watch");
   const model::ModelConfig config = testing::TinyConfig({.vocab = 260});
   { std::ofstream(dir / "config.json") << config.ToJson().dump(); }
-  const std::string bin = FLYWHEEL_BIN;
-  Process publisher({bin, "publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
-                     "--state-dir", (dir / "state").string(), "--watch", (dir / "watch").string(),
-                     "--ready-file", (dir / "publisher.ready").string()});
-  ASSERT_TRUE(publisher.started());
-  ASSERT_TRUE(WaitFor([&] { return fs::exists(dir / "publisher.ready"); }));
-  const std::string upstream = ReadJson(dir / "publisher.ready")["listen"];
-  Process worker({bin, "worker", "--region", "home", "--upstream", upstream, "--http",
-                  "127.0.0.1:0", "--model", (dir / "config.json").string(), "--max-sequence", "64",
-                  "--ready-file", (dir / "worker.ready").string()});
-  ASSERT_TRUE(worker.started());
-  ASSERT_TRUE(WaitFor([&] { return fs::exists(dir / "worker.ready"); }));
-  const transport::Endpoint http = Parse(ReadJson(dir / "worker.ready")["http"]);
+  // Logs in `dir`; the group stops both processes however the test ends.
+  pipeline::ProcessGroup processes(dir.string());
+  Result<size_t> publisher = processes.Start(
+      "publisher", FLYWHEEL_BIN,
+      {"publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state-dir",
+       (dir / "state").string(), "--watch", (dir / "watch").string(), "--ready-file",
+       (dir / "publisher.ready").string()});
+  ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
+  Result<json> publisher_ready = pipeline::AwaitReadyFile(
+      processes, (dir / "publisher.ready").string(), "publisher", 30s, *publisher);
+  ASSERT_TRUE(publisher_ready.ok()) << publisher_ready.status().ToString();
+  const std::string upstream = (*publisher_ready)["listen"];
+  Result<size_t> worker = processes.Start(
+      "worker", FLYWHEEL_BIN,
+      {"worker", "--region", "home", "--upstream", upstream, "--http", "127.0.0.1:0", "--model",
+       (dir / "config.json").string(), "--max-sequence", "64", "--ready-file",
+       (dir / "worker.ready").string()});
+  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+  Result<json> worker_ready =
+      pipeline::AwaitReadyFile(processes, (dir / "worker.ready").string(), "worker", 30s, *worker);
+  ASSERT_TRUE(worker_ready.ok()) << worker_ready.status().ToString();
+  const transport::Endpoint http = Parse((*worker_ready)["http"]);
   const std::string request =
       R"({"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": true})";
 
@@ -122,7 +96,7 @@ TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
     if (!r.ok() || r->status != 200) return false;
     answer = json::parse(r->body, nullptr, false);
     return true;
-  })) << "the worker never served version 1";
+  }, "the worker to serve version 1"));
   EXPECT_EQ(answer["choices"][0]["policy_versions"], json::array({1, 1, 1, 1}));
   EXPECT_EQ(answer["choices"][0]["token_ids"].size(), 4u);
   const json v1_logprobs = answer["choices"][0]["logprobs"]["token_logprobs"];
@@ -137,7 +111,7 @@ TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
     if (!r.ok() || r->status != 200) return false;
     answer = json::parse(r->body, nullptr, false);
     return answer["choices"][0]["policy_versions"][0] == 2;
-  })) << "version 2 never reached the engine";
+  }, "version 2 to reach the engine"));
   // The engine computes from the new weights (with fp32 serving: the in-place patched
   // served tensors themselves).
   EXPECT_NE(answer["choices"][0]["logprobs"]["token_logprobs"], v1_logprobs);
@@ -153,6 +127,7 @@ TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
   auto again = transport::HttpPost(http, "/v1/completions", request);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->status, 200);
+  (void)processes.StopAll();  // before their directory goes
   fs::remove_all(dir);
 }
 

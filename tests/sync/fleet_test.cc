@@ -11,12 +11,12 @@
 // sync::Worker on one io_context.
 //
 // Every process runs with --heartbeat-ms 100 --peer-timeout-ms 1000 so that failures are
-// noticed in about a second, and is killed and reaped in TearDown whatever happened.
-#include <fcntl.h>
+// noticed in about a second. The processes live in a pipeline::ProcessGroup (the harness),
+// which stops and reaps them in TearDown whatever happened; every wait is a
+// pipeline::WaitUntil on the condition itself.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -39,6 +39,7 @@
 #include "delta/delta.h"
 #include "delta/hash.h"
 #include "delta/safetensors.h"
+#include "pipeline/process.h"
 #include "sync/node.h"
 #include "sync/worker.h"
 #include "tests/delta/test_checkpoints.h"
@@ -139,13 +140,6 @@ std::function<bool(const json&)> Serves(uint64_t version, const std::string& has
   };
 }
 
-std::string ReadText(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 bool WriteText(const fs::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << text;
@@ -153,36 +147,12 @@ bool WriteText(const fs::path& path, const std::string& text) {
   return out.good();
 }
 
-std::string DescribeWait(int wait_status) {
-  if (WIFEXITED(wait_status)) return "exit " + std::to_string(WEXITSTATUS(wait_status));
-  if (WIFSIGNALED(wait_status)) return "killed by signal " + std::to_string(WTERMSIG(wait_status));
-  return "wait status " + std::to_string(wait_status);
-}
-
-// A port that was free a moment ago (for a publisher that must come back on the same one).
-uint16_t FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t length = sizeof address;
-  uint16_t port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0) {
-    port = ntohs(address.sin_port);
-  }
-  ::close(fd);
-  return port;
-}
-
 // ---- processes -----------------------------------------------------------------------
 
 // One spawned flywheel process.
 struct Node {
   std::string name;
-  pid_t pid = -1;              // -1 once reaped
-  int wait_status = -1;        // from waitpid, once reaped
-  fs::path log;                // stdout and stderr, appended across restarts
+  size_t index = SIZE_MAX;     // in FleetTest::processes_; SIZE_MAX when it did not start
   fs::path ready;              // --ready-file
   transport::Endpoint listen;  // data plane (publisher, relay)
   transport::Endpoint http;
@@ -201,13 +171,18 @@ class FleetTest : public ::testing::Test {
     dir_ = pattern;
     watch_ = dir_ / "watch";
     fs::create_directories(watch_);
+    processes_ = std::make_unique<pipeline::ProcessGroup>(dir_.string());
+    processes_->set_grace(3s);
   }
 
   void TearDown() override {
-    for (auto it = nodes_.rbegin(); it != nodes_.rend(); ++it) Stop(*it);
+    if (processes_ == nullptr) return;
+    (void)processes_->StopAll();
     if (HasFailure()) {
       for (const Node& node : nodes_) {
-        std::cerr << "---- " << node.name << " (" << node.log.string() << "), last lines ----\n"
+        if (node.index == SIZE_MAX) continue;
+        std::cerr << "---- " << node.name << " (" << processes_->stdout_path(node.index)
+                  << ", .err), last lines ----\n"
                   << Tail(node, 40);
       }
       std::cerr << "---- test directory kept: " << dir_.string() << "\n";
@@ -217,105 +192,74 @@ class FleetTest : public ::testing::Test {
     fs::remove_all(dir_, ignored);
   }
 
-  // Spawns FLYWHEEL_BIN `args`; stdout and stderr go to <dir>/<name>.log, stdin is
-  // /dev/null, and the child dies with this process (PR_SET_PDEATHSIG).
+  // Starts FLYWHEEL_BIN `args` in processes_: stdout and stderr go to <dir>/<name>.out and
+  // .err (.restart<n>.out/.err when the name was started before).
   Node& Spawn(const std::string& name, const std::vector<std::string>& args) {
     Node& node = nodes_.emplace_back();
     node.name = name;
-    node.log = dir_ / (name + ".log");
     node.ready = dir_ / (name + ".ready");
-    std::vector<std::string> storage = {FLYWHEEL_BIN};
-    if (std::getenv("FLEET_TEST_VERBOSE") != nullptr) storage.push_back("--verbose");  // debug logs
-    storage.insert(storage.end(), args.begin(), args.end());
-    std::string command_line = "$";
-    for (const std::string& arg : storage) command_line += " " + arg;
-    command_line += "\n";
-    std::vector<char*> argv;
-    for (std::string& arg : storage) argv.push_back(arg.data());
-    argv.push_back(nullptr);
-
+    std::vector<std::string> all_args;
+    if (std::getenv("FLEET_TEST_VERBOSE") != nullptr) all_args.push_back("--verbose");  // debug logs
+    all_args.insert(all_args.end(), args.begin(), args.end());
     std::error_code ignored;
     fs::remove(node.ready, ignored);
-    const int log_fd = ::open(node.log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    const int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (log_fd < 0 || null_fd < 0) {
-      ADD_FAILURE() << "cannot open " << node.log;
+    Result<size_t> index = processes_->Start(name, FLYWHEEL_BIN, all_args);
+    if (!index.ok()) {
+      ADD_FAILURE() << index.status().ToString();
       return node;
     }
-    (void)!::write(log_fd, command_line.data(), command_line.size());
-    const pid_t parent = ::getpid();
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      // Only async-signal-safe calls between fork and exec.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);
-      ::dup2(null_fd, 0);
-      ::dup2(log_fd, 1);
-      ::dup2(log_fd, 2);
-      ::execv(FLYWHEEL_BIN, argv.data());
-      ::_exit(127);
-    }
-    ::close(log_fd);
-    ::close(null_fd);
-    if (pid < 0) {
-      ADD_FAILURE() << "fork failed: " << std::strerror(errno);
-      return node;
-    }
-    node.pid = pid;
+    node.index = *index;
     return node;
   }
 
-  // Reaps `node` if it exited; true if it is no longer running.
-  bool Exited(Node& node) {
-    if (node.pid < 0) return true;
-    int status = 0;
-    if (::waitpid(node.pid, &status, WNOHANG) == node.pid) {
-      node.pid = -1;
-      node.wait_status = status;
-      return true;
+  // Runs a one-shot `flywheel args...`; nullopt (with a failure) if it could not run or
+  // timed out.
+  std::optional<pipeline::Completion> Run(const std::vector<std::string>& args) {
+    pipeline::RunOptions options;
+    options.timeout = kWait;
+    Result<pipeline::Completion> done = pipeline::RunToCompletion(FLYWHEEL_BIN, args, options);
+    if (!done.ok()) {
+      ADD_FAILURE() << done.status().ToString();
+      return std::nullopt;
     }
-    return false;
+    return std::move(*done);
   }
 
-  // SIGTERM (and SIGCONT, in case it is stopped), SIGKILL after 3 s; always reaps.
-  void Stop(Node& node) {
-    if (Exited(node)) return;
-    ::kill(node.pid, SIGTERM);
-    ::kill(node.pid, SIGCONT);
-    const auto deadline = Clock::now() + 3s;
-    while (Clock::now() < deadline) {
-      if (Exited(node)) return;
-      std::this_thread::sleep_for(10ms);
-    }
-    KillNow(node);
-  }
+  // SIGTERM (and SIGCONT, in case it is stopped), SIGKILL after 3 s; always reaps. Its
+  // waitpid status.
+  int Stop(Node& node) { return node.index == SIZE_MAX ? -1 : processes_->Stop(node.index); }
 
   void KillNow(Node& node) {
-    if (node.pid < 0) return;
-    ::kill(node.pid, SIGKILL);
-    int status = 0;
-    while (::waitpid(node.pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    node.pid = -1;
-    node.wait_status = status;
+    if (node.index != SIZE_MAX) processes_->Kill(node.index);
+  }
+
+  // SIGSTOP / SIGCONT; false (with a failure) if it no longer runs.
+  bool Signal(Node& node, int signal) {
+    const Status sent = node.index == SIZE_MAX ? Status::NotFound(node.name + " did not start")
+                                               : processes_->Signal(node.index, signal);
+    EXPECT_TRUE(sent.ok()) << sent.ToString();
+    return sent.ok();
   }
 
   // Waits for a one-shot command to exit; its exit code, or -1 (with a failure).
   int WaitExit(Node& node, std::chrono::milliseconds timeout = kWait) {
-    const auto deadline = Clock::now() + timeout;
-    while (!Exited(node)) {
-      if (Clock::now() > deadline) {
-        ADD_FAILURE() << node.name << " did not exit within " << timeout.count() << " ms";
-        KillNow(node);
-        return -1;
-      }
-      std::this_thread::sleep_for(10ms);
+    if (node.index == SIZE_MAX) return -1;
+    Result<int> exit_code = processes_->WaitExitCode(node.index, timeout);
+    if (!exit_code.ok()) {
+      ADD_FAILURE() << exit_code.status().ToString();
+      KillNow(node);
+      return -1;
     }
-    return WIFEXITED(node.wait_status) ? WEXITSTATUS(node.wait_status) : -1;
+    return *exit_code;
+  }
+
+  // Its stdout followed by its stderr, so far.
+  std::string Output(const Node& node) const {
+    return node.index == SIZE_MAX ? std::string() : processes_->Output(node.index);
   }
 
   std::string Tail(const Node& node, size_t lines) const {
-    const std::string text = ReadText(node.log);
+    const std::string text = Output(node);
     size_t begin = text.size();
     for (size_t seen = 0; begin > 0 && seen <= lines; --begin) {
       if (text[begin - 1] == '\n') ++seen;
@@ -325,43 +269,27 @@ class FleetTest : public ::testing::Test {
 
   // Waits for the node's --ready-file; false (with a failure) if it exits or times out.
   bool WaitReady(Node& node) {
-    const auto deadline = Clock::now() + kWait;
-    while (true) {
-      std::ifstream in(node.ready);
-      if (in) {
-        json ready = json::parse(in, nullptr, /*allow_exceptions=*/false);
-        if (!ready.is_discarded() && ready.contains("http")) {
-          Result<transport::Endpoint> http =
-              transport::ParseEndpoint(ready["http"].get<std::string>());
-          if (!http.ok()) {
-            ADD_FAILURE() << node.name << " ready file: " << http.status().ToString();
-            return false;
-          }
-          node.http = *http;
-          if (ready.contains("listen")) {
-            Result<transport::Endpoint> listen =
-                transport::ParseEndpoint(ready["listen"].get<std::string>());
-            if (!listen.ok()) {
-              ADD_FAILURE() << node.name << " ready file: " << listen.status().ToString();
-              return false;
-            }
-            node.listen = *listen;
-          }
-          return true;
-        }
-      }
-      if (Exited(node)) {
-        ADD_FAILURE() << node.name << " exited before it was ready ("
-                      << DescribeWait(node.wait_status) << "):\n"
-                      << Tail(node, 20);
-        return false;
-      }
-      if (Clock::now() > deadline) {
-        ADD_FAILURE() << node.name << " wrote no ready file within " << kWait.count() << " ms";
-        return false;
-      }
-      std::this_thread::sleep_for(20ms);
+    if (node.index == SIZE_MAX) return false;
+    Result<json> ready = pipeline::AwaitReadyFile(*processes_, node.ready.string(), node.name,
+                                                  kWait, node.index);
+    if (!ready.ok()) {
+      ADD_FAILURE() << ready.status().ToString() << "\n" << Tail(node, 20);
+      return false;
     }
+    auto endpoint = [&](const char* key, transport::Endpoint& into) {
+      if (!ready->contains(key) || !(*ready)[key].is_string()) {
+        ADD_FAILURE() << node.name << " ready file has no \"" << key << "\": " << ready->dump();
+        return false;
+      }
+      Result<transport::Endpoint> parsed = transport::ParseEndpoint((*ready)[key].get<std::string>());
+      if (!parsed.ok()) {
+        ADD_FAILURE() << node.name << " ready file: " << parsed.status().ToString();
+        return false;
+      }
+      into = *parsed;
+      return true;
+    };
+    return endpoint("http", node.http) && (!ready->contains("listen") || endpoint("listen", node.listen));
   }
 
   std::vector<std::string> CommonArgs(const std::string& name) const {
@@ -459,23 +387,23 @@ class FleetTest : public ::testing::Test {
   bool WaitStatus(const Node& node, const std::string& what,
                   const std::function<bool(const json&)>& holds,
                   std::chrono::milliseconds timeout = kWait) {
-    const auto deadline = Clock::now() + timeout;
     json last;
-    while (true) {
-      if (std::optional<json> status = GetStatus(node)) {
-        if (holds(*status)) return true;
-        last = std::move(*status);
-      }
-      if (Clock::now() > deadline) break;
-      std::this_thread::sleep_for(20ms);
-    }
-    ADD_FAILURE() << node.name << ": not " << what << " within " << timeout.count()
-                  << " ms; last status:\n"
-                  << Brief(last);
+    const Status waited = pipeline::WaitUntil(
+        [&] {
+          std::optional<json> status = GetStatus(node);
+          if (!status) return false;
+          if (holds(*status)) return true;
+          last = std::move(*status);
+          return false;
+        },
+        timeout, node.name + " " + what, 20ms);
+    if (waited.ok()) return true;
+    ADD_FAILURE() << waited.ToString() << "; last status:\n" << Brief(last);
     return false;
   }
 
-  // `holds` stays true of `node`'s status for `duration` (checked every 50 ms).
+  // `holds` stays true of `node`'s status for `duration` (checked every 50 ms). The sleep
+  // is by design: this proves that something does not change within a window.
   bool Holds(const Node& node, const std::string& what,
              const std::function<bool(const json&)>& holds, std::chrono::milliseconds duration) {
     const auto deadline = Clock::now() + duration;
@@ -521,6 +449,7 @@ class FleetTest : public ::testing::Test {
 
   fs::path dir_;
   fs::path watch_;
+  std::unique_ptr<pipeline::ProcessGroup> processes_;  // after dir_ exists
   std::deque<Node> nodes_;  // stable addresses
   Lineage lineage_{FleetSpecs(), 1234};
 };
@@ -626,9 +555,9 @@ TEST_F(FleetTest, ChainCatchUp) {
   ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
   const json before = StatusOrEmpty(*worker);
 
-  ASSERT_EQ(::kill(worker->pid, SIGSTOP), 0);
+  ASSERT_TRUE(Signal(*worker, SIGSTOP));
   for (uint64_t version = 2; version <= 5; ++version) ASSERT_TRUE(Publish(*publisher, version));
-  ASSERT_EQ(::kill(worker->pid, SIGCONT), 0);
+  ASSERT_TRUE(Signal(*worker, SIGCONT));
 
   ASSERT_TRUE(WaitStatus(*worker, "catching up to v5", Serves(5, lineage_.Hex(5))));
   const json after = StatusOrEmpty(*worker);
@@ -650,10 +579,10 @@ TEST_F(FleetTest, PastRetentionKeyframe) {
   ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
   const json before = StatusOrEmpty(*worker);
 
-  ASSERT_EQ(::kill(worker->pid, SIGSTOP), 0);
+  ASSERT_TRUE(Signal(*worker, SIGSTOP));
   for (uint64_t version = 2; version <= 8; ++version) ASSERT_TRUE(Publish(*publisher, version));
   EXPECT_EQ(U64(StatusOrEmpty(*publisher), "artifacts_retained"), 3u);
-  ASSERT_EQ(::kill(worker->pid, SIGCONT), 0);
+  ASSERT_TRUE(Signal(*worker, SIGCONT));
 
   ASSERT_TRUE(WaitStatus(*worker, "catching up to v8", Serves(8, lineage_.Hex(8))));
   const json after = StatusOrEmpty(*worker);
@@ -823,7 +752,7 @@ TEST_F(FleetTest, MalformedDrop) {
         << "the reason should name the drop: " << reason;
     EXPECT_NE(reason.find("model.safetensors"), std::string::npos) << reason;
   }
-  EXPECT_NE(ReadText(publisher->log).find("rejected drop"), std::string::npos);
+  EXPECT_NE(Output(*publisher).find("rejected drop"), std::string::npos);
   EXPECT_TRUE(Holds(*worker, "serving v1", Serves(1, lineage_.Hex(1)), 500ms));
   EXPECT_TRUE(Holds(
       *publisher, "ignoring uncommitted v5",
@@ -871,9 +800,9 @@ TEST_F(FleetTest, WrongOrMissingToken) {
         },
         300ms));
   }
-  EXPECT_NE(ReadText(publisher->log).find("wrong token"), std::string::npos);
-  EXPECT_NE(ReadText(publisher->log).find("missing token"), std::string::npos);
-  EXPECT_NE(ReadText(relay->log).find("wrong token"), std::string::npos);
+  EXPECT_NE(Output(*publisher).find("wrong token"), std::string::npos);
+  EXPECT_NE(Output(*publisher).find("missing token"), std::string::npos);
+  EXPECT_NE(Output(*relay).find("wrong token"), std::string::npos);
   const json publisher_status = StatusOrEmpty(*publisher);
   for (const json& node : publisher_status["nodes"]) {
     EXPECT_TRUE(Str(node, "node_id") == "relay-eu" || Str(node, "node_id") == "worker")
@@ -902,8 +831,9 @@ TEST_F(FleetTest, WrongOrMissingToken) {
 
 TEST_F(FleetTest, TlsMutualAuth) {
   const fs::path certs = dir_ / "certs";
-  Node& make_certs = Spawn("certs", {"certs", "--out", certs.string()});
-  ASSERT_EQ(WaitExit(make_certs), 0) << Tail(make_certs, 10);
+  const std::optional<pipeline::Completion> made_certs = Run({"certs", "--out", certs.string()});
+  ASSERT_TRUE(made_certs.has_value());
+  ASSERT_EQ(made_certs->exit_code, 0) << made_certs->out << made_certs->err;
   auto file = [&](const char* name) { return (certs / name).string(); };
 
   Node* publisher = StartPublisher("publisher", {"--tls-cert", file("server.crt"), "--tls-key",
@@ -943,7 +873,7 @@ TEST_F(FleetTest, TlsMutualAuth) {
   Node& no_cert =
       SpawnWorker("no-cert", "home", {publisher->upstream()}, {"--tls-ca", file("ca.crt")});
   EXPECT_NE(WaitExit(no_cert), 0);
-  EXPECT_NE(ReadText(no_cert.log).find("--tls-cert"), std::string::npos) << Tail(no_cert, 5);
+  EXPECT_NE(Output(no_cert).find("--tls-cert"), std::string::npos) << Tail(no_cert, 5);
 
   // The worker's sync is seen from the publisher (the worker's own HTTPS endpoint presents
   // client.crt, which a verifying client does not accept as a server certificate).
@@ -963,7 +893,7 @@ TEST_F(FleetTest, TlsMutualAuth) {
   }));
   ASSERT_TRUE(
       WaitStatus(*eu_worker, "serving v2 through the TLS relay", Serves(2, lineage_.Hex(2))));
-  EXPECT_NE(ReadText(publisher->log).find("TLS handshake with"), std::string::npos);
+  EXPECT_NE(Output(*publisher).find("TLS handshake with"), std::string::npos);
 
   // HTTPS: with the client certificate 200, without one no answer at all; plain HTTP to a
   // TLS endpoint does not get through either.
@@ -994,9 +924,10 @@ TEST_F(FleetTest, TlsMutualAuth) {
 // ---- restarts and exports ------------------------------------------------------------------
 
 TEST_F(FleetTest, PublisherRestart) {
-  const uint16_t port = FreePort();
-  ASSERT_NE(port, 0);
-  const std::string listen = "127.0.0.1:" + std::to_string(port);
+  // A fixed port (FreePort's race accepted): the restarted publisher must come back on it.
+  const Result<uint16_t> port = pipeline::FreePort();
+  ASSERT_TRUE(port.ok()) << port.status().ToString();
+  const std::string listen = "127.0.0.1:" + std::to_string(*port);
   Node* publisher = StartPublisher("publisher", {}, listen);
   ASSERT_NE(publisher, nullptr);
   Node* worker = StartWorker("worker", "home", {listen});
@@ -1004,9 +935,9 @@ TEST_F(FleetTest, PublisherRestart) {
   for (uint64_t version = 1; version <= 3; ++version) ASSERT_TRUE(Publish(*publisher, version));
   ASSERT_TRUE(WaitStatus(*worker, "serving v3", Serves(3, lineage_.Hex(3))));
 
-  Stop(*publisher);
-  EXPECT_TRUE(WIFEXITED(publisher->wait_status) && WEXITSTATUS(publisher->wait_status) == 0)
-      << DescribeWait(publisher->wait_status);
+  const int stopped = Stop(*publisher);
+  EXPECT_TRUE(WIFEXITED(stopped) && WEXITSTATUS(stopped) == 0)
+      << publisher->name << " " << pipeline::DescribeWaitStatus(stopped);
   // Same state directory, same port.
   Node* restarted = StartPublisher("publisher", {}, listen);
   ASSERT_NE(restarted, nullptr);
@@ -1059,11 +990,12 @@ TEST_F(FleetTest, ExportDir) {
                 ? exported->metadata().at("flywheel_version")
                 : "",
             "2");
-  Node& hash_command = Spawn("checkpoint-hash", {"checkpoint", "hash", v2.string()});
-  ASSERT_EQ(WaitExit(hash_command), 0) << Tail(hash_command, 5);
-  EXPECT_NE(ReadText(hash_command.log).find(lineage_.Hex(2) + "  " + v2.string()),
+  const std::optional<pipeline::Completion> hashed = Run({"checkpoint", "hash", v2.string()});
+  ASSERT_TRUE(hashed.has_value());
+  ASSERT_EQ(hashed->exit_code, 0) << hashed->out << hashed->err;
+  EXPECT_NE((hashed->out + hashed->err).find(lineage_.Hex(2) + "  " + v2.string()),
             std::string::npos)
-      << Tail(hash_command, 5);
+      << hashed->out << hashed->err;
 
   // --export-keep 2 (the default): v1 goes when v3 arrives.
   ASSERT_TRUE(Publish(*publisher, 3));
@@ -1174,8 +1106,11 @@ class CraftedUpstreamTest : public ::testing::Test {
     OnIo([&] {
       if (server_) server_->Stop();
     });
-    std::this_thread::sleep_for(100ms);  // the posted stops close every connection
+    // The posted stops close every connection. Once the io_context runs out of work it has;
+    // it often keeps a timer longer than that, so it is stopped after at most 100 ms anyway.
     work_.reset();
+    (void)pipeline::WaitUntil([&] { return io_->stopped(); }, 100ms,
+                              "the io_context to run out of work");
     io_->stop();
     io_thread_.join();
     // As in `flywheel worker`: the roles go first, then the io_context.
@@ -1210,14 +1145,15 @@ class CraftedUpstreamTest : public ::testing::Test {
   }
 
   bool WaitWorker(const std::string& what, const std::function<bool(const json&)>& holds) {
-    const auto deadline = Clock::now() + kWait;
     json last;
-    while (Clock::now() < deadline) {
-      last = WorkerStatus();
-      if (holds(last)) return true;
-      std::this_thread::sleep_for(20ms);
-    }
-    ADD_FAILURE() << "worker: not " << what << "; last status:\n" << Brief(last);
+    const Status waited = pipeline::WaitUntil(
+        [&] {
+          last = WorkerStatus();
+          return holds(last);
+        },
+        kWait, "worker " + what, 20ms);
+    if (waited.ok()) return true;
+    ADD_FAILURE() << waited.ToString() << "; last status:\n" << Brief(last);
     return false;
   }
 
@@ -1244,7 +1180,7 @@ class CraftedUpstreamTest : public ::testing::Test {
             violations_.push_back("went back from v" + std::to_string(highest));
           highest = std::max(highest, version);
         });
-        std::this_thread::sleep_for(1ms);
+        std::this_thread::sleep_for(1ms);  // a sampler's pace, not a wait
       }
     });
   }
@@ -1310,6 +1246,7 @@ TEST_F(CraftedUpstreamTest, WrongBaseDelta) {
   Announce({k1, d2}, 2, HashOf(c));
   ASSERT_TRUE(WaitWorker("rejecting delta v2",
                          [](const json& s) { return U64(s, "artifacts_rejected") >= 1; }));
+  // By design: the rejection must not be followed by a swap within a window.
   std::this_thread::sleep_for(300ms);
   json status = WorkerStatus();
   EXPECT_TRUE(Serves(1, hash_a.ToHex())(status)) << Brief(status);
@@ -1326,7 +1263,7 @@ TEST_F(CraftedUpstreamTest, WrongBaseDelta) {
   Announce({k1, lying}, 2, HashOf(c2));
   ASSERT_TRUE(WaitWorker("rejecting the lying delta v2",
                          [](const json& s) { return U64(s, "artifacts_rejected") >= 2; }));
-  std::this_thread::sleep_for(300ms);
+  std::this_thread::sleep_for(300ms);  // by design, as above
   status = WorkerStatus();
   EXPECT_TRUE(Serves(1, hash_a.ToHex())(status)) << Brief(status);
 
@@ -1368,6 +1305,7 @@ TEST_F(CraftedUpstreamTest, OlderHeadIgnored) {
   Announce({k1}, 1, hash_1);
   ASSERT_TRUE(WaitWorker("ignoring head v1",
                          [](const json& s) { return U64(s, "older_heads_ignored") >= 1; }));
+  // By design: the older head must not cause a swap within a window.
   std::this_thread::sleep_for(300ms);
   const json status = WorkerStatus();
   EXPECT_TRUE(Serves(3, hash_3.ToHex())(status)) << Brief(status);

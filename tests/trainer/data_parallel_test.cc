@@ -2,9 +2,6 @@
 // again as a child rank) train on halves of a batch; both end bit-identical to each other
 // and equal (up to float summation order) to one process training on the whole batch.
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -14,14 +11,12 @@
 #include <fstream>
 #include <iomanip>
 #include <random>
-#include <thread>
 
 #include "delta/safetensors.h"
+#include "pipeline/process.h"
 #include "tests/model/tiny_models.h"
 #include "trainer/training_client.h"
 #include "model/weights.h"
-
-extern char** environ;
 
 namespace flywheel::trainer {
 namespace {
@@ -99,35 +94,35 @@ TEST(DataParallelChild, DISABLED_Rank) {
       << std::setprecision(17) << norms[0] << " " << norms[1] << " " << norms[2];
 }
 
-pid_t Spawn(int rank, const std::string& init, const std::string& out) {
+// Starts this test binary again as rank `rank` (only DataParallelChild.DISABLED_Rank runs);
+// its output goes to <dir>/rank<rank>.out and .err.
+Result<size_t> StartRank(pipeline::ProcessGroup& processes, int rank, const std::string& init,
+                         const std::string& out) {
   const std::string self = fs::read_symlink("/proc/self/exe").string();
-  std::vector<std::string> env_strings = {"FLYWHEEL_DP_RANK=" + std::to_string(rank),
-                                          "FLYWHEEL_DP_INIT=" + init, "FLYWHEEL_DP_OUT=" + out,
-                                          "OMP_NUM_THREADS=1"};
-  std::vector<char*> envp;
-  for (char** e = environ; *e; ++e) envp.push_back(*e);
-  for (auto& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::string filter = "--gtest_filter=DataParallelChild.DISABLED_Rank";
-  std::string disabled = "--gtest_also_run_disabled_tests";
-  std::vector<char*> argv = {const_cast<char*>(self.c_str()), filter.data(), disabled.data(),
-                             nullptr};
-  pid_t pid = 0;
-  if (posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv.data(), envp.data()) != 0) return -1;
-  return pid;
+  pipeline::StartOptions options;
+  options.env = {"FLYWHEEL_DP_RANK=" + std::to_string(rank), "FLYWHEEL_DP_INIT=" + init,
+                 "FLYWHEEL_DP_OUT=" + out, "OMP_NUM_THREADS=1"};
+  return processes.Start("rank" + std::to_string(rank), self,
+                         {"--gtest_filter=DataParallelChild.DISABLED_Rank",
+                          "--gtest_also_run_disabled_tests"},
+                         options);
 }
 
-// Waits for `pid` up to `limit`; kills it past that. Returns the exit status or -1.
-int Reap(pid_t pid, std::chrono::seconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  int status = 0;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+// Waits up to `limit` for a rank to exit; kills it past that. Its exit code, or -1 (with
+// the rank's output tail in the failure message).
+int Reap(pipeline::ProcessGroup& processes, size_t index, std::chrono::seconds limit) {
+  Result<int> exit_code = processes.WaitExitCode(index, limit);
+  if (!exit_code.ok()) {
+    processes.Kill(index);
+    ADD_FAILURE() << exit_code.status().ToString();
+    return -1;
   }
-  kill(pid, SIGKILL);
-  waitpid(pid, &status, 0);
-  return -1;
+  if (*exit_code != 0) {
+    ADD_FAILURE() << processes.name(index) << " exited with " << *exit_code << ":\n"
+                  << pipeline::FileTail(processes.stdout_path(index), 2000) << "\n"
+                  << pipeline::FileTail(processes.stderr_path(index), 2000);
+  }
+  return *exit_code;
 }
 
 TEST(DataParallelTest, TwoProcessesMatchOneProcess) {
@@ -136,18 +131,20 @@ TEST(DataParallelTest, TwoProcessesMatchOneProcess) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string init = "file://" + (dir / "rendezvous").string();
-  const pid_t rank0 = Spawn(0, init, dir.string());
-  const pid_t rank1 = Spawn(1, init, dir.string());
-  ASSERT_GT(rank0, 0);
-  ASSERT_GT(rank1, 0);
+  // The group stops both ranks however the test ends.
+  pipeline::ProcessGroup processes(dir.string());
+  const Result<size_t> rank0 = StartRank(processes, 0, init, dir.string());
+  const Result<size_t> rank1 = StartRank(processes, 1, init, dir.string());
+  ASSERT_TRUE(rank0.ok()) << rank0.status().ToString();
+  ASSERT_TRUE(rank1.ok()) << rank1.status().ToString();
 
   // Meanwhile, the single-process reference on the whole batch.
   auto single = TrainingClient::Create({.config = Config(), .seed = 31});
   ASSERT_TRUE(single.ok());
   const auto norms = Train(**single, Batch());
 
-  EXPECT_EQ(Reap(rank0, std::chrono::seconds(240)), 0);
-  EXPECT_EQ(Reap(rank1, std::chrono::seconds(240)), 0);
+  EXPECT_EQ(Reap(processes, *rank0, std::chrono::seconds(240)), 0);
+  EXPECT_EQ(Reap(processes, *rank1, std::chrono::seconds(240)), 0);
   auto r0 = Checkpoint::Open((dir / "rank0.safetensors").string());
   auto r1 = Checkpoint::Open((dir / "rank1.safetensors").string());
   ASSERT_TRUE(r0.ok() && r1.ok()) << "a rank wrote no weights";
