@@ -43,6 +43,15 @@ bool WaitFor(Predicate predicate, std::chrono::milliseconds limit = 20s) {
   return predicate();
 }
 
+// A publisher on loopback ports with its version log under `dir`/state.
+sync::PublisherOptions LoopbackPublisher(const fs::path& dir) {
+  sync::PublisherOptions options;
+  options.listen = {"127.0.0.1", 0};
+  options.common.http = {"127.0.0.1", 0};
+  options.log.dir = (dir / "state").string();
+  return options;
+}
+
 TEST(SwapTest, DeltaPatchesTheMirrorBetweenDecodeStepsOfALiveRequest) {
   const fs::path dir =
       fs::temp_directory_path() / ("flywheel_swap_test_" + std::to_string(::getpid()));
@@ -51,10 +60,7 @@ TEST(SwapTest, DeltaPatchesTheMirrorBetweenDecodeStepsOfALiveRequest) {
   auto guard = asio::make_work_guard(io);
   std::thread io_thread([&] { io.run(); });
 
-  sync::PublisherOptions publisher_options;
-  publisher_options.listen = {"127.0.0.1", 0};
-  publisher_options.common.http = {"127.0.0.1", 0};
-  publisher_options.log.dir = (dir / "state").string();
+  sync::PublisherOptions publisher_options = LoopbackPublisher(dir);
   auto publisher = sync::Publisher::Start(io.get_executor(), publisher_options);
   ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
 
@@ -202,10 +208,7 @@ TEST(SwapTest, RefusedSwapKeepsServingAndAdvertisingTheOldVersion) {
   auto guard = asio::make_work_guard(io);
   std::thread io_thread([&] { io.run(); });
 
-  sync::PublisherOptions publisher_options;
-  publisher_options.listen = {"127.0.0.1", 0};
-  publisher_options.common.http = {"127.0.0.1", 0};
-  publisher_options.log.dir = (dir / "state").string();
+  sync::PublisherOptions publisher_options = LoopbackPublisher(dir);
   // Keyframes at versions 1, 3, 5...: the refused delta to version 2 is undone, and since
   // the delta 2 -> 3 needs version 2, version 3 arrives as a keyframe applied in place over
   // version 1 (the same engine-acceptance path).
