@@ -199,7 +199,7 @@ Result<OwnedCheckpoint> DecodeKeyframe(const DeltaView& keyframe, int threads = 
 Result<OwnedCheckpoint> ApplyToCopy(const CheckpointView& base, const DeltaView& delta,
                                     const ApplyOptions& options = {});
 
-// Per-tensor and total statistics for `flywheel delta inspect`.
+// Per-tensor statistics from a delta's manifest (delta/inspect.h sums them up).
 struct TensorStats {
   std::string name;
   DType dtype = DType::kU8;

@@ -217,4 +217,10 @@ Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::strin
   return stats;
 }
 
+Result<DeltaSummary> InspectDeltaFile(const std::string& path) {
+  FW_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, ReadDeltaFile(path));
+  FW_ASSIGN_OR_RETURN(DeltaView view, DeltaView::Parse(bytes));
+  return SummarizeDelta(view);
+}
+
 }  // namespace flywheel::delta

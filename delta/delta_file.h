@@ -10,6 +10,7 @@
 
 #include "base/status.h"
 #include "delta/delta.h"
+#include "delta/inspect.h"
 
 namespace flywheel::delta {
 
@@ -46,6 +47,10 @@ Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::strin
 
 // Reads a whole delta file into memory (size-checked) for DeltaView::Parse.
 Result<std::vector<std::byte>> ReadDeltaFile(const std::string& path);
+
+// Reads, parses (default DecodeLimits) and summarizes the delta or keyframe at `path`
+// (delta/inspect.h); fails with the read or parse error. Payloads are not decoded.
+Result<DeltaSummary> InspectDeltaFile(const std::string& path);
 
 // Writes bytes atomically (temporary file, fsync, rename).
 Status WriteFileAtomically(const std::string& path, std::span<const std::byte> bytes);

@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
-#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -28,13 +27,6 @@ double SecondsSince(Clock::time_point start) {
 
 double Percent(uint64_t part, uint64_t whole) {
   return whole == 0 ? 0.0 : 100.0 * static_cast<double>(part) / static_cast<double>(whole);
-}
-
-// Bits of stored delta per changed word; negative when nothing changed (no such ratio).
-double BitsPerChangedWord(uint64_t stored_bytes, uint64_t changed_words) {
-  return changed_words == 0
-             ? -1.0
-             : 8.0 * static_cast<double>(stored_bytes) / static_cast<double>(changed_words);
 }
 
 std::string FormatBits(double bits) {
@@ -93,18 +85,18 @@ Status RunEncode(const EncodeArgs& args) {
   const double seconds = SecondsSince(start);
   const delta::FileEncodeStats& stats = *result;
   char line[1024];
-  std::snprintf(line, sizeof(line),
-                "%s %s: %llu of %llu words changed (%.3f%%), %s = %.2f%% of %s target, "
-                "%s bits/changed word, base %s, target %s, %.2f s",
-                args.keyframe ? "keyframe" : "delta", args.out_path.c_str(),
-                static_cast<unsigned long long>(stats.changed_words),
-                static_cast<unsigned long long>(stats.total_words),
-                Percent(stats.changed_words, stats.total_words),
-                FormatBytes(stats.delta_bytes).c_str(),
-                Percent(stats.delta_bytes, stats.checkpoint_bytes),
-                FormatBytes(stats.checkpoint_bytes).c_str(),
-                FormatBits(BitsPerChangedWord(stats.delta_bytes, stats.changed_words)).c_str(),
-                HashOrDash(stats.base_hash).c_str(), stats.target_hash.ToHex().c_str(), seconds);
+  std::snprintf(
+      line, sizeof(line),
+      "%s %s: %llu of %llu words changed (%.3f%%), %s = %.2f%% of %s target, "
+      "%s bits/changed word, base %s, target %s, %.2f s",
+      args.keyframe ? "keyframe" : "delta", args.out_path.c_str(),
+      static_cast<unsigned long long>(stats.changed_words),
+      static_cast<unsigned long long>(stats.total_words),
+      Percent(stats.changed_words, stats.total_words), FormatBytes(stats.delta_bytes).c_str(),
+      Percent(stats.delta_bytes, stats.checkpoint_bytes),
+      FormatBytes(stats.checkpoint_bytes).c_str(),
+      FormatBits(delta::BitsPerChangedWord(stats.delta_bytes, stats.changed_words)).c_str(),
+      HashOrDash(stats.base_hash).c_str(), stats.target_hash.ToHex().c_str(), seconds);
   std::cout << line << std::endl;
   spdlog::debug("encode: {} bytes in {:.3f} s ({:.1f} MB/s of checkpoint)", stats.delta_bytes,
                 seconds, static_cast<double>(stats.checkpoint_bytes) / 1e6 / seconds);
@@ -249,11 +241,7 @@ struct InspectArgs {
   bool json = false;
 };
 
-struct ChunkCounts {
-  uint64_t sparse = 0, dense = 0, literal = 0;
-};
-
-std::string FormatChunkKinds(const ChunkCounts& counts) {
+std::string FormatChunkKinds(const delta::ChunkKindCounts& counts) {
   std::string text;
   auto add = [&](uint64_t count, const char* name) {
     if (count == 0) return;
@@ -266,7 +254,11 @@ std::string FormatChunkKinds(const ChunkCounts& counts) {
   return text.empty() ? "-" : text;
 }
 
-nlohmann::json ChunkKindsJson(const ChunkCounts& counts) {
+delta::ChunkKindCounts ChunkKinds(const delta::TensorStats& tensor) {
+  return {tensor.sparse_chunks, tensor.dense_chunks, tensor.literal_chunks};
+}
+
+nlohmann::json ChunkKindsJson(const delta::ChunkKindCounts& counts) {
   return {{"sparse", counts.sparse}, {"dense", counts.dense}, {"literal", counts.literal}};
 }
 
@@ -274,95 +266,67 @@ nlohmann::json BitsJson(double bits) {
   return bits < 0 ? nlohmann::json(nullptr) : nlohmann::json(bits);
 }
 
-Status RunInspect(const InspectArgs& args) {
-  const std::string what = "cannot inspect " + args.delta_path;
-  Result<std::vector<std::byte>> bytes = delta::ReadDeltaFile(args.delta_path);
-  if (!bytes.ok()) return Failed(what, bytes.status());
-  Result<delta::DeltaView> view = delta::DeltaView::Parse(*bytes);
-  if (!view.ok()) return Failed(what, view.status());
-  const delta::Manifest& manifest = view->manifest();
-  const std::vector<delta::TensorStats> tensors = delta::Inspect(*view);
+nlohmann::json TensorJson(const delta::TensorStats& tensor, const delta::TensorEntry& entry) {
+  nlohmann::json out;
+  out["name"] = tensor.name;
+  out["dtype"] = DTypeName(tensor.dtype) ? DTypeName(tensor.dtype) : "?";
+  out["shape"] = entry.shape;
+  out["bytes"] = entry.byte_size;
+  out["elements"] = tensor.elements;
+  out["words"] = tensor.words;
+  out["changed_words"] = tensor.changed_words;
+  out["stored_bytes"] = tensor.stored_bytes;
+  out["bits_per_changed_word"] =
+      BitsJson(delta::BitsPerChangedWord(tensor.stored_bytes, tensor.changed_words));
+  out["chunks"] = ChunkKindsJson(ChunkKinds(tensor));
+  return out;
+}
 
-  // Chunk compressors: the manifest records one per chunk ("none" where compressing did
-  // not make the chunk smaller).
-  std::map<std::string, uint64_t> compressors;
-  for (const delta::ChunkEntry& chunk : manifest.chunks) {
-    ++compressors[delta::CompressorName(chunk.compressor)];
+void PrintInspectJson(const std::string& path, const delta::DeltaSummary& summary) {
+  const delta::Manifest& manifest = summary.manifest;
+  const delta::DeltaTotals& total = summary.total;
+  nlohmann::json out;
+  out["file"] = path;
+  out["file_bytes"] = summary.file_bytes;
+  out["keyframe"] = manifest.keyframe;
+  out["base_version"] =
+      manifest.keyframe ? nlohmann::json(nullptr) : nlohmann::json(manifest.base_version);
+  out["target_version"] = manifest.target_version;
+  out["base_hash"] =
+      manifest.keyframe ? nlohmann::json(nullptr) : nlohmann::json(manifest.base_hash.ToHex());
+  out["target_hash"] = manifest.target_hash.ToHex();
+  out["compressors"] = summary.compressor_chunks;
+  out["metadata"] = manifest.metadata;
+  nlohmann::json list = nlohmann::json::array();
+  for (size_t i = 0; i < summary.tensors.size(); ++i) {
+    list.push_back(TensorJson(summary.tensors[i], manifest.tensors[i]));
   }
-  struct Totals {
-    uint64_t elements = 0, words = 0, changed_words = 0, stored_bytes = 0;
-    ChunkCounts chunks;
-  } total;
-  for (const delta::TensorStats& tensor : tensors) {
-    total.elements += tensor.elements;
-    total.words += tensor.words;
-    total.changed_words += tensor.changed_words;
-    total.stored_bytes += tensor.stored_bytes;
-    total.chunks.sparse += tensor.sparse_chunks;
-    total.chunks.dense += tensor.dense_chunks;
-    total.chunks.literal += tensor.literal_chunks;
-  }
-  const uint64_t file_bytes = bytes->size();
-  const uint64_t target_bytes = manifest.total_bytes();
+  out["tensors"] = std::move(list);
+  out["total"] = {
+      {"tensors", summary.tensors.size()},
+      {"elements", total.elements},
+      {"words", total.words},
+      {"changed_words", total.changed_words},
+      {"density", total.changed_fraction()},
+      {"stored_bytes", total.stored_bytes},
+      {"target_bytes", summary.target_bytes},
+      {"bits_per_changed_word",
+       BitsJson(delta::BitsPerChangedWord(total.stored_bytes, total.changed_words))},
+      {"chunks", ChunkKindsJson(total.chunks)},
+  };
+  std::cout << out.dump(2) << std::endl;
+}
 
-  if (args.json) {
-    nlohmann::json out;
-    out["file"] = args.delta_path;
-    out["file_bytes"] = file_bytes;
-    out["keyframe"] = manifest.keyframe;
-    out["base_version"] =
-        manifest.keyframe ? nlohmann::json(nullptr) : nlohmann::json(manifest.base_version);
-    out["target_version"] = manifest.target_version;
-    out["base_hash"] =
-        manifest.keyframe ? nlohmann::json(nullptr) : nlohmann::json(manifest.base_hash.ToHex());
-    out["target_hash"] = manifest.target_hash.ToHex();
-    out["compressors"] = compressors;
-    out["metadata"] = manifest.metadata;
-    nlohmann::json list = nlohmann::json::array();
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const delta::TensorStats& tensor = tensors[i];
-      nlohmann::json entry;
-      entry["name"] = tensor.name;
-      entry["dtype"] = DTypeName(tensor.dtype) ? DTypeName(tensor.dtype) : "?";
-      if (i < manifest.tensors.size() && manifest.tensors[i].name == tensor.name) {
-        entry["shape"] = manifest.tensors[i].shape;
-        entry["bytes"] = manifest.tensors[i].byte_size;
-      }
-      entry["elements"] = tensor.elements;
-      entry["words"] = tensor.words;
-      entry["changed_words"] = tensor.changed_words;
-      entry["stored_bytes"] = tensor.stored_bytes;
-      entry["bits_per_changed_word"] =
-          BitsJson(BitsPerChangedWord(tensor.stored_bytes, tensor.changed_words));
-      entry["chunks"] =
-          ChunkKindsJson({tensor.sparse_chunks, tensor.dense_chunks, tensor.literal_chunks});
-      list.push_back(std::move(entry));
-    }
-    out["tensors"] = std::move(list);
-    out["total"] = {
-        {"tensors", tensors.size()},
-        {"elements", total.elements},
-        {"words", total.words},
-        {"changed_words", total.changed_words},
-        {"density", total.words == 0 ? 0.0
-                                     : static_cast<double>(total.changed_words) /
-                                           static_cast<double>(total.words)},
-        {"stored_bytes", total.stored_bytes},
-        {"target_bytes", target_bytes},
-        {"bits_per_changed_word",
-         BitsJson(BitsPerChangedWord(total.stored_bytes, total.changed_words))},
-        {"chunks", ChunkKindsJson(total.chunks)},
-    };
-    std::cout << out.dump(2) << std::endl;
-    return Status::Ok();
-  }
-
+// The header lines: kind, hashes, compressors, sizes, metadata.
+void PrintInspectHeader(const std::string& path, const delta::DeltaSummary& summary) {
+  const delta::Manifest& manifest = summary.manifest;
+  const delta::DeltaTotals& total = summary.total;
   std::string compressor_text;
-  for (const auto& [name, count] : compressors) {
+  for (const auto& [name, count] : summary.compressor_chunks) {
     if (!compressor_text.empty()) compressor_text += ", ";
     compressor_text += name + " (" + std::to_string(count) + " chunks)";
   }
-  std::printf("%s\n", args.delta_path.c_str());
+  std::printf("%s\n", path.c_str());
   if (manifest.keyframe) {
     std::printf("  kind          keyframe of version %llu\n",
                 static_cast<unsigned long long>(manifest.target_version));
@@ -376,41 +340,59 @@ Status RunInspect(const InspectArgs& args) {
   std::printf("  target hash   %s\n", manifest.target_hash.ToHex().c_str());
   std::printf("  compressor    %s\n", compressor_text.empty() ? "-" : compressor_text.c_str());
   std::printf("  total bytes   %llu (%s) for %llu bytes of tensors (%.2f%%)\n",
-              static_cast<unsigned long long>(file_bytes), FormatBytes(file_bytes).c_str(),
-              static_cast<unsigned long long>(target_bytes), Percent(file_bytes, target_bytes));
-  std::printf("  changed       %llu of %llu words (%.3f%%), %s bits per changed word\n",
-              static_cast<unsigned long long>(total.changed_words),
-              static_cast<unsigned long long>(total.words),
-              Percent(total.changed_words, total.words),
-              FormatBits(BitsPerChangedWord(total.stored_bytes, total.changed_words)).c_str());
+              static_cast<unsigned long long>(summary.file_bytes),
+              FormatBytes(summary.file_bytes).c_str(),
+              static_cast<unsigned long long>(summary.target_bytes),
+              Percent(summary.file_bytes, summary.target_bytes));
+  std::printf(
+      "  changed       %llu of %llu words (%.3f%%), %s bits per changed word\n",
+      static_cast<unsigned long long>(total.changed_words),
+      static_cast<unsigned long long>(total.words), Percent(total.changed_words, total.words),
+      FormatBits(delta::BitsPerChangedWord(total.stored_bytes, total.changed_words)).c_str());
   for (const auto& [key, value] : manifest.metadata) {
     std::printf("  metadata      %s = %s\n", key.c_str(), value.c_str());
   }
   std::printf("\n");
+}
 
+// One row per tensor and a total row.
+void PrintInspectTable(const delta::DeltaSummary& summary) {
+  const delta::DeltaTotals& total = summary.total;
   size_t name_width = 5;
-  for (const delta::TensorStats& tensor : tensors)
+  for (const delta::TensorStats& tensor : summary.tensors)
     name_width = std::max(name_width, tensor.name.size());
   const int width = static_cast<int>(name_width);
   std::printf("%-*s  %-7s %14s %14s %14s %12s  %s\n", width, "name", "dtype", "elements", "changed",
               "stored bytes", "bits/changed", "chunks");
-  for (const delta::TensorStats& tensor : tensors) {
+  for (const delta::TensorStats& tensor : summary.tensors) {
     const char* dtype = DTypeName(tensor.dtype);
-    std::printf("%-*s  %-7s %14llu %14llu %14llu %12s  %s\n", width, tensor.name.c_str(),
-                dtype ? dtype : "?", static_cast<unsigned long long>(tensor.elements),
-                static_cast<unsigned long long>(tensor.changed_words),
-                static_cast<unsigned long long>(tensor.stored_bytes),
-                FormatBits(BitsPerChangedWord(tensor.stored_bytes, tensor.changed_words)).c_str(),
-                FormatChunkKinds({tensor.sparse_chunks, tensor.dense_chunks, tensor.literal_chunks})
-                    .c_str());
+    std::printf(
+        "%-*s  %-7s %14llu %14llu %14llu %12s  %s\n", width, tensor.name.c_str(),
+        dtype ? dtype : "?", static_cast<unsigned long long>(tensor.elements),
+        static_cast<unsigned long long>(tensor.changed_words),
+        static_cast<unsigned long long>(tensor.stored_bytes),
+        FormatBits(delta::BitsPerChangedWord(tensor.stored_bytes, tensor.changed_words)).c_str(),
+        FormatChunkKinds(ChunkKinds(tensor)).c_str());
   }
-  std::printf("%-*s  %-7s %14llu %14llu %14llu %12s  %s\n", width, "total", "",
-              static_cast<unsigned long long>(total.elements),
-              static_cast<unsigned long long>(total.changed_words),
-              static_cast<unsigned long long>(total.stored_bytes),
-              FormatBits(BitsPerChangedWord(total.stored_bytes, total.changed_words)).c_str(),
-              FormatChunkKinds(total.chunks).c_str());
+  std::printf(
+      "%-*s  %-7s %14llu %14llu %14llu %12s  %s\n", width, "total", "",
+      static_cast<unsigned long long>(total.elements),
+      static_cast<unsigned long long>(total.changed_words),
+      static_cast<unsigned long long>(total.stored_bytes),
+      FormatBits(delta::BitsPerChangedWord(total.stored_bytes, total.changed_words)).c_str(),
+      FormatChunkKinds(total.chunks).c_str());
   std::fflush(stdout);
+}
+
+Status RunInspect(const InspectArgs& args) {
+  Result<delta::DeltaSummary> summary = delta::InspectDeltaFile(args.delta_path);
+  if (!summary.ok()) return Failed("cannot inspect " + args.delta_path, summary.status());
+  if (args.json) {
+    PrintInspectJson(args.delta_path, *summary);
+    return Status::Ok();
+  }
+  PrintInspectHeader(args.delta_path, *summary);
+  PrintInspectTable(*summary);
   return Status::Ok();
 }
 

@@ -1,0 +1,496 @@
+// Applying a parsed delta: ApplyInPlace (verify the base, decode and apply every chunk in
+// parallel with undo records, verify the target, roll back on any failure), and the two
+// calls built on it, DecodeKeyframe and ApplyToCopy.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <new>
+#include <optional>
+#include <unordered_map>
+
+#include "delta/codec_internal.h"
+#include "delta/delta.h"
+#include "delta/entropy.h"
+#include "delta/format.h"
+#include "delta/parallel.h"
+#include "delta/wire.h"
+#include "kernels/kernels.h"
+
+namespace flywheel::delta {
+namespace {
+
+using internal::ByteVec;
+using internal::ChecksumMismatch;
+using internal::Grow;
+using internal::Quote;
+using internal::Scratch;
+using internal::U8;
+
+// What a chunk overwrote, to put it back if the apply as a whole fails.
+struct UndoRecord {
+  bool applied = false;
+  std::vector<uint32_t> positions;  // sparse: positions (relative to word_begin)
+  ByteVec old_bytes;                // sparse: old words at positions; dense: the old range
+};
+
+std::string ChunkName(const Manifest& m, size_t index) {
+  const ChunkEntry& e = m.chunks[index];
+  return "chunk " + std::to_string(index) + " (tensor " + Quote(m.tensors[e.tensor_index].name) +
+         ", words " + std::to_string(e.word_begin) + ".." +
+         std::to_string(e.word_begin + e.word_count) + ")";
+}
+
+// Verifies chunk `index`'s checksum and returns its raw (decompressed) bytes: the stored
+// bytes themselves, or s.raw.
+Result<std::span<const uint8_t>> RawChunk(const DeltaView& delta, size_t index, Scratch& s) {
+  const Manifest& m = delta.manifest();
+  const ChunkEntry& e = m.chunks[index];
+  auto stored = delta.payload(e);
+  std::span<const uint8_t> stored_u8(U8(stored), stored.size());
+  if (ChecksumMismatch(e.checksum, stored_u8)) {
+    return Status::Corruption(ChunkName(m, index) + ": checksum mismatch");
+  }
+  if (e.compressor == Compressor::kNone) {
+    if (stored_u8.size() != e.raw_bytes) {
+      return Status::Corruption(ChunkName(m, index) + ": stored size differs from raw size");
+    }
+    return stored_u8;
+  }
+  if (e.compressor == Compressor::kZstd) {
+    Status st = internal::CheckZstdFrameSize(stored_u8, e.raw_bytes);
+    if (!st.ok()) return st.WithContext(ChunkName(m, index));
+  }
+  s.raw.resize(e.raw_bytes);
+  Status st = internal::Decompress(e.compressor, stored_u8, e.raw_bytes, s.raw.data());
+  if (!st.ok()) return st.WithContext(ChunkName(m, index));
+  return std::span<const uint8_t>(s.raw);
+}
+
+// Decodes a sparse chunk's positions into s.positions and zigzagged differences into s.z.
+Status DecodeSparse(const Manifest& m, size_t index, std::span<const uint8_t> raw, Scratch& s) {
+  const ChunkEntry& e = m.chunks[index];
+  wire::Reader r(raw);
+  int k = r.U8();
+  uint8_t coding = r.U8();
+  uint64_t index_bytes = r.Varint();
+  auto index_stream = r.Bytes(index_bytes);
+  if (r.failed()) return Status::Corruption(ChunkName(m, index) + ": sparse header truncated");
+  const size_t count = e.changed_words;
+  // Every Rice code is at least one bit: refuse before sizing scratch from `count`.
+  if (count > 8 * index_stream.size()) {
+    return Status::Corruption(ChunkName(m, index) + ": index stream of " +
+                              std::to_string(index_stream.size()) + " bytes cannot hold " +
+                              std::to_string(count) + " changes");
+  }
+  Grow(s.positions, count);
+  Grow(s.z, count);
+  Status st =
+      entropy::RiceDecodePositions(index_stream, k, count, e.word_count, s.positions.data());
+  if (st.ok()) {
+    if (coding == static_cast<uint8_t>(format::ValueCoding::kRans)) {
+      st = entropy::DecodeValues(r.Rest(), count, s.z.data());
+    } else if (coding == static_cast<uint8_t>(format::ValueCoding::kGamma)) {
+      st = entropy::DecodeValuesGamma(r.Rest(), count, s.z.data());
+    } else {
+      st = Status::Corruption("unknown value coding " + std::to_string(coding));
+    }
+  }
+  if (!st.ok()) return st.WithContext(ChunkName(m, index));
+  return Status::Ok();
+}
+
+// Decodes chunk `index` completely (so a corrupt chunk touches nothing), then writes it
+// into `tensor_data`, keeping in `undo` what it overwrote (keep_undo) and which words it
+// wrote (keep_positions).
+Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
+                      bool keep_undo, bool keep_positions, UndoRecord* undo) {
+  const Manifest& m = delta.manifest();
+  const ChunkEntry& e = m.chunks[index];
+  const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
+  Scratch& s = internal::ThreadScratch();
+  FW_ASSIGN_OR_RETURN(std::span<const uint8_t> raw, RawChunk(delta, index, s));
+  uint8_t* region = U8(tensor_data) + e.word_begin * w;
+  const size_t n = e.word_count;
+
+  if (e.kind == ChunkKind::kSparse) {
+    FW_RETURN_IF_ERROR(DecodeSparse(m, index, raw, s));
+    const size_t count = e.changed_words;
+    void* old_values = nullptr;
+    if (keep_undo || keep_positions) {
+      undo->positions.assign(s.positions.begin(), s.positions.begin() + count);
+    }
+    if (keep_undo) {
+      undo->old_bytes.resize(count * w);
+      old_values = undo->old_bytes.data();
+    }
+    kernels::ScatterAddZigZag(region, w, s.positions.data(), s.z.data(), count, old_values);
+  } else {
+    if (keep_undo) undo->old_bytes.assign(region, region + n * w);
+    if (e.kind == ChunkKind::kLiteral) {
+      internal::Unshuffle(raw.data(), n, w, region, [](uint8_t, uint8_t v) { return v; });
+    } else {
+      internal::Unshuffle(raw.data(), n, w, region,
+                          [](uint8_t old, uint8_t v) { return static_cast<uint8_t>(old ^ v); });
+    }
+  }
+  undo->applied = true;
+  return Status::Ok();
+}
+
+// ApplyChunkImpl, with allocation failure reported as a status so that the caller's
+// rollback runs (no exception leaves a pool thread).
+Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
+                  bool keep_undo, bool keep_positions, UndoRecord* undo) {
+  try {
+    Status st = ApplyChunkImpl(delta, index, tensor_data, keep_undo, keep_positions, undo);
+    internal::TrimScratch(internal::ThreadScratch());
+    return st;
+  } catch (const std::bad_alloc&) {
+    if (undo->applied) return Status::Internal("allocation failed after a chunk was applied");
+    return Status::ResourceExhausted(ChunkName(delta.manifest(), index) +
+                                     ": out of memory for decoding scratch");
+  }
+}
+
+void Undo(const Manifest& m, size_t index, std::span<std::byte> tensor_data,
+          const UndoRecord& undo) {
+  if (!undo.applied) return;
+  const ChunkEntry& e = m.chunks[index];
+  const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
+  uint8_t* region = U8(tensor_data) + e.word_begin * w;
+  if (e.kind == ChunkKind::kSparse) {
+    kernels::ScatterApply(region, w, undo.positions.data(), undo.old_bytes.data(),
+                          undo.positions.size());
+  } else {
+    std::memcpy(region, undo.old_bytes.data(), undo.old_bytes.size());
+  }
+}
+
+// Undo records, one per chunk, recycled per calling thread (a worker applies delta after
+// delta) so that their memory is mapped once rather than page-faulted in on every apply.
+// Records over 256 MiB in all are freed instead of kept.
+class UndoRecords {
+ public:
+  explicit UndoRecords(size_t chunks) : records_(std::move(Recycled())) {
+    records_.resize(chunks);
+    for (UndoRecord& u : records_) {
+      u.applied = false;
+      u.positions.clear();
+      u.old_bytes.clear();
+    }
+  }
+  ~UndoRecords() {
+    size_t bytes = 0;
+    for (const UndoRecord& u : records_)
+      bytes += u.positions.capacity() * 4 + u.old_bytes.capacity();
+    if (bytes <= (256u << 20)) Recycled() = std::move(records_);
+  }
+  UndoRecords(const UndoRecords&) = delete;
+  UndoRecords& operator=(const UndoRecords&) = delete;
+
+  UndoRecord& operator[](size_t chunk) { return records_[chunk]; }
+
+ private:
+  static std::vector<UndoRecord>& Recycled() {
+    thread_local std::vector<UndoRecord> recycled;
+    return recycled;
+  }
+  std::vector<UndoRecord> records_;
+};
+
+// One ApplyInPlace call.
+class Applier {
+ public:
+  Applier(MutableCheckpointView& state, const DeltaView& delta, const ApplyOptions& options)
+      : state_(state), delta_(delta), m_(delta.manifest()), options_(options) {}
+
+  Result<ApplyStats> Run();
+
+ private:
+  Status MapState();
+  Status CheckBase();
+  Status ApplyChunks();
+  Status VerifyTarget();
+  void Rollback();
+  ApplyStats Stats();
+
+  MutableCheckpointView& state_;
+  const DeltaView& delta_;
+  const Manifest& m_;
+  const ApplyOptions& options_;
+  std::vector<size_t> state_of_;  // state_of_[i]: the state tensor manifest tensor i patches
+  CheckpointView state_view_;
+  std::vector<Hash128> hashes_;      // aligned with the state
+  std::optional<UndoRecords> undo_;  // from ApplyChunks on
+};
+
+Status Applier::MapState() {
+  if (state_.size() != m_.tensors.size()) {
+    return Status::Mismatch("state has " + std::to_string(state_.size()) + " tensors, the delta " +
+                            std::to_string(m_.tensors.size()));
+  }
+  std::unordered_map<std::string_view, size_t> by_name;
+  for (size_t i = 0; i < state_.size(); ++i) by_name.emplace(state_[i].name, i);
+  state_of_.resize(m_.tensors.size());
+  for (size_t i = 0; i < m_.tensors.size(); ++i) {
+    const TensorEntry& t = m_.tensors[i];
+    auto it = by_name.find(t.name);
+    if (it == by_name.end()) return Status::Mismatch("state has no tensor " + Quote(t.name));
+    const MutableTensorView& st = state_[it->second];
+    if (st.dtype != t.dtype || st.shape != t.shape || st.data.size() != t.byte_size) {
+      return Status::Mismatch("tensor " + Quote(t.name) +
+                              " differs in dtype, shape or size from the delta's");
+    }
+    state_of_[i] = it->second;
+  }
+  state_view_.reserve(state_.size());
+  for (const MutableTensorView& t : state_) state_view_.push_back(t.view());
+  return Status::Ok();
+}
+
+// The state must be the delta's base, tensor by tensor and as a whole (a keyframe has no
+// base: its hashes start out zero).
+Status Applier::CheckBase() {
+  if (m_.keyframe) {
+    hashes_.assign(state_.size(), Hash128{});
+    return Status::Ok();
+  }
+  FW_ASSIGN_OR_RETURN(hashes_, internal::HashesOrCompute(state_view_, options_.state_tensor_hashes,
+                                                         options_.threads, "state"));
+  for (size_t i = 0; i < m_.tensors.size(); ++i) {
+    if (hashes_[state_of_[i]] != m_.tensors[i].base_hash) {
+      return Status::Mismatch("refusing to apply: this delta's base is version " +
+                              std::to_string(m_.base_version) + " (" + m_.base_hash.ToHex() +
+                              ") but tensor " + Quote(m_.tensors[i].name) +
+                              " of the state differs from it");
+    }
+  }
+  FW_ASSIGN_OR_RETURN(Hash128 base_hash, CheckpointHashFromTensorHashes(state_view_, hashes_));
+  if (base_hash != m_.base_hash) {
+    return Status::Mismatch("refusing to apply: state hash " + base_hash.ToHex() +
+                            " is not the delta's base " + m_.base_hash.ToHex());
+  }
+  return Status::Ok();
+}
+
+// Decodes and applies every chunk; stops early after a failure, rolls back and returns
+// the first failing chunk's status.
+Status Applier::ApplyChunks() {
+  UndoRecords& undo = undo_.emplace(m_.chunks.size());
+  std::vector<Status> errors(m_.chunks.size());
+  std::atomic<bool> failed{false};
+  std::atomic<uint64_t> done_bytes{0};
+  uint64_t total_bytes = 0;  // progress counts the word ranges that chunks cover
+  for (const ChunkEntry& e : m_.chunks)
+    total_bytes += e.word_count * DTypeWordBytes(m_.tensors[e.tensor_index].dtype);
+  ParallelFor(m_.chunks.size(), options_.threads, [&](size_t c) {
+    if (failed.load(std::memory_order_relaxed)) return;
+    const ChunkEntry& e = m_.chunks[c];
+    errors[c] = ApplyChunk(delta_, c, state_[state_of_[e.tensor_index]].data,
+                           options_.restore_on_failure, options_.report_changes, &undo[c]);
+    if (!errors[c].ok()) failed = true;
+    const uint64_t bytes = e.word_count * DTypeWordBytes(m_.tensors[e.tensor_index].dtype);
+    uint64_t done = done_bytes.fetch_add(bytes) + bytes;
+    if (options_.progress) options_.progress(done, total_bytes);
+  });
+  if (failed) {
+    Rollback();
+    for (const Status& st : errors)
+      if (!st.ok()) return st;
+  }
+  return Status::Ok();
+}
+
+// Every tensor that chunks touched is rehashed; untouched ones keep their base hash,
+// which the manifest says equals the target hash.
+Status Applier::VerifyTarget() {
+  std::vector<size_t> touched;
+  for (size_t i = 0; i < m_.tensors.size(); ++i) {
+    if (m_.tensors[i].chunk_count > 0)
+      touched.push_back(i);
+    else
+      hashes_[state_of_[i]] = m_.tensors[i].target_hash;
+  }
+  std::sort(touched.begin(), touched.end(),
+            [&](size_t a, size_t b) { return m_.tensors[a].byte_size > m_.tensors[b].byte_size; });
+  ParallelFor(touched.size(), options_.threads, [&](size_t k) {
+    size_t si = state_of_[touched[k]];
+    hashes_[si] = TensorHash(state_view_[si]);
+  });
+  for (size_t i : touched) {
+    if (hashes_[state_of_[i]] != m_.tensors[i].target_hash) {
+      Rollback();
+      return Status::Corruption(
+          "tensor " + Quote(m_.tensors[i].name) + " hashes to " + hashes_[state_of_[i]].ToHex() +
+          " after apply, the delta promises " + m_.tensors[i].target_hash.ToHex());
+    }
+  }
+  FW_ASSIGN_OR_RETURN(Hash128 target_hash, CheckpointHashFromTensorHashes(state_view_, hashes_));
+  if (target_hash != m_.target_hash) {
+    Rollback();
+    return Status::Corruption("checkpoint hashes to " + target_hash.ToHex() +
+                              " after apply, the delta promises " + m_.target_hash.ToHex());
+  }
+  return Status::Ok();
+}
+
+void Applier::Rollback() {
+  if (!options_.restore_on_failure) return;
+  for (size_t c = 0; c < m_.chunks.size(); ++c) {
+    Undo(m_, c, state_[state_of_[m_.chunks[c].tensor_index]].data, (*undo_)[c]);
+  }
+}
+
+ApplyStats Applier::Stats() {
+  ApplyStats stats;
+  stats.changed_words = m_.changed_words();
+  stats.chunks = m_.chunks.size();
+  stats.tensor_hashes = std::move(hashes_);
+  if (options_.report_changes) {
+    stats.changes.reserve(m_.chunks.size());
+    for (size_t c = 0; c < m_.chunks.size(); ++c) {
+      const ChunkEntry& e = m_.chunks[c];
+      ChangedWords changed;
+      changed.state_index = state_of_[e.tensor_index];
+      changed.word_begin = e.word_begin;
+      changed.word_count = e.word_count;
+      changed.all = e.kind != ChunkKind::kSparse;
+      if (!changed.all) changed.positions = (*undo_)[c].positions;
+      stats.changes.push_back(std::move(changed));
+    }
+  }
+  return stats;
+}
+
+Result<ApplyStats> Applier::Run() {
+  FW_RETURN_IF_ERROR(internal::CheckThreads(options_.threads));
+  if (options_.before_commit && !options_.restore_on_failure) {
+    return Status::InvalidArgument(
+        "before_commit needs restore_on_failure (a refusal restores the base)");
+  }
+  FW_RETURN_IF_ERROR(MapState());
+  FW_RETURN_IF_ERROR(CheckBase());
+  FW_RETURN_IF_ERROR(ApplyChunks());
+  FW_RETURN_IF_ERROR(VerifyTarget());
+  ApplyStats stats = Stats();
+  if (options_.before_commit) {
+    Status accepted = options_.before_commit(stats);
+    if (!accepted.ok()) {
+      Rollback();
+      return accepted;
+    }
+  }
+  return stats;
+}
+
+Result<OwnedCheckpoint> AllocateLike(const Manifest& m) {
+  OwnedCheckpoint out;
+  uint64_t total = m.total_bytes();
+  if (total > (uint64_t{1} << 40)) {
+    return Status::ResourceExhausted("delta target of " + std::to_string(total) +
+                                     " bytes is too large to hold in memory");
+  }
+  try {
+    out.tensors.reserve(m.tensors.size());
+    for (const TensorEntry& t : m.tensors) {
+      out.tensors.push_back({t.name, t.dtype, t.shape, std::vector<std::byte>(t.byte_size)});
+    }
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted("cannot allocate " + std::to_string(total) +
+                                     " bytes for the target");
+  }
+  return out;
+}
+
+// The target is allocated from declared sizes: first check what can be checked cheaply
+// (every chunk's checksum and zstd frame size), so a forged keyframe costs no memory.
+Status PrecheckKeyframe(const DeltaView& keyframe) {
+  const Manifest& m = keyframe.manifest();
+  for (size_t c = 0; c < m.chunks.size(); ++c) {
+    auto stored = keyframe.payload(m.chunks[c]);
+    std::span<const uint8_t> bytes(U8(stored), stored.size());
+    if (ChecksumMismatch(m.chunks[c].checksum, bytes)) {
+      return Status::Corruption(ChunkName(m, c) + ": checksum mismatch");
+    }
+    if (m.chunks[c].compressor == Compressor::kZstd) {
+      Status st = internal::CheckZstdFrameSize(bytes, m.chunks[c].raw_bytes);
+      if (!st.ok()) return st.WithContext(ChunkName(m, c));
+    }
+  }
+  return Status::Ok();
+}
+
+// base_of[i]: the tensor of `base` that manifest tensor i applies to.
+Result<std::vector<size_t>> MapBase(const CheckpointView& base, const Manifest& m) {
+  if (base.size() != m.tensors.size()) {
+    return Status::Mismatch("base has " + std::to_string(base.size()) + " tensors, the delta " +
+                            std::to_string(m.tensors.size()));
+  }
+  std::unordered_map<std::string_view, size_t> by_name;
+  for (size_t i = 0; i < base.size(); ++i) by_name.emplace(base[i].name, i);
+  std::vector<size_t> base_of(m.tensors.size());
+  for (size_t i = 0; i < m.tensors.size(); ++i) {
+    auto it = by_name.find(m.tensors[i].name);
+    if (it == by_name.end())
+      return Status::Mismatch("base has no tensor " + Quote(m.tensors[i].name));
+    const TensorView& b = base[it->second];
+    if (b.dtype != m.tensors[i].dtype || b.shape != m.tensors[i].shape ||
+        b.data.size() != m.tensors[i].byte_size) {
+      return Status::Mismatch("tensor " + Quote(b.name) +
+                              " differs in dtype, shape or size from the delta's");
+    }
+    base_of[i] = it->second;
+  }
+  return base_of;
+}
+
+}  // namespace
+
+Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& delta,
+                                const ApplyOptions& options) {
+  Applier applier(state, delta, options);
+  return applier.Run();
+}
+
+Result<OwnedCheckpoint> DecodeKeyframe(const DeltaView& keyframe, int threads) {
+  const Manifest& m = keyframe.manifest();
+  if (!m.keyframe) return Status::InvalidArgument("not a keyframe (a delta needs a base)");
+  if (threads < 1 || threads > kMaxThreads) {
+    return Status::InvalidArgument("threads must be in [1, " + std::to_string(kMaxThreads) + "]");
+  }
+  FW_RETURN_IF_ERROR(PrecheckKeyframe(keyframe));
+  FW_ASSIGN_OR_RETURN(OwnedCheckpoint out, AllocateLike(m));
+  MutableCheckpointView view = out.mutable_view();
+  ApplyOptions options;
+  options.threads = threads;
+  options.restore_on_failure = false;
+  FW_RETURN_IF_ERROR(ApplyInPlace(view, keyframe, options).status());
+  return out;
+}
+
+Result<OwnedCheckpoint> ApplyToCopy(const CheckpointView& base, const DeltaView& delta,
+                                    const ApplyOptions& options) {
+  const Manifest& m = delta.manifest();
+  if (m.keyframe) return DecodeKeyframe(delta, options.threads);
+  FW_ASSIGN_OR_RETURN(std::vector<size_t> base_of, MapBase(base, m));
+  FW_ASSIGN_OR_RETURN(OwnedCheckpoint out, AllocateLike(m));
+  ParallelFor(m.tensors.size(), options.threads, [&](size_t i) {
+    const TensorView& b = base[base_of[i]];
+    if (!b.data.empty()) std::memcpy(out.tensors[i].data.data(), b.data.data(), b.data.size());
+  });
+  MutableCheckpointView view = out.mutable_view();
+  ApplyOptions inner = options;
+  inner.restore_on_failure = false;
+  if (!options.state_tensor_hashes.empty()) {
+    if (options.state_tensor_hashes.size() != base.size()) {
+      return Status::InvalidArgument("state tensor hashes do not match the base's tensor count");
+    }
+    inner.state_tensor_hashes.resize(m.tensors.size());
+    for (size_t i = 0; i < m.tensors.size(); ++i)
+      inner.state_tensor_hashes[i] = options.state_tensor_hashes[base_of[i]];
+  }
+  FW_RETURN_IF_ERROR(ApplyInPlace(view, delta, inner).status());
+  return out;
+}
+
+}  // namespace flywheel::delta
