@@ -1,14 +1,8 @@
 #include "delta/delta_file.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstring>
 #include <optional>
-#include <random>
 #include <unordered_map>
 
 #include "delta/parallel.h"
@@ -16,25 +10,6 @@
 
 namespace flywheel::delta {
 namespace {
-
-std::string Errno(const std::string& what, const std::string& path) {
-  return what + " " + path + ": " + std::strerror(errno);
-}
-
-std::string DirOf(const std::string& path) {
-  size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-std::string TempNameFor(const std::string& path) {
-  size_t slash = path.rfind('/');
-  std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
-  std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
-  std::random_device rd;
-  return dir + "." + base + ".tmp-" + std::to_string(getpid()) + "-" + std::to_string(rd());
-}
 
 Result<FileEncodeStats> EncodeToFile(const Checkpoint* base, const Checkpoint& target,
                                      const std::string& out_path, EncodeOptions options) {
@@ -60,76 +35,8 @@ Result<FileEncodeStats> EncodeToFile(const Checkpoint* base, const Checkpoint& t
 
 }  // namespace
 
-Status WriteFileAtomically(const std::string& path, std::span<const std::byte> bytes) {
-  const std::string temp = TempNameFor(path);
-  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::IOError(Errno("cannot create", temp));
-  auto fail = [&](const std::string& what) {
-    Status st = Status::IOError(Errno(what, temp));
-    ::close(fd);
-    ::unlink(temp.c_str());
-    return st;
-  };
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n == 0) errno = EIO;
-    if (n <= 0) return fail("cannot write");
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) return fail("cannot fsync");
-  if (::close(fd) != 0) {
-    ::unlink(temp.c_str());
-    return Status::IOError(Errno("cannot close", temp));
-  }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    Status st = Status::IOError(Errno("cannot rename to", path));
-    ::unlink(temp.c_str());
-    return st;
-  }
-  int dir = ::open(DirOf(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    ::fsync(dir);
-    ::close(dir);
-  }
-  return Status::Ok();
-}
-
-Result<std::vector<std::byte>> ReadDeltaFile(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return errno == ENOENT ? Status::NotFound(Errno("cannot open", path))
-                           : Status::IOError(Errno("cannot open", path));
-  }
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return Status::IOError(path + " is not a regular file");
-  }
-  std::vector<std::byte> bytes;
-  try {
-    bytes.resize(static_cast<size_t>(st.st_size));
-  } catch (const std::bad_alloc&) {
-    ::close(fd);
-    return Status::ResourceExhausted("cannot hold " + path + " (" + std::to_string(st.st_size) +
-                                     " bytes) in memory");
-  }
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      Status s = Status::IOError(Errno("cannot read", path));
-      ::close(fd);
-      return s;
-    }
-    if (n == 0) break;
-    done += static_cast<size_t>(n);
-  }
-  ::close(fd);
-  if (done != bytes.size()) return Status::IOError(path + " changed size while being read");
-  return bytes;
+Result<std::vector<std::byte>> ReadDeltaFile(const std::string& path, Env* env) {
+  return env->ReadFile(path);
 }
 
 Result<FileEncodeStats> EncodeFiles(const std::string& base_path, const std::string& target_path,

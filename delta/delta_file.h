@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "base/env.h"
 #include "base/status.h"
 #include "delta/delta.h"
 #include "delta/inspect.h"
@@ -45,14 +46,16 @@ struct FileApplyStats {
 Result<FileApplyStats> ApplyFiles(const std::string& base_path, const std::string& delta_path,
                                   const std::string& out_path, const ApplyOptions& options = {});
 
-// Reads a whole delta file into memory (size-checked) for DeltaView::Parse.
-Result<std::vector<std::byte>> ReadDeltaFile(const std::string& path);
+// Reads a whole delta file into memory (size-checked) for DeltaView::Parse
+// (Env::ReadFile).
+Result<std::vector<std::byte>> ReadDeltaFile(const std::string& path, Env* env = Env::Default());
 
 // Reads, parses (default DecodeLimits) and summarizes the delta or keyframe at `path`
 // (delta/inspect.h); fails with the read or parse error. Payloads are not decoded.
 Result<DeltaSummary> InspectDeltaFile(const std::string& path);
 
-// Writes bytes atomically (temporary file, fsync, rename).
-Status WriteFileAtomically(const std::string& path, std::span<const std::byte> bytes);
+// Writes bytes atomically: temporary file, fsync, rename, directory fsync. The one
+// implementation is in base/env.h; this name stays for the callers that know it.
+using ::flywheel::WriteFileAtomically;
 
 }  // namespace flywheel::delta

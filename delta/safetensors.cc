@@ -7,13 +7,10 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <limits>
-#include <mutex>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
 #include <string_view>
 #include <tuple>
@@ -29,24 +26,6 @@ constexpr size_t kLengthPrefixBytes = 8;
 constexpr const char* kMetadataKey = "__metadata__";
 constexpr const char* kIndexFileName = "model.safetensors.index.json";
 constexpr const char* kSingleFileName = "model.safetensors";
-
-std::string ErrnoMessage(int error) {
-  return std::strerror(error);
-}
-
-Status ErrnoStatus(const std::string& what, const std::string& path, int error) {
-  std::string message = path + ": " + what + ": " + ErrnoMessage(error);
-  if (error == ENOENT) return Status::NotFound(std::move(message));
-  if (error == ENOSPC || error == EDQUOT) return Status::ResourceExhausted(std::move(message));
-  return Status::IOError(std::move(message));
-}
-
-// ErrnoStatus for the call that just failed. `what` is a literal so that no allocation
-// runs between the failing call and the errno read.
-Status LastErrno(const char* what, const std::string& path) {
-  const int error = errno;
-  return ErrnoStatus(what, path, error);
-}
 
 std::string ShapeString(std::span<const int64_t> shape) {
   std::string out = "[";
@@ -400,128 +379,11 @@ Status CheckDataSizes(const CheckpointView& tensors, const HeaderLayout& layout)
   return Status::Ok();
 }
 
-// Splits `path` into its directory ("." when none) and file name.
-Result<std::pair<std::string, std::string>> SplitPath(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
-  std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
-  if (dir.empty()) dir = "/";
-  if (name.empty() || name == "." || name == "..") {
-    return Status::InvalidArgument(path + ": not a file path");
-  }
-  return std::make_pair(std::move(dir), std::move(name));
-}
-
 std::string JoinPath(const std::string& dir, const std::string& name) {
   if (dir.empty()) return name;
   if (dir.back() == '/') return dir + name;
   return dir + "/" + name;
 }
-
-Status FsyncDirectory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return LastErrno("open directory for fsync", dir);
-  const int rc = ::fsync(fd);
-  const int error = errno;
-  ::close(fd);
-  if (rc != 0) return ErrnoStatus("fsync directory", dir, error);
-  return Status::Ok();
-}
-
-// A temporary file beside its destination; unlinked on destruction unless released.
-class TempFile {
- public:
-  static Result<TempFile> Create(const std::string& path) {
-    FW_ASSIGN_OR_RETURN(auto parts, SplitPath(path));
-    static std::mt19937_64 generator{std::random_device{}()};
-    static std::mutex generator_mutex;
-    for (int attempt = 0; attempt < 16; ++attempt) {
-      uint64_t random = 0;
-      {
-        std::lock_guard<std::mutex> lock(generator_mutex);
-        random = generator();
-      }
-      char suffix[32];
-      std::snprintf(suffix, sizeof(suffix), "%08x", static_cast<uint32_t>(random));
-      TempFile temp;
-      temp.final_path_ = path;
-      temp.dir_ = parts.first;
-      temp.path_ = JoinPath(
-          parts.first, "." + parts.second + ".tmp-" + std::to_string(::getpid()) + "-" + suffix);
-      temp.fd_ = ::open(temp.path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-      if (temp.fd_ >= 0) return temp;
-      if (errno != EEXIST) {
-        const int error = errno;
-        temp.path_.clear();
-        return ErrnoStatus("create temporary file", temp.dir_, error);
-      }
-      temp.path_.clear();
-    }
-    return Status::IOError(path + ": could not find a free temporary file name");
-  }
-
-  TempFile() = default;
-  TempFile(TempFile&& other) noexcept { *this = std::move(other); }
-  TempFile& operator=(TempFile&& other) noexcept {
-    if (this != &other) {
-      Remove();
-      final_path_ = std::move(other.final_path_);
-      dir_ = std::move(other.dir_);
-      path_ = std::exchange(other.path_, {});
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  ~TempFile() { Remove(); }
-
-  int fd() const { return fd_; }
-  const std::string& path() const { return path_; }
-
-  // Stops managing the file: the caller takes the descriptor and the name.
-  std::pair<int, std::string> Release() {
-    return {std::exchange(fd_, -1), std::exchange(path_, {})};
-  }
-
-  Status WriteAll(std::span<const std::byte> bytes) {
-    const std::byte* cursor = bytes.data();
-    size_t left = bytes.size();
-    while (left > 0) {
-      const ssize_t written = ::write(fd_, cursor, std::min<size_t>(left, size_t{1} << 30));
-      if (written < 0) {
-        const int error = errno;
-        if (error == EINTR) continue;
-        return ErrnoStatus("write", path_, error);
-      }
-      cursor += written;
-      left -= static_cast<size_t>(written);
-    }
-    return Status::Ok();
-  }
-
-  // fsync, close, rename over the destination, fsync the directory.
-  Status Commit() {
-    if (::fsync(fd_) != 0) return LastErrno("fsync", path_);
-    const int fd = std::exchange(fd_, -1);
-    if (::close(fd) != 0) return LastErrno("close", path_);
-    if (::rename(path_.c_str(), final_path_.c_str()) != 0) {
-      const int error = errno;
-      return ErrnoStatus("rename to " + final_path_, path_, error);
-    }
-    path_.clear();
-    return FsyncDirectory(dir_);
-  }
-
- private:
-  void Remove() {
-    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-    if (!path_.empty()) ::unlink(std::exchange(path_, {}).c_str());
-  }
-
-  std::string final_path_;
-  std::string dir_;
-  std::string path_;
-  int fd_ = -1;
-};
 
 // Rejects shard names that could leave the checkpoint directory or name nothing.
 Status CheckShardName(const std::string& shard, const std::string& where) {
@@ -544,8 +406,7 @@ bool IsDirectory(const std::string& path) {
 }
 
 bool Exists(const std::string& path) {
-  struct stat info;
-  return ::stat(path.c_str(), &info) == 0;
+  return Env::Default()->FileExists(path);
 }
 
 }  // namespace
@@ -553,52 +414,17 @@ bool Exists(const std::string& path) {
 // ---------------------------------------------------------------------------------------
 // MappedFile
 
-Result<MappedFile> MappedFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return LastErrno("open", path);
-  struct stat info;
-  if (::fstat(fd, &info) != 0) {
-    const int error = errno;
-    ::close(fd);
-    return ErrnoStatus("stat", path, error);
-  }
-  if (!S_ISREG(info.st_mode)) {
-    ::close(fd);
-    return Status::IOError(path + ": not a regular file");
-  }
+Result<MappedFile> MappedFile::Open(const std::string& path, Env* env) {
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<MappedRegion> region, env->MapReadOnly(path));
   MappedFile file;
   file.path_ = path;
-  file.size_ = static_cast<size_t>(info.st_size);
-  if (file.size_ > 0) {
-    void* map = ::mmap(nullptr, file.size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (map == MAP_FAILED) {
-      const int error = errno;
-      ::close(fd);
-      return ErrnoStatus("mmap", path, error);
-    }
-    file.data_ = static_cast<const std::byte*>(map);
-  }
-  ::close(fd);
+  file.region_ = std::move(region);
   return file;
 }
 
-MappedFile::MappedFile(MappedFile&& other) noexcept {
-  *this = std::move(other);
-}
-
-MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
-    path_ = std::move(other.path_);
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-  }
-  return *this;
-}
-
-MappedFile::~MappedFile() {
-  if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
-}
+MappedFile::MappedFile(MappedFile&& other) noexcept = default;
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept = default;
+MappedFile::~MappedFile() = default;
 
 // ---------------------------------------------------------------------------------------
 // Reading
@@ -827,10 +653,10 @@ Status WriteSafetensors(const std::string& path, const CheckpointView& tensors,
                         const std::map<std::string, std::string>& metadata) {
   FW_ASSIGN_OR_RETURN(HeaderLayout layout, BuildHeader(tensors, metadata));
   FW_RETURN_IF_ERROR(CheckDataSizes(tensors, layout));
-  FW_ASSIGN_OR_RETURN(TempFile temp, TempFile::Create(path));
-  FW_RETURN_IF_ERROR(temp.WriteAll(layout.header));
-  for (const TensorView& tensor : tensors) FW_RETURN_IF_ERROR(temp.WriteAll(tensor.data));
-  return temp.Commit();
+  FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path));
+  FW_RETURN_IF_ERROR(file.Append(layout.header));
+  for (const TensorView& tensor : tensors) FW_RETURN_IF_ERROR(file.Append(tensor.data));
+  return file.Commit();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -846,21 +672,25 @@ Result<SafetensorsWriter> SafetensorsWriter::Create(
       total > std::numeric_limits<size_t>::max()) {
     return Status::InvalidArgument(path + ": file size overflows");
   }
-  FW_ASSIGN_OR_RETURN(TempFile temp, TempFile::Create(path));
-  if (::ftruncate(temp.fd(), static_cast<off_t>(total)) != 0) {
+  FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path));
+  const int fd = file.file().fd();
+  const std::string& temp_path = file.file().path();
+  if (fd < 0) return Status::Internal(temp_path + ": temporary file has no descriptor to map");
+  if (::ftruncate(fd, static_cast<off_t>(total)) != 0) {
     const int error = errno;
-    return ErrnoStatus("ftruncate to " + std::to_string(total) + " bytes", temp.path(), error);
+    return ErrnoStatus("ftruncate to " + std::to_string(total) + " bytes", temp_path, error);
   }
   // Reserve the blocks now so a full disk is an error here, not SIGBUS on a store later.
   // Filesystems without fallocate keep the sparse file.
-  if (::fallocate(temp.fd(), 0, 0, static_cast<off_t>(total)) != 0) {
+  if (::fallocate(fd, 0, 0, static_cast<off_t>(total)) != 0) {
     const int error = errno;
     if (error == ENOSPC || error == EDQUOT) {
-      return ErrnoStatus("fallocate " + std::to_string(total) + " bytes", temp.path(), error);
+      return ErrnoStatus("fallocate " + std::to_string(total) + " bytes", temp_path, error);
     }
   }
-  void* map = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, temp.fd(), 0);
-  if (map == MAP_FAILED) return LastErrno("mmap", temp.path());
+  // A shared, writable mapping: unlike Env::MapReadOnly, stores go to the file itself.
+  void* map = ::mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) return ErrnoStatus("mmap", temp_path, errno);
 
   SafetensorsWriter writer;
   writer.map_ = static_cast<std::byte*>(map);
@@ -874,7 +704,7 @@ Result<SafetensorsWriter> SafetensorsWriter::Create(
     offset += header.sizes[i];
   }
   writer.path_ = path;
-  std::tie(writer.fd_, writer.temp_path_) = temp.Release();
+  writer.file_ = std::move(file);
   return writer;
 }
 
@@ -886,10 +716,9 @@ SafetensorsWriter& SafetensorsWriter::operator=(SafetensorsWriter&& other) noexc
   if (this != &other) {
     Abandon();
     path_ = std::move(other.path_);
-    temp_path_ = std::exchange(other.temp_path_, {});
     map_ = std::exchange(other.map_, nullptr);
     map_size_ = std::exchange(other.map_size_, 0);
-    fd_ = std::exchange(other.fd_, -1);
+    file_ = std::move(other.file_);
     tensors_ = std::exchange(other.tensors_, {});
   }
   return *this;
@@ -902,37 +731,29 @@ SafetensorsWriter::~SafetensorsWriter() {
 void SafetensorsWriter::Abandon() {
   tensors_.clear();
   if (map_ != nullptr) ::munmap(std::exchange(map_, nullptr), std::exchange(map_size_, 0));
-  if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-  if (!temp_path_.empty()) ::unlink(std::exchange(temp_path_, {}).c_str());
+  file_.Abandon();
 }
 
 Status SafetensorsWriter::Commit() {
-  if (fd_ < 0 || temp_path_.empty()) {
+  if (!file_.is_open()) {
     return Status::InvalidArgument(path_ +
                                    ": SafetensorsWriter::Commit on a writer that is "
                                    "not open (already committed or moved from)");
   }
+  // The mapping's stores reach the file through msync; AtomicFile then does the rest
+  // (fsync, close, rename, directory fsync).
   Status status;
   if (::msync(map_, map_size_, MS_SYNC) != 0) {
-    status = LastErrno("msync", temp_path_);
+    status = ErrnoStatus("msync", file_.file().path(), errno);
   } else if (::munmap(std::exchange(map_, nullptr), std::exchange(map_size_, 0)) != 0) {
-    status = LastErrno("munmap", temp_path_);
-  } else if (::fsync(fd_) != 0) {
-    status = LastErrno("fsync", temp_path_);
-  } else if (::close(std::exchange(fd_, -1)) != 0) {
-    status = LastErrno("close", temp_path_);
-  } else if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
-    const int error = errno;
-    status = ErrnoStatus("rename to " + path_, temp_path_, error);
+    status = ErrnoStatus("munmap", file_.file().path(), errno);
   }
   if (!status.ok()) {
     Abandon();
     return status;
   }
-  temp_path_.clear();
   tensors_.clear();
-  FW_ASSIGN_OR_RETURN(auto parts, SplitPath(path_));
-  return FsyncDirectory(parts.first);
+  return file_.Commit();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -991,9 +812,8 @@ Status WriteShardedCheckpoint(const std::string& dir, const CheckpointView& tens
   } catch (const OrderedJson::exception& e) {
     return Status::InvalidArgument(dir + ": cannot encode index: " + e.what());
   }
-  FW_ASSIGN_OR_RETURN(TempFile temp, TempFile::Create(JoinPath(dir, kIndexFileName)));
-  FW_RETURN_IF_ERROR(temp.WriteAll(std::as_bytes(std::span(text.data(), text.size()))));
-  return temp.Commit();
+  return WriteFileAtomically(JoinPath(dir, kIndexFileName),
+                             std::as_bytes(std::span(text.data(), text.size())));
 }
 
 }  // namespace flywheel

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "base/env.h"
 #include "base/status.h"
 #include "delta/tensor.h"
 
@@ -36,7 +37,8 @@ inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
 // A read-only memory mapping of a whole file. Move-only; unmaps on destruction.
 class MappedFile {
  public:
-  static Result<MappedFile> Open(const std::string& path);
+  // Env::MapReadOnly; errors name the path.
+  static Result<MappedFile> Open(const std::string& path, Env* env = Env::Default());
   MappedFile() = default;
   MappedFile(MappedFile&&) noexcept;
   MappedFile& operator=(MappedFile&&) noexcept;
@@ -44,13 +46,14 @@ class MappedFile {
   MappedFile& operator=(const MappedFile&) = delete;
   ~MappedFile();
 
-  std::span<const std::byte> bytes() const { return {data_, size_}; }
+  std::span<const std::byte> bytes() const {
+    return region_ ? region_->bytes() : std::span<const std::byte>();
+  }
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
-  const std::byte* data_ = nullptr;
-  size_t size_ = 0;
+  std::unique_ptr<MappedRegion> region_;
 };
 
 // A parsed safetensors image. Tensors are listed in data-offset order; their `data`
@@ -137,10 +140,9 @@ class SafetensorsWriter {
  private:
   void Abandon();
   std::string path_;
-  std::string temp_path_;
   std::byte* map_ = nullptr;
   size_t map_size_ = 0;
-  int fd_ = -1;
+  AtomicFile file_;  // the temporary file the mapping writes, renamed over path_ by Commit
   MutableCheckpointView tensors_;
 };
 

@@ -83,7 +83,7 @@ json Coordinator::Claim(const json& request) {
   }
   std::lock_guard lock(mutex_);
   if (finished_) return {{"status", "done"}};
-  const Clock::time_point now = Clock::now();
+  const Clock::time_point now = options_.env->SteadyNow();
   // A worker back with a new incarnation restarted: what it held goes back to the pool.
   auto [known, inserted] = incarnations_.try_emplace(worker, incarnation);
   if (!inserted && known->second != incarnation) {
@@ -300,11 +300,13 @@ std::vector<Group> Coordinator::TakeBatch(Clock::time_point deadline, bool parti
         ++it;
       }
     }
-    const bool timed_out = Clock::now() >= deadline;
+    const Clock::time_point now = options_.env->SteadyNow();
+    const bool timed_out = now >= deadline;
     if (queue_.size() >= want || finished_ || (timed_out && partial && !queue_.empty())) break;
     if (timed_out) return {};
-    ExpireLeases(Clock::now());
-    changed_.wait_until(lock, std::min(deadline, Clock::now() + std::chrono::milliseconds(100)));
+    ExpireLeases(now);
+    // Wakes at least every 100 ms (of the env's clock) to expire leases meanwhile.
+    options_.env->WaitUntil(changed_, lock, std::min(deadline, now + std::chrono::milliseconds(100)));
   }
   std::vector<Group> batch;
   while (!queue_.empty() && batch.size() < want) {
@@ -329,7 +331,7 @@ void Coordinator::NotePublished(uint64_t version, int64_t unix_us) {
 
 std::vector<Coordinator::Synced> Coordinator::TakeSynced() {
   std::lock_guard lock(mutex_);
-  const Clock::time_point now = Clock::now();
+  const Clock::time_point now = options_.env->SteadyNow();
   std::vector<Synced> out;
   for (auto it = published_.begin(); it != published_.end();) {
     const auto [version, at] = *it;

@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "base/env.h"
 #include "base/status.h"
 #include "pipeline/task.h"
 
@@ -79,6 +80,10 @@ struct CoordinatorOptions {
   int64_t top_k = 0;
   int64_t num_experts = 0;
   uint64_t seed = 1;
+  // The clock leases, TakeBatch deadlines and worker liveness are measured on (its
+  // SteadyNow and WaitUntil). Tests pass a ManualClock and advance it instead of sleeping.
+  // REQUIRES: outlives the Coordinator.
+  Env* env = Env::Default();
 };
 
 struct CoordinatorStats {
@@ -96,6 +101,7 @@ struct CoordinatorStats {
 
 class Coordinator {
  public:
+  // The type of TakeBatch's deadline; its values come from options.env->SteadyNow().
   using Clock = std::chrono::steady_clock;
   Coordinator(const Task& task, CoordinatorOptions options);
 
@@ -105,9 +111,9 @@ class Coordinator {
   // The trainer's version (what it trains on now); claims and admission follow it.
   void SetVersion(uint64_t version);
   // Waits until groups_per_step groups are admitted at the current version (dropping stale
-  // ones) and returns them; at `deadline` returns nothing, or with `partial` what there is;
-  // after Finish() returns what there is at once. A returned batch counts as in training
-  // until the next SetVersion.
+  // ones) and returns them; at `deadline` (on options.env's steady clock) returns nothing,
+  // or with `partial` what there is; after Finish() returns what there is at once. A
+  // returned batch counts as in training until the next SetVersion.
   std::vector<Group> TakeBatch(Clock::time_point deadline, bool partial = false);
   // Claims are answered "done" from now on; TakeBatch returns at once.
   void Finish();

@@ -2,9 +2,10 @@
 
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
 #include <fstream>
+
+#include "base/env.h"
 
 namespace flywheel::sync {
 
@@ -102,9 +103,7 @@ Result<TlsContexts> MakeTlsContexts(const transport::TlsOptions& tls, bool need_
 }
 
 uint64_t UnixMicrosNow() {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
-                                   std::chrono::system_clock::now().time_since_epoch())
-                                   .count());
+  return static_cast<uint64_t>(Env::Default()->NowMicros());
 }
 
 }  // namespace flywheel::sync

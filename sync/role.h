@@ -55,6 +55,8 @@ struct TlsContexts {
 Result<TlsContexts> MakeTlsContexts(const transport::TlsOptions& tls, bool need_server,
                                     bool need_client);
 
+// Wall-clock microseconds since the Unix epoch: Env::Default()->NowMicros(), for the
+// callers that predate the Env. Code that tests must drive takes an Env* instead.
 uint64_t UnixMicrosNow();
 
 }  // namespace flywheel::sync

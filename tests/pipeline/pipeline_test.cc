@@ -1,6 +1,7 @@
 // The pipeline loop's torch-free parts: run configuration, tasks, the sample coordinator.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -132,6 +133,7 @@ class CoordinatorTest : public ::testing::Test {
     options.max_staleness = k;
     options.lease = lease;
     options.vocab_size = 15;
+    options.env = &clock_;
     auto c = std::make_unique<Coordinator>(*task_, options);
     c->SetVersion(1);
     return c;
@@ -152,8 +154,11 @@ class CoordinatorTest : public ::testing::Test {
     return c.Submit({{"worker", worker}, {"incarnation", incarnation}, {"claim", claim},
                      {"samples", {Sample(version), Sample(version, 0)}}});
   }
-  static auto Soon() { return Coordinator::Clock::now() + std::chrono::milliseconds(200); }
+  // The coordinators' clock stands still, so a deadline of now means: what is queued,
+  // without waiting.
+  Coordinator::Clock::time_point Now() { return clock_.SteadyNow(); }
 
+  ManualClock clock_;  // leases lapse when the test advances it, not by sleeping
   std::unique_ptr<Task> task_;
 };
 
@@ -167,7 +172,7 @@ TEST_F(CoordinatorTest, ClaimSubmitTake) {
     EXPECT_FALSE(Task::IsHeldOut(g["prompt"].get<std::string>()));
     EXPECT_TRUE(Submit(*c, "w1", g["claim"], 1)["accepted"].get<bool>());
   }
-  const auto batch = c->TakeBatch(Soon());
+  const auto batch = c->TakeBatch(Now());
   ASSERT_EQ(batch.size(), 2u);
   EXPECT_EQ(batch[0].samples.size(), 2u);
   EXPECT_EQ(batch[0].worker, "w1");
@@ -181,7 +186,7 @@ TEST_F(CoordinatorTest, SynchronousModeWaitsForTheNextVersion) {
   ASSERT_EQ(first["groups"].size(), 2u);  // exactly one batch
   EXPECT_EQ(Claim(*c, "w2", 1, 8)["status"], "wait");
   for (const json& g : first["groups"]) Submit(*c, "w1", g["claim"], 1);
-  ASSERT_EQ(c->TakeBatch(Soon()).size(), 2u);
+  ASSERT_EQ(c->TakeBatch(Now()).size(), 2u);
   // Training: version 1 samples would be stale for the batch at version 2.
   EXPECT_EQ(Claim(*c, "w1", 1, 8)["status"], "wait");
   c->SetVersion(2);
@@ -207,7 +212,7 @@ TEST_F(CoordinatorTest, StaleGroupsAreDroppedAndTheirPromptsRequeued) {
   const std::string prompt = claim["groups"][0]["prompt"];
   c->SetVersion(3);  // the trainer moved on meanwhile (other workers)
   ASSERT_TRUE(Submit(*c, "w1", claim["groups"][0]["claim"], 1)["accepted"].get<bool>());
-  EXPECT_TRUE(c->TakeBatch(Soon()).empty());
+  EXPECT_TRUE(c->TakeBatch(Now()).empty());
   EXPECT_EQ(c->stats().samples_dropped_stale, 2u);
   EXPECT_EQ(c->stats().groups_dropped_stale, 1u);
   // The prompt comes back first.
@@ -220,7 +225,7 @@ TEST_F(CoordinatorTest, LapsedLeaseRequeuesAndRefusesTheLateSubmission) {
   json claim = Claim(*c, "w1", 1, 1);
   const uint64_t id = claim["groups"][0]["claim"];
   const std::string prompt = claim["groups"][0]["prompt"];
-  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  clock_.Advance(std::chrono::milliseconds(80));
   json other = Claim(*c, "w2", 1, 1);  // expires w1's lease, hands its prompt out again
   EXPECT_EQ(other["groups"][0]["prompt"], prompt);
   EXPECT_EQ(c->stats().leases_expired, 1u);
@@ -315,6 +320,52 @@ TEST_F(CoordinatorTest, SyncLatencyFromTheWorkersClaims) {
   EXPECT_DOUBLE_EQ(synced[0].ms, 40.0);  // the last worker's swap, 40 ms after publishing
   EXPECT_EQ(synced[0].workers, 2u);
   EXPECT_TRUE(c->TakeSynced().empty());  // reported once
+}
+
+TEST_F(CoordinatorTest, LeaseHoldsUntilTheClockPassesIt) {
+  auto c = Make(/*k=*/1, 1, std::chrono::milliseconds(50));
+  json claim = Claim(*c, "w1", 1, 1);
+  const std::string prompt = claim["groups"][0]["prompt"];
+  clock_.Advance(std::chrono::milliseconds(49));
+  json other = Claim(*c, "w2", 1, 1);
+  EXPECT_NE(other["groups"][0]["prompt"], prompt);
+  EXPECT_EQ(c->stats().leases_expired, 0u);
+  clock_.Advance(std::chrono::milliseconds(1));  // exactly at the lease's end it lapses
+  EXPECT_EQ(Claim(*c, "w3", 1, 1)["groups"][0]["prompt"], prompt);
+  EXPECT_EQ(c->stats().leases_expired, 1u);
+}
+
+TEST_F(CoordinatorTest, TakeBatchWaitsUntilTheDrivenDeadline) {
+  auto c = Make(/*k=*/1);
+  std::atomic<bool> returned{false};
+  std::thread trainer([&] {
+    EXPECT_TRUE(c->TakeBatch(Now() + std::chrono::seconds(30)).empty());
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(returned);  // 30 s of the coordinator's clock do not pass by themselves
+  clock_.Advance(std::chrono::seconds(30));
+  trainer.join();
+  EXPECT_TRUE(returned);
+}
+
+TEST_F(CoordinatorTest, SyncLatencyCountsOnlyWorkersThatClaimedInTheLastFiveSeconds) {
+  auto c = Make(/*k=*/1);
+  auto claim = [&](const std::string& w, uint64_t v, int64_t since) {
+    return c->Claim({{"worker", w}, {"incarnation", "a"}, {"version", v}, {"max_groups", 1},
+                     {"serving_since_unix_us", since}});
+  };
+  claim("w1", 1, 1'000);
+  claim("w2", 1, 1'000);
+  c->NotePublished(2, 10'000);
+  claim("w1", 2, 30'000);
+  EXPECT_TRUE(c->TakeSynced().empty());  // w2 still serves 1 and is live
+  clock_.Advance(std::chrono::seconds(6));
+  claim("w1", 2, 30'000);  // w2 has been silent for 6 s: no longer live
+  auto synced = c->TakeSynced();
+  ASSERT_EQ(synced.size(), 1u);
+  EXPECT_EQ(synced[0].workers, 1u);
+  EXPECT_DOUBLE_EQ(synced[0].ms, 20.0);
 }
 
 }  // namespace

@@ -1,0 +1,233 @@
+// Env: flywheel's one seam to the outside world, in the manner of leveldb's Env. Files
+// (whole-file reads, read-only mappings, temporary files, renames, directory listings)
+// and clocks (wall-clock micros, a monotonic clock, sleeping and timed waits) go through
+// an Env, so that:
+//
+//   * errno becomes a Status in one place (ErrnoStatus below), with one message shape:
+//     "<path>: <what>: <strerror>";
+//   * there is one atomic write (AtomicFile / WriteFileAtomically) and one mmap
+//     (Env::MapReadOnly), both built from the Env's primitives;
+//   * tests inject faults by wrapping an Env (EnvWrapper) and fail, say, the third write
+//     or the rename, without copying the code under test;
+//   * tests drive time (ManualClock) instead of sleeping until a lease or deadline lapses.
+//
+// Thread safety: every Env method may be called from any thread. Env::Default() lives for
+// the whole process and is never deleted. A WritableFile or MappedRegion is used by one
+// thread at a time.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "base/status.h"
+
+namespace flywheel {
+
+// The one place errno becomes a Status. The message is "<path>: <what>: <strerror(err)>";
+// ENOENT gives NotFound, ENOSPC and EDQUOT ResourceExhausted, anything else IOError.
+// REQUIRES: err != 0 (read errno right after the failing call, before anything that may
+// allocate or call into libc).
+Status ErrnoStatus(std::string_view what, const std::string& path, int err);
+
+using SteadyTime = std::chrono::steady_clock::time_point;
+
+// A file open for writing, created by Env::NewTempFile. The destructor closes the file
+// (ignoring errors) but never removes it: AtomicFile does that.
+class WritableFile {
+ public:
+  virtual ~WritableFile() = default;
+
+  // Appends all of `bytes` (short writes and EINTR are retried).
+  virtual Status Append(std::span<const std::byte> bytes) = 0;
+  // fsync: the data is on stable storage when this returns OK.
+  virtual Status Sync() = 0;
+  // Closes the descriptor; reports what close(2) reports. Nothing may be called after.
+  virtual Status Close() = 0;
+  virtual const std::string& path() const = 0;
+  // The descriptor, for a caller that sizes or maps the file itself (SafetensorsWriter
+  // writes through a shared mapping); -1 once closed or when the file has none.
+  virtual int fd() const = 0;
+};
+
+// A read-only mapping of a whole file, unmapped on destruction. An empty file has an
+// empty span (nothing is mapped).
+class MappedRegion {
+ public:
+  virtual ~MappedRegion() = default;
+  virtual std::span<const std::byte> bytes() const = 0;
+};
+
+class Env {
+ public:
+  Env() = default;
+  Env(const Env&) = delete;
+  Env& operator=(const Env&) = delete;
+  virtual ~Env() = default;
+
+  // POSIX files and the process's real clocks.
+  static Env* Default();
+
+  // ---- Files. Every error names the path. ----
+
+  // The whole regular file at `path`. NotFound when it does not exist, ResourceExhausted
+  // when it cannot be held in memory, IOError when it is not a regular file or changes
+  // size while being read.
+  virtual Result<std::vector<std::byte>> ReadFile(const std::string& path) = 0;
+  // Maps the regular file at `path` read-only (MAP_PRIVATE). Later writes to the file by
+  // others may or may not show through; flywheel only maps files it will not rewrite in
+  // place (every writer here renames a new file over the old one).
+  virtual Result<std::unique_ptr<MappedRegion>> MapReadOnly(const std::string& path) = 0;
+  // Creates a new, empty file in the directory of `path`, named
+  // ".<name>.tmp-<pid>-<random>" (exclusive create, mode 0666 & ~umask), for writing
+  // `path` atomically. InvalidArgument when `path` names no file.
+  virtual Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path) = 0;
+  // Creates a new directory "<TMPDIR or /tmp>/<prefix>XXXXXX" and returns its path.
+  virtual Result<std::string> MakeTempDir(const std::string& prefix) = 0;
+  // rename(2): atomically replaces `to` (same filesystem).
+  virtual Status RenameFile(const std::string& from, const std::string& to) = 0;
+  // Removes a file or an empty directory. NotFound when there is nothing there.
+  virtual Status RemoveFile(const std::string& path) = 0;
+  // Removes `path` and everything under it; OK when there is nothing there.
+  virtual Status RemoveAll(const std::string& path) = 0;
+  // fsyncs the directory itself, so that a rename into it survives a crash.
+  virtual Status SyncDir(const std::string& dir) = 0;
+  // The names in `dir` (no "." or ".."), sorted.
+  virtual Result<std::vector<std::string>> ListDir(const std::string& dir) = 0;
+  virtual bool FileExists(const std::string& path) = 0;
+
+  // ---- Clocks. ----
+
+  // Wall-clock time, microseconds since the Unix epoch. For timestamps that cross
+  // processes or machines; not for measuring intervals (it may step).
+  virtual int64_t NowMicros() = 0;
+  // Monotonic time, for deadlines, leases and intervals within this process.
+  virtual SteadyTime SteadyNow() = 0;
+  virtual void SleepFor(std::chrono::microseconds duration) = 0;
+  // Waits on `cv` (as cv.wait_until with `lock` held) until notified or until SteadyNow()
+  // reaches `deadline`. May return early, like any condition-variable wait: callers
+  // re-check their predicate and the deadline in a loop.
+  virtual void WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                         SteadyTime deadline) = 0;
+};
+
+// Forwards every call to another Env. Derive from it and override the calls to intercept
+// (fault injection, counting, a different clock).
+class EnvWrapper : public Env {
+ public:
+  // REQUIRES: `target` outlives this wrapper.
+  explicit EnvWrapper(Env* target) : target_(target) {}
+  Env* target() const { return target_; }
+
+  Result<std::vector<std::byte>> ReadFile(const std::string& path) override {
+    return target_->ReadFile(path);
+  }
+  Result<std::unique_ptr<MappedRegion>> MapReadOnly(const std::string& path) override {
+    return target_->MapReadOnly(path);
+  }
+  Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path) override {
+    return target_->NewTempFile(path);
+  }
+  Result<std::string> MakeTempDir(const std::string& prefix) override {
+    return target_->MakeTempDir(prefix);
+  }
+  Status RenameFile(const std::string& from, const std::string& to) override {
+    return target_->RenameFile(from, to);
+  }
+  Status RemoveFile(const std::string& path) override { return target_->RemoveFile(path); }
+  Status RemoveAll(const std::string& path) override { return target_->RemoveAll(path); }
+  Status SyncDir(const std::string& dir) override { return target_->SyncDir(dir); }
+  Result<std::vector<std::string>> ListDir(const std::string& dir) override {
+    return target_->ListDir(dir);
+  }
+  bool FileExists(const std::string& path) override { return target_->FileExists(path); }
+
+  int64_t NowMicros() override { return target_->NowMicros(); }
+  SteadyTime SteadyNow() override { return target_->SteadyNow(); }
+  void SleepFor(std::chrono::microseconds duration) override { target_->SleepFor(duration); }
+  void WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                 SteadyTime deadline) override {
+    target_->WaitUntil(cv, lock, deadline);
+  }
+
+ private:
+  Env* target_;
+};
+
+// An Env for tests whose clocks stand still until Advance() moves them; files go to
+// `target`. Both clocks move together: NowMicros() starts at `start_unix_micros`,
+// SteadyNow() at an arbitrary fixed point.
+//
+// SleepFor blocks until other threads have advanced the clock by the duration (as absl's
+// SimulatedClock does), so a sleep on a clock nobody drives never returns. WaitUntil
+// returns at once when the deadline has passed; otherwise it waits on the condition
+// variable for at most a millisecond of real time, so that the caller's loop re-reads the
+// clock and sees a deadline that another thread advanced past.
+class ManualClock : public EnvWrapper {
+ public:
+  explicit ManualClock(int64_t start_unix_micros = 1'700'000'000'000'000,
+                       Env* target = Env::Default());
+
+  // Moves both clocks forward and wakes sleepers whose time has come.
+  // REQUIRES: duration >= 0.
+  void Advance(std::chrono::microseconds duration);
+
+  int64_t NowMicros() override;
+  SteadyTime SteadyNow() override;
+  void SleepFor(std::chrono::microseconds duration) override;
+  void WaitUntil(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                 SteadyTime deadline) override;
+
+ private:
+  const int64_t start_unix_micros_;
+  std::mutex mutex_;
+  std::condition_variable advanced_;
+  std::chrono::microseconds elapsed_{0};  // GUARDED_BY(mutex_)
+};
+
+// Writes a file atomically: the bytes go to a temporary file beside `path`
+// (Env::NewTempFile), which Commit() fsyncs, closes, renames over `path`, and then fsyncs
+// the directory. Until Commit() succeeds `path` is untouched; a failed or abandoned
+// AtomicFile removes its temporary file. Move-only.
+class AtomicFile {
+ public:
+  AtomicFile() = default;  // holds nothing; Commit() fails
+  static Result<AtomicFile> Create(const std::string& path, Env* env = Env::Default());
+  AtomicFile(AtomicFile&& other) noexcept;
+  AtomicFile& operator=(AtomicFile&& other) noexcept;
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  ~AtomicFile() { Abandon(); }
+
+  // REQUIRES: is_open()
+  Status Append(std::span<const std::byte> bytes) { return file_->Append(bytes); }
+  // Sync, close, rename over the destination, sync the directory. On failure before the
+  // rename the temporary file is removed and the destination is as it was. Afterwards the
+  // AtomicFile holds nothing (a second Commit is InvalidArgument).
+  Status Commit();
+  // Closes and removes the temporary file (errors ignored); holds nothing afterwards.
+  void Abandon();
+
+  bool is_open() const { return file_ != nullptr; }
+  const std::string& path() const { return path_; }  // the destination
+  // REQUIRES: is_open()
+  WritableFile& file() { return *file_; }
+
+ private:
+  Env* env_ = nullptr;
+  std::string path_;
+  std::unique_ptr<WritableFile> file_;
+};
+
+// AtomicFile::Create, Append, Commit.
+Status WriteFileAtomically(const std::string& path, std::span<const std::byte> bytes,
+                           Env* env = Env::Default());
+
+}  // namespace flywheel
