@@ -30,7 +30,7 @@ namespace flywheel::pipeline {
 // One RL step as the trainer saw it.
 struct StepRow {
   uint64_t step = 0;     // 1-based RL step
-  uint64_t version = 0;  // the policy version the step trained (the published one is +1)
+  uint64_t version = 0;  // the policy version published after this step
   double wall_s = 0;     // since the run started, resumes included
   double mean_reward = 0;
   double eval_accuracy = -1;  // -1: not evaluated at this step

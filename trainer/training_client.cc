@@ -480,6 +480,7 @@ Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) 
     }
     snapshot.changed_words = published.changed_words;
     snapshot.total_words = published.total_words;
+    snapshot.publisher_hashed_tensors = published.tensors_hashed;
   }
   last_version_ = version;
   return snapshot;

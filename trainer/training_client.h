@@ -98,6 +98,9 @@ struct SamplerSnapshot {
   // otherwise (no publisher, first version, layout change, keyframe-only log).
   uint64_t changed_words = 0;
   uint64_t total_words = 0;
+  // Tensors the publisher hashed itself (sync::AppendResult::tensors_hashed): 0, since it
+  // is handed tensor_hashes; a test checks that the bytes are hashed once.
+  uint64_t publisher_hashed_tensors = 0;
 };
 
 struct TrainerOptions {
