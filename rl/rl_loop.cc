@@ -3,6 +3,7 @@
 // only orders them.
 #include "rl/rl_loop.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iostream>
