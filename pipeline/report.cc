@@ -8,16 +8,14 @@
 #include <sstream>
 
 #include "pipeline/launcher.h"
+#include "pipeline/run_record.h"
 
 namespace flywheel::pipeline {
 namespace {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 
-// metrics.csv columns (rl/rl_loop.cc StepRow): 1 step, 2 version, 3 wall_s,
-// 4 mean_reward, 5 eval_accuracy, 6 k3, 7 staleness_mean, 8 staleness_max, 9 delta_density,
-// 10 delta_bytes, 11 full_bytes, 12 wan_bytes, 13 sync_ms, 14 sync_version.
+// metrics.csv columns by number: pipeline/run_record.h (StepRow) lists them.
 constexpr const char* kPlots = R"gp(set datafile separator ","
 set terminal png size 900,500
 set grid
@@ -55,69 +53,70 @@ std::string Fixed(double value, int digits) {
   return out.str();
 }
 
+// Writes plots.gp into `dir` and runs gnuplot on it; returns what became of the plots.
+std::string WritePlots(const fs::path& dir) {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
+    return "no plots: gnuplot is not installed (apt-get install gnuplot-nox)";
+  }
+  {
+    std::ofstream script(dir / "plots.gp", std::ios::trunc);
+    script << kPlots;
+  }
+  const std::string command = "cd '" + dir.string() + "' && gnuplot plots.gp > plots.log 2>&1";
+  return std::system(command.c_str()) == 0
+             ? "reward_accuracy.png, delta_bytes.png, sync_latency.png, staleness.png"
+             : "gnuplot failed (see plots.log)";
+}
+
 }  // namespace
 
 Status WriteReport(const std::string& report_dir, std::ostream& out) {
   const fs::path dir = report_dir;
-  std::ifstream in(dir / "summary.json");
-  const json summary = json::parse(in, nullptr, false);
-  if (!summary.is_object()) {
+  Result<RunSummary> read = ReadSummary(report_dir);
+  if (read.status().code() == StatusCode::kNotFound) {
     return Status::NotFound("no readable summary.json in " + report_dir + " (did the run finish?)");
   }
-  // Plots: gnuplot reads metrics.csv in the report directory.
-  std::string plots_note;
-  if (std::system("command -v gnuplot >/dev/null 2>&1") == 0) {
-    {
-      std::ofstream script(dir / "plots.gp", std::ios::trunc);
-      script << kPlots;
-    }
-    const std::string command = "cd '" + dir.string() + "' && gnuplot plots.gp > plots.log 2>&1";
-    plots_note = std::system(command.c_str()) == 0
-                     ? "reward_accuracy.png, delta_bytes.png, sync_latency.png, staleness.png"
-                     : "gnuplot failed (see plots.log)";
-  } else {
-    plots_note = "no plots: gnuplot is not installed (apt-get install gnuplot-nox)";
-  }
-  const auto number = [&](const char* key) { return summary.value(key, -1.0); };
-  const double full = number("full_bytes");
-  const double delta = number("delta_bytes_mean");
-  out << "\nsummary (" << summary.value("task", "") << ", " << summary.value("algorithm", "")
-      << ", model " << summary.value("model", "") << " with " << summary.value("parameters", 0)
-      << " parameters)\n";
+  FW_RETURN_IF_ERROR(read.status());
+  const RunSummary& s = *read;
+  const std::string plots_note = WritePlots(dir);
+  out << "\nsummary (" << s.task << ", " << s.algorithm << ", model " << s.model << " with "
+      << s.parameters << " parameters)\n";
   const auto row = [&](const std::string& name, const std::string& value) {
     out << "  " << std::left << std::setw(34) << name << value << "\n";
   };
-  row("held-out accuracy, untrained", Fixed(number("initial_accuracy"), 3));
-  row("held-out accuracy, after warm-up", Fixed(number("warmup_accuracy"), 3));
-  row("held-out accuracy, final", Fixed(number("final_accuracy"), 3) + "  (target " +
-                                      Fixed(number("target_accuracy"), 2) + ": " +
-                                      (summary.value("reached_target", false) ? "reached" : "NOT reached") + ")");
-  if (number("time_to_target_s") >= 0) row("time to target", Fixed(number("time_to_target_s"), 1) + " s");
-  row("wall time", Fixed(number("wall_seconds"), 1) + " s");
-  row("RL steps / policy versions", std::to_string(summary.value("steps", 0)) + " / " +
-                                         std::to_string(summary.value("versions", 0)));
-  row("samples trained", std::to_string(summary.value("samples", 0)));
-  row("staleness allowed / observed max", std::to_string(summary.value("max_staleness_allowed", 0)) +
-                                              " / " + std::to_string(summary.value("max_staleness_observed", 0)) +
-                                              "  (mean " + Fixed(number("mean_staleness"), 2) + ")");
-  row("samples dropped as stale", std::to_string(summary.value("samples_dropped_stale", 0)));
+  row("held-out accuracy, untrained", Fixed(s.initial_accuracy, 3));
+  row("held-out accuracy, after warm-up", Fixed(s.warmup_accuracy, 3));
+  row("held-out accuracy, final", Fixed(s.final_accuracy, 3) + "  (target " +
+                                      Fixed(s.target_accuracy, 2) + ": " +
+                                      (s.reached_target ? "reached" : "NOT reached") + ")");
+  if (s.time_to_target_s >= 0) row("time to target", Fixed(s.time_to_target_s, 1) + " s");
+  row("wall time", Fixed(s.wall_seconds, 1) + " s");
+  row("RL steps / policy versions", std::to_string(s.steps) + " / " + std::to_string(s.versions));
+  row("samples trained", std::to_string(s.samples));
+  row("staleness allowed / observed max", std::to_string(s.max_staleness_allowed) + " / " +
+                                              std::to_string(s.max_staleness_observed) + "  (mean " +
+                                              Fixed(s.mean_staleness, 2) + ")");
+  row("samples dropped as stale", std::to_string(s.samples_dropped_stale));
   {
     std::ostringstream k3;
-    k3 << std::scientific << std::setprecision(2) << number("mean_k3");
+    k3 << std::scientific << std::setprecision(2) << s.mean_k3;
     row("mean k3 KL sampler vs trainer", k3.str());
   }
+  const double full = static_cast<double>(s.full_bytes);
+  const double delta = s.delta_bytes_mean;
   row("delta bytes per version (mean)", Fixed(delta / 1024, 1) + " KiB vs full " + Fixed(full / 1024, 1) +
                                             " KiB (" + Fixed(full > 0 ? 100 * delta / full : 0, 2) + "%)");
   {
     // The baseline users would otherwise run: every worker fetches every full checkpoint.
-    const double baseline = full * number("workers") * number("versions");
-    const double wan = number("wan_bytes_total");
+    const double baseline = full * static_cast<double>(s.workers) * static_cast<double>(s.versions);
+    const double wan = static_cast<double>(s.wan_bytes_total);
     row("WAN bytes, whole run", Fixed(wan / (1024 * 1024), 1) + " MiB vs " +
                                     Fixed(baseline / (1024 * 1024), 1) +
                                     " MiB for full checkpoints to every worker (" +
                                     Fixed(wan > 0 ? baseline / wan : 0, 1) + "x less)");
   }
-  row("publish -> all workers swapped", number("sync_ms_mean") >= 0 ? Fixed(number("sync_ms_mean"), 0) + " ms (mean)" : "not measured");
+  row("publish -> all workers swapped",
+      s.sync_ms_mean >= 0 ? Fixed(s.sync_ms_mean, 0) + " ms (mean)" : "not measured");
   row("report", report_dir + " (metrics.csv, summary.json; " + plots_note + ")");
   return Status::Ok();
 }

@@ -47,7 +47,8 @@ struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Im
   uint64_t last_artifact_bytes = 0;
   uint64_t published = 0;
 
-  Result<std::vector<ArtifactInfo>> Append(uint64_t version, const CheckpointView& checkpoint);
+  Result<AppendResult> Append(uint64_t version, const CheckpointView& checkpoint,
+                              const AppendOptions& known = {});
   void ScanDropsOnce();
   awaitable<void> WatchLoop();
   void Announce();
@@ -55,19 +56,19 @@ struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Im
   nlohmann::json StatusJson() const;
 };
 
-Result<std::vector<ArtifactInfo>> Publisher::Impl::Append(uint64_t version,
-                                                          const CheckpointView& checkpoint) {
+Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointView& checkpoint,
+                                             const AppendOptions& known) {
   std::lock_guard lock(publish_mutex);
   const auto start = Clock::now();
-  Result<std::vector<ArtifactInfo>> written = log->Append(version, checkpoint);
+  Result<AppendResult> written = log->Append(version, checkpoint, known);
   if (!written.ok()) return written;
   std::lock_guard stats_lock(stats_mutex);
   last_publish_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   last_artifact_bytes = 0;
-  for (const ArtifactInfo& info : *written) last_artifact_bytes += info.size_bytes;
+  for (const ArtifactInfo& info : written->artifacts) last_artifact_bytes += info.size_bytes;
   ++published;
-  spdlog::info("published v{}: {} artifact(s), {} bytes, in {:.0f} ms", version, written->size(),
-               last_artifact_bytes, last_publish_ms);
+  spdlog::info("published v{}: {} artifact(s), {} bytes, in {:.0f} ms", version,
+               written->artifacts.size(), last_artifact_bytes, last_publish_ms);
   return written;
 }
 
@@ -304,7 +305,13 @@ void Publisher::Stop() {
 
 Result<std::vector<ArtifactInfo>> Publisher::Publish(uint64_t version,
                                                      const CheckpointView& checkpoint) {
-  Result<std::vector<ArtifactInfo>> written = impl_->Append(version, checkpoint);
+  FW_ASSIGN_OR_RETURN(AppendResult written, Publish(version, checkpoint, AppendOptions{}));
+  return std::move(written.artifacts);
+}
+
+Result<AppendResult> Publisher::Publish(uint64_t version, const CheckpointView& checkpoint,
+                                        const AppendOptions& known) {
+  Result<AppendResult> written = impl_->Append(version, checkpoint, known);
   if (written.ok()) asio::post(impl_->executor, [impl = impl_] { impl->Announce(); });
   return written;
 }

@@ -45,6 +45,11 @@ class Publisher {
   // Publishes `checkpoint` as `version` and announces it. Thread-safe; must not be called
   // on the executor's thread (it blocks while encoding). Versions only move forward.
   Result<std::vector<ArtifactInfo>> Publish(uint64_t version, const CheckpointView& checkpoint);
+  // The same for a caller that hashed `checkpoint` already (the embedded trainer): the
+  // hashes in `known` are used as they are (VersionLog::Append's AppendOptions contract),
+  // and the result carries the encoder's changed-word counts.
+  Result<AppendResult> Publish(uint64_t version, const CheckpointView& checkpoint,
+                               const AppendOptions& known);
 
   uint16_t port() const;
   uint16_t http_port() const;

@@ -446,6 +446,33 @@ std::vector<Hash128> TensorHashes(const CheckpointView& checkpoint, int threads)
   return hashes;
 }
 
+// The caller's tensor hashes when it gave them (checked for count only: see AppendOptions),
+// else every tensor hashed here.
+Result<std::vector<Hash128>> GivenOrComputedHashes(const CheckpointView& checkpoint,
+                                                   const AppendOptions& given, int threads,
+                                                   AppendResult* result) {
+  if (given.tensor_hashes.empty()) {
+    result->tensors_hashed = checkpoint.size();
+    return TensorHashes(checkpoint, threads);
+  }
+  if (given.tensor_hashes.size() != checkpoint.size()) {
+    return Status::InvalidArgument("version log: " + std::to_string(given.tensor_hashes.size()) +
+                                   " tensor hashes given for " + std::to_string(checkpoint.size()) +
+                                   " tensors");
+  }
+  return given.tensor_hashes;
+}
+
+// The encoder's own counts, read back from the manifest it just wrote (a parse of the
+// manifest only; no chunk is decoded and the checkpoint is not read again).
+Status CountChangedWords(std::span<const std::byte> container, AppendResult* result) {
+  FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(container));
+  result->wrote_delta = true;
+  result->changed_words = view.manifest().changed_words();
+  result->total_words = view.manifest().total_words();
+  return Status::Ok();
+}
+
 Result<OwnedCheckpoint> CopyCheckpoint(const CheckpointView& checkpoint) {
   try {
     OwnedCheckpoint copy;
@@ -576,6 +603,12 @@ Result<std::unique_ptr<VersionLog>> VersionLog::Open(const VersionLogOptions& op
 
 Result<std::vector<ArtifactInfo>> VersionLog::Append(uint64_t version,
                                                      const CheckpointView& checkpoint) {
+  FW_ASSIGN_OR_RETURN(AppendResult result, Append(version, checkpoint, AppendOptions{}));
+  return std::move(result.artifacts);
+}
+
+Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& checkpoint,
+                                        const AppendOptions& given) {
   State& s = *state_;
   std::lock_guard append_lock(s.append_mu);
   const VersionLogOptions& options = s.options;
@@ -608,11 +641,19 @@ Result<std::vector<ArtifactInfo>> VersionLog::Append(uint64_t version,
   const bool write_keyframe = !same_layout || !options.deltas ||
                               VersionsSinceKeyframe(s.artifacts) + 1 >= options.keyframe_every;
 
-  std::vector<Hash128> tensor_hashes = TensorHashes(checkpoint, options.threads);
+  AppendResult result;
+  FW_ASSIGN_OR_RETURN(std::vector<Hash128> tensor_hashes,
+                      GivenOrComputedHashes(checkpoint, given, options.threads, &result));
   auto checkpoint_hash = CheckpointHashFromTensorHashes(checkpoint, tensor_hashes);
   if (!checkpoint_hash.ok()) {
     return checkpoint_hash.status().WithContext("version log " + s.dir + ": version " +
                                                 std::to_string(version));
+  }
+  if (given.checkpoint_hash && *given.checkpoint_hash != *checkpoint_hash) {
+    return Status::InvalidArgument("version log " + s.dir + ": version " + std::to_string(version) +
+                                   ": the given checkpoint hash " + given.checkpoint_hash->ToHex() +
+                                   " is not the one of the given tensor hashes (" +
+                                   checkpoint_hash->ToHex() + ")");
   }
   // Allocated before anything is written, so that running out of memory cannot strand a
   // committed log.json with a stale head.
@@ -660,8 +701,12 @@ Result<std::vector<ArtifactInfo>> VersionLog::Append(uint64_t version,
   }
   if (write_delta) {
     encode.base_tensor_hashes = s.head_tensor_hashes;
-    Status st =
-        write_artifact(ArtifactKind::kDelta, delta::Encode(s.head.view(), checkpoint, encode));
+    Result<std::vector<std::byte>> bytes = delta::Encode(s.head.view(), checkpoint, encode);
+    Status st = write_artifact(ArtifactKind::kDelta, bytes);
+    if (st.ok()) {
+      st = CountChangedWords(*bytes, &result)
+               .WithContext("version log " + s.dir + ": delta of version " + std::to_string(version));
+    }
     if (!st.ok()) {
       remove_written();
       return st;
@@ -708,7 +753,8 @@ Result<std::vector<ArtifactInfo>> VersionLog::Append(uint64_t version,
                    std::strerror(errno));
     }
   }
-  return written;
+  result.artifacts = std::move(written);
+  return result;
 }
 
 std::vector<ArtifactInfo> VersionLog::Artifacts() const {

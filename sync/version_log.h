@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -75,6 +76,33 @@ struct VersionLogOptions {
   int threads = 1;  // encode/decode/hash threads, in [1, delta::kMaxThreads]
 };
 
+// What a caller that hashed the checkpoint already (the embedded trainer) hands to Append,
+// so the bytes are not hashed a second time.
+struct AppendOptions {
+  // Per-tensor hashes (delta/hash.h TensorHash), index-aligned with the checkpoint. Empty:
+  // Append hashes every tensor itself. REQUIRES: when given, they are the hashes of exactly
+  // these bytes; Append does not re-read the bytes to check them (that is the point), and a
+  // wrong hash publishes a version every worker refuses at apply time.
+  std::vector<Hash128> tensor_hashes;
+  // The checkpoint hash of those tensor hashes, when the caller has it: Append combines the
+  // tensor hashes again (cheap: no pass over the bytes) and refuses a mismatch
+  // (InvalidArgument) instead of publishing a version under a hash it was not given.
+  std::optional<Hash128> checkpoint_hash;
+};
+
+struct AppendResult {
+  std::vector<ArtifactInfo> artifacts;  // the new artifacts, keyframe first
+  // The delta's counts as the encoder wrote them into its manifest (delta/delta.h
+  // TensorEntry::changed_words), in codec words (the dtype's element size); both 0 when no
+  // delta was written (first version, layout change, deltas off).
+  bool wrote_delta = false;
+  uint64_t changed_words = 0;
+  uint64_t total_words = 0;
+  // Tensors this Append hashed itself: 0 when AppendOptions::tensor_hashes were given, else
+  // every tensor once. The encoder never hashes (it is always handed the hashes).
+  uint64_t tensors_hashed = 0;
+};
+
 // Thread-safe: Append runs on one thread at a time (it serializes itself) while
 // Artifacts()/head_*() may be called from any thread; they see either the state before
 // an Append or after it. The head's tensor bytes are kept in memory (a copy of the last
@@ -103,6 +131,10 @@ class VersionLog {
   // delete a dropped file afterwards is only logged (the next Open removes it). Returns
   // the new artifacts, keyframe first.
   Result<std::vector<ArtifactInfo>> Append(uint64_t version, const CheckpointView& checkpoint);
+  // The same, with what the caller already knows of `checkpoint` (AppendOptions) and what
+  // the encoder counted (AppendResult).
+  Result<AppendResult> Append(uint64_t version, const CheckpointView& checkpoint,
+                              const AppendOptions& options);
 
   // Retained artifacts, ordered by target_version (a keyframe before a delta of the same
   // version).

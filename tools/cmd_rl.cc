@@ -1,33 +1,25 @@
-// `flywheel train`, `flywheel demo`, `flywheel bench pipeline`: the pipeline-RL loop.
+// `flywheel train`, `flywheel demo`, `flywheel bench pipeline`: flags -> options -> one
+// library call each (rl::RunTrainer, pipeline::RunDemo, bench::RunPipelineBench).
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
-#include <atomic>
-#include <chrono>
-#include <csignal>
-#include <ctime>
 #include <filesystem>
 #include <fstream>
-#include <iomanip>
 #include <iostream>
 #include <memory>
-#include <nlohmann/json.hpp>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "bench/util.h"
-#include "pipeline/launcher.h"
+#include "bench/pipeline_bench.h"
+#include "pipeline/demo.h"
 #include "pipeline/run_config.h"
-#include "pipeline/task.h"
-#include "tools/commands.h"
 #include "rl/rl_loop.h"
+#include "tools/commands.h"
 
 namespace flywheel::tools {
 namespace {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 
 struct RlArgs {
   std::string config;
@@ -44,16 +36,6 @@ struct RlArgs {
   bool resume = false;
 };
 
-// The demo's defaults on top of RunConfig's: sorting 6 digits with the tiny model, a short
-// SFT warm-up on generated examples, then async GRPO on 2 regions x 2 workers.
-pipeline::RunConfig DemoConfig() {
-  pipeline::RunConfig config;
-  config.sft.steps = 30;
-  config.sft.batch_size = 32;
-  config.sft.lr = 1e-3;
-  return config;
-}
-
 Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig config) {
   if (!args.config.empty()) {
     FW_ASSIGN_OR_RETURN(config, pipeline::RunConfig::Load(args.config));
@@ -65,120 +47,32 @@ Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig c
   return config;
 }
 
-// Writes `count` SFT examples of the task's training part in the OpenAI chat format.
-Status WriteSftDataset(const pipeline::RunConfig& config, const std::string& path, size_t count) {
-  FW_ASSIGN_OR_RETURN(std::unique_ptr<pipeline::Task> task, pipeline::Task::Create(config.task));
-  std::mt19937_64 rng(static_cast<uint64_t>(config.run.seed) + 99);
-  std::ofstream out(path, std::ios::trunc);
-  for (size_t i = 0; i < count; ++i) {
-    const pipeline::Problem problem = task->Sample(rng, /*held_out=*/false);
-    const json line = {{"messages",
-                        {{{"role", "user"}, {"content", problem.prompt}},
-                         {{"role", "assistant"}, {"content", problem.answer}, {"weight", 1}}}}};
-    out << line.dump() << "\n";
-  }
-  if (!out) return Status::IOError("cannot write " + path);
-  return Status::Ok();
-}
-
-std::string DefaultRunDir(const std::string& what) {
-  const std::time_t now = std::time(nullptr);
-  std::tm local{};
-  localtime_r(&now, &local);
-  std::ostringstream name;
-  name << "flywheel-runs/" << what << "-" << std::put_time(&local, "%Y%m%d-%H%M%S");
-  return name.str();
-}
-
-std::atomic<bool> g_interrupted{false};
-extern "C" void OnInterrupt(int) { g_interrupted = true; }
-
 std::string SelfPath() {
   std::error_code ec;
   const fs::path self = fs::read_symlink("/proc/self/exe", ec);
   return ec ? "flywheel" : self.string();
 }
 
-// Runs one fleet to the end of its run; the trainer's lines go to `out` when `echo`.
-Status RunFleet(const pipeline::RunConfig& config, const std::string& run_dir,
-                const std::string& report_dir, bool echo, std::ostream& out, bool resume = false) {
-  pipeline::RunConfig effective = config;
-  std::error_code ec;
-  fs::create_directories(run_dir, ec);
-  if (ec) return Status::IOError("cannot create " + run_dir + ": " + ec.message());
-  if (!resume && fs::exists(fs::path(run_dir) / "state")) {
-    return Status::InvalidArgument(run_dir + " already holds a run (state/); choose another "
-                                   "--run-dir, or --resume it");
-  }
-  if (effective.sft.steps > 0 && effective.sft.dataset.empty()) {
-    effective.sft.dataset = fs::absolute(fs::path(run_dir) / "sft.jsonl").string();
-    FW_RETURN_IF_ERROR(WriteSftDataset(effective, effective.sft.dataset, 4000));
-  }
-  pipeline::FleetOptions options;
-  options.config = effective;
-  options.program = SelfPath();
-  options.run_dir = fs::absolute(run_dir).string();
-  options.report_dir = report_dir.empty() ? "" : fs::absolute(report_dir).string();
-  out << "starting the fleet in " << options.run_dir << ": trainer + publisher, "
-      << effective.fleet.regions.size() << " regions x (relay + " << effective.fleet.workers_per_region
-      << " workers); WAN " << effective.fleet.wan_rate_mbit << " Mbit/s, "
-      << effective.fleet.wan_latency_ms << " ms one way; max_staleness "
-      << effective.pipeline.max_staleness << (effective.pipeline.max_staleness == 0 ? " (synchronous)" : "")
-      << std::endl;
-  FW_ASSIGN_OR_RETURN(std::unique_ptr<pipeline::Fleet> fleet, pipeline::Fleet::Start(options));
-  // Ctrl-C (or SIGTERM) ends the run early but cleanly: the trainer is told to stop, saves
-  // its state and writes its report, then the rest of the fleet is stopped.
-  g_interrupted = false;
-  std::signal(SIGINT, OnInterrupt);
-  std::signal(SIGTERM, OnInterrupt);
-  const auto limit = std::chrono::milliseconds(static_cast<int64_t>(effective.run.time_limit_s * 1000) + 180000);
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  Status finished = Status::Ok();
-  bool told = false;
-  for (;;) {
-    finished = fleet->WaitTrainer(std::chrono::milliseconds(500), echo ? &out : nullptr);
-    if (finished.ok() || !fleet->Running("trainer")) break;
-    if (g_interrupted && !told) {
-      out << "interrupted: stopping the trainer (it saves its state and writes its report)" << std::endl;
-      (void)fleet->Kill("trainer", SIGTERM);
-      told = true;
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      finished = Status::Unavailable("the trainer did not finish within " +
-                                     std::to_string(limit.count() / 1000) + " s");
-      break;
-    }
-  }
-  std::signal(SIGINT, SIG_DFL);
-  std::signal(SIGTERM, SIG_DFL);
-  for (const std::string& line : fleet->Stop()) spdlog::warn("{}", line);
-  if (!finished.ok()) return finished.WithContext("logs in " + fleet->log_dir());
-  return Status::Ok();
-}
+void WarnLine(const std::string& line) { spdlog::warn("{}", line); }
 
 Status RunDemo(const RlArgs& args) {
-  pipeline::RunConfig config;
+  pipeline::DemoOptions options;
   if (args.resume) {
     // The interrupted run's own configuration (the trainer resumes from its state); --set
     // may change it, e.g. run.time_limit_s (which counts the time already spent).
     if (args.run_dir.empty()) return Status::InvalidArgument("--resume needs the run's --run-dir");
-    const std::string saved = (fs::path(args.run_dir) / "run.toml").string();
-    if (!fs::exists(fs::path(args.run_dir) / "state" / "progress.json")) {
-      return Status::NotFound(args.run_dir + " holds no run to resume (no state/progress.json)");
-    }
     RlArgs from_saved = args;
-    from_saved.config = saved;
-    FW_ASSIGN_OR_RETURN(config, LoadConfig(from_saved, DemoConfig()));
+    FW_ASSIGN_OR_RETURN(from_saved.config, pipeline::ResumableRunConfig(args.run_dir));
+    FW_ASSIGN_OR_RETURN(options.config, LoadConfig(from_saved, pipeline::DemoConfig()));
   } else {
-    FW_ASSIGN_OR_RETURN(config, LoadConfig(args, DemoConfig()));
+    FW_ASSIGN_OR_RETURN(options.config, LoadConfig(args, pipeline::DemoConfig()));
   }
-  const std::string run_dir = args.run_dir.empty() ? DefaultRunDir("demo") : args.run_dir;
-  std::cout << "flywheel demo: asynchronous pipeline RL on " << config.task.name << " ("
-            << config.task.digits << " digits, exact-match reward), model " << config.model.preset
-            << ", " << config.algorithm.name << "\n";
-  FW_RETURN_IF_ERROR(RunFleet(config, run_dir, args.report, /*echo=*/true, std::cout, args.resume));
-  const std::string report = args.report.empty() ? (fs::path(run_dir) / "report").string() : args.report;
-  return pipeline::WriteReport(report, std::cout);
+  options.program = SelfPath();
+  options.run_dir = args.run_dir;
+  options.report_dir = args.report;
+  options.resume = args.resume;
+  options.warn = WarnLine;
+  return pipeline::RunDemo(options, std::cout);
 }
 
 Status RunTrain(const RlArgs& args) {
@@ -202,81 +96,15 @@ Status RunTrain(const RlArgs& args) {
   return rl::RunTrainer(options);
 }
 
-Result<json> ReadSummary(const std::string& report_dir) {
-  std::ifstream in(fs::path(report_dir) / "summary.json");
-  json summary = json::parse(in, nullptr, false);
-  if (!summary.is_object()) return Status::NotFound("no summary.json in " + report_dir);
-  return summary;
-}
-
 Status RunPipelineBench(const RlArgs& args) {
-  FW_ASSIGN_OR_RETURN(pipeline::RunConfig config, LoadConfig(args, DemoConfig()));
-  if (config.pipeline.max_staleness == 0) config.pipeline.max_staleness = 2;
-  const std::string run_dir = args.run_dir.empty() ? DefaultRunDir("bench-pipeline") : args.run_dir;
-  std::cout << "flywheel bench pipeline: the same run asynchronous (max_staleness "
-            << config.pipeline.max_staleness << ") and synchronous (generate, then train), "
-            << "each until accuracy " << config.run.target_accuracy << " or "
-            << config.run.time_limit_s << " s\n";
-  struct Mode {
-    std::string name;
-    int64_t staleness;
-    json summary;
-  };
-  std::vector<Mode> modes = {{"async", config.pipeline.max_staleness, {}}, {"sync", 0, {}}};
-  for (Mode& mode : modes) {
-    pipeline::RunConfig run = config;
-    run.pipeline.max_staleness = mode.staleness;
-    const std::string dir = (fs::path(run_dir) / mode.name).string();
-    std::cout << "\n== " << mode.name << " ==\n";
-    FW_RETURN_IF_ERROR(RunFleet(run, dir, "", /*echo=*/!args.quiet, std::cout));
-    FW_ASSIGN_OR_RETURN(mode.summary, ReadSummary((fs::path(dir) / "report").string()));
-  }
-  // RL samples per second over the RL phase, and time to the accuracy target.
-  bench::Table table;
-  const std::string title = "Async vs sync pipeline RL (" + config.task.name + "-" +
-                            std::to_string(config.task.digits) + ", " + config.model.preset + ", " +
-                            std::to_string(config.fleet.regions.size() * config.fleet.workers_per_region) +
-                            " workers, one machine)";
-  std::vector<std::string> notes;
-  table.header = {"mode", "max_staleness", "RL samples/s", "steps", "time to target (s)",
-                  "final accuracy", "max staleness seen", "dropped stale", "mean k3"};
-  double rate[2] = {0, 0}, to_target[2] = {-1, -1};
-  for (size_t i = 0; i < modes.size(); ++i) {
-    const json& s = modes[i].summary;
-    const double rl_seconds = s.value("wall_seconds", 0.0);
-    rate[i] = rl_seconds > 0 ? s.value("samples", 0.0) / rl_seconds : 0;
-    to_target[i] = s.value("time_to_target_s", -1.0);
-    std::ostringstream k3;
-    k3 << std::scientific << std::setprecision(2) << s.value("mean_k3", 0.0);
-    table.rows.push_back({modes[i].name, std::to_string(modes[i].staleness), bench::Fixed(rate[i], 1),
-                          std::to_string(s.value("steps", 0)),
-                          to_target[i] >= 0 ? bench::Fixed(to_target[i], 1) : "not reached",
-                          bench::Fixed(s.value("final_accuracy", 0.0), 3),
-                          std::to_string(s.value("max_staleness_observed", 0)),
-                          std::to_string(s.value("samples_dropped_stale", 0)), k3.str()});
-  }
-  notes.push_back("async / sync samples/s: " + bench::Fixed(rate[1] > 0 ? rate[0] / rate[1] : 0, 2) + "x");
-  if (to_target[0] > 0 && to_target[1] > 0) {
-    notes.push_back("sync / async time to target: " + bench::Fixed(to_target[1] / to_target[0], 2) + "x");
-  }
-  notes.push_back("samples/s counts RL samples trained over the whole wall time (warm-up included)");
-  std::cout << "\n" << title << "\n" << bench::RenderText(table);
-  std::string notes_text;
-  for (const std::string& note : notes) notes_text += "- " + note + "\n";
-  std::cout << notes_text;
-  if (!args.markdown.empty()) {
-    const std::string section = "## Pipeline benchmark\n\n" + title + ", `flywheel bench pipeline`.\n\n" +
-                                bench::RenderMarkdown(table) + "\n" + notes_text;
-    FW_RETURN_IF_ERROR(bench::WriteMarkdownSection(args.markdown, "## Pipeline benchmark", section));
-  }
-  // Self-check: both runs trained and stayed inside their staleness bounds.
-  for (const Mode& mode : modes) {
-    if (mode.summary.value("max_staleness_observed", int64_t{0}) > mode.staleness) {
-      return Status::Internal(mode.name + " run exceeded its staleness bound");
-    }
-    if (mode.summary.value("steps", 0) == 0) return Status::Internal(mode.name + " run took no step");
-  }
-  return Status::Ok();
+  bench::PipelineBenchOptions options;
+  FW_ASSIGN_OR_RETURN(options.config, LoadConfig(args, pipeline::DemoConfig()));
+  options.program = SelfPath();
+  options.run_dir = args.run_dir;
+  options.markdown = args.markdown;
+  options.quiet = args.quiet;
+  options.warn = WarnLine;
+  return bench::RunPipelineBench(options, std::cout);
 }
 
 void AddConfigOptions(CLI::App* app, RlArgs& args) {

@@ -496,16 +496,26 @@ Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) 
   FW_ASSIGN_OR_RETURN(snapshot.checkpoint, model::SnapshotWeights(*model_, options_.serving_dtype,
                                                                   snapshot.adapters_only));
   const CheckpointView view = snapshot.checkpoint.view();
-  for (const TensorView& t : view) snapshot.bytes += t.data.size();
-  FW_ASSIGN_OR_RETURN(Hash128 hash, CheckpointHash(view));
+  // The only pass over the bytes on this side: the publisher reuses these hashes.
+  snapshot.tensor_hashes.reserve(view.size());
+  for (const TensorView& t : view) {
+    snapshot.bytes += t.data.size();
+    snapshot.tensor_hashes.push_back(TensorHash(t));
+  }
+  FW_ASSIGN_OR_RETURN(Hash128 hash, CheckpointHashFromTensorHashes(view, snapshot.tensor_hashes));
   snapshot.weights_hash = hash.ToHex();
   if (publisher_) {
-    auto published = publisher_->Publish(version, view);
-    if (!published.ok()) return published.status();
-    for (const sync::ArtifactInfo& info : *published) {
+    sync::AppendOptions known;
+    known.tensor_hashes = snapshot.tensor_hashes;
+    known.checkpoint_hash = hash;
+    FW_ASSIGN_OR_RETURN(sync::AppendResult published, publisher_->Publish(version, view, known));
+    for (const sync::ArtifactInfo& info : published.artifacts) {
       (info.kind == sync::ArtifactKind::kDelta ? snapshot.published_delta_bytes
                                                : snapshot.published_keyframe_bytes) += info.size_bytes;
     }
+    snapshot.changed_words = published.changed_words;
+    snapshot.total_words = published.total_words;
+    snapshot.publisher_hashed_tensors = published.tensors_hashed;
   }
   last_version_ = version;
   return snapshot;

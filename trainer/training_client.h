@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "delta/hash.h"
 #include "delta/tensor.h"
 #include "trainer/data_parallel.h"
 #include "trainer/losses.h"
@@ -79,15 +80,27 @@ struct ForwardOutput {
   std::vector<std::vector<int32_t>> routing;
 };
 
+// One pass over the snapshot's bytes hashes it (tensor_hashes, combined into weights_hash);
+// the publisher is handed those hashes and does not hash again, and the changed-word counts
+// are the delta encoder's own (no separate comparison with the previous snapshot).
 struct SamplerSnapshot {
   uint64_t version = 0;
   std::string weights_hash;  // hex, as `flywheel checkpoint hash` prints it
   uint64_t bytes = 0;        // serving-dtype bytes of the snapshot
   bool adapters_only = false;
-  OwnedCheckpoint checkpoint;  // what was hashed and published
+  OwnedCheckpoint checkpoint;          // what was hashed and published
+  std::vector<Hash128> tensor_hashes;  // TensorHash of each, aligned with checkpoint.tensors
   // With a publisher: the sizes of what it wrote for this version (0 when not written).
   uint64_t published_delta_bytes = 0;
   uint64_t published_keyframe_bytes = 0;
+  // With a publisher that wrote a delta: words (serving dtype) that differ from the
+  // previous published version, and all words, as the encoder counted them; both 0
+  // otherwise (no publisher, first version, layout change, keyframe-only log).
+  uint64_t changed_words = 0;
+  uint64_t total_words = 0;
+  // Tensors the publisher hashed itself (sync::AppendResult::tensors_hashed): 0, since it
+  // is handed tensor_hashes; a test checks that the bytes are hashed once.
+  uint64_t publisher_hashed_tensors = 0;
 };
 
 struct TrainerOptions {

@@ -601,6 +601,90 @@ TEST_F(VersionLogTest, OpenRejectsBadOptions) {
   EXPECT_EQ(VersionLog::Open(options).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Words (DTypeWordBytes each) that differ between two checkpoints of the same layout,
+// counted directly: what the encoder's counts must equal.
+uint64_t DirectlyChangedWords(const OwnedCheckpoint& before, const OwnedCheckpoint& after) {
+  uint64_t changed = 0;
+  for (size_t t = 0; t < after.tensors.size(); ++t) {
+    const size_t word = static_cast<size_t>(DTypeWordBytes(after.tensors[t].dtype));
+    const auto& a = before.tensors[t].data;
+    const auto& b = after.tensors[t].data;
+    for (size_t i = 0; i + word <= b.size(); i += word) {
+      changed += !std::equal(a.begin() + i, a.begin() + i + word, b.begin() + i);
+    }
+  }
+  return changed;
+}
+
+uint64_t AllWords(const OwnedCheckpoint& checkpoint) {
+  uint64_t words = 0;
+  for (const OwnedTensor& t : checkpoint.tensors) words += t.data.size() / DTypeWordBytes(t.dtype);
+  return words;
+}
+
+// The trainer's path: it hashes its snapshot once and hands the hashes over; Append then
+// reads the bytes only to encode them, and reports the encoder's changed-word counts.
+TEST_F(VersionLogTest, AppendWithGivenHashesHashesNothingAndCountsChangedWords) {
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  for (uint64_t version = 1; version <= 4; ++version) {
+    SCOPED_TRACE(version);
+    const OwnedCheckpoint& checkpoint = Version(version);
+    AppendOptions known;
+    for (const OwnedTensor& t : checkpoint.tensors) known.tensor_hashes.push_back(HashBytes(t.data));
+    known.checkpoint_hash = *CheckpointHash(checkpoint.view());
+    auto added = log->Append(version, checkpoint.view(), known);
+    ASSERT_TRUE(added.ok()) << added.status().ToString();
+    EXPECT_EQ(added->tensors_hashed, 0u);
+    EXPECT_EQ(log->head_hash(), *known.checkpoint_hash);
+    if (version == 1) {
+      EXPECT_FALSE(added->wrote_delta);  // keyframe only: nothing to compare with
+      EXPECT_EQ(added->changed_words, 0u);
+      continue;
+    }
+    ASSERT_TRUE(added->wrote_delta);
+    const uint64_t direct = DirectlyChangedWords(Version(version - 1), checkpoint);
+    EXPECT_GT(direct, 0u);
+    EXPECT_EQ(added->changed_words, direct);
+    EXPECT_EQ(added->total_words, AllWords(checkpoint));
+  }
+  // What it wrote applies and verifies like any other version: the hashes were right.
+  auto reopened = VersionLog::Open(Options());
+  EXPECT_FALSE(reopened.ok());  // still locked by `log`
+  log.reset();
+  auto again = OpenOrDie(Options());
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->head_hash(), *CheckpointHash(Version(4).view()));
+}
+
+TEST_F(VersionLogTest, AppendWithoutGivenHashesHashesEveryTensorOnce) {
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+  auto added = log->Append(2, Version(2).view(), AppendOptions{});
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  EXPECT_EQ(added->tensors_hashed, Version(2).tensors.size());
+  EXPECT_EQ(added->changed_words, DirectlyChangedWords(Version(1), Version(2)));
+}
+
+TEST_F(VersionLogTest, AppendRefusesGivenHashesThatDisagree) {
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  const OwnedCheckpoint& checkpoint = Version(1);
+  AppendOptions known;
+  for (const OwnedTensor& t : checkpoint.tensors) known.tensor_hashes.push_back(HashBytes(t.data));
+  known.checkpoint_hash = *CheckpointHash(Version(2).view());  // of other bytes
+  auto refused = log->Append(1, checkpoint.view(), known);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  known.checkpoint_hash.reset();
+  known.tensor_hashes.pop_back();  // one hash short
+  refused = log->Append(1, checkpoint.view(), known);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(log->empty());
+}
+
 TEST(PieceHashesTest, SplitsIntoPiecesWithAShortLastOne) {
   std::vector<std::byte> bytes(10);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>(i * 7 + 1);

@@ -1,0 +1,40 @@
+// Held-out evaluation of the policy as the workers serve it.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "base/status.h"
+#include "model/model.h"
+#include "model/tokenizer.h"
+#include "pipeline/task.h"
+#include "rollout/engine.h"
+
+namespace flywheel::rl {
+
+// Greedy exact-match accuracy on a fixed list of held-out problems. The policy's weights
+// are rounded to bf16 first (into a private copy of the model), because that is what the
+// workers hold: the number is the served policy's accuracy, not the fp32 master's.
+// Not thread-safe; one Accuracy call at a time.
+class Evaluator {
+ public:
+  // `config` must be the policy's; `max_tokens` bounds each answer (EOS ends it earlier).
+  Evaluator(const model::ModelConfig& config, std::vector<pipeline::Problem> problems,
+            std::shared_ptr<const model::Tokenizer> tokenizer, int64_t max_tokens);
+
+  // The fraction of problems whose decoded greedy answer (EOS stripped) equals the
+  // expected answer exactly; 0 for no problems. Fails when the engine cannot be built or a
+  // prompt cannot be encoded.
+  Result<double> Accuracy(model::TransformerImpl& policy);
+
+ private:
+  void CopyServedWeights(model::TransformerImpl& policy);
+
+  std::vector<pipeline::Problem> problems_;
+  std::shared_ptr<const model::Tokenizer> tokenizer_;
+  int64_t max_tokens_;
+  std::shared_ptr<model::TransformerImpl> model_;
+  std::unique_ptr<rollout::Engine> engine_;  // built on the first Accuracy call
+};
+
+}  // namespace flywheel::rl

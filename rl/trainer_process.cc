@@ -1,0 +1,248 @@
+#include "rl/trainer_process.h"
+
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <future>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "delta/delta_file.h"
+#include "transport/http.h"
+
+namespace flywheel::rl {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::atomic<bool> g_stop{false};
+extern "C" void OnStopSignal(int) { g_stop = true; }
+
+Status WriteText(const std::string& path, const std::string& text) {
+  return delta::WriteFileAtomically(path, std::as_bytes(std::span(text)));
+}
+
+Status CheckOptions(const TrainRunOptions& options) {
+  const pipeline::RunConfig& config = options.config;
+  FW_RETURN_IF_ERROR(config.Validate());
+  if (config.sft.steps > 0 && config.sft.dataset.empty()) {
+    return Status::InvalidArgument("sft.steps = " + std::to_string(config.sft.steps) +
+                                   " needs sft.dataset (a JSONL file of chat examples)");
+  }
+  if (config.dpo.steps > 0 && config.dpo.dataset.empty()) {
+    return Status::InvalidArgument("dpo.steps = " + std::to_string(config.dpo.steps) +
+                                   " needs dpo.dataset (a JSONL file of preference pairs)");
+  }
+  if (options.state_dir.empty() || options.report_dir.empty()) {
+    return Status::InvalidArgument("the trainer needs a state directory and a report directory");
+  }
+  return Status::Ok();
+}
+
+Result<sync::PublisherOptions> MakePublisherOptions(const TrainRunOptions& options) {
+  const pipeline::RunConfig& config = options.config;
+  sync::PublisherOptions publisher;
+  publisher.common.region = "home";
+  publisher.common.node_id = "trainer";
+  FW_ASSIGN_OR_RETURN(publisher.common.http, transport::ParseEndpoint(options.publisher_http));
+  publisher.common.token = options.token;
+  publisher.common.wan_rate = config.fleet.wan_rate_mbit * 1e6 / 8;
+  publisher.common.wan_latency_ms = config.fleet.wan_latency_ms;
+  FW_ASSIGN_OR_RETURN(publisher.listen, transport::ParseEndpoint(options.listen));
+  publisher.log.dir = (fs::path(options.state_dir) / "versions").string();
+  publisher.log.keyframe_every = static_cast<uint64_t>(config.fleet.keyframe_every);
+  publisher.log.retain = 2 * static_cast<uint64_t>(config.fleet.keyframe_every);
+  publisher.max_staleness = static_cast<uint64_t>(config.pipeline.max_staleness);
+  return publisher;
+}
+
+pipeline::CoordinatorOptions MakeCoordinatorOptions(const pipeline::RunConfig& config,
+                                                    const RunSetup& setup, uint64_t rows_done) {
+  pipeline::CoordinatorOptions c;
+  c.group_size = config.algorithm.group_size;
+  c.groups_per_step = config.algorithm.groups_per_step;
+  c.max_staleness = config.pipeline.max_staleness;
+  c.lease = std::chrono::milliseconds(static_cast<int64_t>(config.pipeline.lease_s * 1000));
+  c.temperature = config.algorithm.temperature;
+  c.max_tokens = setup.max_tokens;
+  c.vocab_size = setup.tokenizer->vocab_size();
+  c.max_prompt_tokens = 1 + setup.task->max_prompt_chars();  // BOS + prompt
+  c.moe_layers = setup.model_config.NumMoeLayers();
+  c.top_k = setup.model_config.num_experts_per_tok;
+  c.num_experts = setup.model_config.num_experts;
+  c.seed = static_cast<uint64_t>(config.run.seed) * 7919 + rows_done;
+  return c;
+}
+
+transport::awaitable<transport::HttpResponse> JsonAnswer(json answer) {
+  co_return transport::HttpResponse{200, "application/json", answer.dump()};
+}
+
+}  // namespace
+
+Result<model::ModelConfig> MakeModelConfig(const pipeline::RunConfig& config, int64_t vocab) {
+  if (!config.model.config.empty()) {
+    FW_ASSIGN_OR_RETURN(model::ModelConfig loaded, model::ModelConfig::Load(config.model.config));
+    if (loaded.vocab_size < vocab) {
+      return Status::InvalidArgument("model.config " + config.model.config + " has vocab_size " +
+                                     std::to_string(loaded.vocab_size) + ", the task needs " +
+                                     std::to_string(vocab));
+    }
+    return loaded;
+  }
+  model::ModelConfig c = model::PipelineTinyConfig(vocab, config.model.preset == "tiny-moe");
+  FW_RETURN_IF_ERROR(c.Validate());
+  return c;
+}
+
+Result<RunSetup> PrepareRun(const TrainRunOptions& options) {
+  FW_RETURN_IF_ERROR(CheckOptions(options));
+  std::error_code ec;
+  fs::create_directories(options.state_dir, ec);
+  fs::create_directories(options.report_dir, ec);
+  if (ec) return Status::IOError("cannot create " + options.state_dir + " or " + options.report_dir);
+  RunSetup setup;
+  FW_ASSIGN_OR_RETURN(setup.task, pipeline::Task::Create(options.config.task));
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<model::CharTokenizer> tokenizer,
+                      model::CharTokenizer::Create(setup.task->alphabet()));
+  setup.tokenizer = std::move(tokenizer);
+  FW_ASSIGN_OR_RETURN(setup.model_config, MakeModelConfig(options.config, setup.tokenizer->vocab_size()));
+  setup.model_config_path = (fs::path(options.state_dir) / "config.json").string();
+  FW_RETURN_IF_ERROR(WriteText(setup.model_config_path, setup.model_config.ToJson().dump(2)));
+  setup.max_tokens = setup.task->max_answer_chars() + 1;
+  return setup;
+}
+
+struct TrainerServices::Impl {
+  transport::asio::io_context io{1};
+  transport::asio::executor_work_guard<transport::asio::io_context::executor_type> work =
+      transport::asio::make_work_guard(io);
+  std::unique_ptr<sync::Publisher> publisher;
+  std::unique_ptr<pipeline::Coordinator> coordinator;
+  std::unique_ptr<transport::HttpServer> http;
+  std::thread thread;
+  std::mutex status_mutex;
+  json status = {{"role", "trainer"}, {"step", 0}, {"version", 0}, {"phase", "starting"}};  // GUARDED_BY(status_mutex)
+
+  void AddRoutes();
+  json StatusJson();
+  ~Impl();
+};
+
+void TrainerServices::Impl::AddRoutes() {
+  pipeline::Coordinator* coordinator_ptr = coordinator.get();
+  http->RoutePost("/v1/rollout/claim", [coordinator_ptr](std::string, std::string body) {
+    return JsonAnswer(coordinator_ptr->Claim(json::parse(body, nullptr, false)));
+  });
+  http->RoutePost(
+      "/v1/rollout/submit",
+      [coordinator_ptr](std::string, std::string body) {
+        return JsonAnswer(coordinator_ptr->Submit(json::parse(body, nullptr, false)));
+      },
+      64 << 20);
+  http->Route("/v1/status", [this](const std::string&) {
+    return transport::HttpResponse{200, "application/json", StatusJson().dump()};
+  });
+}
+
+json TrainerServices::Impl::StatusJson() {
+  json answer;
+  {
+    std::lock_guard lock(status_mutex);
+    answer = status;
+  }
+  // The coordinator's counters live (the rest is as of the last step).
+  const pipeline::CoordinatorStats stats = coordinator->stats();
+  answer["claims"] = stats.claims;
+  answer["groups_accepted"] = stats.groups_accepted;
+  answer["groups_trained"] = stats.groups_trained;
+  answer["samples_dropped_stale"] = stats.samples_dropped_stale;
+  answer["leases_expired"] = stats.leases_expired;
+  answer["submissions_refused"] = stats.submissions_refused;
+  answer["groups_by_worker"] = stats.groups_by_worker;
+  answer["leases_by_worker"] = stats.leases_by_worker;
+  answer["queued_groups"] = coordinator->queued();
+  return answer;
+}
+
+TrainerServices::Impl::~Impl() {
+  if (http) {
+    std::promise<void> stopped;
+    transport::asio::post(io, [&] {
+      http->Stop();
+      stopped.set_value();
+    });
+    // Before the thread runs (a failed Start) nothing answers: do not wait for long.
+    stopped.get_future().wait_for(std::chrono::seconds(thread.joinable() ? 5 : 0));
+  }
+  if (publisher) publisher->Stop();
+  work.reset();
+  io.stop();
+  if (thread.joinable()) thread.join();
+}
+
+TrainerServices::TrainerServices(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TrainerServices::~TrainerServices() = default;
+
+Result<std::unique_ptr<TrainerServices>> TrainerServices::Start(const TrainRunOptions& options,
+                                                                const RunSetup& setup,
+                                                                uint64_t rows_done) {
+  auto impl = std::make_unique<Impl>();
+  FW_ASSIGN_OR_RETURN(sync::PublisherOptions publisher_options, MakePublisherOptions(options));
+  FW_ASSIGN_OR_RETURN(impl->publisher, sync::Publisher::Start(impl->io.get_executor(), publisher_options));
+  impl->coordinator = std::make_unique<pipeline::Coordinator>(
+      *setup.task, MakeCoordinatorOptions(options.config, setup, rows_done));
+  transport::HttpServerOptions http_options;
+  http_options.token = options.token;
+  FW_ASSIGN_OR_RETURN(transport::Endpoint http_endpoint, transport::ParseEndpoint(options.http));
+  FW_ASSIGN_OR_RETURN(impl->http,
+                      transport::HttpServer::Start(impl->io.get_executor(), http_endpoint, http_options));
+  impl->AddRoutes();
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->io.run(); });
+  return std::unique_ptr<TrainerServices>(new TrainerServices(std::move(impl)));
+}
+
+sync::Publisher& TrainerServices::publisher() { return *impl_->publisher; }
+pipeline::Coordinator& TrainerServices::coordinator() { return *impl_->coordinator; }
+
+json TrainerServices::PublisherStatus() {
+  std::promise<json> answer;
+  transport::asio::post(impl_->io, [&] { answer.set_value(impl_->publisher->StatusJson()); });
+  return answer.get_future().get();
+}
+
+Status TrainerServices::WriteReadyFile(const std::string& path, const RunSetup& setup) const {
+  const json ready = {{"listen", "127.0.0.1:" + std::to_string(impl_->publisher->port())},
+                      {"http", "127.0.0.1:" + std::to_string(impl_->http->port())},
+                      {"publisher_http", "127.0.0.1:" + std::to_string(impl_->publisher->http_port())},
+                      {"model_config", setup.model_config_path},
+                      {"tokenizer", "chars:" + setup.task->alphabet()}};
+  return WriteText(path, ready.dump());
+}
+
+void TrainerServices::SetPhase(const std::string& phase) {
+  std::lock_guard lock(impl_->status_mutex);
+  impl_->status["phase"] = phase;
+}
+
+void TrainerServices::NoteStep(const pipeline::StepRow& row, uint64_t version, double accuracy,
+                               bool resumed) {
+  std::lock_guard lock(impl_->status_mutex);
+  impl_->status["step"] = row.step;
+  impl_->status["version"] = version;
+  impl_->status["accuracy"] = accuracy;
+  impl_->status["mean_reward"] = row.mean_reward;
+  impl_->status["resumed"] = resumed;
+}
+
+void InstallStopSignals() {
+  std::signal(SIGINT, OnStopSignal);
+  std::signal(SIGTERM, OnStopSignal);
+}
+bool StopRequested() { return g_stop.load(); }
+const std::atomic<bool>& StopFlag() { return g_stop; }
+
+}  // namespace flywheel::rl

@@ -1,0 +1,79 @@
+// The trainer process's wiring, apart from the training itself:
+//   PrepareRun     checks the options, creates the state and report directories, builds the
+//                  task, its tokenizer and the model config (written to <state>/config.json)
+//   TrainerServices  the in-process publisher (version log under <state>/versions) and the
+//                  coordinator's HTTP endpoint, on one I/O thread owned by the object
+//   stop signals   SIGINT/SIGTERM set a flag the loop polls, so the state is saved on exit
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "base/status.h"
+#include "model/model_config.h"
+#include "model/tokenizer.h"
+#include "pipeline/coordinator.h"
+#include "pipeline/run_record.h"
+#include "pipeline/task.h"
+#include "rl/rl_loop.h"
+#include "sync/publisher.h"
+
+namespace flywheel::rl {
+
+// What a run is about, fixed for its whole life.
+struct RunSetup {
+  std::unique_ptr<pipeline::Task> task;
+  std::shared_ptr<const model::Tokenizer> tokenizer;  // the task's characters
+  model::ModelConfig model_config;
+  std::string model_config_path;  // <state>/config.json, as the workers load it
+  int64_t max_tokens = 0;         // per answer: the task's longest answer + EOS
+};
+
+// The model of a run: config.model.config (a config.json; InvalidArgument when its vocabulary
+// is smaller than `vocab`) or the tiny preset (dense or MoE) for `vocab` ids.
+Result<model::ModelConfig> MakeModelConfig(const pipeline::RunConfig& config, int64_t vocab);
+
+// Validates options.config (and that SFT/DPO steps come with a dataset), creates the
+// directories and writes the model config. InvalidArgument for bad options, IOError when a
+// directory or the config cannot be written.
+Result<RunSetup> PrepareRun(const TrainRunOptions& options);
+
+// The publisher and the coordinator's routes (POST /v1/rollout/claim, /v1/rollout/submit;
+// GET /v1/status) served on one I/O thread. The destructor stops HTTP, then the publisher,
+// then joins the thread. Thread-safe unless noted.
+class TrainerServices {
+ public:
+  // `rows_done` (RL steps already taken, on a resume) varies the coordinator's seed so a
+  // resumed run does not replay the same problems.
+  static Result<std::unique_ptr<TrainerServices>> Start(const TrainRunOptions& options,
+                                                        const RunSetup& setup, uint64_t rows_done);
+  ~TrainerServices();
+  TrainerServices(const TrainerServices&) = delete;
+  TrainerServices& operator=(const TrainerServices&) = delete;
+
+  sync::Publisher& publisher();
+  pipeline::Coordinator& coordinator();
+  // The publisher's status (its counters are read on the I/O thread); blocks until answered.
+  nlohmann::json PublisherStatus();
+  // Writes {"listen","http","publisher_http","model_config","tokenizer"} to `path`
+  // atomically: the fleet launcher waits for this file.
+  Status WriteReadyFile(const std::string& path, const RunSetup& setup) const;
+
+  // What GET /v1/status answers besides the coordinator's live counters.
+  void SetPhase(const std::string& phase);
+  void NoteStep(const pipeline::StepRow& row, uint64_t version, double accuracy, bool resumed);
+
+  struct Impl;
+
+ private:
+  explicit TrainerServices(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// SIGINT and SIGTERM set StopRequested() from now on.
+void InstallStopSignals();
+bool StopRequested();
+const std::atomic<bool>& StopFlag();
+
+}  // namespace flywheel::rl
