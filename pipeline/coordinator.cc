@@ -3,27 +3,15 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 namespace flywheel::pipeline {
 namespace {
 
-using nlohmann::json;
-
-json Wait(int retry_ms, const std::string& reason) {
-  return {{"status", "wait"}, {"retry_ms", retry_ms}, {"reason", reason}};
-}
-
-template <class T>
-bool ReadArray(const json& value, std::vector<T>& out) {
-  if (!value.is_array()) return false;
-  out.clear();
-  out.reserve(value.size());
-  for (const json& element : value) {
-    if (!element.is_number()) return false;
-    out.push_back(element.get<T>());
-  }
-  return true;
-}
+using transport::ClaimAnswer;
+using transport::ClaimRequest;
+using transport::SubmitAnswer;
+using transport::SubmitRequest;
 
 }  // namespace
 
@@ -63,26 +51,16 @@ void Coordinator::ExpireLeases(Clock::time_point now) {
   }
 }
 
-json Coordinator::Claim(const json& request) {
-  std::string worker, incarnation;
-  uint64_t version = 0;
-  int64_t max_groups = 1;
-  int64_t serving_since = 0;
-  try {
-    serving_since = request.value("serving_since_unix_us", int64_t{0});
-    worker = request.at("worker").get<std::string>();
-    incarnation = request.value("incarnation", std::string());
-    version = request.at("version").get<uint64_t>();
-    max_groups = request.value("max_groups", int64_t{1});
-  } catch (const json::exception& error) {
-    return {{"status", "error"}, {"reason", std::string("bad claim request: ") + error.what()}};
-  }
-  if (worker.empty() || max_groups < 1) {
-    return {{"status", "error"}, {"reason", "bad claim request: worker must be named and "
-                                            "max_groups >= 1"}};
+ClaimAnswer Coordinator::Claim(const ClaimRequest& request) {
+  const std::string& worker = request.worker;
+  const std::string& incarnation = request.incarnation;
+  const uint64_t version = request.version;
+  const int64_t serving_since = request.serving_since_unix_us;
+  if (worker.empty() || request.max_groups < 1) {
+    return ClaimAnswer::Error("bad claim request: worker must be named and max_groups >= 1");
   }
   std::lock_guard lock(mutex_);
-  if (finished_) return {{"status", "done"}};
+  if (finished_) return ClaimAnswer::Done();
   const Clock::time_point now = options_.env->SteadyNow();
   // A worker back with a new incarnation restarted: what it held goes back to the pool.
   auto [known, inserted] = incarnations_.try_emplace(worker, incarnation);
@@ -108,13 +86,13 @@ json Coordinator::Claim(const json& request) {
       if (published > view->second.first_version) view->second.served_since.try_emplace(published, serving_since);
     }
   }
-  if (version == 0) return Wait(100, "the worker serves no version yet");
+  if (version == 0) return ClaimAnswer::Wait(100, "the worker serves no version yet");
   const int64_t k = options_.max_staleness;
   const uint64_t next = version_ + (in_training_ ? 1 : 0);  // the version the next batch trains at
   if (version > next) {
     // A worker ahead of the trainer (the trainer restarted from an older state): its samples
     // would carry versions the trainer never had.
-    return Wait(200, "worker version " + std::to_string(version) + " is ahead of trainer version " +
+    return ClaimAnswer::Wait(200, "worker version " + std::to_string(version) + " is ahead of trainer version " +
                          std::to_string(next));
   }
   const int64_t lag = static_cast<int64_t>(next - version);
@@ -122,46 +100,36 @@ json Coordinator::Claim(const json& request) {
   const int64_t allowed = (k - lag + 1) * options_.groups_per_step - outstanding;
   if (allowed <= 0) {
     ++stats_.waits;
-    return Wait(lag > k ? 50 : 20,
+    return ClaimAnswer::Wait(lag > k ? 50 : 20,
                 lag > k ? "worker version " + std::to_string(version) + " is more than " +
                               std::to_string(k) + " behind trainer version " + std::to_string(next)
                         : "enough groups are out for the staleness bound");
   }
-  const int64_t count = std::min(allowed, max_groups);
-  json groups = json::array();
+  const int64_t count = std::min(allowed, request.max_groups);
+  ClaimAnswer answer = ClaimAnswer::Ok();
   for (int64_t i = 0; i < count; ++i) {
     const uint64_t id = (epoch_ << 20) + next_claim_++;
     Problem problem = NextProblem();
-    groups.push_back({{"claim", id}, {"prompt", problem.prompt}, {"answer", problem.answer}});
+    answer.groups.push_back({id, problem.prompt, problem.answer});
     leases_[id] = Lease{std::move(problem), worker, incarnation, now + options_.lease};
     ++stats_.claims;
   }
-  return {{"status", "ok"},
-          {"trainer_version", next},
-          {"groups", std::move(groups)},
-          {"group_size", options_.group_size},
-          {"temperature", options_.temperature},
-          {"max_tokens", options_.max_tokens}};
+  answer.trainer_version = next;
+  answer.group_size = options_.group_size;
+  answer.temperature = options_.temperature;
+  answer.max_tokens = options_.max_tokens;
+  return answer;
 }
 
-Status Coordinator::ParseGroup(const json& samples, std::vector<Sample>& out) const {
-  if (!samples.is_array() || static_cast<int64_t>(samples.size()) != options_.group_size) {
+// What the protocol's parser cannot know: whether the samples fit this claim and model.
+Status Coordinator::ValidateGroup(const std::vector<Sample>& samples) const {
+  if (static_cast<int64_t>(samples.size()) != options_.group_size) {
     return Status::InvalidArgument("samples must be an array of group_size = " +
                                    std::to_string(options_.group_size) + " samples");
   }
   for (size_t i = 0; i < samples.size(); ++i) {
-    const json& s = samples[i];
-    Sample sample;
+    const Sample& sample = samples[i];
     const std::string where = "sample " + std::to_string(i) + ": ";
-    if (!s.is_object() || !ReadArray(s.value("prompt_tokens", json()), sample.prompt_tokens) ||
-        !ReadArray(s.value("tokens", json()), sample.tokens) ||
-        !ReadArray(s.value("logprobs", json()), sample.logprobs) ||
-        !ReadArray(s.value("versions", json()), sample.versions) || !s.contains("reward") ||
-        !s["reward"].is_number()) {
-      return Status::InvalidArgument(where + "needs prompt_tokens, tokens, logprobs, versions "
-                                             "(arrays of numbers) and a numeric reward");
-    }
-    sample.reward = s["reward"].get<double>();
     if (sample.prompt_tokens.empty() || sample.tokens.empty() ||
         sample.logprobs.size() != sample.tokens.size() ||
         sample.versions.size() != sample.tokens.size()) {
@@ -191,15 +159,10 @@ Status Coordinator::ParseGroup(const json& samples, std::vector<Sample>& out) co
       }
     }
     if (!std::isfinite(sample.reward)) return Status::InvalidArgument(where + "reward is not finite");
-    if (s.contains("routing") && !s["routing"].empty()) {
-      if (!ReadArray(s["routing"], sample.routing) ||
-          !ReadArray(s.value("routing_shape", json()), sample.routing_shape) ||
-          sample.routing_shape.size() != 3) {
-        return Status::InvalidArgument(where + "routing needs routing_shape [rows, layers, top_k]");
-      }
+    if (!sample.routing.empty()) {
       const int64_t rows = static_cast<int64_t>(sample.prompt_tokens.size() + sample.tokens.size()) - 1;
       const auto& shape = sample.routing_shape;
-      if (shape[0] != rows || shape[1] != options_.moe_layers || shape[2] != options_.top_k ||
+      if (shape.size() != 3 || shape[0] != rows || shape[1] != options_.moe_layers || shape[2] != options_.top_k ||
           options_.moe_layers == 0 ||
           shape[0] * shape[1] * shape[2] != static_cast<int64_t>(sample.routing.size())) {
         return Status::InvalidArgument(where + "routing of " + std::to_string(sample.routing.size()) +
@@ -213,68 +176,76 @@ Status Coordinator::ParseGroup(const json& samples, std::vector<Sample>& out) co
         }
       }
     }
-    out.push_back(std::move(sample));
   }
   return Status::Ok();
 }
 
-json Coordinator::Submit(const json& request) {
-  uint64_t claim = 0;
-  std::string worker, incarnation;
-  try {
-    claim = request.at("claim").get<uint64_t>();
-    worker = request.at("worker").get<std::string>();
-    incarnation = request.value("incarnation", std::string());
-  } catch (const json::exception& error) {
-    std::lock_guard lock(mutex_);
-    ++stats_.submissions_refused;
-    return {{"accepted", false}, {"reason", std::string("bad submission: ") + error.what()}};
-  }
-  std::vector<Sample> samples;
-  Status parsed = ParseGroup(request.value("samples", json()), samples);
-  std::lock_guard lock(mutex_);
-  auto lease = leases_.find(claim);
-  const auto refuse = [&](const std::string& reason) {
-    ++stats_.submissions_refused;
-    return json{{"accepted", false}, {"reason", reason}};
-  };
+SubmitAnswer Coordinator::RefuseAndRequeue(const SubmitRequest& request,
+                                           const std::string& reason) {
+  ++stats_.submissions_refused;
+  auto lease = leases_.find(request.claim);
   if (lease == leases_.end()) {
-    return refuse("claim " + std::to_string(claim) +
-                  " is not out (its lease lapsed, it was submitted already, or the trainer "
-                  "restarted); its prompt was handed out again");
+    return SubmitAnswer::Refused("claim " + std::to_string(request.claim) +
+                                 " is not out (its lease lapsed, it was submitted already, or "
+                                 "the trainer restarted); its prompt was handed out again");
   }
-  if (lease->second.worker != worker || lease->second.incarnation != incarnation) {
-    return refuse("claim " + std::to_string(claim) + " belongs to another worker");
+  if (lease->second.worker != request.worker || lease->second.incarnation != request.incarnation) {
+    return SubmitAnswer::Refused("claim " + std::to_string(request.claim) +
+                                 " belongs to another worker");
   }
-  if (!parsed.ok()) {
-    // A malformed group returns its prompt to the pool; the claim is closed.
-    requeued_.push_back(std::move(lease->second.problem));
-    leases_.erase(lease);
-    changed_.notify_all();
-    return refuse("claim " + std::to_string(claim) + ": " + parsed.message());
+  // A malformed group returns its prompt to the pool; the claim is closed.
+  requeued_.push_back(std::move(lease->second.problem));
+  leases_.erase(lease);
+  changed_.notify_all();
+  return SubmitAnswer::Refused("claim " + std::to_string(request.claim) + ": " + reason);
+}
+
+SubmitAnswer Coordinator::Submit(SubmitRequest request) {
+  Status valid = ValidateGroup(request.samples);
+  std::lock_guard lock(mutex_);
+  auto lease = leases_.find(request.claim);
+  if (lease == leases_.end() || lease->second.worker != request.worker ||
+      lease->second.incarnation != request.incarnation || !valid.ok()) {
+    return RefuseAndRequeue(request, valid.message());
   }
-  for (const Sample& sample : samples) {
+  for (const Sample& sample : request.samples) {
     for (uint64_t version : sample.versions) {
       if (version > version_ + 1) {
-        requeued_.push_back(std::move(lease->second.problem));
-        leases_.erase(lease);
-        return refuse("claim " + std::to_string(claim) + ": token version " +
-                      std::to_string(version) + " is newer than the trainer's " +
-                      std::to_string(version_));
+        return RefuseAndRequeue(request, "token version " + std::to_string(version) +
+                                             " is newer than the trainer's " +
+                                             std::to_string(version_));
       }
     }
   }
   Group group;
-  group.claim = claim;
+  group.claim = request.claim;
   group.problem = std::move(lease->second.problem);
-  group.worker = worker;
-  group.samples = std::move(samples);
+  group.worker = request.worker;
+  group.samples = std::move(request.samples);
   leases_.erase(lease);
   queue_.push_back(std::move(group));
   ++stats_.groups_accepted;
-  ++stats_.groups_by_worker[worker];
+  ++stats_.groups_by_worker[request.worker];
   changed_.notify_all();
-  return {{"accepted", true}};
+  return SubmitAnswer::Accepted();
+}
+
+std::string Coordinator::HandleClaim(std::string_view body) {
+  Result<ClaimRequest> request = transport::ParseClaimRequest(body);
+  if (!request.ok()) return ToJson(ClaimAnswer::Error("bad " + request.status().message()));
+  return ToJson(Claim(*request));
+}
+
+std::string Coordinator::HandleSubmit(std::string_view body) {
+  Result<SubmitRequest> request = transport::ParseSubmitRequest(body);
+  if (request.ok()) return ToJson(Submit(std::move(*request)));
+  Result<SubmitRequest> header = transport::ParseSubmitHeader(body);
+  std::lock_guard lock(mutex_);
+  if (!header.ok()) {
+    ++stats_.submissions_refused;
+    return ToJson(SubmitAnswer::Refused("bad " + request.status().message()));
+  }
+  return ToJson(RefuseAndRequeue(*header, request.status().message()));
 }
 
 void Coordinator::SetVersion(uint64_t version) {

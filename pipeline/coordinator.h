@@ -17,14 +17,8 @@
 // submission of a claim that is no longer out is refused, so nothing is counted twice and
 // no prompt is lost.
 //
-// Claim request  {"worker": id, "incarnation": str, "version": w, "max_groups": n}
-// Claim answer   {"status": "ok", "trainer_version": V, "groups": [{"claim": id, "prompt":
-//                "3142>", "answer": "1234"}], "group_size", "temperature", "max_tokens"}
-//                | {"status": "wait", "retry_ms", "reason"} | {"status": "done"}
-// Submit request {"worker", "incarnation", "claim", "samples": [{"prompt_tokens": [...],
-//                "tokens": [...], "logprobs": [...], "versions": [...], "reward": r,
-//                "routing": [...], "routing_shape": [rows, layers, top_k]}]}  (group_size)
-// Submit answer  {"accepted": true} | {"accepted": false, "reason": "..."}
+// The messages are typed (transport/rollout_protocol.h, shared with the workers' actor);
+// HandleClaim/HandleSubmit take and answer the HTTP bodies.
 #pragma once
 
 #include <chrono>
@@ -33,27 +27,22 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/env.h"
 #include "base/status.h"
 #include "pipeline/task.h"
+#include "transport/rollout_protocol.h"
 
 namespace flywheel::pipeline {
 
-struct Sample {
-  std::vector<int32_t> prompt_tokens;
-  std::vector<int32_t> tokens;     // generated
-  std::vector<float> logprobs;     // per generated token
-  std::vector<uint64_t> versions;  // per generated token
-  std::vector<int32_t> routing;    // rows x layers x top_k, token-major (MoE), else empty
-  std::vector<int64_t> routing_shape;
-  double reward = 0;
-};
+// One scored completion as a worker submits it (prompt and generated tokens, sampling
+// logprobs, per-token versions, MoE routing, reward).
+using Sample = transport::RolloutSample;
 
 struct Group {
   uint64_t claim = 0;
@@ -105,8 +94,15 @@ class Coordinator {
   using Clock = std::chrono::steady_clock;
   Coordinator(const Task& task, CoordinatorOptions options);
 
-  nlohmann::json Claim(const nlohmann::json& request);
-  nlohmann::json Submit(const nlohmann::json& request);
+  transport::ClaimAnswer Claim(const transport::ClaimRequest& request);
+  // Queues the group if its claim is out to this worker and the samples fit the claim and
+  // the model; a group that does not fit closes its claim and returns the prompt.
+  transport::SubmitAnswer Submit(transport::SubmitRequest request);
+  // The HTTP bodies of POST /v1/rollout/claim and /v1/rollout/submit: parsed, answered and
+  // rendered. A body that does not parse is answered "error" / refused naming what was
+  // wrong; a submission whose samples do not parse closes its claim as Submit does.
+  std::string HandleClaim(std::string_view body);
+  std::string HandleSubmit(std::string_view body);
 
   // The trainer's version (what it trains on now); claims and admission follow it.
   void SetVersion(uint64_t version);
@@ -142,7 +138,11 @@ class Coordinator {
   };
   void ExpireLeases(Clock::time_point now);  // REQUIRES: mutex_
   Problem NextProblem();                      // REQUIRES: mutex_
-  Status ParseGroup(const nlohmann::json& samples, std::vector<Sample>& out) const;
+  Status ValidateGroup(const std::vector<Sample>& samples) const;
+  // Refuses a submission; when its claim is out to that worker, closes it and requeues the
+  // prompt. REQUIRES: mutex_
+  transport::SubmitAnswer RefuseAndRequeue(const transport::SubmitRequest& request,
+                                           const std::string& reason);
 
   const Task& task_;
   CoordinatorOptions options_;

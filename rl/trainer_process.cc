@@ -76,8 +76,8 @@ pipeline::CoordinatorOptions MakeCoordinatorOptions(const pipeline::RunConfig& c
   return c;
 }
 
-transport::awaitable<transport::HttpResponse> JsonAnswer(json answer) {
-  co_return transport::HttpResponse{200, "application/json", answer.dump()};
+transport::awaitable<transport::HttpResponse> JsonAnswer(std::string answer) {
+  co_return transport::HttpResponse{200, "application/json", std::move(answer)};
 }
 
 }  // namespace
@@ -134,12 +134,12 @@ struct TrainerServices::Impl {
 void TrainerServices::Impl::AddRoutes() {
   pipeline::Coordinator* coordinator_ptr = coordinator.get();
   http->RoutePost("/v1/rollout/claim", [coordinator_ptr](std::string, std::string body) {
-    return JsonAnswer(coordinator_ptr->Claim(json::parse(body, nullptr, false)));
+    return JsonAnswer(coordinator_ptr->HandleClaim(body));
   });
   http->RoutePost(
       "/v1/rollout/submit",
       [coordinator_ptr](std::string, std::string body) {
-        return JsonAnswer(coordinator_ptr->Submit(json::parse(body, nullptr, false)));
+        return JsonAnswer(coordinator_ptr->HandleSubmit(body));
       },
       64 << 20);
   http->Route("/v1/status", [this](const std::string&) {

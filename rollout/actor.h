@@ -16,7 +16,10 @@
 #include <string>
 #include <thread>
 
+#include "base/status.h"
 #include "transport/endpoint.h"
+#include "transport/http.h"
+#include "transport/rollout_protocol.h"
 
 namespace flywheel::model {
 class Tokenizer;
@@ -51,8 +54,18 @@ class Actor {
 
  private:
   void Run();
-  // One claim and its groups; returns how long to wait before the next claim.
-  std::chrono::milliseconds Round(CompletionService& service);
+  // One claim and its groups: how long to wait before the next claim, or Unavailable when
+  // the trainer cannot be reached or answers what the protocol does not allow (the actor
+  // then retries every half second). A generation that fails is not an error of the
+  // round: its claims lapse and go to other workers.
+  Result<std::chrono::milliseconds> Round(CompletionService& service);
+  Result<transport::ClaimAnswer> PostClaim(CompletionService& service);
+  // Samples group_size completions per claimed prompt (all in one Generate call), or an
+  // empty vector when generation failed.
+  std::vector<transport::SubmitRequest> Sample(CompletionService& service,
+                                               const transport::ClaimAnswer& claim);
+  Status PostSubmit(const transport::SubmitRequest& submission);
+  transport::HttpGetOptions HttpOptions() const;
 
   ActorOptions options_;
   std::function<std::shared_ptr<CompletionService>()> service_;

@@ -16,6 +16,14 @@ namespace {
 
 using nlohmann::json;
 
+// The coordinator as the trainer's HTTP routes drive it: JSON bodies in and out.
+json ClaimJson(Coordinator& c, const json& request) {
+  return json::parse(c.HandleClaim(request.dump()));
+}
+json SubmitJson(Coordinator& c, const json& request) {
+  return json::parse(c.HandleSubmit(request.dump()));
+}
+
 TEST(RunConfigTest, DefaultsRoundTripThroughToml) {
   RunConfig config;
   config.algorithm.lr = 1.5e-5;
@@ -141,7 +149,7 @@ class CoordinatorTest : public ::testing::Test {
 
   static json Claim(Coordinator& c, const std::string& worker, uint64_t version, int64_t max,
                     const std::string& incarnation = "a") {
-    return c.Claim({{"worker", worker}, {"incarnation", incarnation}, {"version", version},
+    return ClaimJson(c, {{"worker", worker}, {"incarnation", incarnation}, {"version", version},
                     {"max_groups", max}, {"serving_since_unix_us", 1000}});
   }
   static json Sample(uint64_t version, double reward = 1) {
@@ -151,7 +159,7 @@ class CoordinatorTest : public ::testing::Test {
   }
   static json Submit(Coordinator& c, const std::string& worker, uint64_t claim, uint64_t version,
                      const std::string& incarnation = "a") {
-    return c.Submit({{"worker", worker}, {"incarnation", incarnation}, {"claim", claim},
+    return SubmitJson(c, {{"worker", worker}, {"incarnation", incarnation}, {"claim", claim},
                      {"samples", {Sample(version), Sample(version, 0)}}});
   }
   // The coordinators' clock stands still, so a deadline of now means: what is queued,
@@ -259,15 +267,15 @@ TEST_F(CoordinatorTest, MalformedSubmissionsAreRefusedAndThePromptReturns) {
   json bad_token = {{"worker", "w1"}, {"incarnation", "a"}, {"claim", id},
                     {"samples", {Sample(1), Sample(1)}}};
   bad_token["samples"][1]["tokens"] = {1, 99, 3, 14};  // outside the vocabulary
-  json answer = c->Submit(bad_token);
+  json answer = SubmitJson(*c, bad_token);
   EXPECT_FALSE(answer["accepted"].get<bool>());
   EXPECT_NE(answer["reason"].get<std::string>().find("outside the vocabulary"), std::string::npos);
   EXPECT_EQ(Claim(*c, "w1", 1, 1)["groups"][0]["prompt"], claim["groups"][0]["prompt"]);
   for (json broken : {json{{"claim", "x"}}, json::array(), json{{"worker", "w1"}, {"claim", 1}}}) {
-    EXPECT_FALSE(c->Submit(broken)["accepted"].get<bool>()) << broken.dump();
+    EXPECT_FALSE(SubmitJson(*c, broken)["accepted"].get<bool>()) << broken.dump();
   }
-  EXPECT_EQ(c->Claim(json::array())["status"], "error");
-  EXPECT_EQ(c->Claim({{"worker", ""}, {"version", 1}})["status"], "error");
+  EXPECT_EQ(ClaimJson(*c, json::array())["status"], "error");
+  EXPECT_EQ(ClaimJson(*c, {{"worker", ""}, {"version", 1}})["status"], "error");
 }
 
 TEST_F(CoordinatorTest, OverlongSamplesAndBadRoutingAreRefused) {
@@ -277,7 +285,7 @@ TEST_F(CoordinatorTest, OverlongSamplesAndBadRoutingAreRefused) {
     json request = {{"worker", "w1"}, {"incarnation", "a"}, {"claim", claim["groups"][0]["claim"]},
                     {"samples", {Sample(1), Sample(1)}}};
     spoil(request["samples"][0]);
-    return c->Submit(request);
+    return SubmitJson(*c, request);
   };
   json longer = submit([](json& s) {  // more generated tokens than max_tokens (8)
     s["tokens"] = json::array();
@@ -304,7 +312,7 @@ TEST_F(CoordinatorTest, OverlongSamplesAndBadRoutingAreRefused) {
 TEST_F(CoordinatorTest, SyncLatencyFromTheWorkersClaims) {
   auto c = Make(/*k=*/1);
   auto claim = [&](const std::string& w, uint64_t v, int64_t since) {
-    return c->Claim({{"worker", w}, {"incarnation", "a"}, {"version", v}, {"max_groups", 1},
+    return ClaimJson(*c, {{"worker", w}, {"incarnation", "a"}, {"version", v}, {"max_groups", 1},
                      {"serving_since_unix_us", since}});
   };
   claim("w1", 1, 1'000);
@@ -352,7 +360,7 @@ TEST_F(CoordinatorTest, TakeBatchWaitsUntilTheDrivenDeadline) {
 TEST_F(CoordinatorTest, SyncLatencyCountsOnlyWorkersThatClaimedInTheLastFiveSeconds) {
   auto c = Make(/*k=*/1);
   auto claim = [&](const std::string& w, uint64_t v, int64_t since) {
-    return c->Claim({{"worker", w}, {"incarnation", "a"}, {"version", v}, {"max_groups", 1},
+    return ClaimJson(*c, {{"worker", w}, {"incarnation", "a"}, {"version", v}, {"max_groups", 1},
                      {"serving_since_unix_us", since}});
   };
   claim("w1", 1, 1'000);

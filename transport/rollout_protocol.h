@@ -1,0 +1,125 @@
+// The rollout protocol between the trainer's sample coordinator (pipeline/coordinator.h) and
+// the rollout workers' actors (rollout/actor.h): typed messages, one JSON rendering and one
+// parser each, shared by both sides so that neither builds or reads the JSON by hand.
+//
+//   POST /v1/rollout/claim   ClaimRequest  -> ClaimAnswer
+//   POST /v1/rollout/submit  SubmitRequest -> SubmitAnswer
+//
+// On the wire (JSON, unchanged from the hand-built version):
+//   ClaimRequest  {"worker", "incarnation", "version", "serving_since_unix_us", "max_groups"}
+//   ClaimAnswer   {"status": "ok", "trainer_version", "groups": [{"claim", "prompt",
+//                 "answer"}], "group_size", "temperature", "max_tokens"}
+//                 | {"status": "wait", "retry_ms", "reason"} | {"status": "done"}
+//                 | {"status": "error", "reason"}
+//   SubmitRequest {"worker", "incarnation", "claim", "samples": [{"prompt_tokens",
+//                 "tokens", "logprobs", "versions", "reward", "routing"?,
+//                 "routing_shape"?: [rows, layers, top_k]}]}
+//   SubmitAnswer  {"accepted": true} | {"accepted": false, "reason"}
+//
+// The parsers check structure and types (a field missing, of the wrong type, a negative
+// version, a token id that is not an int32) and name what was wrong; whether a submission
+// fits the claim and the model (group size, vocabulary, lengths, routing shape) is the
+// coordinator's to check. Claim ids stay below 2^53 so that any JSON reader keeps them exact.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "base/status.h"
+
+namespace flywheel::transport {
+
+struct ClaimRequest {
+  std::string worker;       // required, non-empty
+  std::string incarnation;  // changes when the worker restarts
+  uint64_t version = 0;     // the policy version the worker serves (0: none yet)
+  int64_t serving_since_unix_us = 0;  // when it began serving it (wall clock); 0: unknown
+  int64_t max_groups = 1;             // >= 1
+};
+
+struct ClaimedGroup {
+  uint64_t claim = 0;
+  std::string prompt;
+  std::string answer;
+};
+
+struct ClaimAnswer {
+  enum class Kind { kOk, kWait, kDone, kError };
+  Kind kind = Kind::kError;
+  // kOk
+  uint64_t trainer_version = 0;
+  std::vector<ClaimedGroup> groups;
+  int64_t group_size = 1;
+  double temperature = 1.0;
+  int64_t max_tokens = 16;
+  // kWait
+  int64_t retry_ms = 50;
+  // kWait, kError
+  std::string reason;
+
+  static ClaimAnswer Ok() { return Of(Kind::kOk); }
+  static ClaimAnswer Wait(int64_t retry_ms, std::string reason) {
+    ClaimAnswer a = Of(Kind::kWait);
+    a.retry_ms = retry_ms;
+    a.reason = std::move(reason);
+    return a;
+  }
+  static ClaimAnswer Done() { return Of(Kind::kDone); }
+  static ClaimAnswer Error(std::string reason) {
+    ClaimAnswer a = Of(Kind::kError);
+    a.reason = std::move(reason);
+    return a;
+  }
+
+ private:
+  static ClaimAnswer Of(Kind kind) {
+    ClaimAnswer a;
+    a.kind = kind;
+    return a;
+  }
+};
+
+// One scored completion of a claimed prompt.
+struct RolloutSample {
+  std::vector<int32_t> prompt_tokens;
+  std::vector<int32_t> tokens;     // generated
+  std::vector<float> logprobs;     // per generated token, as sampled
+  std::vector<uint64_t> versions;  // per generated token: the policy version that sampled it
+  std::vector<int32_t> routing;    // rows x layers x top_k, token-major (MoE), else empty
+  std::vector<int64_t> routing_shape;  // {rows, layers, top_k} when routing is set
+  double reward = 0;
+};
+
+struct SubmitRequest {
+  std::string worker;
+  std::string incarnation;
+  uint64_t claim = 0;
+  std::vector<RolloutSample> samples;
+};
+
+struct SubmitAnswer {
+  bool accepted = false;
+  std::string reason;  // when refused
+
+  static SubmitAnswer Accepted() { return {true, ""}; }
+  static SubmitAnswer Refused(std::string reason) { return {false, std::move(reason)}; }
+};
+
+std::string ToJson(const ClaimRequest& request);
+std::string ToJson(const ClaimAnswer& answer);
+std::string ToJson(const SubmitRequest& request);
+std::string ToJson(const SubmitAnswer& answer);
+
+// Each fails with InvalidArgument naming the field that is missing or wrong.
+Result<ClaimRequest> ParseClaimRequest(std::string_view body);
+Result<ClaimAnswer> ParseClaimAnswer(std::string_view body);
+Result<SubmitRequest> ParseSubmitRequest(std::string_view body);
+Result<SubmitAnswer> ParseSubmitAnswer(std::string_view body);
+
+// Only the submission's worker, incarnation and claim (samples left empty): what a receiver
+// needs to close the claim of a submission whose samples do not parse.
+Result<SubmitRequest> ParseSubmitHeader(std::string_view body);
+
+}  // namespace flywheel::transport
