@@ -52,16 +52,6 @@ std::string Rate(double gbps) {
   return Fixed(gbps, gbps >= 10 ? 1 : gbps >= 0.1 ? 2 : 3);
 }
 
-// 67052544 -> "67,052,544".
-std::string Grouped(uint64_t value) {
-  std::string digits = std::to_string(value);
-  std::string out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
 
 // 1e-06 -> "1e-6", 0.0003 -> "0.0003".
 std::string LearningRateText(double learning_rate) {

@@ -70,16 +70,6 @@ int64_t UnixMicrosNow() {
       .count();
 }
 
-// 500000000 -> "500,000,000".
-std::string Grouped(uint64_t value) {
-  std::string digits = std::to_string(value);
-  std::string out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return out;
-}
 
 std::string Megabytes(double bytes) {
   return Fixed(bytes / 1e6, bytes < 1e7 ? 3 : 1);

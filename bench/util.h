@@ -34,6 +34,17 @@ inline std::string Fixed(double value, int digits) {
   return buffer;
 }
 
+// 1234567 -> "1,234,567".
+inline std::string Grouped(uint64_t value) {
+  std::string digits = std::to_string(value);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
 // Display width of UTF-8 text (code points; the tables use no wide characters).
 inline size_t Utf8Width(const std::string& text) {
   size_t width = 0;

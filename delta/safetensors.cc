@@ -27,15 +27,6 @@ constexpr const char* kMetadataKey = "__metadata__";
 constexpr const char* kIndexFileName = "model.safetensors.index.json";
 constexpr const char* kSingleFileName = "model.safetensors";
 
-std::string ShapeString(std::span<const int64_t> shape) {
-  std::string out = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) out += ", ";
-    out += std::to_string(shape[i]);
-  }
-  return out + "]";
-}
-
 std::string OffsetsString(uint64_t begin, uint64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + "]";
 }

@@ -25,6 +25,8 @@ const DTypeInfo* Info(DType dtype) {
   return index < kDTypes.size() ? &kDTypes[index] : nullptr;
 }
 
+}  // namespace
+
 std::string ShapeString(std::span<const int64_t> shape) {
   std::string out = "[";
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -33,8 +35,6 @@ std::string ShapeString(std::span<const int64_t> shape) {
   }
   return out + "]";
 }
-
-}  // namespace
 
 const char* DTypeName(DType dtype) {
   const DTypeInfo* info = Info(dtype);

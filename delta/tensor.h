@@ -42,6 +42,8 @@ inline constexpr int kNumDTypes = 20;
 
 // The safetensors spelling ("BF16"), or nullptr for an out-of-range value.
 const char* DTypeName(DType dtype);
+// "[2, 3]": a shape as error messages print it.
+std::string ShapeString(std::span<const int64_t> shape);
 // Parses the safetensors spelling; nullopt for an unknown name.
 std::optional<DType> ParseDType(std::string_view name);
 // Size of one element in bits (4, 6, 8, 16, 32, 64 or 128).

@@ -16,6 +16,8 @@
 #include <filesystem>
 #include <memory>
 
+#include "transport/tls.h"
+
 namespace flywheel::transport {
 namespace {
 
@@ -33,16 +35,6 @@ using BignumPtr = std::unique_ptr<BIGNUM, Deleter<BN_free>>;
 using ExtensionPtr = std::unique_ptr<X509_EXTENSION, Deleter<X509_EXTENSION_free>>;
 using NamesPtr = std::unique_ptr<GENERAL_NAMES, Deleter<GENERAL_NAMES_free>>;
 
-std::string OpenSslErrors() {
-  std::string text;
-  while (unsigned long code = ERR_get_error()) {
-    char buffer[256];
-    ERR_error_string_n(code, buffer, sizeof(buffer));
-    if (!text.empty()) text += "; ";
-    text += buffer;
-  }
-  return text.empty() ? "unknown OpenSSL error" : text;
-}
 
 Status OpenSslFailure(const std::string& what) {
   return Status::Internal("cannot " + what + ": " + OpenSslErrors());

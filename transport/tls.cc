@@ -12,18 +12,6 @@
 namespace flywheel::transport {
 namespace {
 
-// Drains OpenSSL's error queue into one line ("reason; reason").
-std::string OpenSslErrors() {
-  std::string text;
-  while (unsigned long code = ERR_get_error()) {
-    char buffer[256];
-    ERR_error_string_n(code, buffer, sizeof(buffer));
-    if (!text.empty()) text += "; ";
-    text += buffer;
-  }
-  return text.empty() ? "unknown OpenSSL error" : text;
-}
-
 // Distinguishes "cannot open" (IOError, with errno) from "OpenSSL cannot parse it" later.
 Status CheckReadable(const std::string& what, const std::string& path) {
   std::FILE* file = std::fopen(path.c_str(), "rb");
@@ -90,6 +78,17 @@ Status LoadCa(SSL_CTX* native, const std::string& ca_file) {
 }
 
 }  // namespace
+
+std::string OpenSslErrors() {
+  std::string text;
+  while (unsigned long code = ERR_get_error()) {
+    char buffer[256];
+    ERR_error_string_n(code, buffer, sizeof(buffer));
+    if (!text.empty()) text += "; ";
+    text += buffer;
+  }
+  return text.empty() ? "unknown OpenSSL error" : text;
+}
 
 Result<std::shared_ptr<asio::ssl::context>> MakeServerTlsContext(const TlsOptions& options) {
   if (options.cert_file.empty() || options.key_file.empty()) {

@@ -31,4 +31,8 @@ Result<std::shared_ptr<asio::ssl::context>> MakeServerTlsContext(const TlsOption
 // given (both or neither), are presented for mutual authentication.
 Result<std::shared_ptr<asio::ssl::context>> MakeClientTlsContext(const TlsOptions& options);
 
+// Drains OpenSSL's thread-local error queue into one line ("unknown OpenSSL error" when
+// empty), for the error messages of this module and of transport/certs.h.
+std::string OpenSslErrors();
+
 }  // namespace flywheel::transport

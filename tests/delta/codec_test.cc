@@ -13,21 +13,10 @@ namespace {
 
 using testing::Change;
 using testing::Mutate;
+using testing::MustEncode;
+using testing::MustParse;
 using testing::RandomCheckpoint;
 using testing::SameBytes;
-
-DeltaView MustParse(const std::vector<std::byte>& bytes) {
-  auto view = DeltaView::Parse(bytes);
-  EXPECT_TRUE(view.ok()) << view.status().ToString();
-  return *view;
-}
-
-std::vector<std::byte> MustEncode(const OwnedCheckpoint& base, const OwnedCheckpoint& target,
-                                  EncodeOptions options = {}) {
-  auto bytes = Encode(base.view(), target.view(), options);
-  EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
-  return *bytes;
-}
 
 OwnedCheckpoint MustApply(const OwnedCheckpoint& base, const std::vector<std::byte>& delta) {
   auto view = DeltaView::Parse(delta);

@@ -15,20 +15,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::Mutate;
+using testing::MustEncode;
+using testing::MustParse;
 using testing::RandomCheckpoint;
-
-DeltaView MustParse(const std::vector<std::byte>& bytes) {
-  auto view = DeltaView::Parse(bytes);
-  EXPECT_TRUE(view.ok()) << view.status().ToString();
-  return *view;
-}
-
-std::vector<std::byte> MustEncode(const OwnedCheckpoint& base, const OwnedCheckpoint& target,
-                                  EncodeOptions options = {}) {
-  auto bytes = Encode(base.view(), target.view(), options);
-  EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
-  return *bytes;
-}
 
 // The totals are the sums of the per-tensor statistics and agree with the manifest.
 void ExpectConsistent(const DeltaSummary& s, const std::vector<std::byte>& bytes) {

@@ -7,6 +7,9 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include "delta/delta.h"
 #include "delta/tensor.h"
 
 namespace flywheel::testing {
@@ -83,6 +86,35 @@ inline std::vector<TensorSpec> MixedSpecs() {
       {"fp4", DType::kF4, {10}},
       {"complex", DType::kC64, {5}},
   };
+}
+
+// Words (DTypeWordBytes each) that differ between two checkpoints of the same layout,
+// counted directly: what the encoder's counts must equal.
+inline uint64_t DirectlyChangedWords(const OwnedCheckpoint& before, const OwnedCheckpoint& after) {
+  uint64_t changed = 0;
+  for (size_t t = 0; t < after.tensors.size(); ++t) {
+    const size_t word = static_cast<size_t>(DTypeWordBytes(after.tensors[t].dtype));
+    const auto& a = before.tensors[t].data;
+    const auto& b = after.tensors[t].data;
+    for (size_t i = 0; i + word <= b.size(); i += word) {
+      changed += !std::equal(a.begin() + i, a.begin() + i + word, b.begin() + i);
+    }
+  }
+  return changed;
+}
+
+// Parse/Encode that record a failure in the running test (and return an empty result).
+inline delta::DeltaView MustParse(const std::vector<std::byte>& bytes) {
+  auto view = delta::DeltaView::Parse(bytes);
+  EXPECT_TRUE(view.ok()) << view.status().ToString();
+  return view.ok() ? *view : delta::DeltaView();
+}
+
+inline std::vector<std::byte> MustEncode(const OwnedCheckpoint& base, const OwnedCheckpoint& target,
+                                         delta::EncodeOptions options = {}) {
+  auto bytes = delta::Encode(base.view(), target.view(), options);
+  EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+  return bytes.ok() ? *bytes : std::vector<std::byte>();
 }
 
 }  // namespace flywheel::testing

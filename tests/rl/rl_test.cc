@@ -14,11 +14,13 @@
 #include "rl/run_report.h"
 #include "rl/trainer_process.h"
 #include "rl/warmup.h"
+#include "tests/delta/test_checkpoints.h"
 
 namespace flywheel::rl {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::DirectlyChangedWords;
 using pipeline::Group;
 using pipeline::Sample;
 using pipeline::StepRow;
@@ -312,20 +314,6 @@ TEST(PublishTest, VersionToPublishOnResume) {
   EXPECT_EQ(VersionToPublishOnResume(4, 4), std::nullopt);
   EXPECT_EQ(DeltaDensity(0, 0), 0.0);
   EXPECT_EQ(DeltaDensity(1, 4), 0.25);
-}
-
-// Words that differ between two snapshots of the same layout (the serving dtype's words).
-uint64_t DirectlyChangedWords(const OwnedCheckpoint& before, const OwnedCheckpoint& after) {
-  uint64_t changed = 0;
-  for (size_t t = 0; t < after.tensors.size(); ++t) {
-    const size_t word = static_cast<size_t>(DTypeWordBytes(after.tensors[t].dtype));
-    const auto& a = before.tensors[t].data;
-    const auto& b = after.tensors[t].data;
-    for (size_t i = 0; i + word <= b.size(); i += word) {
-      changed += !std::equal(a.begin() + i, a.begin() + i + word, b.begin() + i);
-    }
-  }
-  return changed;
 }
 
 // The trainer's side of the snapshot path end to end, in process: the services the trainer

@@ -19,6 +19,7 @@ namespace flywheel::sync {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::DirectlyChangedWords;
 using flywheel::testing::Mutate;
 using flywheel::testing::RandomCheckpoint;
 using flywheel::testing::SameBytes;
@@ -599,21 +600,6 @@ TEST_F(VersionLogTest, OpenRejectsBadOptions) {
   options = Options();
   options.threads = 0;
   EXPECT_EQ(VersionLog::Open(options).status().code(), StatusCode::kInvalidArgument);
-}
-
-// Words (DTypeWordBytes each) that differ between two checkpoints of the same layout,
-// counted directly: what the encoder's counts must equal.
-uint64_t DirectlyChangedWords(const OwnedCheckpoint& before, const OwnedCheckpoint& after) {
-  uint64_t changed = 0;
-  for (size_t t = 0; t < after.tensors.size(); ++t) {
-    const size_t word = static_cast<size_t>(DTypeWordBytes(after.tensors[t].dtype));
-    const auto& a = before.tensors[t].data;
-    const auto& b = after.tensors[t].data;
-    for (size_t i = 0; i + word <= b.size(); i += word) {
-      changed += !std::equal(a.begin() + i, a.begin() + i + word, b.begin() + i);
-    }
-  }
-  return changed;
 }
 
 uint64_t AllWords(const OwnedCheckpoint& checkpoint) {
