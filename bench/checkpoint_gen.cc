@@ -300,6 +300,10 @@ std::vector<TensorLayout> TransformerTensors(const TransformerShape& shape) {
 }
 
 CheckpointView CheckpointPair::ViewOf(const std::vector<uint16_t>& words) const {
+  return Bf16View(tensors, words);
+}
+
+CheckpointView Bf16View(const std::vector<TensorLayout>& tensors, const std::vector<uint16_t>& words) {
   CheckpointView view;
   view.reserve(tensors.size());
   const auto* bytes = reinterpret_cast<const std::byte*>(words.data());

@@ -51,6 +51,9 @@ struct TensorLayout {
 // q/k/v/o_proj, post_attention_layernorm, gate/up/down_proj, then the final norm.
 std::vector<TensorLayout> TransformerTensors(const TransformerShape& shape);
 
+// The bf16 tensors of `tensors` over `words` (which must hold the layout's words).
+CheckpointView Bf16View(const std::vector<TensorLayout>& tensors, const std::vector<uint16_t>& words);
+
 struct AdamWConfig {
   double learning_rate = 1e-6;
   double beta1 = 0.9;

@@ -198,18 +198,7 @@ class CheckpointSequence {
     return Step(step, out);
   }
 
-  CheckpointView ViewOf(const std::vector<uint16_t>& words) const {
-    CheckpointView view;
-    view.reserve(tensors_.size());
-    const auto* bytes = reinterpret_cast<const std::byte*>(words.data());
-    for (const TensorLayout& tensor : tensors_) {
-      view.push_back(TensorView{tensor.name,
-                                DType::kBF16,
-                                tensor.shape,
-                                {bytes + tensor.word_offset * 2, tensor.words * 2}});
-    }
-    return view;
-  }
+  CheckpointView ViewOf(const std::vector<uint16_t>& words) const { return Bf16View(tensors_, words); }
 
  private:
   template <typename Fn>

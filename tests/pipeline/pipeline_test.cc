@@ -152,6 +152,11 @@ class CoordinatorTest : public ::testing::Test {
     return ClaimJson(c, {{"worker", worker}, {"incarnation", incarnation}, {"version", version},
                     {"max_groups", max}, {"serving_since_unix_us", 1000}});
   }
+  // A one-group claim from a worker that began serving `version` at `since` (unix us).
+  static json ClaimServing(Coordinator& c, const std::string& worker, uint64_t version, int64_t since) {
+    return ClaimJson(c, {{"worker", worker}, {"incarnation", "a"}, {"version", version},
+                         {"max_groups", 1}, {"serving_since_unix_us", since}});
+  }
   static json Sample(uint64_t version, double reward = 1) {
     return {{"prompt_tokens", {13, 1, 2, 3, 12}}, {"tokens", {1, 2, 3, 14}},
             {"logprobs", {-0.1, -0.2, -0.3, -0.4}}, {"versions", {version, version, version, version}},
@@ -311,10 +316,7 @@ TEST_F(CoordinatorTest, OverlongSamplesAndBadRoutingAreRefused) {
 
 TEST_F(CoordinatorTest, SyncLatencyFromTheWorkersClaims) {
   auto c = Make(/*k=*/1);
-  auto claim = [&](const std::string& w, uint64_t v, int64_t since) {
-    return ClaimJson(*c, {{"worker", w}, {"incarnation", "a"}, {"version", v}, {"max_groups", 1},
-                     {"serving_since_unix_us", since}});
-  };
+  auto claim = [&](const std::string& w, uint64_t v, int64_t since) { return ClaimServing(*c, w, v, since); };
   claim("w1", 1, 1'000);
   claim("w2", 1, 1'000);
   c->NotePublished(2, 10'000);
@@ -359,10 +361,7 @@ TEST_F(CoordinatorTest, TakeBatchWaitsUntilTheDrivenDeadline) {
 
 TEST_F(CoordinatorTest, SyncLatencyCountsOnlyWorkersThatClaimedInTheLastFiveSeconds) {
   auto c = Make(/*k=*/1);
-  auto claim = [&](const std::string& w, uint64_t v, int64_t since) {
-    return ClaimJson(*c, {{"worker", w}, {"incarnation", "a"}, {"version", v}, {"max_groups", 1},
-                     {"serving_since_unix_us", since}});
-  };
+  auto claim = [&](const std::string& w, uint64_t v, int64_t since) { return ClaimServing(*c, w, v, since); };
   claim("w1", 1, 1'000);
   claim("w2", 1, 1'000);
   c->NotePublished(2, 10'000);
