@@ -1,6 +1,8 @@
 #include "pipeline/launcher.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -10,8 +12,10 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <span>
 #include <sstream>
 
+#include "base/env.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"
 
@@ -64,77 +68,12 @@ Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
     fs::create_directories(dir, ec);
     if (ec) return Status::IOError("cannot create " + dir + ": " + ec.message());
   }
-  const fs::path run_dir = options.run_dir;
-  const std::string config_path = (run_dir / "run.toml").string();
-  {
-    std::ofstream out(config_path, std::ios::trunc);
-    out << "# The run's configuration (every key; `flywheel demo --config` takes it back).\n"
-        << options.config.ToToml();
-    if (!out) return Status::IOError("cannot write " + config_path);
-  }
-  const std::string token_file = (run_dir / "token").string();
-  {
-    std::ofstream out(token_file, std::ios::trunc);
-    out << options.token << "\n";
-    ::chmod(token_file.c_str(), 0600);
-  }
+  FW_RETURN_IF_ERROR(fleet->WriteRunFiles());
   // The workers' engines run one thread each: the machine's cores are shared by all.
   ::setenv("OMP_NUM_THREADS", "1", 1);
-
-  const RunConfig& config = options.config;
-  // Fixed up front (see FreePort): the relays and workers start before the trainer's
-  // ready file says where it listens, and a restarted trainer comes back at the same ports.
-  FW_ASSIGN_OR_RETURN(const uint16_t listen_port, FreePort());
-  FW_ASSIGN_OR_RETURN(const uint16_t http_port, FreePort());
-  const std::string publisher = "127.0.0.1:" + std::to_string(listen_port);
-  fleet->trainer_http_ = "127.0.0.1:" + std::to_string(http_port);
-  Role trainer;
-  trainer.ready_file = (run_dir / "trainer.ready").string();
-  trainer.args = {"train", "--config", config_path, "--state", fleet->state_dir_, "--report",
-                  fleet->report_dir_, "--listen", publisher, "--http", fleet->trainer_http_,
-                  "--token-file", token_file, "--ready-file", trainer.ready_file};
-  fleet->roles_["trainer"] = trainer;
-  fleet->order_.push_back("trainer");
-  FW_RETURN_IF_ERROR(fleet->Launch("trainer", fleet->roles_["trainer"]));
-  FW_ASSIGN_OR_RETURN(json ready, AwaitReadyFile(fleet->processes_, trainer.ready_file, "trainer",
-                                                 kReadyTimeout));
-  const std::string model_config = ready.value("model_config", "");
-  const std::string tokenizer = ready.value("tokenizer", "");
-
-  // Each worker claims its share of a batch at a time (at most what its engine batches), so
-  // that a batch spreads over the fleet, in synchronous mode too.
-  const int64_t workers = static_cast<int64_t>(config.fleet.regions.size()) * config.fleet.workers_per_region;
-  const int64_t actor_groups = std::clamp<int64_t>(
-      (config.algorithm.groups_per_step + workers - 1) / workers, 1,
-      std::max<int64_t>(1, config.fleet.worker_max_batch / config.algorithm.group_size));
-  for (const std::string& region : config.fleet.regions) {
-    FW_ASSIGN_OR_RETURN(const uint16_t relay_port, FreePort());
-    const std::string relay_listen = "127.0.0.1:" + std::to_string(relay_port);
-    const std::string name = "relay-" + region;
-    Role relay;
-    relay.ready_file = (run_dir / (name + ".ready")).string();
-    relay.args = {"relay", "--region", region, "--node-id", name, "--listen", relay_listen,
-                  "--http", "127.0.0.1:0", "--upstream", publisher, "--token-file", token_file,
-                  "--ready-file", relay.ready_file};
-    fleet->roles_[name] = relay;
-    fleet->order_.push_back(name);
-    FW_RETURN_IF_ERROR(fleet->Launch(name, fleet->roles_[name]));
-    for (int64_t i = 1; i <= config.fleet.workers_per_region; ++i) {
-      const std::string worker_name = "worker-" + region + "-" + std::to_string(i);
-      Role worker;
-      worker.ready_file = (run_dir / (worker_name + ".ready")).string();
-      worker.args = {"worker", "--region", region, "--node-id", worker_name,
-                     "--upstream", relay_listen, "--upstream", publisher,
-                     "--http", "127.0.0.1:0", "--token-file", token_file,
-                     "--ready-file", worker.ready_file, "--model", model_config,
-                     "--tokenizer", tokenizer, "--trainer", fleet->trainer_http_,
-                     "--max-batch", std::to_string(config.fleet.worker_max_batch),
-                     "--max-sequence", "64",
-                     "--actor-groups", std::to_string(actor_groups)};
-      fleet->roles_[worker_name] = worker;
-      fleet->order_.push_back(worker_name);
-      FW_RETURN_IF_ERROR(fleet->Launch(worker_name, fleet->roles_[worker_name]));
-    }
+  FW_ASSIGN_OR_RETURN(TrainerReady trainer, fleet->StartTrainer());
+  for (const std::string& region : options.config.fleet.regions) {
+    FW_RETURN_IF_ERROR(fleet->StartRegion(region, trainer));
   }
   for (const std::string& name : fleet->order_) {
     Role& role = fleet->roles_[name];
@@ -143,6 +82,93 @@ Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
     role.http = role_ready.value("http", "");
   }
   return fleet;
+}
+
+std::string Fleet::RunFile(const std::string& name) const {
+  return (fs::path(options_.run_dir) / name).string();
+}
+
+// run.toml (every key, so that `flywheel demo --config` takes it back) replaced atomically;
+// the token readable by its owner only from the moment it exists.
+Status Fleet::WriteRunFiles() const {
+  const std::string toml =
+      "# The run's configuration (every key; `flywheel demo --config` takes it back).\n" +
+      options_.config.ToToml();
+  FW_RETURN_IF_ERROR(WriteFileAtomically(RunFile("run.toml"), std::as_bytes(std::span(toml))));
+  const std::string token_file = RunFile("token");
+  const int fd = ::open(token_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return ErrnoStatus("cannot create", token_file, errno);
+  const std::string line = options_.token + "\n";
+  const bool written = ::fchmod(fd, 0600) == 0 &&
+                       ::write(fd, line.data(), line.size()) == static_cast<ssize_t>(line.size());
+  const int error = errno;
+  ::close(fd);
+  if (!written) return ErrnoStatus("cannot write", token_file, error != 0 ? error : EIO);
+  return Status::Ok();
+}
+
+// The trainer, on ports fixed up front (see FreePort): the relays and workers start before
+// its ready file says where it listens, and a restarted trainer comes back at the same ports.
+Result<Fleet::TrainerReady> Fleet::StartTrainer() {
+  FW_ASSIGN_OR_RETURN(const uint16_t listen_port, FreePort());
+  FW_ASSIGN_OR_RETURN(const uint16_t http_port, FreePort());
+  TrainerReady ready;
+  ready.publisher = "127.0.0.1:" + std::to_string(listen_port);
+  trainer_http_ = "127.0.0.1:" + std::to_string(http_port);
+  Role trainer;
+  trainer.ready_file = RunFile("trainer.ready");
+  trainer.args = {"train", "--config", RunFile("run.toml"), "--state", state_dir_, "--report",
+                  report_dir_, "--listen", ready.publisher, "--http", trainer_http_,
+                  "--token-file", RunFile("token"), "--ready-file", trainer.ready_file};
+  roles_["trainer"] = trainer;
+  order_.push_back("trainer");
+  FW_RETURN_IF_ERROR(Launch("trainer", roles_["trainer"]));
+  FW_ASSIGN_OR_RETURN(json document,
+                      AwaitReadyFile(processes_, trainer.ready_file, "trainer", kReadyTimeout));
+  ready.model_config = document.value("model_config", "");
+  ready.tokenizer = document.value("tokenizer", "");
+  return ready;
+}
+
+// A region's relay (upstream: the trainer's publisher) and its workers (upstreams: the
+// relay, then the publisher).
+Status Fleet::StartRegion(const std::string& region, const TrainerReady& trainer) {
+  const RunConfig& config = options_.config;
+  // Each worker claims its share of a batch at a time (at most what its engine batches), so
+  // that a batch spreads over the fleet, in synchronous mode too.
+  const int64_t workers = static_cast<int64_t>(config.fleet.regions.size()) * config.fleet.workers_per_region;
+  const int64_t actor_groups = std::clamp<int64_t>(
+      (config.algorithm.groups_per_step + workers - 1) / workers, 1,
+      std::max<int64_t>(1, config.fleet.worker_max_batch / config.algorithm.group_size));
+  FW_ASSIGN_OR_RETURN(const uint16_t relay_port, FreePort());
+  const std::string relay_listen = "127.0.0.1:" + std::to_string(relay_port);
+  const std::string token_file = RunFile("token");
+  const std::string name = "relay-" + region;
+  Role relay;
+  relay.ready_file = RunFile(name + ".ready");
+  relay.args = {"relay", "--region", region, "--node-id", name, "--listen", relay_listen,
+                "--http", "127.0.0.1:0", "--upstream", trainer.publisher, "--token-file", token_file,
+                "--ready-file", relay.ready_file};
+  roles_[name] = relay;
+  order_.push_back(name);
+  FW_RETURN_IF_ERROR(Launch(name, roles_[name]));
+  for (int64_t i = 1; i <= config.fleet.workers_per_region; ++i) {
+    const std::string worker_name = "worker-" + region + "-" + std::to_string(i);
+    Role worker;
+    worker.ready_file = RunFile(worker_name + ".ready");
+    worker.args = {"worker", "--region", region, "--node-id", worker_name,
+                   "--upstream", relay_listen, "--upstream", trainer.publisher,
+                   "--http", "127.0.0.1:0", "--token-file", token_file,
+                   "--ready-file", worker.ready_file, "--model", trainer.model_config,
+                   "--tokenizer", trainer.tokenizer, "--trainer", trainer_http_,
+                   "--max-batch", std::to_string(config.fleet.worker_max_batch),
+                   "--max-sequence", "64",
+                   "--actor-groups", std::to_string(actor_groups)};
+    roles_[worker_name] = worker;
+    order_.push_back(worker_name);
+    FW_RETURN_IF_ERROR(Launch(worker_name, roles_[worker_name]));
+  }
+  return Status::Ok();
 }
 
 Status Fleet::Launch(const std::string& name, Role& role) {

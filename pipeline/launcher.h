@@ -67,7 +67,17 @@ class Fleet {
     std::string ready_file;
     std::string http;  // from the ready file
   };
+  // What the trainer's ready file tells the other roles.
+  struct TrainerReady {
+    std::string publisher;  // host:port its publisher listens on
+    std::string model_config;
+    std::string tokenizer;
+  };
   Fleet(FleetOptions options);
+  std::string RunFile(const std::string& name) const;  // <run_dir>/name
+  Status WriteRunFiles() const;
+  Result<TrainerReady> StartTrainer();
+  Status StartRegion(const std::string& region, const TrainerReady& trainer);
   Status Launch(const std::string& name, Role& role);
 
   FleetOptions options_;

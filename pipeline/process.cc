@@ -173,6 +173,63 @@ std::string DescribeWaitStatus(int wait_status) {
   return "ended";
 }
 
+namespace {
+
+// Reads the child's stdout (fd `out`, -1: none) and stderr (`err`) into `completion` until
+// both reach end of file or `deadline` passes; closes both. Returns whether it timed out.
+bool DrainPipes(int out, int err, Clock::time_point deadline, Completion& completion) {
+  pollfd fds[2] = {{out, POLLIN, 0}, {err, POLLIN, 0}};
+  std::string* sinks[2] = {&completion.out, &completion.err};
+  bool timed_out = false;
+  while (fds[0].fd >= 0 || fds[1].fd >= 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) {
+      timed_out = true;
+      break;
+    }
+    const int ready = ::poll(fds, 2, static_cast<int>(left.count()));
+    if (ready <= 0) continue;  // EINTR or the deadline: checked above
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      char buffer[65536];
+      const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
+      if (n > 0) {
+        sinks[i]->append(buffer, static_cast<size_t>(n));
+      } else if (n == 0 || errno != EINTR) {
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+      }
+    }
+  }
+  for (const pollfd& fd : fds) {
+    if (fd.fd >= 0) ::close(fd.fd);
+  }
+  return timed_out;
+}
+
+// Waits for `pid` to exit until `deadline`; past it the child is killed (SIGKILL), reaped
+// and the run is Unavailable. Returns the wait status.
+Result<int> ReapBefore(pid_t pid, Clock::time_point deadline, const std::string& command,
+                       std::chrono::milliseconds timeout) {
+  int wait_status = 0;
+  while (true) {
+    const pid_t got = ::waitpid(pid, &wait_status, WNOHANG);
+    if (got == pid) return wait_status;
+    if (got < 0 && errno != EINTR) {
+      return Status::IOError("waiting for " + command + ": " + std::strerror(errno));
+    }
+    if (Clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      (void)WaitBlocking(pid);
+      return Status::Unavailable(command + " did not finish within " +
+                                 std::to_string(timeout.count()) + " ms (killed)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace
+
 Result<Completion> RunToCompletion(const std::string& program,
                                    const std::vector<std::string>& args,
                                    const RunOptions& options) {
@@ -215,31 +272,8 @@ Result<Completion> RunToCompletion(const std::string& program,
 
   Completion completion;
   const Clock::time_point deadline = start + options.timeout;
-  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
-  std::string* sinks[2] = {&completion.out, &completion.err};
-  bool timed_out = false;
-  while (fds[0].fd >= 0 || fds[1].fd >= 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (left.count() <= 0) {
-      timed_out = true;
-      break;
-    }
-    const int ready = ::poll(fds, 2, static_cast<int>(left.count()));
-    if (ready <= 0) continue;  // EINTR or the deadline: checked above
-    for (int i = 0; i < 2; ++i) {
-      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
-      char buffer[65536];
-      const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
-      if (n > 0) {
-        sinks[i]->append(buffer, static_cast<size_t>(n));
-      } else if (n == 0 || errno != EINTR) {
-        ::close(fds[i].fd);
-        fds[i].fd = -1;
-      }
-    }
-  }
-  out_pipe[0] = fds[0].fd;
-  err_pipe[0] = fds[1].fd;
+  const bool timed_out = DrainPipes(out_pipe[0], err_pipe[0], deadline, completion);
+  out_pipe[0] = err_pipe[0] = -1;  // DrainPipes closed them
   close_all();
   if (timed_out) {
     ::kill(*pid, SIGKILL);
@@ -251,21 +285,7 @@ Result<Completion> RunToCompletion(const std::string& program,
   }
   // Both pipes are closed: the child has exited, or closed them and goes on; the deadline
   // still holds for the latter.
-  int wait_status = 0;
-  while (true) {
-    const pid_t got = ::waitpid(*pid, &wait_status, WNOHANG);
-    if (got == *pid) break;
-    if (got < 0 && errno != EINTR) {
-      return Status::IOError("waiting for " + command + ": " + std::strerror(errno));
-    }
-    if (Clock::now() > deadline) {
-      ::kill(*pid, SIGKILL);
-      (void)WaitBlocking(*pid);
-      return Status::Unavailable(command + " did not finish within " +
-                                 std::to_string(options.timeout.count()) + " ms (killed)");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  FW_ASSIGN_OR_RETURN(const int wait_status, ReapBefore(*pid, deadline, command, options.timeout));
   completion.elapsed = Clock::now() - start;
   completion.exit_code = ExitCode(wait_status);
   return completion;
