@@ -164,7 +164,7 @@ Status TrainerRun::Resume() {
 Status TrainerRun::RunRlLoop() {
   services_.SetPhase("rl");
   pipeline::Coordinator& coordinator = services_.coordinator();
-  wan_before_ = services_.PublisherStatus().value("wan_bytes_out", uint64_t{0});
+  wan_before_ = services_.PublisherStatusNow().common.traffic.wan_bytes_out;
   last_step_time_ = Clock::now();
   Clock::time_point last_report = Clock::now();
   reached_ = progress_.time_to_target_s >= 0;
@@ -221,7 +221,7 @@ void TrainerRun::NoteTransfer(const PublishedVersion& published, StepRow& row) {
   row.delta_density = published.delta_density;
   row.delta_bytes = published.delta_bytes;
   row.keyframe_bytes = published.keyframe_bytes;
-  const uint64_t wan_now = services_.PublisherStatus().value("wan_bytes_out", uint64_t{0});
+  const uint64_t wan_now = services_.PublisherStatusNow().common.traffic.wan_bytes_out;
   row.wan_bytes = wan_now - std::min(wan_now, wan_before_);
   wan_before_ = wan_now;
   for (const auto& synced : coordinator.TakeSynced()) {

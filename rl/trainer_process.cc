@@ -124,7 +124,7 @@ struct TrainerServices::Impl {
   std::unique_ptr<transport::HttpServer> http;
   std::thread thread;
   std::mutex status_mutex;
-  json status = {{"role", "trainer"}, {"step", 0}, {"version", 0}, {"phase", "starting"}};  // GUARDED_BY(status_mutex)
+  TrainerStatus status;  // GUARDED_BY(status_mutex); its coordinator part is filled when read
 
   void AddRoutes();
   json StatusJson();
@@ -148,23 +148,35 @@ void TrainerServices::Impl::AddRoutes() {
 }
 
 json TrainerServices::Impl::StatusJson() {
-  json answer;
+  TrainerStatus answer;
   {
     std::lock_guard lock(status_mutex);
     answer = status;
   }
   // The coordinator's counters live (the rest is as of the last step).
-  const pipeline::CoordinatorStats stats = coordinator->stats();
-  answer["claims"] = stats.claims;
-  answer["groups_accepted"] = stats.groups_accepted;
-  answer["groups_trained"] = stats.groups_trained;
-  answer["samples_dropped_stale"] = stats.samples_dropped_stale;
-  answer["leases_expired"] = stats.leases_expired;
-  answer["submissions_refused"] = stats.submissions_refused;
-  answer["groups_by_worker"] = stats.groups_by_worker;
-  answer["leases_by_worker"] = stats.leases_by_worker;
-  answer["queued_groups"] = coordinator->queued();
-  return answer;
+  answer.coordinator = coordinator->stats();
+  answer.queued_groups = coordinator->queued();
+  return ToJson(answer);
+}
+
+json ToJson(const TrainerStatus& s) {
+  json out = {{"role", "trainer"}, {"phase", s.phase}, {"step", s.step}, {"version", s.version}};
+  if (s.stepped) {
+    out["accuracy"] = s.accuracy;
+    out["mean_reward"] = s.mean_reward;
+    out["resumed"] = s.resumed;
+  }
+  const pipeline::CoordinatorStats& c = s.coordinator;
+  out["claims"] = c.claims;
+  out["groups_accepted"] = c.groups_accepted;
+  out["groups_trained"] = c.groups_trained;
+  out["samples_dropped_stale"] = c.samples_dropped_stale;
+  out["leases_expired"] = c.leases_expired;
+  out["submissions_refused"] = c.submissions_refused;
+  out["groups_by_worker"] = c.groups_by_worker;
+  out["leases_by_worker"] = c.leases_by_worker;
+  out["queued_groups"] = s.queued_groups;
+  return out;
 }
 
 TrainerServices::Impl::~Impl() {
@@ -208,9 +220,9 @@ Result<std::unique_ptr<TrainerServices>> TrainerServices::Start(const TrainRunOp
 sync::Publisher& TrainerServices::publisher() { return *impl_->publisher; }
 pipeline::Coordinator& TrainerServices::coordinator() { return *impl_->coordinator; }
 
-json TrainerServices::PublisherStatus() {
-  std::promise<json> answer;
-  transport::asio::post(impl_->io, [&] { answer.set_value(impl_->publisher->StatusJson()); });
+sync::PublisherStatus TrainerServices::PublisherStatusNow() {
+  std::promise<sync::PublisherStatus> answer;
+  transport::asio::post(impl_->io, [&] { answer.set_value(impl_->publisher->CurrentStatus()); });
   return answer.get_future().get();
 }
 
@@ -225,17 +237,19 @@ Status TrainerServices::WriteReadyFile(const std::string& path, const RunSetup& 
 
 void TrainerServices::SetPhase(const std::string& phase) {
   std::lock_guard lock(impl_->status_mutex);
-  impl_->status["phase"] = phase;
+  impl_->status.phase = phase;
 }
 
 void TrainerServices::NoteStep(const pipeline::StepRow& row, uint64_t version, double accuracy,
                                bool resumed) {
   std::lock_guard lock(impl_->status_mutex);
-  impl_->status["step"] = row.step;
-  impl_->status["version"] = version;
-  impl_->status["accuracy"] = accuracy;
-  impl_->status["mean_reward"] = row.mean_reward;
-  impl_->status["resumed"] = resumed;
+  TrainerStatus& s = impl_->status;
+  s.step = row.step;
+  s.version = version;
+  s.stepped = true;
+  s.accuracy = accuracy;
+  s.mean_reward = row.mean_reward;
+  s.resumed = resumed;
 }
 
 void InstallStopSignals() {

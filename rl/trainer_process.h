@@ -55,7 +55,7 @@ class TrainerServices {
   sync::Publisher& publisher();
   pipeline::Coordinator& coordinator();
   // The publisher's status (its counters are read on the I/O thread); blocks until answered.
-  nlohmann::json PublisherStatus();
+  sync::PublisherStatus PublisherStatusNow();
   // Writes {"listen","http","publisher_http","model_config","tokenizer"} to `path`
   // atomically: the fleet launcher waits for this file.
   Status WriteReadyFile(const std::string& path, const RunSetup& setup) const;
@@ -70,6 +70,21 @@ class TrainerServices {
   explicit TrainerServices(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// What the trainer's GET /v1/status answers: its progress as of the last step, and the
+// coordinator's counters live.
+struct TrainerStatus {
+  std::string phase = "starting";  // "starting", "sft", "dpo", "rl", "done", ...
+  uint64_t step = 0;
+  uint64_t version = 0;
+  bool stepped = false;  // accuracy, mean_reward and resumed are reported after a step
+  double accuracy = 0;
+  double mean_reward = 0;
+  bool resumed = false;
+  pipeline::CoordinatorStats coordinator;
+  size_t queued_groups = 0;
+};
+nlohmann::json ToJson(const TrainerStatus& status);
 
 // SIGINT and SIGTERM set StopRequested() from now on.
 void InstallStopSignals();

@@ -10,6 +10,7 @@
 #include "delta/safetensors.h"
 #include "sync/drop.h"
 #include "sync/node.h"
+#include "sync/role_status.h"
 
 namespace flywheel::sync {
 
@@ -53,7 +54,7 @@ struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Im
   awaitable<void> WatchLoop();
   void Announce();
   awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
-  nlohmann::json StatusJson() const;
+  PublisherStatus CurrentStatus() const;
 };
 
 Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointView& checkpoint,
@@ -184,54 +185,38 @@ awaitable<Result<PieceSource::Piece>> Publisher::Impl::GetPiece(const ArtifactKe
   co_return piece;
 }
 
-nlohmann::json Publisher::Impl::StatusJson() const {
-  nlohmann::json nodes = nlohmann::json::array();
+PublisherStatus Publisher::Impl::CurrentStatus() const {
+  PublisherStatus s;
   const uint64_t head = log->head_version();
   for (const FleetNode& node : server->Fleet()) {
     const uint64_t version = node.state.version();
-    nodes.push_back({{"node_id", node.state.node_id()},
-                     {"region", node.state.region()},
-                     {"role", RoleName(node.state.role())},
-                     {"version", version},
-                     {"staleness", head - std::min(head, version)},
-                     {"upstream", node.state.upstream()},
-                     {"via", node.via}});
+    s.nodes.push_back({.node_id = node.state.node_id(),
+                       .region = node.state.region(),
+                       .role = RoleName(node.state.role()),
+                       .version = version,
+                       .detailed = true,
+                       .staleness = head - std::min(head, version),
+                       .upstream = node.state.upstream(),
+                       .via = node.via});
   }
-  nlohmann::json rejected = nlohmann::json::array();
+  s.common = {.role = "publisher",
+              .region = identity.region,
+              .node_id = identity.node_id,
+              .version = head,
+              .weights_hash = head == 0 ? "" : log->head_hash().ToHex(),
+              .head_version = head,
+              .max_staleness = options.max_staleness,
+              .traffic = LinkTraffic::Of(links)};
+  s.last_version = log->last_version();
+  s.artifacts_retained = artifacts.size();
+  for (const ArtifactInfo& info : artifacts) s.log_bytes += info.size_bytes;
+  s.pieces_served = server->pieces_served();
   std::lock_guard lock(stats_mutex);
-  for (const auto& [version, reason] : rejected_drops) {
-    rejected.push_back({{"version", version}, {"reason", reason}});
-  }
-  uint64_t log_bytes = 0;
-  for (const ArtifactInfo& info : artifacts) log_bytes += info.size_bytes;
-  return {
-      {"role", "publisher"},
-      {"region", identity.region},
-      {"node_id", identity.node_id},
-      {"version", head},
-      {"weights_hash", head == 0 ? "" : log->head_hash().ToHex()},
-      {"head_version", head},
-      {"last_version", log->last_version()},
-      {"staleness", 0},
-      {"max_staleness", options.max_staleness},
-      {"upstream", ""},
-      {"bytes_in", links.bytes_in()},
-      {"bytes_out", links.bytes_out()},
-      {"wan_bytes_in", links.wan_bytes_in()},
-      {"wan_bytes_out", links.wan_bytes_out()},
-      {"links", links.ToJson()},
-      {"nodes", nodes},
-      {"artifacts_retained", artifacts.size()},
-      {"log_bytes", log_bytes},
-      {"last_publish_ms", last_publish_ms},
-      {"last_artifact_bytes", last_artifact_bytes},
-      {"published_total", published},
-      {"drops_rejected", rejected_drops.size()},
-      {"rejected_drops", rejected},
-      {"pieces_served", server->pieces_served()},
-      {"last_swap_ms", 0},
-      {"swap_unix_us", 0},
-  };
+  s.last_publish_ms = last_publish_ms;
+  s.last_artifact_bytes = last_artifact_bytes;
+  s.published_total = published;
+  s.rejected_drops.assign(rejected_drops.begin(), rejected_drops.end());
+  return s;
 }
 
 Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor executor,
@@ -239,10 +224,7 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor execut
   if (options.common.region.empty()) options.common.region = "home";
   FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, false));
   auto impl = std::make_shared<Impl>(executor, options);
-  impl->identity = {wire::PUBLISHER, options.common.region,
-                    options.common.node_id.empty()
-                        ? DefaultNodeId(wire::PUBLISHER, options.common.region)
-                        : options.common.node_id};
+  impl->identity = MakeIdentity(wire::PUBLISHER, options.common);
   FW_ASSIGN_OR_RETURN(impl->log, VersionLog::Open(options.log));
   if (!impl->log->empty()) {
     spdlog::info("recovered {}: head v{} ({}), {} artifacts", options.log.dir,
@@ -274,7 +256,7 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor execut
   impl->Announce();
   Impl* raw = impl.get();
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
-                                                    [raw] { return raw->StatusJson(); }));
+                                                    [raw] { return ToJson(raw->CurrentStatus()); }));
   if (!options.watch_dir.empty()) asio::co_spawn(executor, impl->WatchLoop(), asio::detached);
   if (!options.common.ready_file.empty()) {
     FW_RETURN_IF_ERROR(WriteReadyFile(
@@ -326,7 +308,9 @@ uint64_t Publisher::version() const {
   return impl_->log->head_version();
 }
 nlohmann::json Publisher::StatusJson() const {
-  return impl_->StatusJson();
+  return ToJson(impl_->CurrentStatus());
 }
+
+PublisherStatus Publisher::CurrentStatus() const { return impl_->CurrentStatus(); }
 
 }  // namespace flywheel::sync

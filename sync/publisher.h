@@ -21,6 +21,7 @@
 #include "base/status.h"
 #include "delta/tensor.h"
 #include "sync/role.h"
+#include "sync/role_status.h"
 #include "sync/version_log.h"
 #include "transport/endpoint.h"
 
@@ -55,6 +56,7 @@ class Publisher {
   uint16_t http_port() const;
   uint64_t version() const;
   nlohmann::json StatusJson() const;  // call on the executor's thread
+  PublisherStatus CurrentStatus() const;  // the same, typed
 
   struct Impl;
 

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "sync/node.h"
+#include "sync/role_status.h"
 
 namespace flywheel::sync {
 
@@ -44,7 +45,7 @@ struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
   void Enqueue(const ArtifactKey& key, bool urgent);
   awaitable<void> FetchLoop();
   awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
-  nlohmann::json StatusJson() const;
+  RelayStatus CurrentStatus() const;
   const ArtifactInfo* NewestComplete() const;
 };
 
@@ -144,52 +145,35 @@ const ArtifactInfo* Relay::Impl::NewestComplete() const {
   return newest;
 }
 
-nlohmann::json Relay::Impl::StatusJson() const {
+RelayStatus Relay::Impl::CurrentStatus() const {
+  RelayStatus s;
   const ArtifactInfo* newest = NewestComplete();
   const uint64_t version = newest ? newest->target_version : 0;
-  uint64_t cached_bytes = 0;
-  nlohmann::json artifacts = nlohmann::json::array();
   for (const auto& [key, entry] : cache) {
-    cached_bytes += entry->download.have_count == 0 ? 0 : entry->download.info.size_bytes;
-    artifacts.push_back({{"artifact", Describe(key)},
-                         {"pieces", entry->download.have.size()},
-                         {"cached_pieces", entry->download.have_count}});
+    s.cache_bytes += entry->download.have_count == 0 ? 0 : entry->download.info.size_bytes;
+    s.artifacts.push_back({Describe(key), entry->download.have.size(), entry->download.have_count});
   }
-  nlohmann::json nodes = nlohmann::json::array();
   for (const FleetNode& node : server->Fleet()) {
-    nodes.push_back({{"node_id", node.state.node_id()},
-                     {"region", node.state.region()},
-                     {"role", RoleName(node.state.role())},
-                     {"version", node.state.version()}});
+    s.nodes.push_back({.node_id = node.state.node_id(),
+                       .region = node.state.region(),
+                       .role = RoleName(node.state.role()),
+                       .version = node.state.version()});
   }
-  const FetchCounters& counters = upstream->counters();
-  return {
-      {"role", "relay"},
-      {"region", identity.region},
-      {"node_id", identity.node_id},
-      {"version", version},
-      {"weights_hash", newest ? newest->target_hash.ToHex() : ""},
-      {"head_version", catalog.head_version},
-      {"staleness", catalog.head_version - std::min(version, catalog.head_version)},
-      {"max_staleness", catalog.max_staleness},
-      {"upstream", upstream->current()},
-      {"connected", upstream->connected()},
-      {"bytes_in", links.bytes_in()},
-      {"bytes_out", links.bytes_out()},
-      {"wan_bytes_in", links.wan_bytes_in()},
-      {"wan_bytes_out", links.wan_bytes_out()},
-      {"links", links.ToJson()},
-      {"cache_bytes", cached_bytes},
-      {"artifacts", artifacts},
-      {"nodes", nodes},
-      {"piece_requests", counters.piece_requests},
-      {"pieces_verified", counters.pieces_verified},
-      {"pieces_rejected", counters.pieces_rejected},
-      {"pieces_served", server->pieces_served()},
-      {"fetch_failures", fetch_failures},
-      {"last_swap_ms", 0},
-      {"swap_unix_us", 0},
-  };
+  s.common = {.role = "relay",
+              .region = identity.region,
+              .node_id = identity.node_id,
+              .version = version,
+              .weights_hash = newest ? newest->target_hash.ToHex() : "",
+              .head_version = catalog.head_version,
+              .staleness = catalog.head_version - std::min(version, catalog.head_version),
+              .max_staleness = catalog.max_staleness,
+              .upstream = upstream->current(),
+              .traffic = LinkTraffic::Of(links)};
+  s.connected = upstream->connected();
+  s.fetch = upstream->counters();
+  s.pieces_served = server->pieces_served();
+  s.fetch_failures = fetch_failures;
+  return s;
 }
 
 Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, RelayOptions options) {
@@ -197,23 +181,12 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
   if (options.common.region.empty()) return Status::InvalidArgument("a relay needs a --region");
   FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, true));
   auto impl = std::make_shared<Impl>(executor, options);
-  impl->identity = {wire::RELAY, options.common.region,
-                    options.common.node_id.empty()
-                        ? DefaultNodeId(wire::RELAY, options.common.region)
-                        : options.common.node_id};
-  UpstreamOptions upstream;
-  upstream.endpoints = options.upstreams;
-  upstream.tls = tls.client;
-  upstream.token = options.common.token;
-  upstream.identity = impl->identity;
-  upstream.connection = options.common.connection;
-  if (options.common.wan_shaped()) {
-    upstream.connection.shaping =
-        transport::MakeLinkShaping(options.common.wan_rate, options.common.wan_latency_ms);
-  }
-  upstream.streams = options.streams;
-  upstream.window = options.window;
-  impl->upstream = std::make_unique<Upstream>(executor, upstream, &impl->links);
+  impl->identity = MakeIdentity(wire::RELAY, options.common);
+  impl->upstream = std::make_unique<Upstream>(
+      executor,
+      MakeUpstreamOptions(options.common, options.upstreams, tls.client, impl->identity,
+                          options.streams, options.window),
+      &impl->links);
 
   ServerOptions server;
   server.listen = options.listen;
@@ -224,7 +197,7 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
   FW_ASSIGN_OR_RETURN(impl->server, Server::Start(executor, server, impl.get(), &impl->links));
   Impl* raw = impl.get();
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
-                                                    [raw] { return raw->StatusJson(); }));
+                                                    [raw] { return ToJson(raw->CurrentStatus()); }));
   asio::co_spawn(
       executor,
       [impl]() -> awaitable<void> {
@@ -277,6 +250,6 @@ void Relay::Stop() {
 
 uint16_t Relay::port() const { return impl_->server->port(); }
 uint16_t Relay::http_port() const { return impl_->http->port(); }
-nlohmann::json Relay::StatusJson() const { return impl_->StatusJson(); }
+nlohmann::json Relay::StatusJson() const { return ToJson(impl_->CurrentStatus()); }
 
 }  // namespace flywheel::sync

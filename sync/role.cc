@@ -102,6 +102,29 @@ Result<TlsContexts> MakeTlsContexts(const transport::TlsOptions& tls, bool need_
   return contexts;
 }
 
+NodeIdentity MakeIdentity(wire::Role role, const CommonOptions& common) {
+  return {role, common.region,
+          common.node_id.empty() ? DefaultNodeId(role, common.region) : common.node_id};
+}
+
+UpstreamOptions MakeUpstreamOptions(const CommonOptions& common,
+                                    std::vector<transport::Endpoint> endpoints,
+                                    std::shared_ptr<asio::ssl::context> tls,
+                                    NodeIdentity identity, int streams, int window) {
+  UpstreamOptions upstream;
+  upstream.endpoints = std::move(endpoints);
+  upstream.tls = std::move(tls);
+  upstream.token = common.token;
+  upstream.identity = std::move(identity);
+  upstream.connection = common.connection;
+  if (common.wan_shaped()) {
+    upstream.connection.shaping = transport::MakeLinkShaping(common.wan_rate, common.wan_latency_ms);
+  }
+  upstream.streams = streams;
+  upstream.window = window;
+  return upstream;
+}
+
 uint64_t UnixMicrosNow() {
   return static_cast<uint64_t>(Env::Default()->NowMicros());
 }

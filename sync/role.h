@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "sync/node.h"
 #include "transport/connection.h"
 #include "transport/http.h"
 #include "transport/tls.h"
@@ -54,6 +55,17 @@ struct TlsContexts {
 };
 Result<TlsContexts> MakeTlsContexts(const transport::TlsOptions& tls, bool need_server,
                                     bool need_client);
+
+// Who this node is: its role, the flags' region and node id (or DefaultNodeId).
+NodeIdentity MakeIdentity(wire::Role role, const CommonOptions& common);
+
+// How a relay or worker reaches upstream: `endpoints` in order of preference, the flags'
+// token and connection options (links shaped as WAN when the flags say so), the client
+// TLS context, and `streams` x `window` piece requests in flight.
+UpstreamOptions MakeUpstreamOptions(const CommonOptions& common,
+                                    std::vector<transport::Endpoint> endpoints,
+                                    std::shared_ptr<asio::ssl::context> tls,
+                                    NodeIdentity identity, int streams, int window);
 
 // Wall-clock microseconds since the Unix epoch: Env::Default()->NowMicros(), for the
 // callers that predate the Env. Code that tests must drive takes an Env* instead.

@@ -12,6 +12,7 @@
 #include "delta/delta.h"
 #include "delta/safetensors.h"
 #include "sync/node.h"
+#include "sync/role_status.h"
 
 namespace flywheel::sync {
 
@@ -104,7 +105,7 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   std::vector<ArtifactInfo> Plan();
   Status Apply(const ArtifactInfo& info, std::span<const std::byte> bytes);
   void Export(uint64_t serving_version);
-  nlohmann::json StatusJson() const;
+  WorkerStatus CurrentStatus() const;
   void OnCatalog(Catalog received);
 };
 
@@ -363,44 +364,35 @@ awaitable<void> Worker::Impl::UpdateLoop() {
   }
 }
 
-nlohmann::json Worker::Impl::StatusJson() const {
+WorkerStatus Worker::Impl::CurrentStatus() const {
+  WorkerStatus s;
   const Served now = ServedNow();
-  const Hash128 current_hash = now.hash;
   const uint64_t serving = now.version;
   const uint64_t head = std::max(catalog.head_version, serving);
-  const FetchCounters& counters = upstream->counters();
-  return {
-      {"role", "worker"},
-      {"region", identity.region},
-      {"node_id", identity.node_id},
-      {"version", serving},
-      {"weights_hash", serving == 0 ? "" : current_hash.ToHex()},
-      {"head_version", head},
-      {"staleness", head - serving},
-      {"max_staleness", catalog.max_staleness},
-      {"stale", catalog.max_staleness != 0 && head - serving > catalog.max_staleness},
-      {"upstream", upstream->current()},
-      {"connected", upstream->connected()},
-      {"bytes_in", links.bytes_in()},
-      {"bytes_out", links.bytes_out()},
-      {"wan_bytes_in", links.wan_bytes_in()},
-      {"wan_bytes_out", links.wan_bytes_out()},
-      {"links", links.ToJson()},
-      {"last_swap_ms", last_swap_ms},
-      {"last_apply_ms", last_apply_ms},
-      {"last_swap_pause_ms", static_cast<double>(last_swap_pause_us.load()) / 1000.0},
-      {"swap_unix_us", now.swap_unix_us},
-      {"swaps_total", swaps},
-      {"exports_total", exports},
-      {"piece_requests", counters.piece_requests},
-      {"pieces_verified", counters.pieces_verified},
-      {"pieces_rejected", counters.pieces_rejected},
-      {"piece_bytes", counters.piece_bytes},
-      {"artifacts_rejected", artifacts_rejected},
-      {"swaps_refused", swaps_refused.load()},
-      {"older_heads_ignored", ignored_older_heads},
-      {"last_error", last_error},
-  };
+  s.common = {.role = "worker",
+              .region = identity.region,
+              .node_id = identity.node_id,
+              .version = serving,
+              .weights_hash = serving == 0 ? "" : now.hash.ToHex(),
+              .head_version = head,
+              .staleness = head - serving,
+              .max_staleness = catalog.max_staleness,
+              .upstream = upstream->current(),
+              .traffic = LinkTraffic::Of(links),
+              .last_swap_ms = last_swap_ms,
+              .swap_unix_us = now.swap_unix_us};
+  s.stale = catalog.max_staleness != 0 && head - serving > catalog.max_staleness;
+  s.connected = upstream->connected();
+  s.last_apply_ms = last_apply_ms;
+  s.last_swap_pause_ms = static_cast<double>(last_swap_pause_us.load()) / 1000.0;
+  s.swaps_total = swaps;
+  s.exports_total = exports;
+  s.fetch = upstream->counters();
+  s.artifacts_rejected = artifacts_rejected;
+  s.swaps_refused = swaps_refused.load();
+  s.older_heads_ignored = ignored_older_heads;
+  s.last_error = last_error;
+  return s;
 }
 
 Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
@@ -409,26 +401,15 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
   if (options.common.region.empty()) return Status::InvalidArgument("a worker needs a --region");
   FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, true));
   auto impl = std::make_shared<Impl>(executor, options);
-  impl->identity = {wire::WORKER, options.common.region,
-                    options.common.node_id.empty()
-                        ? DefaultNodeId(wire::WORKER, options.common.region)
-                        : options.common.node_id};
-  UpstreamOptions upstream;
-  upstream.endpoints = options.upstreams;
-  upstream.tls = tls.client;
-  upstream.token = options.common.token;
-  upstream.identity = impl->identity;
-  upstream.connection = options.common.connection;
-  if (options.common.wan_shaped()) {
-    upstream.connection.shaping =
-        transport::MakeLinkShaping(options.common.wan_rate, options.common.wan_latency_ms);
-  }
-  upstream.streams = options.streams;
-  upstream.window = options.window;
-  impl->upstream = std::make_unique<Upstream>(executor, upstream, &impl->links);
+  impl->identity = MakeIdentity(wire::WORKER, options.common);
+  impl->upstream = std::make_unique<Upstream>(
+      executor,
+      MakeUpstreamOptions(options.common, options.upstreams, tls.client, impl->identity,
+                          options.streams, options.window),
+      &impl->links);
   Impl* raw = impl.get();
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
-                                                    [raw] { return raw->StatusJson(); }));
+                                                    [raw] { return ToJson(raw->CurrentStatus()); }));
   if (options.configure_http) options.configure_http(*impl->http);
   asio::co_spawn(
       executor,
@@ -500,7 +481,7 @@ void Worker::WithWeights(const std::function<void(uint64_t, const CheckpointView
   fn(impl_->version.load(), impl_->weights.view());
 }
 nlohmann::json Worker::StatusJson() const {
-  return impl_->StatusJson();
+  return ToJson(impl_->CurrentStatus());
 }
 
 }  // namespace flywheel::sync

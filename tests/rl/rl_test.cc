@@ -370,5 +370,31 @@ TEST(PublishTest, SnapshotIsHashedOnceAndTheEncoderCountsTheChange) {
   fs::remove_all(dir);
 }
 
+TEST(TrainerStatusTest, ReportsProgressAfterTheFirstStepAndTheCoordinatorsCounters) {
+  TrainerStatus status;
+  nlohmann::json before = ToJson(status);
+  EXPECT_EQ(before["role"], "trainer");
+  EXPECT_EQ(before["phase"], "starting");
+  EXPECT_FALSE(before.contains("accuracy"));
+  EXPECT_FALSE(before.contains("resumed"));
+  status.phase = "rl";
+  status.step = 3;
+  status.version = 4;
+  status.stepped = true;
+  status.accuracy = 0.5;
+  status.resumed = true;
+  status.coordinator.claims = 12;
+  status.coordinator.groups_by_worker["w1"] = 2;
+  status.queued_groups = 1;
+  nlohmann::json after = ToJson(status);
+  EXPECT_EQ(after["step"], 3u);
+  EXPECT_EQ(after["version"], 4u);
+  EXPECT_EQ(after["accuracy"], 0.5);
+  EXPECT_EQ(after["resumed"], true);
+  EXPECT_EQ(after["claims"], 12u);
+  EXPECT_EQ(after["groups_by_worker"]["w1"], 2u);
+  EXPECT_EQ(after["queued_groups"], 1u);
+}
+
 }  // namespace
 }  // namespace flywheel::rl

@@ -1,0 +1,107 @@
+// What each role reports at GET /v1/status and /metrics, typed. A role fills its status
+// struct; ToJson renders any of them (the fields every role shares once, in RoleStatus,
+// then the role's own), and MetricsText (sync/role.h) turns the top-level numbers and
+// booleans of that document into Prometheus samples. So the keys a fleet view, a test or
+// a dashboard reads are defined here, once, and cannot drift between the roles.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sync/node.h"
+
+namespace flywheel::sync {
+
+// The traffic of a node's links: totals (counters in /metrics) and the live links.
+struct LinkTraffic {
+  uint64_t bytes_in = 0;
+  uint64_t bytes_out = 0;
+  uint64_t wan_bytes_in = 0;  // on shaped (WAN) links
+  uint64_t wan_bytes_out = 0;
+  nlohmann::json links = nlohmann::json::array();
+  static LinkTraffic Of(const LinkRegistry& links);
+};
+
+// What every role reports.
+struct RoleStatus {
+  std::string role;  // "publisher", "relay", "worker"
+  std::string region;
+  std::string node_id;
+  uint64_t version = 0;      // what it serves (publisher: its head)
+  std::string weights_hash;  // of `version`; "" before the first
+  uint64_t head_version = 0;
+  uint64_t staleness = 0;  // head_version - version
+  uint64_t max_staleness = 0;
+  std::string upstream;  // "" for the publisher
+  LinkTraffic traffic;
+  double last_swap_ms = 0;   // workers; 0 elsewhere
+  uint64_t swap_unix_us = 0;  // workers; 0 elsewhere
+};
+
+// A node of the fleet as its reports reached this one. The publisher knows where each is
+// behind and through whom it reported (`detailed`); a relay lists its region's nodes.
+struct FleetNodeStatus {
+  std::string node_id;
+  std::string region;
+  std::string role;
+  uint64_t version = 0;
+  bool detailed = false;
+  uint64_t staleness = 0;  // detailed only
+  std::string upstream;    // detailed only
+  std::string via;         // detailed only
+};
+
+struct PublisherStatus {
+  RoleStatus common;
+  uint64_t last_version = 0;
+  std::vector<FleetNodeStatus> nodes;
+  uint64_t artifacts_retained = 0;
+  uint64_t log_bytes = 0;
+  double last_publish_ms = 0;
+  uint64_t last_artifact_bytes = 0;
+  uint64_t published_total = 0;
+  std::vector<std::pair<uint64_t, std::string>> rejected_drops;  // version, reason
+  uint64_t pieces_served = 0;
+};
+
+struct CachedArtifactStatus {
+  std::string artifact;  // "delta 3->4" / "keyframe 4"
+  uint64_t pieces = 0;
+  uint64_t cached_pieces = 0;
+};
+
+struct RelayStatus {
+  RoleStatus common;
+  bool connected = false;
+  uint64_t cache_bytes = 0;
+  std::vector<CachedArtifactStatus> artifacts;
+  std::vector<FleetNodeStatus> nodes;
+  FetchCounters fetch;
+  uint64_t pieces_served = 0;
+  uint64_t fetch_failures = 0;
+};
+
+struct WorkerStatus {
+  RoleStatus common;
+  bool stale = false;  // further behind the head than max_staleness
+  bool connected = false;
+  double last_apply_ms = 0;
+  double last_swap_pause_ms = 0;
+  uint64_t swaps_total = 0;
+  uint64_t exports_total = 0;
+  FetchCounters fetch;
+  uint64_t artifacts_rejected = 0;
+  uint64_t swaps_refused = 0;
+  uint64_t older_heads_ignored = 0;
+  std::string last_error;
+};
+
+nlohmann::json ToJson(const PublisherStatus& status);
+nlohmann::json ToJson(const RelayStatus& status);
+nlohmann::json ToJson(const WorkerStatus& status);
+
+}  // namespace flywheel::sync
