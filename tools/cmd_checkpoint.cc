@@ -42,15 +42,6 @@ struct InfoArgs {
   std::string path;
 };
 
-std::string FormatShape(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(shape[i]);
-  }
-  return text + "]";
-}
-
 Status RunInfo(const InfoArgs& args) {
   Result<Checkpoint> checkpoint = Checkpoint::Open(args.path);
   if (!checkpoint.ok()) return Failed("cannot read " + args.path, checkpoint.status());
@@ -62,7 +53,7 @@ Status RunInfo(const InfoArgs& args) {
   for (const TensorView& tensor : tensors) {
     total_bytes += tensor.data.size();
     name_width = std::max(name_width, tensor.name.size());
-    shape_width = std::max(shape_width, FormatShape(tensor.shape).size());
+    shape_width = std::max(shape_width, ShapeString(tensor.shape).size());
   }
   for (const auto& [name, shard] : checkpoint->weight_map()) shards.insert(shard);
 
@@ -91,7 +82,7 @@ Status RunInfo(const InfoArgs& args) {
       shard = "  " + (it == checkpoint->weight_map().end() ? std::string("?") : it->second);
     }
     std::printf("%-*s  %-7s %-*s %14llu%s\n", name_w, tensor.name.c_str(), dtype ? dtype : "?",
-                shape_w, FormatShape(tensor.shape).c_str(),
+                shape_w, ShapeString(tensor.shape).c_str(),
                 static_cast<unsigned long long>(tensor.data.size()), shard.c_str());
   }
   std::fflush(stdout);
