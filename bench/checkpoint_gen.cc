@@ -11,17 +11,14 @@
 #include "bench/util.h"
 
 namespace flywheel::bench {
-namespace {
-
-// Parameters per random stream. Fixed, so results do not depend on the thread count.
-constexpr uint64_t kBlockWords = 1 << 16;
-
-uint64_t SplitMix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
+uint64_t StreamState(uint64_t seed, uint64_t step, uint64_t block) {
+  uint64_t key = seed;
+  key = SplitMix64(key) ^ (step * 0xD1B54A32D192ED03ull);
+  key = SplitMix64(key) ^ (block * 0x8CB92BA72F3D8DD7ull);
+  return SplitMix64(key);
 }
+
+namespace {
 
 // xoshiro256+ (Blackman & Vigna). Its lowest bits are weak, so callers use the high ones.
 class Xoshiro256Plus {
@@ -47,10 +44,7 @@ class Xoshiro256Plus {
 
 // The stream of one (step, block): independent of which thread runs it.
 Xoshiro256Plus StreamFor(uint64_t seed, uint64_t step, uint64_t block) {
-  uint64_t mix = seed;
-  uint64_t key = SplitMix64(mix) ^ (step * 0xD1B54A32D192ED03ull);
-  key = SplitMix64(key) ^ (block * 0x8CB92BA72F3D8DD7ull);
-  return Xoshiro256Plus(SplitMix64(key));
+  return Xoshiro256Plus(StreamState(seed, step, block));
 }
 
 // ln(x) for normal positive finite x, to ~1e-7 relative: x = m * 2^e with m in

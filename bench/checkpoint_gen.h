@@ -51,6 +51,18 @@ struct TensorLayout {
 // q/k/v/o_proj, post_attention_layernorm, gate/up/down_proj, then the final norm.
 std::vector<TensorLayout> TransformerTensors(const TransformerShape& shape);
 
+// The generators' random streams: the words are cut into blocks of kBlockWords, and each
+// (step, block) has its own stream seeded from StreamState, so the output does not depend
+// on the thread count.
+inline constexpr uint64_t kBlockWords = 1 << 16;
+inline uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+uint64_t StreamState(uint64_t seed, uint64_t step, uint64_t block);
+
 // The bf16 tensors of `tensors` over `words` (which must hold the layout's words).
 CheckpointView Bf16View(const std::vector<TensorLayout>& tensors, const std::vector<uint16_t>& words);
 

@@ -774,61 +774,16 @@ Status ValidateOptions(const CodecBenchOptions& options) {
   return Status::Ok();
 }
 
-// Removes a scratch directory this run created, on every way out of RunCodecBench.
-class ScopedWorkDir {
- public:
-  ScopedWorkDir() = default;
-  ScopedWorkDir(const ScopedWorkDir&) = delete;
-  ScopedWorkDir& operator=(const ScopedWorkDir&) = delete;
-  ~ScopedWorkDir() {
-    if (created_) {
-      std::error_code ignored;
-      std::filesystem::remove_all(path_, ignored);
-    }
-  }
-  const std::string& path() const { return path_; }
-
-  // options.work_dir (created if missing, kept afterwards) or a fresh directory under
-  // $TMPDIR (removed afterwards).
-  Status Prepare(const CodecBenchOptions& options) {
-    FW_ASSIGN_OR_RETURN(path_, PrepareWorkDir(options, created_));
-    return Status::Ok();
-  }
-
- private:
-  static Result<std::string> PrepareWorkDir(const CodecBenchOptions& options, bool& created);
-
-  std::string path_;
-  bool created_ = false;
-};
-
-Result<std::string> ScopedWorkDir::PrepareWorkDir(const CodecBenchOptions& options, bool& created) {
-  created = false;
-  if (!options.work_dir.empty()) {
-    std::error_code error;
-    std::filesystem::create_directories(options.work_dir, error);
-    if (error) {
-      return Status::IOError("cannot create work dir " + options.work_dir + ": " + error.message());
-    }
-    return options.work_dir;
-  }
-  const char* tmp = std::getenv("TMPDIR");
-  std::string pattern =
-      std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/flywheel-codec-bench-XXXXXX";
-  if (::mkdtemp(pattern.data()) == nullptr) {
-    return Status::IOError("cannot create a work dir from " + pattern + ": " +
-                           std::strerror(errno));
-  }
-  created = true;
-  return pattern;
-}
-
 }  // namespace
 
 Status RunCodecBench(const CodecBenchOptions& options, std::ostream& out) {
   FW_RETURN_IF_ERROR(ValidateOptions(options));
   ScopedWorkDir work_dir;
-  if (options.run_peers) FW_RETURN_IF_ERROR(work_dir.Prepare(options));
+  if (options.run_peers) {
+    // --work-dir is kept afterwards; a fresh one under $TMPDIR is removed.
+    FW_RETURN_IF_ERROR(work_dir.Prepare(options.work_dir, "flywheel-codec-bench",
+                                        /*keep=*/!options.work_dir.empty()));
+  }
   const TransformerShape shape = ShapeForBytes(options.checkpoint_bytes);
   const size_t thread_columns = options.threads.size();
   const std::string preamble = Preamble(options, shape);

@@ -142,23 +142,6 @@ double LoadAverage() {
 
 // ---- the checkpoint sequence -----------------------------------------------------------
 
-// Parameters per random stream. Fixed, so the checkpoints do not depend on the threads.
-constexpr uint64_t kBlockWords = 1 << 16;
-
-uint64_t SplitMix64(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// The starting state of the random stream of one (step, block).
-uint64_t StreamState(uint64_t seed, uint64_t step, uint64_t block) {
-  uint64_t key = seed;
-  key = SplitMix64(key) ^ (step * 0xD1B54A32D192ED03ull);
-  key = SplitMix64(key) ^ (block * 0x8CB92BA72F3D8DD7ull);
-  return SplitMix64(key);
-}
 
 // Consecutive bf16 checkpoints of one simulated training run, one version at a time. The
 // only state kept between versions are the fp32 masters (4 bytes per parameter), so a
@@ -1182,50 +1165,6 @@ Status CheckMemory(const FleetBenchOptions& options, const std::string& work_dir
   return Status::Ok();
 }
 
-// Removes a scratch directory this run created unless asked to keep it.
-class ScopedWorkDir {
- public:
-  ScopedWorkDir() = default;
-  ScopedWorkDir(const ScopedWorkDir&) = delete;
-  ScopedWorkDir& operator=(const ScopedWorkDir&) = delete;
-  ~ScopedWorkDir() {
-    if (remove_) {
-      std::error_code ignored;
-      fs::remove_all(path_, ignored);
-    }
-  }
-  const std::string& path() const { return path_; }
-
-  // options.work_dir (created if missing) or a fresh directory under $TMPDIR.
-  Status Prepare(const FleetBenchOptions& options) {
-    if (!options.work_dir.empty()) {
-      std::error_code error;
-      const bool created = fs::create_directories(options.work_dir, error);
-      if (error) {
-        return Status::IOError("cannot create work dir " + options.work_dir + ": " +
-                               error.message());
-      }
-      path_ = fs::absolute(options.work_dir).string();
-      remove_ = created && !options.keep;
-      return Status::Ok();
-    }
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern =
-        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/flywheel-fleet-bench-XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) {
-      return Status::IOError("cannot create a work dir from " + pattern + ": " +
-                             std::strerror(errno));
-    }
-    path_ = pattern;
-    remove_ = !options.keep;
-    return Status::Ok();
-  }
-
- private:
-  std::string path_;
-  bool remove_ = false;
-};
-
 Result<std::string> ResolveFlywheel(const FleetBenchOptions& options) {
   std::error_code error;
   std::string path = options.flywheel_binary;
@@ -1248,7 +1187,7 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
   FW_RETURN_IF_ERROR(ValidateOptions(options));
   FW_ASSIGN_OR_RETURN(const std::string flywheel, ResolveFlywheel(options));
   ScopedWorkDir work_dir;
-  FW_RETURN_IF_ERROR(work_dir.Prepare(options));
+  FW_RETURN_IF_ERROR(work_dir.Prepare(options.work_dir, "flywheel-fleet-bench", options.keep));
   FW_RETURN_IF_ERROR(CheckMemory(options, work_dir.path()));
   if (options.keep) std::cerr << "[fleet bench] work dir (kept): " << work_dir.path() << "\n";
   const std::string log_dir = work_dir.path() + "/logs";

@@ -6,7 +6,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +24,47 @@ namespace flywheel::bench {
 // missing; writes atomically. (bench/markdown.cc)
 Status WriteMarkdownSection(const std::string& path, const std::string& heading,
                             const std::string& section);
+
+// A benchmark's scratch directory, removed on every way out of the run unless kept:
+// `work_dir` when given (created if missing; removed afterwards only if this run created
+// it and `keep` is false), else a fresh <$TMPDIR or /tmp>/<prefix>-XXXXXX (removed unless
+// `keep`).
+class ScopedWorkDir {
+ public:
+  ScopedWorkDir() = default;
+  ScopedWorkDir(const ScopedWorkDir&) = delete;
+  ScopedWorkDir& operator=(const ScopedWorkDir&) = delete;
+  ~ScopedWorkDir() {
+    if (remove_) {
+      std::error_code ignored;
+      std::filesystem::remove_all(path_, ignored);
+    }
+  }
+  const std::string& path() const { return path_; }
+
+  Status Prepare(const std::string& work_dir, const std::string& prefix, bool keep) {
+    if (!work_dir.empty()) {
+      std::error_code error;
+      const bool created = std::filesystem::create_directories(work_dir, error);
+      if (error) return Status::IOError("cannot create work dir " + work_dir + ": " + error.message());
+      path_ = std::filesystem::absolute(work_dir).string();
+      remove_ = created && !keep;
+      return Status::Ok();
+    }
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/" + prefix + "-XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return Status::IOError("cannot create a work dir from " + pattern + ": " + std::strerror(errno));
+    }
+    path_ = pattern;
+    remove_ = !keep;
+    return Status::Ok();
+  }
+
+ private:
+  std::string path_;
+  bool remove_ = false;
+};
 
 struct Table {
   std::vector<std::string> header;

@@ -231,12 +231,7 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor execut
                  impl->log->head_version(), impl->log->head_hash().ToHex(),
                  impl->log->Artifacts().size());
   }
-  ServerOptions server;
-  server.listen = options.listen;
-  server.identity = impl->identity;
-  server.listener.tls = tls.server;
-  server.listener.token = options.common.token;
-  server.listener.connection = options.common.connection;
+  ServerOptions server = MakeServerOptions(options.common, options.listen, impl->identity, tls.server);
   if (options.common.wan_shaped()) {
     Impl* raw = impl.get();
     server.listener.shaping_for = [raw](const wire::Hello& hello) {

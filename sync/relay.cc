@@ -188,12 +188,7 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
                           options.streams, options.window),
       &impl->links);
 
-  ServerOptions server;
-  server.listen = options.listen;
-  server.identity = impl->identity;
-  server.listener.tls = tls.server;
-  server.listener.token = options.common.token;
-  server.listener.connection = options.common.connection;
+  ServerOptions server = MakeServerOptions(options.common, options.listen, impl->identity, tls.server);
   FW_ASSIGN_OR_RETURN(impl->server, Server::Start(executor, server, impl.get(), &impl->links));
   Impl* raw = impl.get();
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,

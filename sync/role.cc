@@ -125,6 +125,17 @@ UpstreamOptions MakeUpstreamOptions(const CommonOptions& common,
   return upstream;
 }
 
+ServerOptions MakeServerOptions(const CommonOptions& common, transport::Endpoint listen,
+                                NodeIdentity identity, std::shared_ptr<asio::ssl::context> tls) {
+  ServerOptions server;
+  server.listen = std::move(listen);
+  server.identity = std::move(identity);
+  server.listener.tls = std::move(tls);
+  server.listener.token = common.token;
+  server.listener.connection = common.connection;
+  return server;
+}
+
 uint64_t UnixMicrosNow() {
   return static_cast<uint64_t>(Env::Default()->NowMicros());
 }

@@ -67,6 +67,11 @@ UpstreamOptions MakeUpstreamOptions(const CommonOptions& common,
                                     std::shared_ptr<asio::ssl::context> tls,
                                     NodeIdentity identity, int streams, int window);
 
+// The serving side of a publisher or relay: where it listens, who it is, the server TLS
+// context and the flags' token and connection options.
+ServerOptions MakeServerOptions(const CommonOptions& common, transport::Endpoint listen,
+                                NodeIdentity identity, std::shared_ptr<asio::ssl::context> tls);
+
 // Wall-clock microseconds since the Unix epoch: Env::Default()->NowMicros(), for the
 // callers that predate the Env. Code that tests must drive takes an Env* instead.
 uint64_t UnixMicrosNow();
