@@ -231,7 +231,11 @@ void AddTrainerCommand(CLI::App& bench_app, Action& action) {
       "  flywheel bench trainer --markdown docs/BENCHMARKS.md");
   trainer->callback([options, &action] {
     action = [options]() -> Status {
+#ifdef FLYWHEEL_WITH_TORCH
       Status status = bench::RunTrainerReport(*options, std::cout);
+#else
+      Status status = TorchOnly("bench trainer");
+#endif
       std::cout.flush();
       if (!status.ok()) return Failed("trainer benchmark failed", status);
       return Status::Ok();
@@ -279,7 +283,11 @@ void AddRolloutCommand(CLI::App& bench_app, Action& action) {
       ->type_name("PATH");
   rollout->callback([options, &action] {
     action = [options]() -> Status {
+#ifdef FLYWHEEL_WITH_TORCH
       Status status = bench::RunRolloutReport(*options, std::cout);
+#else
+      Status status = TorchOnly("bench rollout");
+#endif
       std::cout.flush();
       if (!status.ok()) return Failed("rollout benchmark failed", status);
       return Status::Ok();
@@ -319,7 +327,11 @@ void AddParityCommand(CLI::App& bench_app, Action& action) {
       ->type_name("PATH");
   parity->callback([options, &action] {
     action = [options]() -> Status {
+#ifdef FLYWHEEL_WITH_TORCH
       Status status = bench::RunParityReport(*options, std::cout);
+#else
+      Status status = TorchOnly("bench parity");
+#endif
       std::cout.flush();
       if (!status.ok()) return Failed("parity benchmark failed", status);
       return Status::Ok();

@@ -13,7 +13,7 @@
 #include "bench/pipeline_bench.h"
 #include "pipeline/demo.h"
 #include "pipeline/run_config.h"
-#include "rl/rl_loop.h"
+#include "rl/rl_loop.h"  // declarations only: flywheel hands `train` over (commands.h)
 #include "tools/commands.h"
 
 namespace flywheel::tools {
@@ -93,7 +93,11 @@ Status RunTrain(const RlArgs& args) {
     std::getline(in, options.token);
   }
   options.quiet = args.quiet;
+#ifdef FLYWHEEL_WITH_TORCH
   return rl::RunTrainer(options);
+#else
+  return TorchOnly("train");
+#endif
 }
 
 Status RunPipelineBench(const RlArgs& args) {
@@ -104,7 +108,11 @@ Status RunPipelineBench(const RlArgs& args) {
   options.markdown = args.markdown;
   options.quiet = args.quiet;
   options.warn = WarnLine;
+#ifdef FLYWHEEL_WITH_TORCH
   return bench::RunPipelineBench(options, std::cout);
+#else
+  return TorchOnly("bench pipeline");
+#endif
 }
 
 void AddConfigOptions(CLI::App* app, RlArgs& args) {

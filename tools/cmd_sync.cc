@@ -12,7 +12,9 @@
 #include <string>
 #include <vector>
 
+#ifdef FLYWHEEL_WITH_TORCH
 #include "rollout/worker_engine.h"
+#endif
 #include "sync/publisher.h"
 #include "sync/relay.h"
 #include "sync/worker.h"
@@ -210,6 +212,7 @@ Status RunWorker(const SyncArgs& args) {
   options.export_keep = args.export_keep;
   options.streams = args.streams;
   options.window = args.window;
+#ifdef FLYWHEEL_WITH_TORCH
   std::unique_ptr<rollout::WorkerEngine> engine;
   if (!args.model.empty()) {
     rollout::WorkerEngineOptions engine_options;
@@ -241,12 +244,19 @@ Status RunWorker(const SyncArgs& args) {
     options.on_swap = [raw](const sync::SwapEvent& event) { return raw->OnSwap(event); };
     options.configure_http = [raw](transport::HttpServer& server) { raw->Register(server); };
   }
+#else
+  if (!args.model.empty()) return TorchOnly("worker --model");
+#endif
   asio::io_context io(1);
   Result<std::unique_ptr<sync::Worker>> worker = sync::Worker::Start(io.get_executor(), options);
   if (!worker.ok()) return Failed("worker", worker.status());
+#ifdef FLYWHEEL_WITH_TORCH
   if (engine) engine->Attach(worker->get());
   RunUntilSignalled(io, [&] { (*worker)->Stop(); });
   engine.reset();  // its steps may hold the worker's weights lock: it goes first
+#else
+  RunUntilSignalled(io, [&] { (*worker)->Stop(); });
+#endif
   return Status::Ok();
 }
 

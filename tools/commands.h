@@ -28,6 +28,25 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;  // a run-time failure (I/O, corrupt input, wrong base)
 inline constexpr int kExitUsage = 2;    // the command line itself was wrong
 
+// Two executables are built from these sources. `flywheel-torch` (FLYWHEEL_WITH_TORCH)
+// links libtorch and runs every command. `flywheel` does not: it starts in milliseconds and
+// runs every command that needs no tensor math itself; before parsing, main() hands a
+// command that needs libtorch (NeedsTorch) over to the flywheel-torch beside it (execv,
+// same arguments). Both register the same commands, so `flywheel --help` lists them all.
+#ifdef FLYWHEEL_WITH_TORCH
+inline constexpr bool kWithTorch = true;
+#else
+inline constexpr bool kWithTorch = false;
+#endif
+
+// Whether the command line names a command that needs libtorch: `train`, `bench trainer`,
+// `bench rollout`, `bench parity`, `bench pipeline`, and `worker` with --model.
+bool NeedsTorch(int argc, char** argv);
+
+// What a torch command's action returns in `flywheel` (main() hands those over before
+// parsing, so it only shows if the hand-over was bypassed).
+Status TorchOnly(const std::string& command);
+
 // `--threads` default: every core the machine reports (at least 1).
 int DefaultThreads();
 

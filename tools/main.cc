@@ -14,6 +14,12 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
+#include <string_view>
+#include <filesystem>
+#include <cerrno>
+#include <cstring>
+#include <unistd.h>
 
 #include "tools/commands.h"
 
@@ -22,6 +28,28 @@
 #endif
 
 namespace flywheel::tools {
+
+bool NeedsTorch(int argc, char** argv) {
+  std::vector<std::string_view> words;  // the command words, options left out
+  bool model = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--model" || arg.starts_with("--model=")) model = true;
+    if (!arg.empty() && arg[0] != '-' && words.size() < 2) words.push_back(arg);
+  }
+  if (words.empty()) return false;
+  if (words[0] == "train") return true;
+  if (words[0] == "worker") return model;
+  if (words[0] == "bench" && words.size() > 1) {
+    return words[1] == "trainer" || words[1] == "rollout" || words[1] == "parity" ||
+           words[1] == "pipeline";
+  }
+  return false;
+}
+
+Status TorchOnly(const std::string& command) {
+  return Status::Internal(command + " needs libtorch: run it with flywheel-torch");
+}
 
 int DefaultThreads() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -92,7 +120,23 @@ void SetUpLogging(bool verbose) {
   spdlog::set_level(verbose ? spdlog::level::debug : spdlog::level::off);
 }
 
+// `flywheel` runs a torch command by replacing itself with the flywheel-torch beside it;
+// returns only when that is impossible (it then says why, in one line).
+int HandOverToTorch(char** argv) {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::string torch =
+      ((ec ? std::filesystem::path(argv[0]) : self).parent_path() / "flywheel-torch").string();
+  ::execv(torch.c_str(), argv);
+  const int error = errno;
+  std::cerr << "flywheel: this command needs libtorch, which `flywheel` does not load; it runs "
+               "in flywheel-torch, but "
+            << torch << " cannot be run: " << std::strerror(error) << std::endl;
+  return kExitFailure;
+}
+
 int Run(int argc, char** argv) {
+  if (!kWithTorch && NeedsTorch(argc, argv)) return HandOverToTorch(argv);
   CLI::App app(kDescription, "flywheel");
   app.set_version_flag("--version", std::string("flywheel ") + FLYWHEEL_VERSION,
                        "Print the version and exit");

@@ -622,5 +622,55 @@ TEST_F(CliTest, HelpMentionsEveryCommand) {
   EXPECT_EQ(version.out.rfind("flywheel ", 0), 0u) << version.out;
 }
 
+// `flywheel` does not load libtorch (so that it starts in milliseconds and a relay or a
+// model-less worker stays small); `flywheel-torch` beside it does, and runs the torch
+// commands `flywheel` hands over.
+std::string Ldd(const std::string& binary) {
+  Result<pipeline::Completion> ldd = pipeline::RunToCompletion("/usr/bin/ldd", {binary}, {});
+  if (!ldd.ok() || ldd->exit_code != 0) return "";
+  return ldd->out;
+}
+
+TEST_F(CliTest, FlywheelLinksNoLibtorchAndFlywheelTorchDoes) {
+  if (!fs::exists("/usr/bin/ldd")) GTEST_SKIP() << "no /usr/bin/ldd";
+  const std::string torch_bin = (fs::path(FLYWHEEL_BIN).parent_path() / "flywheel-torch").string();
+  const std::string plain = Ldd(FLYWHEEL_BIN);
+  const std::string with_torch = Ldd(torch_bin);
+  ASSERT_NE(plain.find("libc.so"), std::string::npos) << plain;
+  EXPECT_EQ(plain.find("libtorch"), std::string::npos) << plain;
+  EXPECT_EQ(plain.find("libc10"), std::string::npos) << plain;
+  EXPECT_NE(with_torch.find("libtorch"), std::string::npos) << with_torch;
+}
+
+TEST_F(CliTest, TorchCommandsAreHandedOverToFlywheelTorch) {
+  CommandResult train = RunFlywheel({"train", "--help"});
+  ExpectSuccess(train);
+  EXPECT_NE(train.out.find("--state"), std::string::npos) << train.out;
+  CommandResult trainer = RunFlywheel({"-v", "bench", "trainer", "--help"});
+  ExpectSuccess(trainer);
+  EXPECT_NE(trainer.out.find("--sequences"), std::string::npos) << trainer.out;
+  // A torch command's usage errors come from flywheel-torch, with the same contract.
+  CommandResult bad = RunFlywheel({"worker", "--model", Path("missing.json"), "--no-such-flag"});
+  EXPECT_EQ(bad.exit_code, 2) << Describe(bad);
+  ExpectOneErrorLine(bad);
+}
+
+TEST_F(CliTest, MissingFlywheelTorchIsOneClearLine) {
+  const std::string alone = Path("alone");
+  fs::create_directories(alone);
+  fs::copy_file(FLYWHEEL_BIN, alone + "/flywheel");
+  Result<pipeline::Completion> run =
+      pipeline::RunToCompletion(alone + "/flywheel", {"train", "--help"}, {});
+  ASSERT_TRUE(run.ok()) << run.status().ToString();
+  EXPECT_EQ(run->exit_code, 1);
+  EXPECT_NE(run->err.find("flywheel-torch"), std::string::npos) << run->err;
+  EXPECT_NE(run->err.find("cannot be run"), std::string::npos) << run->err;
+  EXPECT_EQ(std::count(run->err.begin(), run->err.end(), '\n'), 1) << run->err;
+  // What needs no torch still runs.
+  Result<pipeline::Completion> help = pipeline::RunToCompletion(alone + "/flywheel", {"--help"}, {});
+  ASSERT_TRUE(help.ok());
+  EXPECT_EQ(help->exit_code, 0);
+}
+
 }  // namespace
 }  // namespace flywheel
