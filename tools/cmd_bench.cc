@@ -13,6 +13,7 @@
 #include "bench/fleet_bench.h"
 #include "bench/parity_bench.h"
 #include "bench/rollout_bench.h"
+#include "bench/startup_bench.h"
 #include "bench/trainer_bench.h"
 #include "tools/commands.h"
 
@@ -339,6 +340,34 @@ void AddParityCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddStartupCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::StartupBenchOptions>();
+  CLI::App* startup = bench_app.add_subcommand(
+      "startup",
+      "Benchmark what a command costs before it does anything: the torch-free flywheel\n"
+      "against flywheel-torch (libtorch loaded at start, as every command was before the\n"
+      "split), with /bin/true and python3 -c pass as peers. Wall time of --help and of\n"
+      "`checkpoint hash` of a 1 MB checkpoint, and the resident memory of an idle publisher,\n"
+      "relay and model-less worker started by each. Fails when flywheel's --help or hash\n"
+      "takes over 50 ms or an idle relay or worker holds over 40 MB.");
+  startup->add_option("--reps", options->reps, "Runs per command (median reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  startup->add_flag("!--no-check", options->check, "Report without failing on a missed target");
+  startup
+      ->add_option("--markdown", options->markdown_out,
+                   "Write the table as the '## Startup benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  startup->callback([options, &action] {
+    action = [options]() -> Status {
+      Status status = bench::RunStartupBench(*options, std::cout);
+      std::cout.flush();
+      if (!status.ok()) return Failed("startup benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 }  // namespace
 
 void AddBenchCommands(CLI::App& app, Action& action) {
@@ -399,6 +428,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   codec->callback([args, &action] { action = [args] { return RunBench(*args); }; });
 
   AddFleetCommand(*bench_app, action);
+  AddStartupCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);
   AddParityCommand(*bench_app, action);

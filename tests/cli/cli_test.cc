@@ -672,5 +672,20 @@ TEST_F(CliTest, MissingFlywheelTorchIsOneClearLine) {
   EXPECT_EQ(help->exit_code, 0);
 }
 
+TEST_F(CliTest, BenchStartupMeetsItsTargets) {
+  // flywheel's --help and a 1 MB hash within 50 ms, its idle relay and worker within 40 MB,
+  // flywheel-torch measured beside it (the benchmark fails otherwise).
+  CommandResult run = RunFlywheel({"bench", "startup", "--reps", "3", "--markdown", Path("b.md")});
+  ExpectSuccess(run);
+  for (const char* row : {"--help, ms", "checkpoint hash 1 MB", "idle relay RSS", "idle model-less worker RSS",
+                          "/bin/true", "python3 -c pass"}) {
+    EXPECT_NE(run.out.find(row), std::string::npos) << row << "\n" << run.out;
+  }
+  std::ifstream markdown(Path("b.md"));
+  std::stringstream text;
+  text << markdown.rdbuf();
+  EXPECT_NE(text.str().find("## Startup benchmark"), std::string::npos) << text.str();
+}
+
 }  // namespace
 }  // namespace flywheel

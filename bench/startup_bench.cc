@@ -1,0 +1,172 @@
+#include "bench/startup_bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <vector>
+
+#include "base/env.h"
+#include "bench/util.h"
+#include "pipeline/process.h"
+#include <span>
+#include <thread>
+
+namespace flywheel::bench {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr double kMaxStartMs = 50;     // issue 13: --help and a 1 MB hash
+constexpr double kMaxIdleRssMb = 40;   // issue 13: an idle relay or model-less worker
+
+// Median wall time of `program args` over `reps` runs, in ms; every run must exit 0.
+Result<double> MedianMs(const std::string& program, const std::vector<std::string>& args, int reps) {
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    FW_ASSIGN_OR_RETURN(pipeline::Completion run, pipeline::RunToCompletion(program, args, {}));
+    if (run.exit_code != 0) {
+      return Status::Internal(program + " exited with " + std::to_string(run.exit_code) + ": " +
+                              run.err.substr(0, 300));
+    }
+    ms.push_back(run.elapsed.count() * 1000);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// VmRSS of a process, in MB.
+Result<double> RssMb(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return Status::NotFound("no VmRSS for pid " + std::to_string(pid));
+}
+
+// A 1 MB single-tensor safetensors file.
+Status WriteOneMbCheckpoint(const std::string& path) {
+  const std::string header = R"({"t":{"dtype":"U8","shape":[1048576],"data_offsets":[0,1048576]}})";
+  std::string padded = header + std::string((8 - header.size() % 8) % 8, ' ');
+  std::string bytes(8, '\0');
+  const uint64_t length = padded.size();
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>(length >> (8 * i));
+  bytes += padded;
+  for (size_t i = 0; i < 1048576; ++i) bytes.push_back(static_cast<char>((i * 2654435761u) >> 13));
+  return WriteFileAtomically(path, std::as_bytes(std::span(bytes)));
+}
+
+struct IdleRss {
+  double publisher = 0, relay = 0, worker = 0;
+};
+
+// Starts a publisher, a relay and a model-less worker with `binary`, waits until each is
+// ready and the worker connected, lets them settle and reads their VmRSS.
+Result<IdleRss> MeasureIdle(const std::string& binary, const std::string& dir) {
+  fs::create_directories(dir + "/drops");
+  fs::create_directories(dir + "/logs");
+  pipeline::ProcessGroup group(dir + "/logs");
+  const auto ready = [&](const std::string& name) { return dir + "/" + name + ".ready"; };
+  FW_ASSIGN_OR_RETURN(size_t publisher,
+                      group.Start("publish", binary,
+                                  {"publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                                   "--state-dir", dir + "/state", "--watch", dir + "/drops",
+                                   "--ready-file", ready("publish")}));
+  FW_ASSIGN_OR_RETURN(nlohmann::json published,
+                      pipeline::AwaitReadyFile(group, ready("publish"), "publish", std::chrono::seconds(30)));
+  const std::string upstream = published.value("listen", "");
+  FW_ASSIGN_OR_RETURN(size_t relay,
+                      group.Start("relay", binary,
+                                  {"relay", "--region", "eu", "--upstream", upstream, "--listen",
+                                   "127.0.0.1:0", "--http", "127.0.0.1:0", "--ready-file", ready("relay")}));
+  FW_ASSIGN_OR_RETURN(size_t worker,
+                      group.Start("worker", binary,
+                                  {"worker", "--region", "eu", "--upstream", upstream, "--http",
+                                   "127.0.0.1:0", "--ready-file", ready("worker")}));
+  FW_RETURN_IF_ERROR(
+      pipeline::AwaitReadyFile(group, ready("relay"), "relay", std::chrono::seconds(30)).status());
+  FW_RETURN_IF_ERROR(
+      pipeline::AwaitReadyFile(group, ready("worker"), "worker", std::chrono::seconds(30)).status());
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // connected and idle
+  FW_RETURN_IF_ERROR(group.CheckAllRunning());
+  IdleRss rss;
+  FW_ASSIGN_OR_RETURN(rss.publisher, RssMb(group.pid(publisher)));
+  FW_ASSIGN_OR_RETURN(rss.relay, RssMb(group.pid(relay)));
+  FW_ASSIGN_OR_RETURN(rss.worker, RssMb(group.pid(worker)));
+  return rss;
+}
+
+std::string Ratio(double a, double b) { return b > 0 ? Fixed(a / b, 1) + "x" : "-"; }
+
+}  // namespace
+
+Status RunStartupBench(const StartupBenchOptions& options, std::ostream& out) {
+  if (options.reps < 1) return Status::InvalidArgument("reps must be >= 1");
+  std::string flywheel = options.flywheel_binary;
+  if (flywheel.empty()) {
+    std::error_code ec;
+    flywheel = (fs::read_symlink("/proc/self/exe", ec).parent_path() / "flywheel").string();
+    if (ec) return Status::IOError("cannot resolve /proc/self/exe: " + ec.message());
+  }
+  const std::string torch = (fs::path(flywheel).parent_path() / "flywheel-torch").string();
+  for (const std::string& binary : {flywheel, torch}) {
+    if (::access(binary.c_str(), X_OK) != 0) return Status::NotFound(binary + " is not executable");
+  }
+  ScopedWorkDir work;
+  FW_RETURN_IF_ERROR(work.Prepare("", "flywheel-startup-bench", /*keep=*/false));
+  const std::string checkpoint = work.path() + "/one_mb.safetensors";
+  FW_RETURN_IF_ERROR(WriteOneMbCheckpoint(checkpoint));
+
+  const int reps = options.reps;
+  FW_ASSIGN_OR_RETURN(double true_ms, MedianMs("/bin/true", {}, reps));
+  FW_ASSIGN_OR_RETURN(double python_ms, MedianMs("/usr/bin/python3", {"-c", "pass"}, reps));
+  FW_ASSIGN_OR_RETURN(double help_ms, MedianMs(flywheel, {"--help"}, reps));
+  FW_ASSIGN_OR_RETURN(double torch_help_ms, MedianMs(torch, {"--help"}, reps));
+  FW_ASSIGN_OR_RETURN(double hash_ms, MedianMs(flywheel, {"checkpoint", "hash", checkpoint}, reps));
+  FW_ASSIGN_OR_RETURN(double torch_hash_ms, MedianMs(torch, {"checkpoint", "hash", checkpoint}, reps));
+  FW_ASSIGN_OR_RETURN(IdleRss idle, MeasureIdle(flywheel, work.path() + "/flywheel"));
+  FW_ASSIGN_OR_RETURN(IdleRss torch_idle, MeasureIdle(torch, work.path() + "/flywheel-torch"));
+
+  Table table;
+  table.header = {"measure", "flywheel", "flywheel-torch (before the split)", "ratio", "target"};
+  table.rows = {
+      {"--help, ms (median of " + std::to_string(reps) + ")", Fixed(help_ms, 1),
+       Fixed(torch_help_ms, 1), Ratio(torch_help_ms, help_ms), "<= 50"},
+      {"checkpoint hash 1 MB, ms", Fixed(hash_ms, 1), Fixed(torch_hash_ms, 1),
+       Ratio(torch_hash_ms, hash_ms), "<= 50"},
+      {"idle publisher RSS, MB", Fixed(idle.publisher, 1), Fixed(torch_idle.publisher, 1),
+       Ratio(torch_idle.publisher, idle.publisher), "-"},
+      {"idle relay RSS, MB", Fixed(idle.relay, 1), Fixed(torch_idle.relay, 1),
+       Ratio(torch_idle.relay, idle.relay), "<= 40"},
+      {"idle model-less worker RSS, MB", Fixed(idle.worker, 1), Fixed(torch_idle.worker, 1),
+       Ratio(torch_idle.worker, idle.worker), "<= 40"},
+  };
+  std::ostringstream floor;
+  floor << "Peers, same run: /bin/true " << Fixed(true_ms, 1) << " ms, python3 -c pass "
+        << Fixed(python_ms, 1) << " ms (median of " << reps << ").\n";
+  out << RenderText(table) << floor.str();
+  if (!options.markdown_out.empty()) {
+    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Startup benchmark",
+                                            "## Startup benchmark\n\n" + RenderMarkdown(table) +
+                                                "\n" + floor.str()));
+  }
+  if (!options.check) return Status::Ok();
+  std::vector<std::string> missed;
+  if (help_ms > kMaxStartMs) missed.push_back("--help took " + Fixed(help_ms, 1) + " ms");
+  if (hash_ms > kMaxStartMs) missed.push_back("checkpoint hash took " + Fixed(hash_ms, 1) + " ms");
+  if (idle.relay > kMaxIdleRssMb) missed.push_back("idle relay holds " + Fixed(idle.relay, 1) + " MB");
+  if (idle.worker > kMaxIdleRssMb) missed.push_back("idle worker holds " + Fixed(idle.worker, 1) + " MB");
+  if (torch_help_ms <= help_ms || torch_idle.relay <= idle.relay) {
+    missed.push_back("flywheel-torch is not slower or larger than flywheel: is libtorch linked there?");
+  }
+  if (missed.empty()) return Status::Ok();
+  std::string text;
+  for (const std::string& m : missed) text += (text.empty() ? "" : "; ") + m;
+  return Status::Internal("startup targets missed: " + text);
+}
+
+}  // namespace flywheel::bench
