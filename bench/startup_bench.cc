@@ -8,25 +8,39 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
-#include "base/env.h"
 #include "bench/util.h"
+#include "delta/safetensors.h"
 #include "pipeline/process.h"
-#include <span>
-#include <thread>
 
 namespace flywheel::bench {
 namespace {
 
 namespace fs = std::filesystem;
-constexpr double kMaxStartMs = 50;     // issue 13: --help and a 1 MB hash
+constexpr double kMaxStartMs = 50;       // issue 13: --help and a 1 MB hash, warm cache
+constexpr double kMaxColdStartMs = 100;  // the same from a dropped page cache
 constexpr double kMaxIdleRssMb = 40;   // issue 13: an idle relay or model-less worker
 
-// Median wall time of `program args` over `reps` runs, in ms; every run must exit 0.
-Result<double> MedianMs(const std::string& program, const std::vector<std::string>& args, int reps) {
+// Evicts clean pages from the page cache (root only), so that the next start reads its
+// executable and libraries from disk.
+Status DropPageCache() {
+  ::sync();
+  std::ofstream drop("/proc/sys/vm/drop_caches");
+  drop << "3\n";
+  drop.close();
+  if (!drop) return Status::IOError("--cold needs root: cannot write /proc/sys/vm/drop_caches");
+  return Status::Ok();
+}
+
+// Median wall time of `program args` over `reps` runs, in ms; every run must exit 0. With
+// `cold` the page cache is dropped before each run.
+Result<double> MedianMs(const std::string& program, const std::vector<std::string>& args, int reps,
+                        bool cold) {
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
+    if (cold) FW_RETURN_IF_ERROR(DropPageCache());
     FW_ASSIGN_OR_RETURN(pipeline::Completion run, pipeline::RunToCompletion(program, args, {}));
     if (run.exit_code != 0) {
       return Status::Internal(program + " exited with " + std::to_string(run.exit_code) + ": " +
@@ -48,16 +62,12 @@ Result<double> RssMb(pid_t pid) {
   return Status::NotFound("no VmRSS for pid " + std::to_string(pid));
 }
 
-// A 1 MB single-tensor safetensors file.
+// A 1 MB single-tensor safetensors file (arbitrary bytes).
 Status WriteOneMbCheckpoint(const std::string& path) {
-  const std::string header = R"({"t":{"dtype":"U8","shape":[1048576],"data_offsets":[0,1048576]}})";
-  std::string padded = header + std::string((8 - header.size() % 8) % 8, ' ');
-  std::string bytes(8, '\0');
-  const uint64_t length = padded.size();
-  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>(length >> (8 * i));
-  bytes += padded;
-  for (size_t i = 0; i < 1048576; ++i) bytes.push_back(static_cast<char>((i * 2654435761u) >> 13));
-  return WriteFileAtomically(path, std::as_bytes(std::span(bytes)));
+  std::vector<std::byte> bytes(1 << 20);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>((i * 2654435761u) >> 13);
+  const CheckpointView view = {TensorView{"t", DType::kU8, {static_cast<int64_t>(bytes.size())}, bytes}};
+  return WriteSafetensors(path, view, {});
 }
 
 struct IdleRss {
@@ -122,22 +132,25 @@ Status RunStartupBench(const StartupBenchOptions& options, std::ostream& out) {
   FW_RETURN_IF_ERROR(WriteOneMbCheckpoint(checkpoint));
 
   const int reps = options.reps;
-  FW_ASSIGN_OR_RETURN(double true_ms, MedianMs("/bin/true", {}, reps));
-  FW_ASSIGN_OR_RETURN(double python_ms, MedianMs("/usr/bin/python3", {"-c", "pass"}, reps));
-  FW_ASSIGN_OR_RETURN(double help_ms, MedianMs(flywheel, {"--help"}, reps));
-  FW_ASSIGN_OR_RETURN(double torch_help_ms, MedianMs(torch, {"--help"}, reps));
-  FW_ASSIGN_OR_RETURN(double hash_ms, MedianMs(flywheel, {"checkpoint", "hash", checkpoint}, reps));
-  FW_ASSIGN_OR_RETURN(double torch_hash_ms, MedianMs(torch, {"checkpoint", "hash", checkpoint}, reps));
+  FW_ASSIGN_OR_RETURN(double true_ms, MedianMs("/bin/true", {}, reps, options.cold));
+  FW_ASSIGN_OR_RETURN(double python_ms, MedianMs("/usr/bin/python3", {"-c", "pass"}, reps, options.cold));
+  FW_ASSIGN_OR_RETURN(double help_ms, MedianMs(flywheel, {"--help"}, reps, options.cold));
+  FW_ASSIGN_OR_RETURN(double torch_help_ms, MedianMs(torch, {"--help"}, reps, options.cold));
+  FW_ASSIGN_OR_RETURN(double hash_ms, MedianMs(flywheel, {"checkpoint", "hash", checkpoint}, reps, options.cold));
+  FW_ASSIGN_OR_RETURN(double torch_hash_ms, MedianMs(torch, {"checkpoint", "hash", checkpoint}, reps, options.cold));
   FW_ASSIGN_OR_RETURN(IdleRss idle, MeasureIdle(flywheel, work.path() + "/flywheel"));
   FW_ASSIGN_OR_RETURN(IdleRss torch_idle, MeasureIdle(torch, work.path() + "/flywheel-torch"));
 
+  const double max_ms = options.cold ? kMaxColdStartMs : kMaxStartMs;
+  const std::string cache = options.cold ? ", page cache dropped" : "";
+  const std::string target_ms = "<= " + Fixed(max_ms, 0);
   Table table;
   table.header = {"measure", "flywheel", "flywheel-torch (before the split)", "ratio", "target"};
   table.rows = {
-      {"--help, ms (median of " + std::to_string(reps) + ")", Fixed(help_ms, 1),
-       Fixed(torch_help_ms, 1), Ratio(torch_help_ms, help_ms), "<= 50"},
+      {"--help, ms (median of " + std::to_string(reps) + cache + ")", Fixed(help_ms, 1),
+       Fixed(torch_help_ms, 1), Ratio(torch_help_ms, help_ms), target_ms},
       {"checkpoint hash 1 MB, ms", Fixed(hash_ms, 1), Fixed(torch_hash_ms, 1),
-       Ratio(torch_hash_ms, hash_ms), "<= 50"},
+       Ratio(torch_hash_ms, hash_ms), target_ms},
       {"idle publisher RSS, MB", Fixed(idle.publisher, 1), Fixed(torch_idle.publisher, 1),
        Ratio(torch_idle.publisher, idle.publisher), "-"},
       {"idle relay RSS, MB", Fixed(idle.relay, 1), Fixed(torch_idle.relay, 1),
@@ -147,7 +160,7 @@ Status RunStartupBench(const StartupBenchOptions& options, std::ostream& out) {
   };
   std::ostringstream floor;
   floor << "Peers, same run: /bin/true " << Fixed(true_ms, 1) << " ms, python3 -c pass "
-        << Fixed(python_ms, 1) << " ms (median of " << reps << ").\n";
+        << Fixed(python_ms, 1) << " ms (median of " << reps << cache << ").\n";
   out << RenderText(table) << floor.str();
   if (!options.markdown_out.empty()) {
     FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Startup benchmark",
@@ -156,8 +169,8 @@ Status RunStartupBench(const StartupBenchOptions& options, std::ostream& out) {
   }
   if (!options.check) return Status::Ok();
   std::vector<std::string> missed;
-  if (help_ms > kMaxStartMs) missed.push_back("--help took " + Fixed(help_ms, 1) + " ms");
-  if (hash_ms > kMaxStartMs) missed.push_back("checkpoint hash took " + Fixed(hash_ms, 1) + " ms");
+  if (help_ms > max_ms) missed.push_back("--help took " + Fixed(help_ms, 1) + " ms");
+  if (hash_ms > max_ms) missed.push_back("checkpoint hash took " + Fixed(hash_ms, 1) + " ms");
   if (idle.relay > kMaxIdleRssMb) missed.push_back("idle relay holds " + Fixed(idle.relay, 1) + " MB");
   if (idle.worker > kMaxIdleRssMb) missed.push_back("idle worker holds " + Fixed(idle.worker, 1) + " MB");
   if (torch_help_ms <= help_ms || torch_idle.relay <= idle.relay) {

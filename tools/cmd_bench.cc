@@ -354,6 +354,8 @@ void AddStartupCommand(CLI::App& bench_app, Action& action) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   startup->add_flag("!--no-check", options->check, "Report without failing on a missed target");
+  startup->add_flag("--cold", options->cold,
+                    "Drop the page cache before each timed run (root; target 100 ms)");
   startup
       ->add_option("--markdown", options->markdown_out,
                    "Write the table as the '## Startup benchmark' section of this Markdown file")
