@@ -351,6 +351,30 @@ Result<CheckpointPair> GenerateCheckpointPair(const GeneratorOptions& options) {
   return pair;
 }
 
+Status GenerateCheckpointSequence(
+    const GeneratorOptions& options, int versions,
+    const std::function<Status(int step, const CheckpointView& view)>& each) {
+  GeneratorOptions checked = options;
+  checked.adam_steps = std::max(1, versions);
+  CheckpointPair layout;  // validation and the layout only; no steps run here
+  if (options.checkpoint_bytes < (64ull << 10) || options.threads < 1 || versions < 1) {
+    return Status::InvalidArgument("checkpoint sequence: size >= 64 KiB, threads >= 1 and "
+                                   "versions >= 1 required");
+  }
+  layout.shape = ShapeForBytes(options.checkpoint_bytes);
+  layout.tensors = TransformerTensors(layout.shape);
+  const uint64_t words = layout.tensors.back().word_offset + layout.tensors.back().words;
+  AdamWSimulation simulation(layout.tensors, words, checked);
+  simulation.Initialise();
+  std::vector<uint16_t> bf16;
+  for (int step = 1; step <= versions; ++step) {
+    simulation.Step(step);
+    simulation.CastToBf16(bf16);
+    FW_RETURN_IF_ERROR(each(step, Bf16View(layout.tensors, bf16)));
+  }
+  return Status::Ok();
+}
+
 uint16_t FloatToBf16(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <functional>
+
 #include "base/status.h"
 #include "delta/tensor.h"
 
@@ -103,6 +105,13 @@ struct CheckpointPair {
 
 // Generates the pair; fails on unusable options (size too small, adam_steps < 1).
 Result<CheckpointPair> GenerateCheckpointPair(const GeneratorOptions& options);
+
+// A run of consecutive bf16 serving checkpoints from one simulation (options.adam_steps is
+// ignored): `each(step, view)` is called after AdamW steps 1..versions with the bf16 words
+// of that step; its error stops the run and is returned. Also returns the layout's shape.
+Status GenerateCheckpointSequence(
+    const GeneratorOptions& options, int versions,
+    const std::function<Status(int step, const CheckpointView& view)>& each);
 
 // fp32 -> bf16 with round-to-nearest-even. NaN stays NaN (sign kept, quiet bit set) rather
 // than rounding into infinity; values past the largest bf16 round to infinity.

@@ -16,7 +16,7 @@ namespace flywheel::sync {
 
 using transport::Clock;
 
-struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Impl> {
+struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_this<Publisher::Impl> {
   Impl(asio::any_io_executor executor, PublisherOptions options)
       : executor(executor), options(std::move(options)), cpu(1) {}
 
@@ -28,6 +28,8 @@ struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Im
   LinkRegistry links;
   std::unique_ptr<Server> server;
   std::unique_ptr<transport::HttpServer> http;
+  std::unique_ptr<Ledger> ledger;
+  std::unique_ptr<PushApi> push;
   std::atomic<bool> stopped{false};
   std::map<std::string, transport::LinkShaping> region_shaping;
 
@@ -48,21 +50,62 @@ struct Publisher::Impl : PieceSource, std::enable_shared_from_this<Publisher::Im
   uint64_t last_artifact_bytes = 0;
   uint64_t published = 0;
 
+  // Appends, and records `row` (source and client fields set by the caller; the rest is
+  // filled in here) in the ledger.
   Result<AppendResult> Append(uint64_t version, const CheckpointView& checkpoint,
-                              const AppendOptions& known = {});
+                              const AppendOptions& known, LedgerRow* row);
+  // PublishTarget, for the push API.
+  const VersionLog& version_log() const override { return *log; }
+  Result<LedgerRow> Publish(uint64_t version, const CheckpointView& checkpoint,
+                            const AppendOptions& known, LedgerRow row) override;
+  std::vector<FleetNode> Fleet() const override { return server->Fleet(); }
   void ScanDropsOnce();
   awaitable<void> WatchLoop();
   void Announce();
   awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
   PublisherStatus CurrentStatus() const;
+  // Opens the ledger and the staging area and adds the push API's routes.
+  Status StartPush();
 };
 
+Status Publisher::Impl::StartPush() {
+  FW_ASSIGN_OR_RETURN(ledger, Ledger::Open(options.log.dir + "/ledger.json"));
+  PushOptions& push_options = options.push;
+  UploadStoreOptions staging;
+  staging.dir = push_options.staging_dir.empty() ? options.log.dir + "/uploads"
+                                                 : push_options.staging_dir;
+  staging.quota_bytes = push_options.staging_quota_bytes;
+  staging.max_upload_bytes = push_options.max_upload_bytes;
+  staging.max_part_bytes = push_options.max_part_bytes;
+  staging.expiry = push_options.upload_expiry;
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<UploadStore> uploads, UploadStore::Open(staging));
+  const bool read_token_required = !options.common.token.empty() || !push_options.token.empty();
+  push = std::make_unique<PushApi>(executor, push_options, this, ledger.get(), std::move(uploads),
+                                   &cpu, options.common.threads, read_token_required);
+  push->Register(*http);
+  asio::co_spawn(executor, push->ExpiryLoop(), asio::detached);
+  return Status::Ok();
+}
+
 Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointView& checkpoint,
-                                             const AppendOptions& known) {
+                                             const AppendOptions& known, LedgerRow* row) {
   std::lock_guard lock(publish_mutex);
   const auto start = Clock::now();
   Result<AppendResult> written = log->Append(version, checkpoint, known);
   if (!written.ok()) return written;
+  row->version = version;
+  row->weights_hash = log->head_hash().ToHex();
+  row->created_unix_ms = UnixMicrosNow() / 1000;
+  row->checkpoint_bytes = 0;
+  for (const TensorView& t : checkpoint) row->checkpoint_bytes += t.data.size();
+  for (const ArtifactInfo& info : written->artifacts) {
+    (info.kind == ArtifactKind::kKeyframe ? row->keyframe_bytes : row->delta_bytes) += info.size_bytes;
+  }
+  // The version is published either way: a ledger that cannot be written is logged, and
+  // the row is missing from GET /v1/versions until the next successful write.
+  if (Status recorded = ledger->Record(*row); !recorded.ok()) {
+    spdlog::error("published v{} but cannot record it: {}", version, recorded.message());
+  }
   std::lock_guard stats_lock(stats_mutex);
   last_publish_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
   last_artifact_bytes = 0;
@@ -85,6 +128,7 @@ std::pair<uint64_t, int64_t> CommitStamp(const Drop& drop) {
 }  // namespace
 
 void Publisher::Impl::ScanDropsOnce() {
+  if (push && push->pinned()) return;  // drops wait in the directory until unpin
   Result<std::vector<Drop>> drops = ScanDrops(options.watch_dir, 0);
   if (!drops.ok()) {
     spdlog::warn("cannot scan {}: {}", options.watch_dir, drops.status().message());
@@ -112,7 +156,10 @@ void Publisher::Impl::ScanDropsOnce() {
     } else {
       Result<Checkpoint> checkpoint = OpenDrop(drop);
       status = checkpoint.status();
-      if (checkpoint.ok()) status = Append(drop.version, checkpoint->tensors()).status();
+      LedgerRow row;
+      row.source = VersionSource::kDrop;
+      row.metadata = {{"path", drop.path}};
+      if (checkpoint.ok()) status = Append(drop.version, checkpoint->tensors(), {}, &row).status();
       if (status.ok()) known_commits[drop.version] = CommitStamp(drop);
     }
     if (!status.ok()) {
@@ -250,8 +297,11 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor execut
   FW_ASSIGN_OR_RETURN(impl->server, Server::Start(executor, server, impl.get(), &impl->links));
   impl->Announce();
   Impl* raw = impl.get();
-  FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
-                                                    [raw] { return ToJson(raw->CurrentStatus()); }));
+  FW_ASSIGN_OR_RETURN(impl->http,
+                      StartStatusServer(executor, options.common, tls.server,
+                                        [raw] { return ToJson(raw->CurrentStatus()); },
+                                        options.push.token));
+  FW_RETURN_IF_ERROR(impl->StartPush());
   if (!options.watch_dir.empty()) asio::co_spawn(executor, impl->WatchLoop(), asio::detached);
   if (!options.common.ready_file.empty()) {
     FW_RETURN_IF_ERROR(WriteReadyFile(
@@ -275,6 +325,7 @@ void Publisher::Stop() {
   auto impl = impl_;
   impl->stopped = true;
   asio::post(impl->executor, [impl] {
+    if (impl->push) impl->push->Stop();
     impl->server->Stop();
     if (impl->http) impl->http->Stop();
   });
@@ -288,9 +339,18 @@ Result<std::vector<ArtifactInfo>> Publisher::Publish(uint64_t version,
 
 Result<AppendResult> Publisher::Publish(uint64_t version, const CheckpointView& checkpoint,
                                         const AppendOptions& known) {
-  Result<AppendResult> written = impl_->Append(version, checkpoint, known);
+  LedgerRow row;
+  row.source = VersionSource::kTrainer;
+  Result<AppendResult> written = impl_->Append(version, checkpoint, known, &row);
   if (written.ok()) asio::post(impl_->executor, [impl = impl_] { impl->Announce(); });
   return written;
+}
+
+Result<LedgerRow> Publisher::Impl::Publish(uint64_t version, const CheckpointView& checkpoint,
+                                           const AppendOptions& known, LedgerRow row) {
+  FW_RETURN_IF_ERROR(Append(version, checkpoint, known, &row).status());
+  asio::post(executor, [self = shared_from_this()] { self->Announce(); });
+  return row;
 }
 
 uint16_t Publisher::port() const {

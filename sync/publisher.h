@@ -6,6 +6,11 @@
 // or a version already used before a restart), is rejected with a logged reason, listed in
 // /v1/status, and never retried; the publisher keeps serving the last good version.
 //
+// The HTTP port also serves the version ledger (<state-dir>/ledger.json: every version, its
+// source, sizes and metadata), readiness and its long-poll, and, with a push token, the
+// push API: resumable uploads of full checkpoints or deltas, and pin/unpin
+// (sync/push_api.h, docs/PUSH_API.md).
+//
 // Links to peers whose region differs from the publisher's are shaped by --wan-rate and
 // --wan-latency-ms: one token bucket per remote region and direction, shared by every
 // connection from that region (so four workers of one region share its WAN link).
@@ -20,6 +25,7 @@
 
 #include "base/status.h"
 #include "delta/tensor.h"
+#include "sync/push_api.h"
 #include "sync/role.h"
 #include "sync/role_status.h"
 #include "sync/version_log.h"
@@ -34,6 +40,7 @@ struct PublisherOptions {
   std::string watch_dir;  // empty: only Publish()
   std::chrono::milliseconds poll{50};
   uint64_t max_staleness = 0;  // announced to subscribers; 0: unbounded
+  PushOptions push;  // the push API (docs/PUSH_API.md); off without a push token
 };
 
 class Publisher {

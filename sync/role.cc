@@ -53,9 +53,11 @@ std::string MetricsText(const nlohmann::json& status) {
 
 Result<std::unique_ptr<transport::HttpServer>> StartStatusServer(
     asio::any_io_executor executor, const CommonOptions& options,
-    std::shared_ptr<asio::ssl::context> tls, std::function<nlohmann::json()> status) {
+    std::shared_ptr<asio::ssl::context> tls, std::function<nlohmann::json()> status,
+    std::string write_token) {
   transport::HttpServerOptions http_options;
   http_options.token = options.token;
+  http_options.write_token = std::move(write_token);
   http_options.tls = std::move(tls);
   FW_ASSIGN_OR_RETURN(auto server,
                       transport::HttpServer::Start(executor, options.http, http_options));

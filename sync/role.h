@@ -37,10 +37,12 @@ struct CommonOptions {
 
 // The HTTP side of a role: /healthz (public), /v1/status (status() as JSON) and /metrics
 // (every number and boolean at the top level of status(), as flywheel_<name> gauges
-// labelled with role, region and node).
+// labelled with role, region and node). `write_token` is HttpServerOptions::write_token
+// (the publisher's push token; empty elsewhere).
 Result<std::unique_ptr<transport::HttpServer>> StartStatusServer(
     asio::any_io_executor executor, const CommonOptions& options,
-    std::shared_ptr<asio::ssl::context> tls, std::function<nlohmann::json()> status);
+    std::shared_ptr<asio::ssl::context> tls, std::function<nlohmann::json()> status,
+    std::string write_token = {});
 
 // Prometheus text for a status document (see StartStatusServer).
 std::string MetricsText(const nlohmann::json& status);

@@ -346,44 +346,37 @@ struct RebuiltHead {
   std::vector<Hash128> tensor_hashes;
 };
 
-// Every artifact is verified piece by piece; the latest keyframe and the deltas after it
-// are decoded into the head, which must come out with the recorded hash.
-// REQUIRES: record.artifacts holds a keyframe (ParseLog checks it).
-Result<RebuiltHead> VerifyAndRebuildHead(const LogRecord& record, const std::string& log_path,
-                                         int threads) {
-  const ArtifactInfo& keyframe = *LatestKeyframe(record.artifacts);
+// Decodes `chain` (a keyframe, then deltas each from the previous one's version) into one
+// checkpoint, checking every artifact's manifest against its record.
+Result<RebuiltHead> DecodeChain(const std::vector<const ArtifactInfo*>& chain, int threads) {
   RebuiltHead head;
   uint64_t version = 0;
   Hash128 hash;
-  for (const ArtifactInfo& info : record.artifacts) {
-    FW_ASSIGN_OR_RETURN(MappedFile file, MapArtifact(info));
-    if (info.target_version < keyframe.target_version) continue;
-    if (info.target_version == keyframe.target_version && &info != &keyframe) continue;
+  for (const ArtifactInfo* info : chain) {
+    FW_ASSIGN_OR_RETURN(MappedFile file, MapArtifact(*info));
     auto parsed = delta::DeltaView::Parse(file.bytes());
-    if (!parsed.ok()) return parsed.status().WithContext("artifact " + info.path);
+    if (!parsed.ok()) return parsed.status().WithContext("artifact " + info->path);
     const delta::DeltaView& view = *parsed;
     const delta::Manifest& manifest = view.manifest();
-    if (manifest.keyframe != (info.kind == ArtifactKind::kKeyframe) ||
-        manifest.target_version != info.target_version ||
-        manifest.target_hash != info.target_hash ||
+    if (manifest.keyframe != (info->kind == ArtifactKind::kKeyframe) ||
+        manifest.target_version != info->target_version ||
+        manifest.target_hash != info->target_hash ||
         (!manifest.keyframe &&
-         (manifest.base_version != info.base_version || manifest.base_hash != info.base_hash))) {
-      return Status::Corruption("artifact " + info.path +
+         (manifest.base_version != info->base_version || manifest.base_hash != info->base_hash))) {
+      return Status::Corruption("artifact " + info->path +
                                 ": its manifest does not match its record in log.json");
     }
-    if (&info == &keyframe) {
+    if (info == chain.front()) {
       auto decoded = delta::DecodeKeyframe(view, threads);
-      if (!decoded.ok()) return decoded.status().WithContext("artifact " + info.path);
+      if (!decoded.ok()) return decoded.status().WithContext("artifact " + info->path);
       head.checkpoint = std::move(decoded).value();
       // DecodeKeyframe verified these and lays tensors out in manifest order.
       head.tensor_hashes.clear();
-      for (const delta::TensorEntry& t : manifest.tensors) {
-        head.tensor_hashes.push_back(t.target_hash);
-      }
+      for (const delta::TensorEntry& t : manifest.tensors) head.tensor_hashes.push_back(t.target_hash);
     } else {
-      if (info.base_version != version || info.base_hash != hash) {
+      if (info->base_version != version || info->base_hash != hash) {
         return Status::Corruption(
-            "artifact " + info.path + ": delta from version " + std::to_string(info.base_version) +
+            "artifact " + info->path + ": delta from version " + std::to_string(info->base_version) +
             " does not follow the rebuilt head (version " + std::to_string(version) + ")");
       }
       MutableCheckpointView state_view = head.checkpoint.mutable_view();
@@ -392,12 +385,55 @@ Result<RebuiltHead> VerifyAndRebuildHead(const LogRecord& record, const std::str
       apply.state_tensor_hashes = head.tensor_hashes;
       apply.restore_on_failure = false;  // the head is thrown away if this fails
       auto stats = delta::ApplyInPlace(state_view, view, apply);
-      if (!stats.ok()) return stats.status().WithContext("artifact " + info.path);
+      if (!stats.ok()) return stats.status().WithContext("artifact " + info->path);
       head.tensor_hashes = std::move(stats->tensor_hashes);
     }
-    version = info.target_version;
-    hash = info.target_hash;
+    version = info->target_version;
+    hash = info->target_hash;
   }
+  return head;
+}
+
+// The artifacts that rebuild `version`: the newest keyframe at or below it from which a
+// chain of deltas reaches it, then those deltas. Empty when none does.
+std::vector<const ArtifactInfo*> ChainTo(const std::vector<ArtifactInfo>& artifacts,
+                                         uint64_t version) {
+  for (auto keyframe = artifacts.rbegin(); keyframe != artifacts.rend(); ++keyframe) {
+    if (keyframe->kind != ArtifactKind::kKeyframe || keyframe->target_version > version) continue;
+    std::vector<const ArtifactInfo*> chain{&*keyframe};
+    uint64_t at = keyframe->target_version;
+    while (at < version) {
+      const ArtifactInfo* next = nullptr;
+      for (const ArtifactInfo& info : artifacts) {
+        if (info.kind == ArtifactKind::kDelta && info.base_version == at &&
+            info.target_version <= version) {
+          next = &info;
+        }
+      }
+      if (next == nullptr) break;
+      chain.push_back(next);
+      at = next->target_version;
+    }
+    if (at == version) return chain;
+  }
+  return {};
+}
+
+// Every artifact is verified piece by piece; the latest keyframe and the deltas after it
+// are decoded into the head, which must come out with the recorded hash.
+// REQUIRES: record.artifacts holds a keyframe (ParseLog checks it).
+Result<RebuiltHead> VerifyAndRebuildHead(const LogRecord& record, const std::string& log_path,
+                                         int threads) {
+  const ArtifactInfo& keyframe = *LatestKeyframe(record.artifacts);
+  std::vector<const ArtifactInfo*> chain;
+  for (const ArtifactInfo& info : record.artifacts) {
+    FW_RETURN_IF_ERROR(MapArtifact(info).status());
+    if (info.target_version < keyframe.target_version) continue;
+    if (info.target_version == keyframe.target_version && &info != &keyframe) continue;
+    chain.push_back(&info);
+  }
+  FW_ASSIGN_OR_RETURN(RebuiltHead head, DecodeChain(chain, threads));
+  const uint64_t version = chain.back()->target_version;
   FW_ASSIGN_OR_RETURN(Hash128 rebuilt,
                       CheckpointHashFromTensorHashes(head.checkpoint.view(), head.tensor_hashes));
   if (version != record.head_version || rebuilt != record.head_hash) {
@@ -407,6 +443,32 @@ Result<RebuiltHead> VerifyAndRebuildHead(const LogRecord& record, const std::str
         std::to_string(record.head_version) + ", hash " + record.head_hash.ToHex() + ")");
   }
   return head;
+}
+
+std::string VersionList(const std::vector<uint64_t>& versions) {
+  std::string text;
+  for (uint64_t v : versions) text += (text.empty() ? "v" : ", v") + std::to_string(v);
+  return text.empty() ? "none" : text;
+}
+
+std::vector<uint64_t> Rebuildable(const std::vector<ArtifactInfo>& artifacts) {
+  std::set<uint64_t> versions;
+  for (const ArtifactInfo& info : artifacts) {
+    if (!ChainTo(artifacts, info.target_version).empty()) versions.insert(info.target_version);
+  }
+  return {versions.begin(), versions.end()};
+}
+
+// A copy of a verified delta container from the head to `version` (AppendOptions).
+Result<std::vector<std::byte>> GivenDelta(std::span<const std::byte> container, uint64_t base,
+                                          uint64_t version) {
+  FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(container));
+  const delta::Manifest& manifest = view.manifest();
+  if (manifest.keyframe || manifest.base_version != base || manifest.target_version != version) {
+    return Status::InvalidArgument("the given delta is not one from version " +
+                                   std::to_string(base) + " to " + std::to_string(version));
+  }
+  return std::vector<std::byte>(container.begin(), container.end());
 }
 
 // Anything in artifacts/ that log.json does not name, and any temporary log.json, is a
@@ -701,7 +763,9 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
   }
   if (write_delta) {
     encode.base_tensor_hashes = s.head_tensor_hashes;
-    Result<std::vector<std::byte>> bytes = delta::Encode(s.head.view(), checkpoint, encode);
+    Result<std::vector<std::byte>> bytes =
+        given.encoded_delta.empty() ? delta::Encode(s.head.view(), checkpoint, encode)
+                                    : GivenDelta(given.encoded_delta, s.head_version, version);
     Status st = write_artifact(ArtifactKind::kDelta, bytes);
     if (st.ok()) {
       st = CountChangedWords(*bytes, &result)
@@ -785,6 +849,78 @@ uint64_t VersionLog::last_version() const {
 std::vector<Hash128> VersionLog::head_tensor_hashes() const {
   std::lock_guard lock(state_->mu);
   return state_->head_tensor_hashes;
+}
+
+std::vector<uint64_t> VersionLog::RebuildableVersions() const {
+  return Rebuildable(Artifacts());
+}
+
+Result<RebuiltCheckpoint> VersionLog::Rebuild(uint64_t version) const {
+  std::lock_guard append_lock(state_->append_mu);
+  return RebuildLocked(version);
+}
+
+Result<RebuiltCheckpoint> VersionLog::RebuildLocked(uint64_t version) const {
+  const State& s = *state_;
+  RebuiltCheckpoint out;
+  out.version = version;
+  if (!s.artifacts.empty() && version == s.head_version) {
+    FW_ASSIGN_OR_RETURN(out.checkpoint, CopyCheckpoint(s.head.view()));
+    out.tensor_hashes = s.head_tensor_hashes;
+    out.hash = s.head_hash;
+    return out;
+  }
+  // append_mu is held: no Append changes the artifacts while they are read.
+  const std::vector<const ArtifactInfo*> chain = ChainTo(s.artifacts, version);
+  if (chain.empty()) {
+    return Status::NotFound("version log " + s.dir + ": the weights of version " +
+                            std::to_string(version) +
+                            " can no longer be rebuilt (it can rebuild: " +
+                            VersionList(Rebuildable(s.artifacts)) + ")");
+  }
+  FW_ASSIGN_OR_RETURN(RebuiltHead rebuilt, DecodeChain(chain, s.options.threads));
+  FW_ASSIGN_OR_RETURN(out.hash, CheckpointHashFromTensorHashes(rebuilt.checkpoint.view(),
+                                                               rebuilt.tensor_hashes));
+  if (out.hash != chain.back()->target_hash) {
+    return Status::Corruption("version log " + s.dir + ": version " + std::to_string(version) +
+                              " rebuilt with hash " + out.hash.ToHex() + ", recorded " +
+                              chain.back()->target_hash.ToHex());
+  }
+  out.checkpoint = std::move(rebuilt.checkpoint);
+  out.tensor_hashes = std::move(rebuilt.tensor_hashes);
+  return out;
+}
+
+Result<RebuiltCheckpoint> VersionLog::ApplyDelta(std::span<const std::byte> container,
+                                                 int threads) const {
+  FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(container));
+  const delta::Manifest& manifest = view.manifest();
+  if (manifest.keyframe) return Status::InvalidArgument("the container is a keyframe, not a delta");
+  std::lock_guard append_lock(state_->append_mu);
+  FW_ASSIGN_OR_RETURN(RebuiltCheckpoint base, RebuildLocked(manifest.base_version));
+  if (base.hash != manifest.base_hash) {
+    return Status::Mismatch("the delta's base hash " + manifest.base_hash.ToHex() +
+                            " is not the hash of version " +
+                            std::to_string(manifest.base_version) + " held here (" +
+                            base.hash.ToHex() + ")");
+  }
+  MutableCheckpointView state = base.checkpoint.mutable_view();
+  delta::ApplyOptions apply;
+  apply.threads = threads;
+  apply.state_tensor_hashes = base.tensor_hashes;
+  apply.restore_on_failure = false;  // a scratch copy
+  FW_ASSIGN_OR_RETURN(delta::ApplyStats stats, delta::ApplyInPlace(state, view, apply));
+  RebuiltCheckpoint out;
+  out.version = manifest.target_version;
+  out.checkpoint = std::move(base.checkpoint);
+  out.tensor_hashes = std::move(stats.tensor_hashes);
+  FW_ASSIGN_OR_RETURN(out.hash,
+                      CheckpointHashFromTensorHashes(out.checkpoint.view(), out.tensor_hashes));
+  if (out.hash != manifest.target_hash) {
+    return Status::Corruption("the delta produced hash " + out.hash.ToHex() +
+                              ", its manifest says " + manifest.target_hash.ToHex());
+  }
+  return out;
 }
 
 }  // namespace flywheel::sync

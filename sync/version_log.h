@@ -88,6 +88,19 @@ struct AppendOptions {
   // tensor hashes again (cheap: no pass over the bytes) and refuses a mismatch
   // (InvalidArgument) instead of publishing a version under a hash it was not given.
   std::optional<Hash128> checkpoint_hash;
+  // A delta container from the head to exactly this checkpoint that the caller verified
+  // (the push API applied it: ApplyDelta). When Append writes a delta it stores these
+  // bytes as they are instead of encoding one. Its manifest must name the head as base
+  // and `version` as target (InvalidArgument otherwise). Empty: Append encodes.
+  std::span<const std::byte> encoded_delta;
+};
+
+// A version's weights rebuilt from the log (Rebuild, ApplyDelta).
+struct RebuiltCheckpoint {
+  uint64_t version = 0;
+  OwnedCheckpoint checkpoint;
+  std::vector<Hash128> tensor_hashes;  // verified, aligned with checkpoint
+  Hash128 hash;                        // checkpoint hash
 };
 
 struct AppendResult {
@@ -146,9 +159,23 @@ class VersionLog {
   // A copy of the head's tensor hashes (aligned with the head's tensor order).
   std::vector<Hash128> head_tensor_hashes() const;
 
+  // Versions whose weights the retained artifacts can rebuild: every retained keyframe and
+  // every version a chain of retained deltas reaches from one. Ascending.
+  std::vector<uint64_t> RebuildableVersions() const;
+  // The weights of `version`: a copy of the head, or decoded from the newest retained
+  // keyframe at or below it and the deltas after it, every hash verified. NotFound (naming
+  // RebuildableVersions()) when the artifacts no longer reach it. Runs while no Append does.
+  Result<RebuiltCheckpoint> Rebuild(uint64_t version) const;
+  // Applies an untrusted delta container to this log's copy of its base version (the
+  // manifest's base_version, whose hash must be the manifest's base_hash: Mismatch
+  // otherwise, NotFound when the base cannot be rebuilt) and returns the target, verified
+  // against the delta's own tensor and target hashes (Corruption when they do not match).
+  Result<RebuiltCheckpoint> ApplyDelta(std::span<const std::byte> container, int threads) const;
+
  private:
   struct State;
   explicit VersionLog(std::unique_ptr<State> state);
+  Result<RebuiltCheckpoint> RebuildLocked(uint64_t version) const;  // REQUIRES: append_mu held
   std::unique_ptr<State> state_;
 };
 

@@ -13,6 +13,7 @@
 #include "bench/fleet_bench.h"
 #include "bench/parity_bench.h"
 #include "bench/rollout_bench.h"
+#include "bench/push_bench.h"
 #include "bench/startup_bench.h"
 #include "bench/trainer_bench.h"
 #include "tools/commands.h"
@@ -370,6 +371,44 @@ void AddStartupCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddPushBenchCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::PushBenchOptions>();
+  auto size_mb = std::make_shared<uint64_t>(1024);
+  auto link_gbit = std::make_shared<double>(1.0);
+  CLI::App* push = bench_app.add_subcommand(
+      "push",
+      "Benchmark bring-your-own-trainer pushes end to end: a publisher (push API), a relay and\n"
+      "workers on loopback, the upload link shaped in a proxy; pushes v1 in full, then AdamW\n"
+      "steps as local deltas, each until every worker serves it; curl -T of the full file\n"
+      "over the same link is the peer. Checks the workers' weights hashes, that a delta push\n"
+      "uploads <= 1/40 of the checkpoint, and push -> all serving <= 1.3 x the wire floor +\n"
+      "the fleet's own sync time.");
+  push->add_option("--size-mb", *size_mb, "Checkpoint size (bf16)")->capture_default_str()
+      ->check(CLI::Range(uint64_t{4}, uint64_t{16384}));
+  push->add_option("--link-gbit", *link_gbit, "Upload link rate (0: unshaped)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 400.0));
+  push->add_option("--workers", options->workers, "Workers behind the relay")->capture_default_str();
+  push->add_option("--steps", options->steps, "Delta pushes after the full one")->capture_default_str();
+  push->add_option("--threads", options->threads, "Encode and publisher threads")->capture_default_str();
+  push->add_option("--work-dir", options->work_dir, "Scratch directory (default: a temporary one)");
+  push->add_flag("--keep", options->keep, "Keep the work directory (logs, state)");
+  push->add_flag("!--no-check", options->check, "Report without failing on a missed target");
+  push->add_option("--markdown", options->markdown_out,
+                   "Write the table as the '## Push benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  push->callback([options, size_mb, link_gbit, &action] {
+    action = [options, size_mb, link_gbit]() -> Status {
+      options->checkpoint_bytes = *size_mb << 20;
+      options->link_bits_per_s = *link_gbit * 1e9;
+      Status status = bench::RunPushBench(*options, std::cout);
+      std::cout.flush();
+      if (!status.ok()) return Failed("push benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 }  // namespace
 
 void AddBenchCommands(CLI::App& app, Action& action) {
@@ -431,6 +470,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
 
   AddFleetCommand(*bench_app, action);
   AddStartupCommand(*bench_app, action);
+  AddPushBenchCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);
   AddParityCommand(*bench_app, action);

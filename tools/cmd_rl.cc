@@ -88,9 +88,7 @@ Status RunTrain(const RlArgs& args) {
   options.ready_file = args.ready_file;
   options.token = args.token;
   if (!args.token_file.empty()) {
-    std::ifstream in(args.token_file);
-    if (!in) return Status::NotFound("cannot read --token-file " + args.token_file);
-    std::getline(in, options.token);
+    FW_ASSIGN_OR_RETURN(options.token, ReadTokenFile(args.token_file, "--token-file"));
   }
   options.quiet = args.quiet;
 #ifdef FLYWHEEL_WITH_TORCH

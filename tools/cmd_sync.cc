@@ -50,6 +50,9 @@ struct SyncArgs {
   int poll_ms = 50;
   bool no_deltas = false;
   std::string compressor = "zstd";
+  std::string push_token, push_token_file, staging_dir;
+  uint64_t max_upload_mib = 64 << 10, staging_quota_mib = 128 << 10, max_part_mib = 64;
+  double upload_expiry_s = 3600;
   // relay / worker
   int streams = 4, window = 8;
   std::string export_dir;
@@ -122,11 +125,7 @@ Result<sync::CommonOptions> MakeCommon(const CommonArgs& args) {
   FW_ASSIGN_OR_RETURN(common.http, transport::ParseEndpoint(args.http));
   common.token = args.token;
   if (!args.token_file.empty()) {
-    std::ifstream in(args.token_file);
-    if (!in) return Status::NotFound("cannot read --token-file " + args.token_file);
-    std::getline(in, common.token);
-    if (common.token.empty())
-      return Status::InvalidArgument("--token-file " + args.token_file + " is empty");
+    FW_ASSIGN_OR_RETURN(common.token, ReadTokenFile(args.token_file, "--token-file"));
   }
   common.tls = {args.tls_cert, args.tls_key, args.tls_ca};
   common.ready_file = args.ready_file;
@@ -180,6 +179,23 @@ Status RunPublish(const SyncArgs& args) {
   options.watch_dir = args.watch_dir;
   options.poll = std::chrono::milliseconds(args.poll_ms);
   options.max_staleness = args.max_staleness;
+  options.push.token = args.push_token;
+  if (!args.push_token_file.empty()) {
+    FW_ASSIGN_OR_RETURN(options.push.token, ReadTokenFile(args.push_token_file, "--push-token-file"));
+  }
+  if (options.watch_dir.empty() && options.push.token.empty()) {
+    return Status::InvalidArgument(
+        "publish: nothing to publish from: give --watch DIR, --push-token-file F, or both");
+  }
+  if (!options.push.token.empty() && options.push.token == options.common.token) {
+    return Status::InvalidArgument("publish: the push token must differ from the read token");
+  }
+  options.push.staging_dir = args.staging_dir;
+  options.push.max_upload_bytes = args.max_upload_mib << 20;
+  options.push.staging_quota_bytes = args.staging_quota_mib << 20;
+  options.push.max_part_bytes = args.max_part_mib << 20;
+  options.push.upload_expiry =
+      std::chrono::milliseconds(static_cast<int64_t>(args.upload_expiry_s * 1000));
   asio::io_context io(1);
   Result<std::unique_ptr<sync::Publisher>> publisher =
       sync::Publisher::Start(io.get_executor(), options);
@@ -276,6 +292,37 @@ void AddTransferOptions(CLI::App* app, SyncArgs& args) {
       ->check(CLI::Range(1, 256));
 }
 
+void AddPushOptions(CLI::App* publish, SyncArgs& args) {
+  publish->add_option("--push-token", args.push_token,
+                      "Bearer token of the push API (uploads, pin, unpin; docs/PUSH_API.md);\n"
+                      "without one the publisher takes no pushes")
+      ->type_name("T");
+  publish->add_option("--push-token-file", args.push_token_file, "Read the push token from this file")
+      ->type_name("F")
+      ->excludes("--push-token");
+  publish->add_option("--staging-dir", args.staging_dir,
+                      "Where uploads are staged (default: <state-dir>/uploads; emptied at start)")
+      ->type_name("DIR");
+  publish->add_option("--max-upload-mib", args.max_upload_mib, "Largest upload accepted")
+      ->type_name("MIB")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 30));
+  publish->add_option("--staging-quota-mib", args.staging_quota_mib,
+                      "Declared sizes of all staged uploads together at most this")
+      ->type_name("MIB")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32));
+  publish->add_option("--max-part-mib", args.max_part_mib, "Largest part (one PUT) accepted")
+      ->type_name("MIB")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1024}));
+  publish->add_option("--upload-expiry-s", args.upload_expiry_s,
+                      "Remove an upload idle (no part, no state request) this long")
+      ->type_name("S")
+      ->capture_default_str()
+      ->check(CLI::Range(0.05, 30.0 * 86400));
+}
+
 void AddPublish(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
   CLI::App* publish = app.add_subcommand(
       "publish",
@@ -284,7 +331,10 @@ void AddPublish(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
       "the newest N retained; it survives restarts and a version is never reused) and\n"
       "publishes every committed drop <watch>/<version>/ (model.safetensors or shards plus\n"
       "model.safetensors.index.json, then an empty COMMIT file written last). A malformed\n"
-      "drop is rejected with a logged reason; the last good version stays served.");
+      "drop is rejected with a logged reason; the last good version stays served.\n"
+      "With --push-token-file, trainers anywhere push checkpoints or deltas over HTTP\n"
+      "(`flywheel push`, the Python package), and pin/unpin roll the fleet back; every\n"
+      "version is in the ledger (GET /v1/versions). See docs/PUSH_API.md.");
   AddCommonOptions(publish, args->common, /*region_required=*/false);
   publish->get_option("--region")
       ->description(
@@ -297,8 +347,8 @@ void AddPublish(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
       ->type_name("DIR")
       ->required();
   publish->add_option("--watch", args->watch_dir, "Directory of trainer drops to publish")
-      ->type_name("DIR")
-      ->required();
+      ->type_name("DIR");
+  AddPushOptions(publish, *args);
   publish->add_option("--keyframe-every", args->keyframe_every, "A keyframe every K versions")
       ->type_name("K")
       ->capture_default_str()

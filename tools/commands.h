@@ -50,6 +50,10 @@ Status TorchOnly(const std::string& command);
 // `--threads` default: every core the machine reports (at least 1).
 int DefaultThreads();
 
+// The first line of a token file, trailing whitespace removed; NotFound / InvalidArgument
+// (empty) name `flag` and the path, never the token.
+Result<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
+
 // `<what>: <status>`, keeping the status code's name: "cannot apply d.fwd: corruption: ...".
 inline Status Failed(const std::string& what, const Status& status) {
   return Status(status.code(), what + ": " + status.ToString());
@@ -65,6 +69,8 @@ void AddBenchCommands(CLI::App& app, Action& action);
 void AddCertsCommands(CLI::App& app, Action& action);
 // `publish`, `relay`, `worker`: the weight-sync roles.
 void AddSyncCommands(CLI::App& app, Action& action);
+// `push`, `versions`, `pin`, `unpin`: clients of a publisher's push API.
+void AddPushCommands(CLI::App& app, Action& action);
 // `demo` and `train`: the pipeline-RL loop.
 void AddRlCommands(CLI::App& app, Action& action);
 // `bench pipeline` (registered by AddBenchCommands).

@@ -7,7 +7,9 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <exception>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <new>
@@ -53,6 +55,16 @@ Status TorchOnly(const std::string& command) {
 
 int DefaultThreads() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+Result<std::string> ReadTokenFile(const std::string& path, const std::string& flag) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound("cannot read " + flag + " " + path);
+  std::string token;
+  std::getline(in, token);
+  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
+  if (token.empty()) return Status::InvalidArgument(flag + " " + path + " is empty");
+  return token;
 }
 
 namespace {
@@ -152,6 +164,7 @@ int Run(int argc, char** argv) {
   AddCheckpointCommands(app, action);
   AddBenchCommands(app, action);
   AddSyncCommands(app, action);
+  AddPushCommands(app, action);
   AddRlCommands(app, action);
   AddCertsCommands(app, action);
   // After the subcommands, which would inherit it otherwise; they have their own.

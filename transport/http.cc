@@ -55,6 +55,20 @@ struct HttpServer::Impl {
     HttpPostHandler handler;
     uint64_t body_limit = 0;
   };
+  struct ApiEntry {
+    HttpApiHandler handler;
+    uint64_t body_limit = 0;
+  };
+
+  // Whether the bearer token is one a plain route accepts (always, without tokens).
+  bool Authorized(const Request& request) const;
+  Credential CredentialOf(const Request& request) const;
+  // The API route for `path` (longest prefix), or null.
+  const ApiEntry* FindApi(std::string_view path) const;
+  awaitable<Response> HandleApi(const Request& request, const ApiEntry& entry, std::string peer);
+  static Response ToResponse(HttpResponse result);
+  // Version, Server header, keep-alive and Content-Length, as every answer has them.
+  void Finish(const Request& request, Response& response) const;
 
   Response Handle(const Request& request);
   awaitable<Response> HandlePost(const Request& request, const PostEntry& entry);
@@ -69,6 +83,7 @@ struct HttpServer::Impl {
   uint16_t port = 0;
   std::map<std::string, RouteEntry, std::less<>> routes;
   std::map<std::string, PostEntry, std::less<>> post_routes;
+  std::map<std::string, ApiEntry, std::less<>> api_routes;
   // Counts sessions from accept to the end of their coroutine (for max_connections).
   size_t active_sessions = 0;
   // Streams of the sessions that are running, so that Stop() can close them.
@@ -172,9 +187,18 @@ awaitable<bool> ServeRequests(Impl& impl, Stream& stream) {
     const std::string_view target(request.target().data(), request.target().size());
     const std::string_view path = target.substr(0, target.find('?'));
     auto post = impl.post_routes.find(path);
+    const Impl::ApiEntry* api = nullptr;
+    if (!impl.routes.count(path) && !impl.post_routes.count(path)) api = impl.FindApi(path);
     Response response;
     if (request.method() == http::verb::post && post != impl.post_routes.end()) {
       response = co_await impl.HandlePost(request, post->second);
+    } else if (api != nullptr) {
+      error_code peer_error;
+      const auto remote = lowest.socket().remote_endpoint(peer_error);
+      std::string peer = peer_error ? std::string("unknown")
+                                    : remote.address().to_string() + ":" +
+                                          std::to_string(remote.port());
+      response = co_await impl.HandleApi(request, *api, std::move(peer));
     } else {
       response = impl.Handle(request);
     }
@@ -272,8 +296,7 @@ Response HttpServer::Impl::Handle(const Request& request) {
     response.set(http::field::allow, "GET, HEAD");
   } else if (route == routes.end()) {
     response = MakeTextResponse(http::status::not_found, "not found\n");
-  } else if (!route->second.is_public && !options.token.empty() &&
-             !TokensEqual(BearerToken(request), options.token)) {
+  } else if (!route->second.is_public && !Authorized(request)) {
     response = MakeTextResponse(http::status::unauthorized, "unauthorized\n");
     response.set(http::field::www_authenticate, "Bearer");
   } else {
@@ -288,38 +311,111 @@ Response HttpServer::Impl::Handle(const Request& request) {
       spdlog::warn("http: handler for {} returned status {}", path, result.status);
       result = {500, "text/plain; charset=utf-8", "internal error\n"};
     }
-    response.result(static_cast<unsigned>(result.status));
-    if (!result.content_type.empty()) {
-      response.set(http::field::content_type, result.content_type);
-    }
-    response.body() = std::move(result.body);
+    response = ToResponse(std::move(result));
   }
-  response.version(request.version());
-  response.set(http::field::server, "flywheel");
-  response.keep_alive(request.keep_alive() && !stopped);
-  response.prepare_payload();
+  Finish(request, response);
   if (is_head) response.body().clear();  // keeps the Content-Length of the GET
   return response;
 }
 
 uint64_t HttpServer::Impl::BodyLimit(const Request& request) const {
   const std::string_view target(request.target().data(), request.target().size());
-  auto post = post_routes.find(target.substr(0, target.find('?')));
+  const std::string_view path = target.substr(0, target.find('?'));
+  auto post = post_routes.find(path);
   if (request.method() == http::verb::post && post != post_routes.end())
     return post->second.body_limit;
+  if (!routes.count(path) && !post_routes.count(path)) {
+    if (const ApiEntry* api = FindApi(path)) return api->body_limit;
+  }
   return kRequestBodyLimit;
+}
+
+bool HttpServer::Impl::Authorized(const Request& request) const {
+  if (options.token.empty() && options.write_token.empty()) return true;
+  return CredentialOf(request) != Credential::kNone;
+}
+
+Credential HttpServer::Impl::CredentialOf(const Request& request) const {
+  const std::string_view presented = BearerToken(request);
+  if (presented.empty()) return Credential::kNone;
+  // Both comparisons always run, so the time taken does not say which token matched.
+  const bool read = !options.token.empty() && TokensEqual(presented, options.token);
+  const bool write = !options.write_token.empty() && TokensEqual(presented, options.write_token);
+  if (write) return Credential::kWrite;
+  return read ? Credential::kRead : Credential::kNone;
+}
+
+const HttpServer::Impl::ApiEntry* HttpServer::Impl::FindApi(std::string_view path) const {
+  const ApiEntry* best = nullptr;
+  size_t best_length = 0;
+  for (const auto& [prefix, entry] : api_routes) {
+    const bool match = path == prefix || (path.size() > prefix.size() && path.starts_with(prefix) &&
+                                          path[prefix.size()] == '/');
+    if (match && prefix.size() >= best_length) {
+      best = &entry;
+      best_length = prefix.size();
+    }
+  }
+  return best;
+}
+
+awaitable<Response> HttpServer::Impl::HandleApi(const Request& request, const ApiEntry& entry,
+                                                std::string peer) {
+  HttpRequest api;
+  api.method = std::string(request.method_string());
+  api.target = std::string(request.target());
+  api.path = api.target.substr(0, api.target.find('?'));
+  api.body = request.body();
+  api.credential = CredentialOf(request);
+  api.peer = std::move(peer);
+  HttpResponse result;
+  bool failed = false;
+  try {
+    HttpApiHandler handler = entry.handler;  // the route table may change while this runs
+    awaitable<HttpResponse> call = handler(std::move(api));
+    result = co_await std::move(call);
+  } catch (const std::exception& e) {
+    spdlog::warn("http: handler for {} failed: {}", std::string(request.target()), e.what());
+    failed = true;
+  }
+  if (failed || result.status < 100 || result.status > 599) {
+    result = {500, "application/json",
+              R"({"error": {"code": "internal", "message": "internal error"}})"};
+  }
+  Response response = ToResponse(std::move(result));
+  if (response.result() == http::status::unauthorized) {
+    response.set(http::field::www_authenticate, "Bearer");
+  }
+  Finish(request, response);
+  co_return response;
+}
+
+Response HttpServer::Impl::ToResponse(HttpResponse result) {
+  Response response;
+  response.result(static_cast<unsigned>(result.status));
+  if (!result.content_type.empty()) response.set(http::field::content_type, result.content_type);
+  response.body() = std::move(result.body);
+  return response;
+}
+
+void HttpServer::Impl::Finish(const Request& request, Response& response) const {
+  response.version(request.version());
+  response.set(http::field::server, "flywheel");
+  response.keep_alive(request.keep_alive() && !stopped);
+  response.prepare_payload();
 }
 
 uint64_t HttpServer::Impl::MaxBodyLimit() const {
   uint64_t limit = kRequestBodyLimit;
   for (const auto& [path, entry] : post_routes) limit = std::max(limit, entry.body_limit);
+  for (const auto& [path, entry] : api_routes) limit = std::max(limit, entry.body_limit);
   return limit;
 }
 
 awaitable<Response> HttpServer::Impl::HandlePost(const Request& request, const PostEntry& entry) {
   const std::string target(request.target());
   Response response;
-  if (!options.token.empty() && !TokensEqual(BearerToken(request), options.token)) {
+  if (!Authorized(request)) {
     response = MakeTextResponse(http::status::unauthorized, "unauthorized\n");
     response.set(http::field::www_authenticate, "Bearer");
   } else {
@@ -338,14 +434,9 @@ awaitable<Response> HttpServer::Impl::HandlePost(const Request& request, const P
     if (failed || result.status < 100 || result.status > 599) {
       result = {500, "text/plain; charset=utf-8", "internal error\n"};
     }
-    response.result(static_cast<unsigned>(result.status));
-    if (!result.content_type.empty()) response.set(http::field::content_type, result.content_type);
-    response.body() = std::move(result.body);
+    response = ToResponse(std::move(result));
   }
-  response.version(request.version());
-  response.set(http::field::server, "flywheel");
-  response.keep_alive(request.keep_alive() && !stopped);
-  response.prepare_payload();
+  Finish(request, response);
   co_return response;
 }
 
@@ -410,6 +501,10 @@ void HttpServer::RoutePost(const std::string& path, HttpPostHandler handler, uin
   impl_->post_routes[path] = Impl::PostEntry{std::move(handler), body_limit};
 }
 
+void HttpServer::RouteApi(const std::string& prefix, HttpApiHandler handler, uint64_t body_limit) {
+  impl_->api_routes[prefix] = Impl::ApiEntry{std::move(handler), body_limit};
+}
+
 uint16_t HttpServer::port() const {
   return impl_->port;
 }
@@ -441,8 +536,8 @@ awaitable<Result<HttpResponse>> Exchange(GetContext& get, Stream& stream) {
   beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
   Request request{get.method, get.target, 11};
   request.set(http::field::host, get.endpoint.ToString());
-  if (get.method == http::verb::post) {
-    request.set(http::field::content_type, get.content_type);
+  if (get.method != http::verb::get && get.method != http::verb::head) {
+    if (!get.content_type.empty()) request.set(http::field::content_type, get.content_type);
     request.body() = get.body;
     request.prepare_payload();
   }
@@ -548,8 +643,7 @@ Result<HttpResponse> Request1(const Endpoint& endpoint, const std::string& targe
   }
   if (!result) result = Status::Internal("request did not complete");
   if (!result->ok()) {
-    return result->status().WithContext(std::string(method == http::verb::post ? "POST " : "GET ") +
-                                        url);
+    return result->status().WithContext(std::string(http::to_string(method)) + " " + url);
   }
   return std::move(*result);
 }
@@ -559,6 +653,16 @@ Result<HttpResponse> Request1(const Endpoint& endpoint, const std::string& targe
 Result<HttpResponse> HttpGet(const Endpoint& endpoint, const std::string& target,
                              const HttpGetOptions& options) {
   return Request1(endpoint, target, options, http::verb::get, {}, {});
+}
+
+Result<HttpResponse> HttpCall(const Endpoint& endpoint, const std::string& method,
+                              const std::string& target, const std::string& body,
+                              const HttpGetOptions& options, const std::string& content_type) {
+  const http::verb verb = http::string_to_verb(method);
+  if (verb == http::verb::unknown) {
+    return Status::InvalidArgument("unknown HTTP method '" + method + "'");
+  }
+  return Request1(endpoint, target, options, verb, body, body.empty() ? std::string() : content_type);
 }
 
 Result<HttpResponse> HttpPost(const Endpoint& endpoint, const std::string& target,

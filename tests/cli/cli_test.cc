@@ -687,5 +687,58 @@ TEST_F(CliTest, BenchStartupMeetsItsTargets) {
   EXPECT_NE(text.str().find("## Startup benchmark"), std::string::npos) << text.str();
 }
 
+TEST_F(CliTest, PushVersionsPinAndUnpinAgainstAPublisher) {
+  WriteFile(Path("push.token"), "cli-push-token\n");
+  WriteFile(Path("read.token"), "cli-read-token\n");
+  fs::create_directories(Path("logs"));
+  pipeline::ProcessGroup group(Path("logs"));
+  Result<size_t> publisher = group.Start(
+      "publisher", FLYWHEEL_BIN,
+      {"publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state-dir", Path("state"),
+       "--push-token-file", Path("push.token"), "--token-file", Path("read.token"),
+       "--ready-file", Path("ready.json")});
+  ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
+  Result<nlohmann::json> ready =
+      pipeline::AwaitReadyFile(group, Path("ready.json"), "publisher", kCommandTimeout, *publisher);
+  ASSERT_TRUE(ready.ok()) << ready.status().ToString();
+  const std::string url = "http://" + (*ready)["http"].get<std::string>();
+  const std::vector<std::string> auth = {"--token-file", Path("push.token")};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.end(), auth.begin(), auth.end());
+    return RunFlywheel(args);
+  };
+  CommandResult first = with({"push", "--to", url, Path("base.safetensors"), "--meta", "step=1",
+                              "--cache-dir", Path("cache")});
+  ExpectSuccess(first);
+  EXPECT_NE(first.out.find("pushed full"), std::string::npos) << first.out;
+  CommandResult second = with({"push", "--to", url, Path("target.safetensors"), "--cache-dir",
+                               Path("cache"), "--json"});
+  ExpectSuccess(second);
+  const nlohmann::json pushed = nlohmann::json::parse(second.out, nullptr, false);
+  ASSERT_FALSE(pushed.is_discarded()) << second.out;
+  EXPECT_EQ(pushed["kind"], "delta");
+  EXPECT_LT(pushed["uploaded_bytes"].get<uint64_t>() * 10, pushed["checkpoint_bytes"].get<uint64_t>());
+  EXPECT_EQ(pushed["row"]["weights_hash"], HashOf(Path("target.safetensors")));
+  CommandResult versions = RunFlywheel({"versions", "--from", url, "--token-file",
+                                        Path("read.token"), "--json"});
+  ExpectSuccess(versions);
+  const nlohmann::json ledger = nlohmann::json::parse(versions.out, nullptr, false);
+  ASSERT_EQ(ledger["versions"].size(), 2u) << versions.out;
+  EXPECT_EQ(ledger["versions"][0]["metadata"]["step"], 1);
+  CommandResult pin = with({"pin", "--to", url, "1"});
+  ExpectSuccess(pin);
+  EXPECT_NE(pin.out.find("v3"), std::string::npos) << pin.out;
+  EXPECT_NE(pin.out.find("pin of v1"), std::string::npos) << pin.out;
+  ExpectSuccess(with({"unpin", "--to", url}));
+  // The read token cannot push; a wrong URL or a missing token file is one clear line.
+  CommandResult refused = RunFlywheel({"push", "--to", url, "--token-file", Path("read.token"),
+                                       Path("base.safetensors"), "--no-delta"});
+  ExpectOneErrorLine(refused);
+  EXPECT_NE(refused.err.find("403 forbidden"), std::string::npos) << refused.err;
+  ExpectOneErrorLine(with({"push", "--to", "ftp://x", Path("base.safetensors")}));
+  ExpectOneErrorLine(RunFlywheel({"versions", "--from", url, "--token-file", Path("missing")}));
+  EXPECT_EQ(refused.err.find("cli-read-token"), std::string::npos) << "a token reached stderr";
+}
+
 }  // namespace
 }  // namespace flywheel

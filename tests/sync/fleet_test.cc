@@ -4,7 +4,7 @@
 // 127.0.0.1, drops checkpoints into the publisher's watch directory the way an external
 // trainer does, and watches every node through GET /v1/status. Faults come from outside
 // the code under test: SIGSTOP/SIGCONT/SIGKILL, and a proxy that cuts or corrupts the
-// byte stream (tests/sync/fault_proxy.h).
+// byte stream (pipeline/fault_proxy.h).
 //
 // CraftedUpstreamTest needs catalogs no publisher would send (a delta that lies about its
 // base, an older head): it runs a sync::Server with a test PieceSource and an in-process
@@ -43,7 +43,7 @@
 #include "sync/node.h"
 #include "sync/worker.h"
 #include "tests/delta/test_checkpoints.h"
-#include "tests/sync/fault_proxy.h"
+#include "pipeline/fault_proxy.h"
 #include "transport/http.h"
 #include "transport/tls.h"
 
@@ -54,8 +54,8 @@ namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using json = nlohmann::json;
 using flywheel::testing::Change;
-using flywheel::testing::FaultProxy;
-using flywheel::testing::FaultProxyOptions;
+using flywheel::pipeline::FaultProxy;
+using flywheel::pipeline::FaultProxyOptions;
 using flywheel::testing::Mutate;
 using flywheel::testing::RandomCheckpoint;
 using flywheel::testing::TensorSpec;

@@ -1,8 +1,12 @@
-// A TCP forwarder on 127.0.0.1 between a node and its upstream that damages the downstream
-// (upstream -> node) byte stream on purpose, for fleet tests:
+// A TCP forwarder on 127.0.0.1 between a node (or client) and its upstream that damages or
+// shapes the byte streams on purpose, for fleet tests and benchmarks (the faults come from
+// outside the code under test; this machine has no netem):
 // - cut_after_bytes: the connection that carries the downstream byte number N (counted over
 //   all connections) forwards bytes up to N only, then both of its sockets are shut down:
 //   a cut in the middle of whatever frame was passing. It happens once.
+// - cut_upstream_after_bytes: the same for the node -> upstream byte stream.
+// - upstream_bytes_per_s: the node -> upstream direction of all connections together is
+//   shaped to this rate (one token bucket, 50 ms of burst): an upload link.
 // - corrupt_pieces: downstream frames are parsed (transport/frame.h) and one payload byte
 //   of each of the first N Piece frames is flipped; everything else passes unchanged.
 // Blocking sockets, two threads per connection; the destructor shuts every socket down and
@@ -18,6 +22,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -29,11 +34,15 @@
 
 #include "transport/frame.h"
 
-namespace flywheel::testing {
+namespace flywheel::pipeline {
 
 struct FaultProxyOptions {
   uint64_t cut_after_bytes = 0;  // 0: never cut
   int corrupt_pieces = 0;        // Piece frames to corrupt, first ones first
+  // The same cut in the other direction (node -> upstream, e.g. an upload): the connection
+  // carrying upstream byte number N forwards bytes up to N only, once. 0: never.
+  uint64_t cut_upstream_after_bytes = 0;
+  double upstream_bytes_per_s = 0;  // 0: not shaped
 };
 
 class FaultProxy {
@@ -73,6 +82,7 @@ class FaultProxy {
   const std::string& error() const { return error_; }
   uint16_t port() const { return port_; }
   uint64_t downstream_bytes() const { return downstream_bytes_.load(); }
+  uint64_t upstream_bytes() const { return upstream_bytes_.load(); }
   int connections() const { return connections_.load(); }
   int cuts() const { return cuts_.load(); }
   int corrupted() const { return corrupted_.load(); }
@@ -136,13 +146,40 @@ class FaultProxy {
     }
   }
 
-  // node -> upstream: forwarded as is.
+  // Waits until `bytes` more may pass the upstream token bucket.
+  void Shape(size_t bytes) {
+    const double rate = options_.upstream_bytes_per_s;
+    if (rate <= 0) return;
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point send_at;
+    {
+      std::lock_guard lock(bucket_mutex_);
+      const auto now = Clock::now();
+      const auto burst = std::chrono::duration_cast<Clock::duration>(std::chrono::milliseconds(50));
+      if (next_free_ < now - burst) next_free_ = now - burst;
+      next_free_ += std::chrono::duration_cast<Clock::duration>(
+          std::chrono::duration<double>(static_cast<double>(bytes) / rate));
+      send_at = next_free_;
+    }
+    std::this_thread::sleep_until(send_at);
+  }
+
+  // node -> upstream: forwarded as is, but for cut_upstream_after_bytes and shaping.
   void PumpUp(int client, int server) {
     std::vector<char> buffer(1 << 16);
     while (true) {
       const ssize_t got = ::recv(client, buffer.data(), buffer.size(), 0);
       if (got < 0 && errno == EINTR) continue;
-      if (got <= 0 || !SendAll(server, buffer.data(), static_cast<size_t>(got))) break;
+      if (got <= 0) break;
+      Shape(static_cast<size_t>(got));
+      const uint64_t before = upstream_bytes_.fetch_add(static_cast<uint64_t>(got));
+      const uint64_t cut = options_.cut_upstream_after_bytes;
+      if (cut > 0 && before < cut && before + static_cast<uint64_t>(got) >= cut) {
+        SendAll(server, buffer.data(), static_cast<size_t>(cut - before));
+        ++cuts_;
+        break;
+      }
+      if (!SendAll(server, buffer.data(), static_cast<size_t>(got))) break;
     }
     ::shutdown(client, SHUT_RDWR);
     ::shutdown(server, SHUT_RDWR);
@@ -215,7 +252,10 @@ class FaultProxy {
   std::vector<int> fds_;              // GUARDED_BY(mutex_); closed in the destructor
   std::vector<std::thread> threads_;  // GUARDED_BY(mutex_) while the accept loop runs
   std::atomic<uint64_t> downstream_bytes_{0};
+  std::atomic<uint64_t> upstream_bytes_{0};
+  std::mutex bucket_mutex_;
+  std::chrono::steady_clock::time_point next_free_{};  // GUARDED_BY(bucket_mutex_)
   std::atomic<int> connections_{0}, cuts_{0}, corrupted_{0}, corrupt_left_;
 };
 
-}  // namespace flywheel::testing
+}  // namespace flywheel::pipeline

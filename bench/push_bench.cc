@@ -1,0 +1,326 @@
+#include "bench/push_bench.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+#include <vector>
+
+#include "bench/checkpoint_gen.h"
+#include "bench/util.h"
+#include "delta/hash.h"
+#include "delta/safetensors.h"
+#include "pipeline/fault_proxy.h"
+#include "pipeline/process.h"
+#include "sync/push_client.h"
+#include "transport/http.h"
+
+namespace flywheel::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr char kPushToken[] = "bench-push-token";
+constexpr char kReadToken[] = "bench-read-token";
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+struct Fleet {
+  std::unique_ptr<pipeline::ProcessGroup> processes;
+  transport::Endpoint publisher_http;
+  std::vector<transport::Endpoint> worker_http;
+};
+
+Result<transport::Endpoint> ReadyEndpoint(const json& ready, const char* key) {
+  if (!ready.contains(key) || !ready[key].is_string()) {
+    return Status::Internal(std::string("ready file has no '") + key + "': " + ready.dump());
+  }
+  return transport::ParseEndpoint(ready[key].get<std::string>());
+}
+
+// Starts `args` and waits for its ready file; the ready document.
+Result<json> StartRole(pipeline::ProcessGroup& group, const std::string& binary,
+                       const std::string& dir, const std::string& name,
+                       std::vector<std::string> args) {
+  const std::string ready = dir + "/" + name + ".ready";
+  args.insert(args.end(), {"--ready-file", ready, "--token-file", dir + "/read.token"});
+  FW_ASSIGN_OR_RETURN(size_t index, group.Start(name, binary, args));
+  return pipeline::AwaitReadyFile(group, ready, name, 60s, index);
+}
+
+Result<Fleet> StartFleet(const PushBenchOptions& options, const std::string& binary,
+                         const std::string& dir) {
+  Fleet fleet;
+  fleet.processes = std::make_unique<pipeline::ProcessGroup>(dir + "/logs");
+  const std::string threads = std::to_string(options.threads);
+  FW_ASSIGN_OR_RETURN(json publisher,
+                      StartRole(*fleet.processes, binary, dir, "publisher",
+                                {"publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                                 "--state-dir", dir + "/state", "--push-token-file",
+                                 dir + "/push.token", "--watch", dir + "/watch", "--threads",
+                                 threads, "--keyframe-every",
+                                 "1000", "--max-part-mib", "1024", "--max-upload-mib", "65536"}));
+  FW_ASSIGN_OR_RETURN(fleet.publisher_http, ReadyEndpoint(publisher, "http"));
+  FW_ASSIGN_OR_RETURN(transport::Endpoint publisher_listen, ReadyEndpoint(publisher, "listen"));
+  FW_ASSIGN_OR_RETURN(json relay,
+                      StartRole(*fleet.processes, binary, dir, "relay",
+                                {"relay", "--region", "home", "--listen", "127.0.0.1:0", "--http",
+                                 "127.0.0.1:0", "--upstream", publisher_listen.ToString()}));
+  FW_ASSIGN_OR_RETURN(transport::Endpoint relay_listen, ReadyEndpoint(relay, "listen"));
+  for (int i = 0; i < options.workers; ++i) {
+    const std::string name = "worker-" + std::to_string(i);
+    FW_ASSIGN_OR_RETURN(json worker,
+                        StartRole(*fleet.processes, binary, dir, name,
+                                  {"worker", "--region", "home", "--node-id", name, "--http",
+                                   "127.0.0.1:0", "--upstream", relay_listen.ToString()}));
+    FW_ASSIGN_OR_RETURN(transport::Endpoint http, ReadyEndpoint(worker, "http"));
+    fleet.worker_http.push_back(http);
+  }
+  return fleet;
+}
+
+// Every worker's weights hash equals `hash`.
+Status CheckWorkers(const Fleet& fleet, const std::string& hash, uint64_t version) {
+  transport::HttpGetOptions get;
+  get.token = kReadToken;
+  for (const transport::Endpoint& worker : fleet.worker_http) {
+    FW_ASSIGN_OR_RETURN(transport::HttpResponse response, transport::HttpGet(worker, "/v1/status", get));
+    const json status = json::parse(response.body, nullptr, false);
+    if (status.is_discarded() || status.value("weights_hash", std::string()) != hash) {
+      return Status::Internal("worker " + worker.ToString() + " serves " +
+                              (status.is_discarded() ? "?" : status.value("weights_hash", std::string("?"))) +
+                              ", not v" + std::to_string(version) + "'s " + hash);
+    }
+  }
+  return Status::Ok();
+}
+
+struct PushRow {
+  uint64_t version = 0;
+  std::string kind;
+  uint64_t checkpoint_bytes = 0, uploaded_bytes = 0;
+  double density = 0;  // changed words / words (deltas)
+  double encode_s = 0, upload_s = 0, wire_s = 0, fleet_s = 0;
+  double drop_s = 0;  // the next step published from a drop: the fleet's own sync time
+  double total_s() const { return encode_s + upload_s + fleet_s; }
+};
+
+Result<PushRow> PushOne(const PushBenchOptions& options, const Fleet& fleet,
+                        const sync::PushClientOptions& client, const std::string& file,
+                        uint64_t version) {
+  PushRow row;
+  row.version = version;
+  FW_ASSIGN_OR_RETURN(sync::PushOutcome pushed,
+                      sync::Push(client, {file, version, json{{"bench", "push"}}}));
+  row.kind = pushed.kind;
+  row.checkpoint_bytes = pushed.checkpoint_bytes;
+  row.uploaded_bytes = pushed.uploaded_bytes;
+  row.encode_s = pushed.encode_seconds;
+  row.upload_s = pushed.upload_seconds;
+  row.wire_s = options.link_bits_per_s > 0
+                   ? 8.0 * static_cast<double>(pushed.uploaded_bytes) / options.link_bits_per_s
+                   : 0;
+  const auto committed = Clock::now();
+  sync::PushClientOptions direct = client;
+  direct.url = "http://" + fleet.publisher_http.ToString();
+  FW_RETURN_IF_ERROR(sync::WaitServing(direct, version, 1.0, 300s,
+                                       static_cast<uint64_t>(options.workers))
+                         .status());
+  row.fleet_s = Seconds(Clock::now() - committed);
+  FW_RETURN_IF_ERROR(
+      CheckWorkers(fleet, pushed.row.value("weights_hash", std::string()), version));
+  return row;
+}
+
+// Publishes `view` as `version` from a drop (<watch>/<v>/model.safetensors, then COMMIT)
+// and waits until every worker serves it: seconds from the COMMIT.
+Result<double> DropOne(const PushBenchOptions& options, const Fleet& fleet,
+                       const std::string& dir, const CheckpointView& view, uint64_t version) {
+  const std::string drop = dir + "/watch/" + std::to_string(version);
+  std::error_code error;
+  fs::create_directories(drop, error);
+  if (error) return Status::IOError("cannot create " + drop + ": " + error.message());
+  FW_RETURN_IF_ERROR(WriteSafetensors(drop + "/model.safetensors", view, {}));
+  const auto start = Clock::now();
+  FW_RETURN_IF_ERROR(WriteFileAtomically(drop + "/COMMIT", {}));
+  sync::PushClientOptions direct;
+  direct.url = "http://" + fleet.publisher_http.ToString();
+  direct.token = kReadToken;
+  FW_RETURN_IF_ERROR(sync::WaitServing(direct, version, 1.0, 300s,
+                                       static_cast<uint64_t>(options.workers))
+                         .status());
+  const double seconds = Seconds(Clock::now() - start);
+  fs::remove_all(drop, error);
+  return seconds;
+}
+
+// `curl -T file` into a fresh upload through the proxy (then aborted): its seconds.
+Result<double> CurlPeer(const std::string& dir, const Fleet& fleet, uint16_t proxy_port,
+                        const std::string& file) {
+  if (::access("/usr/bin/curl", X_OK) != 0) return Status::NotFound("curl is not installed");
+  const uint64_t size = fs::file_size(file);
+  transport::HttpGetOptions post;
+  post.token = kPushToken;
+  const std::string spec =
+      json{{"size", size}, {"digest", {{"algorithm", "xxh3_64"}, {"value", std::string(16, '0')}}}}
+          .dump();
+  FW_ASSIGN_OR_RETURN(transport::HttpResponse created,
+                      transport::HttpPost(fleet.publisher_http, "/v1/uploads", spec, post));
+  const json upload = json::parse(created.body, nullptr, false);
+  if (created.status != 201 || upload.is_discarded()) {
+    return Status::Internal("cannot create the curl peer's upload: " + created.body);
+  }
+  const std::string id = upload["id"];
+  const std::string header = dir + "/curl.header";
+  const std::string authorization = std::string("Authorization: Bearer ") + kPushToken;
+  FW_RETURN_IF_ERROR(WriteFileAtomically(header, std::as_bytes(std::span(authorization))));
+  pipeline::RunOptions run;
+  run.timeout = 600s;
+  FW_ASSIGN_OR_RETURN(pipeline::Completion done,
+                      pipeline::RunToCompletion(
+                          "/usr/bin/curl",
+                          {"-sS", "-f", "-T", file, "-X", "PUT", "-H", "@" + header, "-H",
+                           "Content-Type: application/octet-stream", "-o", "/dev/null", "-w",
+                           "%{time_total}",
+                           "http://127.0.0.1:" + std::to_string(proxy_port) + "/v1/uploads/" +
+                               id + "?offset=0"},
+                          run));
+  (void)transport::HttpCall(fleet.publisher_http, "DELETE", "/v1/uploads/" + id, {}, post);
+  if (done.exit_code != 0) return Status::Internal("curl -T failed: " + done.err);
+  return std::stod(done.out);
+}
+
+}  // namespace
+
+Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
+  if (options.workers < 1 || options.steps < 1) {
+    return Status::InvalidArgument("push bench: --workers and --steps must be >= 1");
+  }
+  std::error_code error;
+  std::string binary = options.flywheel_binary.empty()
+                           ? fs::read_symlink("/proc/self/exe", error).string()
+                           : options.flywheel_binary;
+  if (error) return Status::IOError("cannot resolve /proc/self/exe: " + error.message());
+  ScopedWorkDir work;
+  FW_RETURN_IF_ERROR(work.Prepare(options.work_dir, "flywheel-push-bench", options.keep));
+  const std::string dir = work.path();
+  fs::create_directories(dir + "/logs");
+  fs::create_directories(dir + "/watch");
+  for (const auto& [name, token] : {std::pair{"push.token", kPushToken}, {"read.token", kReadToken}}) {
+    const std::string text = token;
+    FW_RETURN_IF_ERROR(WriteFileAtomically(dir + "/" + name, std::as_bytes(std::span(text))));
+  }
+  out << "push bench: starting publisher, relay and " << options.workers << " workers\n";
+  FW_ASSIGN_OR_RETURN(Fleet fleet, StartFleet(options, binary, dir));
+  pipeline::FaultProxy proxy(fleet.publisher_http.port,
+                             {.upstream_bytes_per_s = options.link_bits_per_s / 8});
+  if (!proxy.ok()) return Status::IOError("push bench: the shaping proxy: " + proxy.error());
+  sync::PushClientOptions client;
+  client.url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  client.token = kPushToken;
+  client.cache_dir = dir + "/cache";
+  client.threads = options.threads;
+  client.timeout = 600s;
+
+  std::vector<PushRow> rows;
+  double curl_s = 0;
+  std::vector<std::byte> previous;  // the last version's bytes, for the density
+  GeneratorOptions generate;
+  generate.checkpoint_bytes = options.checkpoint_bytes;
+  generate.threads = options.threads;
+  out << "push bench: " << 1 + 2 * options.steps << " AdamW steps of a "
+      << Grouped(options.checkpoint_bytes) << "-byte model: v1 pushed in full, then a delta push "
+      << "and a drop (the fleet's own sync, the baseline) in turn\n" << std::flush;
+  auto each = [&](int step, const CheckpointView& view) -> Status {
+    double density = 0;
+    std::vector<std::byte> bytes;
+    for (const TensorView& t : view) bytes.insert(bytes.end(), t.data.begin(), t.data.end());
+    if (!previous.empty()) {
+      uint64_t changed = 0;
+      const auto* a = reinterpret_cast<const uint16_t*>(previous.data());
+      const auto* b = reinterpret_cast<const uint16_t*>(bytes.data());
+      for (size_t i = 0; i < bytes.size() / 2; ++i) changed += a[i] != b[i];
+      density = static_cast<double>(changed) / static_cast<double>(bytes.size() / 2);
+    }
+    previous = std::move(bytes);
+    const uint64_t version = static_cast<uint64_t>(step);
+    if (step > 1 && step % 2 == 1) {  // the baseline: the same kind of step as a drop
+      FW_ASSIGN_OR_RETURN(rows.back().drop_s, DropOne(options, fleet, dir, view, version));
+      out << "push bench: v" << version << " drop served by all workers after "
+          << Fixed(rows.back().drop_s, 2) << " s\n" << std::flush;
+      return Status::Ok();
+    }
+    const std::string file = dir + "/v" + std::to_string(version) + ".safetensors";
+    FW_RETURN_IF_ERROR(WriteSafetensors(file, view, {}));
+    FW_ASSIGN_OR_RETURN(PushRow row, PushOne(options, fleet, client, file, version));
+    row.density = density;
+    out << "push bench: v" << version << " " << row.kind << " " << Grouped(row.uploaded_bytes)
+        << " bytes (" << Fixed(100 * density, 2) << "% of the words changed), served by all "
+        << "workers after " << Fixed(row.total_s(), 2) << " s\n" << std::flush;
+    rows.push_back(row);
+    if (step == 1) {
+      FW_ASSIGN_OR_RETURN(curl_s, CurlPeer(dir, fleet, proxy.port(), file));
+    }
+    std::error_code ignored;
+    fs::remove(file, ignored);
+    return Status::Ok();
+  };
+  FW_RETURN_IF_ERROR(GenerateCheckpointSequence(generate, 1 + 2 * options.steps, each));
+
+  Table table{{"push", "kind", "changed words", "uploaded", "of checkpoint", "encode s", "upload s",
+               "wire floor s", "commit→all serving s", "push→all serving s", "drop→all serving s",
+               "target s"},
+              {}};
+  bool met = true;
+  std::string missed;
+  for (const PushRow& row : rows) {
+    const bool delta = row.kind == "delta";
+    const double target = 1.3 * row.wire_s + row.drop_s;
+    table.rows.push_back({"v" + std::to_string(row.version), row.kind,
+                          delta ? Fixed(100 * row.density, 2) + "%" : "-",
+                          Grouped(row.uploaded_bytes),
+                          "1/" + Fixed(static_cast<double>(row.checkpoint_bytes) / row.uploaded_bytes, 1),
+                          Fixed(row.encode_s, 2), Fixed(row.upload_s, 2), Fixed(row.wire_s, 2),
+                          Fixed(row.fleet_s, 2), Fixed(row.total_s(), 2),
+                          delta ? Fixed(row.drop_s, 2) : "-", delta ? Fixed(target, 2) : "-"});
+    if (!delta) continue;
+    if (row.uploaded_bytes * 40 > row.checkpoint_bytes) {
+      met = false;
+      missed += " v" + std::to_string(row.version) + " uploaded more than 1/40;";
+    }
+    if (row.total_s() > target) {
+      met = false;
+      missed += " v" + std::to_string(row.version) + " push→serving " + Fixed(row.total_s(), 2) +
+                " s > target " + Fixed(target, 2) + " s;";
+    }
+  }
+  table.rows.push_back({"curl -T (peer, full v1)", "full", "-", Grouped(rows[0].checkpoint_bytes),
+                        "1/1.0", "-", Fixed(curl_s, 2), Fixed(rows[0].wire_s, 2), "-", "-", "-", "-"});
+  out << "\n" << RenderText(table);
+  out << "\nLink " << Fixed(options.link_bits_per_s / 1e9, 2) << " Gbit/s (client -> publisher), "
+      << options.workers << " workers behind one relay; full push upload "
+      << Fixed(rows[0].upload_s, 2) << " s vs curl -T " << Fixed(curl_s, 2) << " s ("
+      << Fixed(rows[0].upload_s / curl_s, 2) << "x, the flywheel time includes the publisher's "
+      << "verification and publish).\n";
+  if (!options.markdown_out.empty()) {
+    FW_RETURN_IF_ERROR(WriteMarkdownSection(
+        options.markdown_out, "## Push benchmark",
+        "## Push benchmark\n\n`flywheel bench push --size-mb " +
+            std::to_string(options.checkpoint_bytes >> 20) + "`: a " +
+            Grouped(options.checkpoint_bytes) + "-byte bf16 checkpoint pushed through a " +
+            Fixed(options.link_bits_per_s / 1e9, 2) + " Gbit/s shaped upload link to a publisher, " +
+            "one relay and " + std::to_string(options.workers) +
+            " workers; `curl -T` of the full file over the same link is the peer.\n\n" +
+            RenderMarkdown(table) + "\n"));
+  }
+  (void)fleet.processes->StopAll();
+  if (options.check && !met) return Status::Internal("push bench: targets missed:" + missed);
+  return Status::Ok();
+}
+
+}  // namespace flywheel::bench

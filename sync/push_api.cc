@@ -1,0 +1,567 @@
+#include "sync/push_api.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+#include "delta/safetensors.h"
+
+namespace flywheel::sync {
+
+using transport::Credential;
+using transport::HttpRequest;
+using transport::HttpResponse;
+
+namespace {
+
+constexpr std::chrono::milliseconds kWaitDefault{30000};
+constexpr std::chrono::milliseconds kWaitMax{300000};
+constexpr std::chrono::milliseconds kWaitTick{25};
+constexpr uint64_t kControlBodyLimit = 1 << 20;
+
+HttpResponse JsonResponse(int status, const nlohmann::json& body) {
+  return {status, "application/json", body.dump() + "\n"};
+}
+
+HttpResponse Error(int status, const std::string& code, const std::string& message,
+                   nlohmann::json extra = nlohmann::json::object()) {
+  extra["code"] = code;
+  extra["message"] = message;
+  return JsonResponse(status, {{"error", extra}});
+}
+
+// The value of `key` in the target's query string, if present.
+std::optional<std::string> Query(const std::string& target, std::string_view key) {
+  const size_t question = target.find('?');
+  if (question == std::string::npos) return std::nullopt;
+  std::string_view query(target);
+  query.remove_prefix(question + 1);
+  while (!query.empty()) {
+    const size_t amp = query.find('&');
+    const std::string_view pair = query.substr(0, amp);
+    const size_t equals = pair.find('=');
+    if (pair.substr(0, equals) == key) {
+      return std::string(equals == std::string_view::npos ? "" : pair.substr(equals + 1));
+    }
+    if (amp == std::string_view::npos) break;
+    query.remove_prefix(amp + 1);
+  }
+  return std::nullopt;
+}
+
+// A query parameter as a number: `fallback` when absent, an error response when malformed.
+template <typename T>
+std::variant<T, HttpResponse> QueryNumber(const std::string& target, std::string_view key,
+                                          T fallback) {
+  const std::optional<std::string> text = Query(target, key);
+  if (!text) return fallback;
+  try {
+    size_t used = 0;
+    T value;
+    if constexpr (std::is_floating_point_v<T>) {
+      value = static_cast<T>(std::stod(*text, &used));
+    } else {
+      if (text->empty() || (*text)[0] == '-') throw std::invalid_argument("negative");
+      value = static_cast<T>(std::stoull(*text, &used));
+    }
+    if (used != text->size()) throw std::invalid_argument("trailing");
+    return value;
+  } catch (const std::exception&) {
+    return Error(400, "bad_request",
+                 "query parameter '" + std::string(key) + "' is not a valid number: '" + *text + "'");
+  }
+}
+
+std::string VersionList(const std::vector<uint64_t>& versions) {
+  std::string text;
+  for (uint64_t v : versions) text += (text.empty() ? "v" : ", v") + std::to_string(v);
+  return text.empty() ? "none" : text;
+}
+
+}  // namespace
+
+Readiness ReadinessOf(const std::vector<FleetNode>& fleet, uint64_t version) {
+  Readiness readiness;
+  readiness.version = version;
+  for (const FleetNode& node : fleet) {
+    if (node.state.role() != wire::WORKER) continue;
+    const bool serving = node.state.version() >= version;
+    auto& region = readiness.regions[node.state.region()];
+    ++readiness.workers;
+    ++region.first;
+    if (serving) {
+      ++readiness.serving;
+      ++region.second;
+    }
+  }
+  return readiness;
+}
+
+nlohmann::json ToJson(const Readiness& readiness) {
+  nlohmann::json regions = nlohmann::json::object();
+  for (const auto& [name, counts] : readiness.regions) {
+    regions[name] = {{"workers", counts.first}, {"serving", counts.second}};
+  }
+  const double fraction = readiness.workers == 0 ? 0.0
+                                                 : static_cast<double>(readiness.serving) /
+                                                       static_cast<double>(readiness.workers);
+  return {{"version", readiness.version},
+          {"workers", readiness.workers},
+          {"serving", readiness.serving},
+          {"fraction", fraction},
+          {"regions", regions}};
+}
+
+struct PushApi::Impl : std::enable_shared_from_this<PushApi::Impl> {
+  Impl(asio::any_io_executor executor, PushOptions options, PublishTarget* target, Ledger* ledger,
+       std::unique_ptr<UploadStore> uploads, asio::thread_pool* cpu, int threads,
+       bool read_token_required)
+      : executor(executor),
+        options(std::move(options)),
+        target(target),
+        ledger(ledger),
+        uploads(std::move(uploads)),
+        cpu(cpu),
+        io(2),
+        threads(threads),
+        read_token_required(read_token_required) {}
+
+  asio::any_io_executor executor;
+  PushOptions options;
+  PublishTarget* target;
+  Ledger* ledger;
+  std::unique_ptr<UploadStore> uploads;
+  asio::thread_pool* cpu;
+  asio::thread_pool io;
+  int threads;
+  bool read_token_required;
+  std::atomic<bool> stopped{false};
+  // Commits and pins run one at a time on the CPU pool; this says a pin is in force.
+  std::atomic<bool> pinned{false};
+
+  std::optional<HttpResponse> DenyPush(const HttpRequest& request) const;
+  std::optional<HttpResponse> DenyRead(const HttpRequest& request) const;
+  HttpResponse UploadFailure(const Status& status, const std::string& id) const;
+  nlohmann::json PinJson() const { return ToJson(ledger->pin()); }
+
+  awaitable<HttpResponse> Uploads(HttpRequest request);
+  HttpResponse CreateUpload(const HttpRequest& request);
+  awaitable<HttpResponse> WritePart(std::string id, HttpRequest request);
+  HttpResponse CommitNow(const std::string& id, const std::string& peer);
+  HttpResponse PublishStaged(const StagedUpload& staged, const std::string& peer);
+  HttpResponse PublishDelta(const StagedUpload& staged, LedgerRow row);
+  HttpResponse Published(uint64_t version, const CheckpointView& checkpoint,
+                         const AppendOptions& known, LedgerRow row);
+  HttpResponse Versions(const HttpRequest& request) const;
+  HttpResponse ReadinessNow(const HttpRequest& request) const;
+  awaitable<HttpResponse> Wait(HttpRequest request);
+  awaitable<HttpResponse> Pin(HttpRequest request);
+  HttpResponse PinNow(uint64_t version, nlohmann::json metadata, std::string client,
+                      std::string peer);
+  HttpResponse Unpin();
+};
+
+std::optional<HttpResponse> PushApi::Impl::DenyPush(const HttpRequest& request) const {
+  if (options.token.empty()) {
+    return Error(403, "push_disabled",
+                 "this publisher takes no pushes: start it with --push-token-file");
+  }
+  if (request.credential == Credential::kWrite) return std::nullopt;
+  if (request.credential == Credential::kRead) {
+    return Error(403, "forbidden", "the read token cannot push; send the push token");
+  }
+  return Error(401, "unauthorized", "missing or unknown bearer token");
+}
+
+std::optional<HttpResponse> PushApi::Impl::DenyRead(const HttpRequest& request) const {
+  if (!read_token_required || request.credential != Credential::kNone) return std::nullopt;
+  return Error(401, "unauthorized", "missing or unknown bearer token");
+}
+
+HttpResponse PushApi::Impl::UploadFailure(const Status& status, const std::string& id) const {
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+      return Error(400, "bad_request", status.message());
+    case StatusCode::kNotFound:
+      return uploads->WasExpired(id) ? Error(410, "upload_expired", status.message())
+                                     : Error(404, "not_found", status.message());
+    case StatusCode::kResourceExhausted:
+      return Error(413, "too_large", status.message());
+    case StatusCode::kUnavailable:
+      return Error(507, "insufficient_storage", status.message() + "; the upload was removed");
+    case StatusCode::kMismatch:
+      return Error(409, "committing", status.message());
+    case StatusCode::kCorruption:
+      return Error(422, "body_hash_mismatch", status.message() + "; the upload was removed");
+    default:
+      spdlog::error("push: upload {}: {}", id, status.message());
+      return Error(500, "internal", status.message());
+  }
+}
+
+HttpResponse PushApi::Impl::CreateUpload(const HttpRequest& request) {
+  const nlohmann::json body = nlohmann::json::parse(request.body, nullptr, false);
+  if (body.is_discarded()) return Error(400, "bad_request", "the request body is not JSON");
+  Result<UploadSpec> spec = ParseUploadSpec(body);
+  if (!spec.ok()) return Error(400, "bad_request", spec.status().message());
+  if (pinned) {
+    return Error(409, "pinned", "the fleet is pinned; unpin before pushing",
+                 {{"pin", PinJson()}});
+  }
+  const uint64_t last = target->version_log().last_version();
+  if (spec->version && *spec->version <= last) {
+    return Error(409, "version_conflict",
+                 "version " + std::to_string(*spec->version) + " is not above the head v" +
+                     std::to_string(last),
+                 {{"head_version", last}});
+  }
+  if (spec->kind == UploadKind::kDelta) {
+    const std::vector<uint64_t> held = target->version_log().RebuildableVersions();
+    if (!std::binary_search(held.begin(), held.end(), spec->base_version)) {
+      return Error(409, "unknown_base",
+                   "the publisher cannot rebuild base version " +
+                       std::to_string(spec->base_version) + " (it holds " + VersionList(held) +
+                       "); push the full checkpoint",
+                   {{"held_versions", held}});
+    }
+  }
+  Result<UploadState> state = uploads->Create(std::move(*spec));
+  if (!state.ok()) return UploadFailure(state.status(), "");
+  spdlog::info("push: upload {} created ({} bytes, {})", state->id, state->spec.size,
+               UploadKindName(state->spec.kind));
+  return JsonResponse(201, ToJson(*state));
+}
+
+awaitable<HttpResponse> PushApi::Impl::WritePart(std::string id, HttpRequest request) {
+  auto offset = QueryNumber<uint64_t>(request.target, "offset", UINT64_MAX);
+  if (auto* error = std::get_if<HttpResponse>(&offset)) co_return *error;
+  if (std::get<uint64_t>(offset) == UINT64_MAX) {
+    co_return Error(400, "bad_request", "PUT of a part needs ?offset=N");
+  }
+  auto self = shared_from_this();
+  auto write = [self, id, offset = std::get<uint64_t>(offset), body = std::move(request.body)] {
+    return self->uploads->Write(
+        id, offset, std::as_bytes(std::span(body.data(), body.size())));
+  };
+  std::optional<Result<UploadState>> state = co_await transport::RunOn(io, std::move(write));
+  if (!state) co_return Error(500, "internal", "the part write did not run");
+  if (!state->ok()) co_return UploadFailure(state->status(), id);
+  co_return JsonResponse(200, ToJson(**state));
+}
+
+awaitable<HttpResponse> PushApi::Impl::Uploads(HttpRequest request) {
+  if (auto denied = DenyPush(request)) co_return *denied;
+  // /v1/uploads, /v1/uploads/{id}, /v1/uploads/{id}/commit
+  const std::string rest = request.path.substr(std::min<size_t>(request.path.size(), 12));
+  const size_t slash = rest.find('/');
+  const std::string id = rest.substr(0, slash);
+  const std::string action = slash == std::string::npos ? "" : rest.substr(slash + 1);
+  if (id.empty()) {
+    if (request.method != "POST") co_return Error(405, "method_not_allowed", "use POST /v1/uploads");
+    co_return CreateUpload(request);
+  }
+  if (action == "commit") {
+    if (request.method != "POST") co_return Error(405, "method_not_allowed", "use POST to commit");
+    auto self = shared_from_this();
+    auto commit = [self, id, peer = request.peer] { return self->CommitNow(id, peer); };
+    std::optional<HttpResponse> response = co_await transport::RunOn(*cpu, std::move(commit));
+    co_return response ? std::move(*response) : Error(500, "internal", "the commit did not run");
+  }
+  if (!action.empty()) co_return Error(404, "not_found", "no route " + request.path);
+  if (request.method == "PUT") co_return co_await WritePart(id, std::move(request));
+  if (request.method == "GET") {
+    Result<UploadState> state = uploads->State(id);
+    co_return state.ok() ? JsonResponse(200, ToJson(*state)) : UploadFailure(state.status(), id);
+  }
+  if (request.method == "DELETE") {
+    Status removed = uploads->Remove(id);
+    if (!removed.ok()) co_return UploadFailure(removed, id);
+    co_return JsonResponse(200, {{"id", id}, {"aborted", true}});
+  }
+  co_return Error(405, "method_not_allowed", "use GET, PUT or DELETE on an upload");
+}
+
+HttpResponse PushApi::Impl::CommitNow(const std::string& id, const std::string& peer) {
+  if (pinned) {
+    (void)uploads->Remove(id);
+    return Error(409, "pinned", "the fleet is pinned; unpin before pushing (upload removed)",
+                 {{"pin", PinJson()}});
+  }
+  Result<UploadState> state = uploads->State(id);
+  if (!state.ok()) return UploadFailure(state.status(), id);
+  if (!state->missing.empty()) {
+    nlohmann::json missing = nlohmann::json::array();
+    for (const auto& [begin, end] : state->missing) missing.push_back({begin, end});
+    return Error(422, "incomplete",
+                 "upload " + id + " is incomplete: " +
+                     std::to_string(state->spec.size - state->received_bytes) +
+                     " bytes are missing; send them and commit again",
+                 {{"missing", missing}});
+  }
+  Result<StagedUpload> staged = uploads->Take(id);
+  if (!staged.ok()) return UploadFailure(staged.status(), id);
+  HttpResponse response = PublishStaged(*staged, peer);
+  (void)uploads->Remove(id);
+  return response;
+}
+
+HttpResponse PushApi::Impl::PublishStaged(const StagedUpload& staged, const std::string& peer) {
+  LedgerRow row;
+  row.source = VersionSource::kPush;
+  row.metadata = staged.spec.metadata;
+  row.upload_kind = UploadKindName(staged.spec.kind);
+  row.uploaded_bytes = staged.spec.size;
+  row.pushed_by_client = staged.spec.client;
+  row.pushed_by_peer = peer;
+  if (staged.spec.kind == UploadKind::kDelta) return PublishDelta(staged, std::move(row));
+  Result<Checkpoint> checkpoint = Checkpoint::Open(staged.CheckpointPath());
+  if (!checkpoint.ok()) {
+    return Error(422, "invalid_checkpoint",
+                 "upload " + staged.id + ": " + checkpoint.status().message());
+  }
+  const uint64_t version = staged.spec.version.value_or(target->version_log().last_version() + 1);
+  return Published(version, checkpoint->tensors(), AppendOptions{}, std::move(row));
+}
+
+HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow row) {
+  Result<std::vector<std::byte>> bytes = Env::Default()->ReadFile(staged.CheckpointPath());
+  if (!bytes.ok()) return Error(500, "internal", bytes.status().message());
+  Result<delta::DeltaView> view = delta::DeltaView::Parse(*bytes);
+  if (!view.ok()) return Error(422, "invalid_delta", "upload " + staged.id + ": " + view.status().message());
+  const delta::Manifest& manifest = view->manifest();
+  if (manifest.keyframe || manifest.base_version != staged.spec.base_version ||
+      (staged.spec.version && manifest.target_version != *staged.spec.version)) {
+    return Error(422, "invalid_delta",
+                 "upload " + staged.id + ": the container goes from v" +
+                     std::to_string(manifest.base_version) + " to v" +
+                     std::to_string(manifest.target_version) + (manifest.keyframe ? " (a keyframe)" : "") +
+                     ", the upload declared base v" + std::to_string(staged.spec.base_version));
+  }
+  Result<RebuiltCheckpoint> rebuilt = target->version_log().ApplyDelta(*bytes, threads);
+  if (!rebuilt.ok()) {
+    const StatusCode code = rebuilt.status().code();
+    if (code == StatusCode::kNotFound || code == StatusCode::kMismatch) {
+      const std::vector<uint64_t> held = target->version_log().RebuildableVersions();
+      return Error(409, "unknown_base", rebuilt.status().message() + "; push the full checkpoint",
+                   {{"held_versions", held}});
+    }
+    return Error(422, "invalid_delta", "upload " + staged.id + ": " + rebuilt.status().message());
+  }
+  AppendOptions known;
+  known.tensor_hashes = rebuilt->tensor_hashes;
+  known.checkpoint_hash = rebuilt->hash;
+  // A delta from the head is the log's own delta artifact for this version, byte for byte.
+  if (manifest.base_version == target->version_log().head_version()) known.encoded_delta = *bytes;
+  return Published(manifest.target_version, rebuilt->checkpoint.view(), known, std::move(row));
+}
+
+HttpResponse PushApi::Impl::Published(uint64_t version, const CheckpointView& checkpoint,
+                                      const AppendOptions& known, LedgerRow row) {
+  const uint64_t last = target->version_log().last_version();
+  if (version <= last) {
+    return Error(409, "version_conflict",
+                 "version " + std::to_string(version) + " is not above the head v" +
+                     std::to_string(last) + " (another push committed first)",
+                 {{"head_version", last}});
+  }
+  Result<LedgerRow> published = target->Publish(version, checkpoint, known, std::move(row));
+  if (!published.ok()) {
+    if (published.status().code() == StatusCode::kInvalidArgument) {
+      return Error(422, "invalid_checkpoint", published.status().message());
+    }
+    return Error(500, "internal", published.status().message());
+  }
+  return JsonResponse(200, ToJson(*published));
+}
+
+HttpResponse PushApi::Impl::Versions(const HttpRequest& request) const {
+  if (auto denied = DenyRead(request)) return *denied;
+  if (request.method != "GET" && request.method != "HEAD") {
+    return Error(405, "method_not_allowed", "use GET");
+  }
+  const std::vector<uint64_t> held = target->version_log().RebuildableVersions();
+  auto row_json = [&](const LedgerRow& row) {
+    nlohmann::json json = ToJson(row);
+    json["rebuildable"] = std::binary_search(held.begin(), held.end(), row.version);
+    return json;
+  };
+  if (request.path.size() > 12) {  // /v1/versions/{v}
+    const std::string text = request.path.substr(13);
+    uint64_t version = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), version);
+    if (ec != std::errc() || end != text.data() + text.size()) {
+      return Error(400, "bad_request", "'" + text + "' is not a version number");
+    }
+    const std::optional<LedgerRow> row = ledger->Row(version);
+    if (!row) return Error(404, "not_found", "the ledger has no version " + text);
+    return JsonResponse(200, row_json(*row));
+  }
+  nlohmann::json rows = nlohmann::json::array();
+  for (const LedgerRow& row : ledger->Rows()) rows.push_back(row_json(row));
+  return JsonResponse(200, {{"head_version", target->version_log().head_version()},
+                            {"pin", PinJson()},
+                            {"pin_events", ledger->EventsJson()},
+                            {"versions", rows}});
+}
+
+HttpResponse PushApi::Impl::ReadinessNow(const HttpRequest& request) const {
+  if (auto denied = DenyRead(request)) return *denied;
+  const uint64_t head = target->version_log().head_version();
+  auto version = QueryNumber<uint64_t>(request.target, "version", head);
+  if (auto* error = std::get_if<HttpResponse>(&version)) return *error;
+  nlohmann::json json = ToJson(ReadinessOf(target->Fleet(), std::get<uint64_t>(version)));
+  json["head_version"] = head;
+  return JsonResponse(200, json);
+}
+
+awaitable<HttpResponse> PushApi::Impl::Wait(HttpRequest request) {
+  if (auto denied = DenyRead(request)) co_return *denied;
+  const uint64_t head = target->version_log().head_version();
+  auto version = QueryNumber<uint64_t>(request.target, "version", head);
+  auto fraction = QueryNumber<double>(request.target, "fraction", 1.0);
+  auto timeout_ms = QueryNumber<uint64_t>(request.target, "timeout_ms", kWaitDefault.count());
+  auto min_workers = QueryNumber<uint64_t>(request.target, "min_workers", 1);
+  for (auto* error : {std::get_if<HttpResponse>(&version), std::get_if<HttpResponse>(&timeout_ms),
+                      std::get_if<HttpResponse>(&min_workers)}) {
+    if (error) co_return *error;
+  }
+  if (auto* error = std::get_if<HttpResponse>(&fraction)) co_return *error;
+  const double wanted = std::get<double>(fraction);
+  if (!(wanted >= 0.0 && wanted <= 1.0)) {
+    co_return Error(400, "bad_request", "fraction must be in [0, 1]");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline =
+      start + std::min(kWaitMax, std::chrono::milliseconds(std::get<uint64_t>(timeout_ms)));
+  for (;;) {
+    const Readiness readiness = ReadinessOf(target->Fleet(), std::get<uint64_t>(version));
+    const uint64_t needed = std::max<uint64_t>(
+        std::get<uint64_t>(min_workers),
+        static_cast<uint64_t>(std::ceil(wanted * static_cast<double>(readiness.workers) - 1e-9)));
+    const bool ready = readiness.serving >= needed;
+    const auto now = std::chrono::steady_clock::now();
+    if (ready || now >= deadline || stopped) {
+      nlohmann::json json = ToJson(readiness);
+      json["head_version"] = target->version_log().head_version();
+      json["ready"] = ready;
+      json["needed"] = needed;
+      json["waited_ms"] = std::chrono::duration<double, std::milli>(now - start).count();
+      co_return JsonResponse(200, json);
+    }
+    co_await transport::SleepFor(kWaitTick);
+  }
+}
+
+awaitable<HttpResponse> PushApi::Impl::Pin(HttpRequest request) {
+  if (auto denied = DenyPush(request)) co_return *denied;
+  if (request.method != "POST") co_return Error(405, "method_not_allowed", "use POST");
+  if (request.path == "/v1/unpin") {
+    auto self = shared_from_this();
+    auto unpin = [self] { return self->Unpin(); };
+    std::optional<HttpResponse> response = co_await transport::RunOn(*cpu, std::move(unpin));
+    co_return response ? std::move(*response) : Error(500, "internal", "the unpin did not run");
+  }
+  const nlohmann::json body = nlohmann::json::parse(request.body, nullptr, false);
+  if (body.is_discarded() || !body.is_object() || !body.contains("version") ||
+      !body["version"].is_number_unsigned()) {
+    co_return Error(400, "bad_request", "the body must be {\"version\": N, \"metadata\": {...}}");
+  }
+  nlohmann::json metadata = body.value("metadata", nlohmann::json::object());
+  if (!metadata.is_object()) co_return Error(400, "bad_request", "'metadata' must be an object");
+  const std::string client = body.value("client", std::string());
+  auto self = shared_from_this();
+  auto pin = [self, version = body["version"].get<uint64_t>(), metadata, client,
+              peer = request.peer] { return self->PinNow(version, metadata, client, peer); };
+  std::optional<HttpResponse> response = co_await transport::RunOn(*cpu, std::move(pin));
+  co_return response ? std::move(*response) : Error(500, "internal", "the pin did not run");
+}
+
+HttpResponse PushApi::Impl::PinNow(uint64_t version, nlohmann::json metadata, std::string client,
+                                   std::string peer) {
+  Result<RebuiltCheckpoint> rebuilt = target->version_log().Rebuild(version);
+  if (!rebuilt.ok()) {
+    if (!ledger->Row(version) && version > target->version_log().last_version()) {
+      return Error(404, "not_found", "no version " + std::to_string(version) + " was published");
+    }
+    return Error(409, "unknown_base", rebuilt.status().message(),
+                 {{"held_versions", target->version_log().RebuildableVersions()}});
+  }
+  LedgerRow row;
+  row.source = VersionSource::kPin;
+  row.metadata = std::move(metadata);
+  row.pushed_by_client = std::move(client);
+  row.pushed_by_peer = std::move(peer);
+  row.pinned_to = version;
+  AppendOptions known;
+  known.tensor_hashes = rebuilt->tensor_hashes;
+  known.checkpoint_hash = rebuilt->hash;
+  const uint64_t as = target->version_log().last_version() + 1;
+  Result<LedgerRow> published = target->Publish(as, rebuilt->checkpoint.view(), known, std::move(row));
+  if (!published.ok()) return Error(500, "internal", published.status().message());
+  Status saved = ledger->SetPin(PinState{version, as, Env::Default()->NowMicros() / 1000});
+  if (!saved.ok()) return Error(500, "internal", saved.message());
+  pinned = true;
+  spdlog::info("push: pinned the fleet to v{}'s weights, published as v{}", version, as);
+  return JsonResponse(200, ToJson(*published));
+}
+
+HttpResponse PushApi::Impl::Unpin() {
+  const std::optional<PinState> before = ledger->pin();
+  Status saved = ledger->SetPin(std::nullopt);
+  if (!saved.ok()) return Error(500, "internal", saved.message());
+  pinned = false;
+  if (before) spdlog::info("push: unpinned (was pinned to v{})", before->pinned_to);
+  return JsonResponse(200, {{"pin", nullptr},
+                            {"was", ToJson(before)},
+                            {"head_version", target->version_log().head_version()}});
+}
+
+PushApi::PushApi(asio::any_io_executor executor, PushOptions options, PublishTarget* target,
+                 Ledger* ledger, std::unique_ptr<UploadStore> uploads, asio::thread_pool* cpu,
+                 int threads, bool read_token_required)
+    : impl_(std::make_shared<Impl>(executor, std::move(options), target, ledger,
+                                   std::move(uploads), cpu, threads, read_token_required)) {
+  impl_->pinned = ledger->pin().has_value();
+}
+
+PushApi::~PushApi() {
+  impl_->stopped = true;
+  impl_->io.join();
+}
+
+void PushApi::Register(transport::HttpServer& http) {
+  auto impl = impl_;
+  const uint64_t part_limit = impl->options.max_part_bytes;
+  http.RouteApi(
+      "/v1/uploads", [impl](HttpRequest request) { return impl->Uploads(std::move(request)); },
+      std::max<uint64_t>(part_limit, kControlBodyLimit));
+  http.RouteApi("/v1/versions", [impl](HttpRequest request) -> awaitable<HttpResponse> {
+    co_return impl->Versions(request);
+  });
+  http.RouteApi("/v1/readiness", [impl](HttpRequest request) -> awaitable<HttpResponse> {
+    co_return impl->ReadinessNow(request);
+  });
+  http.RouteApi("/v1/wait", [impl](HttpRequest request) { return impl->Wait(std::move(request)); });
+  for (const char* path : {"/v1/pin", "/v1/unpin"}) {
+    http.RouteApi(path, [impl](HttpRequest request) { return impl->Pin(std::move(request)); },
+                  kControlBodyLimit);
+  }
+}
+
+awaitable<void> PushApi::ExpiryLoop() {
+  auto impl = impl_;
+  while (!impl->stopped) {
+    co_await transport::SleepFor(std::chrono::milliseconds(
+        std::clamp<int64_t>(impl->options.upload_expiry.count() / 4, 10, 1000)));
+    const size_t expired = impl->uploads->ExpireIdle();
+    if (expired > 0) spdlog::info("push: removed {} abandoned upload(s)", expired);
+  }
+}
+
+void PushApi::Stop() { impl_->stopped = true; }
+
+bool PushApi::pinned() const { return impl_->pinned; }
+
+}  // namespace flywheel::sync

@@ -1,0 +1,475 @@
+#include "sync/uploads.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+namespace flywheel::sync {
+namespace {
+
+constexpr uint64_t kMaxFiles = 4096;
+constexpr size_t kHashBufferBytes = 8 << 20;
+
+std::string Hex(const unsigned char* bytes, size_t size) {
+  static const char* kDigits = "0123456789abcdef";
+  std::string text;
+  for (size_t i = 0; i < size; ++i) {
+    text += kDigits[bytes[i] >> 4];
+    text += kDigits[bytes[i] & 15];
+  }
+  return text;
+}
+
+bool IsLowerHex(const std::string& text, size_t length) {
+  if (text.size() != length) return false;
+  for (char c : text) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+bool PlainFileName(const std::string& name) {
+  return !name.empty() && name.size() <= 255 && name[0] != '.' &&
+         name.find('/') == std::string::npos && name.find('\0') == std::string::npos;
+}
+
+std::string NewUploadId() {
+  std::random_device device;
+  std::string id = "u-";
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = device();
+    unsigned char bytes[4] = {static_cast<unsigned char>(word), static_cast<unsigned char>(word >> 8),
+                              static_cast<unsigned char>(word >> 16),
+                              static_cast<unsigned char>(word >> 24)};
+    id += Hex(bytes, 4);
+  }
+  return id;
+}
+
+Result<uint64_t> U64(const nlohmann::json& body, const char* field) {
+  auto it = body.find(field);
+  if (it == body.end()) return Status::InvalidArgument(std::string("missing field '") + field + "'");
+  if (!it->is_number_unsigned()) {
+    return Status::InvalidArgument(std::string("field '") + field +
+                                   "' must be a non-negative integer");
+  }
+  return it->get<uint64_t>();
+}
+
+Result<std::vector<UploadFile>> ParseFiles(const nlohmann::json& body, UploadKind kind,
+                                           uint64_t size) {
+  if (kind == UploadKind::kDelta) {
+    if (body.contains("files")) {
+      return Status::InvalidArgument("field 'files' is for full uploads; a delta is one file");
+    }
+    return std::vector<UploadFile>{{"delta", size}};
+  }
+  if (!body.contains("files")) return std::vector<UploadFile>{{"model.safetensors", size}};
+  const nlohmann::json& files = body["files"];
+  if (!files.is_array() || files.empty() || files.size() > kMaxFiles) {
+    return Status::InvalidArgument("field 'files' must be a non-empty array (at most " +
+                                   std::to_string(kMaxFiles) + " files)");
+  }
+  std::vector<UploadFile> out;
+  std::set<std::string> names;
+  uint64_t total = 0;
+  for (const nlohmann::json& file : files) {
+    if (!file.is_object() || !file.contains("name") || !file["name"].is_string()) {
+      return Status::InvalidArgument("every entry of 'files' needs a string 'name'");
+    }
+    UploadFile entry{file["name"].get<std::string>(), 0};
+    if (!PlainFileName(entry.name) || !names.insert(entry.name).second) {
+      return Status::InvalidArgument("file name '" + entry.name +
+                                     "' is not a plain, unique file name");
+    }
+    FW_ASSIGN_OR_RETURN(entry.size, U64(file, "size"));
+    if (entry.size > size || total + entry.size > size) {
+      return Status::InvalidArgument("the sizes of 'files' add up to more than 'size'");
+    }
+    total += entry.size;
+    out.push_back(std::move(entry));
+  }
+  if (total != size) {
+    return Status::InvalidArgument("the sizes of 'files' add up to " + std::to_string(total) +
+                                   ", not 'size' " + std::to_string(size));
+  }
+  return out;
+}
+
+Result<UploadDigest> ParseDigest(const nlohmann::json& body) {
+  auto it = body.find("digest");
+  if (it == body.end() || !it->is_object() || !it->contains("algorithm") ||
+      !it->contains("value") || !(*it)["algorithm"].is_string() || !(*it)["value"].is_string()) {
+    return Status::InvalidArgument(
+        "field 'digest' must be {\"algorithm\": \"xxh3_64\"|\"sha256\", \"value\": hex}");
+  }
+  UploadDigest digest{(*it)["algorithm"].get<std::string>(), (*it)["value"].get<std::string>()};
+  const size_t length = digest.algorithm == "xxh3_64" ? 16 : digest.algorithm == "sha256" ? 64 : 0;
+  if (length == 0) {
+    return Status::InvalidArgument("digest algorithm '" + digest.algorithm +
+                                   "' is not supported (xxh3_64 or sha256)");
+  }
+  if (!IsLowerHex(digest.value, length)) {
+    return Status::InvalidArgument("digest value must be " + std::to_string(length) +
+                                   " lowercase hex digits");
+  }
+  return digest;
+}
+
+// Hashes the body (the files in order) with the upload's digest algorithm.
+Result<std::string> BodyDigest(const StagedUpload& staged) {
+  const bool sha = staged.spec.digest.algorithm == "sha256";
+  XXH3_state_t* xxh = sha ? nullptr : XXH3_createState();
+  EVP_MD_CTX* md = sha ? EVP_MD_CTX_new() : nullptr;
+  if (xxh) XXH3_64bits_reset(xxh);
+  if (md) EVP_DigestInit_ex(md, EVP_sha256(), nullptr);
+  std::vector<unsigned char> buffer(kHashBufferBytes);
+  Status status;
+  for (const UploadFile& file : staged.spec.files) {
+    const std::string path = staged.dir + "/" + file.name;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      status = ErrnoStatus("cannot open", path, errno);
+      break;
+    }
+    for (uint64_t offset = 0; offset < file.size && status.ok();) {
+      const ssize_t got = ::pread(fd, buffer.data(), std::min<uint64_t>(buffer.size(), file.size - offset),
+                                  static_cast<off_t>(offset));
+      if (got <= 0) {
+        status = got == 0 ? Status::IOError(path + " is shorter than declared")
+                          : ErrnoStatus("cannot read", path, errno);
+        break;
+      }
+      if (xxh) XXH3_64bits_update(xxh, buffer.data(), static_cast<size_t>(got));
+      if (md) EVP_DigestUpdate(md, buffer.data(), static_cast<size_t>(got));
+      offset += static_cast<uint64_t>(got);
+    }
+    ::close(fd);
+    if (!status.ok()) break;
+  }
+  std::string digest;
+  if (xxh) {
+    const uint64_t value = XXH3_64bits_digest(xxh);
+    unsigned char bytes[8];
+    for (int i = 0; i < 8; ++i) bytes[i] = static_cast<unsigned char>(value >> (56 - 8 * i));
+    digest = Hex(bytes, 8);
+    XXH3_freeState(xxh);
+  }
+  if (md) {
+    unsigned char bytes[EVP_MAX_MD_SIZE];
+    unsigned int length = 0;
+    EVP_DigestFinal_ex(md, bytes, &length);
+    digest = Hex(bytes, length);
+    EVP_MD_CTX_free(md);
+  }
+  if (!status.ok()) return status;
+  return digest;
+}
+
+// Writes `bytes` at `offset` of one file; Unavailable when the disk is full.
+Status WriteAt(const std::string& path, uint64_t offset, std::span<const std::byte> bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus("cannot open", path, errno);
+  Status status;
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t wrote = ::pwrite(fd, bytes.data() + done, bytes.size() - done,
+                                   static_cast<off_t>(offset + done));
+    if (wrote < 0 && errno == EINTR) continue;
+    if (wrote <= 0) {
+      const int err = wrote < 0 ? errno : EIO;
+      status = err == ENOSPC || err == EDQUOT
+                   ? Status::Unavailable("the staging disk is full: cannot write " + path)
+                   : ErrnoStatus("cannot write", path, err);
+      break;
+    }
+    done += static_cast<size_t>(wrote);
+  }
+  ::close(fd);
+  return status;
+}
+
+// Creates `path` with `size` bytes allocated; Unavailable when the disk is full.
+Status Allocate(const std::string& path, uint64_t size) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return ErrnoStatus("cannot create", path, errno);
+  const int err = size == 0 ? 0 : ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+  ::close(fd);
+  if (err == ENOSPC || err == EDQUOT) {
+    return Status::Unavailable("the staging disk is full: cannot allocate " +
+                               std::to_string(size) + " bytes for " + path);
+  }
+  if (err != 0) return ErrnoStatus("cannot allocate", path, err);
+  return Status::Ok();
+}
+
+}  // namespace
+
+const char* UploadKindName(UploadKind kind) {
+  return kind == UploadKind::kDelta ? "delta" : "full";
+}
+
+Result<UploadSpec> ParseUploadSpec(const nlohmann::json& body) {
+  if (!body.is_object()) return Status::InvalidArgument("the request body must be a JSON object");
+  UploadSpec spec;
+  const nlohmann::json version = body.value("version", nlohmann::json("next"));
+  if (version.is_number_unsigned() && version.get<uint64_t>() > 0) {
+    spec.version = version.get<uint64_t>();
+  } else if (version != "next") {
+    return Status::InvalidArgument("field 'version' must be a positive integer or \"next\"");
+  }
+  const nlohmann::json kind = body.value("kind", nlohmann::json("full"));
+  if (kind != "full" && kind != "delta") {
+    return Status::InvalidArgument("field 'kind' must be \"full\" or \"delta\"");
+  }
+  spec.kind = kind == "delta" ? UploadKind::kDelta : UploadKind::kFull;
+  if (spec.kind == UploadKind::kDelta) {
+    FW_ASSIGN_OR_RETURN(spec.base_version, U64(body, "base_version"));
+  } else if (body.contains("base_version")) {
+    return Status::InvalidArgument("field 'base_version' is for delta uploads");
+  }
+  FW_ASSIGN_OR_RETURN(spec.size, U64(body, "size"));
+  FW_ASSIGN_OR_RETURN(spec.files, ParseFiles(body, spec.kind, spec.size));
+  FW_ASSIGN_OR_RETURN(spec.digest, ParseDigest(body));
+  spec.metadata = body.value("metadata", nlohmann::json::object());
+  if (!spec.metadata.is_object()) {
+    return Status::InvalidArgument("field 'metadata' must be a JSON object");
+  }
+  const nlohmann::json client = body.value("client", nlohmann::json(""));
+  if (!client.is_string() || client.get<std::string>().size() > 256) {
+    return Status::InvalidArgument("field 'client' must be a string of at most 256 bytes");
+  }
+  spec.client = client.get<std::string>();
+  return spec;
+}
+
+nlohmann::json ToJson(const UploadState& state) {
+  nlohmann::json missing = nlohmann::json::array();
+  for (const auto& [begin, end] : state.missing) missing.push_back({begin, end});
+  nlohmann::json files = nlohmann::json::array();
+  for (const UploadFile& file : state.spec.files) {
+    files.push_back({{"name", file.name}, {"size", file.size}});
+  }
+  nlohmann::json out = {{"id", state.id},
+                        {"kind", UploadKindName(state.spec.kind)},
+                        {"version", state.spec.version ? nlohmann::json(*state.spec.version)
+                                                       : nlohmann::json("next")},
+                        {"size", state.spec.size},
+                        {"files", files},
+                        {"received_bytes", state.received_bytes},
+                        {"missing", missing},
+                        {"expires_in_s", state.expires_in_s}};
+  if (state.spec.kind == UploadKind::kDelta) out["base_version"] = state.spec.base_version;
+  return out;
+}
+
+std::string StagedUpload::CheckpointPath() const {
+  if (spec.kind == UploadKind::kDelta) return dir + "/delta";
+  if (spec.files.size() == 1) return dir + "/" + spec.files[0].name;
+  return dir;
+}
+
+Result<std::unique_ptr<UploadStore>> UploadStore::Open(UploadStoreOptions options, Env* env) {
+  if (options.dir.empty()) return Status::InvalidArgument("uploads: no staging directory given");
+  if (options.max_part_bytes == 0 || options.max_upload_bytes == 0) {
+    return Status::InvalidArgument("uploads: size limits must be positive");
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(options.dir, ec);
+  if (ec) return Status::IOError("cannot create staging directory " + options.dir + ": " + ec.message());
+  // Emptied, not removed: the directory may be a mount point.
+  FW_ASSIGN_OR_RETURN(std::vector<std::string> leftovers, env->ListDir(options.dir));
+  for (const std::string& name : leftovers) FW_RETURN_IF_ERROR(env->RemoveAll(options.dir + "/" + name));
+  return std::unique_ptr<UploadStore>(new UploadStore(std::move(options), env));
+}
+
+UploadStore::~UploadStore() {
+  std::lock_guard lock(mu_);
+  while (!uploads_.empty()) RemoveLocked(uploads_.begin()->first);
+}
+
+uint64_t UploadStore::staged_bytes() const {
+  std::lock_guard lock(mu_);
+  uint64_t total = 0;
+  for (const auto& [id, upload] : uploads_) total += upload.spec.size;
+  return total;
+}
+
+UploadState UploadStore::StateOf(const std::string& id, const Upload& upload) const {
+  UploadState state{id, upload.spec, 0, {}, 0};
+  uint64_t at = 0;
+  for (const auto& [begin, end] : upload.received) {
+    if (begin > at) state.missing.emplace_back(at, begin);
+    state.received_bytes += end - begin;
+    at = end;
+  }
+  if (at < upload.spec.size) state.missing.emplace_back(at, upload.spec.size);
+  const double idle_s = static_cast<double>(env_->NowMicros() - upload.last_activity_us) / 1e6;
+  state.expires_in_s = std::max(0.0, static_cast<double>(options_.expiry.count()) / 1e3 - idle_s);
+  return state;
+}
+
+Result<UploadStore::Upload*> UploadStore::Find(const std::string& id) {
+  auto it = uploads_.find(id);
+  if (it == uploads_.end()) {
+    return Status::NotFound(expired_.count(id) ? "upload " + id + " expired and was removed"
+                                               : "no upload " + id);
+  }
+  return &it->second;
+}
+
+void UploadStore::RemoveLocked(const std::string& id) {
+  auto it = uploads_.find(id);
+  if (it == uploads_.end()) return;
+  (void)env_->RemoveAll(it->second.dir);
+  uploads_.erase(it);
+}
+
+Result<UploadState> UploadStore::Create(UploadSpec spec) {
+  if (spec.size > options_.max_upload_bytes) {
+    return Status::ResourceExhausted("upload of " + std::to_string(spec.size) +
+                                     " bytes is above the limit of " +
+                                     std::to_string(options_.max_upload_bytes));
+  }
+  std::lock_guard lock(mu_);
+  uint64_t staged = 0;
+  for (const auto& [id, upload] : uploads_) staged += upload.spec.size;
+  if (staged + spec.size > options_.quota_bytes) {
+    return Status::ResourceExhausted(
+        "upload of " + std::to_string(spec.size) + " bytes does not fit the staging quota (" +
+        std::to_string(options_.quota_bytes - std::min(staged, options_.quota_bytes)) + " of " +
+        std::to_string(options_.quota_bytes) + " bytes left)");
+  }
+  const std::string id = NewUploadId();
+  Upload upload{std::move(spec), options_.dir + "/" + id, {}, env_->NowMicros(), false};
+  std::error_code ec;
+  std::filesystem::create_directory(upload.dir, ec);
+  if (ec) return Status::IOError("cannot create " + upload.dir + ": " + ec.message());
+  for (const UploadFile& file : upload.spec.files) {
+    Status allocated = Allocate(upload.dir + "/" + file.name, file.size);
+    if (!allocated.ok()) {
+      (void)env_->RemoveAll(upload.dir);
+      return allocated;
+    }
+  }
+  auto [it, inserted] = uploads_.emplace(id, std::move(upload));
+  return StateOf(id, it->second);
+}
+
+Result<UploadState> UploadStore::Write(const std::string& id, uint64_t offset,
+                                       std::span<const std::byte> bytes) {
+  std::lock_guard lock(mu_);
+  FW_ASSIGN_OR_RETURN(Upload * upload, Find(id));
+  if (upload->taken) return Status::Mismatch("upload " + id + " is being committed");
+  if (bytes.size() > options_.max_part_bytes) {
+    return Status::ResourceExhausted("part of " + std::to_string(bytes.size()) +
+                                     " bytes is above the limit of " +
+                                     std::to_string(options_.max_part_bytes));
+  }
+  if (offset > upload->spec.size || bytes.size() > upload->spec.size - offset) {
+    return Status::InvalidArgument("part [" + std::to_string(offset) + ", " +
+                                   std::to_string(offset + bytes.size()) +
+                                   ") lies outside the upload's " +
+                                   std::to_string(upload->spec.size) + " bytes");
+  }
+  uint64_t file_begin = 0;
+  for (const UploadFile& file : upload->spec.files) {
+    const uint64_t begin = std::max(offset, file_begin);
+    const uint64_t end = std::min<uint64_t>(offset + bytes.size(), file_begin + file.size);
+    if (begin < end) {
+      Status wrote = WriteAt(upload->dir + "/" + file.name, begin - file_begin,
+                             bytes.subspan(begin - offset, end - begin));
+      if (!wrote.ok()) {
+        if (wrote.code() == StatusCode::kUnavailable) RemoveLocked(id);
+        return wrote;
+      }
+    }
+    file_begin += file.size;
+  }
+  // Merge [offset, offset + size) into the received ranges.
+  uint64_t begin = offset, end = offset + bytes.size();
+  auto it = upload->received.upper_bound(begin);
+  if (it != upload->received.begin() && std::prev(it)->second >= begin) --it;
+  while (it != upload->received.end() && it->first <= end) {
+    begin = std::min(begin, it->first);
+    end = std::max(end, it->second);
+    it = upload->received.erase(it);
+  }
+  if (end > begin) upload->received[begin] = end;
+  upload->last_activity_us = env_->NowMicros();
+  return StateOf(id, *upload);
+}
+
+Result<UploadState> UploadStore::State(const std::string& id) {
+  std::lock_guard lock(mu_);
+  FW_ASSIGN_OR_RETURN(Upload * upload, Find(id));
+  upload->last_activity_us = env_->NowMicros();
+  return StateOf(id, *upload);
+}
+
+Result<StagedUpload> UploadStore::Take(const std::string& id) {
+  StagedUpload staged;
+  {
+    std::lock_guard lock(mu_);
+    FW_ASSIGN_OR_RETURN(Upload * upload, Find(id));
+    if (upload->taken) return Status::Mismatch("upload " + id + " is being committed already");
+    const UploadState state = StateOf(id, *upload);
+    if (!state.missing.empty()) {
+      return Status::Mismatch("upload " + id + " is incomplete: " +
+                              std::to_string(upload->spec.size - state.received_bytes) +
+                              " of " + std::to_string(upload->spec.size) +
+                              " bytes are missing, from byte " +
+                              std::to_string(state.missing.front().first));
+    }
+    upload->taken = true;
+    upload->last_activity_us = env_->NowMicros();
+    staged = StagedUpload{id, upload->spec, upload->dir};
+  }
+  // Hashed outside the lock: the upload is taken, no part writes it any more.
+  Result<std::string> digest = BodyDigest(staged);
+  Status status = digest.status();
+  if (digest.ok() && *digest != staged.spec.digest.value) {
+    status = Status::Corruption("the body's " + staged.spec.digest.algorithm + " is " + *digest +
+                                ", the upload declared " + staged.spec.digest.value);
+  }
+  if (!status.ok()) {
+    std::lock_guard lock(mu_);
+    RemoveLocked(id);
+    return status;
+  }
+  return staged;
+}
+
+Status UploadStore::Remove(const std::string& id) {
+  std::lock_guard lock(mu_);
+  if (!uploads_.count(id)) return Status::NotFound("no upload " + id);
+  RemoveLocked(id);
+  return Status::Ok();
+}
+
+size_t UploadStore::ExpireIdle() {
+  std::lock_guard lock(mu_);
+  const int64_t now = env_->NowMicros();
+  const int64_t expiry_us = static_cast<int64_t>(options_.expiry.count()) * 1000;
+  std::vector<std::string> idle;
+  for (const auto& [id, upload] : uploads_) {
+    if (!upload.taken && now - upload.last_activity_us > expiry_us) idle.push_back(id);
+  }
+  for (const std::string& id : idle) {
+    RemoveLocked(id);
+    expired_.insert(id);
+  }
+  return idle.size();
+}
+
+bool UploadStore::WasExpired(const std::string& id) const {
+  std::lock_guard lock(mu_);
+  return expired_.count(id) > 0;
+}
+
+}  // namespace flywheel::sync

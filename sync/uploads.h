@@ -1,0 +1,145 @@
+// Resumable uploads staged on disk for the publisher's push API (docs/PUSH_API.md).
+//
+// An upload declares its size, files and digest up front; its bytes arrive as parts at
+// offsets, in any order, repeated or overlapping (idempotent); Take() hands a complete,
+// digest-verified upload to the committer. Layout under the staging directory:
+//   <dir>/<id>/<file name>   one file per declared file (a delta upload has one, "delta"),
+//                            allocated at Create (fallocate), written in place by parts
+// Open removes whatever an earlier process left there: uploads do not survive a restart.
+//
+// Quotas: the declared size of one upload is at most max_upload_bytes, the declared sizes
+// of all staged uploads at most quota_bytes (ResourceExhausted, before anything is
+// written); the space is allocated at Create, so a full disk fails there (Unavailable)
+// rather than half-way. A part is at most max_part_bytes.
+//
+// Status codes, as the HTTP layer maps them: InvalidArgument (bad spec, part outside the
+// upload), NotFound (unknown id; WasExpired() tells an expired one apart), ResourceExhausted
+// (a quota), Unavailable (the staging disk is full: the upload is removed), Mismatch (Take
+// while bytes are missing, or a part while the upload is being committed), Corruption (the
+// body does not match its digest: the upload is removed), IOError (anything else the OS
+// refused).
+//
+// Thread-safe: every call may come from any thread.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/env.h"
+#include "base/status.h"
+
+namespace flywheel::sync {
+
+enum class UploadKind { kFull, kDelta };
+const char* UploadKindName(UploadKind kind);  // "full", "delta"
+
+struct UploadFile {
+  std::string name;  // a plain file name: no '/', not "." or "..", not hidden
+  uint64_t size = 0;
+};
+
+// The digest of the whole body. xxh3_64: 16 lowercase hex digits of XXH3-64 (seed 0);
+// sha256: 64 lowercase hex digits.
+struct UploadDigest {
+  std::string algorithm;
+  std::string value;
+};
+
+// What POST /v1/uploads declares.
+struct UploadSpec {
+  std::optional<uint64_t> version;  // nullopt: "next"
+  UploadKind kind = UploadKind::kFull;
+  uint64_t base_version = 0;  // delta only
+  std::vector<UploadFile> files;
+  uint64_t size = 0;  // == the sum of the files' sizes
+  UploadDigest digest;
+  nlohmann::json metadata = nlohmann::json::object();
+  std::string client;  // who the client says it is ("" if it did not say)
+};
+
+// Parses and checks a create request; InvalidArgument names the field that is wrong.
+Result<UploadSpec> ParseUploadSpec(const nlohmann::json& body);
+
+struct UploadState {
+  std::string id;
+  UploadSpec spec;
+  uint64_t received_bytes = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> missing;  // half-open byte ranges, ascending
+  double expires_in_s = 0;
+};
+nlohmann::json ToJson(const UploadState& state);
+
+// A complete, verified upload taken out of the store; its files stay on disk until
+// UploadStore::Remove.
+struct StagedUpload {
+  std::string id;
+  UploadSpec spec;
+  std::string dir;
+  // What to open: the delta file, dir/model.safetensors for a single file, else dir (a
+  // sharded checkpoint with its index).
+  std::string CheckpointPath() const;
+};
+
+struct UploadStoreOptions {
+  std::string dir;  // created if missing; emptied at Open
+  uint64_t quota_bytes = 128ull << 30;
+  uint64_t max_upload_bytes = 64ull << 30;
+  uint64_t max_part_bytes = 64ull << 20;
+  std::chrono::milliseconds expiry{3600 * 1000};  // idle time after which an upload is removed
+};
+
+class UploadStore {
+ public:
+  static Result<std::unique_ptr<UploadStore>> Open(UploadStoreOptions options,
+                                                   Env* env = Env::Default());
+  ~UploadStore();
+
+  Result<UploadState> Create(UploadSpec spec);
+  // Writes `bytes` at `offset` of the body.
+  Result<UploadState> Write(const std::string& id, uint64_t offset,
+                            std::span<const std::byte> bytes);
+  Result<UploadState> State(const std::string& id);
+  // Checks that every byte arrived and the digest, and takes the upload out of the store
+  // (no more parts). On a digest mismatch the upload is removed.
+  Result<StagedUpload> Take(const std::string& id);
+  // Removes an upload (staged or taken) and its files. NotFound when unknown.
+  Status Remove(const std::string& id);
+  // Removes uploads idle for longer than the expiry; returns how many.
+  size_t ExpireIdle();
+  bool WasExpired(const std::string& id) const;
+
+  const UploadStoreOptions& options() const { return options_; }
+  uint64_t staged_bytes() const;  // declared sizes of the uploads held
+
+ private:
+  struct Upload {
+    UploadSpec spec;
+    std::string dir;
+    std::map<uint64_t, uint64_t> received;  // begin -> end, disjoint, merged
+    int64_t last_activity_us = 0;
+    bool taken = false;
+  };
+  UploadStore(UploadStoreOptions options, Env* env) : options_(std::move(options)), env_(env) {}
+  UploadState StateOf(const std::string& id, const Upload& upload) const;  // REQUIRES: mu_
+  Result<Upload*> Find(const std::string& id);                               // REQUIRES: mu_
+  void RemoveLocked(const std::string& id);                                  // REQUIRES: mu_
+
+  const UploadStoreOptions options_;
+  Env* const env_;
+  mutable std::mutex mu_;
+  std::map<std::string, Upload> uploads_;  // GUARDED_BY(mu_)
+  std::set<std::string> expired_;          // GUARDED_BY(mu_)
+};
+
+}  // namespace flywheel::sync
