@@ -313,9 +313,11 @@ class Uploader {
     const std::string id = created.body.value("id", std::string());
     FW_RETURN_IF_ERROR(SendMissing(body, id, {{0, body.size}}));
     for (int attempt = 0;; ++attempt) {
+      const auto commit_start = Clock::now();
       FW_ASSIGN_OR_RETURN(Answer committed,
                           CallRetrying(target_, options_.retries, "POST",
                                        "/v1/uploads/" + id + "/commit", {}, {}, &outcome_->resumes));
+      outcome_->commit_seconds = std::chrono::duration<double>(Clock::now() - commit_start).count();
       if (committed.status == 200 || committed.status == 409) return committed;
       // A commit whose connection broke after the publisher started may find the upload
       // gone (published, or removed); the ledger says which, so ask for incomplete only.

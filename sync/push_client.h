@@ -52,7 +52,8 @@ struct PushOutcome {
   std::string fallback_reason;
   int resumes = 0;                      // broken connections recovered from
   double encode_seconds = 0;
-  double upload_seconds = 0;
+  double upload_seconds = 0;            // create + parts + commit
+  double commit_seconds = 0;            // the commit alone: the publisher verifies and publishes
 };
 
 using PushProgress = std::function<void(uint64_t sent, uint64_t total)>;

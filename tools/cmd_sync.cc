@@ -312,10 +312,11 @@ void AddPushOptions(CLI::App* publish, SyncArgs& args) {
       ->type_name("MIB")
       ->capture_default_str()
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32));
-  publish->add_option("--max-part-mib", args.max_part_mib, "Largest part (one PUT) accepted")
+  publish->add_option("--max-part-mib", args.max_part_mib,
+                      "Largest part (one PUT) accepted; a part is held in memory while it is written")
       ->type_name("MIB")
       ->capture_default_str()
-      ->check(CLI::Range(uint64_t{1}, uint64_t{1024}));
+      ->check(CLI::Range(uint64_t{1}, uint64_t{16384}));
   publish->add_option("--upload-expiry-s", args.upload_expiry_s,
                       "Remove an upload idle (no part, no state request) this long")
       ->type_name("S")

@@ -65,7 +65,7 @@ struct HttpServer::Impl {
   Credential CredentialOf(const Request& request) const;
   // The API route for `path` (longest prefix), or null.
   const ApiEntry* FindApi(std::string_view path) const;
-  awaitable<Response> HandleApi(const Request& request, const ApiEntry& entry, std::string peer);
+  awaitable<Response> HandleApi(Request& request, const ApiEntry& entry, std::string peer);
   static Response ToResponse(HttpResponse result);
   // Version, Server header, keep-alive and Content-Length, as every answer has them.
   void Finish(const Request& request, Response& response) const;
@@ -198,7 +198,9 @@ awaitable<bool> ServeRequests(Impl& impl, Stream& stream) {
       std::string peer = peer_error ? std::string("unknown")
                                     : remote.address().to_string() + ":" +
                                           std::to_string(remote.port());
-      response = co_await impl.HandleApi(request, *api, std::move(peer));
+      // The body moves into the handler's request (a part may be large); nothing below
+      // reads it again.
+      response = co_await impl.HandleApi(parser.get(), *api, std::move(peer));
     } else {
       response = impl.Handle(request);
     }
@@ -359,13 +361,13 @@ const HttpServer::Impl::ApiEntry* HttpServer::Impl::FindApi(std::string_view pat
   return best;
 }
 
-awaitable<Response> HttpServer::Impl::HandleApi(const Request& request, const ApiEntry& entry,
+awaitable<Response> HttpServer::Impl::HandleApi(Request& request, const ApiEntry& entry,
                                                 std::string peer) {
   HttpRequest api;
   api.method = std::string(request.method_string());
   api.target = std::string(request.target());
   api.path = api.target.substr(0, api.target.find('?'));
-  api.body = request.body();
+  api.body = std::move(request.body());
   api.credential = CredentialOf(request);
   api.peer = std::move(peer);
   HttpResponse result;
