@@ -306,7 +306,10 @@ awaitable<void> Server::ServeControl(std::shared_ptr<Connection> connection) {
     if (frame->header.has_report()) {
       for (const wire::NodeState& node : frame->header.report().nodes()) {
         if (node.node_id().empty()) continue;
+        auto known = fleet_.find(node.node_id());
+        const bool changed = known == fleet_.end() || known->second.state.version() != node.version();
         fleet_[node.node_id()] = FleetNode{node, connection->hello.node_id(), Clock::now()};
+        if (changed && options_.on_fleet_change) options_.on_fleet_change();
         reported.insert(node.node_id());
       }
     } else {
@@ -394,6 +397,11 @@ void Upstream::Stop() {
   }
 }
 
+void Upstream::ReportNow() {
+  report_now_ = true;
+  if (auto timer = report_timer_.lock()) timer->cancel();
+}
+
 std::string Upstream::current() const {
   return control_ ? options_.endpoints[control_index_].ToString() : std::string();
 }
@@ -430,11 +438,21 @@ awaitable<void> Upstream::ReportLoop(std::shared_ptr<Connection> connection,
                                      std::shared_ptr<size_t> index_ptr) {
   const size_t index = *index_ptr;
   auto next_prefer = Clock::now() + options_.prefer_retry;
+  auto timer = std::make_shared<asio::steady_timer>(executor_);
+  report_timer_ = timer;
   while (*reporting && !connection->closed()) {
+    report_now_ = false;
     wire::Header header;
     *header.mutable_report() = report_();
     if (!(co_await connection->Send(MakeFrame(std::move(header)))).ok()) co_return;
-    co_await transport::SleepFor(1s);
+    // ReportNow cuts the wait short; 50 ms at least between reports all the same.
+    timer->expires_after(report_now_ ? 50ms : 1000ms);
+    transport::error_code ignored;
+    co_await timer->async_wait(asio::redirect_error(transport::use_awaitable, ignored));
+    if (report_now_) {
+      timer->expires_after(50ms);
+      co_await timer->async_wait(asio::redirect_error(transport::use_awaitable, ignored));
+    }
     if (index != 0 && Clock::now() >= next_prefer && *reporting) {
       next_prefer = Clock::now() + options_.prefer_retry;
       transport::DialOptions probe;

@@ -106,6 +106,9 @@ struct ServerOptions {
   transport::ListenerOptions listener;
   NodeIdentity identity;
   std::chrono::milliseconds report_timeout{10000};  // a node not reporting is dropped
+  // Called on the executor when a report adds a node or changes a node's version (a relay
+  // passes the news upstream at once: Upstream::ReportNow).
+  std::function<void()> on_fleet_change;
 };
 
 // One node as seen in Reports.
@@ -197,6 +200,11 @@ class Upstream {
   // on_piece (optional) is called for every verified piece.
   awaitable<Status> Fetch(Download& download, std::function<void(uint32_t)> on_piece = {});
 
+  // Sends the next report now instead of at the next report interval (a node that just
+  // swapped, a relay whose fleet changed), at most one every 50 ms. REQUIRES: on the
+  // executor.
+  void ReportNow();
+
   std::string current() const;  // the upstream of the control channel, "" if none
   const FetchCounters& counters() const { return counters_; }
   bool connected() const { return control_ != nullptr; }
@@ -229,6 +237,8 @@ class Upstream {
   std::vector<size_t> data_index_;
   FetchCounters counters_;
   std::function<wire::Report()> report_;
+  std::weak_ptr<asio::steady_timer> report_timer_;  // the running report loop's sleep
+  bool report_now_ = false;
   bool stopped_ = false;
   std::chrono::steady_clock::time_point last_progress_;
 };

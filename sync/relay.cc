@@ -189,6 +189,9 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
       &impl->links);
 
   ServerOptions server = MakeServerOptions(options.common, options.listen, impl->identity, tls.server);
+  server.on_fleet_change = [raw = impl.get()] {
+    if (raw->upstream) raw->upstream->ReportNow();  // a worker swapped: tell upstream now
+  };
   FW_ASSIGN_OR_RETURN(impl->server, Server::Start(executor, server, impl.get(), &impl->links));
   Impl* raw = impl.get();
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,

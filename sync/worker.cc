@@ -349,6 +349,7 @@ awaitable<void> Worker::Impl::UpdateLoop() {
                          now - (seen != head_seen.end() ? seen->second : fetch_start))
                          .count();
       ++swaps;
+      upstream->ReportNow();  // readiness (GET /v1/wait on the publisher) learns it now
       last_error.clear();
       spdlog::info("serving v{} ({}; fetched in {:.0f} ms, applied in {:.0f} ms)", serving,
                    Describe(key), fetch_ms, last_apply_ms);

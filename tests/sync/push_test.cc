@@ -503,6 +503,25 @@ TEST_F(PushTest, ReadinessAndLongPoll) {
   EXPECT_EQ(Call("GET", "/v1/wait?fraction=abc", {}, kReadToken).status, 400);
 }
 
+TEST_F(PushTest, WorkersReportASwapAtOnce) {
+  // A worker reports right after a swap (Upstream::ReportNow) instead of at its next
+  // one-second report, so the long-poll answers within the swap's own time: over five
+  // pushes the mean wait stays far below the half second a timed report would average.
+  StartPublisher();
+  StartWorker();
+  OwnedCheckpoint weights = v1_;
+  double total_ms = 0;
+  for (uint64_t version = 1; version <= 5; ++version) {
+    weights = Mutate(weights, 0.02, version);
+    ASSERT_EQ(PushWhole(Serialized(weights)).status, 200);
+    Answer ready = Call("GET", "/v1/wait?version=" + std::to_string(version) + "&timeout_ms=10000",
+                        {}, kReadToken);
+    ASSERT_EQ(ready.body["ready"], true) << ready.body.dump();
+    total_ms += ready.body["waited_ms"].get<double>();
+  }
+  EXPECT_LT(total_ms / 5, 300.0);
+}
+
 TEST_F(PushTest, LedgerSurvivesARestart) {
   StartPublisher();
   ASSERT_EQ(PushWhole(Serialized(v1_), {{"metadata", {{"run", "r1"}}}}).status, 200);
