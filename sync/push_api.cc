@@ -470,7 +470,11 @@ awaitable<HttpResponse> PushApi::Impl::Pin(HttpRequest request) {
   }
   nlohmann::json metadata = body.value("metadata", nlohmann::json::object());
   if (!metadata.is_object()) co_return Error(400, "bad_request", "'metadata' must be an object");
-  const std::string client = body.value("client", std::string());
+  const nlohmann::json client_json = body.value("client", nlohmann::json(""));
+  if (!client_json.is_string() || client_json.get<std::string>().size() > 256) {
+    co_return Error(400, "bad_request", "'client' must be a string of at most 256 bytes");
+  }
+  const std::string client = client_json.get<std::string>();
   auto self = shared_from_this();
   auto pin = [self, version = body["version"].get<uint64_t>(), metadata, client,
               peer = request.peer] { return self->PinNow(version, metadata, client, peer); };

@@ -15,6 +15,8 @@ namespace {
 
 constexpr uint64_t kMaxFiles = 4096;
 constexpr size_t kHashBufferBytes = 8 << 20;
+// Open uploads at most: empty ones take no quota, but each holds a directory.
+constexpr size_t kMaxOpenUploads = 1024;
 
 std::string Hex(const unsigned char* bytes, size_t size) {
   static const char* kDigits = "0123456789abcdef";
@@ -337,6 +339,10 @@ Result<UploadState> UploadStore::Create(UploadSpec spec) {
                                      std::to_string(options_.max_upload_bytes));
   }
   std::lock_guard lock(mu_);
+  if (uploads_.size() >= kMaxOpenUploads) {
+    return Status::ResourceExhausted(std::to_string(uploads_.size()) +
+                                     " uploads are open already; commit or abort some first");
+  }
   uint64_t staged = 0;
   for (const auto& [id, upload] : uploads_) staged += upload.spec.size;
   if (staged + spec.size > options_.quota_bytes) {

@@ -405,6 +405,20 @@ TEST_F(PushTest, OversizedUploadIs413) {
   EXPECT_EQ(refused.code(), "too_large");
 }
 
+TEST_F(PushTest, MalformedRequestsAreClear400s) {
+  StartPublisher();
+  for (const char* body : {"not json", "[]", R"({"size": -1})", R"({"size": 1, "kind": "zip"})",
+                           R"({"size": 4, "digest": {"algorithm": "md5", "value": "00"}})",
+                           R"({"size": 4, "files": [{"name": "../x", "size": 4}]})"}) {
+    Answer answer = Call("POST", "/v1/uploads", body);
+    EXPECT_EQ(answer.status, 400) << body;
+    EXPECT_EQ(answer.code(), "bad_request") << body;
+  }
+  EXPECT_EQ(Call("POST", "/v1/pin", R"({"version": 1, "client": 7})").status, 400);
+  EXPECT_EQ(Call("PUT", "/v1/uploads/u-none?offset=0", "x").status, 404);
+  EXPECT_TRUE(fs::is_empty(dir_ / "state" / "uploads"));
+}
+
 TEST_F(PushTest, TwoClientsPushingTheSameVersionOneWins) {
   StartPublisher();
   const std::string a = Serialized(v1_), b = Serialized(Mutate(v1_, 0.05, 9));
