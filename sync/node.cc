@@ -92,9 +92,21 @@ const ArtifactInfo* Catalog::Find(const ArtifactKey& key) const {
   return nullptr;
 }
 
+const SignedManifest* Catalog::SignatureOf(const ArtifactKey& key) const {
+  auto it = signatures.find(key);
+  return it == signatures.end() ? nullptr : &it->second;
+}
+
 wire::Catalog ToWire(const Catalog& catalog) {
   wire::Catalog out;
-  for (const ArtifactInfo& info : catalog.artifacts) *out.add_artifacts() = ToWire(info);
+  for (const ArtifactInfo& info : catalog.artifacts) {
+    wire::Artifact* artifact = out.add_artifacts();
+    *artifact = ToWire(info);
+    if (const SignedManifest* signed_manifest = catalog.SignatureOf(KeyOf(info))) {
+      artifact->set_manifest(signed_manifest->manifest);
+      artifact->set_signature(signed_manifest->signature);
+    }
+  }
   out.set_head_version(catalog.head_version);
   out.set_head_hash(HashBytesOf(catalog.head_hash));
   out.set_max_staleness(catalog.max_staleness);
@@ -108,6 +120,14 @@ Result<Catalog> FromWire(const wire::Catalog& catalog, uint64_t max_piece_bytes)
     if (out.Find(KeyOf(info)) != nullptr) {
       return Status::Corruption("catalog lists " + Describe(KeyOf(info)) + " twice");
     }
+    if (!artifact.manifest().empty() || !artifact.signature().empty()) {
+      // Checked against trusted keys by whoever needs it; here only bounded.
+      if (artifact.manifest().size() > 4096 || artifact.signature().size() > 512) {
+        return Status::Corruption("catalog entry " + Describe(KeyOf(info)) +
+                                  ": oversized manifest or signature");
+      }
+      out.signatures[KeyOf(info)] = {artifact.manifest(), artifact.signature()};
+    }
     out.artifacts.push_back(std::move(info));
   }
   // By target version, a keyframe before the delta of the same version.
@@ -120,6 +140,61 @@ Result<Catalog> FromWire(const wire::Catalog& catalog, uint64_t max_piece_bytes)
   }
   out.max_staleness = catalog.max_staleness();
   return out;
+}
+
+void CatalogVerifier::Filter(Catalog* catalog, const std::string& who) {
+  if (!enabled()) return;
+  std::map<ArtifactKey, ManifestFacts> facts;
+  std::vector<ArtifactInfo> kept;
+  for (ArtifactInfo& info : catalog->artifacts) {
+    const ArtifactKey key = KeyOf(info);
+    const SignedManifest* signed_manifest = catalog->SignatureOf(key);
+    static const SignedManifest kUnsigned;
+    Result<ManifestFacts> verified =
+        VerifyManifest(trusted_, signed_manifest ? *signed_manifest : kUnsigned, info);
+    if (!verified.ok()) {
+      const std::string signature = signed_manifest ? signed_manifest->signature : std::string();
+      if (counted_.insert({key, signature}).second) {
+        ++failures_;
+        last_error_ = verified.status().message();
+        spdlog::error("{}: refused: {}", who, last_error_);
+      }
+      catalog->signatures.erase(key);
+      continue;
+    }
+    facts[key] = *verified;
+    kept.push_back(std::move(info));
+  }
+  catalog->artifacts = std::move(kept);
+  facts_ = std::move(facts);
+  uint64_t newest = 0;
+  Hash128 newest_hash;
+  for (const ArtifactInfo& info : catalog->artifacts) {
+    if (info.target_version >= newest) {
+      newest = info.target_version;
+      newest_hash = info.target_hash;
+    }
+  }
+  if (catalog->head_version > newest ||
+      (catalog->head_version == newest && catalog->head_hash != newest_hash)) {
+    catalog->head_version = newest;
+    catalog->head_hash = newest_hash;
+  }
+}
+
+const ManifestFacts* CatalogVerifier::FactsOf(const ArtifactKey& key) const {
+  auto it = facts_.find(key);
+  return it == facts_.end() ? nullptr : &it->second;
+}
+
+void CatalogVerifier::CountForged(const std::string& message) {
+  ++failures_;
+  last_error_ = message;
+}
+
+void CatalogVerifier::CountReplay(const std::string& message) {
+  ++replays_;
+  last_error_ = message;
 }
 
 // ---- identity and links --------------------------------------------------------------

@@ -20,6 +20,7 @@
 
 #include "base/status.h"
 #include "delta/hash.h"
+#include "sync/signing.h"
 #include "sync/version_log.h"
 #include "transport/connection.h"
 
@@ -53,10 +54,44 @@ struct Catalog {
   uint64_t head_version = 0;
   Hash128 head_hash;
   uint64_t max_staleness = 0;
+  // The publisher's signed manifests (sync/signing.h), for the artifacts it signed.
+  std::map<ArtifactKey, SignedManifest> signatures;
   const ArtifactInfo* Find(const ArtifactKey& key) const;
+  const SignedManifest* SignatureOf(const ArtifactKey& key) const;
 };
 wire::Catalog ToWire(const Catalog& catalog);
 Result<Catalog> FromWire(const wire::Catalog& catalog, uint64_t max_piece_bytes);
+
+// A relay's or worker's check of the catalogs it receives against its trusted keys
+// (sync/signing.h, steps 1-3). Network-thread state; not thread-safe.
+class CatalogVerifier {
+ public:
+  explicit CatalogVerifier(TrustedKeys trusted) : trusted_(std::move(trusted)) {}
+  bool enabled() const { return !trusted_.empty(); }
+  uint64_t trusted_keys() const { return trusted_.key_ids().size(); }
+  // Without trusted keys, does nothing. Else drops every artifact whose signed manifest
+  // does not verify or describe it (each refusal is logged and counted once per artifact
+  // and signature), keeps the facts of the others, and lowers the head to the newest
+  // artifact left (a forged head cannot make a node look stale).
+  void Filter(Catalog* catalog, const std::string& who);
+  // The verified facts of an artifact of the last filtered catalog; null if none.
+  const ManifestFacts* FactsOf(const ArtifactKey& key) const;
+  // A downloaded artifact whose bytes do not have the signed SHA-256, or a validly signed
+  // version that CheckFresh refused.
+  void CountForged(const std::string& message);
+  void CountReplay(const std::string& message);
+  uint64_t failures() const { return failures_; }
+  uint64_t replays() const { return replays_; }
+  const std::string& last_error() const { return last_error_; }
+
+ private:
+  TrustedKeys trusted_;
+  std::map<ArtifactKey, ManifestFacts> facts_;
+  std::set<std::pair<ArtifactKey, std::string>> counted_;  // (artifact, signature) refused
+  uint64_t failures_ = 0;
+  uint64_t replays_ = 0;
+  std::string last_error_;
+};
 
 // ---- who we are, and counters --------------------------------------------------------
 

@@ -6,7 +6,10 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <filesystem>
 
+#include "base/env.h"
 #include "delta/safetensors.h"
 #include "sync/drop.h"
 #include "sync/node.h"
@@ -33,6 +36,15 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   std::atomic<bool> stopped{false};
   std::map<std::string, transport::LinkShaping> region_shaping;
 
+  // Signing (sync/signing.h): the key, this state directory's run id, and the signed
+  // manifest of every artifact in the log. Written under publish_mutex (Append, Start),
+  // read by Announce on the network thread: guarded by signing_mutex.
+  std::optional<SigningKey> signing_key;
+  std::string run_id;
+  mutable std::mutex signing_mutex;
+  std::map<ArtifactKey, SignedManifest> signed_artifacts;
+  double last_sign_ms = 0;
+
   // Network-thread state.
   std::vector<ArtifactInfo> artifacts;
   std::map<ArtifactKey, std::shared_ptr<MappedFile>> mapped;
@@ -49,6 +61,7 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   double last_publish_ms = 0;
   uint64_t last_artifact_bytes = 0;
   uint64_t published = 0;
+  std::string last_error;
 
   // Appends, and records `row` (source and client fields set by the caller; the rest is
   // filled in here) in the ledger.
@@ -66,7 +79,110 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   PublisherStatus CurrentStatus() const;
   // Opens the ledger and the staging area and adds the push API's routes.
   Status StartPush();
+  // Signs every artifact of the log that has no valid signature yet and rewrites
+  // signatures.json (pruned to the log's artifacts). REQUIRES: publish_mutex held, or
+  // before the publisher serves.
+  Status SignArtifacts();
+  // Reads signatures.json: the run id and the signatures that still verify.
+  void LoadSignatures();
 };
+
+namespace {
+
+const char* kSignaturesFile = "signatures.json";
+
+std::string Hex(const std::string& bytes) {
+  return HexOf(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+}
+
+std::optional<std::string> Unhex(const std::string& hex) {
+  if (hex.size() % 2 != 0) return std::nullopt;
+  std::string out(hex.size() / 2, '\0');
+  for (size_t i = 0; i < out.size(); ++i) {
+    auto digit = [](char c) -> int {
+      if (c >= '0' && c <= '9') return c - '0';
+      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+      return -1;
+    };
+    const int high = digit(hex[2 * i]), low = digit(hex[2 * i + 1]);
+    if (high < 0 || low < 0) return std::nullopt;
+    out[i] = static_cast<char>(high * 16 + low);
+  }
+  return out;
+}
+
+}  // namespace
+
+void Publisher::Impl::LoadSignatures() {
+  const std::string path = options.log.dir + "/" + kSignaturesFile;
+  Result<std::vector<std::byte>> bytes = Env::Default()->ReadFile(path);
+  if (!bytes.ok()) return;  // a first start: a new run id
+  nlohmann::json document = nlohmann::json::parse(
+      std::string(reinterpret_cast<const char*>(bytes->data()), bytes->size()), nullptr, false);
+  if (!document.is_object() || !document.contains("run_id") || !document["run_id"].is_string()) {
+    spdlog::warn("{} does not parse; signing every artifact again under a new run id", path);
+    return;
+  }
+  run_id = document["run_id"].get<std::string>();
+  const TrustedKeys own = TrustedKeys::Of(*signing_key);
+  std::map<ArtifactKey, ArtifactInfo> in_log;
+  for (const ArtifactInfo& info : log->Artifacts()) in_log[KeyOf(info)] = info;
+  if (!document.contains("artifacts") || !document["artifacts"].is_array()) return;
+  for (const nlohmann::json& entry : document["artifacts"]) {
+    if (!entry.is_object()) continue;
+    const ArtifactKey key{entry.value("kind", "") == "keyframe" ? ArtifactKind::kKeyframe : ArtifactKind::kDelta,
+                          entry.value("version", uint64_t{0})};
+    auto info = in_log.find(key);
+    std::optional<std::string> manifest = Unhex(entry.value("manifest", ""));
+    std::optional<std::string> signature = Unhex(entry.value("signature", ""));
+    if (info == in_log.end() || !manifest || !signature) continue;
+    SignedManifest candidate{*manifest, *signature};
+    // Kept only if this key signed it for exactly this artifact (a rotated key re-signs).
+    if (VerifyManifest(own, candidate, info->second).ok()) signed_artifacts[key] = candidate;
+  }
+}
+
+Status Publisher::Impl::SignArtifacts() {
+  if (!signing_key) return Status::Ok();
+  const auto start = Clock::now();
+  if (run_id.empty()) run_id = NewRunId();
+  std::map<ArtifactKey, SignedManifest> current;
+  {
+    std::lock_guard lock(signing_mutex);
+    current = signed_artifacts;
+  }
+  std::map<ArtifactKey, SignedManifest> next;
+  bool changed = false;
+  for (const ArtifactInfo& info : log->Artifacts()) {
+    auto it = current.find(KeyOf(info));
+    if (it != current.end()) {
+      next.insert(*it);
+      continue;
+    }
+    FW_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(info.path));
+    FW_ASSIGN_OR_RETURN(next[KeyOf(info)],
+                        SignArtifact(*signing_key, info, file.bytes(), run_id, UnixMicrosNow() / 1000));
+    changed = true;
+  }
+  changed = changed || next.size() != current.size();
+  if (changed || !std::filesystem::exists(options.log.dir + "/" + kSignaturesFile)) {
+    nlohmann::json document = {{"run_id", run_id}, {"key_id", signing_key->key_id()},
+                               {"artifacts", nlohmann::json::array()}};
+    for (const auto& [key, signed_manifest] : next) {
+      document["artifacts"].push_back({{"kind", ArtifactKindName(key.kind)},
+                                       {"version", key.target_version},
+                                       {"manifest", Hex(signed_manifest.manifest)},
+                                       {"signature", Hex(signed_manifest.signature)}});
+    }
+    const std::string text = document.dump(1) + "\n";
+    FW_RETURN_IF_ERROR(WriteFileAtomically(options.log.dir + "/" + kSignaturesFile,
+                                           std::as_bytes(std::span(text.data(), text.size()))));
+  }
+  std::lock_guard lock(signing_mutex);
+  signed_artifacts = std::move(next);
+  last_sign_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  return Status::Ok();
+}
 
 Status Publisher::Impl::StartPush() {
   FW_ASSIGN_OR_RETURN(ledger, Ledger::Open(options.log.dir + "/ledger.json"));
@@ -93,6 +209,13 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
   const auto start = Clock::now();
   Result<AppendResult> written = log->Append(version, checkpoint, known);
   if (!written.ok()) return written;
+  if (Status signed_ok = SignArtifacts(); !signed_ok.ok()) {
+    // The version is in the log but unsigned: verifying nodes will refuse it, and the next
+    // append (or a restart) signs it. Say so loudly.
+    spdlog::error("published v{} but cannot sign it: {}", version, signed_ok.message());
+    std::lock_guard lock(stats_mutex);
+    last_error = "signing v" + std::to_string(version) + ": " + signed_ok.message();
+  }
   row->version = version;
   row->weights_hash = log->head_hash().ToHex();
   row->created_unix_ms = UnixMicrosNow() / 1000;
@@ -105,6 +228,8 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
   // the row is missing from GET /v1/versions until the next successful write.
   if (Status recorded = ledger->Record(*row); !recorded.ok()) {
     spdlog::error("published v{} but cannot record it: {}", version, recorded.message());
+    std::lock_guard lock(stats_mutex);
+    last_error = "recording v" + std::to_string(version) + " in the ledger: " + recorded.message();
   }
   std::lock_guard stats_lock(stats_mutex);
   last_publish_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
@@ -196,6 +321,13 @@ void Publisher::Impl::Announce() {
     if (it != mapped.end()) kept.insert(*it);
     catalog.artifacts.push_back(info);
   }
+  {
+    std::lock_guard lock(signing_mutex);
+    for (const ArtifactInfo& info : artifacts) {
+      auto it = signed_artifacts.find(KeyOf(info));
+      if (it != signed_artifacts.end()) catalog.signatures[KeyOf(info)] = it->second;
+    }
+  }
   mapped = std::move(kept);
   catalog.head_version = log->head_version();
   catalog.head_hash = log->head_hash();
@@ -258,7 +390,16 @@ PublisherStatus Publisher::Impl::CurrentStatus() const {
   s.artifacts_retained = artifacts.size();
   for (const ArtifactInfo& info : artifacts) s.log_bytes += info.size_bytes;
   s.pieces_served = server->pieces_served();
+  {
+    std::lock_guard lock(signing_mutex);
+    if (signing_key) {
+      s.signing_key_id = signing_key->key_id();
+      s.run_id = run_id;
+      s.last_sign_ms = last_sign_ms;
+    }
+  }
   std::lock_guard lock(stats_mutex);
+  s.last_error = last_error;
   s.last_publish_ms = last_publish_ms;
   s.last_artifact_bytes = last_artifact_bytes;
   s.published_total = published;
@@ -272,11 +413,21 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor execut
   FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, false));
   auto impl = std::make_shared<Impl>(executor, options);
   impl->identity = MakeIdentity(wire::PUBLISHER, options.common);
+  if (!options.signing_key.empty()) {
+    FW_ASSIGN_OR_RETURN(SigningKey key, SigningKey::Load(options.signing_key));
+    impl->signing_key = std::move(key);
+  }
   FW_ASSIGN_OR_RETURN(impl->log, VersionLog::Open(options.log));
   if (!impl->log->empty()) {
     spdlog::info("recovered {}: head v{} ({}), {} artifacts", options.log.dir,
                  impl->log->head_version(), impl->log->head_hash().ToHex(),
                  impl->log->Artifacts().size());
+  }
+  if (impl->signing_key) {
+    impl->LoadSignatures();
+    FW_RETURN_IF_ERROR(impl->SignArtifacts());
+    spdlog::info("signing every version with key {} (run {})", impl->signing_key->key_id(),
+                 impl->run_id);
   }
   ServerOptions server = MakeServerOptions(options.common, options.listen, impl->identity, tls.server);
   if (options.common.wan_shaped()) {

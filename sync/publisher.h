@@ -41,6 +41,9 @@ struct PublisherOptions {
   std::chrono::milliseconds poll{50};
   uint64_t max_staleness = 0;  // announced to subscribers; 0: unbounded
   PushOptions push;  // the push API (docs/PUSH_API.md); off without a push token
+  // --signing-key: an Ed25519 private key (sync/signing.h). Every artifact served is then
+  // signed; signatures and the run id persist in <state-dir>/signatures.json.
+  std::string signing_key;
 };
 
 class Publisher {

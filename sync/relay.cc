@@ -14,7 +14,7 @@ using namespace std::chrono_literals;
 
 struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
   Impl(asio::any_io_executor executor, RelayOptions options)
-      : executor(executor), options(std::move(options)), queued(executor) {}
+      : executor(executor), options(std::move(options)), cpu(1), queued(executor) {}
 
   struct Cached {
     explicit Cached(const ArtifactInfo& info, asio::any_io_executor executor)
@@ -28,6 +28,8 @@ struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
 
   asio::any_io_executor executor;
   RelayOptions options;
+  asio::thread_pool cpu;  // hashing a complete artifact (signed versions)
+  std::unique_ptr<CatalogVerifier> verifier;  // --trust-key
   NodeIdentity identity;
   LinkRegistry links;
   std::unique_ptr<Upstream> upstream;
@@ -62,6 +64,9 @@ void Relay::Impl::Enqueue(const ArtifactKey& key, bool urgent) {
 }
 
 void Relay::Impl::OnCatalog(Catalog received) {
+  // With trusted keys, what is not signed by one of them is neither fetched, cached nor
+  // announced downstream.
+  verifier->Filter(&received, "relay " + identity.node_id);
   std::map<ArtifactKey, std::shared_ptr<Cached>> kept;
   for (const ArtifactInfo& info : received.artifacts) {
     auto it = cache.find(KeyOf(info));
@@ -102,6 +107,33 @@ awaitable<void> Relay::Impl::FetchLoop() {
     std::function<void(uint32_t)> on_piece = [entry](uint32_t) { entry->arrived.Notify(); };
     Status status = co_await upstream->Fetch(entry->download, on_piece);
     entry->queued = false;
+    if (status.ok() && verifier->enabled() && !entry->dropped) {
+      // Pieces went on as they arrived (checked against the signed piece list); the whole
+      // artifact must now have the signed SHA-256, or it leaves the cache.
+      const ManifestFacts* facts = verifier->FactsOf(key);
+      if (facts == nullptr) {
+        status = Status::Mismatch(Describe(key) + " is no longer in a verified catalog");
+      } else {
+        auto bytes = entry->download.bytes;
+        auto info = std::make_shared<ArtifactInfo>(entry->download.info);
+        auto check = [facts = *facts, info, bytes] { return CheckArtifactBytes(facts, *info, *bytes); };
+        status = (co_await transport::RunOn(cpu, check)).value();
+      }
+      if (!status.ok()) {
+        verifier->CountForged(status.message());
+        spdlog::error("relay: {}; dropped from the cache", status.message());
+        auto current = cache.find(key);
+        if (current != cache.end() && current->second == entry) {
+          auto fresh = std::make_shared<Cached>(entry->download.info, executor);
+          current->second = fresh;
+          entry->dropped = true;
+          entry->arrived.Notify();
+          co_await transport::SleepFor(1s);
+          Enqueue(key, false);
+        }
+        continue;
+      }
+    }
     if (!status.ok() && !entry->dropped) {
       ++fetch_failures;
       entry->error = status;
@@ -173,6 +205,14 @@ RelayStatus Relay::Impl::CurrentStatus() const {
   s.fetch = upstream->counters();
   s.pieces_served = server->pieces_served();
   s.fetch_failures = fetch_failures;
+  s.signatures = {.trusted_keys = verifier->trusted_keys(),
+                  .signature_failures = verifier->failures(),
+                  .replays_refused = verifier->replays(),
+                  .last_signature_error = verifier->last_error(),
+                  .run_id = ""};
+  if (const ArtifactInfo* newest_info = NewestComplete()) {
+    if (const ManifestFacts* facts = verifier->FactsOf(KeyOf(*newest_info))) s.signatures.run_id = facts->run_id;
+  }
   return s;
 }
 
@@ -180,7 +220,9 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
   if (options.upstreams.empty()) return Status::InvalidArgument("a relay needs an --upstream");
   if (options.common.region.empty()) return Status::InvalidArgument("a relay needs a --region");
   FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, true));
+  FW_ASSIGN_OR_RETURN(TrustedKeys trusted, TrustedKeys::Load(options.common.trust_keys));
   auto impl = std::make_shared<Impl>(executor, options);
+  impl->verifier = std::make_unique<CatalogVerifier>(std::move(trusted));
   impl->identity = MakeIdentity(wire::RELAY, options.common);
   impl->upstream = std::make_unique<Upstream>(
       executor,
@@ -232,7 +274,10 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
   return std::unique_ptr<Relay>(new Relay(std::move(impl)));
 }
 
-Relay::~Relay() { impl_->stopped = true; }
+Relay::~Relay() {
+  impl_->stopped = true;
+  impl_->cpu.join();
+}
 
 void Relay::Stop() {
   auto impl = impl_;

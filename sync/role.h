@@ -32,6 +32,9 @@ struct CommonOptions {
   double wan_latency_ms = 0;    // added one-way latency on WAN links
   int threads = 1;              // CPU threads (hashing, encoding, applying)
   transport::ConnectionOptions connection;
+  // --trust-key (relays and workers): public keys (sync/signing.h). Non-empty: only
+  // versions signed by one of them are cached, forwarded or applied.
+  std::vector<std::string> trust_keys;
   bool wan_shaped() const { return wan_rate > 0 || wan_latency_ms > 0; }
 };
 

@@ -47,6 +47,14 @@ void AddFetch(json& out, const FetchCounters& fetch) {
   out["piece_bytes"] = fetch.piece_bytes;
 }
 
+void AddSignatures(json& out, const SignatureStatus& s) {
+  out["trusted_keys"] = s.trusted_keys;
+  out["signature_failures_total"] = s.signature_failures;
+  out["replays_refused_total"] = s.replays_refused;
+  out["last_signature_error"] = s.last_signature_error;
+  out["run_id"] = s.run_id;
+}
+
 }  // namespace
 
 LinkTraffic LinkTraffic::Of(const LinkRegistry& links) {
@@ -70,6 +78,10 @@ json ToJson(const PublisherStatus& s) {
   out["drops_rejected"] = s.rejected_drops.size();
   out["rejected_drops"] = std::move(rejected);
   out["pieces_served"] = s.pieces_served;
+  out["signing_key_id"] = s.signing_key_id;
+  out["run_id"] = s.run_id;
+  out["last_sign_ms"] = s.last_sign_ms;
+  out["last_error"] = s.last_error;
   return out;
 }
 
@@ -86,6 +98,7 @@ json ToJson(const RelayStatus& s) {
   AddFetch(out, s.fetch);
   out["pieces_served"] = s.pieces_served;
   out["fetch_failures"] = s.fetch_failures;
+  AddSignatures(out, s.signatures);
   return out;
 }
 
@@ -101,7 +114,9 @@ json ToJson(const WorkerStatus& s) {
   out["artifacts_rejected"] = s.artifacts_rejected;
   out["swaps_refused"] = s.swaps_refused;
   out["older_heads_ignored"] = s.older_heads_ignored;
+  out["export_failures_total"] = s.export_failures;
   out["last_error"] = s.last_error;
+  AddSignatures(out, s.signatures);
   return out;
 }
 

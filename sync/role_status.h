@@ -42,6 +42,15 @@ struct RoleStatus {
   uint64_t swap_unix_us = 0;  // workers; 0 elsewhere
 };
 
+// Signed versions (sync/signing.h) as a relay or worker checks them.
+struct SignatureStatus {
+  uint64_t trusted_keys = 0;           // 0: signatures are not checked
+  uint64_t signature_failures = 0;     // artifacts refused: unsigned, bad or forged
+  uint64_t replays_refused = 0;        // validly signed but older than what is served
+  std::string last_signature_error;
+  std::string run_id;                  // of the version served (worker) / newest cached (relay)
+};
+
 // A node of the fleet as its reports reached this one. The publisher knows where each is
 // behind and through whom it reported (`detailed`); a relay lists its region's nodes.
 struct FleetNodeStatus {
@@ -66,6 +75,10 @@ struct PublisherStatus {
   uint64_t published_total = 0;
   std::vector<std::pair<uint64_t, std::string>> rejected_drops;  // version, reason
   uint64_t pieces_served = 0;
+  std::string signing_key_id;  // "" when versions are not signed
+  std::string run_id;
+  double last_sign_ms = 0;     // hashing and signing the last version's artifacts
+  std::string last_error;      // the last failure to sign or record a version
 };
 
 struct CachedArtifactStatus {
@@ -83,6 +96,7 @@ struct RelayStatus {
   FetchCounters fetch;
   uint64_t pieces_served = 0;
   uint64_t fetch_failures = 0;
+  SignatureStatus signatures;
 };
 
 struct WorkerStatus {
@@ -97,7 +111,9 @@ struct WorkerStatus {
   uint64_t artifacts_rejected = 0;
   uint64_t swaps_refused = 0;
   uint64_t older_heads_ignored = 0;
+  uint64_t export_failures = 0;
   std::string last_error;
+  SignatureStatus signatures;
 };
 
 nlohmann::json ToJson(const PublisherStatus& status);

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 
@@ -52,6 +53,9 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   std::atomic<uint64_t> swaps_refused{0};       // versions options.on_swap refused
   std::string last_error;
   uint64_t ignored_older_heads = 0;
+  uint64_t export_failures = 0;
+  std::unique_ptr<CatalogVerifier> verifier;  // --trust-key
+  ManifestFacts served_facts;  // the signed manifest of the version served (run_id "" if none)
 
   // The serving weights.
   mutable std::shared_mutex weights_mutex;
@@ -104,12 +108,13 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   awaitable<void> UpdateLoop();
   std::vector<ArtifactInfo> Plan();
   Status Apply(const ArtifactInfo& info, std::span<const std::byte> bytes);
-  void Export(uint64_t serving_version);
+  flywheel::Status Export(uint64_t serving_version);
   WorkerStatus CurrentStatus() const;
   void OnCatalog(Catalog received);
 };
 
 void Worker::Impl::OnCatalog(Catalog received) {
+  verifier->Filter(&received, "worker " + identity.node_id);
   if (received.head_version < version.load()) {
     // A replayed or restarted-older upstream: never move back.
     ++ignored_older_heads;
@@ -265,11 +270,15 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
   return flywheel::Status::Ok();
 }
 
-void Worker::Impl::Export(uint64_t serving_version) {
+flywheel::Status Worker::Impl::Export(uint64_t serving_version) {
   std::shared_lock lock(weights_mutex);
-  if (version.load() != serving_version) return;  // a newer swap already happened
+  if (version.load() != serving_version) return flywheel::Status::Ok();  // a newer swap already happened
   std::error_code ec;
   fs::create_directories(options.export_dir, ec);
+  if (ec) {
+    return flywheel::Status::IOError("cannot create export directory " + options.export_dir + ": " +
+                                     ec.message());
+  }
   char name[64];
   std::snprintf(name, sizeof name, "v%llu.safetensors",
                 static_cast<unsigned long long>(serving_version));
@@ -278,11 +287,7 @@ void Worker::Impl::Export(uint64_t serving_version) {
                                               {"flywheel_weights_hash", hash.ToHex()}};
   flywheel::Status status = WriteSafetensors(path, weights.view(), metadata);
   lock.unlock();
-  if (!status.ok()) {
-    spdlog::error("cannot export v{}: {}", serving_version, status.message());
-    return;
-  }
-  ++exports;
+  if (!status.ok()) return status;
   // Keep the newest export_keep files v<N>.safetensors.
   std::vector<std::pair<uint64_t, fs::path>> exported;
   for (const auto& entry : fs::directory_iterator(options.export_dir, ec)) {
@@ -298,6 +303,7 @@ void Worker::Impl::Export(uint64_t serving_version) {
   for (size_t i = static_cast<size_t>(std::max(1, options.export_keep)); i < exported.size(); ++i) {
     fs::remove(exported[i].second, ec);
   }
+  return flywheel::Status::Ok();
 }
 
 awaitable<void> Worker::Impl::UpdateLoop() {
@@ -331,6 +337,35 @@ awaitable<void> Worker::Impl::UpdateLoop() {
       const auto apply_start = Clock::now();
       auto bytes = download.bytes;
       auto task = std::make_shared<ArtifactInfo>(info);
+      std::optional<ManifestFacts> facts;
+      if (verifier->enabled()) {
+        // Signed versions: the manifest was verified with the catalog; now the bytes must
+        // be the ones signed, and the version must be newer than the one served.
+        const ManifestFacts* known = verifier->FactsOf(key);
+        flywheel::Status trusted =
+            known ? CheckFresh(served_facts, *known)
+                  : flywheel::Status::Mismatch(Describe(key) + " is no longer in a verified catalog");
+        if (trusted.ok()) {
+          facts = *known;
+          auto check = [task, bytes, facts] { return CheckArtifactBytes(*facts, *task, *bytes); };
+          trusted = (co_await transport::RunOn(cpu, check)).value();
+          if (!trusted.ok()) {
+            downloads.erase(key);
+            verifier->CountForged(trusted.message());
+          }
+        } else if (known) {
+          verifier->CountReplay(trusted.message());
+          rejected[{key, info.target_hash.ToHex()}] = true;
+        }
+        if (!trusted.ok()) {
+          last_error = "refused " + Describe(key) + ": " + trusted.message();
+          spdlog::error("{} (still serving v{})", last_error, version.load());
+          // Forged bytes are not the artifact's fault: fetch it again, after a pause (the
+          // upstream may fail over to an honest one meanwhile).
+          co_await transport::SleepFor(1s);
+          break;
+        }
+      }
       auto apply = [this, task, bytes] { return Apply(*task, *bytes); };
       flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
       downloads.erase(key);
@@ -341,6 +376,7 @@ awaitable<void> Worker::Impl::UpdateLoop() {
         spdlog::error("{}", last_error);
         break;  // replan: a keyframe path avoids the rejected artifact
       }
+      if (facts) served_facts = *facts;
       const auto now = Clock::now();
       last_apply_ms = std::chrono::duration<double, std::milli>(now - apply_start).count();
       const uint64_t serving = version.load();
@@ -355,11 +391,17 @@ awaitable<void> Worker::Impl::UpdateLoop() {
                    Describe(key), fetch_ms, last_apply_ms);
       head_seen.erase(head_seen.begin(), head_seen.upper_bound(serving));
       if (!options.export_dir.empty()) {
-        auto export_weights = [this, serving] {
-          Export(serving);
-          return 0;
-        };
-        co_await transport::RunOn(cpu, export_weights);
+        auto export_weights = [this, serving] { return Export(serving); };
+        flywheel::Status exported = (co_await transport::RunOn(cpu, export_weights)).value();
+        if (exported.ok()) {
+          ++exports;
+        } else {
+          // Serving goes on; the failure shows in /v1/status and /metrics until an export
+          // succeeds.
+          ++export_failures;
+          last_error = "exporting v" + std::to_string(serving) + ": " + exported.message();
+          spdlog::error("{}", last_error);
+        }
       }
     }
   }
@@ -392,7 +434,13 @@ WorkerStatus Worker::Impl::CurrentStatus() const {
   s.artifacts_rejected = artifacts_rejected;
   s.swaps_refused = swaps_refused.load();
   s.older_heads_ignored = ignored_older_heads;
+  s.export_failures = export_failures;
   s.last_error = last_error;
+  s.signatures = {.trusted_keys = verifier->trusted_keys(),
+                  .signature_failures = verifier->failures(),
+                  .replays_refused = verifier->replays(),
+                  .last_signature_error = verifier->last_error(),
+                  .run_id = served_facts.run_id};
   return s;
 }
 
@@ -401,7 +449,9 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
   if (options.upstreams.empty()) return Status::InvalidArgument("a worker needs an --upstream");
   if (options.common.region.empty()) return Status::InvalidArgument("a worker needs a --region");
   FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, true));
+  FW_ASSIGN_OR_RETURN(TrustedKeys trusted, TrustedKeys::Load(options.common.trust_keys));
   auto impl = std::make_shared<Impl>(executor, options);
+  impl->verifier = std::make_unique<CatalogVerifier>(std::move(trusted));
   impl->identity = MakeIdentity(wire::WORKER, options.common);
   impl->upstream = std::make_unique<Upstream>(
       executor,

@@ -1,10 +1,11 @@
-// `flywheel certs`.
+// `flywheel certs` and `flywheel keys generate`: credentials.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "sync/signing.h"
 #include "tools/commands.h"
 #include "transport/certs.h"
 
@@ -31,9 +32,38 @@ Status RunCerts(const CertsArgs& args) {
   return Status::Ok();
 }
 
+Status RunKeysGenerate(const std::string& out_dir) {
+  Result<sync::KeyFiles> files = sync::GenerateSigningKeys(out_dir);
+  if (!files.ok()) return Failed("keys generate", files.status());
+  std::cout << files->private_key << "  (keep on the publisher: --signing-key; mode 0600)\n"
+            << files->public_key << "  (give to relays and workers: --trust-key)\n"
+            << "key id " << files->key_id << "\n";
+  std::cout.flush();
+  return Status::Ok();
+}
+
 }  // namespace
 
 void AddCertsCommands(CLI::App& app, Action& action) {
+  auto out_dir = std::make_shared<std::string>();
+  CLI::App* keys = app.add_subcommand("keys", "Signing keys for published versions");
+  keys->require_subcommand(1);
+  CLI::App* generate = keys->add_subcommand(
+      "generate",
+      "Write an Ed25519 key pair: DIR/signing.key (private, mode 0600) and DIR/signing.pub.\n"
+      "The publisher signs every version with --signing-key DIR/signing.key; relays and\n"
+      "workers given --trust-key DIR/signing.pub refuse anything it did not sign. Existing\n"
+      "key files are never overwritten.");
+  generate->add_option("--out", *out_dir, "Directory to write (created if missing)")
+      ->type_name("DIR")
+      ->required();
+  generate->footer(
+      "\nExample (rotation: trust both keys, switch the publisher, then drop the old one):\n"
+      "  flywheel keys generate --out /etc/flywheel/keys-2026-11\n"
+      "  flywheel publish ... --signing-key /etc/flywheel/keys-2026-11/signing.key\n"
+      "  flywheel worker ... --trust-key keys-2026-10/signing.pub --trust-key keys-2026-11/signing.pub");
+  generate->callback([out_dir, &action] { action = [out_dir] { return RunKeysGenerate(*out_dir); }; });
+
   auto args = std::make_shared<CertsArgs>();
   CLI::App* certs = app.add_subcommand(
       "certs",

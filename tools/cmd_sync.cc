@@ -38,6 +38,7 @@ struct CommonArgs {
   int threads = 1;
   int heartbeat_ms = 1000;
   int peer_timeout_ms = 5000;
+  std::vector<std::string> trust_keys;
 };
 
 struct SyncArgs {
@@ -50,7 +51,7 @@ struct SyncArgs {
   int poll_ms = 50;
   bool no_deltas = false;
   std::string compressor = "zstd";
-  std::string push_token, push_token_file, staging_dir;
+  std::string push_token, push_token_file, staging_dir, signing_key;
   uint64_t max_upload_mib = 64 << 10, staging_quota_mib = 128 << 10, max_part_mib = 64;
   double upload_expiry_s = 3600;
   // relay / worker
@@ -135,6 +136,7 @@ Result<sync::CommonOptions> MakeCommon(const CommonArgs& args) {
   common.connection.heartbeat = std::chrono::milliseconds(args.heartbeat_ms);
   common.connection.idle_timeout = std::chrono::milliseconds(args.peer_timeout_ms);
   common.connection.io_timeout = std::chrono::milliseconds(2 * args.peer_timeout_ms);
+  common.trust_keys = args.trust_keys;
   return common;
 }
 
@@ -190,6 +192,7 @@ Status RunPublish(const SyncArgs& args) {
   if (!options.push.token.empty() && options.push.token == options.common.token) {
     return Status::InvalidArgument("publish: the push token must differ from the read token");
   }
+  options.signing_key = args.signing_key;
   options.push.staging_dir = args.staging_dir;
   options.push.max_upload_bytes = args.max_upload_mib << 20;
   options.push.staging_quota_bytes = args.staging_quota_mib << 20;
@@ -276,6 +279,15 @@ Status RunWorker(const SyncArgs& args) {
   return Status::Ok();
 }
 
+void AddTrustOptions(CLI::App* app, SyncArgs& args) {
+  app->add_option("--trust-key", args.common.trust_keys,
+                  "Only cache, forward or apply versions signed by this public key\n"
+                  "(signing.pub from `flywheel keys generate`); repeat to trust several\n"
+                  "(key rotation). Unsigned or wrongly signed versions are refused, logged\n"
+                  "and counted (signature_failures_total in /v1/status and /metrics)")
+      ->type_name("F");
+}
+
 void AddTransferOptions(CLI::App* app, SyncArgs& args) {
   app->add_option("--upstream", args.upstreams,
                   "Upstream HOST:PORT (publisher or relay); repeat for failover, most\n"
@@ -350,6 +362,11 @@ void AddPublish(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
   publish->add_option("--watch", args->watch_dir, "Directory of trainer drops to publish")
       ->type_name("DIR");
   AddPushOptions(publish, *args);
+  publish
+      ->add_option("--signing-key", args->signing_key,
+                   "Sign every version with this Ed25519 private key (mode 0600; from\n"
+                   "`flywheel keys generate`), for relays and workers started with --trust-key")
+      ->type_name("F");
   publish->add_option("--keyframe-every", args->keyframe_every, "A keyframe every K versions")
       ->type_name("K")
       ->capture_default_str()
@@ -396,6 +413,7 @@ void AddRelay(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
       ->type_name("HOST:PORT")
       ->required();
   AddTransferOptions(relay, *args);
+  AddTrustOptions(relay, *args);
   relay->footer(
       "\nExample:\n"
       "  flywheel relay --region eu --upstream trainer.example:7000 --listen 0.0.0.0:7100 \\\n"
@@ -411,6 +429,7 @@ void AddWorker(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
       "after it), verifying every piece and the target hash, and swaps atomically.");
   AddCommonOptions(worker, args->common, /*region_required=*/true);
   AddTransferOptions(worker, *args);
+  AddTrustOptions(worker, *args);
   worker
       ->add_option("--export-dir", args->export_dir,
                    "After every swap write the weights to DIR/v<version>.safetensors\n"

@@ -41,10 +41,12 @@
 #include "delta/safetensors.h"
 #include "pipeline/process.h"
 #include "sync/node.h"
+#include "sync/signing.h"
 #include "sync/worker.h"
 #include "tests/delta/test_checkpoints.h"
 #include "pipeline/fault_proxy.h"
 #include "transport/http.h"
+#include "transport/certs.h"
 #include "transport/tls.h"
 
 namespace flywheel::sync {
@@ -1005,6 +1007,119 @@ TEST_F(FleetTest, ExportDir) {
   EXPECT_EQ(listing(), (std::set<std::string>{"v2.safetensors", "v3.safetensors"}));
 }
 
+// ---- signed versions ------------------------------------------------------------------------
+
+// `flywheel keys generate` for `name` under the test directory; the public key's path.
+std::string PublicKeyOf(const fs::path& dir) { return (dir / "signing.pub").string(); }
+std::string PrivateKeyOf(const fs::path& dir) { return (dir / "signing.key").string(); }
+
+TEST_F(FleetTest, SignedVersionsThroughARelayAndKeyRotation) {
+  const fs::path old_keys = dir_ / "keys-old", new_keys = dir_ / "keys-new";
+  for (const fs::path& keys : {old_keys, new_keys}) {
+    std::optional<pipeline::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
+    ASSERT_TRUE(generated);
+    ASSERT_EQ(generated->exit_code, 0) << (generated->out + generated->err);
+    EXPECT_NE((generated->out + generated->err).find("key id "), std::string::npos) << (generated->out + generated->err);
+  }
+  // Generating again refuses to overwrite.
+  std::optional<pipeline::Completion> again = Run({"keys", "generate", "--out", old_keys.string()});
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->exit_code, 1);
+  EXPECT_NE((again->out + again->err).find("refusing to overwrite"), std::string::npos) << (again->out + again->err);
+
+  Node* publisher = StartPublisher("publisher", {"--signing-key", PrivateKeyOf(old_keys)});
+  ASSERT_NE(publisher, nullptr);
+  const std::vector<std::string> trust_both = {"--trust-key", PublicKeyOf(old_keys), "--trust-key",
+                                               PublicKeyOf(new_keys)};
+  Node* relay = StartRelay("relay", "eu", {publisher->upstream()}, trust_both);
+  ASSERT_NE(relay, nullptr);
+  Node* worker = StartWorker("worker", "eu", {relay->upstream()}, trust_both);
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  ASSERT_TRUE(Publish(*publisher, 2));
+  ASSERT_TRUE(WaitStatus(*worker, "serving the signed v2", Serves(2, lineage_.Hex(2))));
+  const json signed_status = StatusOrEmpty(*publisher);
+  const std::string run_id = Str(signed_status, "run_id");
+  EXPECT_EQ(run_id.size(), 16u) << Brief(signed_status);
+  EXPECT_FALSE(Str(signed_status, "signing_key_id").empty());
+  json worker_status = StatusOrEmpty(*worker);
+  EXPECT_EQ(Str(worker_status, "run_id"), run_id);
+  EXPECT_EQ(U64(worker_status, "signature_failures_total"), 0u) << Brief(worker_status);
+  EXPECT_EQ(U64(worker_status, "trusted_keys"), 2u);
+
+  // Rotation: the publisher restarts with the new key on the same state directory. Every
+  // retained artifact is signed again by it; the run id stays.
+  ASSERT_EQ(Stop(*publisher), 0);
+  publisher = StartPublisher("publisher", {"--signing-key", PrivateKeyOf(new_keys)},
+                             publisher->listen.ToString());
+  ASSERT_NE(publisher, nullptr);
+  EXPECT_EQ(Str(StatusOrEmpty(*publisher), "run_id"), run_id);
+  ASSERT_TRUE(Publish(*publisher, 3));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v3 signed by the new key", Serves(3, lineage_.Hex(3))));
+  // A worker that trusts only the old key refuses everything now; one that trusts only the
+  // new key joins.
+  Node* old_only = StartWorker("old-only", "eu", {relay->upstream()}, {"--trust-key", PublicKeyOf(old_keys)});
+  Node* new_only = StartWorker("new-only", "eu", {relay->upstream()}, {"--trust-key", PublicKeyOf(new_keys)});
+  ASSERT_NE(old_only, nullptr);
+  ASSERT_NE(new_only, nullptr);
+  ASSERT_TRUE(WaitStatus(*new_only, "joining at v3", Serves(3, lineage_.Hex(3))));
+  ASSERT_TRUE(WaitStatus(*old_only, "refusing versions signed by the new key", [](const json& s) {
+    return U64(s, "signature_failures_total") >= 1;
+  }));
+  EXPECT_TRUE(Holds(*old_only, "serving nothing", [](const json& s) { return U64(s, "version") == 0; }, 300ms));
+  EXPECT_NE(Str(StatusOrEmpty(*old_only), "last_signature_error").find("not trusted"), std::string::npos);
+  // Refusals are Prometheus counters.
+  Result<transport::HttpResponse> metrics = Get(*old_only, "/metrics", "");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_NE(metrics->body.find("flywheel_signature_failures_total{"), std::string::npos) << metrics->body;
+}
+
+TEST_F(FleetTest, AnUnsignedPublisherIsRefusedByNodesThatRequireSignatures) {
+  const fs::path keys = dir_ / "keys";
+  std::optional<pipeline::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
+  ASSERT_TRUE(generated && generated->exit_code == 0);
+  Node* publisher = StartPublisher("publisher");  // no --signing-key
+  ASSERT_NE(publisher, nullptr);
+  // The relay verifies before it caches or forwards: the worker behind it, which checks
+  // nothing itself, is never offered the unsigned versions.
+  Node* relay = StartRelay("relay", "eu", {publisher->upstream()}, {"--trust-key", PublicKeyOf(keys)});
+  ASSERT_NE(relay, nullptr);
+  Node* trusting = StartWorker("trusting", "home", {publisher->upstream()}, {"--trust-key", PublicKeyOf(keys)});
+  Node* behind_relay = StartWorker("behind-relay", "eu", {relay->upstream()});
+  ASSERT_NE(trusting, nullptr);
+  ASSERT_NE(behind_relay, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  for (Node* node : {trusting, relay}) {
+    ASSERT_TRUE(WaitStatus(*node, "refusing the unsigned v1",
+                           [](const json& s) { return U64(s, "signature_failures_total") >= 1; }));
+    EXPECT_NE(Str(StatusOrEmpty(*node), "last_signature_error").find("unsigned"), std::string::npos);
+  }
+  EXPECT_TRUE(Holds(*trusting, "serving nothing", [](const json& s) { return U64(s, "version") == 0; }, 300ms));
+  const json relay_status = StatusOrEmpty(*relay);
+  EXPECT_EQ(U64(relay_status, "cache_bytes"), 0u) << Brief(relay_status);
+  EXPECT_EQ(U64(relay_status, "piece_requests"), 0u) << Brief(relay_status);
+  const json behind = StatusOrEmpty(*behind_relay);
+  EXPECT_EQ(U64(behind, "version"), 0u) << Brief(behind);
+  EXPECT_EQ(U64(behind, "head_version"), 0u) << Brief(behind);
+
+  // Bad key files stop a node at startup with the reason.
+  std::optional<pipeline::Completion> missing = Run(
+      {"worker", "--region", "eu", "--upstream", relay->upstream(), "--http", "127.0.0.1:0",
+       "--trust-key", (dir_ / "nope.pub").string()});
+  ASSERT_TRUE(missing);
+  EXPECT_EQ(missing->exit_code, 1);
+  EXPECT_NE((missing->out + missing->err).find("nope.pub"), std::string::npos) << (missing->out + missing->err);
+  fs::permissions(keys / "signing.key", fs::perms::group_read | fs::perms::others_read,
+                  fs::perm_options::add);
+  std::optional<pipeline::Completion> open_key =
+      Run({"publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state-dir",
+           (dir_ / "other.state").string(), "--watch", watch_.string(), "--signing-key",
+           PrivateKeyOf(keys)});
+  ASSERT_TRUE(open_key);
+  EXPECT_EQ(open_key->exit_code, 1);
+  EXPECT_NE((open_key->out + open_key->err).find("chmod 600"), std::string::npos) << (open_key->out + open_key->err);
+}
+
 // ---- crafted catalogs, in process ------------------------------------------------------------
 
 // Serves artifacts the test made, whatever their catalog entries claim. Thread-safe.
@@ -1062,6 +1177,9 @@ ArtifactInfo Entry(ArtifactKind kind, uint64_t base_version, Hash128 base_hash,
 
 class CraftedUpstreamTest : public ::testing::Test {
  protected:
+  // A derived fixture's chance to change the server and the worker before they start.
+  virtual void Configure(ServerOptions& /*server*/, WorkerOptions& /*worker*/) {}
+
   void SetUp() override {
     io_ = std::make_unique<asio::io_context>(1);
     work_.emplace(asio::make_work_guard(*io_));
@@ -1080,6 +1198,8 @@ class CraftedUpstreamTest : public ::testing::Test {
     worker_options.common.node_id = "worker";
     worker_options.common.http = {"127.0.0.1", 0};
     worker_options.common.connection = connection;
+    Configure(server_options, worker_options);
+    if (HasFatalFailure()) return;
     Status started = Status::Ok();
     OnIo([&] {
       Result<std::unique_ptr<Server>> server =
@@ -1102,6 +1222,7 @@ class CraftedUpstreamTest : public ::testing::Test {
 
   void TearDown() override {
     StopWatching();
+    if (!io_) return;
     if (worker_) worker_->Stop();
     OnIo([&] {
       if (server_) server_->Stop();
@@ -1129,8 +1250,10 @@ class CraftedUpstreamTest : public ::testing::Test {
     done.get_future().get();
   }
 
-  void Announce(std::vector<ArtifactInfo> artifacts, uint64_t head_version, Hash128 head_hash) {
+  void Announce(std::vector<ArtifactInfo> artifacts, uint64_t head_version, Hash128 head_hash,
+                std::map<ArtifactKey, SignedManifest> signatures = {}) {
     Catalog catalog;
+    catalog.signatures = std::move(signatures);
     catalog.artifacts = std::move(artifacts);
     catalog.head_version = head_version;
     catalog.head_hash = head_hash;
@@ -1313,6 +1436,180 @@ TEST_F(CraftedUpstreamTest, OlderHeadIgnored) {
   const std::vector<std::string> violations = StopWatching();
   EXPECT_TRUE(violations.empty()) << violations.size()
                                   << " violations, first: " << violations.front();
+}
+
+
+// ---- signed versions: a relay that holds a valid certificate but forges ----------------
+
+// The crafted server plays a relay with a valid mTLS certificate (the worker verifies it
+// and presents its own); the worker trusts one publisher key. Every forgery a relay can
+// make is announced in turn; none may ever be served.
+class SignedUpstreamTest : public CraftedUpstreamTest {
+ protected:
+  void Configure(ServerOptions& server, WorkerOptions& worker) override {
+    std::string pattern = (fs::temp_directory_path() / "signed_test.XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+    ASSERT_TRUE(transport::WriteTestCertificates((dir_ / "certs").string()).ok());
+    const transport::TlsOptions tls{(dir_ / "certs/server.crt").string(),
+                                    (dir_ / "certs/server.key").string(),
+                                    (dir_ / "certs/ca.crt").string()};
+    Result<std::shared_ptr<asio::ssl::context>> server_tls = transport::MakeServerTlsContext(tls);
+    ASSERT_TRUE(server_tls.ok()) << server_tls.status().ToString();
+    server.listener.tls = *server_tls;
+    server.identity = {wire::RELAY, "home", "forging-relay"};
+    worker.common.tls = tls;
+    Result<KeyFiles> publisher = GenerateSigningKeys((dir_ / "publisher").string());
+    Result<KeyFiles> rogue = GenerateSigningKeys((dir_ / "rogue").string());
+    ASSERT_TRUE(publisher.ok() && rogue.ok());
+    Result<SigningKey> key = SigningKey::Load(publisher->private_key);
+    Result<SigningKey> rogue_key = SigningKey::Load(rogue->private_key);
+    ASSERT_TRUE(key.ok() && rogue_key.ok()) << key.status().ToString();
+    key_ = *key;
+    rogue_ = *rogue_key;
+    worker.common.trust_keys = {publisher->public_key};
+  }
+
+  void TearDown() override {
+    CraftedUpstreamTest::TearDown();
+    std::error_code ignored;
+    if (!dir_.empty()) fs::remove_all(dir_, ignored);
+  }
+
+  SignedManifest Sign(const SigningKey& key, const ArtifactInfo& info,
+                      const std::vector<std::byte>& bytes, const std::string& run_id = "run-a",
+                      uint64_t created_unix_ms = 2'000'000'000'000) {
+    Result<SignedManifest> signed_manifest = SignArtifact(key, info, bytes, run_id, created_unix_ms);
+    EXPECT_TRUE(signed_manifest.ok()) << signed_manifest.status().ToString();
+    return signed_manifest.ok() ? *signed_manifest : SignedManifest{};
+  }
+
+  fs::path dir_;
+  std::optional<SigningKey> key_, rogue_;
+};
+
+std::vector<std::byte> EncodedDelta(uint64_t base_version, const OwnedCheckpoint& base,
+                                    uint64_t version, const OwnedCheckpoint& target) {
+  delta::EncodeOptions options;
+  options.base_version = base_version;
+  options.target_version = version;
+  Result<std::vector<std::byte>> bytes = delta::Encode(base.view(), target.view(), options);
+  EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
+  return bytes.ok() ? std::move(*bytes) : std::vector<std::byte>{};
+}
+
+TEST_F(SignedUpstreamTest, ForgedVersionsFromAnAuthenticatedRelayAreNeverServed) {
+  Lineage lineage(SmallSpecs(), 91);
+  const Hash128 h1 = HashOf(lineage.At(1)), h2 = HashOf(lineage.At(2));
+  const std::vector<std::byte> k1_bytes = EncodedKeyframe(1, lineage.At(1));
+  const ArtifactInfo k1 = Entry(ArtifactKind::kKeyframe, 0, {}, 1, h1, k1_bytes);
+  const std::vector<std::byte> d2_bytes = EncodedDelta(1, lineage.At(1), 2, lineage.At(2));
+  const ArtifactInfo d2 = Entry(ArtifactKind::kDelta, 1, h1, 2, h2, d2_bytes);
+  const SignedManifest k1_signed = Sign(*key_, k1, k1_bytes);
+  const SignedManifest d2_signed = Sign(*key_, d2, d2_bytes);
+  // What a forger would serve as v2: other weights, self-consistent (its own hashes).
+  const OwnedCheckpoint impostor = lineage.Impostor(2);
+  const Hash128 forged_hash = HashOf(impostor);
+  const std::vector<std::byte> forged_bytes = EncodedDelta(1, lineage.At(1), 2, impostor);
+  const ArtifactInfo forged = Entry(ArtifactKind::kDelta, 1, h1, 2, forged_hash, forged_bytes);
+  source_.Put(k1, k1_bytes);
+  WatchWeights({{1, h1}, {2, h2}});  // the impostor's hash is never allowed
+
+  Announce({k1}, 1, h1, {{KeyOf(k1), k1_signed}});
+  ASSERT_TRUE(WaitWorker("serving the signed v1", Serves(1, h1.ToHex())));
+  EXPECT_EQ(U64(WorkerStatus(), "signature_failures_total"), 0u);
+
+  auto refused = [&](const std::string& what, uint64_t failures, const std::string& reason) {
+    SCOPED_TRACE(what);
+    ASSERT_TRUE(WaitWorker("refusing " + what, [&](const json& s) {
+      return U64(s, "signature_failures_total") >= failures;
+    }));
+    std::this_thread::sleep_for(200ms);  // by design: no swap may follow within a window
+    const json status = WorkerStatus();
+    EXPECT_TRUE(Serves(1, h1.ToHex())(status)) << Brief(status);
+    EXPECT_EQ(U64(status, "signature_failures_total"), failures) << Brief(status);
+    EXPECT_NE(Str(status, "last_signature_error").find(reason), std::string::npos) << Brief(status);
+  };
+  source_.Put(forged, forged_bytes);
+  // 1. Unsigned.
+  Announce({k1, forged}, 2, forged_hash, {{KeyOf(k1), k1_signed}});
+  refused("an unsigned delta", 1, "unsigned");
+  // 2. Signed by a key the worker does not trust.
+  Announce({k1, forged}, 2, forged_hash,
+           {{KeyOf(k1), k1_signed}, {KeyOf(forged), Sign(*rogue_, forged, forged_bytes)}});
+  refused("a delta signed by another key", 2, "not trusted");
+  // 3. The publisher's genuine signature for v2, on the forger's entry.
+  Announce({k1, forged}, 2, forged_hash, {{KeyOf(k1), k1_signed}, {KeyOf(forged), d2_signed}});
+  refused("a genuine signature on a forged entry", 3, "differs from the catalog");
+  // 4. A genuine signature of v2 moved onto a v3 entry (a replay under another number).
+  ArtifactInfo renumbered = d2;
+  renumbered.target_version = 3;
+  Announce({k1, renumbered}, 3, h2, {{KeyOf(k1), k1_signed}, {KeyOf(renumbered), d2_signed}});
+  refused("a signature of v2 on a v3 entry", 4, "is for v2");
+  // 5. The entry and its piece hashes match the forged bytes and are signed by the trusted
+  // key, but the signed SHA-256 is that of the genuine bytes: what an XXH3 piece-hash
+  // collision would look like. Caught only once the bytes are in, before they are applied.
+  std::vector<std::byte> same_size = d2_bytes;
+  same_size[same_size.size() / 2] ^= std::byte{0x40};
+  const ArtifactInfo colliding = Entry(ArtifactKind::kDelta, 1, h1, 2, h2, same_size);
+  SignedManifest colliding_signed = Sign(*key_, colliding, d2_bytes);
+  source_.Put(colliding, same_size);
+  Announce({k1, colliding}, 2, h2, {{KeyOf(k1), k1_signed}, {KeyOf(colliding), colliding_signed}});
+  refused("bytes without the signed SHA-256", 5, "signed SHA-256");
+  // 6. A validly signed keyframe of an older run (signed before the served version): a
+  // replay, refused and counted apart.
+  const std::vector<std::byte> k5_bytes = EncodedKeyframe(5, impostor);
+  const ArtifactInfo k5 = Entry(ArtifactKind::kKeyframe, 0, {}, 5, forged_hash, k5_bytes);
+  source_.Put(k5, k5_bytes);
+  Announce({k1, k5}, 5, forged_hash,
+           {{KeyOf(k1), k1_signed}, {KeyOf(k5), Sign(*key_, k5, k5_bytes, "run-old", 1'000'000'000'000)}});
+  ASSERT_TRUE(WaitWorker("refusing an older run's v5", [](const json& s) {
+    return U64(s, "replays_refused_total") >= 1;
+  }));
+  EXPECT_NE(Str(WorkerStatus(), "last_signature_error").find("older run"), std::string::npos);
+
+  // The genuine v2 still goes through.
+  source_.Put(d2, d2_bytes);
+  Announce({k1, d2}, 2, h2, {{KeyOf(k1), k1_signed}, {KeyOf(d2), d2_signed}});
+  ASSERT_TRUE(WaitWorker("serving the signed v2", Serves(2, h2.ToHex())));
+  const json status = WorkerStatus();
+  EXPECT_EQ(Str(status, "run_id"), "run-a");
+  EXPECT_EQ(U64(status, "trusted_keys"), 1u);
+  const std::vector<std::string> violations = StopWatching();
+  EXPECT_GT(samples_.load(), 0u);
+  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
+}
+
+TEST_F(SignedUpstreamTest, AReplayedOlderSignedManifestOfTheSameRunIsRefused) {
+  Lineage lineage(SmallSpecs(), 92);
+  const Hash128 h3 = HashOf(lineage.At(3));
+  const std::vector<std::byte> k3_bytes = EncodedKeyframe(3, lineage.At(3));
+  const ArtifactInfo k3 = Entry(ArtifactKind::kKeyframe, 0, {}, 3, h3, k3_bytes);
+  source_.Put(k3, k3_bytes);
+  Announce({k3}, 3, h3, {{KeyOf(k3), Sign(*key_, k3, k3_bytes)}});
+  ASSERT_TRUE(WaitWorker("serving the signed v3", Serves(3, h3.ToHex())));
+  // The forger replays the run's genuine v2 keyframe, and claims it is the head: the worker
+  // never goes back.
+  const Hash128 h2 = HashOf(lineage.At(2));
+  const std::vector<std::byte> k2_bytes = EncodedKeyframe(2, lineage.At(2));
+  const ArtifactInfo k2 = Entry(ArtifactKind::kKeyframe, 0, {}, 2, h2, k2_bytes);
+  source_.Put(k2, k2_bytes);
+  Announce({k2}, 2, h2, {{KeyOf(k2), Sign(*key_, k2, k2_bytes)}});
+  ASSERT_TRUE(WaitWorker("ignoring the replayed head",
+                         [](const json& s) { return U64(s, "older_heads_ignored") >= 1; }));
+  std::this_thread::sleep_for(300ms);  // by design: no swap within a window
+  EXPECT_TRUE(Serves(3, h3.ToHex())(WorkerStatus())) << Brief(WorkerStatus());
+  // Renumbered as v4 it no longer verifies.
+  ArtifactInfo renumbered = k2;
+  renumbered.target_version = 4;
+  source_.Put(renumbered, k2_bytes);
+  Announce({renumbered}, 4, h2, {{KeyOf(renumbered), Sign(*key_, k2, k2_bytes)}});
+  ASSERT_TRUE(WaitWorker("refusing the renumbered replay",
+                         [](const json& s) { return U64(s, "signature_failures_total") >= 1; }));
+  std::this_thread::sleep_for(300ms);  // by design
+  EXPECT_TRUE(Serves(3, h3.ToHex())(WorkerStatus())) << Brief(WorkerStatus());
+  const std::vector<std::string> violations = StopWatching();
+  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
 }
 
 }  // namespace
