@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "delta/delta_file.h"
+#include "sync/role.h"
 #include "transport/http.h"
 
 namespace flywheel::rl {
@@ -144,6 +145,9 @@ void TrainerServices::Impl::AddRoutes() {
       64 << 20);
   http->Route("/v1/status", [this](const std::string&) {
     return transport::HttpResponse{200, "application/json", StatusJson().dump()};
+  });
+  http->Route("/metrics", [this](const std::string&) {
+    return transport::HttpResponse{200, "text/plain; version=0.0.4", sync::MetricsText(StatusJson())};
   });
 }
 

@@ -14,6 +14,7 @@
 #include "bench/parity_bench.h"
 #include "bench/rollout_bench.h"
 #include "bench/push_bench.h"
+#include "bench/signing_bench.h"
 #include "bench/startup_bench.h"
 #include "bench/trainer_bench.h"
 #include "tools/commands.h"
@@ -409,6 +410,35 @@ void AddPushBenchCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddSigningBenchCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::SigningBenchOptions>();
+  auto size_mb = std::make_shared<uint64_t>(1024);
+  CLI::App* signing = bench_app.add_subcommand(
+      "signing",
+      "What signed versions cost per version: Ed25519 sign/verify of a manifest, and the\n"
+      "SHA-256 of a real delta and keyframe of an RL-like AdamW step (publisher and each\n"
+      "receiver), against openssl speed -evp sha256 (one core). Checks <= 5 ms per manifest.");
+  signing->add_option("--size-mb", *size_mb, "Checkpoint size (bf16)")->capture_default_str()
+      ->check(CLI::Range(uint64_t{4}, uint64_t{16384}));
+  signing->add_option("--lr", options->learning_rate, "AdamW learning rate of the step")->capture_default_str();
+  signing->add_option("--rounds", options->rounds, "Manifest sign/verify repetitions")->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+  signing->add_option("--threads", options->threads, "Generation and encode threads")->capture_default_str();
+  signing->add_flag("!--no-check", options->check, "Report without failing on a missed target");
+  signing->add_option("--markdown", options->markdown_out,
+                      "Write the report as the '## Signing benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  signing->callback([options, size_mb, &action] {
+    action = [options, size_mb]() -> Status {
+      options->checkpoint_bytes = *size_mb << 20;
+      Status status = bench::RunSigningBench(*options, std::cout);
+      std::cout.flush();
+      if (!status.ok()) return Failed("signing benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 }  // namespace
 
 void AddBenchCommands(CLI::App& app, Action& action) {
@@ -471,6 +501,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddFleetCommand(*bench_app, action);
   AddStartupCommand(*bench_app, action);
   AddPushBenchCommand(*bench_app, action);
+  AddSigningBenchCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);
   AddParityCommand(*bench_app, action);

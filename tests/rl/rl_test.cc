@@ -14,7 +14,9 @@
 #include "rl/run_report.h"
 #include "rl/trainer_process.h"
 #include "rl/warmup.h"
+#include "sync/role.h"
 #include "tests/delta/test_checkpoints.h"
+#include "tests/sync/promtool.h"
 
 namespace flywheel::rl {
 namespace {
@@ -394,6 +396,12 @@ TEST(TrainerStatusTest, ReportsProgressAfterTheFirstStepAndTheCoordinatorsCounte
   EXPECT_EQ(after["claims"], 12u);
   EXPECT_EQ(after["groups_by_worker"]["w1"], 2u);
   EXPECT_EQ(after["queued_groups"], 1u);
+  // GET /metrics renders the same document by the Prometheus conventions.
+  const std::string metrics = sync::MetricsText(after);
+  EXPECT_NE(metrics.find("flywheel_claims_total{role=\"trainer\""), std::string::npos) << metrics;
+  std::optional<std::string> complaints = flywheel::testing::PromtoolComplaints(metrics);
+  if (!complaints) GTEST_SKIP() << "promtool is not installed (apt install prometheus)";
+  EXPECT_EQ(*complaints, "") << metrics;
 }
 
 }  // namespace

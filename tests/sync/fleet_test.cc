@@ -17,10 +17,13 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -44,6 +47,7 @@
 #include "sync/signing.h"
 #include "sync/worker.h"
 #include "tests/delta/test_checkpoints.h"
+#include "tests/sync/promtool.h"
 #include "pipeline/fault_proxy.h"
 #include "transport/http.h"
 #include "transport/certs.h"
@@ -1118,6 +1122,60 @@ TEST_F(FleetTest, AnUnsignedPublisherIsRefusedByNodesThatRequireSignatures) {
   ASSERT_TRUE(open_key);
   EXPECT_EQ(open_key->exit_code, 1);
   EXPECT_NE((open_key->out + open_key->err).find("chmod 600"), std::string::npos) << (open_key->out + open_key->err);
+}
+
+// ---- failures where operators look ------------------------------------------------------
+
+TEST_F(FleetTest, ExportToAFullDiskShowsInStatusAndMetrics) {
+  const fs::path full = dir_ / "full";
+  fs::create_directories(full);
+  if (::mount("tmpfs", full.c_str(), "tmpfs", 0, "size=1m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs (needs root): " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{full.string()};
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  Node* worker = StartWorker("worker", "home", {publisher->upstream()}, {"--export-dir", full.string()});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  // The weights (about 6 MB) do not fit in 1 MiB: serving goes on, the failure is visible.
+  ASSERT_TRUE(WaitStatus(*worker, "reporting the failed export", [&](const json& s) {
+    return Serves(1, lineage_.Hex(1))(s) && U64(s, "export_failures_total") >= 1;
+  }));
+  const json status = StatusOrEmpty(*worker);
+  EXPECT_NE(Str(status, "last_error").find("No space left on device"), std::string::npos) << Brief(status);
+  EXPECT_EQ(U64(status, "exports_total"), 0u);
+  Result<transport::HttpResponse> metrics = Get(*worker, "/metrics", "");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_NE(metrics->body.find("flywheel_export_failures_total{role=\"worker\",region=\"home\",node=\"worker\"} 1"),
+            std::string::npos) << metrics->body;
+  // Nothing half-written is left behind under the export's name.
+  EXPECT_FALSE(fs::exists(full / "v1.safetensors"));
+}
+
+TEST_F(FleetTest, EveryRolesMetricsPassPromtool) {
+  const fs::path keys = dir_ / "keys";
+  std::optional<pipeline::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
+  ASSERT_TRUE(generated && generated->exit_code == 0);
+  Node* publisher = StartPublisher("publisher", {"--signing-key", PrivateKeyOf(keys)});
+  ASSERT_NE(publisher, nullptr);
+  Node* relay = StartRelay("relay", "eu", {publisher->upstream()}, {"--trust-key", PublicKeyOf(keys)});
+  ASSERT_NE(relay, nullptr);
+  Node* worker = StartWorker("worker", "eu", {relay->upstream()}, {"--trust-key", PublicKeyOf(keys)});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  for (Node* node : {publisher, relay, worker}) {
+    Result<transport::HttpResponse> metrics = Get(*node, "/metrics", "");
+    ASSERT_TRUE(metrics.ok()) << metrics.status().ToString();
+    ASSERT_EQ(metrics->status, 200);
+    std::optional<std::string> complaints = flywheel::testing::PromtoolComplaints(metrics->body);
+    if (!complaints) GTEST_SKIP() << "promtool is not installed (apt install prometheus)";
+    EXPECT_EQ(*complaints, "") << node->name << ":\n" << metrics->body;
+  }
 }
 
 // ---- crafted catalogs, in process ------------------------------------------------------------

@@ -1,6 +1,7 @@
 // The typed role statuses: each renders the /v1/status keys the fleet view, the tests and
 // dashboards read, with their JSON types, and /metrics turns the numbers into samples.
 #include "sync/role_status.h"
+#include "tests/sync/promtool.h"
 
 #include <gtest/gtest.h>
 
@@ -51,7 +52,8 @@ TEST(RoleStatusTest, PublisherDocumentHasItsKeys) {
   const json doc = ToJson(s);
   EXPECT_EQ(Keys(doc), With({"last_version", "nodes", "artifacts_retained", "log_bytes",
                              "last_publish_ms", "last_artifact_bytes", "published_total",
-                             "drops_rejected", "rejected_drops", "pieces_served"}));
+                             "drops_rejected", "rejected_drops", "pieces_served",
+                             "signing_key_id", "run_id", "last_sign_ms", "last_error"}));
   EXPECT_EQ(doc["drops_rejected"], 1);
   EXPECT_EQ(doc["rejected_drops"][0]["reason"], "not above v5");
   EXPECT_EQ(Keys(doc["nodes"][0]),
@@ -67,7 +69,8 @@ TEST(RoleStatusTest, RelayDocumentHasItsKeys) {
   const json doc = ToJson(s);
   EXPECT_EQ(Keys(doc), With({"connected", "cache_bytes", "artifacts", "nodes", "piece_requests",
                              "pieces_verified", "pieces_rejected", "piece_bytes", "pieces_served",
-                             "fetch_failures"}));
+                             "fetch_failures", "trusted_keys", "signature_failures_total",
+                             "replays_refused_total", "last_signature_error", "run_id"}));
   EXPECT_TRUE(doc["connected"].is_boolean());
   EXPECT_EQ(doc["artifacts"][0]["cached_pieces"], 2);
   // A relay knows its region's nodes, not where they are behind.
@@ -84,7 +87,9 @@ TEST(RoleStatusTest, WorkerDocumentHasItsKeysAndTypes) {
   EXPECT_EQ(Keys(doc), With({"stale", "connected", "last_apply_ms", "last_swap_pause_ms",
                              "swaps_total", "exports_total", "piece_requests", "pieces_verified",
                              "pieces_rejected", "piece_bytes", "artifacts_rejected", "swaps_refused",
-                             "older_heads_ignored", "last_error"}));
+                             "older_heads_ignored", "export_failures_total", "last_error",
+                             "trusted_keys", "signature_failures_total", "replays_refused_total",
+                             "last_signature_error", "run_id"}));
   EXPECT_TRUE(doc["version"].is_number_unsigned());
   EXPECT_TRUE(doc["stale"].is_boolean());
   EXPECT_DOUBLE_EQ(doc["last_swap_ms"].get<double>(), 1.5);
@@ -95,19 +100,39 @@ TEST(RoleStatusTest, WorkerDocumentHasItsKeysAndTypes) {
 TEST(RoleStatusTest, MetricsAreTheDocumentsNumbersWithEscapedLabels) {
   WorkerStatus s{.common = Common("worker"), .connected = true};
   s.swaps_total = 4;
+  s.common.last_swap_ms = 1500;
   const std::string text = MetricsText(ToJson(s));
   const std::string labels = "{role=\"worker\",region=\"eu \\\"west\\\"\",node=\"n1\"}";
-  EXPECT_NE(text.find("# TYPE flywheel_bytes_in counter\nflywheel_bytes_in" + labels + " 10\n"),
+  // Counters end in _total, units are base-unit suffixes, and every metric has help.
+  EXPECT_NE(text.find("# TYPE flywheel_received_bytes_total counter\nflywheel_received_bytes_total" +
+                      labels + " 10\n"),
             std::string::npos) << text;
   EXPECT_NE(text.find("# TYPE flywheel_swaps_total counter\nflywheel_swaps_total" + labels + " 4\n"),
             std::string::npos) << text;
   EXPECT_NE(text.find("# TYPE flywheel_version gauge\nflywheel_version" + labels + " 7\n"),
             std::string::npos) << text;
+  EXPECT_NE(text.find("flywheel_last_swap_seconds" + labels + " 1.5\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("# HELP flywheel_pieces_rejected_total "), std::string::npos) << text;
   EXPECT_NE(text.find("flywheel_connected" + labels + " 1\n"), std::string::npos) << text;
+  EXPECT_EQ(text.find("_ms{"), std::string::npos) << text;
   // Strings and structured values are /v1/status only.
   EXPECT_EQ(text.find("flywheel_weights_hash"), std::string::npos);
   EXPECT_EQ(text.find("flywheel_links"), std::string::npos);
   EXPECT_EQ(text.find("flywheel_last_error"), std::string::npos);
+}
+
+TEST(RoleStatusTest, EveryRolesMetricsPassPromtool) {
+  PublisherStatus publisher{.common = Common("publisher")};
+  RelayStatus relay{.common = Common("relay")};
+  WorkerStatus worker{.common = Common("worker")};
+  worker.export_failures = 1;
+  worker.signatures.signature_failures = 2;
+  for (const nlohmann::json& document : {ToJson(publisher), ToJson(relay), ToJson(worker)}) {
+    const std::string text = MetricsText(document);
+    std::optional<std::string> complaints = flywheel::testing::PromtoolComplaints(text);
+    if (!complaints) GTEST_SKIP() << "promtool is not installed (apt install prometheus)";
+    EXPECT_EQ(*complaints, "") << document["role"] << ":\n" << text;
+  }
 }
 
 }  // namespace

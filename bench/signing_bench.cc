@@ -1,0 +1,203 @@
+#include "bench/signing_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <vector>
+
+#include "bench/checkpoint_gen.h"
+#include "bench/util.h"
+#include "delta/delta.h"
+#include "pipeline/process.h"
+#include "sync/node.h"
+#include "sync/signing.h"
+
+namespace flywheel::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kPieceBytes = 1 << 20;
+constexpr double kManifestTargetMs = 5.0;
+constexpr double kShaFloorFraction = 0.8;
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values.empty() ? NAN : values[values.size() / 2];
+}
+
+sync::ArtifactInfo InfoOf(sync::ArtifactKind kind, uint64_t version, std::span<const std::byte> bytes) {
+  sync::ArtifactInfo info;
+  info.kind = kind;
+  info.base_version = kind == sync::ArtifactKind::kDelta ? version - 1 : 0;
+  info.base_hash = kind == sync::ArtifactKind::kDelta ? Hash128{1, 1} : Hash128{};
+  info.target_version = version;
+  info.target_hash = Hash128{2, 2};
+  info.size_bytes = bytes.size();
+  info.piece_bytes = kPieceBytes;
+  info.piece_hashes = sync::PieceHashes(bytes, kPieceBytes);
+  return info;
+}
+
+// `openssl speed -evp sha256 -bytes 16384 -seconds 1`: bytes/s, or NaN with the reason.
+double OpensslSha256(std::string* why) {
+  const char* openssl = "/usr/bin/openssl";
+  if (!fs::exists(openssl)) {
+    *why = "openssl is not installed";
+    return NAN;
+  }
+  pipeline::RunOptions run;
+  run.timeout = std::chrono::milliseconds(30000);
+  Result<pipeline::Completion> done = pipeline::RunToCompletion(
+      openssl, {"speed", "-evp", "sha256", "-bytes", "16384", "-seconds", "1"}, run);
+  if (!done.ok() || done->exit_code != 0) {
+    *why = done.ok() ? "openssl speed exited with " + std::to_string(done->exit_code) : done.status().ToString();
+    return NAN;
+  }
+  // The result line: "sha256     123456.78k" (k = 1000 bytes/s).
+  std::istringstream lines(done->out);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind("sha256", 0) != 0) continue;
+    std::istringstream words(line);
+    std::string name, rate;
+    words >> name >> rate;
+    if (!rate.empty() && rate.back() == 'k') return std::stod(rate.substr(0, rate.size() - 1)) * 1000;
+  }
+  *why = "no sha256 line in openssl's output";
+  return NAN;
+}
+
+}  // namespace
+
+Status RunSigningBench(const SigningBenchOptions& options, std::ostream& out) {
+  if (options.rounds < 1) return Status::InvalidArgument("--rounds must be >= 1");
+  std::cerr << "signing bench: generating a " << options.checkpoint_bytes / (1 << 20)
+            << " MiB checkpoint pair (lr " << options.learning_rate << ") ..." << std::flush;
+  GeneratorOptions generate;
+  generate.checkpoint_bytes = options.checkpoint_bytes;
+  generate.adamw.learning_rate = options.learning_rate;
+  generate.threads = options.threads;
+  FW_ASSIGN_OR_RETURN(CheckpointPair pair, GenerateCheckpointPair(generate));
+  std::cerr << " done\nsigning bench: encoding the delta and the keyframe ..." << std::flush;
+  delta::EncodeOptions encode;
+  encode.base_version = 1;
+  encode.target_version = 2;
+  encode.threads = options.threads;
+  const auto encode_start = Clock::now();
+  FW_ASSIGN_OR_RETURN(std::vector<std::byte> delta_bytes,
+                      delta::Encode(pair.BaseView(), pair.TargetView(), encode));
+  const double encode_ms = Ms(Clock::now() - encode_start);
+  encode.base_version = 0;
+  FW_ASSIGN_OR_RETURN(std::vector<std::byte> keyframe_bytes,
+                      delta::EncodeKeyframe(pair.TargetView(), encode));
+  std::cerr << " done\n";
+
+  FW_ASSIGN_OR_RETURN(sync::KeyFiles files, [&]() -> Result<sync::KeyFiles> {
+    const fs::path dir = fs::temp_directory_path() / ("flywheel-signing-bench-" + sync::NewRunId());
+    return sync::GenerateSigningKeys(dir.string());
+  }());
+  struct RemoveKeys {
+    std::string dir;
+    ~RemoveKeys() {
+      std::error_code ignored;
+      fs::remove_all(dir, ignored);
+    }
+  } remove_keys{fs::path(files.private_key).parent_path().string()};
+  FW_ASSIGN_OR_RETURN(sync::SigningKey key, sync::SigningKey::Load(files.private_key));
+  FW_ASSIGN_OR_RETURN(sync::TrustedKeys trusted, sync::TrustedKeys::Load({files.public_key}));
+
+  const sync::ArtifactInfo delta_info = InfoOf(sync::ArtifactKind::kDelta, 2, delta_bytes);
+  const sync::ArtifactInfo keyframe_info = InfoOf(sync::ArtifactKind::kKeyframe, 2, keyframe_bytes);
+  FW_ASSIGN_OR_RETURN(sync::SignedManifest delta_signed,
+                      sync::SignArtifact(key, delta_info, delta_bytes, "bench", 1));
+  // Manifest only: sign and verify, many rounds.
+  std::vector<double> sign_ms, verify_ms;
+  for (int i = 0; i < options.rounds; ++i) {
+    auto start = Clock::now();
+    const std::string signature = key.Sign(delta_signed.manifest);
+    sign_ms.push_back(Ms(Clock::now() - start));
+    start = Clock::now();
+    Result<sync::ManifestFacts> facts =
+        sync::VerifyManifest(trusted, {delta_signed.manifest, signature}, delta_info);
+    verify_ms.push_back(Ms(Clock::now() - start));
+    if (!facts.ok()) return facts.status().WithContext("a fresh signature did not verify");
+  }
+  // Whole artifacts: SignArtifact (SHA-256 + manifest) and the receiver's checks.
+  struct ArtifactCost {
+    std::string name;
+    uint64_t bytes = 0;
+    double sign_ms = 0, check_ms = 0;
+  };
+  std::vector<ArtifactCost> costs;
+  for (const auto& [name, info, bytes] :
+       {std::tuple{"delta", &delta_info, &delta_bytes}, std::tuple{"keyframe", &keyframe_info, &keyframe_bytes}}) {
+    ArtifactCost cost{name, bytes->size()};
+    auto start = Clock::now();
+    FW_ASSIGN_OR_RETURN(sync::SignedManifest signed_manifest, sync::SignArtifact(key, *info, *bytes, "bench", 1));
+    cost.sign_ms = Ms(Clock::now() - start);
+    start = Clock::now();
+    FW_ASSIGN_OR_RETURN(sync::ManifestFacts facts, sync::VerifyManifest(trusted, signed_manifest, *info));
+    FW_RETURN_IF_ERROR(sync::CheckArtifactBytes(facts, *info, *bytes));
+    cost.check_ms = Ms(Clock::now() - start);
+    // A correctness run too: one flipped byte is refused.
+    std::vector<std::byte> flipped(bytes->begin(), bytes->begin() + std::min<size_t>(bytes->size(), 1 << 20));
+    flipped[flipped.size() / 2] ^= std::byte{1};
+    if (flipped.size() == bytes->size() && sync::CheckArtifactBytes(facts, *info, flipped).ok()) {
+      return Status::Internal("a flipped byte passed CheckArtifactBytes");
+    }
+    costs.push_back(cost);
+  }
+  std::string openssl_why;
+  const double openssl_rate = OpensslSha256(&openssl_why);
+  const ArtifactCost& keyframe = costs[1];
+  const double our_sha_rate = keyframe.bytes / (keyframe.check_ms / 1000);
+
+  Table table;
+  table.header = {"per version", "bytes", "publisher (ms)", "each receiver (ms)", "note"};
+  table.rows.push_back({"manifest (Ed25519)", Grouped(delta_signed.manifest.size()),
+                        Fixed(Median(sign_ms), 3), Fixed(Median(verify_ms), 3),
+                        "median of " + std::to_string(options.rounds)});
+  for (const ArtifactCost& cost : costs) {
+    table.rows.push_back({cost.name + " + SHA-256", Grouped(cost.bytes), Fixed(cost.sign_ms, 2),
+                          Fixed(cost.check_ms, 2),
+                          Fixed(cost.bytes / (cost.check_ms / 1000) / 1e9, 2) + " GB/s"});
+  }
+  table.rows.push_back({"delta encode (scale)", Grouped(options.checkpoint_bytes), Fixed(encode_ms, 1), "-",
+                        std::to_string(options.threads) + " threads"});
+  std::ostringstream report;
+  report << "flywheel signing benchmark: signed versions on a " << Fixed(options.checkpoint_bytes / 1e9, 2)
+         << " GB bf16 checkpoint (lr " << options.learning_rate << ", delta "
+         << Fixed(100.0 * delta_bytes.size() / options.checkpoint_bytes, 2) << " % of it), one thread\n\n"
+         << RenderText(table) << "\n";
+  std::vector<std::string> checks;
+  auto pass = [](bool ok) { return std::string(ok ? "PASS" : "FAIL"); };
+  const bool manifest_ok = Median(sign_ms) <= kManifestTargetMs && Median(verify_ms) <= kManifestTargetMs;
+  checks.push_back("sign and verify a manifest <= " + Fixed(kManifestTargetMs, 0) + " ms each: " +
+                   pass(manifest_ok) + " (" + Fixed(Median(sign_ms), 3) + " / " + Fixed(Median(verify_ms), 3) + " ms)");
+  bool sha_ok = true;
+  if (std::isfinite(openssl_rate)) {
+    sha_ok = our_sha_rate >= kShaFloorFraction * openssl_rate;
+    checks.push_back("SHA-256 pass >= " + Fixed(kShaFloorFraction, 1) + " x openssl speed -evp sha256 (peer, " +
+                     Fixed(openssl_rate / 1e9, 2) + " GB/s): " + pass(sha_ok) + " (" +
+                     Fixed(our_sha_rate / 1e9, 2) + " GB/s = " + Fixed(our_sha_rate / openssl_rate, 2) + " x)");
+  } else {
+    checks.push_back("SHA-256 vs openssl speed: n/a (" + openssl_why + ")");
+  }
+  for (const std::string& line : checks) report << line << "\n";
+  out << report.str();
+  if (!options.markdown_out.empty()) {
+    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Signing benchmark",
+                                            "## Signing benchmark\n\n```\n" + report.str() + "```\n"));
+  }
+  if (options.check && !(manifest_ok && sha_ok)) return Status::Mismatch("a signing target was missed");
+  return Status::Ok();
+}
+
+}  // namespace flywheel::bench
