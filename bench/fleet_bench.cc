@@ -1,5 +1,7 @@
 #include "bench/fleet_bench.h"
 
+#include "sync/signing.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/statfs.h>
@@ -56,6 +58,7 @@ constexpr std::chrono::seconds kReadyTimeout{30};
 constexpr double kTargetSlack = 1.3;             // x (delta bytes / WAN rate + RTT)
 constexpr double kTargetOverheadSeconds = 0.5;   // + this
 constexpr double kWanFractionTarget = 1.0 / 50;  // delta-relay WAN bytes vs full-direct
+constexpr double kSignedSlack = 1.02;             // delta-relay-signed vs delta-relay (issue 17)
 constexpr double kStreamRatioTarget = 0.70;      // flywheel TCP stream vs iperf3
 
 // ---- small helpers -------------------------------------------------------------------
@@ -420,6 +423,10 @@ bool UsesRelays(const std::string& strategy) {
   return strategy != kFullDirect;
 }
 
+bool IsDelta(const std::string& strategy) {
+  return strategy == kDeltaRelay || strategy == kDeltaRelaySigned;
+}
+
 std::vector<std::string> RegionNames(int regions) {
   static const char* const kNames[] = {"us", "eu", "ap", "sa", "af", "me"};
   std::vector<std::string> names;
@@ -459,7 +466,13 @@ Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
       "--region",         kHomeRegion,
       "--wan-rate",       std::to_string(options.wan_bytes_per_second),
       "--wan-latency-ms", std::to_string(options.wan_latency_ms)};
-  if (strategy != kDeltaRelay) {
+  std::vector<std::string> trust;  // relays' and workers' --trust-key
+  if (strategy == kDeltaRelaySigned) {
+    FW_ASSIGN_OR_RETURN(sync::KeyFiles keys, sync::GenerateSigningKeys(strategy_dir + "/keys"));
+    publisher_args.insert(publisher_args.end(), {"--signing-key", keys.private_key});
+    trust = {"--trust-key", keys.public_key};
+  }
+  if (!IsDelta(strategy)) {
     publisher_args.push_back("--no-deltas");
   } else if (options.keyframe_every > 0) {
     publisher_args.push_back("--keyframe-every");
@@ -476,9 +489,10 @@ Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
       Node& relay = fleet.relays.emplace_back();
       relay.name = "relay-" + region;
       relay.region = region;
-      FW_RETURN_IF_ERROR(launch(relay, "relay",
-                                {"--region", region, "--upstream", publisher_address, "--listen",
-                                 loopback_any, "--http", loopback_any}));
+      std::vector<std::string> relay_args = {"--region", region, "--upstream", publisher_address,
+                                             "--listen", loopback_any, "--http", loopback_any};
+      relay_args.insert(relay_args.end(), trust.begin(), trust.end());
+      FW_RETURN_IF_ERROR(launch(relay, "relay", relay_args));
     }
     for (Node& relay : fleet.relays) {
       FW_RETURN_IF_ERROR(AwaitReady(fleet.processes, ready_file(relay), true, relay));
@@ -491,9 +505,10 @@ Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
       Node& worker = fleet.workers.emplace_back();
       worker.name = "worker-" + regions[r] + "-" + std::to_string(i);
       worker.region = regions[r];
-      FW_RETURN_IF_ERROR(
-          launch(worker, "worker",
-                 {"--region", regions[r], "--upstream", upstream, "--http", loopback_any}));
+      std::vector<std::string> worker_args = {"--region", regions[r], "--upstream", upstream,
+                                              "--http", loopback_any};
+      worker_args.insert(worker_args.end(), trust.begin(), trust.end());
+      FW_RETURN_IF_ERROR(launch(worker, "worker", worker_args));
     }
   }
   for (Node& worker : fleet.workers) {
@@ -717,7 +732,7 @@ Result<StrategyResult> RunStrategy(const FleetBenchOptions& options, const std::
       result.initial_wan_bytes = update->wan_bytes;
       continue;
     }
-    if (strategy == kDeltaRelay)
+    if (IsDelta(strategy))
       update->target_seconds = TargetSeconds(options, update->artifact_bytes);
     result.updates.push_back(*update);
   }
@@ -951,6 +966,18 @@ std::vector<std::string> Checks(const std::vector<StrategyResult>& results) {
                     Megabytes(baseline->mean_wan_bytes()) + " MB per update = " + RatioText(ratio) +
                     ")");
   }
+  const StrategyResult* signed_delta = FindStrategy(results, kDeltaRelaySigned);
+  const std::string signed_target = "delta-relay-signed median sync time <= " +
+                                    Fixed(kSignedSlack, 2) + " x delta-relay's";
+  if (delta == nullptr || signed_delta == nullptr || delta->updates.empty() ||
+      signed_delta->updates.empty()) {
+    lines.push_back(signed_target + ": n/a (needs --strategies delta-relay,delta-relay-signed)");
+  } else {
+    const double ratio = signed_delta->median_seconds() / delta->median_seconds();
+    lines.push_back(signed_target + ": " + PassFail(ratio <= kSignedSlack) + " (" +
+                    Fixed(signed_delta->median_seconds(), 3) + " s against " +
+                    Fixed(delta->median_seconds(), 3) + " s = " + Fixed(ratio, 3) + " x)");
+  }
   return lines;
 }
 
@@ -1094,9 +1121,11 @@ Status ValidateOptions(const FleetBenchOptions& options) {
   if (options.strategies.empty()) return Status::InvalidArgument("no strategy given");
   std::set<std::string> seen;
   for (const std::string& strategy : options.strategies) {
-    if (strategy != kFullDirect && strategy != kFullRelay && strategy != kDeltaRelay) {
+    if (strategy != kFullDirect && strategy != kFullRelay && strategy != kDeltaRelay &&
+        strategy != kDeltaRelaySigned) {
       return Status::InvalidArgument("unknown strategy '" + strategy + "' (expected " +
-                                     kFullDirect + ", " + kFullRelay + " or " + kDeltaRelay + ")");
+                                     kFullDirect + ", " + kFullRelay + ", " + kDeltaRelay + " or " +
+                                     kDeltaRelaySigned + ")");
     }
     if (!seen.insert(strategy).second) {
       return Status::InvalidArgument("strategy '" + strategy + "' is given twice");

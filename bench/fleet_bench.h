@@ -36,6 +36,9 @@ namespace flywheel::bench {
 inline constexpr const char* kFullDirect = "full-direct";
 inline constexpr const char* kFullRelay = "full-relay";
 inline constexpr const char* kDeltaRelay = "delta-relay";
+// delta-relay with signed versions: the publisher signs (--signing-key), relays and workers
+// verify (--trust-key); compared with delta-relay when both run.
+inline constexpr const char* kDeltaRelaySigned = "delta-relay-signed";
 
 struct FleetBenchOptions {
   // The flywheel executable whose roles are started; empty: this process's own binary.
@@ -49,7 +52,8 @@ struct FleetBenchOptions {
   int updates = 3;
   int regions = 2;
   int workers_per_region = 4;
-  // Run in this order; each of kFullDirect, kFullRelay, kDeltaRelay at most once.
+  // Run in this order; each of kFullDirect, kFullRelay, kDeltaRelay, kDeltaRelaySigned at
+  // most once.
   std::vector<std::string> strategies = {kFullDirect, kFullRelay, kDeltaRelay};
   // Size of the simulated optimiser step; sets the fraction of bf16 words that change.
   double learning_rate = 1e-6;

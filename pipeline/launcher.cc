@@ -26,10 +26,14 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 constexpr std::chrono::seconds kReadyTimeout{60};
 
-Result<json> GetJson(const std::string& endpoint_text, const std::string& token) {
+Result<json> GetJson(const std::string& endpoint_text, const std::string& token,
+                     const transport::TlsOptions& tls) {
   FW_ASSIGN_OR_RETURN(transport::Endpoint endpoint, transport::ParseEndpoint(endpoint_text));
   transport::HttpGetOptions options;
   options.token = token;
+  if (tls.enabled()) {
+    FW_ASSIGN_OR_RETURN(options.tls, transport::MakeClientTlsContext(tls));
+  }
   options.timeout = std::chrono::milliseconds(3000);
   FW_ASSIGN_OR_RETURN(transport::HttpResponse response,
                       transport::HttpGet(endpoint, "/v1/status", options));
@@ -175,7 +179,12 @@ Status Fleet::Launch(const std::string& name, Role& role) {
   std::error_code ec;
   fs::remove(role.ready_file, ec);
   // A restart logs to <name>.restart<n>.{out,err} (ProcessGroup's naming).
-  FW_ASSIGN_OR_RETURN(role.index, processes_.Start(name, options_.program, role.args));
+  std::vector<std::string> args = role.args;
+  if (options_.tls.enabled()) {
+    args.insert(args.end(), {"--tls-cert", options_.tls.cert_file, "--tls-key", options_.tls.key_file});
+    if (!options_.tls.ca_file.empty()) args.insert(args.end(), {"--tls-ca", options_.tls.ca_file});
+  }
+  FW_ASSIGN_OR_RETURN(role.index, processes_.Start(name, options_.program, args));
   if (name == "trainer") {
     echo_index_ = role.index;
     echoed_ = 0;
@@ -215,13 +224,13 @@ bool Fleet::Running(const std::string& name) {
 Result<json> Fleet::TrainerStatus() {
   FW_ASSIGN_OR_RETURN(std::string token, ReadWholeFile((fs::path(options_.run_dir) / "token").string()));
   while (!token.empty() && (token.back() == '\n')) token.pop_back();
-  return GetJson(trainer_http_, token);
+  return GetJson(trainer_http_, token, options_.tls);
 }
 
 Result<json> Fleet::WorkerStatus(const std::string& name) {
   auto it = roles_.find(name);
   if (it == roles_.end()) return Status::NotFound("no process named " + name);
-  return GetJson(it->second.http, options_.token);
+  return GetJson(it->second.http, options_.token, options_.tls);
 }
 
 void Fleet::Echo(std::ostream& out) {

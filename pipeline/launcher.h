@@ -20,6 +20,7 @@
 #include "base/status.h"
 #include "pipeline/process.h"
 #include "pipeline/run_config.h"
+#include "transport/tls.h"
 
 namespace flywheel::pipeline {
 
@@ -29,6 +30,10 @@ struct FleetOptions {
   std::string run_dir;  // run.toml, state/, report/, logs/
   std::string report_dir;  // default: <run_dir>/report
   std::string token;    // bearer token between the processes (generated when empty)
+  // Set: every process serves and dials with TLS 1.3 from these files (--tls-cert,
+  // --tls-key, --tls-ca: mutual authentication on every link, the trainer's coordinator
+  // included), and status is read over https.
+  transport::TlsOptions tls;
 };
 
 class Fleet {
@@ -47,6 +52,8 @@ class Fleet {
   // GET /v1/status of the trainer's coordinator, or of a worker.
   Result<nlohmann::json> TrainerStatus();
   Result<nlohmann::json> WorkerStatus(const std::string& name);
+  // The trainer's coordinator endpoint (HOST:PORT).
+  const std::string& trainer_http() const { return trainer_http_; }
 
   // Copies the trainer's new stdout lines to `out`.
   void Echo(std::ostream& out);

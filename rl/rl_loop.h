@@ -21,9 +21,12 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "base/status.h"
 #include "pipeline/run_config.h"
+#include "transport/http.h"
+#include "transport/tls.h"
 
 namespace flywheel::rl {
 
@@ -36,6 +39,13 @@ struct TrainRunOptions {
   std::string publisher_http = "127.0.0.1:0";
   std::string ready_file;  // {"listen","http","publisher_http","model_config"} once serving
   std::string token;
+  // Further HTTP tokens with their own scopes, on the coordinator and the publisher's HTTP
+  // port (transport/http.h: a dashboard's read-only token, ...).
+  std::vector<transport::ScopedToken> scoped_tokens;
+  // TLS 1.3 on every port of the trainer (the coordinator, the publisher's data and HTTP
+  // ports); with a CA, clients must present a certificate it signed.
+  transport::TlsOptions tls;
+  std::string signing_key;  // the publisher's --signing-key (sync/signing.h)
   bool quiet = false;  // no per-step lines
 };
 

@@ -49,6 +49,9 @@ Result<sync::PublisherOptions> MakePublisherOptions(const TrainRunOptions& optio
   publisher.common.node_id = "trainer";
   FW_ASSIGN_OR_RETURN(publisher.common.http, transport::ParseEndpoint(options.publisher_http));
   publisher.common.token = options.token;
+  publisher.common.scoped_tokens = options.scoped_tokens;
+  publisher.common.tls = options.tls;
+  publisher.signing_key = options.signing_key;
   publisher.common.wan_rate = config.fleet.wan_rate_mbit * 1e6 / 8;
   publisher.common.wan_latency_ms = config.fleet.wan_latency_ms;
   FW_ASSIGN_OR_RETURN(publisher.listen, transport::ParseEndpoint(options.listen));
@@ -134,15 +137,18 @@ struct TrainerServices::Impl {
 
 void TrainerServices::Impl::AddRoutes() {
   pipeline::Coordinator* coordinator_ptr = coordinator.get();
-  http->RoutePost("/v1/rollout/claim", [coordinator_ptr](std::string, std::string body) {
-    return JsonAnswer(coordinator_ptr->HandleClaim(body));
-  });
+  http->RoutePost(
+      "/v1/rollout/claim",
+      [coordinator_ptr](std::string, std::string body) {
+        return JsonAnswer(coordinator_ptr->HandleClaim(body));
+      },
+      1 << 20, transport::kScopeSubmit);
   http->RoutePost(
       "/v1/rollout/submit",
       [coordinator_ptr](std::string, std::string body) {
         return JsonAnswer(coordinator_ptr->HandleSubmit(body));
       },
-      64 << 20);
+      64 << 20, transport::kScopeSubmit);
   http->Route("/v1/status", [this](const std::string&) {
     return transport::HttpResponse{200, "application/json", StatusJson().dump()};
   });
@@ -212,6 +218,12 @@ Result<std::unique_ptr<TrainerServices>> TrainerServices::Start(const TrainRunOp
       *setup.task, MakeCoordinatorOptions(options.config, setup, rows_done));
   transport::HttpServerOptions http_options;
   http_options.token = options.token;
+  http_options.scoped_tokens = options.scoped_tokens;
+  if (options.tls.enabled()) {
+    // Rollout samples (training data) and bearer tokens cross regions: TLS like every
+    // other port, mutual when a CA is given.
+    FW_ASSIGN_OR_RETURN(http_options.tls, transport::MakeServerTlsContext(options.tls));
+  }
   FW_ASSIGN_OR_RETURN(transport::Endpoint http_endpoint, transport::ParseEndpoint(options.http));
   FW_ASSIGN_OR_RETURN(impl->http,
                       transport::HttpServer::Start(impl->io.get_executor(), http_endpoint, http_options));

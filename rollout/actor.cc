@@ -32,6 +32,7 @@ std::vector<int32_t> RoutingIds(const GenerationResult& r) {
 transport::HttpGetOptions Actor::HttpOptions() const {
   transport::HttpGetOptions http;
   http.token = options_.token;
+  http.tls = options_.tls;
   http.timeout = milliseconds(10000);
   return http;
 }

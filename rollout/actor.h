@@ -32,6 +32,9 @@ class CompletionService;
 struct ActorOptions {
   transport::Endpoint trainer;  // the trainer's HTTP endpoint
   std::string token;            // bearer token for it
+  // A TLS trainer (https): the client context that verifies it (and presents this worker's
+  // certificate for mutual authentication); null: plain HTTP.
+  std::shared_ptr<transport::asio::ssl::context> tls;
   std::string worker_id;
   int64_t max_groups = 8;  // groups claimed at once
 };

@@ -272,8 +272,10 @@ transport::awaitable<transport::HttpResponse> CompletionService::HandleHttp(std:
 }
 
 void CompletionService::Register(transport::HttpServer& server) {
-  server.RoutePost("/v1/completions",
-                   [this](std::string, std::string body) { return HandleHttp(std::move(body)); });
+  server.RoutePost(
+      "/v1/completions",
+      [this](std::string, std::string body) { return HandleHttp(std::move(body)); }, 1 << 20,
+      transport::kScopeSample);
 }
 
 }  // namespace flywheel::rollout

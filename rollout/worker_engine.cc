@@ -63,6 +63,9 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
     ActorOptions actor;
     FW_ASSIGN_OR_RETURN(actor.trainer, transport::ParseEndpoint(options.trainer));
     actor.token = options.trainer_token;
+    if (options.trainer_tls.enabled()) {
+      FW_ASSIGN_OR_RETURN(actor.tls, transport::MakeClientTlsContext(options.trainer_tls));
+    }
     actor.worker_id = options.worker_id;
     actor.max_groups = options.actor_groups;
     if (actor.worker_id.empty()) return Status::InvalidArgument("the actor needs a worker id");
@@ -158,9 +161,10 @@ void WorkerEngine::Attach(const sync::Worker* worker) { impl_->worker.store(work
 
 void WorkerEngine::Register(transport::HttpServer& server) {
   Impl* impl = impl_.get();
-  server.RoutePost("/v1/completions", [impl](std::string, std::string body) {
-    return Answer(impl->Service(), std::move(body));
-  });
+  server.RoutePost(
+      "/v1/completions",
+      [impl](std::string, std::string body) { return Answer(impl->Service(), std::move(body)); },
+      1 << 20, transport::kScopeSample);
 }
 
 }  // namespace flywheel::rollout

@@ -32,6 +32,9 @@ struct WorkerEngineOptions {
   // Set: run the pipeline-RL actor (rollout/actor.h) against this trainer HTTP endpoint.
   std::string trainer;
   std::string trainer_token;
+  // Set (the worker's --tls-* flags): the trainer is reached over TLS, verified against
+  // ca_file, and this certificate is presented to it.
+  transport::TlsOptions trainer_tls;
   std::string worker_id;
   int64_t actor_groups = 8;  // groups claimed at once
   // Runs before the engine takes each version after its first (a seam for fault injection

@@ -236,8 +236,14 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
   last_artifact_bytes = 0;
   for (const ArtifactInfo& info : written->artifacts) last_artifact_bytes += info.size_bytes;
   ++published;
-  spdlog::info("published v{}: {} artifact(s), {} bytes, in {:.0f} ms", version,
-               written->artifacts.size(), last_artifact_bytes, last_publish_ms);
+  double sign_ms = 0;
+  {
+    std::lock_guard signing_lock(signing_mutex);
+    sign_ms = signing_key ? last_sign_ms : 0;
+  }
+  spdlog::info("published v{}: {} artifact(s), {} bytes, in {:.0f} ms{}", version,
+               written->artifacts.size(), last_artifact_bytes, last_publish_ms,
+               signing_key ? fmt::format(" (signing {:.1f} ms)", sign_ms) : std::string());
   return written;
 }
 

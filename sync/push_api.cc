@@ -143,6 +143,7 @@ struct PushApi::Impl : std::enable_shared_from_this<PushApi::Impl> {
 
   std::optional<HttpResponse> DenyPush(const HttpRequest& request) const;
   std::optional<HttpResponse> DenyRead(const HttpRequest& request) const;
+  std::optional<HttpResponse> DenyAdmin(const HttpRequest& request) const;
   HttpResponse UploadFailure(const Status& status, const std::string& id) const;
   nlohmann::json PinJson() const { return ToJson(ledger->pin()); }
 
@@ -168,15 +169,30 @@ std::optional<HttpResponse> PushApi::Impl::DenyPush(const HttpRequest& request) 
     return Error(403, "push_disabled",
                  "this publisher takes no pushes: start it with --push-token-file");
   }
-  if (request.credential == Credential::kWrite) return std::nullopt;
-  if (request.credential == Credential::kRead) {
-    return Error(403, "forbidden", "the read token cannot push; send the push token");
+  if (request.scopes & transport::kScopePush) return std::nullopt;
+  if (request.scopes != 0) {
+    return Error(403, "forbidden", "this token cannot push (it lacks the 'push' scope); send the push token");
+  }
+  return Error(401, "unauthorized", "missing or unknown bearer token");
+}
+
+std::optional<HttpResponse> PushApi::Impl::DenyAdmin(const HttpRequest& request) const {
+  if (options.token.empty()) {
+    return Error(403, "push_disabled",
+                 "this publisher takes no pushes or pins: start it with --push-token-file");
+  }
+  if (request.scopes & transport::kScopeAdmin) return std::nullopt;
+  if (request.scopes != 0) {
+    return Error(403, "forbidden", "this token cannot pin or unpin (it lacks the 'admin' scope)");
   }
   return Error(401, "unauthorized", "missing or unknown bearer token");
 }
 
 std::optional<HttpResponse> PushApi::Impl::DenyRead(const HttpRequest& request) const {
-  if (!read_token_required || request.credential != Credential::kNone) return std::nullopt;
+  if (!read_token_required || (request.scopes & transport::kScopeRead)) return std::nullopt;
+  if (request.scopes != 0) {
+    return Error(403, "forbidden", "this token cannot read (it lacks the 'read' scope)");
+  }
   return Error(401, "unauthorized", "missing or unknown bearer token");
 }
 
@@ -455,7 +471,7 @@ awaitable<HttpResponse> PushApi::Impl::Wait(HttpRequest request) {
 }
 
 awaitable<HttpResponse> PushApi::Impl::Pin(HttpRequest request) {
-  if (auto denied = DenyPush(request)) co_return *denied;
+  if (auto denied = DenyAdmin(request)) co_return *denied;
   if (request.method != "POST") co_return Error(405, "method_not_allowed", "use POST");
   if (request.path == "/v1/unpin") {
     auto self = shared_from_this();

@@ -50,8 +50,8 @@ Result<Target> TargetOf(const PushClientOptions& options) {
     if (options.ca_file.empty()) {
       return Status::InvalidArgument("an https:// publisher needs the CA file to verify it (--ca)");
     }
-    FW_ASSIGN_OR_RETURN(target.http.tls,
-                        transport::MakeClientTlsContext({"", "", options.ca_file}));
+    FW_ASSIGN_OR_RETURN(target.http.tls, transport::MakeClientTlsContext(
+                                             {options.cert_file, options.key_file, options.ca_file}));
   }
   return target;
 }

@@ -27,6 +27,8 @@ struct PushClientOptions {
   std::string url;      // http://host:port or https://host:port
   std::string token;    // the push token (reads accept it too)
   std::string ca_file;  // https: the CA the publisher's certificate is verified against
+  // https to a publisher that requires client certificates (--tls-ca): this one (PEM).
+  std::string cert_file, key_file;
   std::chrono::milliseconds timeout{120000};  // per HTTP request
   std::string cache_dir;                      // empty: the default cache root
   bool use_delta = true;

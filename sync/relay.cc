@@ -7,6 +7,7 @@
 
 #include "sync/node.h"
 #include "sync/role_status.h"
+#include "sync/sha256_stream.h"
 
 namespace flywheel::sync {
 
@@ -14,7 +15,7 @@ using namespace std::chrono_literals;
 
 struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
   Impl(asio::any_io_executor executor, RelayOptions options)
-      : executor(executor), options(std::move(options)), cpu(1), queued(executor) {}
+      : executor(executor), options(std::move(options)), queued(executor) {}
 
   struct Cached {
     explicit Cached(const ArtifactInfo& info, asio::any_io_executor executor)
@@ -24,11 +25,11 @@ struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
     bool queued = false;
     bool dropped = false;   // no longer in the upstream's catalog
     Status error;           // the last fetch failure, until the next attempt
+    PrefixSha256 sha;       // signed versions: the bytes' SHA-256 as the pieces arrive
   };
 
   asio::any_io_executor executor;
   RelayOptions options;
-  asio::thread_pool cpu;  // hashing a complete artifact (signed versions)
   std::unique_ptr<CatalogVerifier> verifier;  // --trust-key
   NodeIdentity identity;
   LinkRegistry links;
@@ -104,7 +105,11 @@ awaitable<void> Relay::Impl::FetchLoop() {
     if (it == cache.end()) continue;
     std::shared_ptr<Cached> entry = it->second;
     entry->error = Status::Ok();
-    std::function<void(uint32_t)> on_piece = [entry](uint32_t) { entry->arrived.Notify(); };
+    const bool hashing = verifier->enabled();
+    std::function<void(uint32_t)> on_piece = [entry, hashing](uint32_t) {
+      entry->arrived.Notify();
+      if (hashing) entry->sha.Advance(entry->download);
+    };
     Status status = co_await upstream->Fetch(entry->download, on_piece);
     entry->queued = false;
     if (status.ok() && verifier->enabled() && !entry->dropped) {
@@ -114,10 +119,7 @@ awaitable<void> Relay::Impl::FetchLoop() {
       if (facts == nullptr) {
         status = Status::Mismatch(Describe(key) + " is no longer in a verified catalog");
       } else {
-        auto bytes = entry->download.bytes;
-        auto info = std::make_shared<ArtifactInfo>(entry->download.info);
-        auto check = [facts = *facts, info, bytes] { return CheckArtifactBytes(facts, *info, *bytes); };
-        status = (co_await transport::RunOn(cpu, check)).value();
+        status = entry->sha.Check(entry->download, *facts);  // the tail is left to hash
       }
       if (!status.ok()) {
         verifier->CountForged(status.message());
@@ -274,10 +276,7 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
   return std::unique_ptr<Relay>(new Relay(std::move(impl)));
 }
 
-Relay::~Relay() {
-  impl_->stopped = true;
-  impl_->cpu.join();
-}
+Relay::~Relay() { impl_->stopped = true; }
 
 void Relay::Stop() {
   auto impl = impl_;

@@ -153,6 +153,7 @@ Result<std::unique_ptr<transport::HttpServer>> StartStatusServer(
   transport::HttpServerOptions http_options;
   http_options.token = options.token;
   http_options.write_token = std::move(write_token);
+  http_options.scoped_tokens = options.scoped_tokens;
   http_options.tls = std::move(tls);
   FW_ASSIGN_OR_RETURN(auto server,
                       transport::HttpServer::Start(executor, options.http, http_options));

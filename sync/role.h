@@ -26,6 +26,8 @@ struct CommonOptions {
   std::string node_id;          // empty: DefaultNodeId
   transport::Endpoint http;     // port 0: any free port
   std::string token;            // empty: no authentication
+  // --scoped-token-file: further HTTP tokens with their own scopes (transport/http.h).
+  std::vector<transport::ScopedToken> scoped_tokens;
   transport::TlsOptions tls;    // none: plain TCP and HTTP
   std::string ready_file;       // empty: none
   double wan_rate = 0;          // bytes/s on WAN links, 0: unlimited

@@ -14,6 +14,7 @@
 #include "delta/safetensors.h"
 #include "sync/node.h"
 #include "sync/role_status.h"
+#include "sync/sha256_stream.h"
 
 namespace flywheel::sync {
 
@@ -44,6 +45,12 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   std::map<uint64_t, Clock::time_point> head_seen;  // when a head version was first announced
   std::map<std::pair<ArtifactKey, std::string>, bool> rejected;  // (artifact, target hash)
   std::map<ArtifactKey, std::unique_ptr<Download>> downloads;    // partial, kept for resume
+  // With trusted keys: each download's SHA-256, advanced as its pieces arrive.
+  std::map<ArtifactKey, std::unique_ptr<PrefixSha256>> hashers;
+  void Forget(const ArtifactKey& key) {
+    downloads.erase(key);
+    hashers.erase(key);
+  }
   uint64_t artifacts_rejected = 0;
   uint64_t swaps = 0;
   uint64_t exports = 0;
@@ -318,16 +325,27 @@ awaitable<void> Worker::Impl::UpdateLoop() {
       if (stopped) co_return;
       const ArtifactKey key = KeyOf(info);
       auto& slot = downloads[key];
-      if (!slot || slot->info != info) slot = std::make_unique<Download>(info);
+      if (!slot || slot->info != info) {
+        slot = std::make_unique<Download>(info);
+        hashers.erase(key);
+      }
       Download& download = *slot;
+      std::function<void(uint32_t)> on_piece;
+      PrefixSha256* hasher = nullptr;
+      if (verifier->enabled()) {
+        auto& owned = hashers[key];
+        if (!owned) owned = std::make_unique<PrefixSha256>();
+        hasher = owned.get();
+        on_piece = [hasher, &download](uint32_t) { hasher->Advance(download); };
+      }
       const auto fetch_start = Clock::now();
-      flywheel::Status fetched = co_await upstream->Fetch(download);
+      flywheel::Status fetched = co_await upstream->Fetch(download, on_piece);
       if (!fetched.ok()) {
         last_error = "fetching " + Describe(key) + ": " + fetched.message();
         spdlog::warn("{}", last_error);
         if (fetched.code() == StatusCode::kNotFound) {
           // Gone upstream (retention, or a relay restart): replan from the next catalog.
-          downloads.erase(key);
+          Forget(key);
         }
         co_await transport::SleepFor(200ms);
         break;
@@ -347,10 +365,10 @@ awaitable<void> Worker::Impl::UpdateLoop() {
                   : flywheel::Status::Mismatch(Describe(key) + " is no longer in a verified catalog");
         if (trusted.ok()) {
           facts = *known;
-          auto check = [task, bytes, facts] { return CheckArtifactBytes(*facts, *task, *bytes); };
-          trusted = (co_await transport::RunOn(cpu, check)).value();
+          // Most of the hash was computed while the pieces arrived; the tail is left.
+          trusted = hasher->Check(download, *facts);
           if (!trusted.ok()) {
-            downloads.erase(key);
+            Forget(key);
             verifier->CountForged(trusted.message());
           }
         } else if (known) {
@@ -368,7 +386,7 @@ awaitable<void> Worker::Impl::UpdateLoop() {
       }
       auto apply = [this, task, bytes] { return Apply(*task, *bytes); };
       flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
-      downloads.erase(key);
+      Forget(key);
       if (!applied.ok()) {
         ++artifacts_rejected;
         rejected[{key, info.target_hash.ToHex()}] = true;

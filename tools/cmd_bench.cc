@@ -157,7 +157,8 @@ void AddFleetCommand(CLI::App& bench_app, Action& action) {
                    "Strategies to run, in this order (default: full-direct,full-relay,delta-relay)")
       ->type_name("LIST")
       ->delimiter(',')
-      ->check(CLI::IsMember({bench::kFullDirect, bench::kFullRelay, bench::kDeltaRelay}));
+      ->check(CLI::IsMember({bench::kFullDirect, bench::kFullRelay, bench::kDeltaRelay,
+                                     bench::kDeltaRelaySigned}));
   fleet
       ->add_option("--wan-rate", options->wan_bytes_per_second,
                    "Emulated WAN rate in bytes/s per remote region and direction (1 Gbit/s)")

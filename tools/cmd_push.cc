@@ -15,7 +15,7 @@ namespace flywheel::tools {
 namespace {
 
 struct PushArgs {
-  std::string url, token, token_file, ca_file, cache_dir, client;
+  std::string url, token, token_file, ca_file, cert_file, key_file, cache_dir, client;
   std::string checkpoint;
   uint64_t version = 0;
   std::vector<std::string> meta;
@@ -35,6 +35,8 @@ Result<sync::PushClientOptions> ClientOptions(const PushArgs& args) {
     FW_ASSIGN_OR_RETURN(options.token, ReadTokenFile(args.token_file, "--token-file"));
   }
   options.ca_file = args.ca_file;
+  options.cert_file = args.cert_file;
+  options.key_file = args.key_file;
   options.cache_dir = args.cache_dir;
   options.client = args.client;
   options.use_delta = !args.no_delta;
@@ -174,6 +176,11 @@ void AddConnectionOptions(CLI::App* app, PushArgs& args, const char* flag) {
       ->type_name("F")
       ->excludes("--token");
   app->add_option("--ca", args.ca_file, "CA file to verify an https:// publisher against")
+      ->type_name("F");
+  app->add_option("--tls-cert", args.cert_file,
+                  "Client certificate (PEM) for a publisher that requires one (its --tls-ca)")
+      ->type_name("F");
+  app->add_option("--tls-key", args.key_file, "The client certificate's private key (PEM)")
       ->type_name("F");
   app->add_flag("--json", args.json, "Print JSON instead of text");
 }

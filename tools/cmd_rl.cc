@@ -32,6 +32,8 @@ struct RlArgs {
   // train
   std::string state, listen = "127.0.0.1:0", http = "127.0.0.1:0", publisher_http = "127.0.0.1:0";
   std::string token, token_file, ready_file;
+  std::vector<std::string> scoped_tokens;
+  std::string tls_cert, tls_key, tls_ca, signing_key;
   bool quiet = false;
   bool resume = false;
 };
@@ -89,7 +91,12 @@ Status RunTrain(const RlArgs& args) {
   options.token = args.token;
   if (!args.token_file.empty()) {
     FW_ASSIGN_OR_RETURN(options.token, ReadTokenFile(args.token_file, "--token-file"));
+  } else if (options.token.empty()) {
+    if (const char* from_env = std::getenv("FLYWHEEL_TOKEN"); from_env != nullptr) options.token = from_env;
   }
+  FW_ASSIGN_OR_RETURN(options.scoped_tokens, ReadScopedTokens(args.scoped_tokens));
+  options.tls = {args.tls_cert, args.tls_key, args.tls_ca};
+  options.signing_key = args.signing_key;
   options.quiet = args.quiet;
 #ifdef FLYWHEEL_WITH_TORCH
   return rl::RunTrainer(options);
@@ -182,6 +189,21 @@ void AddRlCommands(CLI::App& app, Action& action) {
   train->add_option("--token-file", args->token_file, "Read the token from this file")
       ->type_name("F")
       ->excludes("--token");
+  train->add_option("--scoped-token-file", args->scoped_tokens,
+                    "A further HTTP token with its own scopes, SCOPES:FILE (read, submit, ...;\n"
+                    "see `flywheel publish --help`); repeatable")
+      ->type_name("SCOPES:F");
+  train->add_option("--tls-cert", args->tls_cert,
+                    "TLS certificate chain (PEM): TLS 1.3 on the coordinator and the publisher")
+      ->type_name("F");
+  train->add_option("--tls-key", args->tls_key, "TLS private key (PEM)")->type_name("F");
+  train->add_option("--tls-ca", args->tls_ca,
+                    "CA that clients (workers claiming and submitting, relays) must present a\n"
+                    "certificate from (mutual authentication)")
+      ->type_name("F");
+  train->add_option("--signing-key", args->signing_key,
+                    "Sign every published version (Ed25519, from `flywheel keys generate`)")
+      ->type_name("F");
   train->add_option("--ready-file", args->ready_file, "Write the bound endpoints here (JSON)")
       ->type_name("F");
   train->add_flag("--quiet", args->quiet, "No per-step lines");

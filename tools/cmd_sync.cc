@@ -39,6 +39,7 @@ struct CommonArgs {
   int heartbeat_ms = 1000;
   int peer_timeout_ms = 5000;
   std::vector<std::string> trust_keys;
+  std::vector<std::string> scoped_tokens;
 };
 
 struct SyncArgs {
@@ -87,6 +88,13 @@ void AddCommonOptions(CLI::App* app, CommonArgs& args, bool region_required) {
                   "Read the token from this file (keeps it out of the process list)")
       ->type_name("F")
       ->excludes("--token");
+  app->add_option("--scoped-token-file", args.scoped_tokens,
+                  "A further HTTP token with its own scopes, SCOPES:FILE; scopes are read,\n"
+                  "sample, submit, push, admin (e.g. read:dashboard.token gives a dashboard\n"
+                  "status and metrics only). Repeatable. --token grants read, sample and\n"
+                  "submit; the publisher's push token read, push and admin (admin only if no\n"
+                  "scoped token has it). A token without a route's scope gets 403")
+      ->type_name("SCOPES:F");
   app->add_option("--tls-cert", args.tls_cert, "TLS certificate chain (PEM); turns TLS 1.3 on")
       ->type_name("F");
   app->add_option("--tls-key", args.tls_key, "TLS private key (PEM)")->type_name("F");
@@ -127,7 +135,10 @@ Result<sync::CommonOptions> MakeCommon(const CommonArgs& args) {
   common.token = args.token;
   if (!args.token_file.empty()) {
     FW_ASSIGN_OR_RETURN(common.token, ReadTokenFile(args.token_file, "--token-file"));
+  } else if (common.token.empty()) {
+    if (const char* from_env = std::getenv("FLYWHEEL_TOKEN"); from_env != nullptr) common.token = from_env;
   }
+  FW_ASSIGN_OR_RETURN(common.scoped_tokens, ReadScopedTokens(args.scoped_tokens));
   common.tls = {args.tls_cert, args.tls_key, args.tls_ca};
   common.ready_file = args.ready_file;
   common.wan_rate = args.wan_rate;
@@ -250,6 +261,7 @@ Status RunWorker(const SyncArgs& args) {
     if (!args.trainer.empty()) {
       engine_options.trainer = args.trainer;
       engine_options.trainer_token = options.common.token;
+      engine_options.trainer_tls = options.common.tls;
       engine_options.worker_id = args.common.node_id.empty()
                                      ? "worker-" + args.common.region + "-" + std::to_string(::getpid())
                                      : args.common.node_id;

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "base/status.h"
+#include "transport/http.h"
 
 namespace CLI {
 class App;
@@ -53,6 +54,11 @@ int DefaultThreads();
 // The first line of a token file, trailing whitespace removed; NotFound / InvalidArgument
 // (empty) name `flag` and the path, never the token.
 Result<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
+
+// --scoped-token-file SCOPES:FILE entries ("read:/etc/fw/dashboard.token",
+// "read,submit:rollout.token"): each file's token with those scopes (transport/http.h).
+// Errors name the flag and the file, never a token.
+Result<std::vector<transport::ScopedToken>> ReadScopedTokens(const std::vector<std::string>& specs);
 
 // `<what>: <status>`, keeping the status code's name: "cannot apply d.fwd: corruption: ...".
 inline Status Failed(const std::string& what, const Status& status) {

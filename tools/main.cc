@@ -67,6 +67,22 @@ Result<std::string> ReadTokenFile(const std::string& path, const std::string& fl
   return token;
 }
 
+Result<std::vector<transport::ScopedToken>> ReadScopedTokens(const std::vector<std::string>& specs) {
+  std::vector<transport::ScopedToken> tokens;
+  for (const std::string& spec : specs) {
+    const size_t colon = spec.find(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == spec.size()) {
+      return Status::InvalidArgument("--scoped-token-file '" + spec +
+                                     "' is not SCOPES:FILE (e.g. read:/etc/flywheel/dashboard.token)");
+    }
+    Result<uint32_t> scopes = transport::ParseScopes(spec.substr(0, colon));
+    if (!scopes.ok()) return scopes.status().WithContext("--scoped-token-file " + spec);
+    FW_ASSIGN_OR_RETURN(std::string token, ReadTokenFile(spec.substr(colon + 1), "--scoped-token-file"));
+    tokens.push_back({std::move(token), *scopes});
+  }
+  return tokens;
+}
+
 namespace {
 
 constexpr const char* kDescription =

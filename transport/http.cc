@@ -46,6 +46,7 @@ struct HttpServer::Impl {
   struct RouteEntry {
     HttpHandler handler;
     bool is_public = false;
+    uint32_t scope = kScopeRead;
   };
 
   Impl(asio::any_io_executor executor, HttpServerOptions options)
@@ -54,14 +55,18 @@ struct HttpServer::Impl {
   struct PostEntry {
     HttpPostHandler handler;
     uint64_t body_limit = 0;
+    uint32_t scope = kScopeRead;
   };
   struct ApiEntry {
     HttpApiHandler handler;
     uint64_t body_limit = 0;
   };
 
-  // Whether the bearer token is one a plain route accepts (always, without tokens).
-  bool Authorized(const Request& request) const;
+  // The scopes of the request's bearer token: every scope when the server has no tokens,
+  // 0 for a missing or unknown one.
+  uint32_t ScopesOf(const Request& request) const;
+  // Null when the request's token grants `scope`; else the 401 or 403 to send.
+  std::optional<Response> Deny(const Request& request, uint32_t scope) const;
   Credential CredentialOf(const Request& request) const;
   // The API route for `path` (longest prefix), or null.
   const ApiEntry* FindApi(std::string_view path) const;
@@ -298,9 +303,9 @@ Response HttpServer::Impl::Handle(const Request& request) {
     response.set(http::field::allow, "GET, HEAD");
   } else if (route == routes.end()) {
     response = MakeTextResponse(http::status::not_found, "not found\n");
-  } else if (!route->second.is_public && !Authorized(request)) {
-    response = MakeTextResponse(http::status::unauthorized, "unauthorized\n");
-    response.set(http::field::www_authenticate, "Bearer");
+  } else if (std::optional<Response> denied;
+             !route->second.is_public && (denied = Deny(request, route->second.scope))) {
+    response = std::move(*denied);
   } else {
     HttpResponse result;
     try {
@@ -332,19 +337,43 @@ uint64_t HttpServer::Impl::BodyLimit(const Request& request) const {
   return kRequestBodyLimit;
 }
 
-bool HttpServer::Impl::Authorized(const Request& request) const {
-  if (options.token.empty() && options.write_token.empty()) return true;
-  return CredentialOf(request) != Credential::kNone;
+uint32_t HttpServer::Impl::ScopesOf(const Request& request) const {
+  if (options.token.empty() && options.write_token.empty() && options.scoped_tokens.empty()) {
+    return ~0u;
+  }
+  const std::string_view presented = BearerToken(request);
+  if (presented.empty()) return 0;
+  bool admin_elsewhere = false;
+  for (const ScopedToken& scoped : options.scoped_tokens) admin_elsewhere |= (scoped.scopes & kScopeAdmin) != 0;
+  // Every comparison runs, so the time taken does not say which token matched.
+  uint32_t scopes = 0;
+  if (!options.token.empty() && TokensEqual(presented, options.token)) scopes |= kScopeFleet;
+  if (!options.write_token.empty() && TokensEqual(presented, options.write_token)) {
+    scopes |= kScopeRead | kScopePush | (admin_elsewhere ? 0u : uint32_t{kScopeAdmin});
+  }
+  for (const ScopedToken& scoped : options.scoped_tokens) {
+    if (!scoped.token.empty() && TokensEqual(presented, scoped.token)) scopes |= scoped.scopes;
+  }
+  return scopes;
+}
+
+std::optional<Response> HttpServer::Impl::Deny(const Request& request, uint32_t scope) const {
+  const uint32_t scopes = ScopesOf(request);
+  if (scopes & scope) return std::nullopt;
+  if (scopes == 0) {
+    Response response = MakeTextResponse(http::status::unauthorized, "unauthorized\n");
+    response.set(http::field::www_authenticate, "Bearer");
+    return response;
+  }
+  return MakeTextResponse(http::status::forbidden, std::string("forbidden: this token does not grant '") +
+                                                       ScopeName(scope) + "'\n");
 }
 
 Credential HttpServer::Impl::CredentialOf(const Request& request) const {
-  const std::string_view presented = BearerToken(request);
-  if (presented.empty()) return Credential::kNone;
-  // Both comparisons always run, so the time taken does not say which token matched.
-  const bool read = !options.token.empty() && TokensEqual(presented, options.token);
-  const bool write = !options.write_token.empty() && TokensEqual(presented, options.write_token);
-  if (write) return Credential::kWrite;
-  return read ? Credential::kRead : Credential::kNone;
+  const uint32_t scopes = ScopesOf(request);
+  if (scopes == ~0u) return Credential::kNone;  // no tokens at all
+  if (scopes & kScopePush) return Credential::kWrite;
+  return scopes != 0 ? Credential::kRead : Credential::kNone;
 }
 
 const HttpServer::Impl::ApiEntry* HttpServer::Impl::FindApi(std::string_view path) const {
@@ -369,6 +398,7 @@ awaitable<Response> HttpServer::Impl::HandleApi(Request& request, const ApiEntry
   api.path = api.target.substr(0, api.target.find('?'));
   api.body = std::move(request.body());
   api.credential = CredentialOf(request);
+  api.scopes = ScopesOf(request);
   api.peer = std::move(peer);
   HttpResponse result;
   bool failed = false;
@@ -417,9 +447,8 @@ uint64_t HttpServer::Impl::MaxBodyLimit() const {
 awaitable<Response> HttpServer::Impl::HandlePost(const Request& request, const PostEntry& entry) {
   const std::string target(request.target());
   Response response;
-  if (!Authorized(request)) {
-    response = MakeTextResponse(http::status::unauthorized, "unauthorized\n");
-    response.set(http::field::www_authenticate, "Bearer");
+  if (std::optional<Response> denied = Deny(request, entry.scope)) {
+    response = std::move(*denied);
   } else {
     HttpResponse result;
     bool failed = false;
@@ -495,12 +524,51 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(asio::any_io_executor exec
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }
 
-void HttpServer::Route(const std::string& path, HttpHandler handler, bool is_public) {
-  impl_->routes[path] = Impl::RouteEntry{std::move(handler), is_public};
+void HttpServer::Route(const std::string& path, HttpHandler handler, bool is_public,
+                       uint32_t scope) {
+  impl_->routes[path] = Impl::RouteEntry{std::move(handler), is_public, scope};
 }
 
-void HttpServer::RoutePost(const std::string& path, HttpPostHandler handler, uint64_t body_limit) {
-  impl_->post_routes[path] = Impl::PostEntry{std::move(handler), body_limit};
+void HttpServer::RoutePost(const std::string& path, HttpPostHandler handler, uint64_t body_limit,
+                           uint32_t scope) {
+  impl_->post_routes[path] = Impl::PostEntry{std::move(handler), body_limit, scope};
+}
+
+const char* ScopeName(uint32_t scope) {
+  switch (scope) {
+    case kScopeRead:
+      return "read";
+    case kScopeSample:
+      return "sample";
+    case kScopeSubmit:
+      return "submit";
+    case kScopePush:
+      return "push";
+    case kScopeAdmin:
+      return "admin";
+    default:
+      return "several scopes";
+  }
+}
+
+Result<uint32_t> ParseScopes(const std::string& text) {
+  uint32_t scopes = 0;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    const std::string name = text.substr(begin, end - begin);
+    uint32_t scope = 0;
+    for (uint32_t bit : {kScopeRead, kScopeSample, kScopeSubmit, kScopePush, kScopeAdmin}) {
+      if (name == ScopeName(bit)) scope = bit;
+    }
+    if (scope == 0) {
+      return Status::InvalidArgument("unknown scope '" + name +
+                                     "' (expected read, sample, submit, push or admin)");
+    }
+    scopes |= scope;
+    begin = end + 1;
+  }
+  return scopes;
 }
 
 void HttpServer::RouteApi(const std::string& prefix, HttpApiHandler handler, uint64_t body_limit) {

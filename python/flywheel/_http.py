@@ -27,7 +27,8 @@ class HttpSession:
     prefix). ``timeout`` bounds connecting and every socket read/write, in seconds."""
 
     def __init__(self, base_url: str, token: Optional[str], timeout: float,
-                 ca_file: Optional[str]):
+                 ca_file: Optional[str], cert_file: Optional[str] = None,
+                 key_file: Optional[str] = None):
         parsed = urllib.parse.urlsplit(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"url {base_url!r}: expected http://HOST:PORT or https://HOST:PORT")
@@ -42,8 +43,11 @@ class HttpSession:
         self._ssl_context: Optional[ssl.SSLContext] = None
         if self._https:
             self._ssl_context = ssl.create_default_context(cafile=ca_file)
-        elif ca_file:
-            raise ValueError(f"ca_file given but url {base_url!r} is not https")
+            if cert_file:
+                # A publisher started with --tls-ca verifies its clients too.
+                self._ssl_context.load_cert_chain(cert_file, key_file)
+        elif ca_file or cert_file:
+            raise ValueError(f"ca_file/cert_file given but url {base_url!r} is not https")
         self._headers = {"User-Agent": f"flywheel-python/{__version__}"}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"

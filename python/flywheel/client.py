@@ -89,6 +89,8 @@ class Client:
     ``token``: the bearer token (the push token for pushes and pins; either token for
     reads). ``timeout``: seconds for connecting and for every socket operation.
     ``ca_file``: CA bundle to verify an https server with (default: the system's).
+    ``cert_file``/``key_file``: a client certificate for a publisher that requires one
+    (started with ``--tls-ca``).
     ``client_name``: recorded in the ledger as who pushed (default ``user@host``).
     ``part_size``: bytes per upload part. ``retries``: consecutive transport failures an
     upload survives (each followed by a state request and only the missing bytes).
@@ -99,7 +101,8 @@ class Client:
     """
 
     def __init__(self, url: str, token: Optional[str] = None, *, timeout: float = 60,
-                 ca_file: Optional[str] = None, client_name: Optional[str] = None,
+                 ca_file: Optional[str] = None, cert_file: Optional[str] = None,
+                 key_file: Optional[str] = None, client_name: Optional[str] = None,
                  part_size: int = DEFAULT_PART_SIZE, retries: int = 5,
                  commit_timeout: float = 600):
         if part_size <= 0:
@@ -109,7 +112,10 @@ class Client:
         self.part_size = part_size
         self.retries = retries
         self.commit_timeout = commit_timeout
-        self._session = HttpSession(url, token, timeout, ca_file)
+        if token is None:
+            # Tokens stay off command lines: the environment is the other place for one.
+            token = os.environ.get("FLYWHEEL_TOKEN") or None
+        self._session = HttpSession(url, token, timeout, ca_file, cert_file, key_file)
 
     def close(self) -> None:
         """Closes the connection."""

@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "pipeline/launcher.h"
+#include "transport/certs.h"
+#include "transport/http.h"
 
 namespace flywheel::pipeline {
 namespace {
@@ -42,6 +44,9 @@ RunConfig SmallRun() {
 
 class PipelineFleetTest : public ::testing::Test {
  protected:
+  // A derived fixture's chance to change the fleet before it starts.
+  virtual void Adjust(FleetOptions& /*options*/) {}
+
   void SetUp() override {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     dir_ = fs::temp_directory_path() / ("flywheel-pipeline-" + std::string(info->name()) + "-" +
@@ -51,6 +56,8 @@ class PipelineFleetTest : public ::testing::Test {
     options.config = SmallRun();
     options.program = FLYWHEEL_BIN;
     options.run_dir = dir_.string();
+    Adjust(options);
+    if (HasFatalFailure()) return;
     auto fleet = Fleet::Start(options);
     ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
     fleet_ = std::move(*fleet);
@@ -173,6 +180,67 @@ TEST_F(PipelineFleetTest, KilledTrainerResumesFromItsStateAndTheFleetFollows) {
 
 // Every algorithm of the run config trains in the real loop, after an SFT and a DPO warm-up
 // from JSONL files (chat format; preference pairs).
+// TLS on every link, the trainer's coordinator included: rollout samples (training data)
+// and bearer tokens never cross a network in clear text, and the trainer only talks to
+// clients whose certificate its CA signed.
+class PipelineTlsFleetTest : public PipelineFleetTest {
+ protected:
+  void Adjust(FleetOptions& options) override {
+    const std::string certs = (dir_ / "certs").string();
+    const Status written = transport::WriteTestCertificates(certs);
+    ASSERT_TRUE(written.ok()) << written.ToString();
+    options.tls = {certs + "/server.crt", certs + "/server.key", certs + "/ca.crt"};
+    certs_ = certs;
+  }
+  std::string certs_;
+};
+
+TEST_F(PipelineTlsFleetTest, WorkersClaimAndSubmitOverMutualTlsAndOthersAreRefused) {
+  // The workers' actors claim and submit over mTLS: the run trains.
+  ASSERT_TRUE(WaitFor([&] { return Step() >= 2; }, std::chrono::seconds(120))) << Logs();
+  EXPECT_GT(GroupsOf("worker-us-1") + GroupsOf("worker-eu-1"), 0u);
+  Result<transport::Endpoint> trainer = transport::ParseEndpoint(fleet_->trainer_http());
+  ASSERT_TRUE(trainer.ok());
+  const std::string claim = R"({"worker":"intruder","incarnation":"1","version":0,"max_groups":1})";
+  auto post = [&](std::shared_ptr<transport::asio::ssl::context> tls, const std::string& token) {
+    transport::HttpGetOptions options;
+    options.tls = std::move(tls);
+    options.token = token;
+    options.timeout = std::chrono::milliseconds(3000);
+    return transport::HttpPost(*trainer, "/v1/rollout/claim", claim, options);
+  };
+  std::string token;
+  {
+    std::ifstream in(dir_ / "token");
+    std::getline(in, token);
+  }
+  // Plain HTTP: no answer (the port speaks TLS only).
+  Result<transport::HttpResponse> plain = post(nullptr, token);
+  EXPECT_FALSE(plain.ok() && plain->status == 200);
+  // TLS without a client certificate: the handshake is refused.
+  Result<std::shared_ptr<transport::asio::ssl::context>> anonymous =
+      transport::MakeClientTlsContext({"", "", certs_ + "/ca.crt"});
+  ASSERT_TRUE(anonymous.ok());
+  Result<transport::HttpResponse> refused = post(*anonymous, token);
+  EXPECT_FALSE(refused.ok()) << "HTTP " << refused->status;
+  // A certificate from another CA: refused as well.
+  Result<std::shared_ptr<transport::asio::ssl::context>> rogue =
+      transport::MakeClientTlsContext({certs_ + "/rogue.crt", certs_ + "/rogue.key", certs_ + "/ca.crt"});
+  ASSERT_TRUE(rogue.ok());
+  EXPECT_FALSE(post(*rogue, token).ok());
+  // The right certificate without the token: 401.
+  Result<std::shared_ptr<transport::asio::ssl::context>> client =
+      transport::MakeClientTlsContext({certs_ + "/client.crt", certs_ + "/client.key", certs_ + "/ca.crt"});
+  ASSERT_TRUE(client.ok());
+  Result<transport::HttpResponse> no_token = post(*client, "");
+  ASSERT_TRUE(no_token.ok()) << no_token.status().ToString();
+  EXPECT_EQ(no_token->status, 401);
+  // And both: the coordinator answers.
+  Result<transport::HttpResponse> admitted = post(*client, token);
+  ASSERT_TRUE(admitted.ok()) << admitted.status().ToString();
+  EXPECT_EQ(admitted->status, 200) << admitted->body;
+}
+
 TEST(PipelineAlgorithmsTest, EveryAlgorithmTrainsAfterSftAndDpoWarmUp) {
   const fs::path dir = fs::temp_directory_path() /
                        ("flywheel-pipeline-algorithms-" + std::to_string(::getpid()));

@@ -100,13 +100,18 @@ class FakePublisher:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    def start(self, tls: Optional[Tuple[str, str]] = None) -> "FakePublisher":
-        """Serves on a free loopback port; ``tls`` = (certificate, key) PEM files: https."""
+    def start(self, tls: Optional[Tuple[str, str]] = None,
+              client_ca: Optional[str] = None) -> "FakePublisher":
+        """Serves on a free loopback port; ``tls`` = (certificate, key) PEM files: https;
+        ``client_ca``: clients must present a certificate it signed (as --tls-ca does)."""
         handler = type("Handler", (_Handler,), {"fake": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(*tls)
+            if client_ca is not None:
+                context.verify_mode = ssl.CERT_REQUIRED
+                context.load_verify_locations(client_ca)
             self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
             self.scheme = "https"
         self._server.daemon_threads = True

@@ -423,6 +423,43 @@ def test_https_is_verified_against_ca_file(tmp_path):
         fake.stop()
 
 
+def _self_signed(openssl, tmp_path, name):
+    cert, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
+                   timeout=30)
+    return str(cert), str(key)
+
+
+def test_mutual_tls_presents_the_client_certificate(tmp_path):
+    openssl = shutil.which("openssl", path=os.defpath)
+    if openssl is None:
+        pytest.skip("no openssl command to make a certificate")
+    server_cert, server_key = _self_signed(openssl, tmp_path, "server")
+    client_cert, client_key = _self_signed(openssl, tmp_path, "client")
+    fake = FakePublisher().start(tls=(server_cert, server_key), client_ca=client_cert)
+    try:
+        client = flywheel.Client(fake.url, PUSH, timeout=10, ca_file=server_cert,
+                                 cert_file=client_cert, key_file=client_key)
+        assert client.push(hf_state_dict())["version"] == 1
+        # Without a certificate the server refuses the handshake.
+        with pytest.raises(flywheel.ConnectionFailed):
+            flywheel.Client(fake.url, PUSH, timeout=10, ca_file=server_cert).versions()
+    finally:
+        fake.stop()
+    with pytest.raises(ValueError, match="not https"):
+        flywheel.Client("http://127.0.0.1:1", PUSH, cert_file=client_cert, key_file=client_key)
+
+
+def test_the_token_may_come_from_the_environment(fake, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_TOKEN", PUSH)
+    assert flywheel.Client(fake.url, timeout=5).push(hf_state_dict())["version"] == 1
+    monkeypatch.delenv("FLYWHEEL_TOKEN")
+    with pytest.raises(flywheel.ApiError):
+        flywheel.Client(fake.url, timeout=5).push(hf_state_dict())
+
+
 # ---------------------------------------------------------------------------------------
 # wait_serving
 

@@ -310,6 +310,34 @@ TEST_F(PushTest, TokensArePushScoped) {
   EXPECT_EQ(publisher_->version(), 0u);
 }
 
+TEST_F(PushTest, AnAdminTokenTakesPinAwayFromThePushTokenAndADashboardOnlyReads) {
+  options_.common.scoped_tokens = {{"ops-token", transport::kScopeAdmin | transport::kScopeRead},
+                                   {"dashboard-token", transport::kScopeRead}};
+  StartPublisher();
+  ASSERT_EQ(PushWhole(Serialized(v1_)).status, 200);
+  // The push token pushes but no longer pins; the admin token pins; the dashboard reads.
+  Answer by_pusher = Call("POST", "/v1/pin", R"({"version": 1})", kPushToken);
+  EXPECT_EQ(by_pusher.status, 403);
+  EXPECT_EQ(by_pusher.code(), "forbidden");
+  EXPECT_EQ(Call("POST", "/v1/pin", R"({"version": 1})", "dashboard-token").status, 403);
+  const std::string body = Serialized(v1_);
+  json spec = {{"size", body.size()}, {"digest", {{"algorithm", "xxh3_64"}, {"value", Xxh3Hex(body)}}}};
+  EXPECT_EQ(Call("POST", "/v1/uploads", spec.dump(), "dashboard-token").status, 403);
+  EXPECT_EQ(Call("POST", "/v1/uploads", spec.dump(), "ops-token").status, 403);
+  EXPECT_EQ(Call("GET", "/v1/versions", {}, "dashboard-token").status, 200);
+  EXPECT_EQ(Call("POST", "/v1/pin", R"({"version": 1})", "ops-token").status, 200);
+  EXPECT_EQ(Call("POST", "/v1/unpin", "{}", "ops-token").status, 200);
+  // Status and metrics: any token with read.
+  for (const char* token : {"dashboard-token", "ops-token", kPushToken, kReadToken}) {
+    transport::HttpGetOptions get;
+    get.token = token;
+    Result<transport::HttpResponse> metrics =
+        transport::HttpGet({"127.0.0.1", publisher_->http_port()}, "/metrics", get);
+    ASSERT_TRUE(metrics.ok());
+    EXPECT_EQ(metrics->status, 200) << token;
+  }
+}
+
 TEST_F(PushTest, NoPushTokenMeansNoPushes) {
   options_.push.token.clear();
   StartPublisher();

@@ -12,6 +12,7 @@
 #include <future>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "tests/transport/cert_suite.h"
 #include "transport/certs.h"
@@ -53,7 +54,7 @@ class TestServer {
           co_await timer.async_wait(use_awaitable);
           co_return HttpResponse{200, "application/json", target + " " + body};
         },
-        /*body_limit=*/64);
+        /*body_limit=*/64, kScopeSubmit);
     server_->Route(
         "/healthz",
         [](const std::string&) {
@@ -290,6 +291,57 @@ TEST(HttpTest, TokenIsRequiredExceptOnPublicRoutes) {
   auto post_right = HttpPost(server.endpoint(), "/v1/echo", "{}", GetOptions("s3cret-token"));
   ASSERT_TRUE(post_right.ok());
   EXPECT_EQ(post_right->status, 200);
+}
+
+TEST(HttpTest, EveryRouteRefusesATokenOfTheWrongScopeAndAMissingOne) {
+  HttpServerOptions options;
+  options.token = "fleet-token";
+  options.write_token = "push-token";
+  options.scoped_tokens = {{"dashboard-token", kScopeRead},
+                           {"rollout-token", kScopeSubmit},
+                           {"ops-token", kScopeAdmin | kScopeRead}};
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  // (token, status of GET /v1/status [read], status of POST /v1/echo [submit])
+  const std::vector<std::tuple<std::string, int, int>> cases = {
+      {"", 401, 401},                   // missing
+      {"nobody", 401, 401},             // unknown
+      {"fleet-token", 200, 200},        // read, sample, submit
+      {"push-token", 200, 403},         // read, push
+      {"dashboard-token", 200, 403},    // read only: cannot submit samples
+      {"rollout-token", 403, 200},      // submit only: cannot read status
+      {"ops-token", 200, 403},
+  };
+  for (const auto& [token, read, submit] : cases) {
+    auto got = HttpGet(server.endpoint(), "/v1/status", GetOptions(token));
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(got->status, read) << "GET with '" << token << "'";
+    auto metrics = HttpGet(server.endpoint(), "/metrics", GetOptions(token));
+    ASSERT_TRUE(metrics.ok());
+    EXPECT_EQ(metrics->status, read) << "GET /metrics with '" << token << "'";
+    auto posted = HttpPost(server.endpoint(), "/v1/echo", "{}", GetOptions(token));
+    ASSERT_TRUE(posted.ok()) << posted.status().ToString();
+    EXPECT_EQ(posted->status, submit) << "POST with '" << token << "'";
+    if (submit == 403) {
+      EXPECT_NE(posted->body.find("does not grant 'submit'"), std::string::npos) << posted->body;
+    }
+  }
+  // /healthz stays public.
+  auto health = HttpGet(server.endpoint(), "/healthz");
+  ASSERT_TRUE(health.ok());
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST(HttpTest, ScopesParseByNameAndUnknownOnesAreNamed) {
+  Result<uint32_t> scopes = ParseScopes("read,submit");
+  ASSERT_TRUE(scopes.ok());
+  EXPECT_EQ(*scopes, kScopeRead | kScopeSubmit);
+  EXPECT_EQ(*ParseScopes("admin"), uint32_t{kScopeAdmin});
+  Result<uint32_t> bad = ParseScopes("read,write");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'write'"), std::string::npos);
+  EXPECT_FALSE(ParseScopes("").ok());
+  EXPECT_FALSE(ParseScopes("read,").ok());
 }
 
 TEST(HttpTest, UnauthorizedNamesTheBearerScheme) {
