@@ -1124,6 +1124,73 @@ TEST_F(FleetTest, AnUnsignedPublisherIsRefusedByNodesThatRequireSignatures) {
   EXPECT_NE((open_key->out + open_key->err).find("chmod 600"), std::string::npos) << (open_key->out + open_key->err);
 }
 
+TEST_F(FleetTest, ScopedTokensFromFilesPerRouteAndNeverLogged) {
+  // Tokens only from files (or the environment): none is on a command line.
+  const std::map<std::string, std::string> tokens = {{"fleet", "fleet-Z8q2v"},
+                                                     {"push", "push-Kd81x"},
+                                                     {"dashboard", "dash-Yy3o0"},
+                                                     {"rollout", "roll-Qq7e4"},
+                                                     {"ops", "ops-Hh5t2"}};
+  for (const auto& [name, token] : tokens) ASSERT_TRUE(WriteText(dir_ / (name + ".token"), token + "\n"));
+  auto file = [&](const std::string& name) { return (dir_ / (name + ".token")).string(); };
+  const std::vector<std::string> scoped = {"--scoped-token-file", "read:" + file("dashboard"),
+                                           "--scoped-token-file", "submit:" + file("rollout")};
+  std::vector<std::string> publisher_args = {"--token-file", file("fleet"), "--push-token-file",
+                                             file("push"), "--scoped-token-file",
+                                             "admin,read:" + file("ops")};
+  publisher_args.insert(publisher_args.end(), scoped.begin(), scoped.end());
+  Node* publisher = StartPublisher("publisher", publisher_args);
+  ASSERT_NE(publisher, nullptr);
+  std::vector<std::string> worker_args = {"--token-file", file("fleet")};
+  worker_args.insert(worker_args.end(), scoped.begin(), scoped.end());
+  Node* worker = StartWorker("worker", "home", {publisher->upstream()}, worker_args);
+  ASSERT_NE(worker, nullptr);
+  publisher->token = worker->token = tokens.at("fleet");
+  ASSERT_TRUE(Publish(*publisher, 1));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  // (token, status of GET /v1/status and /metrics): a rollout worker's submit-only token
+  // reads nothing; unknown and missing ones are 401.
+  for (Node* node : {publisher, worker}) {
+    for (const auto& [presented, expected] : std::vector<std::pair<std::string, int>>{
+             {"", 401}, {"nope", 401}, {tokens.at("dashboard"), 200}, {tokens.at("rollout"), 403},
+             {tokens.at("fleet"), 200}}) {
+      for (const char* route : {"/v1/status", "/metrics"}) {
+        Result<transport::HttpResponse> got = Get(*node, route, presented);
+        ASSERT_TRUE(got.ok()) << got.status().ToString();
+        EXPECT_EQ(got->status, expected) << node->name << " " << route << " with '" << presented << "'";
+      }
+    }
+  }
+  // The push API: the dashboard cannot push, the pusher cannot pin (ops has admin), ops can.
+  transport::HttpGetOptions as;
+  as.timeout = 5s;
+  auto call = [&](const std::string& method, const std::string& target, const std::string& token) {
+    as.token = token;
+    Result<transport::HttpResponse> answer = transport::HttpCall(publisher->http, method, target, "{\"version\": 1}", as);
+    return answer.ok() ? answer->status : -1;
+  };
+  EXPECT_EQ(call("POST", "/v1/uploads", tokens.at("dashboard")), 403);
+  EXPECT_EQ(call("POST", "/v1/pin", tokens.at("push")), 403);
+  EXPECT_EQ(call("POST", "/v1/pin", tokens.at("dashboard")), 403);
+  EXPECT_EQ(call("POST", "/v1/pin", ""), 401);
+  EXPECT_EQ(call("POST", "/v1/pin", tokens.at("ops")), 200);
+  EXPECT_EQ(call("POST", "/v1/unpin", tokens.at("ops")), 200);
+  // A bad scope is a startup error naming it.
+  std::optional<pipeline::Completion> bad = Run({"worker", "--region", "eu", "--upstream",
+                                                 publisher->upstream(), "--http", "127.0.0.1:0",
+                                                 "--scoped-token-file", "write:" + file("ops")});
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->exit_code, 1);
+  EXPECT_NE((bad->out + bad->err).find("unknown scope 'write'"), std::string::npos) << bad->out + bad->err;
+  // No token ever reaches a log.
+  for (const Node& node : nodes_) {
+    const std::string logs = Output(node);
+    for (const auto& [name, token] : tokens) {
+      EXPECT_EQ(logs.find(token), std::string::npos) << node.name << " logged the " << name << " token";
+    }
+  }
+}
+
 // ---- failures where operators look ------------------------------------------------------
 
 TEST_F(FleetTest, ExportToAFullDiskShowsInStatusAndMetrics) {
