@@ -705,6 +705,9 @@ Result<StrategyResult> RunStrategy(const FleetBenchOptions& options, const std::
   const double timeout_seconds = UpdateTimeoutSeconds(options, staged.checkpoint_bytes);
   const std::string tag = "[fleet bench] " + strategy + ": ";
 
+  // Every strategy starts from the same disk state: what earlier strategies (or the
+  // generator) wrote is on disk, not still being written back while this one is measured.
+  ::sync();
   Fleet fleet(log_dir);
   std::cerr << tag << "starting publisher, " << (UsesRelays(strategy) ? options.regions : 0)
             << " relays, " << options.regions * options.workers_per_region << " workers ("
@@ -713,6 +716,7 @@ Result<StrategyResult> RunStrategy(const FleetBenchOptions& options, const std::
 
   for (const StagedVersion& version : staged.versions) {
     const bool initial = version.version == 1;
+    ::sync();  // the last update's writes are not written back during this one
     std::cerr << tag
               << (initial ? std::string("initial sync of version 1")
                           : "update " + std::to_string(version.version - 1) + "/" +

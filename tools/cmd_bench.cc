@@ -123,6 +123,8 @@ void AddFleetCommand(CLI::App& bench_app, Action& action) {
       "  full-direct  full checkpoints from the publisher to every worker (the peer)\n"
       "  full-relay   full checkpoints through one relay per region\n"
       "  delta-relay  keyframes and sparse deltas through the relays (flywheel's default)\n"
+      "  delta-relay-signed  the same with signed versions (only when named in --strategies;\n"
+      "               checked within 2 % of delta-relay's median)\n"
       "The publisher emulates the WAN (--wan-rate per remote region and direction, and\n"
       "--wan-latency-ms each way); relay -> worker links are unshaped. Checks: delta-relay\n"
       "within 1.3 x (delta bytes / WAN rate + RTT) + 0.5 s, and its WAN bytes at most 1/50\n"
