@@ -180,6 +180,14 @@ Status Fleet::Launch(const std::string& name, Role& role) {
   fs::remove(role.ready_file, ec);
   // A restart logs to <name>.restart<n>.{out,err} (ProcessGroup's naming).
   std::vector<std::string> args = role.args;
+  if (!options_.signing_keys_dir.empty()) {
+    const fs::path keys(options_.signing_keys_dir);
+    if (name == "trainer") {
+      args.insert(args.end(), {"--signing-key", (keys / "signing.key").string()});
+    } else {
+      args.insert(args.end(), {"--trust-key", (keys / "signing.pub").string()});
+    }
+  }
   if (options_.tls.enabled()) {
     args.insert(args.end(), {"--tls-cert", options_.tls.cert_file, "--tls-key", options_.tls.key_file});
     if (!options_.tls.ca_file.empty()) args.insert(args.end(), {"--tls-ca", options_.tls.ca_file});

@@ -34,6 +34,9 @@ struct FleetOptions {
   // --tls-key, --tls-ca: mutual authentication on every link, the trainer's coordinator
   // included), and status is read over https.
   transport::TlsOptions tls;
+  // Set: a directory from `flywheel keys generate`: the trainer signs every version
+  // (--signing-key), relays and workers verify (--trust-key).
+  std::string signing_keys_dir;
 };
 
 class Fleet {

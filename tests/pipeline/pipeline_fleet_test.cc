@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "pipeline/launcher.h"
+#include "tests/sync/promtool.h"
+#include "sync/signing.h"
 #include "transport/certs.h"
 #include "transport/http.h"
 
@@ -180,7 +182,7 @@ TEST_F(PipelineFleetTest, KilledTrainerResumesFromItsStateAndTheFleetFollows) {
 
 // Every algorithm of the run config trains in the real loop, after an SFT and a DPO warm-up
 // from JSONL files (chat format; preference pairs).
-// TLS on every link, the trainer's coordinator included: rollout samples (training data)
+// TLS on every link, the trainer's coordinator included, and signed versions: rollout samples (training data)
 // and bearer tokens never cross a network in clear text, and the trainer only talks to
 // clients whose certificate its CA signed.
 class PipelineTlsFleetTest : public PipelineFleetTest {
@@ -191,6 +193,10 @@ class PipelineTlsFleetTest : public PipelineFleetTest {
     ASSERT_TRUE(written.ok()) << written.ToString();
     options.tls = {certs + "/server.crt", certs + "/server.key", certs + "/ca.crt"};
     certs_ = certs;
+    // And signed versions: the whole trusted loop.
+    Result<sync::KeyFiles> keys = sync::GenerateSigningKeys((dir_ / "keys").string());
+    ASSERT_TRUE(keys.ok()) << keys.status().ToString();
+    options.signing_keys_dir = (dir_ / "keys").string();
   }
   std::string certs_;
 };
@@ -199,6 +205,14 @@ TEST_F(PipelineTlsFleetTest, WorkersClaimAndSubmitOverMutualTlsAndOthersAreRefus
   // The workers' actors claim and submit over mTLS: the run trains.
   ASSERT_TRUE(WaitFor([&] { return Step() >= 2; }, std::chrono::seconds(120))) << Logs();
   EXPECT_GT(GroupsOf("worker-us-1") + GroupsOf("worker-eu-1"), 0u);
+  // Every worker serves versions the trainer signed, and refused none.
+  for (const char* name : {"worker-us-1", "worker-eu-1"}) {
+    Result<json> worker = fleet_->WorkerStatus(name);
+    ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+    EXPECT_EQ(worker->value("trusted_keys", uint64_t{0}), 1u) << worker->dump();
+    EXPECT_EQ(worker->value("signature_failures_total", uint64_t{1}), 0u) << worker->dump();
+    EXPECT_EQ(worker->value("run_id", std::string()).size(), 16u) << worker->dump();
+  }
   Result<transport::Endpoint> trainer = transport::ParseEndpoint(fleet_->trainer_http());
   ASSERT_TRUE(trainer.ok());
   const std::string claim = R"({"worker":"intruder","incarnation":"1","version":0,"max_groups":1})";
@@ -239,6 +253,19 @@ TEST_F(PipelineTlsFleetTest, WorkersClaimAndSubmitOverMutualTlsAndOthersAreRefus
   Result<transport::HttpResponse> admitted = post(*client, token);
   ASSERT_TRUE(admitted.ok()) << admitted.status().ToString();
   EXPECT_EQ(admitted->status, 200) << admitted->body;
+  // The trainer's metrics, over the same mutual TLS, pass promtool; a refused submission is
+  // one of its series.
+  transport::HttpGetOptions get;
+  get.tls = *client;
+  get.token = token;
+  Result<transport::HttpResponse> metrics = transport::HttpGet(*trainer, "/metrics", get);
+  ASSERT_TRUE(metrics.ok()) << metrics.status().ToString();
+  ASSERT_EQ(metrics->status, 200);
+  EXPECT_NE(metrics->body.find("flywheel_submissions_refused_total{role=\"trainer\""), std::string::npos)
+      << metrics->body;
+  std::optional<std::string> complaints = flywheel::testing::PromtoolComplaints(metrics->body);
+  if (!complaints) GTEST_SKIP() << "promtool is not installed (apt install prometheus)";
+  EXPECT_EQ(*complaints, "") << metrics->body;
 }
 
 TEST(PipelineAlgorithmsTest, EveryAlgorithmTrainsAfterSftAndDpoWarmUp) {
