@@ -62,6 +62,10 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   uint64_t last_artifact_bytes = 0;
   uint64_t published = 0;
   std::string last_error;
+  // The head as status shows it: set with last_publish_ms and last_artifact_bytes at the
+  // end of an append, so that a status showing version V also shows V's figures.
+  uint64_t status_head = 0;
+  Hash128 status_head_hash;
 
   // Appends, and records `row` (source and client fields set by the caller; the rest is
   // filled in here) in the ledger.
@@ -236,6 +240,8 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
   last_artifact_bytes = 0;
   for (const ArtifactInfo& info : written->artifacts) last_artifact_bytes += info.size_bytes;
   ++published;
+  status_head = version;
+  status_head_hash = log->head_hash();
   double sign_ms = 0;
   {
     std::lock_guard signing_lock(signing_mutex);
@@ -372,7 +378,13 @@ awaitable<Result<PieceSource::Piece>> Publisher::Impl::GetPiece(const ArtifactKe
 
 PublisherStatus Publisher::Impl::CurrentStatus() const {
   PublisherStatus s;
-  const uint64_t head = log->head_version();
+  uint64_t head = 0;
+  Hash128 head_hash;
+  {
+    std::lock_guard lock(stats_mutex);
+    head = status_head;
+    head_hash = status_head_hash;
+  }
   for (const FleetNode& node : server->Fleet()) {
     const uint64_t version = node.state.version();
     s.nodes.push_back({.node_id = node.state.node_id(),
@@ -388,7 +400,7 @@ PublisherStatus Publisher::Impl::CurrentStatus() const {
               .region = identity.region,
               .node_id = identity.node_id,
               .version = head,
-              .weights_hash = head == 0 ? "" : log->head_hash().ToHex(),
+              .weights_hash = head == 0 ? "" : head_hash.ToHex(),
               .head_version = head,
               .max_staleness = options.max_staleness,
               .traffic = LinkTraffic::Of(links)};
@@ -424,6 +436,8 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor execut
     impl->signing_key = std::move(key);
   }
   FW_ASSIGN_OR_RETURN(impl->log, VersionLog::Open(options.log));
+  impl->status_head = impl->log->head_version();
+  impl->status_head_hash = impl->log->head_hash();
   if (!impl->log->empty()) {
     spdlog::info("recovered {}: head v{} ({}), {} artifacts", options.log.dir,
                  impl->log->head_version(), impl->log->head_hash().ToHex(),
