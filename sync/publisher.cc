@@ -247,8 +247,11 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
     std::lock_guard signing_lock(signing_mutex);
     sign_ms = signing_key ? last_sign_ms : 0;
   }
-  spdlog::info("published v{}: {} artifact(s), {} bytes, in {:.0f} ms{}", version,
-               written->artifacts.size(), last_artifact_bytes, last_publish_ms,
+  spdlog::info("published v{}: {} artifact(s){}, {} bytes, in {:.0f} ms{}", version,
+               written->artifacts.size(),
+               written->keyframe_reason.empty() ? std::string()
+                                                : " (keyframe: " + written->keyframe_reason + ")",
+               last_artifact_bytes, last_publish_ms,
                signing_key ? fmt::format(" (signing {:.1f} ms)", sign_ms) : std::string());
   return written;
 }
@@ -407,6 +410,7 @@ PublisherStatus Publisher::Impl::CurrentStatus() const {
   s.last_version = log->last_version();
   s.artifacts_retained = artifacts.size();
   for (const ArtifactInfo& info : artifacts) s.log_bytes += info.size_bytes;
+  s.join_bytes = JoinBytes(artifacts);
   s.pieces_served = server->pieces_served();
   {
     std::lock_guard lock(signing_mutex);

@@ -38,6 +38,7 @@ const MetricSpec kMetrics[] = {
     {"last_version", "last_version", false, "Highest version ever published"},
     {"artifacts_retained", "artifacts_retained", false, "Artifacts in the version log"},
     {"log_bytes", "log_bytes", false, "Bytes of the artifacts in the version log"},
+    {"join_bytes", "join_bytes", false, "Bytes a worker joining at the head fetches (keyframe + deltas)"},
     {"last_publish_ms", "last_publish_seconds", false, "Time to validate, encode and write the last version", 1e-3},
     {"last_artifact_bytes", "last_artifact_bytes", false, "Bytes of the last version's artifacts"},
     {"published_total", "published_total", true, "Versions published"},

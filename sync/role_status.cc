@@ -72,6 +72,7 @@ json ToJson(const PublisherStatus& s) {
   out["nodes"] = Nodes(s.nodes);
   out["artifacts_retained"] = s.artifacts_retained;
   out["log_bytes"] = s.log_bytes;
+  out["join_bytes"] = s.join_bytes;
   out["last_publish_ms"] = s.last_publish_ms;
   out["last_artifact_bytes"] = s.last_artifact_bytes;
   out["published_total"] = s.published_total;

@@ -70,6 +70,7 @@ struct PublisherStatus {
   std::vector<FleetNodeStatus> nodes;
   uint64_t artifacts_retained = 0;
   uint64_t log_bytes = 0;
+  uint64_t join_bytes = 0;  // what a worker joining at the head fetches (sync/version_log.h)
   double last_publish_ms = 0;
   uint64_t last_artifact_bytes = 0;
   uint64_t published_total = 0;

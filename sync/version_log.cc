@@ -81,6 +81,18 @@ uint64_t VersionsSinceKeyframe(const std::vector<ArtifactInfo>& artifacts) {
   return versions.size();
 }
 
+// Bytes of the deltas after the latest keyframe (one per version).
+uint64_t DeltaBytesSinceKeyframe(const std::vector<ArtifactInfo>& artifacts) {
+  const ArtifactInfo* keyframe = LatestKeyframe(artifacts);
+  uint64_t bytes = 0;
+  for (const ArtifactInfo& a : artifacts) {
+    if (a.kind == ArtifactKind::kDelta && keyframe != nullptr && a.target_version > keyframe->target_version) {
+      bytes += a.size_bytes;
+    }
+  }
+  return bytes;
+}
+
 std::vector<ArtifactInfo> ApplyRetention(const std::vector<ArtifactInfo>& artifacts,
                                          uint64_t retain) {
   const ArtifactInfo* keyframe = LatestKeyframe(artifacts);
@@ -601,6 +613,9 @@ VersionLog::~VersionLog() = default;
 
 Result<std::unique_ptr<VersionLog>> VersionLog::Open(const VersionLogOptions& options) {
   if (options.dir.empty()) return Status::InvalidArgument("version log: no state directory given");
+  if (!(options.keyframe_cost >= 0)) {
+    return Status::InvalidArgument("version log " + options.dir + ": keyframe_cost must be >= 0");
+  }
   if (options.keyframe_every == 0) {
     return Status::InvalidArgument("version log " + options.dir + ": keyframe_every must be >= 1");
   }
@@ -663,6 +678,11 @@ Result<std::unique_ptr<VersionLog>> VersionLog::Open(const VersionLogOptions& op
   return std::unique_ptr<VersionLog>(new VersionLog(std::move(state)));
 }
 
+uint64_t JoinBytes(const std::vector<ArtifactInfo>& artifacts) {
+  const ArtifactInfo* keyframe = LatestKeyframe(artifacts);
+  return keyframe == nullptr ? 0 : keyframe->size_bytes + DeltaBytesSinceKeyframe(artifacts);
+}
+
 Result<std::vector<ArtifactInfo>> VersionLog::Append(uint64_t version,
                                                      const CheckpointView& checkpoint) {
   FW_ASSIGN_OR_RETURN(AppendResult result, Append(version, checkpoint, AppendOptions{}));
@@ -700,10 +720,16 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
   }
   const bool same_layout = has_head && SameLayout(s.head.view(), checkpoint);
   const bool write_delta = same_layout && options.deltas;
-  const bool write_keyframe = !same_layout || !options.deltas ||
-                              VersionsSinceKeyframe(s.artifacts) + 1 >= options.keyframe_every;
-
   AppendResult result;
+  if (!has_head) {
+    result.keyframe_reason = "first";
+  } else if (!same_layout) {
+    result.keyframe_reason = "layout";
+  } else if (!options.deltas) {
+    result.keyframe_reason = "no-deltas";
+  } else if (VersionsSinceKeyframe(s.artifacts) + 1 >= options.keyframe_every) {
+    result.keyframe_reason = "every";
+  }
   FW_ASSIGN_OR_RETURN(std::vector<Hash128> tensor_hashes,
                       GivenOrComputedHashes(checkpoint, given, options.threads, &result));
   auto checkpoint_hash = CheckpointHashFromTensorHashes(checkpoint, tensor_hashes);
@@ -757,18 +783,30 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
     return Status::Ok();
   };
 
-  if (write_keyframe) {
+  // The delta first: whether a keyframe is due by cost depends on its size.
+  Result<std::vector<std::byte>> delta_bytes = std::vector<std::byte>{};
+  if (write_delta) {
+    encode.base_tensor_hashes = s.head_tensor_hashes;
+    delta_bytes = given.encoded_delta.empty()
+                      ? delta::Encode(s.head.view(), checkpoint, encode)
+                      : GivenDelta(given.encoded_delta, s.head_version, version);
+    const ArtifactInfo* keyframe = LatestKeyframe(s.artifacts);
+    if (result.keyframe_reason.empty() && delta_bytes.ok() && options.keyframe_cost > 0 &&
+        keyframe != nullptr &&
+        static_cast<double>(DeltaBytesSinceKeyframe(s.artifacts) + delta_bytes->size()) >
+            options.keyframe_cost * static_cast<double>(keyframe->size_bytes)) {
+      result.keyframe_reason = "cost";
+    }
+  }
+  if (!result.keyframe_reason.empty()) {
+    encode.base_tensor_hashes = {};
     Status st = write_artifact(ArtifactKind::kKeyframe, delta::EncodeKeyframe(checkpoint, encode));
     if (!st.ok()) return st;
   }
   if (write_delta) {
-    encode.base_tensor_hashes = s.head_tensor_hashes;
-    Result<std::vector<std::byte>> bytes =
-        given.encoded_delta.empty() ? delta::Encode(s.head.view(), checkpoint, encode)
-                                    : GivenDelta(given.encoded_delta, s.head_version, version);
-    Status st = write_artifact(ArtifactKind::kDelta, bytes);
+    Status st = write_artifact(ArtifactKind::kDelta, delta_bytes);
     if (st.ok()) {
-      st = CountChangedWords(*bytes, &result)
+      st = CountChangedWords(*delta_bytes, &result)
                .WithContext("version log " + s.dir + ": delta of version " + std::to_string(version));
     }
     if (!st.ok()) {

@@ -66,6 +66,11 @@ struct VersionLogOptions {
   // latest keyframe (counted in Appends, not version numbers): 10 gives keyframes at the
   // 1st, 11th, 21st... version; 1 makes every version a keyframe. Must be >= 1.
   uint64_t keyframe_every = 10;
+  // Cost-based keyframes: a keyframe is also due when the deltas a joining worker fetches
+  // after the latest keyframe to reach this version (this version's delta included) add up
+  // to more than keyframe_cost x that keyframe's size: a fresh keyframe is then cheaper than
+  // the chain. 0: by count only. Must be >= 0.
+  double keyframe_cost = 1.0;
   // Retention after every Append: an artifact is kept if its target version is the latest
   // keyframe's version or later (so the head can always be rebuilt), or is among the
   // newest `retain` versions in the log; every other artifact is deleted.
@@ -103,8 +108,15 @@ struct RebuiltCheckpoint {
   Hash128 hash;                        // checkpoint hash
 };
 
+// What a worker joining at the head fetches: the latest keyframe and the deltas after it
+// (0 for an empty log).
+uint64_t JoinBytes(const std::vector<ArtifactInfo>& artifacts);
+
 struct AppendResult {
   std::vector<ArtifactInfo> artifacts;  // the new artifacts, keyframe first
+  // Why a keyframe was written: "first", "layout" (the tensors changed), "no-deltas",
+  // "every" (keyframe_every), "cost" (keyframe_cost); "" when none was.
+  std::string keyframe_reason;
   // The delta's counts as the encoder wrote them into its manifest (delta/delta.h
   // TensorEntry::changed_words), in codec words (the dtype's element size); both 0 when no
   // delta was written (first version, layout change, deltas off).

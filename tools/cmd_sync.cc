@@ -49,6 +49,7 @@ struct SyncArgs {
   // publish
   std::string state_dir, watch_dir;
   uint64_t keyframe_every = 10, retain = 20, piece_kib = 1024, max_staleness = 0;
+  double keyframe_cost = 1.0;
   int poll_ms = 50;
   bool no_deltas = false;
   std::string compressor = "zstd";
@@ -184,6 +185,7 @@ Status RunPublish(const SyncArgs& args) {
   FW_ASSIGN_OR_RETURN(options.listen, transport::ParseEndpoint(args.listen));
   options.log.dir = args.state_dir;
   options.log.keyframe_every = args.keyframe_every;
+  options.log.keyframe_cost = args.keyframe_cost;
   options.log.retain = args.retain;
   options.log.deltas = !args.no_deltas;
   options.log.piece_bytes = args.piece_kib << 10;
@@ -379,6 +381,13 @@ void AddPublish(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
                    "Sign every version with this Ed25519 private key (mode 0600; from\n"
                    "`flywheel keys generate`), for relays and workers started with --trust-key")
       ->type_name("F");
+  publish
+      ->add_option("--keyframe-cost", args->keyframe_cost,
+                   "Also a keyframe when the deltas since the last one add up to more than\n"
+                   "this fraction of a keyframe (what a joining worker would fetch); 0: off")
+      ->type_name("FRACTION")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1000.0));
   publish->add_option("--keyframe-every", args->keyframe_every, "A keyframe every K versions")
       ->type_name("K")
       ->capture_default_str()

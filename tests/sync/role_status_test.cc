@@ -50,7 +50,7 @@ TEST(RoleStatusTest, PublisherDocumentHasItsKeys) {
                      .staleness = 3, .upstream = "r", .via = "relay-eu"});
   s.rejected_drops = {{4, "not above v5"}};
   const json doc = ToJson(s);
-  EXPECT_EQ(Keys(doc), With({"last_version", "nodes", "artifacts_retained", "log_bytes",
+  EXPECT_EQ(Keys(doc), With({"last_version", "nodes", "artifacts_retained", "log_bytes", "join_bytes",
                              "last_publish_ms", "last_artifact_bytes", "published_total",
                              "drops_rejected", "rejected_drops", "pieces_served",
                              "signing_key_id", "run_id", "last_sign_ms", "last_error"}));

@@ -189,6 +189,55 @@ TEST_F(VersionLogTest, KeyframeEveryKVersionsAlsoHasADelta) {
   EXPECT_EQ(Kinds(every->Artifacts()), "K1 K2 D2 K3 D3");
 }
 
+TEST_F(VersionLogTest, CostBasedKeyframeWhenTheChainOutweighsAFraction) {
+  VersionLogOptions options = Options();
+  options.keyframe_every = 1000;  // the count never decides here
+  options.keyframe_cost = 0.2;
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  uint64_t keyframe_bytes = 0, chain_bytes = 0, by_cost = 0;
+  for (uint64_t v = 1; v <= 16; ++v) {
+    Result<AppendResult> added = log->Append(v, Version(v).view(), AppendOptions{});
+    ASSERT_TRUE(added.ok()) << added.status().ToString();
+    const ArtifactInfo* keyframe = nullptr;
+    const ArtifactInfo* delta = nullptr;
+    for (const ArtifactInfo& a : added->artifacts) (a.kind == ArtifactKind::kKeyframe ? keyframe : delta) = &a;
+    if (v == 1) {
+      ASSERT_NE(keyframe, nullptr);
+      EXPECT_EQ(added->keyframe_reason, "first");
+    } else {
+      ASSERT_NE(delta, nullptr) << "v" << v;
+      // Due exactly when the deltas since the last keyframe, this one included, exceed
+      // 0.2 x that keyframe.
+      const bool due = static_cast<double>(chain_bytes + delta->size_bytes) > 0.2 * keyframe_bytes;
+      EXPECT_EQ(keyframe != nullptr, due) << "v" << v << ": chain " << chain_bytes << " + "
+                                          << delta->size_bytes << " vs keyframe " << keyframe_bytes;
+      EXPECT_EQ(added->keyframe_reason, due ? "cost" : "") << "v" << v;
+      by_cost += due;
+    }
+    if (keyframe != nullptr) {
+      keyframe_bytes = keyframe->size_bytes;
+      chain_bytes = 0;
+    } else {
+      chain_bytes += delta->size_bytes;
+    }
+    EXPECT_EQ(JoinBytes(log->Artifacts()), keyframe_bytes + chain_bytes) << "v" << v;
+  }
+  EXPECT_GE(by_cost, 2u) << "the deltas never added up to 0.2 of a keyframe: the test proves nothing";
+
+  // 0 turns it off: the same versions, keyframes by count only.
+  options.dir = (dir_ / "by-count").string();
+  options.keyframe_cost = 0;
+  options.keyframe_every = 5;
+  auto by_count = OpenOrDie(options);
+  ASSERT_TRUE(by_count);
+  for (uint64_t v = 1; v <= 11; ++v) AppendOrDie(*by_count, v);
+  EXPECT_EQ(Kinds(by_count->Artifacts()), "K1 D2 D3 D4 D5 K6 D6 D7 D8 D9 D10 K11 D11");
+  options.keyframe_cost = -1;
+  options.dir = (dir_ / "bad").string();
+  EXPECT_FALSE(VersionLog::Open(options).ok());
+}
+
 TEST_F(VersionLogTest, KeyframeCadenceSurvivesReopenWithNewOptions) {
   VersionLogOptions options = Options();
   options.keyframe_every = 10;
