@@ -1,5 +1,7 @@
 #include "bench/pipeline_bench.h"
 
+#include <sched.h>
+
 #include <filesystem>
 #include <iomanip>
 #include <sstream>
@@ -17,8 +19,21 @@ namespace fs = std::filesystem;
 struct Mode {
   std::string name;
   int64_t staleness = 0;
+  bool pinned = false;
   pipeline::RunSummary summary;
 };
+
+// The CPUs this process may run on, in order.
+std::vector<int> AllowedCpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
+  }
+  return cpus;
+}
 
 struct Comparison {
   std::string title;
@@ -35,8 +50,8 @@ Comparison Compare(const pipeline::RunConfig& config, const std::vector<Mode>& m
             " workers, one machine)";
   c.table.header = {"mode", "max_staleness", "RL samples/s", "steps", "time to target (s)",
                     "final accuracy", "max staleness seen", "dropped stale", "mean k3"};
-  double rate[2] = {0, 0}, to_target[2] = {-1, -1};
-  for (size_t i = 0; i < modes.size() && i < 2; ++i) {
+  double rate[4] = {0, 0, 0, 0}, to_target[4] = {-1, -1, -1, -1};
+  for (size_t i = 0; i < modes.size() && i < 4; ++i) {
     const pipeline::RunSummary& s = modes[i].summary;
     rate[i] = s.wall_seconds > 0 ? static_cast<double>(s.samples) / s.wall_seconds : 0;
     to_target[i] = s.time_to_target_s;
@@ -48,9 +63,14 @@ Comparison Compare(const pipeline::RunConfig& config, const std::vector<Mode>& m
                             Fixed(s.final_accuracy, 3), std::to_string(s.max_staleness_observed),
                             std::to_string(s.samples_dropped_stale), k3.str()});
   }
-  c.notes.push_back("async / sync samples/s: " + Fixed(rate[1] > 0 ? rate[0] / rate[1] : 0, 2) + "x");
-  if (to_target[0] > 0 && to_target[1] > 0) {
-    c.notes.push_back("sync / async time to target: " + Fixed(to_target[1] / to_target[0], 2) + "x");
+  for (size_t pair = 0; pair + 1 < modes.size() && pair < 4; pair += 2) {
+    const std::string where = modes[pair].pinned ? " (pinned roles)" : " (shared cores)";
+    c.notes.push_back("async / sync samples/s" + where + ": " +
+                      Fixed(rate[pair + 1] > 0 ? rate[pair] / rate[pair + 1] : 0, 2) + "x");
+    if (to_target[pair] > 0 && to_target[pair + 1] > 0) {
+      c.notes.push_back("sync / async time to target" + where + ": " +
+                        Fixed(to_target[pair + 1] / to_target[pair], 2) + "x");
+    }
   }
   c.notes.push_back("samples/s counts RL samples trained over the whole wall time (warm-up included)");
   return c;
@@ -78,10 +98,24 @@ Status RunPipelineBench(const PipelineBenchOptions& options, std::ostream& out) 
       << config.pipeline.max_staleness << ") and synchronous (generate, then train), "
       << "each until accuracy " << config.run.target_accuracy << " or " << config.run.time_limit_s
       << " s\n";
-  std::vector<Mode> modes = {{"async", config.pipeline.max_staleness, {}}, {"sync", 0, {}}};
+  std::vector<Mode> modes = {{"async", config.pipeline.max_staleness, false, {}},
+                             {"sync", 0, false, {}}};
+  const std::vector<int> cpus = AllowedCpus();
+  if (options.pinned && cpus.size() >= 2) {
+    modes.push_back({"async-pinned", config.pipeline.max_staleness, true, {}});
+    modes.push_back({"sync-pinned", 0, true, {}});
+    out << "pinned runs: the trainer on CPU " << cpus.front() << ", relays and workers on the "
+        << cpus.size() - 1 << " other(s)\n";
+  } else if (options.pinned) {
+    out << "pinned runs skipped: this process may use only one CPU\n";
+  }
   for (Mode& mode : modes) {
     pipeline::FleetRunOptions run;
     run.config = config;
+    if (mode.pinned) {
+      run.trainer_cpus = {cpus.front()};
+      run.rollout_cpus.assign(cpus.begin() + 1, cpus.end());
+    }
     run.config.pipeline.max_staleness = mode.staleness;
     run.program = options.program;
     run.run_dir = (fs::path(run_dir) / mode.name).string();

@@ -1,8 +1,11 @@
-// The pipeline benchmark (`flywheel bench pipeline`): the same pipeline-RL run twice on a
-// local fleet (pipeline/demo.h), asynchronous (max_staleness k) and synchronous (0: generate,
-// then train), each until the accuracy target or the time limit. It compares RL samples
-// per second and the time to the target side by side, and checks its own runs: each must
-// take a step and stay inside its staleness bound.
+// The pipeline benchmark (`flywheel bench pipeline`): the same pipeline-RL run on a local
+// fleet (pipeline/demo.h), asynchronous (max_staleness k) and synchronous (0: generate,
+// then train), each until the accuracy target or the time limit; then both again with the
+// trainer and the rollout side pinned to disjoint CPUs (the trainer on the first, relays
+// and workers on the others: what separate GPUs give a real fleet, where the trainer and
+// the samplers do not take turns on the same cores). It compares RL samples per second and
+// the time to the target for all four runs, and checks its own runs: each must take a step
+// and stay inside its staleness bound.
 #pragma once
 
 #include <functional>
@@ -20,6 +23,7 @@ struct PipelineBenchOptions {
   std::string run_dir;         // empty: pipeline::DefaultRunDir("bench-pipeline")
   std::string markdown;        // set: write the table as its "## Pipeline benchmark" section
   bool quiet = false;          // no per-step lines
+  bool pinned = true;          // also run both modes with pinned roles (needs >= 2 CPUs)
   // Lines about fleet processes that did not stop cleanly; empty: written to `out`.
   std::function<void(const std::string&)> warn;
 };

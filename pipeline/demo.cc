@@ -117,6 +117,8 @@ Status RunFleetToEnd(const FleetRunOptions& run, std::ostream& out) {
     FW_RETURN_IF_ERROR(WriteSftDataset(options.config, options.config.sft.dataset, 4000));
   }
   options.program = run.program;
+  options.trainer_cpus = run.trainer_cpus;
+  options.rollout_cpus = run.rollout_cpus;
   options.run_dir = fs::absolute(run.run_dir).string();
   options.report_dir = run.report_dir.empty() ? "" : fs::absolute(run.report_dir).string();
   SayFleet(options, out);

@@ -32,6 +32,8 @@ struct FleetRunOptions {
   bool resume = false;     // false: refuse a run_dir that already holds a run (state/)
   // Lines about processes that did not stop cleanly; empty: written to `out`.
   std::function<void(const std::string&)> warn;
+  // Non-empty: pin the trainer and the rollout side to these CPUs (FleetOptions).
+  std::vector<int> trainer_cpus, rollout_cpus;
 };
 
 // Runs one fleet until its trainer exits: with SFT steps and no dataset, a generated one

@@ -192,7 +192,9 @@ Status Fleet::Launch(const std::string& name, Role& role) {
     args.insert(args.end(), {"--tls-cert", options_.tls.cert_file, "--tls-key", options_.tls.key_file});
     if (!options_.tls.ca_file.empty()) args.insert(args.end(), {"--tls-ca", options_.tls.ca_file});
   }
-  FW_ASSIGN_OR_RETURN(role.index, processes_.Start(name, options_.program, args));
+  StartOptions start;
+  start.cpus = name == "trainer" ? options_.trainer_cpus : options_.rollout_cpus;
+  FW_ASSIGN_OR_RETURN(role.index, processes_.Start(name, options_.program, args, start));
   if (name == "trainer") {
     echo_index_ = role.index;
     echoed_ = 0;

@@ -37,6 +37,9 @@ struct FleetOptions {
   // Set: a directory from `flywheel keys generate`: the trainer signs every version
   // (--signing-key), relays and workers verify (--trust-key).
   std::string signing_keys_dir;
+  // Non-empty: the trainer runs on trainer_cpus, relays and workers on rollout_cpus
+  // (disjoint roles, as on separate GPUs; ProcessGroup's StartOptions::cpus).
+  std::vector<int> trainer_cpus, rollout_cpus;
 };
 
 class Fleet {

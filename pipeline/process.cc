@@ -1,5 +1,7 @@
 #include "pipeline/process.h"
 
+#include <sched.h>
+
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -55,7 +57,8 @@ std::vector<std::string> Environment(const std::vector<std::string>& overrides) 
 // The one place that forks. stdin is /dev/null; stdout and stderr go to the given
 // descriptors (or /dev/null when -1). The child gets SIGTERM when the starting thread exits.
 Result<pid_t> Spawn(const std::string& program, const std::vector<std::string>& args,
-                    const std::vector<std::string>& env, int stdout_fd, int stderr_fd) {
+                    const std::vector<std::string>& env, int stdout_fd, int stderr_fd,
+                    const std::vector<int>& cpus = {}) {
   // Everything the child needs is prepared here: between fork and exec it may only make
   // async-signal-safe calls.
   std::vector<char*> argv;
@@ -66,6 +69,14 @@ Result<pid_t> Spawn(const std::string& program, const std::vector<std::string>& 
   std::vector<char*> envp;
   for (const std::string& entry : environment) envp.push_back(const_cast<char*>(entry.c_str()));
   envp.push_back(nullptr);
+  cpu_set_t affinity;
+  CPU_ZERO(&affinity);
+  for (int cpu : cpus) {
+    if (cpu < 0 || cpu >= CPU_SETSIZE) {
+      return Status::InvalidArgument("cannot start " + program + " on CPU " + std::to_string(cpu));
+    }
+    CPU_SET(cpu, &affinity);
+  }
   const int null_fd = ::open("/dev/null", O_RDWR | O_CLOEXEC);
   if (null_fd < 0) return Status::IOError(std::string("cannot open /dev/null: ") + std::strerror(errno));
   const pid_t parent = ::getpid();
@@ -81,6 +92,11 @@ Result<pid_t> Spawn(const std::string& program, const std::vector<std::string>& 
     ::dup2(null_fd, 0);
     ::dup2(stdout_fd >= 0 ? stdout_fd : null_fd, 1);
     ::dup2(stderr_fd >= 0 ? stderr_fd : null_fd, 2);
+    if (!cpus.empty() && ::sched_setaffinity(0, sizeof affinity, &affinity) != 0) {
+      constexpr char kAffinity[] = "cannot set the CPU affinity\n";
+      (void)!::write(2, kAffinity, sizeof(kAffinity) - 1);
+      ::_exit(127);
+    }
     ::execve(program.c_str(), argv.data(), envp.data());
     constexpr char kMessage[] = "exec failed\n";
     (void)!::write(2, kMessage, sizeof(kMessage) - 1);
@@ -311,7 +327,7 @@ Result<size_t> ProcessGroup::Start(const std::string& name, const std::string& p
     return Status::IOError("cannot start " + name + ": cannot create its logs in " + log_dir_ +
                            ": " + std::strerror(error));
   }
-  Result<pid_t> pid = Spawn(program, args, options.env, out, err);
+  Result<pid_t> pid = Spawn(program, args, options.env, out, err, options.cpus);
   ::close(out);
   ::close(err);
   if (!pid.ok()) return pid.status().WithContext("starting " + name);

@@ -93,6 +93,9 @@ std::string DescribeWaitStatus(int wait_status);
 struct StartOptions {
   // "NAME=value" entries added to this process's environment (see RunOptions::env).
   std::vector<std::string> env;
+  // Non-empty: the child runs on these CPUs only (sched_setaffinity before exec; its
+  // threads and children inherit it), as processes on separate hardware would.
+  std::vector<int> cpus;
 };
 
 // Long-running children, each with its stdout and stderr in <log_dir>/<name>.out and .err

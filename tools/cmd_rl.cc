@@ -36,6 +36,7 @@ struct RlArgs {
   std::string tls_cert, tls_key, tls_ca, signing_key;
   bool quiet = false;
   bool resume = false;
+  bool no_pinned = false;
 };
 
 Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig config) {
@@ -112,6 +113,7 @@ Status RunPipelineBench(const RlArgs& args) {
   options.run_dir = args.run_dir;
   options.markdown = args.markdown;
   options.quiet = args.quiet;
+  options.pinned = !args.no_pinned;
   options.warn = WarnLine;
 #ifdef FLYWHEEL_WITH_TORCH
   return bench::RunPipelineBench(options, std::cout);
@@ -215,14 +217,16 @@ void AddPipelineBenchCommand(CLI::App& bench_app, Action& action) {
   CLI::App* pipeline = bench_app.add_subcommand(
       "pipeline",
       "Asynchronous against synchronous pipeline RL on the same task and budget.\n"
-      "Runs the demo's fleet twice (max_staleness k, then 0) and reports RL samples/s and\n"
-      "the time to the accuracy target of each, side by side.");
+      "Runs the demo's fleet with max_staleness k, then 0, then both again with the trainer\n"
+      "and the rollout side pinned to disjoint CPUs (as on separate GPUs), and reports RL\n"
+      "samples/s and the time to the accuracy target of all four runs side by side.");
   AddConfigOptions(pipeline, *args);
   pipeline->add_option("--run-dir", args->run_dir, "Where the two runs live")->type_name("DIR");
   pipeline->add_option("--markdown", args->markdown,
                        "Write the table as the '## Pipeline benchmark' section of this file")
       ->type_name("PATH");
   pipeline->add_flag("--quiet", args->quiet, "No per-step lines");
+  pipeline->add_flag("--no-pinned", args->no_pinned, "Skip the runs with pinned roles");
   pipeline->callback([args, &action] { action = [args] { return RunPipelineBench(*args); }; });
 }
 

@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <thread>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -180,6 +181,23 @@ TEST_F(ProcessTest, StartPassesTheEnvironment) {
   ASSERT_TRUE(child.ok());
   ASSERT_TRUE(processes.Wait(*child, 10s).ok());
   EXPECT_EQ(processes.Output(*child), "42 /elsewhere\n");
+}
+
+TEST_F(ProcessTest, StartPinsTheChildToTheGivenCpus) {
+  ProcessGroup processes(dir_.string());
+  const std::string show = "grep Cpus_allowed_list /proc/self/status";
+  Result<size_t> pinned = processes.Start("pinned", "/bin/sh", {"-c", show}, {.cpus = {0}});
+  Result<size_t> free = processes.Start("free", "/bin/sh", {"-c", show});
+  ASSERT_TRUE(pinned.ok() && free.ok());
+  ASSERT_TRUE(processes.Wait(*pinned, 10s).ok());
+  ASSERT_TRUE(processes.Wait(*free, 10s).ok());
+  EXPECT_EQ(processes.Output(*pinned), "Cpus_allowed_list:\t0\n");
+  if (std::thread::hardware_concurrency() > 1) {
+    EXPECT_NE(processes.Output(*free), "Cpus_allowed_list:\t0\n");
+  }
+  Result<size_t> bad = processes.Start("bad", "/bin/true", {}, {.cpus = {-1}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("CPU -1"), std::string::npos);
 }
 
 TEST_F(ProcessTest, AwaitReadyFileFailsFastWhenTheChildDies) {
