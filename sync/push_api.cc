@@ -164,16 +164,26 @@ struct PushApi::Impl : std::enable_shared_from_this<PushApi::Impl> {
   HttpResponse Unpin();
 };
 
+namespace {
+
+// Null when the request's token has `scope`; else 403 `forbidden` (a known token without
+// it: `refusal` says what it cannot do) or 401 (no token, or an unknown one).
+std::optional<HttpResponse> DenyUnlessScope(const HttpRequest& request, uint32_t scope,
+                                            const std::string& refusal) {
+  if (request.scopes & scope) return std::nullopt;
+  if (request.scopes != 0) return Error(403, "forbidden", refusal);
+  return Error(401, "unauthorized", "missing or unknown bearer token");
+}
+
+}  // namespace
+
 std::optional<HttpResponse> PushApi::Impl::DenyPush(const HttpRequest& request) const {
   if (options.token.empty()) {
     return Error(403, "push_disabled",
                  "this publisher takes no pushes: start it with --push-token-file");
   }
-  if (request.scopes & transport::kScopePush) return std::nullopt;
-  if (request.scopes != 0) {
-    return Error(403, "forbidden", "this token cannot push (it lacks the 'push' scope); send the push token");
-  }
-  return Error(401, "unauthorized", "missing or unknown bearer token");
+  return DenyUnlessScope(request, transport::kScopePush,
+                         "this token cannot push (it lacks the 'push' scope); send the push token");
 }
 
 std::optional<HttpResponse> PushApi::Impl::DenyAdmin(const HttpRequest& request) const {
@@ -181,19 +191,14 @@ std::optional<HttpResponse> PushApi::Impl::DenyAdmin(const HttpRequest& request)
     return Error(403, "push_disabled",
                  "this publisher takes no pushes or pins: start it with --push-token-file");
   }
-  if (request.scopes & transport::kScopeAdmin) return std::nullopt;
-  if (request.scopes != 0) {
-    return Error(403, "forbidden", "this token cannot pin or unpin (it lacks the 'admin' scope)");
-  }
-  return Error(401, "unauthorized", "missing or unknown bearer token");
+  return DenyUnlessScope(request, transport::kScopeAdmin,
+                         "this token cannot pin or unpin (it lacks the 'admin' scope)");
 }
 
 std::optional<HttpResponse> PushApi::Impl::DenyRead(const HttpRequest& request) const {
-  if (!read_token_required || (request.scopes & transport::kScopeRead)) return std::nullopt;
-  if (request.scopes != 0) {
-    return Error(403, "forbidden", "this token cannot read (it lacks the 'read' scope)");
-  }
-  return Error(401, "unauthorized", "missing or unknown bearer token");
+  if (!read_token_required) return std::nullopt;
+  return DenyUnlessScope(request, transport::kScopeRead,
+                         "this token cannot read (it lacks the 'read' scope)");
 }
 
 HttpResponse PushApi::Impl::UploadFailure(const Status& status, const std::string& id) const {

@@ -87,6 +87,27 @@ Status WriteNewFile(const std::string& path, const std::string& text, mode_t mod
   return Status::Ok();
 }
 
+// Parses an Ed25519 key from PEM text: the private half (PKCS#8) or the public one (SPKI).
+// `what` ("signing key", "trusted key") and `path` name it in errors; `expected` says what
+// a file of the wrong kind should have been.
+Result<std::shared_ptr<void>> ParseEd25519(const std::string& pem, bool private_half,
+                                           const std::string& what, const std::string& path,
+                                           const std::string& expected) {
+  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())),
+                                                BIO_free);
+  EVP_PKEY* raw = private_half ? PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr)
+                               : PEM_read_bio_PUBKEY(bio.get(), nullptr, nullptr, nullptr);
+  if (raw == nullptr) {
+    ERR_clear_error();
+    return Status::InvalidArgument(what + " " + path + " is not " + expected);
+  }
+  std::shared_ptr<void> key = Own(raw);
+  if (EVP_PKEY_get_id(raw) != EVP_PKEY_ED25519) {
+    return Status::InvalidArgument(what + " " + path + " is not an Ed25519 key");
+  }
+  return key;
+}
+
 Result<std::string> Pem(EVP_PKEY* key, bool private_half) {
   std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new(BIO_s_mem()), BIO_free);
   const int ok = private_half
@@ -175,20 +196,10 @@ Result<SigningKey> SigningKey::Load(const std::string& path) {
                                    path + ")");
   }
   FW_ASSIGN_OR_RETURN(std::string pem, ReadSmallFile(path, "signing key"));
-  std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())),
-                                                BIO_free);
-  EVP_PKEY* raw = PEM_read_bio_PrivateKey(bio.get(), nullptr, nullptr, nullptr);
-  if (raw == nullptr) {
-    ERR_clear_error();
-    return Status::InvalidArgument("signing key " + path +
-                                   " is not a PEM private key (flywheel keys generate writes one)");
-  }
   SigningKey key;
-  key.key_ = Own(raw);
-  if (EVP_PKEY_get_id(raw) != EVP_PKEY_ED25519) {
-    return Status::InvalidArgument("signing key " + path + " is not an Ed25519 key");
-  }
-  FW_ASSIGN_OR_RETURN(key.key_id_, KeyIdOf(raw));
+  FW_ASSIGN_OR_RETURN(key.key_, ParseEd25519(pem, true, "signing key", path,
+                                             "a PEM private key (flywheel keys generate writes one)"));
+  FW_ASSIGN_OR_RETURN(key.key_id_, KeyIdOf(Key(key.key_)));
   return key;
 }
 
@@ -220,19 +231,10 @@ Result<TrustedKeys> TrustedKeys::Load(const std::vector<std::string>& paths) {
                                      " is a private key: give the public half (signing.pub); "
                                      "the private key stays on the publisher");
     }
-    std::unique_ptr<BIO, decltype(&BIO_free)> bio(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())),
-                                                  BIO_free);
-    EVP_PKEY* raw = PEM_read_bio_PUBKEY(bio.get(), nullptr, nullptr, nullptr);
-    if (raw == nullptr) {
-      ERR_clear_error();
-      return Status::InvalidArgument("trusted key " + path +
-                                     " is not a PEM public key (signing.pub from flywheel keys generate)");
-    }
-    std::shared_ptr<void> key = Own(raw);
-    if (EVP_PKEY_get_id(raw) != EVP_PKEY_ED25519) {
-      return Status::InvalidArgument("trusted key " + path + " is not an Ed25519 key");
-    }
-    FW_ASSIGN_OR_RETURN(std::string id, KeyIdOf(raw));
+    FW_ASSIGN_OR_RETURN(std::shared_ptr<void> key,
+                        ParseEd25519(pem, false, "trusted key", path,
+                                     "a PEM public key (signing.pub from flywheel keys generate)"));
+    FW_ASSIGN_OR_RETURN(std::string id, KeyIdOf(Key(key)));
     trusted.keys_[id] = key;
   }
   return trusted;
