@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "bench/checkpoint_gen.h"
+#include "bench/peers.h"
 #include "bench/util.h"
 #include "delta/delta.h"
 #include "delta/hash.h"
@@ -265,22 +266,6 @@ Status MeasureFlywheel(const CheckpointPair& pair, delta::Compressor compressor,
 }
 
 // ---- peer tools --------------------------------------------------------------------
-
-std::optional<std::string> FindExecutable(const std::string& name) {
-  const char* path = std::getenv("PATH");
-  std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
-  size_t begin = 0;
-  while (begin <= dirs.size()) {
-    size_t end = dirs.find(':', begin);
-    if (end == std::string::npos) end = dirs.size();
-    std::string dir = dirs.substr(begin, end - begin);
-    if (dir.empty()) dir = ".";
-    const std::string candidate = dir + "/" + name;
-    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
-    begin = end + 1;
-  }
-  return std::nullopt;
-}
 
 // Runs `program args...` to completion (pipeline::RunToCompletion: stdin /dev/null, stdout
 // to `stdout_path` or captured) and returns its wall time from start to exit. A non-zero

@@ -30,6 +30,7 @@
 #include <thread>
 
 #include "bench/checkpoint_gen.h"
+#include "bench/peers.h"
 #include "bench/util.h"
 #include "pipeline/process.h"
 #include "delta/delta_file.h"
@@ -37,7 +38,7 @@
 #include "delta/safetensors.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"
-#include "bench/stream_measure.h"
+#include "bench/stream_bench.h"
 
 namespace flywheel::bench {
 namespace {
@@ -59,7 +60,6 @@ constexpr double kTargetSlack = 1.3;             // x (delta bytes / WAN rate + 
 constexpr double kTargetOverheadSeconds = 0.5;   // + this
 constexpr double kWanFractionTarget = 1.0 / 50;  // delta-relay WAN bytes vs full-direct
 constexpr double kSignedSlack = 1.02;             // delta-relay-signed vs delta-relay (issue 17)
-constexpr double kStreamRatioTarget = 0.70;      // flywheel TCP stream vs iperf3
 
 // ---- small helpers -------------------------------------------------------------------
 
@@ -104,22 +104,6 @@ double Median(std::vector<double> values) {
   return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
 }
 
-
-std::optional<std::string> FindExecutable(const std::string& name) {
-  const char* path = std::getenv("PATH");
-  const std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
-  size_t begin = 0;
-  while (begin <= dirs.size()) {
-    size_t end = dirs.find(':', begin);
-    if (end == std::string::npos) end = dirs.size();
-    std::string dir = dirs.substr(begin, end - begin);
-    if (dir.empty()) dir = ".";
-    const std::string candidate = dir + "/" + name;
-    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
-    begin = end + 1;
-  }
-  return std::nullopt;
-}
 
 // MemAvailable from /proc/meminfo in bytes, or nullopt where there is none.
 std::optional<uint64_t> MemAvailableBytes() {
@@ -748,137 +732,6 @@ Result<StrategyResult> RunStrategy(const FleetBenchOptions& options, const std::
 
 // ---- loopback stream: flywheel against iperf3 -------------------------------------------
 
-struct StreamResult {
-  int seconds = 0;
-  double iperf3_bytes_per_second = kNotMeasured;
-  std::string iperf3_skipped;  // why there is no iperf3 row, when there is none
-  uint64_t write_bytes = transport::StreamBenchOptions{}.frame_bytes;  // per write / frame
-  uint64_t flywheel_bytes = 0;  // payload each flywheel stream moved
-  double flywheel_tcp_bytes_per_second = kNotMeasured;
-  double flywheel_tls_bytes_per_second = kNotMeasured;
-
-  double TcpRatio() const { return flywheel_tcp_bytes_per_second / iperf3_bytes_per_second; }
-  double TlsRatio() const { return flywheel_tls_bytes_per_second / iperf3_bytes_per_second; }
-};
-
-// Whether some socket listens on TCP `port` (IPv4 or IPv6), from /proc/net/tcp{,6}.
-bool IsListening(uint16_t port) {
-  char port_hex[8];
-  std::snprintf(port_hex, sizeof(port_hex), "%04X", port);
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state;
-      fields >> slot >> local >> remote >> state;
-      const size_t colon = local.rfind(':');
-      if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == port_hex) {
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
-// One iperf3 TCP stream over loopback (`iperf3 -s -1` and `iperf3 -c ... -l WRITE -J`):
-// bytes/s received. `write_bytes` is iperf3's write size; the caller passes flywheel's
-// frame size, as iperf3's default (128 KiB) would handicap the peer with 8x the syscalls.
-Result<double> MeasureIperf3(const std::string& iperf3, int seconds, uint64_t write_bytes,
-                             const std::string& log_dir) {
-  // iperf3 takes no port 0: FreePort's race is accepted (a lost race is a failed run).
-  FW_ASSIGN_OR_RETURN(const uint16_t port, pipeline::FreePort());
-  const std::string port_text = std::to_string(port);
-  ProcessGroup processes(log_dir);
-  FW_ASSIGN_OR_RETURN(const size_t server,
-                      processes.Start("iperf3-server", iperf3, {"-s", "-1", "-p", port_text}));
-  Status died = Status::Ok();
-  const Status listening = pipeline::WaitUntil(
-      [&] {
-        if (IsListening(port)) return true;
-        died = processes.CheckRunning(server);
-        return !died.ok();
-      },
-      std::chrono::seconds(10), "iperf3 -s to listen on port " + port_text);
-  FW_RETURN_IF_ERROR(died);
-  FW_RETURN_IF_ERROR(listening);
-  FW_ASSIGN_OR_RETURN(const size_t client, processes.Start("iperf3-client", iperf3,
-                                                           {"-c", "127.0.0.1", "-p", port_text,
-                                                            "-t", std::to_string(seconds), "-l",
-                                                            std::to_string(write_bytes), "-J"}));
-  FW_ASSIGN_OR_RETURN(const int wait_status,
-                      processes.Wait(client, std::chrono::seconds(seconds + 30)));
-  const std::string client_out = processes.stdout_path(client);
-  if (!(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0)) {
-    return Status::Unavailable("iperf3 -c failed: " + FileTail(client_out, 400));
-  }
-  FW_ASSIGN_OR_RETURN(const std::string text, ReadWholeFile(client_out));
-  const Json json = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  const Json::json_pointer pointer("/end/sum_received/bits_per_second");
-  if (!json.is_object() || !json.contains(pointer) || !json[pointer].is_number()) {
-    return Status::Corruption("iperf3 -J output has no end.sum_received.bits_per_second: " +
-                              text.substr(0, 300));
-  }
-  (void)processes.StopAll();
-  return json[pointer].get<double>() / 8.0;
-}
-
-// iperf3's single stream, then one flywheel stream (plain, then TLS) moving about what
-// iperf3 moved in the same time, so both run for similar durations.
-StreamResult MeasureStreams(const FleetBenchOptions& options, const std::string& log_dir,
-                            std::vector<Status>& failures) {
-  StreamResult result;
-  result.seconds = options.stream_seconds;
-  const std::optional<std::string> iperf3 = FindExecutable("iperf3");
-  if (!iperf3) {
-    result.iperf3_skipped =
-        "iperf3 is not installed (the peer is missing; apt-get install iperf3 to get this row)";
-    std::cerr << "[fleet bench] loopback stream: " << result.iperf3_skipped << "\n";
-  } else {
-    std::cerr << "[fleet bench] loopback stream: iperf3, " << options.stream_seconds << " s ..."
-              << std::flush;
-    Result<double> iperf =
-        MeasureIperf3(*iperf3, options.stream_seconds, result.write_bytes, log_dir);
-    if (iperf.ok()) {
-      result.iperf3_bytes_per_second = *iperf;
-      std::cerr << " " << Fixed(*iperf * 8 / 1e9, 2) << " Gbit/s\n";
-    } else {
-      std::cerr << " failed\n";
-      result.iperf3_skipped = "iperf3 failed: " + iperf.status().ToString();
-      failures.push_back(iperf.status().WithContext("loopback stream, iperf3"));
-    }
-  }
-  constexpr uint64_t kMinBytes = 256ull << 20;
-  constexpr uint64_t kMaxBytes = 16ull << 30;
-  constexpr uint64_t kDefaultBytes = 2ull << 30;
-  result.flywheel_bytes =
-      std::isfinite(result.iperf3_bytes_per_second)
-          ? std::clamp(static_cast<uint64_t>(result.iperf3_bytes_per_second * result.seconds),
-                       kMinBytes, kMaxBytes)
-          : kDefaultBytes;
-  for (bool tls : {false, true}) {
-    const std::string name = tls ? "flywheel TLS" : "flywheel TCP";
-    std::cerr << "[fleet bench] loopback stream: " << name << ", "
-              << Megabytes(static_cast<double>(result.flywheel_bytes)) << " MB ..." << std::flush;
-    transport::StreamBenchOptions stream_options;
-    stream_options.tls = tls;
-    stream_options.bytes = result.flywheel_bytes;
-    stream_options.frame_bytes = result.write_bytes;
-    Result<transport::StreamBenchResult> measured =
-        transport::MeasureLoopbackStream(stream_options);
-    if (!measured.ok()) {
-      std::cerr << " failed\n";
-      failures.push_back(measured.status().WithContext("loopback stream, " + name));
-      continue;
-    }
-    std::cerr << " " << Fixed(measured->bytes_per_second * 8 / 1e9, 2) << " Gbit/s in "
-              << Fixed(measured->seconds, 1) << " s\n";
-    (tls ? result.flywheel_tls_bytes_per_second : result.flywheel_tcp_bytes_per_second) =
-        measured->bytes_per_second;
-  }
-  return result;
-}
 
 // ---- output ----------------------------------------------------------------------------
 
@@ -985,34 +838,6 @@ std::vector<std::string> Checks(const std::vector<StrategyResult>& results) {
   return lines;
 }
 
-Table StreamTable(const StreamResult& stream) {
-  Table table;
-  table.header = {"stream", "Gbit/s", "vs iperf3"};
-  auto row = [&](const std::string& name, double bytes_per_second) {
-    if (!std::isfinite(bytes_per_second)) return;
-    table.rows.push_back({name, Fixed(bytes_per_second * 8 / 1e9, 2),
-                          Fixed(bytes_per_second / stream.iperf3_bytes_per_second, 2)});
-  };
-  row("iperf3 TCP (peer)", stream.iperf3_bytes_per_second);
-  row("flywheel TCP", stream.flywheel_tcp_bytes_per_second);
-  row("flywheel TLS 1.3", stream.flywheel_tls_bytes_per_second);
-  return table;
-}
-
-// The stream target's PASS/FAIL line.
-std::string StreamCheck(const StreamResult& stream) {
-  const std::string target =
-      "flywheel TCP stream >= " + Fixed(kStreamRatioTarget, 2) + " x iperf3 on loopback";
-  if (!std::isfinite(stream.iperf3_bytes_per_second)) {
-    return target + ": n/a (no iperf3 figure: " + stream.iperf3_skipped + ")";
-  }
-  if (!std::isfinite(stream.flywheel_tcp_bytes_per_second)) {
-    return target + ": FAIL (the flywheel stream was not measured)";
-  }
-  return target + ": " + PassFail(stream.TcpRatio() >= kStreamRatioTarget) + " (" +
-         Fixed(stream.TcpRatio(), 2) + "; TLS " + Fixed(stream.TlsRatio(), 2) + ")";
-}
-
 std::string Preamble(const FleetBenchOptions& options, const StagedSequence& staged,
                      const std::string& flywheel) {
   const std::vector<std::string> regions = RegionNames(options.regions);
@@ -1061,7 +886,7 @@ std::vector<std::string> Legend() {
 }
 
 Json ResultsJson(const FleetBenchOptions& options, const StagedSequence& staged,
-                 const std::vector<StrategyResult>& results, const StreamResult& stream,
+                 const std::vector<StrategyResult>& results, const LoopbackStreamReport& stream,
                  const std::vector<std::string>& checks, bool ok) {
   auto number = [](double value) { return std::isfinite(value) ? Json(value) : Json(nullptr); };
   Json json;
@@ -1106,16 +931,7 @@ Json ResultsJson(const FleetBenchOptions& options, const StagedSequence& staged,
   }
   json["strategies"] = strategies;
   json["checks"] = checks;
-  json["loopback_stream"] = {
-      {"seconds", stream.seconds},
-      {"iperf3_bytes_per_second", number(stream.iperf3_bytes_per_second)},
-      {"iperf3_skipped", stream.iperf3_skipped},
-      {"write_bytes", stream.write_bytes},
-      {"flywheel_bytes", stream.flywheel_bytes},
-      {"flywheel_tcp_bytes_per_second", number(stream.flywheel_tcp_bytes_per_second)},
-      {"flywheel_tls_bytes_per_second", number(stream.flywheel_tls_bytes_per_second)},
-      {"flywheel_tcp_vs_iperf3", number(stream.TcpRatio())},
-      {"flywheel_tls_vs_iperf3", number(stream.TlsRatio())}};
+  json["loopback_stream"] = LoopbackStreamJson(stream);
   return json;
 }
 
@@ -1244,25 +1060,25 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
   if (!options.keep) fs::remove_all(work_dir.path() + "/staged", error);
 
   std::vector<Status> failures;
-  StreamResult stream;
-  stream.seconds = options.stream_seconds;
+  LoopbackStreamReport stream;
   if (options.stream_seconds > 0) {
-    stream = MeasureStreams(options, log_dir, failures);
+    LoopbackStreamOptions stream_options;
+    stream_options.seconds = options.stream_seconds;
+    stream_options.log_dir = log_dir;
+    stream = MeasureLoopbackStreams(stream_options, failures);
   }
 
   std::vector<std::string> checks = Checks(results);
-  if (options.stream_seconds > 0) checks.push_back(StreamCheck(stream));
+  if (options.stream_seconds > 0) {
+    for (const std::string& line : LoopbackStreamChecks(stream)) checks.push_back(line);
+  }
   const Table updates = UpdatesTable(results, staged);
   const Table summary = SummaryTable(results);
-  const Table streams = StreamTable(stream);
-  const std::string stream_setup =
-      "one stream over 127.0.0.1, " + std::to_string(stream.write_bytes >> 10) +
-      " KiB writes/frames; iperf3 for " + std::to_string(stream.seconds) + " s, flywheel " +
-      Megabytes(static_cast<double>(stream.flywheel_bytes)) + " MB";
+  const Table streams = LoopbackStreamTable(stream);
+  const std::string stream_setup = LoopbackStreamSetup(stream);
   out << "per update:\n" << RenderText(updates) << "\nper strategy:\n" << RenderText(summary);
   if (options.stream_seconds > 0) {
     out << "\nloopback stream (" << stream_setup << "):\n" << RenderText(streams);
-    if (!stream.iperf3_skipped.empty()) out << "  skipped " << stream.iperf3_skipped << "\n";
   }
   out << "\nchecks:\n";
   for (const std::string& line : checks) out << "  " << line << "\n";
@@ -1281,7 +1097,6 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
                           RenderMarkdown(summary);
     if (options.stream_seconds > 0) {
       section += "\n### Loopback stream (" + stream_setup + ")\n\n" + RenderMarkdown(streams);
-      if (!stream.iperf3_skipped.empty()) section += "\n- skipped " + stream.iperf3_skipped + "\n";
     }
     section += "\n### Checks\n\n";
     for (const std::string& line : checks) section += "- " + line + "\n";

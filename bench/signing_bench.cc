@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bench/checkpoint_gen.h"
+#include "bench/peers.h"
 #include "bench/util.h"
 #include "delta/delta.h"
 #include "pipeline/process.h"
@@ -43,35 +44,6 @@ sync::ArtifactInfo InfoOf(sync::ArtifactKind kind, uint64_t version, std::span<c
   info.piece_bytes = kPieceBytes;
   info.piece_hashes = sync::PieceHashes(bytes, kPieceBytes);
   return info;
-}
-
-// `openssl speed -evp sha256 -bytes 16384 -seconds 1`: bytes/s, or NaN with the reason.
-double OpensslSha256(std::string* why) {
-  const char* openssl = "/usr/bin/openssl";
-  if (!fs::exists(openssl)) {
-    *why = "openssl is not installed";
-    return NAN;
-  }
-  pipeline::RunOptions run;
-  run.timeout = std::chrono::milliseconds(30000);
-  Result<pipeline::Completion> done = pipeline::RunToCompletion(
-      openssl, {"speed", "-evp", "sha256", "-bytes", "16384", "-seconds", "1"}, run);
-  if (!done.ok() || done->exit_code != 0) {
-    *why = done.ok() ? "openssl speed exited with " + std::to_string(done->exit_code) : done.status().ToString();
-    return NAN;
-  }
-  // The result line: "sha256     123456.78k" (k = 1000 bytes/s).
-  std::istringstream lines(done->out);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.rfind("sha256", 0) != 0) continue;
-    std::istringstream words(line);
-    std::string name, rate;
-    words >> name >> rate;
-    if (!rate.empty() && rate.back() == 'k') return std::stod(rate.substr(0, rate.size() - 1)) * 1000;
-  }
-  *why = "no sha256 line in openssl's output";
-  return NAN;
 }
 
 }  // namespace
@@ -154,8 +126,9 @@ Status RunSigningBench(const SigningBenchOptions& options, std::ostream& out) {
     }
     costs.push_back(cost);
   }
-  std::string openssl_why;
-  const double openssl_rate = OpensslSha256(&openssl_why);
+  const Result<double> openssl_speed = OpensslSpeed("sha256");
+  const std::string openssl_why = openssl_speed.ok() ? "" : openssl_speed.status().message();
+  const double openssl_rate = openssl_speed.ok() ? *openssl_speed : NAN;
   const ArtifactCost& keyframe = costs[1];
   const double our_sha_rate = keyframe.bytes / (keyframe.check_ms / 1000);
 

@@ -27,21 +27,34 @@ awaitable<Status> SendAll(std::shared_ptr<Connection> connection,
   co_return Status::Ok();
 }
 
-awaitable<void> ReceiveAll(std::shared_ptr<Connection> connection, uint64_t bytes,
-                           std::shared_ptr<std::promise<Result<double>>> done) {
+// What the receiving side shares across its connections (all on its one thread).
+struct Receipt {
+  uint64_t per_stream = 0;
+  int open = 0;  // streams still receiving
+  Clock::time_point first{};
+  bool started = false, done = false;
+  std::promise<Result<double>> seconds;
+  std::vector<std::shared_ptr<Connection>> connections;
+};
+
+awaitable<void> ReceiveAll(std::shared_ptr<Connection> connection, std::shared_ptr<Receipt> receipt) {
   uint64_t received = 0;
-  Clock::time_point start{};
-  while (received < bytes) {
+  while (received < receipt->per_stream) {
     Result<Frame> frame = co_await connection->Receive();
     if (!frame.ok()) {
-      done->set_value(frame.status());
+      if (!receipt->done) receipt->seconds.set_value(frame.status());
+      receipt->done = true;
       co_return;
     }
-    if (received == 0) start = Clock::now();
+    if (!receipt->started) receipt->first = Clock::now();
+    receipt->started = true;
     received += frame->payload.size();
   }
-  // Close only after the sender saw everything go out (it waits for this promise).
-  done->set_value(std::chrono::duration<double>(Clock::now() - start).count());
+  // Close only after the senders saw everything go out (they wait for this promise).
+  if (--receipt->open == 0 && !receipt->done) {
+    receipt->done = true;
+    receipt->seconds.set_value(std::chrono::duration<double>(Clock::now() - receipt->first).count());
+  }
 }
 
 }  // namespace
@@ -66,8 +79,9 @@ Result<StreamBenchResult> MeasureLoopbackStream(const StreamBenchOptions& option
     std::error_code ec;
     std::filesystem::remove_all(cert_dir, ec);  // the contexts hold what they need
   }
-  const uint64_t frames = options.bytes / options.frame_bytes;
-  const uint64_t total = frames * options.frame_bytes;
+  const int streams = std::max(options.streams, 1);
+  const uint64_t frames = std::max<uint64_t>(options.bytes / options.frame_bytes / streams, 1);
+  const uint64_t total = frames * options.frame_bytes * streams;
 
   asio::io_context server_io(1), client_io(1);
   ListenerOptions listener_options;
@@ -75,13 +89,14 @@ Result<StreamBenchResult> MeasureLoopbackStream(const StreamBenchOptions& option
   FW_ASSIGN_OR_RETURN(auto listener,
                       Listener::Bind(server_io.get_executor(), Endpoint{"127.0.0.1", 0},
                                      listener_options));
-  auto received = std::make_shared<std::promise<Result<double>>>();
-  auto received_future = received->get_future();
-  std::shared_ptr<Connection> server_side;
+  auto receipt = std::make_shared<Receipt>();
+  receipt->per_stream = frames * options.frame_bytes;
+  receipt->open = streams;
+  auto received_future = receipt->seconds.get_future();
   listener->Start([](const wire::Hello&) { return wire::Welcome(); },
-                  [&, received](std::shared_ptr<Connection> connection) -> awaitable<void> {
-                    server_side = connection;
-                    co_await ReceiveAll(connection, total, received);
+                  [receipt](std::shared_ptr<Connection> connection) -> awaitable<void> {
+                    receipt->connections.push_back(connection);
+                    co_await ReceiveAll(connection, receipt);
                   });
   auto server_guard = asio::make_work_guard(server_io);
   std::thread server_thread([&] { server_io.run(); });
@@ -90,40 +105,51 @@ Result<StreamBenchResult> MeasureLoopbackStream(const StreamBenchOptions& option
   dial.endpoint = Endpoint{"127.0.0.1", listener->port()};
   dial.tls = client_tls;
   auto payload = std::make_shared<std::vector<std::byte>>(options.frame_bytes, std::byte{0x5a});
-  std::promise<Result<uint64_t>> sent;
-  auto sent_future = sent.get_future();
-  std::shared_ptr<Connection> client_side;
-  asio::co_spawn(
-      client_io,
-      [&]() -> awaitable<void> {
-        wire::Hello hello;
-        hello.set_role(wire::CLIENT);
-        hello.set_channel(wire::DATA);
-        auto connection = co_await Dial(dial, hello);
-        if (!connection.ok()) {
-          sent.set_value(connection.status());
-          co_return;
-        }
-        client_side = *connection;
-        Status status = co_await SendAll(client_side, payload, frames);
-        if (!status.ok()) {
-          sent.set_value(status);
-          co_return;
-        }
-        sent.set_value(client_side->bytes_out());
-      },
-      asio::detached);
+  // The dialling side: its streams, what they queued, and the first error.
+  struct Sent {
+    std::vector<std::shared_ptr<Connection>> connections;
+    int open = 0;
+    uint64_t wire_bytes = 0;
+    Status status = Status::Ok();
+    std::string cipher;
+    std::promise<void> done;
+  };
+  auto sent = std::make_shared<Sent>();
+  sent->open = streams;
+  auto sent_future = sent->done.get_future();
+  for (int i = 0; i < streams; ++i) {
+    asio::co_spawn(
+        client_io,
+        [dial, payload, frames, sent]() -> awaitable<void> {
+          wire::Hello hello;
+          hello.set_role(wire::CLIENT);
+          hello.set_channel(wire::DATA);
+          auto connection = co_await Dial(dial, hello);
+          Status status = connection.status();
+          if (connection.ok()) {
+            sent->connections.push_back(*connection);
+            sent->cipher = (*connection)->tls_cipher();
+            status = co_await SendAll(*connection, payload, frames);
+            sent->wire_bytes += (*connection)->bytes_out();
+          }
+          if (!status.ok() && sent->status.ok()) sent->status = status;
+          if (--sent->open == 0) sent->done.set_value();
+        },
+        asio::detached);
+  }
   auto client_guard = asio::make_work_guard(client_io);
   std::thread client_thread([&] { client_io.run(); });
 
-  Result<uint64_t> queued = sent_future.get();
-  Result<double> seconds = queued.ok() ? received_future.get() : Result<double>(queued.status());
-  asio::post(client_io, [&] {
-    if (client_side) client_side->Close(Status::Unavailable("bench done"));
+  sent_future.wait();
+  Result<double> seconds = sent->status.ok() ? received_future.get() : Result<double>(sent->status);
+  asio::post(client_io, [sent] {
+    for (auto& connection : sent->connections) connection->Close(Status::Unavailable("bench done"));
   });
-  asio::post(server_io, [&] {
+  asio::post(server_io, [&listener, receipt] {
     listener->Stop();
-    if (server_side) server_side->Close(Status::Unavailable("bench done"));
+    for (auto& connection : receipt->connections) {
+      connection->Close(Status::Unavailable("bench done"));
+    }
   });
   client_guard.reset();
   server_guard.reset();
@@ -135,7 +161,8 @@ Result<StreamBenchResult> MeasureLoopbackStream(const StreamBenchOptions& option
   StreamBenchResult result;
   result.seconds = *seconds;
   result.bytes_per_second = static_cast<double>(total) / std::max(result.seconds, 1e-9);
-  result.wire_bytes = queued.ok() ? *queued : 0;
+  result.wire_bytes = sent->wire_bytes;
+  result.cipher = sent->cipher;
   return result;
 }
 

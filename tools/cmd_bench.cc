@@ -11,6 +11,7 @@
 
 #include "bench/codec_bench.h"
 #include "bench/fleet_bench.h"
+#include "bench/stream_bench.h"
 #include "bench/parity_bench.h"
 #include "bench/rollout_bench.h"
 #include "bench/push_bench.h"
@@ -442,6 +443,35 @@ void AddSigningBenchCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddStreamBenchCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::LoopbackStreamOptions>();
+  CLI::App* stream = bench_app.add_subcommand(
+      "stream",
+      "One flywheel data stream over loopback against its peers: iperf3's single TCP stream\n"
+      "and openssl speed -evp aes-128-gcm on one core (the crypto floor), then flywheel's\n"
+      "framed stream plain, with TLS 1.3, and with TLS 1.3 over several connections.\n"
+      "Checks TCP >= 0.70 x iperf3 and one TLS stream >= 0.60 x iperf3.");
+  stream->add_option("--seconds", options->seconds, "iperf3's duration (flywheel moves as much)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 600));
+  stream->add_option("--streams", options->streams, "Connections in the multi-stream TLS run")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  stream->add_flag("!--no-check", options->check, "Report without failing on a missed target");
+  stream->add_option("--markdown", options->markdown_out,
+                     "Write the table as the '## Loopback stream benchmark' section of this "
+                     "Markdown file")
+      ->type_name("PATH");
+  stream->callback([options, &action] {
+    action = [options]() -> Status {
+      Status status = bench::RunLoopbackStreamBench(*options, std::cout);
+      std::cout.flush();
+      if (!status.ok()) return Failed("stream benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 }  // namespace
 
 void AddBenchCommands(CLI::App& app, Action& action) {
@@ -505,6 +535,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddStartupCommand(*bench_app, action);
   AddPushBenchCommand(*bench_app, action);
   AddSigningBenchCommand(*bench_app, action);
+  AddStreamBenchCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);
   AddParityCommand(*bench_app, action);

@@ -88,6 +88,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool closed() const { return closed_; }
   const Status& close_reason() const { return close_reason_; }
   const std::string& peer() const { return peer_; }  // "host:port" of the other end
+  std::string tls_cipher() const;  // the negotiated TLS suite; "" over plain TCP
   uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
   uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
   bool shaped() const { return options_.shaping.active(); }

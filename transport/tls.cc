@@ -40,6 +40,12 @@ Result<std::shared_ptr<asio::ssl::context>> NewContext(asio::ssl::context::metho
     return Status::Internal("cannot restrict TLS context to TLS 1.3: " + OpenSslErrors());
   }
   SSL_CTX_set_default_passwd_cb(native, RefusePassphrase);
+  if (SSL_CTX_set_ciphersuites(native, PreferredTlsSuites().c_str()) != 1) {
+    return Status::Internal("cannot set TLS 1.3 cipher suites: " + OpenSslErrors());
+  }
+  // A server picks from its own order, and still takes ChaCha20 when the client prefers it
+  // (a client without AES hardware lists it first).
+  SSL_CTX_set_options(native, SSL_OP_CIPHER_SERVER_PREFERENCE | SSL_OP_PRIORITIZE_CHACHA);
   return context;
 }
 
@@ -78,6 +84,20 @@ Status LoadCa(SSL_CTX* native, const std::string& ca_file) {
 }
 
 }  // namespace
+
+bool HasAesHardware() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("aes") && __builtin_cpu_supports("pclmul");
+#else
+  return true;  // ARMv8 servers have the crypto extension
+#endif
+}
+
+std::string PreferredTlsSuites() {
+  return HasAesHardware()
+             ? "TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384:TLS_CHACHA20_POLY1305_SHA256"
+             : "TLS_CHACHA20_POLY1305_SHA256:TLS_AES_128_GCM_SHA256:TLS_AES_256_GCM_SHA384";
+}
 
 std::string OpenSslErrors() {
   std::string text;

@@ -31,6 +31,12 @@ Result<std::shared_ptr<asio::ssl::context>> MakeServerTlsContext(const TlsOption
 // given (both or neither), are presented for mutual authentication.
 Result<std::shared_ptr<asio::ssl::context>> MakeClientTlsContext(const TlsOptions& options);
 
+// TLS 1.3 suites in order of preference: AES-128-GCM first where this CPU has AES-NI and
+// carry-less multiply (the cheapest AEAD there), ChaCha20-Poly1305 first where it does not.
+// Servers choose by their own order but take ChaCha20 when a client lists it first.
+bool HasAesHardware();
+std::string PreferredTlsSuites();
+
 // Drains OpenSSL's thread-local error queue into one line ("unknown OpenSSL error" when
 // empty), for the error messages of this module and of transport/certs.h.
 std::string OpenSslErrors();
