@@ -30,6 +30,7 @@
 #include <thread>
 
 #include "bench/checkpoint_gen.h"
+#include "bench/fleet_projection.h"
 #include "bench/peers.h"
 #include "bench/util.h"
 #include "pipeline/process.h"
@@ -785,6 +786,100 @@ Table SummaryTable(const std::vector<StrategyResult>& results) {
   return table;
 }
 
+// ---- stages and the paper-scale projection ---------------------------------------------
+
+// Medians over delta-relay's updates of each stage's own time, and the rates they imply.
+struct StageFigures {
+  bool measured = false;
+  double publish_seconds = kNotMeasured;  // the publisher's own path (1 thread)
+  double wan_seconds = kNotMeasured;      // the update's WAN bytes at the emulated rate
+  double apply_seconds = kNotMeasured;    // the slowest worker's apply + verify + swap
+  double sync_seconds = kNotMeasured;     // commit -> every worker serving
+  double bits_per_changed_word = kNotMeasured;
+};
+
+StageFigures MeasureStages(const FleetBenchOptions& options, const std::vector<StrategyResult>& results) {
+  StageFigures figures;
+  const StrategyResult* delta = FindStrategy(results, kDeltaRelay);
+  if (delta == nullptr) delta = FindStrategy(results, kDeltaRelaySigned);
+  if (delta == nullptr || delta->updates.empty()) return figures;
+  std::vector<double> publish, wan, apply, bits;
+  for (const UpdateResult& update : delta->updates) {
+    publish.push_back(update.publish_seconds);
+    // Each remote region's relay receives the artifact once over its own link.
+    wan.push_back(static_cast<double>(update.wan_bytes) / std::max(options.regions, 1) /
+                  static_cast<double>(options.wan_bytes_per_second));
+    apply.push_back(update.max_apply_seconds);
+    if (update.changed_words > 0) {
+      bits.push_back(8.0 * static_cast<double>(update.artifact_bytes) /
+                     static_cast<double>(update.changed_words));
+    }
+  }
+  figures.measured = true;
+  figures.publish_seconds = Median(publish);
+  figures.wan_seconds = Median(wan);
+  figures.apply_seconds = Median(apply);
+  figures.sync_seconds = delta->median_seconds();
+  figures.bits_per_changed_word = Median(bits);
+  return figures;
+}
+
+constexpr double kPublisherPathTarget = 1.5e9;  // bytes of checkpoint per second
+constexpr double kOverlapSlack = 1.3;
+constexpr double kOverlapOverheadSeconds = 0.2;
+
+Table StagesTable(const StageFigures& figures, const StagedSequence& staged) {
+  Table table;
+  table.header = {"stage (delta-relay, median)", "seconds", "GB/s of checkpoint"};
+  const double bytes = static_cast<double>(staged.checkpoint_bytes);
+  auto row = [&](const std::string& name, double seconds) {
+    table.rows.push_back({name, Fixed(seconds, 3), Fixed(bytes / seconds / 1e9, 2)});
+  };
+  row("publisher's own path (validate + hash + encode + write, 1 thread)", figures.publish_seconds);
+  row("WAN transfer (artifact at the emulated rate, per region)", figures.wan_seconds);
+  row("apply (slowest worker: apply + verify + swap, 1 thread)", figures.apply_seconds);
+  row("commit -> every worker serving", figures.sync_seconds);
+  return table;
+}
+
+std::vector<std::string> StageChecks(const FleetBenchOptions& options, const StageFigures& figures,
+                                     const StagedSequence& staged) {
+  if (!figures.measured) return {"stage targets: n/a (needs --strategies delta-relay)"};
+  std::vector<std::string> lines;
+  const double path_rate = static_cast<double>(staged.checkpoint_bytes) / figures.publish_seconds;
+  lines.push_back("publisher's own path >= " + Fixed(kPublisherPathTarget / 1e9, 1) +
+                  " GB/s of checkpoint: " + PassFail(path_rate >= kPublisherPathTarget) + " (" +
+                  Fixed(path_rate / 1e9, 2) + ")");
+  const double rtt = 2.0 * options.wan_latency_ms / 1000.0;
+  const double slowest =
+      std::max({figures.publish_seconds, figures.wan_seconds, figures.apply_seconds});
+  const double bound = kOverlapSlack * slowest + rtt + kOverlapOverheadSeconds;
+  lines.push_back("stages overlap: sync <= " + Fixed(kOverlapSlack, 1) +
+                  " x max(publish, WAN, apply) + RTT + " + Fixed(kOverlapOverheadSeconds, 1) +
+                  " s: " + PassFail(figures.sync_seconds <= bound) + " (" +
+                  Fixed(figures.sync_seconds, 3) + " s against " + Fixed(bound, 3) +
+                  " s; the stages alone add up to " +
+                  Fixed(figures.publish_seconds + figures.wan_seconds + figures.apply_seconds + rtt, 3) +
+                  " s with the RTT)");
+  return lines;
+}
+
+// The seeds' case from this run's rates; empty when a rate is missing.
+std::optional<std::pair<Projection, MeasuredRates>> ProjectFromRun(const StageFigures& figures,
+                                                                   const StagedSequence& staged,
+                                                                   const LoopbackStreamReport& stream) {
+  if (!figures.measured || !std::isfinite(stream.tls) || !(figures.publish_seconds > 0) ||
+      !(figures.apply_seconds > 0) || !std::isfinite(figures.bits_per_changed_word)) {
+    return std::nullopt;
+  }
+  MeasuredRates rates;
+  rates.encode_words_per_second = static_cast<double>(staged.words) / figures.publish_seconds;
+  rates.apply_words_per_second = static_cast<double>(staged.words) / figures.apply_seconds;
+  rates.tls_bytes_per_second = stream.tls;
+  rates.bits_per_changed_word = figures.bits_per_changed_word;
+  return std::make_pair(ProjectSeedsCase(rates, ProjectionAssumptions{}), rates);
+}
+
 // PASS/FAIL lines of the targets.
 std::vector<std::string> Checks(const std::vector<StrategyResult>& results) {
   std::vector<std::string> lines;
@@ -1072,39 +1167,49 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
   if (options.stream_seconds > 0) {
     for (const std::string& line : LoopbackStreamChecks(stream)) checks.push_back(line);
   }
-  const Table updates = UpdatesTable(results, staged);
-  const Table summary = SummaryTable(results);
-  const Table streams = LoopbackStreamTable(stream);
-  const std::string stream_setup = LoopbackStreamSetup(stream);
-  out << "per update:\n" << RenderText(updates) << "\nper strategy:\n" << RenderText(summary);
+  const StageFigures stages = MeasureStages(options, results);
+  for (const std::string& line : StageChecks(options, stages, staged)) checks.push_back(line);
+  // The report's tables in order, each with its title; text and Markdown alike.
+  std::vector<std::pair<std::string, Table>> sections = {
+      {"Per update", UpdatesTable(results, staged)}, {"Per strategy", SummaryTable(results)}};
+  if (stages.measured) sections.push_back({"Stages, each on its own", StagesTable(stages, staged)});
   if (options.stream_seconds > 0) {
-    out << "\nloopback stream (" << stream_setup << "):\n" << RenderText(streams);
+    sections.push_back({"Loopback stream (" + LoopbackStreamSetup(stream) + ")",
+                        LoopbackStreamTable(stream)});
   }
+  std::vector<std::string> projection_lines;
+  if (const auto projected = ProjectFromRun(stages, staged, stream)) {
+    sections.push_back({"Projection: the seeds' case from this run's rates",
+                        ProjectionTable(projected->first, ProjectionAssumptions{})});
+    projection_lines = ProjectionAssumptionLines(projected->second, ProjectionAssumptions{});
+  } else {
+    projection_lines.push_back(
+        "projection: n/a (needs delta-relay and the loopback TLS stream, --stream-seconds > 0)");
+  }
+  std::vector<std::string> notes;
+  for (const StrategyResult& result : results) {
+    for (const std::string& note : result.notes) notes.push_back(result.name + ": " + note);
+  }
+  for (const auto& [title, table] : sections) out << "\n" << title << ":\n" << RenderText(table);
+  out << "\nprojection assumptions:\n";
+  for (const std::string& line : projection_lines) out << "  " << line << "\n";
   out << "\nchecks:\n";
   for (const std::string& line : checks) out << "  " << line << "\n";
-  for (const StrategyResult& result : results) {
-    for (const std::string& note : result.notes) {
-      out << "  note: " << result.name << ": " << note << "\n";
-    }
-  }
+  for (const std::string& note : notes) out << "  note: " << note << "\n";
   out << "\n";
   for (const std::string& line : Legend()) out << line << "\n";
   out << std::flush;
 
   if (!options.markdown_out.empty()) {
-    std::string section = "## Fleet benchmark\n\n```\n" + preamble + "```\n\n### Per update\n\n" +
-                          RenderMarkdown(updates) + "\n### Per strategy\n\n" +
-                          RenderMarkdown(summary);
-    if (options.stream_seconds > 0) {
-      section += "\n### Loopback stream (" + stream_setup + ")\n\n" + RenderMarkdown(streams);
+    std::string section = "## Fleet benchmark\n\n```\n" + preamble + "```\n";
+    for (const auto& [title, table] : sections) {
+      section += "\n### " + title + "\n\n" + RenderMarkdown(table);
     }
+    section += "\n### Projection assumptions\n\n";
+    for (const std::string& line : projection_lines) section += "- " + line + "\n";
     section += "\n### Checks\n\n";
     for (const std::string& line : checks) section += "- " + line + "\n";
-    for (const StrategyResult& result : results) {
-      for (const std::string& note : result.notes) {
-        section += "- note: " + result.name + ": " + note + "\n";
-      }
-    }
+    for (const std::string& note : notes) section += "- note: " + note + "\n";
     section += "\n";
     for (const std::string& line : Legend()) section += "- " + line + "\n";
     FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Fleet benchmark", section));
