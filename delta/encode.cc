@@ -344,6 +344,7 @@ class DeltaEncoder {
  private:
   void EncodeTask(size_t k, StreamingHash* base_hasher, StreamingHash* target_hasher);
   void EncodeAndHash();
+  Status TakeGivenBaseHashes();
   Status HashThenEncode();
   ByteVec BuildManifest(const Hash128& base_hash, const Hash128& target_hash) const;
   Result<std::vector<std::byte>> Assemble(const ByteVec& manifest) const;
@@ -384,15 +385,29 @@ void DeltaEncoder::EncodeAndHash() {
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(),
             [&](size_t a, size_t c) { return target_[a].data.size() > target_[c].data.size(); });
+  // Given base hashes (a publisher's cached head) are taken as they are; only the target
+  // is hashed then.
+  const bool hash_base = !keyframe_ && options_.base_tensor_hashes.empty();
   ParallelFor(order.size(), options_.threads, [&](size_t j) {
     const size_t i = order[j];
     StreamingHash base_hasher, target_hasher;
     for (size_t k = plan_.first_task[i]; k < plan_.first_task[i + 1]; ++k) {
-      EncodeTask(k, keyframe_ ? nullptr : &base_hasher, &target_hasher);
+      EncodeTask(k, hash_base ? &base_hasher : nullptr, &target_hasher);
     }
     target_hashes_[i] = target_hasher.Finish();
-    if (!keyframe_) base_hashes_[i] = base_hasher.Finish();
+    if (hash_base) base_hashes_[i] = base_hasher.Finish();
   });
+}
+
+// The caller's base hashes (index-aligned with `base`), placed at their target tensors.
+Status DeltaEncoder::TakeGivenBaseHashes() {
+  FW_ASSIGN_OR_RETURN(
+      std::vector<Hash128> given,
+      internal::HashesOrCompute(*base_, options_.base_tensor_hashes, options_.threads, "base"));
+  for (size_t i = 0; i < base_->size(); ++i) {
+    base_hashes_[target_index_[(*base_)[i].name]] = given[i];
+  }
+  return Status::Ok();
 }
 
 // Hashes first (given or computed; base hashes are given index-aligned with `base`), then
@@ -403,12 +418,7 @@ Status DeltaEncoder::HashThenEncode() {
                       internal::HashesOrCompute(target_, options_.target_tensor_hashes,
                                                 options_.threads, "target"));
   if (!keyframe_) {
-    FW_ASSIGN_OR_RETURN(
-        std::vector<Hash128> given,
-        internal::HashesOrCompute(*base_, options_.base_tensor_hashes, options_.threads, "base"));
-    for (size_t i = 0; i < base_->size(); ++i) {
-      base_hashes_[target_index_[(*base_)[i].name]] = given[i];
-    }
+    FW_RETURN_IF_ERROR(TakeGivenBaseHashes());
     // Unchanged tensors (equal hashes and bytes) need no comparison at all.
     for (size_t i = 0; i < target_.size(); ++i) {
       if (base_hashes_[i] == target_hashes_[i] &&
@@ -509,14 +519,18 @@ Result<std::vector<std::byte>> DeltaEncoder::Assemble(const ByteVec& manifest) c
 }
 
 Result<std::vector<std::byte>> DeltaEncoder::Run() {
-  const bool hash_here =
-      options_.target_tensor_hashes.empty() && (keyframe_ || options_.base_tensor_hashes.empty());
+  // The target is hashed here unless its hashes are given (the base's may be: a
+  // publisher keeps its head's).
+  const bool hash_here = options_.target_tensor_hashes.empty();
   // Fusing hashing into the compare pass serializes each tensor's chunks: only when no
   // tensor is so large that it would leave the other threads idle.
   const bool fused =
       hash_here &&
       (options_.threads == 1 || plan_.largest_tensor_bytes * options_.threads <= plan_.total_bytes);
   if (fused) {
+    if (!keyframe_ && !options_.base_tensor_hashes.empty()) {
+      FW_RETURN_IF_ERROR(TakeGivenBaseHashes());
+    }
     EncodeAndHash();
   } else {
     FW_RETURN_IF_ERROR(HashThenEncode());

@@ -537,6 +537,15 @@ Result<std::vector<Hash128>> GivenOrComputedHashes(const CheckpointView& checkpo
   return given.tensor_hashes;
 }
 
+// The target's tensor hashes an encoder computed, read back from the manifest it wrote
+// (in target tensor order).
+Result<std::vector<Hash128>> TargetTensorHashes(std::span<const std::byte> container) {
+  FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(container));
+  std::vector<Hash128> hashes;
+  for (const delta::TensorEntry& entry : view.manifest().tensors) hashes.push_back(entry.target_hash);
+  return hashes;
+}
+
 // The encoder's own counts, read back from the manifest it just wrote (a parse of the
 // manifest only; no chunk is decoded and the checkpoint is not read again).
 Status CountChangedWords(std::span<const std::byte> container, AppendResult* result) {
@@ -730,18 +739,30 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
   } else if (VersionsSinceKeyframe(s.artifacts) + 1 >= options.keyframe_every) {
     result.keyframe_reason = "every";
   }
-  FW_ASSIGN_OR_RETURN(std::vector<Hash128> tensor_hashes,
-                      GivenOrComputedHashes(checkpoint, given, options.threads, &result));
-  auto checkpoint_hash = CheckpointHashFromTensorHashes(checkpoint, tensor_hashes);
-  if (!checkpoint_hash.ok()) {
-    return checkpoint_hash.status().WithContext("version log " + s.dir + ": version " +
-                                                std::to_string(version));
-  }
-  if (given.checkpoint_hash && *given.checkpoint_hash != *checkpoint_hash) {
-    return Status::InvalidArgument("version log " + s.dir + ": version " + std::to_string(version) +
-                                   ": the given checkpoint hash " + given.checkpoint_hash->ToHex() +
-                                   " is not the one of the given tensor hashes (" +
-                                   checkpoint_hash->ToHex() + ")");
+  // Without given hashes, the delta's encoder hashes the checkpoint in its compare pass
+  // (one read of the checkpoint instead of two); else they are given or computed here.
+  const bool hash_in_encode =
+      given.tensor_hashes.empty() && write_delta && given.encoded_delta.empty();
+  std::vector<Hash128> tensor_hashes;
+  Result<Hash128> checkpoint_hash = Hash128{};
+  auto settle_hashes = [&]() -> Status {
+    checkpoint_hash = CheckpointHashFromTensorHashes(checkpoint, tensor_hashes);
+    if (!checkpoint_hash.ok()) {
+      return checkpoint_hash.status().WithContext("version log " + s.dir + ": version " +
+                                                  std::to_string(version));
+    }
+    if (given.checkpoint_hash && *given.checkpoint_hash != *checkpoint_hash) {
+      return Status::InvalidArgument(
+          "version log " + s.dir + ": version " + std::to_string(version) +
+          ": the given checkpoint hash " + given.checkpoint_hash->ToHex() +
+          " is not the one of the given tensor hashes (" + checkpoint_hash->ToHex() + ")");
+    }
+    return Status::Ok();
+  };
+  if (!hash_in_encode) {
+    FW_ASSIGN_OR_RETURN(tensor_hashes,
+                        GivenOrComputedHashes(checkpoint, given, options.threads, &result));
+    FW_RETURN_IF_ERROR(settle_hashes());
   }
   // Allocated before anything is written, so that running out of memory cannot strand a
   // committed log.json with a stale head.
@@ -790,6 +811,17 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
     delta_bytes = given.encoded_delta.empty()
                       ? delta::Encode(s.head.view(), checkpoint, encode)
                       : GivenDelta(given.encoded_delta, s.head_version, version);
+    if (hash_in_encode) {
+      const std::string context =
+          "version log " + s.dir + ": delta of version " + std::to_string(version);
+      if (!delta_bytes.ok()) return delta_bytes.status().WithContext(context);
+      Result<std::vector<Hash128>> hashes = TargetTensorHashes(*delta_bytes);
+      if (!hashes.ok()) return hashes.status().WithContext(context);
+      tensor_hashes = std::move(*hashes);
+      result.tensors_hashed = checkpoint.size();
+      FW_RETURN_IF_ERROR(settle_hashes());
+      encode.target_tensor_hashes = tensor_hashes;  // for a keyframe of the same version
+    }
     const ArtifactInfo* keyframe = LatestKeyframe(s.artifacts);
     if (result.keyframe_reason.empty() && delta_bytes.ok() && options.keyframe_cost > 0 &&
         keyframe != nullptr &&

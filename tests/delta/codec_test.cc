@@ -306,7 +306,8 @@ TEST(CodecTest, EncodingIsDeterministicAcrossThreadCounts) {
 
 TEST(CodecTest, HashingInsideTheComparePassChangesNothing) {
   // Four equal tensors: with 2 threads the encoder hashes while comparing (no tensor is
-  // too large to share out); with 5 threads or given hashes it hashes first. Same bytes.
+  // too large to share out), also when only the base's hashes are given (a publisher's
+  // cached head); with 5 threads or given hashes it hashes first. Same bytes.
   std::vector<testing::TensorSpec> specs;
   for (int i = 0; i < 4; ++i) specs.push_back({"t" + std::to_string(i), DType::kBF16, {300, 70}});
   auto base = RandomCheckpoint(specs, 55);
@@ -320,6 +321,15 @@ TEST(CodecTest, HashingInsideTheComparePassChangesNothing) {
   auto a = MustEncode(base, target, fused);
   EXPECT_EQ(a, MustEncode(base, target, split));
   EXPECT_EQ(a, MustEncode(base, target, given));
+  EncodeOptions base_given = fused;
+  base_given.base_tensor_hashes = given.base_tensor_hashes;
+  EXPECT_EQ(a, MustEncode(base, target, base_given));
+  // Given base hashes follow the base's own tensor order.
+  OwnedCheckpoint reordered = base;
+  std::reverse(reordered.tensors.begin(), reordered.tensors.end());
+  base_given.base_tensor_hashes.clear();
+  for (const auto& t : reordered.view()) base_given.base_tensor_hashes.push_back(TensorHash(t));
+  EXPECT_EQ(a, MustEncode(reordered, target, base_given));
   auto k1 = EncodeKeyframe(target.view(), fused);
   auto k2 = EncodeKeyframe(target.view(), split);
   ASSERT_TRUE(k1.ok() && k2.ok());
