@@ -68,9 +68,11 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   Hash128 status_head_hash;
 
   // Appends, and records `row` (source and client fields set by the caller; the rest is
-  // filled in here) in the ledger.
+  // filled in here) in the ledger. last_publish_ms counts from `started` (a drop's open
+  // and validation) or from the call.
   Result<AppendResult> Append(uint64_t version, const CheckpointView& checkpoint,
-                              const AppendOptions& known, LedgerRow* row);
+                              const AppendOptions& known, LedgerRow* row,
+                              std::optional<Clock::time_point> started = std::nullopt);
   // PublishTarget, for the push API.
   const VersionLog& version_log() const override { return *log; }
   Result<LedgerRow> Publish(uint64_t version, const CheckpointView& checkpoint,
@@ -208,9 +210,10 @@ Status Publisher::Impl::StartPush() {
 }
 
 Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointView& checkpoint,
-                                             const AppendOptions& known, LedgerRow* row) {
+                                             const AppendOptions& known, LedgerRow* row,
+                                             std::optional<Clock::time_point> started) {
   std::lock_guard lock(publish_mutex);
-  const auto start = Clock::now();
+  const auto start = started.value_or(Clock::now());
   Result<AppendResult> written = log->Append(version, checkpoint, known);
   if (!written.ok()) return written;
   if (Status signed_ok = SignArtifacts(); !signed_ok.ok()) {
@@ -294,12 +297,15 @@ void Publisher::Impl::ScanDropsOnce() {
                                        " is not above the last published v" + std::to_string(last) +
                                        " (a replayed or reused version)");
     } else {
+      const auto opened = Clock::now();
       Result<Checkpoint> checkpoint = OpenDrop(drop);
       status = checkpoint.status();
       LedgerRow row;
       row.source = VersionSource::kDrop;
       row.metadata = {{"path", drop.path}};
-      if (checkpoint.ok()) status = Append(drop.version, checkpoint->tensors(), {}, &row).status();
+      if (checkpoint.ok()) {
+        status = Append(drop.version, checkpoint->tensors(), {}, &row, opened).status();
+      }
       if (status.ok()) known_commits[drop.version] = CommitStamp(drop);
     }
     if (!status.ok()) {
