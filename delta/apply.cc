@@ -6,6 +6,7 @@
 #include <cstring>
 #include <new>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 
 #include "delta/codec_internal.h"
@@ -99,13 +100,83 @@ Status DecodeSparse(const Manifest& m, size_t index, std::span<const uint8_t> ra
   return Status::Ok();
 }
 
+enum PreparedState : int { kEmpty = 0, kPreparing = 1, kReady = 2, kClaimed = 3 };
+
+// Writes the words a PreparedChunks decoded for chunk `index` into `tensor_data`, keeping
+// in `undo` what it overwrote (keep_undo) and which words it wrote (keep_positions).
+void ApplyPrepared(const Manifest& m, size_t index, std::vector<uint32_t>&& positions,
+                   ByteVec&& words, std::span<std::byte> tensor_data, bool keep_undo,
+                   bool keep_positions, UndoRecord* undo) {
+  const ChunkEntry& e = m.chunks[index];
+  const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
+  uint8_t* region = U8(tensor_data) + e.word_begin * w;
+  const size_t count = positions.size();
+  if (keep_undo) {
+    undo->old_bytes.resize(count * w);
+    kernels::Gather(region, w, positions.data(), undo->old_bytes.data(), count);
+  }
+  kernels::ScatterApply(region, w, positions.data(), words.data(), count);
+  if (keep_undo || keep_positions) undo->positions = std::move(positions);
+  words = ByteVec();
+  undo->applied = true;
+}
+
+}  // namespace
+
+// kEmpty -> kPreparing -> kReady (Prepare) -> kClaimed (the apply takes it); kEmpty ->
+// kClaimed when the apply gets there first; kPreparing -> kClaimed when Prepare gives up.
+struct PreparedChunks::Chunk {
+  std::atomic<int> state{kEmpty};
+  std::vector<uint32_t> positions;
+  ByteVec words;  // the new words at `positions`, each word's bytes as in the tensor
+};
+
+// The apply's side of PreparedChunks.
+struct PreparedAccess {
+  // Chunk `index` as prepared, taken by the apply; false when the apply must decode it
+  // itself (not prepared, or given up). Waits for a Prepare of it in progress.
+  static bool Take(PreparedChunks* prepared, size_t index, std::vector<uint32_t>* positions,
+                   ByteVec* words) {
+    if (prepared == nullptr || index >= prepared->count_) return false;
+    PreparedChunks::Chunk& chunk = prepared->chunks_[index];
+    while (true) {
+      int state = chunk.state.load(std::memory_order_acquire);
+      if (state == kReady) {
+        *positions = std::move(chunk.positions);
+        *words = std::move(chunk.words);
+        chunk.state.store(kClaimed, std::memory_order_release);
+        prepared->used_.fetch_add(1);
+        return true;
+      }
+      if (state == kClaimed) return false;
+      if (state == kEmpty) {
+        if (chunk.state.compare_exchange_weak(state, kClaimed)) return false;
+        continue;
+      }
+      std::this_thread::yield();  // a Prepare of this chunk is running
+    }
+  }
+};
+
+namespace {
+
 // Decodes chunk `index` completely (so a corrupt chunk touches nothing), then writes it
 // into `tensor_data`, keeping in `undo` what it overwrote (keep_undo) and which words it
-// wrote (keep_positions).
+// wrote (keep_positions). A chunk `prepared` holds is written from there.
 Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
-                      bool keep_undo, bool keep_positions, UndoRecord* undo) {
+                      bool keep_undo, bool keep_positions, UndoRecord* undo,
+                      PreparedChunks* prepared) {
   const Manifest& m = delta.manifest();
   const ChunkEntry& e = m.chunks[index];
+  if (e.kind == ChunkKind::kSparse) {
+    std::vector<uint32_t> positions;
+    ByteVec words;
+    if (PreparedAccess::Take(prepared, index, &positions, &words)) {
+      ApplyPrepared(m, index, std::move(positions), std::move(words), tensor_data, keep_undo,
+                    keep_positions, undo);
+      return Status::Ok();
+    }
+  }
   const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
   Scratch& s = internal::ThreadScratch();
   FW_ASSIGN_OR_RETURN(std::span<const uint8_t> raw, RawChunk(delta, index, s));
@@ -140,9 +211,10 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
 // ApplyChunkImpl, with allocation failure reported as a status so that the caller's
 // rollback runs (no exception leaves a pool thread).
 Status ApplyChunk(const DeltaView& delta, size_t index, std::span<std::byte> tensor_data,
-                  bool keep_undo, bool keep_positions, UndoRecord* undo) {
+                  bool keep_undo, bool keep_positions, UndoRecord* undo, PreparedChunks* prepared) {
   try {
-    Status st = ApplyChunkImpl(delta, index, tensor_data, keep_undo, keep_positions, undo);
+    Status st =
+        ApplyChunkImpl(delta, index, tensor_data, keep_undo, keep_positions, undo, prepared);
     internal::TrimScratch(internal::ThreadScratch());
     return st;
   } catch (const std::bad_alloc&) {
@@ -287,7 +359,8 @@ Status Applier::ApplyChunks() {
     if (failed.load(std::memory_order_relaxed)) return;
     const ChunkEntry& e = m_.chunks[c];
     errors[c] = ApplyChunk(delta_, c, state_[state_of_[e.tensor_index]].data,
-                           options_.restore_on_failure, options_.report_changes, &undo[c]);
+                           options_.restore_on_failure, options_.report_changes, &undo[c],
+                           options_.prepared);
     if (!errors[c].ok()) failed = true;
     const uint64_t bytes = e.word_count * DTypeWordBytes(m_.tensors[e.tensor_index].dtype);
     uint64_t done = done_bytes.fetch_add(bytes) + bytes;
@@ -445,6 +518,85 @@ Result<std::vector<size_t>> MapBase(const CheckpointView& base, const Manifest& 
 }
 
 }  // namespace
+
+// ---- chunks decoded ahead ---------------------------------------------------------------
+
+PreparedChunks::PreparedChunks(size_t chunk_count, uint64_t budget_bytes)
+    : chunks_(new Chunk[chunk_count]), count_(chunk_count), budget_bytes_(budget_bytes) {}
+
+PreparedChunks::~PreparedChunks() = default;
+
+size_t PreparedChunks::prepared() const { return prepared_.load(); }
+size_t PreparedChunks::used() const { return used_.load(); }
+
+namespace {
+
+// words[i] += the difference z[i] encodes (wrapping in the word's width).
+template <typename U>
+void AddZigZag(uint8_t* words, const uint64_t* z, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    U word;
+    std::memcpy(&word, words + i * sizeof(U), sizeof(U));
+    const uint64_t d = (z[i] >> 1) ^ (0 - (z[i] & 1));
+    word = static_cast<U>(word + static_cast<U>(d));
+    std::memcpy(words + i * sizeof(U), &word, sizeof(U));
+  }
+}
+
+}  // namespace
+
+bool PreparedChunks::Prepare(const DeltaView& delta, size_t index,
+                             std::span<const std::byte> base_tensor) {
+  const Manifest& m = delta.manifest();
+  if (index >= count_ || index >= m.chunks.size()) return false;
+  const ChunkEntry& e = m.chunks[index];
+  if (e.kind != ChunkKind::kSparse) return false;
+  const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
+  if (base_tensor.size() != m.tensors[e.tensor_index].byte_size) return false;
+  const uint64_t need = e.changed_words * (sizeof(uint32_t) + w);
+  if (bytes_.fetch_add(need) + need > budget_bytes_) {
+    bytes_.fetch_sub(need);
+    return false;
+  }
+  Chunk& chunk = chunks_[index];
+  int expected = kEmpty;
+  if (!chunk.state.compare_exchange_strong(expected, kPreparing)) {
+    bytes_.fetch_sub(need);
+    return false;
+  }
+  bool ok = false;
+  try {
+    Scratch& s = internal::ThreadScratch();
+    Result<std::span<const uint8_t>> raw = RawChunk(delta, index, s);
+    if (raw.ok() && DecodeSparse(m, index, *raw, s).ok()) {
+      const size_t count = e.changed_words;
+      chunk.positions.assign(s.positions.begin(), s.positions.begin() + count);
+      chunk.words.resize(count * w);
+      const uint8_t* region = U8(base_tensor) + e.word_begin * w;
+      kernels::Gather(region, w, chunk.positions.data(), chunk.words.data(), count);
+      switch (w) {
+        case 1: AddZigZag<uint8_t>(chunk.words.data(), s.z.data(), count); break;
+        case 2: AddZigZag<uint16_t>(chunk.words.data(), s.z.data(), count); break;
+        case 4: AddZigZag<uint32_t>(chunk.words.data(), s.z.data(), count); break;
+        default: AddZigZag<uint64_t>(chunk.words.data(), s.z.data(), count); break;
+      }
+      ok = true;
+    }
+    internal::TrimScratch(s);
+  } catch (const std::bad_alloc&) {
+    ok = false;
+  }
+  if (!ok) {
+    chunk.positions = {};
+    chunk.words = {};
+    bytes_.fetch_sub(need);
+    chunk.state.store(kClaimed, std::memory_order_release);  // the apply decodes it and says why
+    return false;
+  }
+  prepared_.fetch_add(1);
+  chunk.state.store(kReady, std::memory_order_release);
+  return true;
+}
 
 Result<ApplyStats> ApplyInPlace(MutableCheckpointView& state, const DeltaView& delta,
                                 const ApplyOptions& options) {

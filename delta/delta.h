@@ -18,9 +18,11 @@
 // This API works on in-memory tensor views; delta/delta_file.h adapts it to files.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -164,8 +166,13 @@ struct ApplyStats {
   std::vector<ChangedWords> changes;   // with ApplyOptions::report_changes
 };
 
+class PreparedChunks;
+
 struct ApplyOptions {
   int threads = 1;  // in [1, kMaxThreads]
+  // Sparse chunks already decoded (e.g. while the delta was arriving): used instead of
+  // decoding them again. Chunks it does not hold are decoded as usual.
+  PreparedChunks* prepared = nullptr;
   // Already verified per-tensor hashes of the state, index-aligned with it (a worker keeps
   // them from its last apply). Empty: the state is hashed and checked against the
   // delta's base hashes before anything is written.
@@ -182,6 +189,42 @@ struct ApplyOptions {
   // (the rollout engine patching its mirror) says yes or no. An error restores the state to
   // the base exactly and is returned as the apply's own (REQUIRES: restore_on_failure).
   std::function<Status(const ApplyStats&)> before_commit;
+};
+
+// Sparse chunks of one delta decoded ahead of ApplyInPlace, while the rest of the delta is
+// still arriving: per chunk, the changed positions and the words they get (6 bytes per
+// changed bf16 word), computed from the base the apply will patch. Prepare may run for
+// different chunks on several threads at once, and concurrently with the ApplyInPlace that
+// consumes them: each chunk is either prepared or claimed by the apply, never both (a
+// chunk the apply reaches first is decoded there as usual). Nothing is written to any
+// state here; ApplyInPlace still verifies the base before and every hash after, so a
+// chunk prepared against other bytes than the base only makes the apply fail and roll
+// back, exactly as a corrupt chunk would.
+class PreparedChunks {
+ public:
+  // For a delta of `chunk_count` chunks; at most `budget_bytes` of decoded data are kept.
+  PreparedChunks(size_t chunk_count, uint64_t budget_bytes);
+  ~PreparedChunks();
+  PreparedChunks(const PreparedChunks&) = delete;
+  PreparedChunks& operator=(const PreparedChunks&) = delete;
+
+  // Decodes chunk `index` of `delta` (its stored bytes must be complete) against
+  // `base_tensor`, the bytes of the tensor the chunk patches. Returns whether it was kept:
+  // false for a chunk that is not sparse, over the budget, already prepared or claimed by
+  // the apply, or that does not decode (the apply then reports the error as usual).
+  bool Prepare(const DeltaView& delta, size_t index, std::span<const std::byte> base_tensor);
+
+  size_t prepared() const;  // chunks prepared so far
+  size_t used() const;      // of those, consumed by an apply
+
+ private:
+  friend struct PreparedAccess;
+  struct Chunk;
+  std::unique_ptr<Chunk[]> chunks_;
+  size_t count_;
+  uint64_t budget_bytes_;
+  std::atomic<uint64_t> bytes_{0};
+  std::atomic<size_t> prepared_{0}, used_{0};
 };
 
 // Applies `delta` to `state` in place. Either the whole target is in place and every

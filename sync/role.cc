@@ -54,6 +54,7 @@ const MetricSpec kMetrics[] = {
     {"fetch_failures", "fetch_failures_total", true, "Artifact fetches that failed"},
     {"stale", "stale", false, "1 if further behind the head than max_staleness"},
     {"last_apply_ms", "last_apply_seconds", false, "Time to apply and verify the last artifact", 1e-3},
+    {"last_apply_chunks_early", "last_apply_chunks_early", false, "Chunks of the last delta decoded while it was still arriving"},
     {"last_swap_pause_ms", "last_swap_pause_seconds", false, "Time the serving engine paused for the last swap", 1e-3},
     {"swaps_total", "swaps_total", true, "Versions swapped in"},
     {"exports_total", "exports_total", true, "Versions exported to --export-dir"},

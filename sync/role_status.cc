@@ -108,6 +108,7 @@ json ToJson(const WorkerStatus& s) {
   out["stale"] = s.stale;
   out["connected"] = s.connected;
   out["last_apply_ms"] = s.last_apply_ms;
+  out["last_apply_chunks_early"] = s.last_apply_chunks_early;
   out["last_swap_pause_ms"] = s.last_swap_pause_ms;
   out["swaps_total"] = s.swaps_total;
   out["exports_total"] = s.exports_total;

@@ -105,6 +105,7 @@ struct WorkerStatus {
   bool stale = false;  // further behind the head than max_staleness
   bool connected = false;
   double last_apply_ms = 0;
+  uint64_t last_apply_chunks_early = 0;  // chunks of the last delta decoded while arriving
   double last_swap_pause_ms = 0;
   uint64_t swaps_total = 0;
   uint64_t exports_total = 0;

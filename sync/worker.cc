@@ -11,7 +11,9 @@
 #include <shared_mutex>
 
 #include "delta/delta.h"
+#include "delta/format.h"
 #include "delta/safetensors.h"
+#include "delta/wire.h"
 #include "sync/node.h"
 #include "sync/role_status.h"
 #include "sync/sha256_stream.h"
@@ -52,6 +54,7 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
     hashers.erase(key);
   }
   uint64_t artifacts_rejected = 0;
+  uint64_t last_apply_chunks_early = 0;  // of those, decoded while it was arriving
   uint64_t swaps = 0;
   uint64_t exports = 0;
   double last_swap_ms = 0;
@@ -114,7 +117,8 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
 
   awaitable<void> UpdateLoop();
   std::vector<ArtifactInfo> Plan();
-  Status Apply(const ArtifactInfo& info, std::span<const std::byte> bytes);
+  Status Apply(const ArtifactInfo& info, std::span<const std::byte> bytes,
+               delta::PreparedChunks* prepared = nullptr);
   flywheel::Status Export(uint64_t serving_version);
   WorkerStatus CurrentStatus() const;
   void OnCatalog(Catalog received);
@@ -135,6 +139,126 @@ void Worker::Impl::OnCatalog(Catalog received) {
   have_catalog = true;
   catalog_changed.Notify();
 }
+
+// Decodes a delta's sparse chunks on the CPU pool while the rest of its pieces are still
+// arriving (delta::PreparedChunks), so that the apply after the last piece mostly writes
+// words and verifies. Chunks are decoded against the weights served, read under the
+// shared lock, and only while they are the delta's base; nothing is written to them here,
+// and the apply verifies the base before and every hash after as always.
+class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
+ public:
+  // Decoded data kept per artifact at most (6 bytes per changed bf16 word): past it, the
+  // remaining chunks are decoded by the apply.
+  static constexpr uint64_t kBudgetBytes = 256ull << 20;
+
+  EarlyDecoder(Worker::Impl* worker, const Download& download)
+      : worker_(worker), info_(download.info), bytes_(download.bytes), have_(download.have) {}
+
+  // Takes in the pieces `download` already holds (a resumed fetch).
+  void Start() {
+    for (uint32_t i = 0; i < have_.size(); ++i) {
+      if (have_[i]) OnPiece(i, /*fresh=*/false);
+    }
+  }
+
+  // A verified piece arrived (the network thread).
+  void OnPiece(uint32_t index, bool fresh = true) {
+    if (closed_ || index >= have_.size()) return;
+    if (fresh) have_[index] = true;
+    if (!view_) {
+      if (!TryParse()) return;
+      for (size_t c = 0; c < missing_.size(); ++c) {
+        if (missing_[c] == 0) Schedule(c);
+      }
+      return;
+    }
+    for (uint32_t c : chunks_of_piece_[index]) {
+      if (--missing_[c] == 0) Schedule(c);
+    }
+  }
+
+  // No chunk starts decoding after this; the apply takes what is ready.
+  delta::PreparedChunks* Close() {
+    closed_ = true;
+    return prepared_.get();
+  }
+  size_t decoded() const { return prepared_ ? prepared_->used() : 0; }
+
+ private:
+  // Parses the header and manifest once the pieces holding them are in, and maps every
+  // chunk's stored bytes to the pieces that hold them.
+  bool TryParse() {
+    const uint64_t piece_bytes = info_.piece_bytes;
+    if (bytes_->size() < delta::format::kHeaderBytes || piece_bytes == 0) return false;
+    const uint64_t head_pieces = (delta::format::kHeaderBytes + piece_bytes - 1) / piece_bytes;
+    for (uint64_t i = 0; i < head_pieces; ++i) {
+      if (!have_[i]) return false;
+    }
+    const uint64_t manifest_bytes = delta::wire::LoadFixed(
+        reinterpret_cast<const uint8_t*>(bytes_->data()) + 16, 8);
+    const uint64_t needed = delta::format::kHeaderBytes + manifest_bytes;
+    if (needed > bytes_->size()) return false;
+    for (uint64_t i = 0; i < (needed + piece_bytes - 1) / piece_bytes; ++i) {
+      if (!have_[i]) return false;
+    }
+    // The payloads are not read here: each chunk's checksum is checked when it is decoded.
+    Result<delta::DeltaView> view = delta::DeltaView::Parse(*bytes_);
+    if (!view.ok() || view->manifest().keyframe) {
+      closed_ = true;  // the apply will say what is wrong, if anything
+      return false;
+    }
+    view_.emplace(std::move(*view));
+    const delta::Manifest& m = view_->manifest();
+    const uint64_t payload_start = needed;
+    missing_.assign(m.chunks.size(), 0);
+    chunks_of_piece_.assign(have_.size(), {});
+    for (size_t c = 0; c < m.chunks.size(); ++c) {
+      const delta::ChunkEntry& e = m.chunks[c];
+      if (e.kind != delta::ChunkKind::kSparse || e.payload_bytes == 0) continue;
+      const uint64_t begin = payload_start + e.payload_offset;
+      const uint64_t end = begin + e.payload_bytes;
+      for (uint64_t p = begin / piece_bytes; p < have_.size() && p * piece_bytes < end; ++p) {
+        if (have_[p]) continue;
+        chunks_of_piece_[p].push_back(static_cast<uint32_t>(c));
+        ++missing_[c];
+      }
+    }
+    prepared_ = std::make_unique<delta::PreparedChunks>(m.chunks.size(), kBudgetBytes);
+    return true;
+  }
+
+  void Schedule(size_t chunk) {
+    const delta::ChunkEntry& e = view_->manifest().chunks[chunk];
+    if (e.kind != delta::ChunkKind::kSparse || e.payload_bytes == 0) return;
+    asio::post(worker_->cpu, [self = shared_from_this(), chunk] { self->Decode(chunk); });
+  }
+
+  // On the CPU pool.
+  void Decode(size_t chunk) {
+    if (closed_) return;
+    std::shared_lock lock(worker_->weights_mutex);
+    if (closed_) return;  // the apply may have run meanwhile: these are no longer the base
+    const delta::Manifest& m = view_->manifest();
+    if (worker_->version.load() != m.base_version || worker_->hash != m.base_hash) return;
+    const std::string& name = m.tensors[m.chunks[chunk].tensor_index].name;
+    for (const OwnedTensor& tensor : worker_->weights.tensors) {
+      if (tensor.name == name) {
+        prepared_->Prepare(*view_, chunk, tensor.data);
+        return;
+      }
+    }
+  }
+
+  Worker::Impl* worker_;
+  const ArtifactInfo info_;
+  const std::shared_ptr<std::vector<std::byte>> bytes_;
+  std::vector<bool> have_;  // the pieces arrived (network thread)
+  std::atomic<bool> closed_{false};
+  std::optional<delta::DeltaView> view_;               // set once (network thread)
+  std::vector<uint32_t> missing_;                     // per chunk: pieces still to come
+  std::vector<std::vector<uint32_t>> chunks_of_piece_;  // per piece: chunks waiting for it
+  std::unique_ptr<delta::PreparedChunks> prepared_;
+};
 
 std::vector<ArtifactInfo> Worker::Impl::Plan() {
   const uint64_t head = catalog.head_version;
@@ -188,7 +312,8 @@ bool SameLayout(const OwnedCheckpoint& weights, const delta::Manifest& manifest)
 
 }  // namespace
 
-flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const std::byte> bytes) {
+flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const std::byte> bytes,
+                                     delta::PreparedChunks* prepared) {
   const std::string what = Describe(KeyOf(info));
   FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(bytes));
   const delta::Manifest& manifest = view.manifest();
@@ -209,6 +334,7 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
     }
     delta::ApplyOptions apply;
     apply.threads = threads;
+    apply.prepared = prepared;
     apply.state_tensor_hashes = tensor_hashes;
     apply.report_changes = static_cast<bool>(options.on_swap);
     if (options.on_swap) {
@@ -330,14 +456,21 @@ awaitable<void> Worker::Impl::UpdateLoop() {
         hashers.erase(key);
       }
       Download& download = *slot;
-      std::function<void(uint32_t)> on_piece;
       PrefixSha256* hasher = nullptr;
       if (verifier->enabled()) {
         auto& owned = hashers[key];
         if (!owned) owned = std::make_unique<PrefixSha256>();
         hasher = owned.get();
-        on_piece = [hasher, &download](uint32_t) { hasher->Advance(download); };
       }
+      std::shared_ptr<EarlyDecoder> early;
+      if (info.kind == ArtifactKind::kDelta) {
+        early = std::make_shared<EarlyDecoder>(this, download);
+        early->Start();
+      }
+      std::function<void(uint32_t)> on_piece = [hasher, early, &download](uint32_t index) {
+        if (hasher) hasher->Advance(download);
+        if (early) early->OnPiece(index);
+      };
       const auto fetch_start = Clock::now();
       flywheel::Status fetched = co_await upstream->Fetch(download, on_piece);
       if (!fetched.ok()) {
@@ -384,8 +517,10 @@ awaitable<void> Worker::Impl::UpdateLoop() {
           break;
         }
       }
-      auto apply = [this, task, bytes] { return Apply(*task, *bytes); };
+      delta::PreparedChunks* prepared = early ? early->Close() : nullptr;
+      auto apply = [this, task, bytes, prepared] { return Apply(*task, *bytes, prepared); };
       flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
+      last_apply_chunks_early = early ? early->decoded() : 0;
       Forget(key);
       if (!applied.ok()) {
         ++artifacts_rejected;
@@ -405,8 +540,9 @@ awaitable<void> Worker::Impl::UpdateLoop() {
       ++swaps;
       upstream->ReportNow();  // readiness (GET /v1/wait on the publisher) learns it now
       last_error.clear();
-      spdlog::info("serving v{} ({}; fetched in {:.0f} ms, applied in {:.0f} ms)", serving,
-                   Describe(key), fetch_ms, last_apply_ms);
+      spdlog::info("serving v{} ({}; fetched in {:.0f} ms, applied in {:.0f} ms, {} chunk(s) "
+                   "decoded while arriving)",
+                   serving, Describe(key), fetch_ms, last_apply_ms, last_apply_chunks_early);
       head_seen.erase(head_seen.begin(), head_seen.upper_bound(serving));
       if (!options.export_dir.empty()) {
         auto export_weights = [this, serving] { return Export(serving); };
@@ -445,6 +581,7 @@ WorkerStatus Worker::Impl::CurrentStatus() const {
   s.stale = catalog.max_staleness != 0 && head - serving > catalog.max_staleness;
   s.connected = upstream->connected();
   s.last_apply_ms = last_apply_ms;
+  s.last_apply_chunks_early = last_apply_chunks_early;
   s.last_swap_pause_ms = static_cast<double>(last_swap_pause_us.load()) / 1000.0;
   s.swaps_total = swaps;
   s.exports_total = exports;

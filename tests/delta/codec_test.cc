@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "delta/delta.h"
 #include "delta/hash.h"
@@ -425,6 +426,135 @@ TEST(CodecTest, InspectCountsMatchTheChange) {
   EXPECT_EQ(stats[0].words, 100000u);
   EXPECT_EQ(stats[1].changed_words, 0u);
   EXPECT_EQ(stats[1].stored_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace flywheel::delta
+
+namespace flywheel::delta {
+namespace {
+
+// The tensor of `checkpoint` a chunk of `view` patches.
+std::span<const std::byte> TensorOf(const OwnedCheckpoint& checkpoint, const DeltaView& view,
+                                    size_t chunk) {
+  const std::string& name = view.manifest().tensors[view.manifest().chunks[chunk].tensor_index].name;
+  for (const OwnedTensor& t : checkpoint.tensors) {
+    if (t.name == name) return t.data;
+  }
+  return {};
+}
+
+TEST(PreparedChunksTest, ChunksDecodedAheadApplyToTheSameTarget) {
+  auto base = RandomCheckpoint(testing::MixedSpecs(), 71);
+  for (Change change : {Change::kSmallSteps, Change::kArbitrary}) {
+    auto target = Mutate(base, 0.04, 72, change);
+    EncodeOptions encode;
+    encode.chunk_bytes = 4096;
+    auto bytes = MustEncode(base, target, encode);
+    DeltaView view = MustParse(bytes);
+    const size_t chunks = view.manifest().chunks.size();
+    size_t sparse = 0;
+    for (const ChunkEntry& e : view.manifest().chunks) sparse += e.kind == ChunkKind::kSparse;
+    ASSERT_GT(sparse, 4u);
+    // Every other chunk ahead: the apply decodes the rest itself.
+    PreparedChunks prepared(chunks, 1ull << 30);
+    size_t kept = 0;
+    for (size_t c = 0; c < chunks; c += 2) kept += prepared.Prepare(view, c, TensorOf(base, view, c));
+    EXPECT_GT(kept, 0u);
+    EXPECT_EQ(prepared.prepared(), kept);
+    EXPECT_FALSE(prepared.Prepare(view, 0, TensorOf(base, view, 0))) << "prepared twice";
+    OwnedCheckpoint state = base;
+    auto mv = state.mutable_view();
+    ApplyOptions options;
+    options.prepared = &prepared;
+    options.report_changes = true;
+    auto applied = ApplyInPlace(mv, view, options);
+    ASSERT_TRUE(applied.ok()) << applied.status().ToString();
+    EXPECT_TRUE(SameBytes(state, target));
+    EXPECT_EQ(prepared.used(), kept);
+    // The changes reported are the same as without prepared chunks.
+    OwnedCheckpoint plain = base;
+    auto pv = plain.mutable_view();
+    ApplyOptions plain_options;
+    plain_options.report_changes = true;
+    auto plain_applied = ApplyInPlace(pv, view, plain_options);
+    ASSERT_TRUE(plain_applied.ok());
+    ASSERT_EQ(applied->changes.size(), plain_applied->changes.size());
+    for (size_t c = 0; c < applied->changes.size(); ++c) {
+      EXPECT_EQ(applied->changes[c].positions, plain_applied->changes[c].positions) << c;
+    }
+    // Claimed by the apply, a chunk is never prepared again.
+    EXPECT_FALSE(prepared.Prepare(view, 1, TensorOf(base, view, 1)));
+  }
+}
+
+TEST(PreparedChunksTest, ChunksPreparedAgainstOtherBytesFailTheApplyAndRestoreTheState) {
+  auto base = RandomCheckpoint(testing::MixedSpecs(), 73);
+  auto target = Mutate(base, 0.04, 74);
+  auto other = Mutate(base, 0.5, 75);
+  EncodeOptions encode;
+  encode.chunk_bytes = 4096;
+  auto bytes = MustEncode(base, target, encode);
+  DeltaView view = MustParse(bytes);
+  PreparedChunks prepared(view.manifest().chunks.size(), 1ull << 30);
+  size_t kept = 0;
+  for (size_t c = 0; c < view.manifest().chunks.size(); ++c) {
+    kept += prepared.Prepare(view, c, TensorOf(other, view, c));
+  }
+  ASSERT_GT(kept, 0u);
+  OwnedCheckpoint state = base;
+  auto mv = state.mutable_view();
+  ApplyOptions options;
+  options.prepared = &prepared;
+  auto applied = ApplyInPlace(mv, view, options);
+  ASSERT_FALSE(applied.ok()) << "words decoded against other bytes were applied";
+  EXPECT_EQ(applied.status().code(), StatusCode::kCorruption) << applied.status().ToString();
+  EXPECT_TRUE(SameBytes(state, base)) << "the state was not restored";
+}
+
+TEST(PreparedChunksTest, BudgetCorruptChunksAndARaceWithTheApply) {
+  auto base = RandomCheckpoint(testing::MixedSpecs(), 76);
+  auto target = Mutate(base, 0.04, 77);
+  EncodeOptions encode;
+  encode.chunk_bytes = 4096;
+  auto bytes = MustEncode(base, target, encode);
+  DeltaView view = MustParse(bytes);
+  const size_t chunks = view.manifest().chunks.size();
+  // No budget: nothing is kept, and the apply decodes everything itself.
+  PreparedChunks none(chunks, 0);
+  EXPECT_FALSE(none.Prepare(view, 0, TensorOf(base, view, 0)));
+  // A chunk whose stored bytes are corrupt is not kept; the apply reports it by name.
+  auto corrupt = bytes;
+  const ChunkEntry& first = view.manifest().chunks[0];
+  corrupt[view.payload(first).data() - view.bytes().data()] ^= std::byte{1};
+  DeltaView corrupt_view = MustParse(corrupt);
+  PreparedChunks guarded(chunks, 1ull << 30);
+  EXPECT_FALSE(guarded.Prepare(corrupt_view, 0, TensorOf(base, corrupt_view, 0)));
+  OwnedCheckpoint state = base;
+  auto mv = state.mutable_view();
+  ApplyOptions options;
+  options.prepared = &guarded;
+  auto applied = ApplyInPlace(mv, corrupt_view, options);
+  ASSERT_FALSE(applied.ok());
+  EXPECT_NE(applied.status().message().find("chunk 0"), std::string::npos) << applied.status().ToString();
+  EXPECT_TRUE(SameBytes(state, base));
+  // Prepare on another thread while the apply runs: each chunk is taken once, either way.
+  for (int round = 0; round < 20; ++round) {
+    PreparedChunks racing(chunks, 1ull << 30);
+    OwnedCheckpoint copy = base;
+    auto cv = copy.mutable_view();
+    std::thread preparer([&] {
+      for (size_t c = chunks; c-- > 0;) racing.Prepare(view, c, TensorOf(base, view, c));
+    });
+    ApplyOptions race_options;
+    race_options.prepared = &racing;
+    race_options.threads = 2;
+    auto raced = ApplyInPlace(cv, view, race_options);
+    preparer.join();
+    ASSERT_TRUE(raced.ok()) << raced.status().ToString();
+    EXPECT_TRUE(SameBytes(copy, target)) << "round " << round;
+    EXPECT_LE(racing.used(), racing.prepared());
+  }
 }
 
 }  // namespace

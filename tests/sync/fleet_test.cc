@@ -635,6 +635,85 @@ TEST_F(FleetTest, RelayKilledMidTransfer) {
   ASSERT_TRUE(WaitStatus(*worker, "serving v2", Serves(2, lineage_.Hex(2))));
 }
 
+// ---- streaming through the hops -----------------------------------------------------------
+
+// Cut-through: a relay serves a piece to its workers as soon as it has verified it, not
+// once it holds the whole artifact.
+TEST_F(FleetTest, RelayForwardsPiecesBeforeItHasTheWholeArtifact) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  const uint64_t keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
+  // 2 MB/s into the relay: the 6 MB keyframe takes about 3 s to reach it.
+  Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()}, {"--wan-rate", "2000000"});
+  ASSERT_NE(relay, nullptr);
+  Node* worker = StartWorker("worker", "eu", {relay->upstream()});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(WaitStatus(*worker, "receiving pieces from the relay",
+                         [](const json& s) { return U64(s, "piece_bytes") >= 3 * kPieceBytes; }));
+  const json relay_then = StatusOrEmpty(*relay);
+  EXPECT_LT(U64(relay_then, "piece_bytes"), keyframe_bytes)
+      << "the relay already held the whole keyframe: " << Brief(relay_then);
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  EXPECT_EQ(U64(StatusOrEmpty(*worker), "pieces_rejected"), 0u);
+}
+
+// A worker decodes a delta's chunks on its CPU threads while the rest of the delta is still
+// arriving over a slow link, and still serves exactly the published version.
+TEST_F(FleetTest, WorkerDecodesChunksWhileTheDeltaArrives) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  Node* worker = StartWorker("worker", "eu", {publisher->upstream()}, {"--wan-rate", "2000000"});
+  ASSERT_NE(worker, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
+  for (uint64_t version = 2; version <= 3; ++version) {
+    ASSERT_TRUE(Publish(*publisher, version));
+    ASSERT_TRUE(WaitStatus(*worker, "serving v" + std::to_string(version),
+                           Serves(version, lineage_.Hex(version))));
+    const json status = StatusOrEmpty(*worker);
+    EXPECT_GT(U64(status, "last_apply_chunks_early"), 0u) << Brief(status);
+    EXPECT_EQ(U64(status, "artifacts_rejected"), 0u) << Brief(status);
+  }
+  const json publisher_status = StatusOrEmpty(*publisher);
+  EXPECT_GT(U64(publisher_status, "last_artifact_bytes"), 2 * kPieceBytes)
+      << "the delta fits in too few pieces to arrive piece by piece: " << Brief(publisher_status);
+}
+
+// A worker that joins while an update is still streaming through a slow relay serves only
+// whole, published versions at every moment it is looked at, and ends on the newest.
+TEST_F(FleetTest, WorkerJoiningMidStreamServesOnlyWholeVersions) {
+  Node* publisher = StartPublisher("publisher");
+  ASSERT_NE(publisher, nullptr);
+  Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()}, {"--wan-rate", "2000000"});
+  ASSERT_NE(relay, nullptr);
+  Node* early = StartWorker("worker-early", "eu", {relay->upstream()});
+  ASSERT_NE(early, nullptr);
+  ASSERT_TRUE(Publish(*publisher, 1));
+  ASSERT_TRUE(WaitStatus(*early, "serving v1", Serves(1, lineage_.Hex(1))));
+  ASSERT_TRUE(Publish(*publisher, 2));
+  Node* late = StartWorker("worker-late", "eu", {relay->upstream()});
+  ASSERT_NE(late, nullptr);
+  const std::map<uint64_t, std::string> published = {{1, lineage_.Hex(1)}, {2, lineage_.Hex(2)}};
+  std::set<uint64_t> seen;
+  const auto deadline = Clock::now() + kWait;
+  while (Clock::now() < deadline) {
+    const json status = StatusOrEmpty(*late);
+    const uint64_t version = U64(status, "version");
+    if (version != 0) {
+      ASSERT_TRUE(published.count(version)) << Brief(status);
+      ASSERT_EQ(Str(status, "weights_hash"), published.at(version))
+          << "a version served with other weights: " << Brief(status);
+      seen.insert(version);
+    }
+    if (version == 2) break;
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_TRUE(seen.count(2)) << "the late worker never reached v2";
+  ASSERT_TRUE(Publish(*publisher, 3));
+  ASSERT_TRUE(WaitStatus(*late, "serving v3", Serves(3, lineage_.Hex(3))));
+}
+
 TEST_F(FleetTest, ConnectionCutMidChunk) {
   Node* publisher = StartPublisher("publisher");
   ASSERT_NE(publisher, nullptr);

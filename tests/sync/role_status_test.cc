@@ -84,7 +84,8 @@ TEST(RoleStatusTest, WorkerDocumentHasItsKeysAndTypes) {
   s.swaps_refused = 1;
   s.last_error = "engine refused v8";
   const json doc = ToJson(s);
-  EXPECT_EQ(Keys(doc), With({"stale", "connected", "last_apply_ms", "last_swap_pause_ms",
+  EXPECT_EQ(Keys(doc), With({"stale", "connected", "last_apply_ms", "last_apply_chunks_early",
+                             "last_swap_pause_ms",
                              "swaps_total", "exports_total", "piece_requests", "pieces_verified",
                              "pieces_rejected", "piece_bytes", "artifacts_rejected", "swaps_refused",
                              "older_heads_ignored", "export_failures_total", "last_error",
