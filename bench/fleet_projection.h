@@ -45,6 +45,9 @@ struct Projection {
   double delta_bytes = 0;
   std::vector<ProjectionStage> stages;  // encode, WAN, each relay level, apply
   double store_and_forward_seconds = 0;  // the stages one after another
+  // Today's pipeline: the encode, then the transfer cut through every relay (each relay
+  // forwards a piece once it has it: the slowest hop sets the pace), then the apply.
+  double cut_through_seconds = 0;
   double streamed_seconds = 0;           // the slowest stage + RTT + one piece per hop
   // The same, were every relay to serve each child from a core of its own (today a relay
   // serves all its children from one thread, so its egress is one core's TLS rate).

@@ -37,10 +37,12 @@ TEST(FleetProjectionTest, StagesFollowFromRatesAndAssumptions) {
   EXPECT_DOUBLE_EQ(p.stages[3].seconds, 16.0);
   EXPECT_DOUBLE_EQ(p.stages[4].seconds, 64e9 / (1e9 * 32));  // 2 s
   EXPECT_NEAR(p.store_and_forward_seconds, 2 + 1.6 + 16 + 16 + 2 + 0.1, 1e-9);
+  // Today: encode, then the slowest hop paces the transfer, then apply.
+  EXPECT_NEAR(p.cut_through_seconds, 2 + 16 + 2 + 0.1, 1e-9);
   // Streamed: the slowest stage (16 s), the RTT, and a thousandth of each faster stage.
   EXPECT_NEAR(p.streamed_seconds, 16 + 0.1 + (2 + 1.6 + 2) / 1000, 1e-9);
   const Table table = ProjectionTable(p, assume);
-  EXPECT_EQ(table.rows.size(), p.stages.size() + 4);
+  EXPECT_EQ(table.rows.size(), p.stages.size() + 5);
   // With a core per child (4 per relay), each relay level takes 8 s: the slowest stage.
   EXPECT_NEAR(p.streamed_core_per_child_seconds, 8 + 0.1 + (2 + 1.6 + 2) / 1000, 1e-9);
 }
