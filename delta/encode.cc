@@ -131,8 +131,9 @@ void BuildSparseRaw(size_t m, Scratch& s, ByteVec* raw) {
 // what `out` holds so far. Takes the buffer instead of copying it: `raw` or `packed` gets
 // the old payload buffer back.
 void KeepIfSmaller(ChunkKind kind, ByteVec& raw, ByteVec& packed, const EncodeOptions& options,
-                   EncodedChunk& out) {
-  bool compressed = internal::Compress(options.compressor, options.zstd_level, raw, &packed);
+                   EncodedChunk& out, bool try_compress = true) {
+  bool compressed =
+      try_compress && internal::Compress(options.compressor, options.zstd_level, raw, &packed);
   uint64_t stored = compressed ? packed.size() : raw.size();
   bool better = !out.present || stored < out.entry.payload_bytes;
   if (!better) return;
@@ -186,7 +187,11 @@ EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base, cons
     if (m == 0) return out;
     e.changed_words = m;
     BuildSparseRaw(m, s, &s.raw);
-    KeepIfSmaller(ChunkKind::kSparse, s.raw, s.packed, options, out);
+    // Rice-coded positions and rANS-coded values are at their entropy already: a general
+    // compressor only costs time there (it never stored smaller in the codec bench).
+    const bool entropy_coded =
+        s.raw.size() > 1 && s.raw[1] == static_cast<uint8_t>(format::ValueCoding::kRans);
+    KeepIfSmaller(ChunkKind::kSparse, s.raw, s.packed, options, out, !entropy_coded);
     // Dense forms are tried only when the sparse one is not clearly small.
     if (out.entry.payload_bytes * 8 > dense_bytes) TryDense(w, n, b, t, s, options, out);
   }
