@@ -233,9 +233,10 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
     asio::post(worker_->cpu, [self = shared_from_this(), chunk] { self->Decode(chunk); });
   }
 
-  // On the CPU pool.
+  // On the CPU pool. ~Worker joins the pool before the worker goes away, and a stopped
+  // worker starts no decode.
   void Decode(size_t chunk) {
-    if (closed_) return;
+    if (closed_ || worker_->stopped) return;
     std::shared_lock lock(worker_->weights_mutex);
     if (closed_) return;  // the apply may have run meanwhile: these are no longer the base
     const delta::Manifest& m = view_->manifest();
