@@ -15,12 +15,16 @@ Projection ProjectSeedsCase(const MeasuredRates& rates, const ProjectionAssumpti
   Projection p;
   const double changed = assume.checkpoint_words * assume.changed_fraction;
   p.delta_bytes = changed * rates.bits_per_changed_word / 8;
-  const double encode_rate = rates.encode_words_per_second * assume.trainer_cores;
-  p.stages.push_back({"encode (publisher)",
-                      Fixed(assume.checkpoint_words / 1e12, 2) + " T words at " +
-                          Fixed(rates.encode_words_per_second / 1e9, 2) + " G words/s/thread x " +
-                          std::to_string(assume.trainer_cores) + " cores",
-                      assume.checkpoint_words / encode_rate});
+  // A stage that goes over every word of the checkpoint on `cores` threads.
+  auto per_word = [&](const std::string& name, double words_per_second, int cores) {
+    return ProjectionStage{name,
+                           Fixed(assume.checkpoint_words / 1e12, 2) + " T words at " +
+                               Fixed(words_per_second / 1e9, 2) + " G words/s/thread x " +
+                               std::to_string(cores) + " cores",
+                           assume.checkpoint_words / (words_per_second * cores)};
+  };
+  p.stages.push_back(
+      per_word("encode (publisher)", rates.encode_words_per_second, assume.trainer_cores));
   const double wan_rate = assume.wan_bits_per_second / 8;
   p.stages.push_back({"WAN to the region's relay",
                       Gb(p.delta_bytes) + " at " + Fixed(assume.wan_bits_per_second / 1e9, 0) +
@@ -34,12 +38,7 @@ Projection ProjectSeedsCase(const MeasuredRates& rates, const ProjectionAssumpti
                             std::to_string(assume.relay_cores) + " core(s)",
                         assume.fan_out * p.delta_bytes / egress});
   }
-  const double apply_rate = rates.apply_words_per_second * assume.worker_cores;
-  p.stages.push_back({"apply (worker)",
-                      Fixed(assume.checkpoint_words / 1e12, 2) + " T words at " +
-                          Fixed(rates.apply_words_per_second / 1e9, 2) + " G words/s/thread x " +
-                          std::to_string(assume.worker_cores) + " cores",
-                      assume.checkpoint_words / apply_rate});
+  p.stages.push_back(per_word("apply (worker)", rates.apply_words_per_second, assume.worker_cores));
   double slowest = 0;
   for (const ProjectionStage& stage : p.stages) {
     p.store_and_forward_seconds += stage.seconds;
