@@ -116,6 +116,10 @@ awaitable<void> TlsStream::Fill(error_code& ec) {
     in_end_ -= in_begin_;
     in_begin_ = 0;
   }
+  if (in_end_ == in_.size()) {  // cannot happen: OpenSSL asks for more only once it is drained
+    ec = asio::error::no_buffer_space;
+    co_return;
+  }
   const size_t n = co_await socket_.async_read_some(
       asio::buffer(in_.data() + in_end_, in_.size() - in_end_),
       asio::redirect_error(use_awaitable, ec));
