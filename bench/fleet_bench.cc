@@ -83,10 +83,6 @@ std::string Gigabytes(double bytes) {
   return Fixed(bytes / 1e9, 2) + " GB";
 }
 
-std::string PassFail(bool pass) {
-  return pass ? "PASS" : "FAIL";
-}
-
 // 1e-06 -> "1e-6".
 std::string NumberText(double value) {
   char text[32];

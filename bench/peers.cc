@@ -62,7 +62,15 @@ Result<double> OpensslSpeed(const std::string& algorithm) {
       same = same && std::tolower(static_cast<unsigned char>(name[i])) ==
                          std::tolower(static_cast<unsigned char>(algorithm[i]));
     }
-    if (same) return std::stod(rate.substr(0, rate.size() - 1)) * 1000;
+    if (!same) continue;
+    const std::string number = rate.substr(0, rate.size() - 1);
+    char* end = nullptr;
+    const double thousands = std::strtod(number.c_str(), &end);
+    if (end == number.c_str() || *end != '\0' || !(thousands > 0)) {
+      return Status::Unavailable("openssl speed printed an unreadable rate '" + rate + "' for " +
+                                 algorithm);
+    }
+    return thousands * 1000;
   }
   return Status::Unavailable("no " + algorithm + " line in openssl speed's output");
 }

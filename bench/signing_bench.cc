@@ -150,15 +150,14 @@ Status RunSigningBench(const SigningBenchOptions& options, std::ostream& out) {
          << Fixed(100.0 * delta_bytes.size() / options.checkpoint_bytes, 2) << " % of it), one thread\n\n"
          << RenderText(table) << "\n";
   std::vector<std::string> checks;
-  auto pass = [](bool ok) { return std::string(ok ? "PASS" : "FAIL"); };
   const bool manifest_ok = Median(sign_ms) <= kManifestTargetMs && Median(verify_ms) <= kManifestTargetMs;
   checks.push_back("sign and verify a manifest <= " + Fixed(kManifestTargetMs, 0) + " ms each: " +
-                   pass(manifest_ok) + " (" + Fixed(Median(sign_ms), 3) + " / " + Fixed(Median(verify_ms), 3) + " ms)");
+                   PassFail(manifest_ok) + " (" + Fixed(Median(sign_ms), 3) + " / " + Fixed(Median(verify_ms), 3) + " ms)");
   bool sha_ok = true;
   if (std::isfinite(openssl_rate)) {
     sha_ok = our_sha_rate >= kShaFloorFraction * openssl_rate;
     checks.push_back("SHA-256 pass >= " + Fixed(kShaFloorFraction, 1) + " x openssl speed -evp sha256 (peer, " +
-                     Fixed(openssl_rate / 1e9, 2) + " GB/s): " + pass(sha_ok) + " (" +
+                     Fixed(openssl_rate / 1e9, 2) + " GB/s): " + PassFail(sha_ok) + " (" +
                      Fixed(our_sha_rate / 1e9, 2) + " GB/s = " + Fixed(our_sha_rate / openssl_rate, 2) + " x)");
   } else {
     checks.push_back("SHA-256 vs openssl speed: n/a (" + openssl_why + ")");

@@ -13,8 +13,6 @@ namespace {
 constexpr double kTcpRatioTarget = 0.70;  // flywheel's plain stream vs iperf3
 constexpr double kTlsRatioTarget = 0.60;  // one TLS 1.3 stream vs iperf3
 
-std::string PassFail(bool pass) { return pass ? "PASS" : "FAIL"; }
-
 std::string Gbit(double bytes_per_second) { return Fixed(bytes_per_second * 8 / 1e9, 2); }
 
 // One flywheel run; NaN (and a failure) when it did not complete.

@@ -71,6 +71,9 @@ struct Table {
   std::vector<std::vector<std::string>> rows;
 };
 
+// A check's verdict as the reports print it.
+inline std::string PassFail(bool pass) { return pass ? "PASS" : "FAIL"; }
+
 // `value` with `digits` decimals ("-" for NaN or infinity).
 inline std::string Fixed(double value, int digits) {
   if (!std::isfinite(value)) return "-";

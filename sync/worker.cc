@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 #include <shared_mutex>
+#include <unordered_map>
 
 #include "delta/delta.h"
 #include "delta/format.h"
@@ -241,12 +242,19 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
     if (closed_) return;  // the apply may have run meanwhile: these are no longer the base
     const delta::Manifest& m = view_->manifest();
     if (worker_->version.load() != m.base_version || worker_->hash != m.base_hash) return;
-    const std::string& name = m.tensors[m.chunks[chunk].tensor_index].name;
-    for (const OwnedTensor& tensor : worker_->weights.tensors) {
-      if (tensor.name == name) {
-        prepared_->Prepare(*view_, chunk, tensor.data);
-        return;
+    // The served base's tensors, by manifest tensor, found once (the layout cannot change
+    // while it is the base).
+    std::call_once(mapped_, [&] {
+      std::unordered_map<std::string_view, const OwnedTensor*> by_name;
+      for (const OwnedTensor& tensor : worker_->weights.tensors) by_name.emplace(tensor.name, &tensor);
+      base_of_.assign(m.tensors.size(), nullptr);
+      for (size_t i = 0; i < m.tensors.size(); ++i) {
+        auto it = by_name.find(m.tensors[i].name);
+        if (it != by_name.end()) base_of_[i] = it->second;
       }
+    });
+    if (const OwnedTensor* tensor = base_of_[m.chunks[chunk].tensor_index]) {
+      prepared_->Prepare(*view_, chunk, tensor->data);
     }
   }
 
@@ -259,6 +267,8 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
   std::vector<uint32_t> missing_;                     // per chunk: pieces still to come
   std::vector<std::vector<uint32_t>> chunks_of_piece_;  // per piece: chunks waiting for it
   std::unique_ptr<delta::PreparedChunks> prepared_;
+  std::once_flag mapped_;
+  std::vector<const OwnedTensor*> base_of_;  // per manifest tensor; null: not in the base
 };
 
 std::vector<ArtifactInfo> Worker::Impl::Plan() {
