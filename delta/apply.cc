@@ -133,8 +133,8 @@ struct PreparedChunks::Chunk {
 
 // The apply's side of PreparedChunks.
 struct PreparedAccess {
-  // Chunk `index` as prepared, taken by the apply; false when the apply must decode it
-  // itself (not prepared, or given up). Waits for a Prepare of it in progress.
+  // Chunk record `index` as prepared, taken by the apply; false when the apply must decode
+  // it itself (not prepared, or given up). Waits for a Prepare of it in progress.
   static bool Take(PreparedChunks* prepared, size_t index, std::vector<uint32_t>* positions,
                    ByteVec* words) {
     if (prepared == nullptr || index >= prepared->count_) return false;
@@ -171,7 +171,7 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
   if (e.kind == ChunkKind::kSparse) {
     std::vector<uint32_t> positions;
     ByteVec words;
-    if (PreparedAccess::Take(prepared, index, &positions, &words)) {
+    if (PreparedAccess::Take(prepared, e.record, &positions, &words)) {
       ApplyPrepared(m, index, std::move(positions), std::move(words), tensor_data, keep_undo,
                     keep_positions, undo);
       return Status::Ok();
@@ -548,9 +548,9 @@ void AddZigZag(uint8_t* words, const uint64_t* z, size_t count) {
 bool PreparedChunks::Prepare(const DeltaView& delta, size_t index,
                              std::span<const std::byte> base_tensor) {
   const Manifest& m = delta.manifest();
-  if (index >= count_ || index >= m.chunks.size()) return false;
+  if (index >= m.chunks.size()) return false;
   const ChunkEntry& e = m.chunks[index];
-  if (e.kind != ChunkKind::kSparse) return false;
+  if (e.record >= count_ || e.kind != ChunkKind::kSparse) return false;
   const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
   if (base_tensor.size() != m.tensors[e.tensor_index].byte_size) return false;
   const uint64_t need = e.changed_words * (sizeof(uint32_t) + w);
@@ -558,7 +558,7 @@ bool PreparedChunks::Prepare(const DeltaView& delta, size_t index,
     bytes_.fetch_sub(need);
     return false;
   }
-  Chunk& chunk = chunks_[index];
+  Chunk& chunk = chunks_[e.record];
   int expected = kEmpty;
   if (!chunk.state.compare_exchange_strong(expected, kPreparing)) {
     bytes_.fetch_sub(need);

@@ -33,6 +33,11 @@ uint64_t Checksum(std::span<const uint8_t> bytes);
 // decoders instead of stopping at the first checksum.
 bool ChecksumMismatch(uint64_t stored, std::span<const uint8_t> bytes);
 
+// The declared changed words and raw and stored sizes of chunk `e` (words of `w` bytes)
+// must be possible for its kind and word count, and within `limits` (container_parse.cc).
+Status CheckChunkSizes(const std::string& where, const ChunkEntry& e, int w,
+                       const DecodeLimits& limits);
+
 inline const uint8_t* U8(std::span<const std::byte> s) {
   return reinterpret_cast<const uint8_t*>(s.data());
 }

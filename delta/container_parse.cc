@@ -38,7 +38,7 @@ Result<Header> ParseHeader(const uint8_t* p, uint64_t size, const DecodeLimits& 
   const uint64_t flags = wire::LoadFixed(p + 10, 2);
   if (version != format::kVersion) {
     return Status::Corruption("delta format version " + std::to_string(version) +
-                              " is not supported (this build reads version 1)");
+                              " is not supported (this build reads versions 1 and 2)");
   }
   if ((flags & ~uint64_t{format::kFlagKeyframe}) != 0) {
     return Status::Corruption("delta header has unknown flags " + std::to_string(flags));
@@ -67,6 +67,8 @@ Result<Header> ParseHeader(const uint8_t* p, uint64_t size, const DecodeLimits& 
   }
   return h;
 }
+
+using internal::CheckChunkSizes;
 
 // Reads one manifest section by section into `m`, in the order of delta/format.h.
 class ManifestParser {
@@ -97,7 +99,6 @@ class ManifestParser {
   Status ParseChunks();
   Status ParseTensorChunks(uint32_t ti);
   Status ParseChunk(uint32_t ti, uint64_t& next_free, ChunkEntry& e);
-  Status CheckChunkSizes(const std::string& where, const ChunkEntry& e, int w) const;
 
   wire::Reader r_;
   const Header& header_;
@@ -324,7 +325,7 @@ Status ManifestParser::ParseChunk(uint32_t ti, uint64_t& next_free, ChunkEntry& 
                                      " words, limit " + std::to_string(limits_.max_chunk_words));
   }
   next_free = e.word_begin + e.word_count;
-  FW_RETURN_IF_ERROR(CheckChunkSizes(where, e, w));
+  FW_RETURN_IF_ERROR(CheckChunkSizes(where, e, w, limits_));
   if (e.payload_bytes > header_.payload_bytes - payload_offset_) {
     return Status::Corruption(where + " payload runs past the end of the delta");
   }
@@ -332,13 +333,18 @@ Status ManifestParser::ParseChunk(uint32_t ti, uint64_t& next_free, ChunkEntry& 
     return Status::Corruption(where + " of a keyframe is not literal");
   }
   e.payload_offset = payload_offset_;
+  e.record = static_cast<uint32_t>(m_.chunks.size());
   payload_offset_ += e.payload_bytes;
   return Status::Ok();
 }
 
-// The declared changed words and raw and stored sizes must be possible for the chunk's
-// kind and word count.
-Status ManifestParser::CheckChunkSizes(const std::string& where, const ChunkEntry& e, int w) const {
+
+}  // namespace
+
+namespace internal {
+
+Status CheckChunkSizes(const std::string& where, const ChunkEntry& e, int w,
+                       const DecodeLimits& limits) {
   const uint64_t dense = e.word_count * w;
   if (e.changed_words > e.word_count || (e.kind == ChunkKind::kSparse && e.changed_words == 0)) {
     return Status::Corruption(where + " declares " + std::to_string(e.changed_words) +
@@ -358,7 +364,7 @@ Status ManifestParser::CheckChunkSizes(const std::string& where, const ChunkEntr
     return Status::Corruption(where + " declares an implausible raw size " +
                               std::to_string(e.raw_bytes));
   }
-  if (e.raw_bytes > limits_.max_chunk_raw_bytes) {
+  if (e.raw_bytes > limits.max_chunk_raw_bytes) {
     return Status::ResourceExhausted(where + " raw size " + std::to_string(e.raw_bytes) +
                                      " exceeds the limit");
   }
@@ -368,11 +374,12 @@ Status ManifestParser::CheckChunkSizes(const std::string& where, const ChunkEntr
   return Status::Ok();
 }
 
-}  // namespace
+}  // namespace internal
 
 Result<DeltaView> DeltaView::Parse(std::span<const std::byte> container,
                                    const DecodeLimits& limits) {
   const uint8_t* p = internal::U8(container);
+  if (StreamReader::IsStreamed(container)) return ParseStreamed(container, limits);
   FW_ASSIGN_OR_RETURN(Header header, ParseHeader(p, container.size(), limits));
   DeltaView view;
   view.bytes_ = container;

@@ -83,8 +83,12 @@ struct ChunkEntry {
   uint64_t changed_words = 0;
   uint64_t raw_bytes = 0;       // payload size before compression
   uint64_t payload_bytes = 0;   // stored size
-  uint64_t payload_offset = 0;  // from the start of the payload section
+  uint64_t payload_offset = 0;  // from the payload section (format 1) or the container (2)
   uint64_t checksum = 0;        // XXH3-64 of the stored payload
+  // The chunk's place in the container: its index in the chunk table (format 1), or the
+  // order of its record (format 2, where records come in the order they were encoded).
+  // PreparedChunks is indexed by it.
+  uint32_t record = 0;
 };
 
 struct Manifest {
@@ -122,6 +126,8 @@ struct DecodeLimits {
 inline constexpr uint64_t kMaxChunkWords = 1ull << 24;
 inline constexpr int kMaxThreads = 1024;
 
+class StreamReader;
+
 // An encoded delta or keyframe, validated up to its manifest. Chunk payloads are
 // verified (checksum, structure, bounds) when they are decoded. Holds a view of the
 // container bytes: keep them alive while the DeltaView is used.
@@ -134,8 +140,13 @@ class DeltaView {
     return payloads_.subspan(chunk.payload_offset, chunk.payload_bytes);
   }
   std::span<const std::byte> bytes() const { return bytes_; }
+  bool streamed() const { return streamed_; }  // format 2
 
  private:
+  friend class StreamReader;
+  static Result<DeltaView> ParseStreamed(std::span<const std::byte> container,
+                                         const DecodeLimits& limits);
+  bool streamed_ = false;
   Manifest manifest_;
   std::span<const std::byte> bytes_;
   std::span<const std::byte> payloads_;
@@ -147,6 +158,63 @@ Result<std::vector<std::byte>> Encode(const CheckpointView& base, const Checkpoi
 // Encodes a keyframe: a full snapshot of `target` (options.base_version is ignored).
 Result<std::vector<std::byte>> EncodeKeyframe(const CheckpointView& target,
                                               const EncodeOptions& options);
+
+// ---- streamed containers (format 2, delta/format.h) ------------------------------------
+
+// Where an encoder writes a streamed container: Begin once with an upper bound of the
+// container's size, then Write with consecutive byte ranges. Calls come from the
+// encoder's threads, one at a time; an error stops the encode and is returned by it.
+class StreamSink {
+ public:
+  virtual ~StreamSink() = default;
+  virtual Status Begin(uint64_t size_bound) = 0;
+  virtual Status Write(std::span<const std::byte> bytes) = 0;
+};
+
+// Encode / EncodeKeyframe, written to `sink` as a format-2 container: every chunk goes
+// out as soon as it is encoded (so a reader can use it before the encode ends), the
+// target hashes last. The same checks and the same chunk payloads as Encode.
+Status EncodeStreamed(const CheckpointView& base, const CheckpointView& target,
+                      const EncodeOptions& options, StreamSink& sink);
+Status EncodeKeyframeStreamed(const CheckpointView& target, const EncodeOptions& options,
+                              StreamSink& sink);
+
+// Reads a format-2 container while its bytes arrive front to back: Advance with the
+// bytes in so far parses the header and prologue once they are whole, then every chunk
+// record whose header and payload are whole (payloads are not verified here: their
+// checksums are checked where they are decoded). Nothing in the partial container is
+// trusted: every field is checked against DecodeLimits as it is read, and a malformed
+// part fails Advance (Corruption naming it) for good. DeltaView::Parse of the whole
+// container checks what can be checked only at the end.
+class StreamReader {
+ public:
+  explicit StreamReader(const DecodeLimits& limits = {});
+  ~StreamReader();
+  StreamReader(StreamReader&&) noexcept;
+  StreamReader& operator=(StreamReader&&) noexcept;
+
+  // Whether `prefix` (at least 10 bytes) starts a format-2 container.
+  static bool IsStreamed(std::span<const std::byte> prefix);
+
+  // `prefix`: the container's first bytes, at least as many as in the previous call, and
+  // the same ones.
+  Status Advance(std::span<const std::byte> prefix);
+  bool has_prologue() const;
+  bool ended() const;  // the end record was read
+  // Versions, base hash, metadata and tensors (no target hashes before ended()), with
+  // the chunks read so far in record order (payload offsets from the container's start).
+  const Manifest& manifest() const;
+  uint64_t max_chunks() const;  // the prologue's bound on chunk records
+  // Chunk record `record` alone, as a view of one tensor and one chunk (its `record`
+  // field kept) over `container` (which must hold its payload), for
+  // PreparedChunks::Prepare.
+  DeltaView ChunkView(size_t record, std::span<const std::byte> container) const;
+
+ private:
+  friend class DeltaView;
+  struct State;
+  std::unique_ptr<State> state_;
+};
 
 // Words of one chunk that an apply wrote: every word of [word_begin, word_begin +
 // word_count) when `all` (dense chunks, keyframes), else those at `positions` (relative to
@@ -202,13 +270,15 @@ struct ApplyOptions {
 // back, exactly as a corrupt chunk would.
 class PreparedChunks {
  public:
-  // For a delta of `chunk_count` chunks; at most `budget_bytes` of decoded data are kept.
+  // For a delta of `chunk_count` chunks (format 2: its max_chunks); at most `budget_bytes`
+  // of decoded data are kept. Chunks are identified by ChunkEntry::record.
   PreparedChunks(size_t chunk_count, uint64_t budget_bytes);
   ~PreparedChunks();
   PreparedChunks(const PreparedChunks&) = delete;
   PreparedChunks& operator=(const PreparedChunks&) = delete;
 
-  // Decodes chunk `index` of `delta` (its stored bytes must be complete) against
+  // Decodes chunk `index` of `delta` (its stored bytes must be complete; it is kept under
+  // the chunk's record number) against
   // `base_tensor`, the bytes of the tensor the chunk patches. Returns whether it was kept:
   // false for a chunk that is not sparse, over the budget, already prepared or claimed by
   // the apply, or that does not decode (the apply then reports the error as usual).

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <unordered_map>
 
@@ -332,8 +333,9 @@ class DeltaEncoder {
   // `base_aligned` holds the base tensors in target order (empty for a keyframe).
   DeltaEncoder(const CheckpointView* base, const CheckpointView& target,
                CheckpointView base_aligned, std::unordered_map<std::string, size_t> target_index,
-               const EncodeOptions& options)
-      : keyframe_(base == nullptr),
+               const EncodeOptions& options, StreamSink* sink = nullptr)
+      : sink_(sink),
+        keyframe_(base == nullptr),
         base_(base),
         target_(target),
         base_aligned_(std::move(base_aligned)),
@@ -345,8 +347,15 @@ class DeltaEncoder {
         target_hashes_(target.size()) {}
 
   Result<std::vector<std::byte>> Run();
+  // Run, written to the sink as a format-2 container.
+  Status RunStreamed();
 
  private:
+  // Streaming: the header and prologue; one chunk's record; the end record.
+  Status BeginStream(const Hash128& base_hash);
+  void StreamChunk(size_t k);
+  Status EndStream(const Hash128& target_hash);
+
   void EncodeTask(size_t k, StreamingHash* base_hasher, StreamingHash* target_hasher);
   void EncodeAndHash();
   Status TakeGivenBaseHashes();
@@ -354,6 +363,12 @@ class DeltaEncoder {
   ByteVec BuildManifest(const Hash128& base_hash, const Hash128& target_hash) const;
   Result<std::vector<std::byte>> Assemble(const ByteVec& manifest) const;
 
+  StreamSink* const sink_;  // null: Run assembles the container in memory
+  std::mutex sink_mu_;      // one Write at a time, each record whole
+  Status sink_error_;       // the first failed Write (guarded by sink_mu_)
+  uint64_t records_ = 0;    // chunk records written (guarded by sink_mu_)
+  std::vector<uint64_t> streamed_changed_;  // per tensor (guarded by sink_mu_)
+  bool base_hashed_ = false;  // base_hashes_ hold the base's hashes already
   const bool keyframe_;
   const CheckpointView* base_;  // null for a keyframe
   const CheckpointView& target_;
@@ -379,6 +394,7 @@ void DeltaEncoder::EncodeTask(size_t k, StreamingHash* base_hasher, StreamingHas
     encoded_[k].error =
         Status::ResourceExhausted("out of memory encoding tensor " + Quote(target.name));
   }
+  if (sink_ != nullptr) StreamChunk(k);
   uint64_t done = done_bytes_.fetch_add(task.word_count * w) + task.word_count * w;
   if (options_.progress) options_.progress(done, plan_.total_bytes);
 }
@@ -392,7 +408,7 @@ void DeltaEncoder::EncodeAndHash() {
             [&](size_t a, size_t c) { return target_[a].data.size() > target_[c].data.size(); });
   // Given base hashes (a publisher's cached head) are taken as they are; only the target
   // is hashed then.
-  const bool hash_base = !keyframe_ && options_.base_tensor_hashes.empty();
+  const bool hash_base = !keyframe_ && !base_hashed_ && options_.base_tensor_hashes.empty();
   ParallelFor(order.size(), options_.threads, [&](size_t j) {
     const size_t i = order[j];
     StreamingHash base_hasher, target_hasher;
@@ -406,6 +422,8 @@ void DeltaEncoder::EncodeAndHash() {
 
 // The caller's base hashes (index-aligned with `base`), placed at their target tensors.
 Status DeltaEncoder::TakeGivenBaseHashes() {
+  if (base_hashed_) return Status::Ok();
+  base_hashed_ = true;
   FW_ASSIGN_OR_RETURN(
       std::vector<Hash128> given,
       internal::HashesOrCompute(*base_, options_.base_tensor_hashes, options_.threads, "base"));
@@ -557,6 +575,137 @@ Result<std::vector<std::byte>> DeltaEncoder::Run() {
   return Assemble(manifest);
 }
 
+Status DeltaEncoder::BeginStream(const Hash128& base_hash) {
+  ByteVec prologue;
+  wire::PutVarint(&prologue, keyframe_ ? 0 : options_.base_version);
+  wire::PutVarint(&prologue, options_.target_version);
+  PutHash(&prologue, keyframe_ ? Hash128{} : base_hash);
+  wire::PutVarint(&prologue, options_.metadata.size());
+  for (const auto& [key, value] : options_.metadata) {
+    wire::PutString(&prologue, key);
+    wire::PutString(&prologue, value);
+  }
+  wire::PutVarint(&prologue, target_.size());
+  for (size_t i = 0; i < target_.size(); ++i) {
+    const TensorView& t = target_[i];
+    wire::PutString(&prologue, t.name);
+    wire::PutU8(&prologue, static_cast<uint8_t>(t.dtype));
+    wire::PutVarint(&prologue, t.shape.size());
+    for (int64_t d : t.shape) wire::PutVarint(&prologue, static_cast<uint64_t>(d));
+    PutHash(&prologue, keyframe_ ? Hash128{} : base_hashes_[i]);
+  }
+  wire::PutVarint(&prologue, plan_.tasks.size());
+  if (prologue.size() > DecodeLimits{}.max_manifest_bytes) {
+    return Status::InvalidArgument("the delta's prologue would be " +
+                                   std::to_string(prologue.size()) + " bytes, over the limit");
+  }
+  ByteVec header;
+  header.insert(header.end(), format::kMagic, format::kMagic + 8);
+  wire::PutFixed(&header, format::kStreamedVersion, 2);
+  wire::PutFixed(&header, keyframe_ ? format::kFlagKeyframe : 0, 2);
+  wire::PutFixed(&header, 0, 4);
+  wire::PutFixed(&header, prologue.size(), 8);
+  wire::PutFixed(&header, Checksum(prologue), 8);
+  wire::PutFixed(&header, Checksum(header), 8);
+  // Every stored payload is at most the chunk's dense size (a larger sparse form is never
+  // kept), and every record header at most 79 bytes.
+  uint64_t bound = header.size() + prologue.size() + 1 + 10 + 16 + 26 * target_.size() + 8;
+  for (const ChunkTask& task : plan_.tasks) {
+    bound += 79 + task.word_count * DTypeWordBytes(target_[task.tensor_index].dtype);
+  }
+  streamed_changed_.assign(target_.size(), 0);
+  FW_RETURN_IF_ERROR(sink_->Begin(bound));
+  FW_RETURN_IF_ERROR(sink_->Write(std::as_bytes(std::span(header.data(), header.size()))));
+  return sink_->Write(std::as_bytes(std::span(prologue.data(), prologue.size())));
+}
+
+// Runs on the encoding thread that finished chunk `k`: its record goes out at once and
+// its payload is freed.
+void DeltaEncoder::StreamChunk(size_t k) {
+  EncodedChunk& c = encoded_[k];
+  if (!c.present || !c.error.ok()) return;
+  const ChunkEntry& e = c.entry;
+  ByteVec header;
+  wire::PutU8(&header, format::kTagChunk);
+  wire::PutVarint(&header, e.tensor_index);
+  wire::PutVarint(&header, e.word_begin);
+  wire::PutVarint(&header, e.word_count);
+  wire::PutU8(&header, static_cast<uint8_t>(e.kind));
+  wire::PutU8(&header, static_cast<uint8_t>(e.compressor));
+  wire::PutVarint(&header, e.changed_words);
+  wire::PutVarint(&header, e.raw_bytes);
+  wire::PutVarint(&header, e.payload_bytes);
+  wire::PutFixed(&header, e.checksum, 8);
+  wire::PutFixed(&header, Checksum(header), 8);
+  {
+    std::lock_guard lock(sink_mu_);
+    if (sink_error_.ok()) {
+      sink_error_ = sink_->Write(std::as_bytes(std::span(header.data(), header.size())));
+    }
+    if (sink_error_.ok()) {
+      sink_error_ = sink_->Write(std::as_bytes(std::span(c.payload.data(), c.payload.size())));
+    }
+    ++records_;
+    streamed_changed_[e.tensor_index] += e.changed_words;
+  }
+  c.payload = ByteVec();
+}
+
+Status DeltaEncoder::EndStream(const Hash128& target_hash) {
+  ByteVec end;
+  wire::PutU8(&end, format::kTagEnd);
+  wire::PutVarint(&end, records_);
+  PutHash(&end, target_hash);
+  for (size_t i = 0; i < target_.size(); ++i) {
+    PutHash(&end, target_hashes_[i]);
+    const TensorView& t = target_[i];
+    wire::PutVarint(&end, keyframe_ ? t.data.size() / DTypeWordBytes(t.dtype) : streamed_changed_[i]);
+  }
+  wire::PutFixed(&end, Checksum(end), 8);
+  return sink_->Write(std::as_bytes(std::span(end.data(), end.size())));
+}
+
+Status DeltaEncoder::RunStreamed() {
+  // The prologue names the base's hashes, so they are known (given or hashed) first; the
+  // target is hashed in the compare pass as in Run.
+  Hash128 base_hash;
+  if (!keyframe_) {
+    FW_RETURN_IF_ERROR(TakeGivenBaseHashes());
+    FW_ASSIGN_OR_RETURN(base_hash, CheckpointHashFromTensorHashes(base_aligned_, base_hashes_));
+  }
+  FW_RETURN_IF_ERROR(BeginStream(base_hash));
+  const bool hash_here = options_.target_tensor_hashes.empty();
+  const bool fused =
+      hash_here &&
+      (options_.threads == 1 || plan_.largest_tensor_bytes * options_.threads <= plan_.total_bytes);
+  if (fused) {
+    EncodeAndHash();
+  } else {
+    FW_RETURN_IF_ERROR(HashThenEncode());
+  }
+  for (const EncodedChunk& c : encoded_) FW_RETURN_IF_ERROR(c.error);
+  {
+    std::lock_guard lock(sink_mu_);
+    FW_RETURN_IF_ERROR(sink_error_);
+  }
+  FW_ASSIGN_OR_RETURN(Hash128 target_hash, CheckpointHashFromTensorHashes(target_, target_hashes_));
+  return EndStream(target_hash);
+}
+
+Status StreamedImpl(const CheckpointView* base, const CheckpointView& target,
+                    const EncodeOptions& options, StreamSink& sink) {
+  FW_RETURN_IF_ERROR(CheckOptions(target, options));
+  std::unordered_map<std::string, size_t> target_index;
+  FW_RETURN_IF_ERROR(IndexTarget(target, &target_index));
+  CheckpointView base_aligned;
+  if (base != nullptr) {
+    FW_RETURN_IF_ERROR(AlignBase(*base, target, target_index, &base_aligned));
+  }
+  DeltaEncoder encoder(base, target, std::move(base_aligned), std::move(target_index), options,
+                       &sink);
+  return encoder.RunStreamed();
+}
+
 // `base` is null for a keyframe.
 Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const CheckpointView& target,
                                           const EncodeOptions& options) {
@@ -581,6 +730,16 @@ Result<std::vector<std::byte>> Encode(const CheckpointView& base, const Checkpoi
 Result<std::vector<std::byte>> EncodeKeyframe(const CheckpointView& target,
                                               const EncodeOptions& options) {
   return EncodeImpl(nullptr, target, options);
+}
+
+Status EncodeStreamed(const CheckpointView& base, const CheckpointView& target,
+                      const EncodeOptions& options, StreamSink& sink) {
+  return StreamedImpl(&base, target, options, sink);
+}
+
+Status EncodeKeyframeStreamed(const CheckpointView& target, const EncodeOptions& options,
+                              StreamSink& sink) {
+  return StreamedImpl(nullptr, target, options, sink);
 }
 
 }  // namespace flywheel::delta

@@ -60,6 +60,51 @@
 //       values in order, LSB-first.
 //     Elias-gamma value stream: per value, L - 1 zero bits, a one bit, the L - 1 low bits
 //       of z, LSB-first.
+//
+// ---- Format version 2: the streamed container ----------------------------------------
+// Written front to back while the encoder runs, so that a reader can use every chunk as
+// soon as its bytes are in, before the encoder has finished: the tensor table comes first
+// without target hashes, each chunk is a self-describing record (in the order the
+// encoder finished them), and what is known only at the end (target hashes, changed
+// counts) is in a closing record.
+//
+// Container := Header2 | Prologue | ChunkRecord* | EndRecord     (the file ends there)
+//
+// Header2 (40 bytes)
+//   0   8  magic "FWDELTA\0"
+//   8   2  u16 format version (2)
+//   10  2  u16 flags: bit 0 = keyframe; other bits must be 0
+//   12  4  u32 reserved, 0
+//   16  8  u64 M = prologue bytes
+//   24  8  u64 XXH3-64 of the prologue
+//   32  8  u64 XXH3-64 of header bytes [0, 32)
+//
+// Prologue (M bytes)
+//   varint base_version, varint target_version
+//   16 bytes base checkpoint hash (zero in a keyframe)
+//   metadata as in version 1
+//   varint tensor_count, then per tensor (target order):
+//     varint name length (>= 1), name; u8 dtype; varint rank, rank x varint dim
+//     16 bytes base tensor hash (zero in a keyframe)
+//   varint max_chunks: no more chunk records follow than this (the encoder's plan)
+//
+// ChunkRecord
+//   u8 tag 1
+//   varint tensor index, varint word_begin, varint word_count (>= 1)
+//   u8 kind, u8 compressor, varint changed_words, varint raw_bytes, varint payload_bytes
+//   u64 XXH3-64 of the stored payload
+//   u64 XXH3-64 of this record's bytes from the tag up to here
+//   payload_bytes bytes of stored payload (as in version 1)
+//
+// EndRecord
+//   u8 tag 2
+//   varint chunk record count
+//   16 bytes target checkpoint hash
+//   per tensor (prologue order): 16 bytes target tensor hash, varint changed_words
+//   u64 XXH3-64 of this record's bytes from the tag up to here
+//
+// Chunks of one tensor may come in any order but must not overlap; the same per-chunk
+// rules as in version 1 apply.
 #pragma once
 
 #include <cstdint>
@@ -68,6 +113,10 @@ namespace flywheel::delta::format {
 
 inline constexpr char kMagic[8] = {'F', 'W', 'D', 'E', 'L', 'T', 'A', '\0'};
 inline constexpr uint16_t kVersion = 1;
+inline constexpr uint16_t kStreamedVersion = 2;
+inline constexpr uint64_t kStreamedHeaderBytes = 40;
+inline constexpr uint8_t kTagChunk = 1;
+inline constexpr uint8_t kTagEnd = 2;
 inline constexpr uint16_t kFlagKeyframe = 1;
 inline constexpr uint64_t kHeaderBytes = 48;
 inline constexpr uint64_t kMaxRank = 64;

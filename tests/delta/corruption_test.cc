@@ -118,9 +118,9 @@ TEST_F(CorruptionTest, HeaderChecksumMismatch) {
 
 TEST_F(CorruptionTest, UnsupportedVersionAndFlags) {
   auto bad = delta_;
-  bad[8] = std::byte{2};
+  bad[8] = std::byte{3};
   Reseal(bad);
-  EXPECT_NE(TryApply(bad).message().find("version 2"), std::string::npos);
+  EXPECT_NE(TryApply(bad).message().find("version 3"), std::string::npos);
   bad = delta_;
   bad[11] = std::byte{0x80};
   Reseal(bad);
