@@ -40,10 +40,14 @@ wire::Artifact ToWire(const ArtifactInfo& info) {
   artifact.set_base_version(info.base_version);
   artifact.set_target_version(info.target_version);
   if (info.kind == ArtifactKind::kDelta) artifact.set_base_hash(HashBytesOf(info.base_hash));
-  artifact.set_target_hash(HashBytesOf(info.target_hash));
+  if (!info.streaming) artifact.set_target_hash(HashBytesOf(info.target_hash));
   artifact.set_size_bytes(info.size_bytes);
   artifact.set_piece_bytes(info.piece_bytes);
   for (uint64_t hash : info.piece_hashes) artifact.add_piece_hashes(hash);
+  if (info.streaming) {
+    artifact.set_streaming(true);
+    artifact.set_size_bound(info.size_bound);
+  }
   return artifact;
 }
 
@@ -68,13 +72,30 @@ Result<ArtifactInfo> FromWire(const wire::Artifact& artifact, uint64_t max_piece
     }
     FW_ASSIGN_OR_RETURN(info.base_hash, HashFromBytes(artifact.base_hash(), what + " base hash"));
   }
-  FW_ASSIGN_OR_RETURN(info.target_hash,
-                      HashFromBytes(artifact.target_hash(), what + " target hash"));
+  info.streaming = artifact.streaming();
+  if (info.streaming) {
+    if (info.kind != ArtifactKind::kDelta || !artifact.target_hash().empty()) {
+      return Status::Corruption(what + ": a streaming entry must be a delta without a target hash");
+    }
+  } else {
+    FW_ASSIGN_OR_RETURN(info.target_hash,
+                        HashFromBytes(artifact.target_hash(), what + " target hash"));
+  }
   info.size_bytes = artifact.size_bytes();
   info.piece_bytes = artifact.piece_bytes();
   if (info.piece_bytes == 0 || info.piece_bytes > max_piece_bytes) {
     return Status::Corruption(what + ": piece size " + std::to_string(info.piece_bytes) +
                               " outside [1, " + std::to_string(max_piece_bytes) + "]");
+  }
+  if (info.streaming) {
+    info.size_bound = artifact.size_bound();
+    if (info.size_bytes % info.piece_bytes != 0 || info.size_bound < info.size_bytes ||
+        info.size_bound > kMaxStreamingBound) {
+      return Status::Corruption(what + ": streaming entry of " + std::to_string(info.size_bytes) +
+                                " bytes (whole pieces only) bounded by " +
+                                std::to_string(info.size_bound) + " (at most " +
+                                std::to_string(kMaxStreamingBound) + ")");
+    }
   }
   const uint64_t pieces = (info.size_bytes + info.piece_bytes - 1) / info.piece_bytes;
   if (pieces != static_cast<uint64_t>(artifact.piece_hashes_size())) {
@@ -146,8 +167,13 @@ void CatalogVerifier::Filter(Catalog* catalog, const std::string& who) {
   if (!enabled()) return;
   std::map<ArtifactKey, ManifestFacts> facts;
   std::vector<ArtifactInfo> kept;
+  std::vector<ArtifactInfo> streaming;
   for (ArtifactInfo& info : catalog->artifacts) {
     const ArtifactKey key = KeyOf(info);
+    if (info.streaming) {
+      streaming.push_back(std::move(info));
+      continue;
+    }
     const SignedManifest* signed_manifest = catalog->SignatureOf(key);
     static const SignedManifest kUnsigned;
     Result<ManifestFacts> verified =
@@ -165,12 +191,18 @@ void CatalogVerifier::Filter(Catalog* catalog, const std::string& who) {
     facts[key] = *verified;
     kept.push_back(std::move(info));
   }
+  // Deltas still streaming cannot be signed yet: they pass unverified, and nothing of
+  // them is applied or kept before their finished, signed entry verifies.
+  for (const ArtifactInfo& info : streaming) kept.push_back(info);
+  std::sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.target_version, a.kind) < std::tie(b.target_version, b.kind);
+  });
   catalog->artifacts = std::move(kept);
   facts_ = std::move(facts);
   uint64_t newest = 0;
   Hash128 newest_hash;
   for (const ArtifactInfo& info : catalog->artifacts) {
-    if (info.target_version >= newest) {
+    if (!info.streaming && info.target_version >= newest) {
       newest = info.target_version;
       newest_hash = info.target_hash;
     }
@@ -444,14 +476,35 @@ awaitable<void> Server::ServeData(std::shared_ptr<Connection> connection) {
 // ---- Upstream ----------------------------------------------------------------------------
 
 Download::Download(ArtifactInfo artifact)
-    : info(std::move(artifact)),
-      bytes(std::make_shared<std::vector<std::byte>>(info.size_bytes)),
-      have(info.piece_hashes.size(), false) {}
+    : info(std::move(artifact)), have(info.piece_hashes.size(), false) {
+  Result<std::shared_ptr<GrowableBytes>> buffer =
+      GrowableBytes::Create(info.streaming ? info.size_bound : info.size_bytes);
+  if (!buffer.ok()) throw std::bad_alloc();
+  bytes = std::move(*buffer);
+  (void)bytes->Resize(info.size_bytes);
+}
 
 std::span<const std::byte> Download::piece(uint32_t index) const {
   const uint64_t begin = static_cast<uint64_t>(index) * info.piece_bytes;
   const uint64_t end = std::min(info.size_bytes, begin + info.piece_bytes);
-  return std::span<const std::byte>(*bytes).subspan(begin, end - begin);
+  return std::span<const std::byte>(bytes->data() + begin, end - begin);
+}
+
+bool Download::Extend(const ArtifactInfo& newer) {
+  if (!info.streaming || KeyOf(newer) != KeyOf(info) || newer.piece_bytes != info.piece_bytes ||
+      newer.base_version != info.base_version || newer.base_hash != info.base_hash ||
+      newer.piece_hashes.size() < info.piece_hashes.size() ||
+      newer.size_bytes > bytes->capacity() || newer.size_bytes < info.size_bytes) {
+    return false;
+  }
+  // Pieces verified against the streaming list must be the same pieces in the new one.
+  if (!std::equal(info.piece_hashes.begin(), info.piece_hashes.end(), newer.piece_hashes.begin())) {
+    return false;
+  }
+  if (!bytes->Resize(newer.size_bytes).ok()) return false;
+  have.resize(newer.piece_hashes.size(), false);
+  info = newer;
+  return true;
 }
 
 Upstream::Upstream(asio::any_io_executor executor, UpstreamOptions options, LinkRegistry* links)
@@ -612,9 +665,12 @@ awaitable<void> Upstream::StreamTask(std::shared_ptr<FetchState> state,
 }
 
 awaitable<Status> Upstream::Fetch(Download& download, std::function<void(uint32_t)> on_piece) {
-  if (download.complete()) co_return Status::Ok();
+  if (download.all_known()) co_return Status::Ok();
+  // The pieces listed now: a streaming entry may list more while this runs (Extend), and
+  // those are for the next Fetch.
+  const size_t known = download.have.size();
   std::vector<uint32_t> pending;  // a stack: the lowest index on top
-  for (size_t i = download.have.size(); i-- > 0;) {
+  for (size_t i = known; i-- > 0;) {
     if (!download.have[i]) pending.push_back(static_cast<uint32_t>(i));
   }
   transport::Signal requeued(executor_);
@@ -627,7 +683,10 @@ awaitable<Status> Upstream::Fetch(Download& download, std::function<void(uint32_
     asio::co_spawn(executor_, StreamTask(state, std::make_shared<int>(s)), asio::detached);
   }
   while (state->running > 0) co_await finished.Wait();
-  if (download.complete()) co_return Status::Ok();
+  if (std::find(download.have.begin(), download.have.begin() + known, false) ==
+      download.have.begin() + known) {
+    co_return Status::Ok();
+  }
   for (const Status& status : state->results) {
     if (!status.ok()) co_return status;
   }
@@ -649,7 +708,9 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
     requeued.Notify();
   };
   int unavailable_strikes = 0;
-  while (!download.complete()) {
+  // Until nothing is left to ask for: a stream with nothing pending and nothing in
+  // flight is done (requests another stream gives back are its own to redo).
+  while (!pending.empty() || !in_flight.empty()) {
     if (stopped_) co_return Status::Unavailable("stopping");
     if (Clock::now() - last_progress_ > options_.give_up) {
       requeue_in_flight();
@@ -663,10 +724,7 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
       if (!in_flight.empty()) requeue_in_flight();
       if (connection) links_->Remove(connection);
       connection.reset();
-      if (pending.empty()) {
-        co_await requeued.Wait();  // nothing to do until another stream gives work back
-        continue;
-      }
+      if (pending.empty()) continue;  // nothing left for this stream
       size_t index = 0;
       Result<std::shared_ptr<Connection>> dialed = co_await DialAny(wire::DATA, &index);
       if (!dialed.ok()) {
@@ -697,11 +755,7 @@ awaitable<Status> Upstream::RunStream(int stream, Download& download,
       requeue_in_flight();
       continue;
     }
-    if (in_flight.empty()) {
-      if (download.complete()) break;
-      co_await requeued.Wait();
-      continue;
-    }
+    if (in_flight.empty()) break;  // everything pending was here already
     // Answers come in order; a connection that keeps sending heartbeats but no piece for
     // this long is closed, and its requests go elsewhere.
     Result<Frame> frame = co_await connection->Receive(options_.give_up, "a piece");

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "base/growable_bytes.h"
 #include "base/status.h"
 #include "delta/hash.h"
 #include "sync/signing.h"
@@ -34,6 +35,10 @@ using transport::Connection;
 
 std::string HashBytesOf(const Hash128& hash);  // 16 bytes, low half first
 Result<Hash128> HashFromBytes(const std::string& bytes, const std::string& what);
+
+// The largest bound a streaming catalog entry may announce (address space a node reserves
+// for it; memory is used only as pieces arrive).
+inline constexpr uint64_t kMaxStreamingBound = uint64_t{4} << 40;
 
 wire::Artifact ToWire(const ArtifactInfo& info);
 // Checks what a peer sent: sizes, hash lengths, piece count consistent with the size.
@@ -201,15 +206,23 @@ struct UpstreamOptions {
   uint64_t max_piece_bytes = 64ull << 20;
 };
 
-// An artifact being downloaded: verified pieces survive failed attempts.
+// An artifact being downloaded: verified pieces survive failed attempts. The bytes never
+// move (GrowableBytes), so a streaming artifact grows in place as its catalog entry does.
 struct Download {
   ArtifactInfo info;
-  std::shared_ptr<std::vector<std::byte>> bytes;
+  std::shared_ptr<GrowableBytes> bytes;  // info.size_bytes long
   std::vector<bool> have;
   uint64_t have_count = 0;
-  bool complete() const { return have_count == have.size(); }
+  // Every piece the entry lists is here; complete() when the entry is final too.
+  bool all_known() const { return have_count == have.size(); }
+  bool complete() const { return all_known() && !info.streaming; }
+  // Throws std::bad_alloc when the size (or a streaming entry's bound) cannot be reserved.
   explicit Download(ArtifactInfo artifact);
   std::span<const std::byte> piece(uint32_t index) const;
+  // Takes a newer entry of the streaming artifact being downloaded (more pieces, or the
+  // finished one): true, and the pieces held are kept, when it lists the same pieces
+  // first within the reserved bound; false otherwise (start a new Download).
+  bool Extend(const ArtifactInfo& newer);
 };
 
 struct FetchCounters {
@@ -229,7 +242,8 @@ class Upstream {
   // every report interval.
   awaitable<void> RunControl(std::function<void(Catalog)> on_catalog,
                              std::function<wire::Report()> make_report);
-  // Fetches the pieces `download` lacks over parallel streams, verifying each against its
+  // Fetches the pieces `download` lacks (of those its entry lists so far) over parallel
+  // streams, verifying each against its
   // hash (a mismatching piece is counted, dropped and requested again). Fails when no
   // upstream made progress for give_up, the upstream does not have the artifact, or Stop.
   // on_piece (optional) is called for every verified piece.

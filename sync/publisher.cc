@@ -46,8 +46,17 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   double last_sign_ms = 0;
 
   // Network-thread state.
-  std::vector<ArtifactInfo> artifacts;
+  std::vector<ArtifactInfo> artifacts;  // as announced, the streaming delta included
   std::map<ArtifactKey, std::shared_ptr<MappedFile>> mapped;
+  std::shared_ptr<const GrowableBytes> streaming_bytes;  // of the streaming entry announced
+
+  // The delta being encoded now, as far as it is written (set by the append's sink,
+  // cleared when the append ends), and whether an Announce is already posted for it.
+  mutable std::mutex streaming_mutex;
+  std::optional<ArtifactInfo> streaming;
+  std::shared_ptr<const GrowableBytes> streaming_source;
+  std::atomic<bool> announce_posted{false};
+  std::optional<Clock::time_point> first_piece_at;  // of the append running (publish_mutex)
 
   // Appends are serialized by publish_mutex (the watcher and Publish() both publish);
   // what status reads is under stats_mutex, so the network thread never waits for an encode.
@@ -59,6 +68,8 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   std::map<uint64_t, std::pair<uint64_t, int64_t>> known_commits;  // version -> (inode, mtime ns)
   bool scanned_once = false;
   double last_publish_ms = 0;
+  double last_first_piece_ms = 0;
+  uint64_t last_encode_done_unix_us = 0;
   uint64_t last_artifact_bytes = 0;
   uint64_t published = 0;
   std::string last_error;
@@ -81,6 +92,9 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   void ScanDropsOnce();
   awaitable<void> WatchLoop();
   void Announce();
+  // Called by the append's sink as a streamed delta grows: keeps its entry and posts an
+  // Announce (one at a time).
+  void OnStream(const ArtifactInfo& partial, std::shared_ptr<const GrowableBytes> bytes);
   awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
   PublisherStatus CurrentStatus() const;
   // Opens the ledger and the staging area and adds the push API's routes.
@@ -214,8 +228,24 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
                                              std::optional<Clock::time_point> started) {
   std::lock_guard lock(publish_mutex);
   const auto start = started.value_or(Clock::now());
-  Result<AppendResult> written = log->Append(version, checkpoint, known);
-  if (!written.ok()) return written;
+  AppendOptions streamed = known;
+  first_piece_at.reset();
+  streamed.on_stream = [this](const ArtifactInfo& partial, std::shared_ptr<const GrowableBytes> bytes) {
+    if (!first_piece_at) first_piece_at = Clock::now();
+    OnStream(partial, std::move(bytes));
+  };
+  Result<AppendResult> written = log->Append(version, checkpoint, streamed);
+  {
+    // Whatever happened, the partial entry goes: the finished one (or none) replaces it
+    // with the next Announce, which the caller posts on success.
+    std::lock_guard streaming_lock(streaming_mutex);
+    streaming.reset();
+    streaming_source.reset();
+  }
+  if (!written.ok()) {
+    asio::post(executor, [self = shared_from_this()] { self->Announce(); });
+    return written;
+  }
   if (Status signed_ok = SignArtifacts(); !signed_ok.ok()) {
     // The version is in the log but unsigned: verifying nodes will refuse it, and the next
     // append (or a restart) signs it. Say so loudly.
@@ -240,6 +270,11 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
   }
   std::lock_guard stats_lock(stats_mutex);
   last_publish_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+  last_first_piece_ms =
+      first_piece_at ? std::chrono::duration<double, std::milli>(*first_piece_at - start).count() : 0;
+  last_encode_done_unix_us = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(written->encoded_at.time_since_epoch())
+          .count());
   last_artifact_bytes = 0;
   for (const ArtifactInfo& info : written->artifacts) last_artifact_bytes += info.size_bytes;
   ++published;
@@ -333,13 +368,47 @@ awaitable<void> Publisher::Impl::WatchLoop() {
   }
 }
 
+void Publisher::Impl::OnStream(const ArtifactInfo& partial,
+                               std::shared_ptr<const GrowableBytes> bytes) {
+  {
+    std::lock_guard lock(streaming_mutex);
+    streaming = partial;
+    streaming_source = std::move(bytes);
+  }
+  if (!announce_posted.exchange(true)) {
+    asio::post(executor, [self = shared_from_this()] { self->Announce(); });
+  }
+}
+
 void Publisher::Impl::Announce() {
-  artifacts = log->Artifacts();
+  announce_posted = false;
+  // Only versions whose append has finished (signed, recorded) are announced; a delta
+  // still being encoded goes out as a streaming entry.
+  uint64_t head = 0;
+  Hash128 head_hash;
+  {
+    std::lock_guard lock(stats_mutex);
+    head = status_head;
+    head_hash = status_head_hash;
+  }
+  artifacts.clear();
+  for (ArtifactInfo& info : log->Artifacts()) {
+    if (info.target_version <= head) artifacts.push_back(std::move(info));
+  }
+  streaming_bytes.reset();
+  {
+    std::lock_guard lock(streaming_mutex);
+    if (streaming && streaming->target_version > head && streaming->base_version == head &&
+        streaming->base_hash == head_hash) {
+      artifacts.push_back(*streaming);
+      streaming_bytes = streaming_source;
+    }
+  }
   std::map<ArtifactKey, std::shared_ptr<MappedFile>> kept;
   Catalog catalog;
   for (const ArtifactInfo& info : artifacts) {
     auto it = mapped.find(KeyOf(info));
-    if (it != mapped.end()) kept.insert(*it);
+    if (it != mapped.end() && !info.streaming) kept.insert(*it);
     catalog.artifacts.push_back(info);
   }
   {
@@ -350,8 +419,8 @@ void Publisher::Impl::Announce() {
     }
   }
   mapped = std::move(kept);
-  catalog.head_version = log->head_version();
-  catalog.head_hash = log->head_hash();
+  catalog.head_version = head;
+  catalog.head_hash = head_hash;
   catalog.max_staleness = options.max_staleness;
   if (server) server->SetCatalog(ToWire(catalog));
 }
@@ -365,6 +434,13 @@ awaitable<Result<PieceSource::Piece>> Publisher::Impl::GetPiece(const ArtifactKe
   if (info == nullptr) co_return Status::NotFound("the publisher does not hold " + Describe(key));
   if (index >= info->piece_hashes.size()) {
     co_return Status::NotFound(Describe(key) + " has no piece " + std::to_string(index));
+  }
+  if (info->streaming) {
+    // Written and hashed by the encoder already; the bytes never move.
+    const uint64_t begin = static_cast<uint64_t>(index) * info->piece_bytes;
+    Piece piece{streaming_bytes,
+                std::span<const std::byte>(streaming_bytes->data() + begin, info->piece_bytes)};
+    co_return piece;
   }
   auto& file = mapped[key];
   if (!file) {
@@ -414,9 +490,17 @@ PublisherStatus Publisher::Impl::CurrentStatus() const {
               .max_staleness = options.max_staleness,
               .traffic = LinkTraffic::Of(links)};
   s.last_version = log->last_version();
-  s.artifacts_retained = artifacts.size();
-  for (const ArtifactInfo& info : artifacts) s.log_bytes += info.size_bytes;
-  s.join_bytes = JoinBytes(artifacts);
+  const std::vector<ArtifactInfo> logged = log->Artifacts();
+  s.artifacts_retained = logged.size();
+  for (const ArtifactInfo& info : logged) s.log_bytes += info.size_bytes;
+  s.join_bytes = JoinBytes(logged);
+  {
+    std::lock_guard streaming_lock(streaming_mutex);
+    if (streaming) {
+      s.streaming_version = streaming->target_version;
+      s.streaming_pieces = streaming->piece_hashes.size();
+    }
+  }
   s.pieces_served = server->pieces_served();
   {
     std::lock_guard lock(signing_mutex);
@@ -429,6 +513,8 @@ PublisherStatus Publisher::Impl::CurrentStatus() const {
   std::lock_guard lock(stats_mutex);
   s.last_error = last_error;
   s.last_publish_ms = last_publish_ms;
+  s.last_first_piece_ms = last_first_piece_ms;
+  s.last_encode_done_unix_us = last_encode_done_unix_us;
   s.last_artifact_bytes = last_artifact_bytes;
   s.published_total = published;
   s.rejected_drops.assign(rejected_drops.begin(), rejected_drops.end());

@@ -54,7 +54,7 @@ struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
 
 void Relay::Impl::Enqueue(const ArtifactKey& key, bool urgent) {
   auto it = cache.find(key);
-  if (it == cache.end() || it->second->queued || it->second->download.complete()) return;
+  if (it == cache.end() || it->second->queued || it->second->download.all_known()) return;
   it->second->queued = true;
   if (urgent) {
     fetch_queue.push_front(key);
@@ -73,6 +73,12 @@ void Relay::Impl::OnCatalog(Catalog received) {
     auto it = cache.find(KeyOf(info));
     if (it != cache.end() && it->second->download.info == info) {
       kept[KeyOf(info)] = it->second;
+    } else if (it != cache.end() && it->second->download.info.streaming &&
+               it->second->download.Extend(info)) {
+      // A delta still streaming from the publisher grew (or finished): the pieces held
+      // stay, and are forwarded as they are.
+      kept[KeyOf(info)] = it->second;
+      it->second->arrived.Notify();
     } else {
       kept[KeyOf(info)] = std::make_shared<Cached>(info, executor);
     }
@@ -112,6 +118,12 @@ awaitable<void> Relay::Impl::FetchLoop() {
     };
     Status status = co_await upstream->Fetch(entry->download, on_piece);
     entry->queued = false;
+    if (status.ok() && !entry->download.complete()) {
+      // A streaming delta: every piece listed so far is here; the next catalog lists more
+      // (OnCatalog queues it again), and the finished one is checked like any other.
+      if (!entry->download.all_known()) Enqueue(key, false);
+      continue;
+    }
     if (status.ok() && verifier->enabled() && !entry->dropped) {
       // Pieces went on as they arrived (checked against the signed piece list); the whole
       // artifact must now have the signed SHA-256, or it leaves the cache.

@@ -74,6 +74,10 @@ json ToJson(const PublisherStatus& s) {
   out["log_bytes"] = s.log_bytes;
   out["join_bytes"] = s.join_bytes;
   out["last_publish_ms"] = s.last_publish_ms;
+  out["last_first_piece_ms"] = s.last_first_piece_ms;
+  out["last_encode_done_unix_us"] = s.last_encode_done_unix_us;
+  out["streaming_version"] = s.streaming_version;
+  out["streaming_pieces"] = s.streaming_pieces;
   out["last_artifact_bytes"] = s.last_artifact_bytes;
   out["published_total"] = s.published_total;
   out["drops_rejected"] = s.rejected_drops.size();
@@ -109,6 +113,8 @@ json ToJson(const WorkerStatus& s) {
   out["connected"] = s.connected;
   out["last_apply_ms"] = s.last_apply_ms;
   out["last_apply_chunks_early"] = s.last_apply_chunks_early;
+  out["last_early_decode_unix_us"] = s.last_early_decode_unix_us;
+  out["arriving_chunks_decoded"] = s.arriving_chunks_decoded;
   out["last_swap_pause_ms"] = s.last_swap_pause_ms;
   out["swaps_total"] = s.swaps_total;
   out["exports_total"] = s.exports_total;

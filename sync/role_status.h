@@ -72,6 +72,12 @@ struct PublisherStatus {
   uint64_t log_bytes = 0;
   uint64_t join_bytes = 0;  // what a worker joining at the head fetches (sync/version_log.h)
   double last_publish_ms = 0;
+  // Streamed deltas: from the same start to the first piece of the last delta being
+  // served (0 when it was not streamed), and when its encode ended (Unix microseconds).
+  double last_first_piece_ms = 0;
+  uint64_t last_encode_done_unix_us = 0;
+  uint64_t streaming_version = 0;  // the version being encoded and streamed now (0: none)
+  uint64_t streaming_pieces = 0;   // its pieces served so far
   uint64_t last_artifact_bytes = 0;
   uint64_t published_total = 0;
   std::vector<std::pair<uint64_t, std::string>> rejected_drops;  // version, reason
@@ -106,6 +112,10 @@ struct WorkerStatus {
   bool connected = false;
   double last_apply_ms = 0;
   uint64_t last_apply_chunks_early = 0;  // chunks of the last delta decoded while arriving
+  // When the first of them was decoded (Unix microseconds; 0: none), and how many chunks
+  // of the delta arriving now (streamed or not) are decoded so far.
+  uint64_t last_early_decode_unix_us = 0;
+  uint64_t arriving_chunks_decoded = 0;
   double last_swap_pause_ms = 0;
   uint64_t swaps_total = 0;
   uint64_t exports_total = 0;

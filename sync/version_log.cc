@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -698,6 +699,52 @@ Result<std::vector<ArtifactInfo>> VersionLog::Append(uint64_t version,
   return std::move(result.artifacts);
 }
 
+namespace {
+
+// Where a streamed delta is encoded to: memory that keeps its address (so whoever serves
+// the pieces meanwhile may hold on to it), with the hashes of the whole pieces so far.
+class PieceStreamSink : public delta::StreamSink {
+ public:
+  PieceStreamSink(ArtifactInfo entry, const AppendOptions& given)
+      : entry_(std::move(entry)), given_(given) {
+    entry_.streaming = true;
+  }
+  Status Begin(uint64_t size_bound) override {
+    FW_ASSIGN_OR_RETURN(bytes_, GrowableBytes::Create(size_bound));
+    entry_.size_bound = size_bound;
+    return Status::Ok();
+  }
+  Status Write(std::span<const std::byte> bytes) override {
+    FW_RETURN_IF_ERROR(bytes_->Append(bytes));
+    const uint64_t piece = entry_.piece_bytes;
+    const uint64_t before = entry_.size_bytes;
+    while (bytes_->size() - entry_.size_bytes >= piece) {
+      entry_.piece_hashes.push_back(
+          HashBytes64(std::span<const std::byte>(bytes_->data() + entry_.size_bytes, piece)));
+      entry_.size_bytes += piece;
+    }
+    if (given_.on_stream && entry_.size_bytes != before) {
+      const auto now = std::chrono::steady_clock::now();
+      if (before == 0 || now - last_call_ >= std::chrono::milliseconds(10)) {
+        last_call_ = now;
+        given_.on_stream(entry_, bytes_);
+      }
+    }
+    return Status::Ok();
+  }
+  std::span<const std::byte> bytes() const {
+    return bytes_ ? bytes_->bytes() : std::span<const std::byte>();
+  }
+
+ private:
+  ArtifactInfo entry_;
+  const AppendOptions& given_;
+  std::shared_ptr<GrowableBytes> bytes_;
+  std::chrono::steady_clock::time_point last_call_;
+};
+
+}  // namespace
+
 Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& checkpoint,
                                         const AppendOptions& given) {
   State& s = *state_;
@@ -782,11 +829,11 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
   auto remove_written = [&] {
     for (const ArtifactInfo& info : written) ::unlink(info.path.c_str());
   };
-  auto write_artifact = [&](ArtifactKind kind,
-                            const Result<std::vector<std::byte>>& bytes) -> Status {
+  auto write_artifact = [&](ArtifactKind kind, const Status& encoded,
+                            std::span<const std::byte> bytes) -> Status {
     const std::string context = "version log " + s.dir + ": " + ArtifactKindName(kind) +
                                 " of version " + std::to_string(version);
-    if (!bytes.ok()) return bytes.status().WithContext(context);
+    if (!encoded.ok()) return encoded.WithContext(context);
     ArtifactInfo info;
     info.kind = kind;
     info.target_version = version;
@@ -795,27 +842,43 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
       info.base_version = s.head_version;
       info.base_hash = s.head_hash;
     }
-    info.size_bytes = bytes->size();
+    info.size_bytes = bytes.size();
     info.piece_bytes = options.piece_bytes;
-    info.piece_hashes = PieceHashes(*bytes, options.piece_bytes);
+    info.piece_hashes = PieceHashes(bytes, options.piece_bytes);
     info.path = s.dir + "/" + RelativeArtifactPath(info);
-    FW_RETURN_IF_ERROR(delta::WriteFileAtomically(info.path, *bytes).WithContext(context));
+    FW_RETURN_IF_ERROR(delta::WriteFileAtomically(info.path, bytes).WithContext(context));
     written.push_back(std::move(info));
     return Status::Ok();
   };
 
   // The delta first: whether a keyframe is due by cost depends on its size.
+  // The delta's bytes: encoded in memory (format 1, or a given delta), or streamed.
   Result<std::vector<std::byte>> delta_bytes = std::vector<std::byte>{};
+  ArtifactInfo streaming_entry;
+  streaming_entry.kind = ArtifactKind::kDelta;
+  streaming_entry.base_version = s.head_version;
+  streaming_entry.base_hash = s.head_hash;
+  streaming_entry.target_version = version;
+  streaming_entry.piece_bytes = options.piece_bytes;
+  PieceStreamSink sink(streaming_entry, given);
+  std::span<const std::byte> delta_span;
   if (write_delta) {
     encode.base_tensor_hashes = s.head_tensor_hashes;
-    delta_bytes = given.encoded_delta.empty()
-                      ? delta::Encode(s.head.view(), checkpoint, encode)
-                      : GivenDelta(given.encoded_delta, s.head_version, version);
+    if (!given.encoded_delta.empty()) {
+      delta_bytes = GivenDelta(given.encoded_delta, s.head_version, version);
+    } else if (options.stream_deltas) {
+      Status streamed = delta::EncodeStreamed(s.head.view(), checkpoint, encode, sink);
+      if (!streamed.ok()) delta_bytes = streamed;
+    } else {
+      delta_bytes = delta::Encode(s.head.view(), checkpoint, encode);
+    }
+    if (delta_bytes.ok()) delta_span = delta_bytes->empty() ? sink.bytes() : *delta_bytes;
+    result.encoded_at = std::chrono::system_clock::now();
     if (hash_in_encode) {
       const std::string context =
           "version log " + s.dir + ": delta of version " + std::to_string(version);
       if (!delta_bytes.ok()) return delta_bytes.status().WithContext(context);
-      Result<std::vector<Hash128>> hashes = TargetTensorHashes(*delta_bytes);
+      Result<std::vector<Hash128>> hashes = TargetTensorHashes(delta_span);
       if (!hashes.ok()) return hashes.status().WithContext(context);
       tensor_hashes = std::move(*hashes);
       result.tensors_hashed = checkpoint.size();
@@ -825,20 +888,24 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
     const ArtifactInfo* keyframe = LatestKeyframe(s.artifacts);
     if (result.keyframe_reason.empty() && delta_bytes.ok() && options.keyframe_cost > 0 &&
         keyframe != nullptr &&
-        static_cast<double>(DeltaBytesSinceKeyframe(s.artifacts) + delta_bytes->size()) >
+        static_cast<double>(DeltaBytesSinceKeyframe(s.artifacts) + delta_span.size()) >
             options.keyframe_cost * static_cast<double>(keyframe->size_bytes)) {
       result.keyframe_reason = "cost";
     }
   }
   if (!result.keyframe_reason.empty()) {
     encode.base_tensor_hashes = {};
-    Status st = write_artifact(ArtifactKind::kKeyframe, delta::EncodeKeyframe(checkpoint, encode));
+    Result<std::vector<std::byte>> keyframe = delta::EncodeKeyframe(checkpoint, encode);
+    result.encoded_at = std::chrono::system_clock::now();
+    Status st = write_artifact(ArtifactKind::kKeyframe, keyframe.status(),
+                               keyframe.ok() ? std::span<const std::byte>(*keyframe)
+                                             : std::span<const std::byte>());
     if (!st.ok()) return st;
   }
   if (write_delta) {
-    Status st = write_artifact(ArtifactKind::kDelta, delta_bytes);
+    Status st = write_artifact(ArtifactKind::kDelta, delta_bytes.status(), delta_span);
     if (st.ok()) {
-      st = CountChangedWords(*delta_bytes, &result)
+      st = CountChangedWords(delta_span, &result)
                .WithContext("version log " + s.dir + ": delta of version " + std::to_string(version));
     }
     if (!st.ok()) {

@@ -25,7 +25,9 @@
 // opened or deleted). Hashes print as Hash128::ToHex.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -33,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "base/growable_bytes.h"
 #include "base/status.h"
 #include "delta/delta.h"
 #include "delta/hash.h"
@@ -55,6 +58,11 @@ struct ArtifactInfo {
   uint64_t piece_bytes = 0;            // transfer unit; the last piece may be shorter
   std::vector<uint64_t> piece_hashes;  // XXH3-64 (HashBytes64) of every piece
   std::string path;                    // absolute path of the container file
+  // A delta still being encoded (published piece by piece): size_bytes and piece_hashes
+  // cover the whole pieces so far, target_hash is zero, and the finished artifact is at
+  // most size_bound bytes. Never in the log itself.
+  bool streaming = false;
+  uint64_t size_bound = 0;
   bool operator==(const ArtifactInfo&) const = default;
 };
 
@@ -77,6 +85,10 @@ struct VersionLogOptions {
   uint64_t retain = 20;
   bool deltas = true;              // false: keyframes only (the full-checkpoint baseline)
   uint64_t piece_bytes = 1 << 20;  // must be >= 1
+  // Deltas are written as streamed containers (delta format 2): each chunk goes out as it
+  // is encoded, so AppendOptions::on_stream can serve the pieces before the encode ends.
+  // false: format-1 deltas, whole before anything is served.
+  bool stream_deltas = true;
   delta::Compressor compressor = delta::Compressor::kZstd;
   int threads = 1;  // encode/decode/hash threads, in [1, delta::kMaxThreads]
 };
@@ -98,6 +110,14 @@ struct AppendOptions {
   // bytes as they are instead of encoding one. Its manifest must name the head as base
   // and `version` as target (InvalidArgument otherwise). Empty: Append encodes.
   std::span<const std::byte> encoded_delta;
+  // While a streamed delta is encoded (VersionLogOptions::stream_deltas, no
+  // encoded_delta): called from the encoding thread as whole pieces are written, at most
+  // every 10 ms and for the first piece at once, with the delta's entry so far
+  // (ArtifactInfo::streaming) and its bytes, which keep their address and only grow (at
+  // least the entry's size_bytes are written). Nothing is committed yet: the caller may
+  // serve these pieces, never as a finished version.
+  std::function<void(const ArtifactInfo& partial, std::shared_ptr<const GrowableBytes> bytes)>
+      on_stream;
 };
 
 // A version's weights rebuilt from the log (Rebuild, ApplyDelta).
@@ -126,6 +146,9 @@ struct AppendResult {
   // Tensors this Append hashed itself: 0 when AppendOptions::tensor_hashes were given, else
   // every tensor once. The encoder never hashes (it is always handed the hashes).
   uint64_t tensors_hashed = 0;
+  // When the encode of the delta (or keyframe) ended, before the artifacts were written
+  // and committed; with a streamed delta, its pieces were served before this.
+  std::chrono::system_clock::time_point encoded_at;
 };
 
 // Thread-safe: Append runs on one thread at a time (it serializes itself) while

@@ -25,6 +25,8 @@ namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using transport::Clock;
 
+class EarlyDecoder;
+
 struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   Impl(asio::any_io_executor executor, WorkerOptions options)
       : executor(executor),
@@ -50,10 +52,28 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   std::map<ArtifactKey, std::unique_ptr<Download>> downloads;    // partial, kept for resume
   // With trusted keys: each download's SHA-256, advanced as its pieces arrive.
   std::map<ArtifactKey, std::unique_ptr<PrefixSha256>> hashers;
+  // Each delta download's chunks decoded ahead, and the one arriving now (for status).
+  std::map<ArtifactKey, std::shared_ptr<EarlyDecoder>> early_decoders;
+  std::shared_ptr<EarlyDecoder> arriving;
+  uint64_t catalog_generation = 0;  // catalogs received
+  uint64_t last_early_decode_unix_us = 0;
   void Forget(const ArtifactKey& key) {
     downloads.erase(key);
     hashers.erase(key);
+    early_decoders.erase(key);
   }
+  // The download of `info`, kept (or grown, for a delta still streaming) when one for the
+  // same pieces exists, else a new one; with its hasher and early decoder.
+  struct Transfer {
+    Download* download;
+    PrefixSha256* hasher;                 // null without trusted keys
+    std::shared_ptr<EarlyDecoder> early;  // null for a keyframe
+  };
+  Transfer Prepare(const ArtifactInfo& info);
+  // A delta the upstream is still streaming from the version served: fetched and decoded
+  // ahead as far as it is listed.
+  const ArtifactInfo* StreamingFromServed() const;
+  awaitable<void> Prefetch(ArtifactInfo info);
   uint64_t artifacts_rejected = 0;
   uint64_t last_apply_chunks_early = 0;  // of those, decoded while it was arriving
   uint64_t swaps = 0;
@@ -138,43 +158,41 @@ void Worker::Impl::OnCatalog(Catalog received) {
   }
   catalog = std::move(received);
   have_catalog = true;
+  ++catalog_generation;
   catalog_changed.Notify();
 }
 
 // Decodes a delta's sparse chunks on the CPU pool while the rest of its pieces are still
 // arriving (delta::PreparedChunks), so that the apply after the last piece mostly writes
-// words and verifies. Chunks are decoded against the weights served, read under the
-// shared lock, and only while they are the delta's base; nothing is written to them here,
-// and the apply verifies the base before and every hash after as always.
+// words and verifies. A chunk is decoded once the pieces received in order from the
+// start hold it: for a format-1 delta once the manifest is in, for a streamed (format-2)
+// one as each chunk record lands, before the publisher has even finished encoding.
+// Chunks are decoded against the weights served, read under the shared lock, and only
+// while they are the delta's base; nothing is written to them here, and the apply
+// verifies the base before and every hash after as always.
 class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
  public:
   // Decoded data kept per artifact at most (6 bytes per changed bf16 word): past it, the
   // remaining chunks are decoded by the apply.
   static constexpr uint64_t kBudgetBytes = 256ull << 20;
 
-  EarlyDecoder(Worker::Impl* worker, const Download& download)
-      : worker_(worker), info_(download.info), bytes_(download.bytes), have_(download.have) {}
+  EarlyDecoder(Worker::Impl* worker, std::shared_ptr<const GrowableBytes> bytes)
+      : worker_(worker), bytes_(std::move(bytes)) {}
 
-  // Takes in the pieces `download` already holds (a resumed fetch).
-  void Start() {
-    for (uint32_t i = 0; i < have_.size(); ++i) {
-      if (have_[i]) OnPiece(i, /*fresh=*/false);
-    }
-  }
-
-  // A verified piece arrived (the network thread).
-  void OnPiece(uint32_t index, bool fresh = true) {
-    if (closed_ || index >= have_.size()) return;
-    if (fresh) have_[index] = true;
-    if (!view_) {
-      if (!TryParse()) return;
-      for (size_t c = 0; c < missing_.size(); ++c) {
-        if (missing_[c] == 0) Schedule(c);
-      }
-      return;
-    }
-    for (uint32_t c : chunks_of_piece_[index]) {
-      if (--missing_[c] == 0) Schedule(c);
+  // Pieces arrived (the network thread): schedules every chunk the in-order prefix now
+  // holds whole.
+  void Advance(const Download& download) {
+    if (closed_ || download.info.piece_bytes == 0) return;
+    while (prefix_pieces_ < download.have.size() && download.have[prefix_pieces_]) ++prefix_pieces_;
+    const uint64_t prefix = std::min(download.info.size_bytes, prefix_pieces_ * download.info.piece_bytes);
+    if (prefix < 10 || prefix == prefix_) return;
+    prefix_ = prefix;
+    const std::span<const std::byte> bytes(bytes_->data(), prefix);
+    if (!streamed_ && !view_) streamed_ = delta::StreamReader::IsStreamed(bytes);
+    if (streamed_) {
+      AdvanceStreamed(bytes);
+    } else {
+      AdvanceBuffered(download, bytes);
     }
   }
 
@@ -184,91 +202,109 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
     return prepared_.get();
   }
   size_t decoded() const { return prepared_ ? prepared_->used() : 0; }
+  size_t prepared() const { return prepared_ ? prepared_->prepared() : 0; }
+  uint64_t first_decode_unix_us() const { return first_decode_unix_us_.load(); }
 
  private:
-  // Parses the header and manifest once the pieces holding them are in, and maps every
-  // chunk's stored bytes to the pieces that hold them.
-  bool TryParse() {
-    const uint64_t piece_bytes = info_.piece_bytes;
-    if (bytes_->size() < delta::format::kHeaderBytes || piece_bytes == 0) return false;
-    const uint64_t head_pieces = (delta::format::kHeaderBytes + piece_bytes - 1) / piece_bytes;
-    for (uint64_t i = 0; i < head_pieces; ++i) {
-      if (!have_[i]) return false;
-    }
-    const uint64_t manifest_bytes = delta::wire::LoadFixed(
-        reinterpret_cast<const uint8_t*>(bytes_->data()) + 16, 8);
-    const uint64_t needed = delta::format::kHeaderBytes + manifest_bytes;
-    if (needed > bytes_->size()) return false;
-    for (uint64_t i = 0; i < (needed + piece_bytes - 1) / piece_bytes; ++i) {
-      if (!have_[i]) return false;
-    }
-    // The payloads are not read here: each chunk's checksum is checked when it is decoded.
-    Result<delta::DeltaView> view = delta::DeltaView::Parse(*bytes_);
-    if (!view.ok() || view->manifest().keyframe) {
+  // Format 2: every chunk record as it completes.
+  void AdvanceStreamed(std::span<const std::byte> bytes) {
+    if (!reader_.Advance(bytes).ok()) {
       closed_ = true;  // the apply will say what is wrong, if anything
-      return false;
+      return;
     }
-    view_.emplace(std::move(*view));
-    const delta::Manifest& m = view_->manifest();
-    const uint64_t payload_start = needed;
-    missing_.assign(m.chunks.size(), 0);
-    chunks_of_piece_.assign(have_.size(), {});
-    for (size_t c = 0; c < m.chunks.size(); ++c) {
-      const delta::ChunkEntry& e = m.chunks[c];
-      if (e.kind != delta::ChunkKind::kSparse || e.payload_bytes == 0) continue;
-      const uint64_t begin = payload_start + e.payload_offset;
-      const uint64_t end = begin + e.payload_bytes;
-      for (uint64_t p = begin / piece_bytes; p < have_.size() && p * piece_bytes < end; ++p) {
-        if (have_[p]) continue;
-        chunks_of_piece_[p].push_back(static_cast<uint32_t>(c));
-        ++missing_[c];
-      }
+    if (!reader_.has_prologue()) return;
+    const delta::Manifest& m = reader_.manifest();
+    if (m.keyframe) {
+      closed_ = true;
+      return;
     }
-    prepared_ = std::make_unique<delta::PreparedChunks>(m.chunks.size(), kBudgetBytes);
-    return true;
+    if (!prepared_) {
+      base_version_ = m.base_version;
+      base_hash_ = m.base_hash;
+      prepared_ = std::make_unique<delta::PreparedChunks>(reader_.max_chunks(), kBudgetBytes);
+    }
+    for (; next_ < m.chunks.size(); ++next_) {
+      const delta::ChunkEntry& e = m.chunks[next_];
+      if (e.kind != delta::ChunkKind::kSparse) continue;
+      Schedule(std::make_shared<const delta::DeltaView>(reader_.ChunkView(next_, bytes)), 0);
+    }
   }
 
-  void Schedule(size_t chunk) {
-    const delta::ChunkEntry& e = view_->manifest().chunks[chunk];
-    if (e.kind != delta::ChunkKind::kSparse || e.payload_bytes == 0) return;
-    asio::post(worker_->cpu, [self = shared_from_this(), chunk] { self->Decode(chunk); });
+  // Format 1: the manifest first, then each chunk whose payload the prefix covers.
+  void AdvanceBuffered(const Download& download, std::span<const std::byte> bytes) {
+    if (!view_) {
+      if (bytes.size() < delta::format::kHeaderBytes) return;
+      const uint64_t manifest_bytes =
+          delta::wire::LoadFixed(reinterpret_cast<const uint8_t*>(bytes.data()) + 16, 8);
+      if (manifest_bytes > download.info.size_bytes ||
+          bytes.size() < delta::format::kHeaderBytes + manifest_bytes) {
+        return;
+      }
+      // The payloads are not read here: each chunk's checksum is checked when it is decoded.
+      Result<delta::DeltaView> view = delta::DeltaView::Parse(download.bytes->bytes());
+      if (!view.ok() || view->manifest().keyframe) {
+        closed_ = true;
+        return;
+      }
+      view_ = std::make_shared<const delta::DeltaView>(std::move(*view));
+      payload_start_ = delta::format::kHeaderBytes + manifest_bytes;
+      base_version_ = view_->manifest().base_version;
+      base_hash_ = view_->manifest().base_hash;
+      prepared_ = std::make_unique<delta::PreparedChunks>(view_->manifest().chunks.size(), kBudgetBytes);
+    }
+    const delta::Manifest& m = view_->manifest();
+    for (; next_ < m.chunks.size(); ++next_) {
+      const delta::ChunkEntry& e = m.chunks[next_];
+      if (payload_start_ + e.payload_offset + e.payload_bytes > bytes.size()) break;
+      if (e.kind == delta::ChunkKind::kSparse && e.payload_bytes != 0) Schedule(view_, next_);
+    }
+  }
+
+  void Schedule(std::shared_ptr<const delta::DeltaView> view, size_t chunk) {
+    asio::post(worker_->cpu, [self = shared_from_this(), view = std::move(view), chunk] {
+      self->Decode(*view, chunk);
+    });
   }
 
   // On the CPU pool. ~Worker joins the pool before the worker goes away, and a stopped
   // worker starts no decode.
-  void Decode(size_t chunk) {
+  void Decode(const delta::DeltaView& view, size_t chunk) {
     if (closed_ || worker_->stopped) return;
     std::shared_lock lock(worker_->weights_mutex);
     if (closed_) return;  // the apply may have run meanwhile: these are no longer the base
-    const delta::Manifest& m = view_->manifest();
-    if (worker_->version.load() != m.base_version || worker_->hash != m.base_hash) return;
-    // The served base's tensors, by manifest tensor, found once (the layout cannot change
-    // while it is the base).
+    if (worker_->version.load() != base_version_ || worker_->hash != base_hash_) return;
+    // The served base's tensors by name, found once (the layout cannot change while it is
+    // the base).
     std::call_once(mapped_, [&] {
-      std::unordered_map<std::string_view, const OwnedTensor*> by_name;
-      for (const OwnedTensor& tensor : worker_->weights.tensors) by_name.emplace(tensor.name, &tensor);
-      base_of_.assign(m.tensors.size(), nullptr);
-      for (size_t i = 0; i < m.tensors.size(); ++i) {
-        auto it = by_name.find(m.tensors[i].name);
-        if (it != by_name.end()) base_of_[i] = it->second;
-      }
+      for (const OwnedTensor& tensor : worker_->weights.tensors) by_name_.emplace(tensor.name, &tensor);
     });
-    if (const OwnedTensor* tensor = base_of_[m.chunks[chunk].tensor_index]) {
-      prepared_->Prepare(*view_, chunk, tensor->data);
+    const delta::Manifest& m = view.manifest();
+    auto it = by_name_.find(m.tensors[m.chunks[chunk].tensor_index].name);
+    if (it == by_name_.end()) return;
+    if (prepared_->Prepare(view, chunk, it->second->data)) {
+      uint64_t none = 0;
+      first_decode_unix_us_.compare_exchange_strong(none, UnixMicrosNow());
     }
   }
 
   Worker::Impl* worker_;
-  const ArtifactInfo info_;
-  const std::shared_ptr<std::vector<std::byte>> bytes_;
-  std::vector<bool> have_;  // the pieces arrived (network thread)
+  const std::shared_ptr<const GrowableBytes> bytes_;
   std::atomic<bool> closed_{false};
-  std::optional<delta::DeltaView> view_;               // set once (network thread)
-  std::vector<uint32_t> missing_;                     // per chunk: pieces still to come
-  std::vector<std::vector<uint32_t>> chunks_of_piece_;  // per piece: chunks waiting for it
+  // Network-thread state.
+  uint64_t prefix_pieces_ = 0;  // pieces present from the start
+  uint64_t prefix_ = 0;         // bytes those hold
+  bool streamed_ = false;
+  delta::StreamReader reader_;                      // format 2
+  std::shared_ptr<const delta::DeltaView> view_;    // format 1
+  uint64_t payload_start_ = 0;                      // format 1
+  size_t next_ = 0;                                 // the next chunk to look at
+  // Set before the first Schedule, read by Decode.
+  uint64_t base_version_ = 0;
+  Hash128 base_hash_;
   std::unique_ptr<delta::PreparedChunks> prepared_;
   std::once_flag mapped_;
-  std::vector<const OwnedTensor*> base_of_;  // per manifest tensor; null: not in the base
+  std::unordered_map<std::string, const OwnedTensor*> by_name_;
+  std::atomic<uint64_t> first_decode_unix_us_{0};
 };
 
 std::vector<ArtifactInfo> Worker::Impl::Plan() {
@@ -278,7 +314,7 @@ std::vector<ArtifactInfo> Worker::Impl::Plan() {
   if (head <= current) return {};
   const Hash128 current_hash = now.hash;
   auto usable = [&](const ArtifactInfo& info) {
-    return !rejected.count({KeyOf(info), info.target_hash.ToHex()});
+    return !info.streaming && !rejected.count({KeyOf(info), info.target_hash.ToHex()});
   };
   // The chain of deltas from (from_version, from_hash) up to the head.
   auto chain = [&](uint64_t from_version, Hash128 from_hash, std::vector<ArtifactInfo>* path) {
@@ -450,37 +486,83 @@ flywheel::Status Worker::Impl::Export(uint64_t serving_version) {
   return flywheel::Status::Ok();
 }
 
+Worker::Impl::Transfer Worker::Impl::Prepare(const ArtifactInfo& info) {
+  const ArtifactKey key = KeyOf(info);
+  auto& slot = downloads[key];
+  if (!slot || (slot->info != info && !(slot->info.streaming && slot->Extend(info)))) {
+    slot = std::make_unique<Download>(info);
+    hashers.erase(key);
+    early_decoders.erase(key);
+  }
+  Transfer transfer{slot.get(), nullptr, nullptr};
+  if (verifier->enabled()) {
+    auto& owned = hashers[key];
+    if (!owned) owned = std::make_unique<PrefixSha256>();
+    transfer.hasher = owned.get();
+  }
+  if (info.kind == ArtifactKind::kDelta) {
+    auto& early = early_decoders[key];
+    if (!early) early = std::make_shared<EarlyDecoder>(this, slot->bytes);
+    early->Advance(*slot);  // pieces a resumed or grown download holds already
+    transfer.early = early;
+  }
+  arriving = transfer.early;
+  return transfer;
+}
+
+const ArtifactInfo* Worker::Impl::StreamingFromServed() const {
+  const Served now = ServedNow();
+  if (now.version == 0) return nullptr;
+  for (const ArtifactInfo& info : catalog.artifacts) {
+    if (info.streaming && info.kind == ArtifactKind::kDelta && info.base_version == now.version &&
+        info.base_hash == now.hash && !rejected.count({KeyOf(info), Hash128{}.ToHex()})) {
+      return &info;
+    }
+  }
+  return nullptr;
+}
+
+awaitable<void> Worker::Impl::Prefetch(ArtifactInfo info) {
+  const ArtifactKey key = KeyOf(info);
+  Transfer transfer = Prepare(info);
+  Download& download = *transfer.download;
+  if (download.all_known()) co_return;
+  std::function<void(uint32_t)> on_piece = [transfer](uint32_t) {
+    if (transfer.hasher) transfer.hasher->Advance(*transfer.download);
+    if (transfer.early) transfer.early->Advance(*transfer.download);
+  };
+  flywheel::Status fetched = co_await upstream->Fetch(download, on_piece);
+  if (!fetched.ok()) {
+    spdlog::debug("fetching {} while it streams: {}", Describe(key), fetched.message());
+    if (fetched.code() == StatusCode::kNotFound) Forget(key);
+    co_await transport::SleepFor(100ms);
+  }
+}
+
 awaitable<void> Worker::Impl::UpdateLoop() {
   auto self = shared_from_this();
   while (!stopped) {
+    const uint64_t generation = catalog_generation;
     std::vector<ArtifactInfo> plan = have_catalog ? Plan() : std::vector<ArtifactInfo>{};
     if (plan.empty()) {
-      co_await catalog_changed.Wait();
+      // Up to date with the head: a delta the publisher is still encoding is fetched and
+      // decoded as far as it is listed, and the next catalog lists more.
+      if (const ArtifactInfo* streaming = have_catalog ? StreamingFromServed() : nullptr) {
+        co_await Prefetch(*streaming);
+      }
+      if (catalog_generation == generation && !stopped) co_await catalog_changed.Wait();
       continue;
     }
     for (const ArtifactInfo& info : plan) {
       if (stopped) co_return;
       const ArtifactKey key = KeyOf(info);
-      auto& slot = downloads[key];
-      if (!slot || slot->info != info) {
-        slot = std::make_unique<Download>(info);
-        hashers.erase(key);
-      }
-      Download& download = *slot;
-      PrefixSha256* hasher = nullptr;
-      if (verifier->enabled()) {
-        auto& owned = hashers[key];
-        if (!owned) owned = std::make_unique<PrefixSha256>();
-        hasher = owned.get();
-      }
-      std::shared_ptr<EarlyDecoder> early;
-      if (info.kind == ArtifactKind::kDelta) {
-        early = std::make_shared<EarlyDecoder>(this, download);
-        early->Start();
-      }
-      std::function<void(uint32_t)> on_piece = [hasher, early, &download](uint32_t index) {
-        if (hasher) hasher->Advance(download);
-        if (early) early->OnPiece(index);
+      Transfer transfer = Prepare(info);
+      Download& download = *transfer.download;
+      PrefixSha256* hasher = transfer.hasher;
+      std::shared_ptr<EarlyDecoder> early = transfer.early;
+      std::function<void(uint32_t)> on_piece = [transfer](uint32_t) {
+        if (transfer.hasher) transfer.hasher->Advance(*transfer.download);
+        if (transfer.early) transfer.early->Advance(*transfer.download);
       };
       const auto fetch_start = Clock::now();
       flywheel::Status fetched = co_await upstream->Fetch(download, on_piece);
@@ -529,9 +611,11 @@ awaitable<void> Worker::Impl::UpdateLoop() {
         }
       }
       delta::PreparedChunks* prepared = early ? early->Close() : nullptr;
-      auto apply = [this, task, bytes, prepared] { return Apply(*task, *bytes, prepared); };
+      auto apply = [this, task, bytes, prepared] { return Apply(*task, bytes->bytes(), prepared); };
       flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
       last_apply_chunks_early = early ? early->decoded() : 0;
+      last_early_decode_unix_us = early ? early->first_decode_unix_us() : 0;
+      arriving.reset();
       Forget(key);
       if (!applied.ok()) {
         ++artifacts_rejected;
@@ -593,6 +677,8 @@ WorkerStatus Worker::Impl::CurrentStatus() const {
   s.connected = upstream->connected();
   s.last_apply_ms = last_apply_ms;
   s.last_apply_chunks_early = last_apply_chunks_early;
+  s.last_early_decode_unix_us = last_early_decode_unix_us;
+  s.arriving_chunks_decoded = arriving ? arriving->prepared() : 0;
   s.last_swap_pause_ms = static_cast<double>(last_swap_pause_us.load()) / 1000.0;
   s.swaps_total = swaps;
   s.exports_total = exports;

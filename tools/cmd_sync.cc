@@ -52,6 +52,7 @@ struct SyncArgs {
   double keyframe_cost = 1.0;
   int poll_ms = 50;
   bool no_deltas = false;
+  bool buffered_deltas = false;
   std::string compressor = "zstd";
   std::string push_token, push_token_file, staging_dir, signing_key;
   uint64_t max_upload_mib = 64 << 10, staging_quota_mib = 128 << 10, max_part_mib = 64;
@@ -188,6 +189,7 @@ Status RunPublish(const SyncArgs& args) {
   options.log.keyframe_cost = args.keyframe_cost;
   options.log.retain = args.retain;
   options.log.deltas = !args.no_deltas;
+  options.log.stream_deltas = !args.buffered_deltas;
   options.log.piece_bytes = args.piece_kib << 10;
   options.log.threads = args.common.threads;
   FW_ASSIGN_OR_RETURN(options.log.compressor, delta::ParseCompressor(args.compressor));
@@ -400,6 +402,10 @@ void AddPublish(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
       ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 32));
   publish->add_flag("--no-deltas", args->no_deltas,
                     "Keyframes only: every version is a full checkpoint (the baseline)");
+  publish->add_flag("--buffered-deltas", args->buffered_deltas,
+                    "Serve a delta only once it is wholly encoded (format-1 containers). By\n"
+                    "default each piece is served as soon as it is encoded, so relays and\n"
+                    "workers fetch and decode while the publisher still encodes");
   publish->add_option("--piece-kib", args->piece_kib, "Transfer unit (verified piece) in KiB")
       ->type_name("KIB")
       ->capture_default_str()

@@ -23,6 +23,7 @@
 
 #include <chrono>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -678,6 +679,61 @@ TEST_F(FleetTest, WorkerDecodesChunksWhileTheDeltaArrives) {
   const json publisher_status = StatusOrEmpty(*publisher);
   EXPECT_GT(U64(publisher_status, "last_artifact_bytes"), 2 * kPieceBytes)
       << "the delta fits in too few pieces to arrive piece by piece: " << Brief(publisher_status);
+}
+
+// The publisher makes each piece of a delta servable as soon as it is encoded: a worker
+// fetches v2's first chunks and decodes them ahead before the publisher has finished
+// encoding v2. Both sides stamp the moment (Unix microseconds, one host): the worker its
+// first chunk decoded ahead, the publisher the end of its encode.
+TEST_F(FleetTest, WorkerDecodesBeforeThePublisherHasFinishedEncoding) {
+  // 96 MB of bf16 weights, 15% of the words changed: an encode of many chunks on one thread.
+  const std::vector<TensorSpec> specs = {
+      {"model.layers.0.mlp.up_proj.weight", DType::kBF16, {4096, 4096}},
+      {"model.layers.0.mlp.down_proj.weight", DType::kBF16, {4096, 4096}},
+      {"model.layers.1.mlp.up_proj.weight", DType::kBF16, {4096, 4096}},
+      {"model.norm.weight", DType::kF32, {4096}},
+  };
+  const OwnedCheckpoint v1 = RandomCheckpoint(specs, 99);
+  const OwnedCheckpoint v2 = Mutate(v1, 0.15, 100, Change::kArbitrary);
+  Node* publisher = StartPublisher("publisher", {"--threads", "1"});
+  ASSERT_NE(publisher, nullptr);
+  // One worker on the publisher, one behind a relay (which forwards each piece on).
+  Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()});
+  ASSERT_NE(relay, nullptr);
+  Node* direct = StartWorker("worker", "home", {publisher->upstream()});
+  ASSERT_NE(direct, nullptr);
+  Node* relayed = StartWorker("worker-eu", "eu", {relay->upstream()});
+  ASSERT_NE(relayed, nullptr);
+  ASSERT_TRUE(Drop(1, v1));
+  for (Node* worker : {direct, relayed}) {
+    ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, HashOf(v1).ToHex())));
+  }
+  ASSERT_TRUE(Drop(2, v2));
+  for (Node* worker : {direct, relayed}) {
+    ASSERT_TRUE(WaitStatus(*worker, "serving v2", Serves(2, HashOf(v2).ToHex())));
+  }
+  const json pub = StatusOrEmpty(*publisher);
+  EXPECT_EQ(U64(StatusOrEmpty(*relay), "fetch_failures"), 0u);
+  for (Node* worker : {direct, relayed}) {
+    SCOPED_TRACE(worker == direct ? "the worker on the publisher" : "the worker behind the relay");
+    const json work = StatusOrEmpty(*worker);
+    EXPECT_GT(pub.value("last_first_piece_ms", 0.0), 0.0) << Brief(pub);
+    EXPECT_LT(pub.value("last_first_piece_ms", 0.0), pub.value("last_publish_ms", 0.0)) << Brief(pub);
+    const uint64_t encoded = U64(pub, "last_encode_done_unix_us");
+    const uint64_t first_decode = U64(work, "last_early_decode_unix_us");
+    ASSERT_GT(encoded, 0u) << Brief(pub);
+    ASSERT_GT(first_decode, 0u) << "no chunk of v2 was decoded ahead: " << Brief(work);
+    EXPECT_LT(first_decode, encoded)
+        << "the worker's first chunk was decoded " << (first_decode - encoded)
+        << " us after the publisher finished encoding";
+    std::printf("first chunk decoded ahead %.1f ms before the publisher's encode ended; first "
+                "piece servable %.1f ms into a %.1f ms publish\n",
+                (static_cast<double>(encoded) - static_cast<double>(first_decode)) / 1000.0,
+                pub.value("last_first_piece_ms", 0.0), pub.value("last_publish_ms", 0.0));
+    EXPECT_GT(U64(work, "last_apply_chunks_early"), 0u) << Brief(work);
+    EXPECT_EQ(U64(work, "artifacts_rejected"), 0u) << Brief(work);
+    EXPECT_EQ(U64(work, "pieces_rejected"), 0u) << Brief(work);
+  }
 }
 
 // A worker that joins while an update is still streaming through a slow relay serves only
@@ -1657,6 +1713,129 @@ TEST_F(CraftedUpstreamTest, WrongBaseDelta) {
     ASSERT_TRUE(hash.ok());
     EXPECT_EQ(*hash, HashOf(v3));
   });
+}
+
+// Collects a streamed (format-2) encode.
+struct BytesSink : delta::StreamSink {
+  Status Begin(uint64_t size_bound) override {
+    bound = size_bound;
+    return Status::Ok();
+  }
+  Status Write(std::span<const std::byte> more) override {
+    bytes.insert(bytes.end(), more.begin(), more.end());
+    return Status::Ok();
+  }
+  std::vector<std::byte> bytes;
+  uint64_t bound = 0;
+};
+
+std::vector<std::byte> StreamedDelta(const OwnedCheckpoint& base, const OwnedCheckpoint& target,
+                                     uint64_t base_version, uint64_t* bound) {
+  delta::EncodeOptions options;
+  options.base_version = base_version;
+  options.target_version = base_version + 1;
+  options.chunk_bytes = 256 << 10;
+  BytesSink sink;
+  const Status encoded = delta::EncodeStreamed(base.view(), target.view(), options, sink);
+  EXPECT_TRUE(encoded.ok()) << encoded.ToString();
+  *bound = sink.bound;
+  return std::move(sink.bytes);
+}
+
+// The entry a publisher announces while `finished` is still being encoded: its first
+// `pieces` pieces, no target hash.
+ArtifactInfo StreamingEntry(const ArtifactInfo& finished, size_t pieces, uint64_t bound) {
+  ArtifactInfo partial = finished;
+  partial.streaming = true;
+  partial.target_hash = Hash128{};
+  partial.piece_hashes.resize(pieces);
+  partial.size_bytes = pieces * finished.piece_bytes;
+  partial.size_bound = bound;
+  return partial;
+}
+
+// A delta announced while it is still streaming (its first pieces listed, no target
+// hash): the worker fetches those pieces and decodes their chunks ahead without serving
+// anything new; once the finished entry comes it fetches only the rest, applies with the
+// chunks decoded ahead, and serves nothing but whole versions throughout.
+TEST_F(CraftedUpstreamTest, StreamingDeltaIsDecodedAheadAndAppliedOnlyWhenFinished) {
+  Lineage lineage(FleetSpecs(), 79);
+  const OwnedCheckpoint& v1 = lineage.At(1);
+  const OwnedCheckpoint v2 = Mutate(v1, 0.1, 80, Change::kArbitrary);
+  const Hash128 hash_1 = HashOf(v1), hash_2 = HashOf(v2);
+  const std::vector<std::byte> k1_bytes = EncodedKeyframe(1, v1);
+  const ArtifactInfo k1 = Entry(ArtifactKind::kKeyframe, 0, {}, 1, hash_1, k1_bytes);
+  source_.Put(k1, k1_bytes);
+  WatchWeights({{1, hash_1}, {2, hash_2}});
+  Announce({k1}, 1, hash_1);
+  ASSERT_TRUE(WaitWorker("serving v1", Serves(1, hash_1.ToHex())));
+
+  uint64_t bound = 0;
+  const std::vector<std::byte> d2_bytes = StreamedDelta(v1, v2, 1, &bound);
+  const ArtifactInfo d2 = Entry(ArtifactKind::kDelta, 1, hash_1, 2, hash_2, d2_bytes);
+  ASSERT_GE(d2.piece_hashes.size(), 6u) << "the delta must span several pieces";
+  const size_t half = d2.piece_hashes.size() / 2;
+  source_.Put(d2, d2_bytes);
+  Announce({k1, StreamingEntry(d2, half, bound)}, 1, hash_1);
+  ASSERT_TRUE(WaitWorker("decoding the streaming delta ahead",
+                         [](const json& s) { return U64(s, "arriving_chunks_decoded") > 0; }));
+  // By design: a partial delta must not be applied within a window.
+  std::this_thread::sleep_for(300ms);
+  json status = WorkerStatus();
+  EXPECT_TRUE(Serves(1, hash_1.ToHex())(status)) << Brief(status);
+  EXPECT_EQ(U64(status, "swaps_total"), 1u) << Brief(status);
+  const uint64_t decoded_ahead = U64(status, "arriving_chunks_decoded");
+  const uint64_t k1_pieces = k1.piece_hashes.size();
+  EXPECT_EQ(U64(status, "pieces_verified"), k1_pieces + half) << Brief(status);
+
+  Announce({k1, d2}, 2, hash_2);
+  ASSERT_TRUE(WaitWorker("serving v2", Serves(2, hash_2.ToHex())));
+  status = WorkerStatus();
+  EXPECT_GE(U64(status, "last_apply_chunks_early"), decoded_ahead) << Brief(status);
+  // The pieces fetched while it streamed are not fetched again.
+  EXPECT_EQ(U64(status, "pieces_verified"), k1_pieces + d2.piece_hashes.size()) << Brief(status);
+  EXPECT_EQ(U64(status, "artifacts_rejected"), 0u) << Brief(status);
+  const std::vector<std::string> violations = StopWatching();
+  EXPECT_GT(samples_.load(), 0u);
+  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
+}
+
+// A stream that is replaced before it finishes (the publisher died mid-encode and v2 was
+// published again with other weights): the finished entry lists other pieces, and the
+// worker drops what it fetched of the first stream and serves the finished v2 exactly.
+TEST_F(CraftedUpstreamTest, ReplacedStreamIsDroppedNotMixedIn) {
+  Lineage lineage(FleetSpecs(), 81);
+  const OwnedCheckpoint& v1 = lineage.At(1);
+  const OwnedCheckpoint first = Mutate(v1, 0.1, 82, Change::kArbitrary);
+  const OwnedCheckpoint second = Mutate(v1, 0.1, 83, Change::kArbitrary);
+  const Hash128 hash_1 = HashOf(v1), hash_2 = HashOf(second);
+  const std::vector<std::byte> k1_bytes = EncodedKeyframe(1, v1);
+  const ArtifactInfo k1 = Entry(ArtifactKind::kKeyframe, 0, {}, 1, hash_1, k1_bytes);
+  source_.Put(k1, k1_bytes);
+  WatchWeights({{1, hash_1}, {2, hash_2}});
+  Announce({k1}, 1, hash_1);
+  ASSERT_TRUE(WaitWorker("serving v1", Serves(1, hash_1.ToHex())));
+
+  uint64_t bound_first = 0, bound_second = 0;
+  const std::vector<std::byte> first_bytes = StreamedDelta(v1, first, 1, &bound_first);
+  const ArtifactInfo first_entry =
+      Entry(ArtifactKind::kDelta, 1, hash_1, 2, HashOf(first), first_bytes);
+  source_.Put(first_entry, first_bytes);
+  Announce({k1, StreamingEntry(first_entry, first_entry.piece_hashes.size() / 2, bound_first)},
+           1, hash_1);
+  ASSERT_TRUE(WaitWorker("decoding the first stream ahead",
+                         [](const json& s) { return U64(s, "arriving_chunks_decoded") > 0; }));
+
+  const std::vector<std::byte> second_bytes = StreamedDelta(v1, second, 1, &bound_second);
+  const ArtifactInfo second_entry = Entry(ArtifactKind::kDelta, 1, hash_1, 2, hash_2, second_bytes);
+  source_.Put(second_entry, second_bytes);
+  Announce({k1, second_entry}, 2, hash_2);
+  ASSERT_TRUE(WaitWorker("serving the finished v2", Serves(2, hash_2.ToHex())));
+  const json status = WorkerStatus();
+  EXPECT_EQ(U64(status, "artifacts_rejected"), 0u) << Brief(status);
+  EXPECT_EQ(U64(status, "pieces_rejected"), 0u) << Brief(status);
+  const std::vector<std::string> violations = StopWatching();
+  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
 }
 
 TEST_F(CraftedUpstreamTest, OlderHeadIgnored) {

@@ -51,7 +51,7 @@ TEST(RoleStatusTest, PublisherDocumentHasItsKeys) {
   s.rejected_drops = {{4, "not above v5"}};
   const json doc = ToJson(s);
   EXPECT_EQ(Keys(doc), With({"last_version", "nodes", "artifacts_retained", "log_bytes", "join_bytes",
-                             "last_publish_ms", "last_artifact_bytes", "published_total",
+                             "last_publish_ms", "last_first_piece_ms", "last_encode_done_unix_us", "streaming_version", "streaming_pieces", "last_artifact_bytes", "published_total",
                              "drops_rejected", "rejected_drops", "pieces_served",
                              "signing_key_id", "run_id", "last_sign_ms", "last_error"}));
   EXPECT_EQ(doc["drops_rejected"], 1);
@@ -84,7 +84,7 @@ TEST(RoleStatusTest, WorkerDocumentHasItsKeysAndTypes) {
   s.swaps_refused = 1;
   s.last_error = "engine refused v8";
   const json doc = ToJson(s);
-  EXPECT_EQ(Keys(doc), With({"stale", "connected", "last_apply_ms", "last_apply_chunks_early",
+  EXPECT_EQ(Keys(doc), With({"stale", "connected", "last_apply_ms", "last_apply_chunks_early", "last_early_decode_unix_us", "arriving_chunks_decoded",
                              "last_swap_pause_ms",
                              "swaps_total", "exports_total", "piece_requests", "pieces_verified",
                              "pieces_rejected", "piece_bytes", "artifacts_rejected", "swaps_refused",
