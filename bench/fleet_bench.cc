@@ -405,7 +405,7 @@ bool UsesRelays(const std::string& strategy) {
 }
 
 bool IsDelta(const std::string& strategy) {
-  return strategy == kDeltaRelay || strategy == kDeltaRelaySigned;
+  return strategy == kDeltaRelay || strategy == kDeltaRelaySigned || strategy == kDeltaRelayBuffered;
 }
 
 std::vector<std::string> RegionNames(int regions) {
@@ -428,12 +428,20 @@ Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
   if (error) return Status::IOError("cannot create " + ready_dir + ": " + error.message());
   const std::string loopback_any = "127.0.0.1:0";
   auto ready_file = [&](const Node& node) { return ready_dir + "/" + node.name + ".json"; };
+  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  const bool pin = options.pin && cpus >= 2;
   auto launch = [&](Node& node, const std::string& role, std::vector<std::string> args) -> Status {
     args.insert(args.begin(), role);
     args.push_back("--ready-file");
     args.push_back(ready_file(node));
+    pipeline::StartOptions start;
+    if (pin && role == "publish") {
+      start.cpus = {0};
+    } else if (pin) {
+      for (int cpu = 1; cpu < cpus; ++cpu) start.cpus.push_back(cpu);
+    }
     FW_ASSIGN_OR_RETURN(node.process,
-                        fleet.processes.Start(strategy + "-" + node.name, flywheel, args));
+                        fleet.processes.Start(strategy + "-" + node.name, flywheel, args, start));
     return Status::Ok();
   };
 
@@ -453,6 +461,7 @@ Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
     publisher_args.insert(publisher_args.end(), {"--signing-key", keys.private_key});
     trust = {"--trust-key", keys.public_key};
   }
+  if (strategy == kDeltaRelayBuffered) publisher_args.push_back("--buffered-deltas");
   if (!IsDelta(strategy)) {
     publisher_args.push_back("--no-deltas");
   } else if (options.keyframe_every > 0) {
@@ -914,6 +923,17 @@ std::vector<std::string> Checks(const std::vector<StrategyResult>& results) {
                     Megabytes(baseline->mean_wan_bytes()) + " MB per update = " + RatioText(ratio) +
                     ")");
   }
+  const StrategyResult* buffered = FindStrategy(results, kDeltaRelayBuffered);
+  const std::string streamed_target = "delta-relay (streamed publish) median sync time < delta-relay-buffered's";
+  if (delta == nullptr || buffered == nullptr || delta->updates.empty() ||
+      buffered->updates.empty()) {
+    lines.push_back(streamed_target + ": n/a (needs --strategies delta-relay,delta-relay-buffered)");
+  } else {
+    const double ratio = delta->median_seconds() / buffered->median_seconds();
+    lines.push_back(streamed_target + ": " + PassFail(ratio < 1.0) + " (" +
+                    Fixed(delta->median_seconds(), 3) + " s against " +
+                    Fixed(buffered->median_seconds(), 3) + " s = " + Fixed(ratio, 3) + " x)");
+  }
   const StrategyResult* signed_delta = FindStrategy(results, kDeltaRelaySigned);
   const std::string signed_target = "delta-relay-signed median sync time <= " +
                                     Fixed(kSignedSlack, 2) + " x delta-relay's";
@@ -955,7 +975,10 @@ std::string Preamble(const FleetBenchOptions& options, const StagedSequence& sta
       << (options.keyframe_every > 0 ? std::to_string(options.keyframe_every)
                                      : std::string("(publisher default)"))
       << " versions\n"
-      << "machine: " << std::thread::hardware_concurrency() << " hardware threads";
+      << "machine: " << std::thread::hardware_concurrency() << " hardware threads"
+      << (options.pin && std::thread::hardware_concurrency() >= 2
+              ? " (publisher pinned to CPU 0, relays and workers to the others)"
+              : "");
   const double load = LoadAverage();
   if (std::isfinite(load)) out << ", load average " << Fixed(load, 2);
   out << "\n";
@@ -1033,10 +1056,10 @@ Status ValidateOptions(const FleetBenchOptions& options) {
   std::set<std::string> seen;
   for (const std::string& strategy : options.strategies) {
     if (strategy != kFullDirect && strategy != kFullRelay && strategy != kDeltaRelay &&
-        strategy != kDeltaRelaySigned) {
+        strategy != kDeltaRelaySigned && strategy != kDeltaRelayBuffered) {
       return Status::InvalidArgument("unknown strategy '" + strategy + "' (expected " +
-                                     kFullDirect + ", " + kFullRelay + ", " + kDeltaRelay + " or " +
-                                     kDeltaRelaySigned + ")");
+                                     kFullDirect + ", " + kFullRelay + ", " + kDeltaRelay + ", " +
+                                     kDeltaRelaySigned + " or " + kDeltaRelayBuffered + ")");
     }
     if (!seen.insert(strategy).second) {
       return Status::InvalidArgument("strategy '" + strategy + "' is given twice");

@@ -46,6 +46,9 @@ inline constexpr const char* kDeltaRelay = "delta-relay";
 // delta-relay with signed versions: the publisher signs (--signing-key), relays and workers
 // verify (--trust-key); compared with delta-relay when both run.
 inline constexpr const char* kDeltaRelaySigned = "delta-relay-signed";
+// delta-relay with the publisher serving a delta only once it is wholly encoded
+// (--buffered-deltas, format-1 containers): the peer of the streamed publish.
+inline constexpr const char* kDeltaRelayBuffered = "delta-relay-buffered";
 
 struct FleetBenchOptions {
   // The flywheel executable whose roles are started; empty: this process's own binary.
@@ -59,8 +62,8 @@ struct FleetBenchOptions {
   int updates = 3;
   int regions = 2;
   int workers_per_region = 4;
-  // Run in this order; each of kFullDirect, kFullRelay, kDeltaRelay, kDeltaRelaySigned at
-  // most once.
+  // Run in this order; each of kFullDirect, kFullRelay, kDeltaRelay, kDeltaRelaySigned,
+  // kDeltaRelayBuffered at most once.
   std::vector<std::string> strategies = {kFullDirect, kFullRelay, kDeltaRelay};
   // Size of the simulated optimiser step; sets the fraction of bf16 words that change.
   double learning_rate = 1e-6;
@@ -69,6 +72,10 @@ struct FleetBenchOptions {
   uint64_t seed = 1;
   // Threads used to generate and hash the checkpoints.
   int threads = 2;
+  // Pin the publisher to CPU 0 and every relay and worker to the other CPUs, as a
+  // trainer host and the fleet are separate hardware (needs 2 CPUs or more; ignored
+  // otherwise). Off: every role shares every CPU.
+  bool pin = false;
   // Scratch directory for drops, state and logs (default: a fresh one under $TMPDIR).
   // A directory created by the run is removed at the end unless `keep` is set; logs of
   // the roles are in <work_dir>/logs/.

@@ -102,6 +102,9 @@ void AddFleetRunOptions(CLI::App* fleet, bench::FleetBenchOptions& options) {
                    "under $TMPDIR, removed at the end)")
       ->type_name("PATH");
   fleet->add_flag("--keep", options.keep, "Keep the work directory (drops, state, logs/)");
+  fleet->add_flag("--pin", options.pin,
+                  "Pin the publisher to CPU 0 and the relays and workers to the other CPUs, as\n"
+                  "a trainer host and the fleet are separate hardware (needs 2+ CPUs)");
   fleet
       ->add_option("--markdown", options.markdown_out,
                    "Write the tables as the '## Fleet benchmark' section of this Markdown file "
@@ -126,6 +129,9 @@ void AddFleetCommand(CLI::App& bench_app, Action& action) {
       "  delta-relay  keyframes and sparse deltas through the relays (flywheel's default)\n"
       "  delta-relay-signed  the same with signed versions (only when named in --strategies;\n"
       "               checked within 2 % of delta-relay's median)\n"
+      "  delta-relay-buffered  the same with a publisher that serves a delta only once it\n"
+      "               is wholly encoded (--buffered-deltas; only when named): the peer of\n"
+      "               the streamed publish, checked slower than delta-relay\n"
       "The publisher emulates the WAN (--wan-rate per remote region and direction, and\n"
       "--wan-latency-ms each way); relay -> worker links are unshaped. Checks: delta-relay\n"
       "within 1.3 x (delta bytes / WAN rate + RTT) + 0.5 s, and its WAN bytes at most 1/50\n"
@@ -161,7 +167,7 @@ void AddFleetCommand(CLI::App& bench_app, Action& action) {
       ->type_name("LIST")
       ->delimiter(',')
       ->check(CLI::IsMember({bench::kFullDirect, bench::kFullRelay, bench::kDeltaRelay,
-                                     bench::kDeltaRelaySigned}));
+                                     bench::kDeltaRelaySigned, bench::kDeltaRelayBuffered}));
   fleet
       ->add_option("--wan-rate", options->wan_bytes_per_second,
                    "Emulated WAN rate in bytes/s per remote region and direction (1 Gbit/s)")
