@@ -30,6 +30,7 @@ using internal::U8;
 // What a chunk overwrote, to put it back if the apply as a whole fails.
 struct UndoRecord {
   bool applied = false;
+  bool from_prepared = false;       // written from PreparedChunks
   std::vector<uint32_t> positions;  // sparse: positions (relative to word_begin)
   ByteVec old_bytes;                // sparse: old words at positions; dense: the old range
 };
@@ -127,6 +128,7 @@ void ApplyPrepared(const Manifest& m, size_t index, std::vector<uint32_t>&& posi
 // kClaimed when the apply gets there first; kPreparing -> kClaimed when Prepare gives up.
 struct PreparedChunks::Chunk {
   std::atomic<int> state{kEmpty};
+  uint64_t word_begin = 0;
   std::vector<uint32_t> positions;
   ByteVec words;  // the new words at `positions`, each word's bytes as in the tensor
 };
@@ -174,6 +176,7 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
     if (PreparedAccess::Take(prepared, e.record, &positions, &words)) {
       ApplyPrepared(m, index, std::move(positions), std::move(words), tensor_data, keep_undo,
                     keep_positions, undo);
+      undo->from_prepared = true;
       return Status::Ok();
     }
   }
@@ -247,6 +250,7 @@ class UndoRecords {
     records_.resize(chunks);
     for (UndoRecord& u : records_) {
       u.applied = false;
+      u.from_prepared = false;
       u.positions.clear();
       u.old_bytes.clear();
     }
@@ -294,6 +298,7 @@ class Applier {
   CheckpointView state_view_;
   std::vector<Hash128> hashes_;      // aligned with the state
   std::optional<UndoRecords> undo_;  // from ApplyChunks on
+  uint64_t trusted_tensors_ = 0;     // verified ahead, not rehashed
 };
 
 Status Applier::MapState() {
@@ -384,10 +389,30 @@ Status Applier::VerifyTarget() {
     else
       hashes_[state_of_[i]] = m_.tensors[i].target_hash;
   }
-  std::sort(touched.begin(), touched.end(),
+  // A tensor PreparedChunks verified ahead (its prepared words on a copy of this base hash
+  // to the target hash) is not hashed again when every one of its chunks was written from
+  // those words: the bytes are the ones that were hashed.
+  std::vector<size_t> rehash;
+  for (size_t i : touched) {
+    Hash128 verified;
+    bool trusted = options_.prepared != nullptr &&
+                   options_.prepared->VerifiedHash(i, &verified) &&
+                   verified == m_.tensors[i].target_hash;
+    const TensorEntry& t = m_.tensors[i];
+    for (uint32_t c = t.first_chunk; trusted && c < t.first_chunk + t.chunk_count; ++c) {
+      trusted = (*undo_)[c].from_prepared;
+    }
+    if (trusted) {
+      hashes_[state_of_[i]] = verified;
+      ++trusted_tensors_;
+    } else {
+      rehash.push_back(i);
+    }
+  }
+  std::sort(rehash.begin(), rehash.end(),
             [&](size_t a, size_t b) { return m_.tensors[a].byte_size > m_.tensors[b].byte_size; });
-  ParallelFor(touched.size(), options_.threads, [&](size_t k) {
-    size_t si = state_of_[touched[k]];
+  ParallelFor(rehash.size(), options_.threads, [&](size_t k) {
+    size_t si = state_of_[rehash[k]];
     hashes_[si] = TensorHash(state_view_[si]);
   });
   for (size_t i : touched) {
@@ -418,6 +443,7 @@ ApplyStats Applier::Stats() {
   ApplyStats stats;
   stats.changed_words = m_.changed_words();
   stats.chunks = m_.chunks.size();
+  stats.tensors_verified_ahead = trusted_tensors_;
   stats.tensor_hashes = std::move(hashes_);
   if (options_.report_changes) {
     stats.changes.reserve(m_.chunks.size());
@@ -593,8 +619,73 @@ bool PreparedChunks::Prepare(const DeltaView& delta, size_t index,
     chunk.state.store(kClaimed, std::memory_order_release);  // the apply decodes it and says why
     return false;
   }
+  chunk.word_begin = e.word_begin;
   prepared_.fetch_add(1);
   chunk.state.store(kReady, std::memory_order_release);
+  return true;
+}
+
+bool PreparedChunks::VerifyTensor(size_t tensor, std::span<const uint32_t> records, int word_bytes,
+                                  std::span<const std::byte> base_tensor,
+                                  const Hash128& target_hash) {
+  if (base_tensor.size() % word_bytes != 0) return false;
+  // Every chunk must be prepared: wait for one being prepared now.
+  for (uint32_t r : records) {
+    if (r >= count_) return false;
+    while (true) {
+      const int state = chunks_[r].state.load(std::memory_order_acquire);
+      if (state == kReady) break;
+      if (state != kPreparing) return false;
+      std::this_thread::yield();
+    }
+  }
+  // The patched tensor is hashed block by block, each block copied into a small buffer
+  // (in cache) with the prepared words written over it: one read of the base, as a rehash
+  // after the apply would be, and nothing tensor-sized allocated.
+  std::vector<const Chunk*> chunks;
+  for (uint32_t r : records) chunks.push_back(&chunks_[r]);
+  std::sort(chunks.begin(), chunks.end(),
+            [](const Chunk* a, const Chunk* b) { return a->word_begin < b->word_begin; });
+  const uint64_t words = base_tensor.size() / word_bytes;
+  for (const Chunk* chunk : chunks) {
+    if (!chunk->positions.empty() && chunk->word_begin + chunk->positions.back() >= words) return false;
+  }
+  constexpr uint64_t kBlockBytes = 64 << 10;  // a multiple of every word size
+  thread_local std::vector<uint8_t> block;
+  block.resize(kBlockBytes);
+  StreamingHash hasher;
+  size_t ci = 0, pi = 0;
+  const uint8_t* base = U8(base_tensor);
+  for (uint64_t begin = 0; begin < base_tensor.size(); begin += kBlockBytes) {
+    const uint64_t length = std::min<uint64_t>(kBlockBytes, base_tensor.size() - begin);
+    std::memcpy(block.data(), base + begin, length);
+    const uint64_t end_word = (begin + length) / word_bytes;
+    while (ci < chunks.size()) {
+      const Chunk& chunk = *chunks[ci];
+      if (pi == chunk.positions.size()) {
+        ++ci, pi = 0;
+        continue;
+      }
+      const uint64_t word = chunk.word_begin + chunk.positions[pi];
+      if (word >= end_word) break;
+      std::memcpy(block.data() + (word * word_bytes - begin), chunk.words.data() + pi * word_bytes,
+                  word_bytes);
+      ++pi;
+    }
+    hasher.Update(block.data(), length);
+  }
+  const Hash128 hash = hasher.Finish();
+  if (hash != target_hash) return false;
+  std::lock_guard lock(verified_mu_);
+  verified_[tensor] = hash;
+  return true;
+}
+
+bool PreparedChunks::VerifiedHash(size_t tensor, Hash128* hash) const {
+  std::lock_guard lock(verified_mu_);
+  auto it = verified_.find(tensor);
+  if (it == verified_.end()) return false;
+  *hash = it->second;
   return true;
 }
 

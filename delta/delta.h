@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -205,6 +206,9 @@ class StreamReader {
   // the chunks read so far in record order (payload offsets from the container's start).
   const Manifest& manifest() const;
   uint64_t max_chunks() const;  // the prologue's bound on chunk records
+  // Tensors whose record is in (all their chunk records before it; manifest().tensors[i]
+  // has its target hash and changed words), in the order the records came.
+  const std::vector<uint32_t>& finished_tensors() const;
   // Chunk record `record` alone, as a view of one tensor and one chunk (its `record`
   // field kept) over `container` (which must hold its payload), for
   // PreparedChunks::Prepare.
@@ -230,6 +234,7 @@ struct ChangedWords {
 struct ApplyStats {
   uint64_t changed_words = 0;
   uint64_t chunks = 0;
+  uint64_t tensors_verified_ahead = 0;  // hashes taken from PreparedChunks::VerifyTensor
   std::vector<Hash128> tensor_hashes;  // verified target hashes, aligned with the state
   std::vector<ChangedWords> changes;   // with ApplyOptions::report_changes
 };
@@ -287,6 +292,16 @@ class PreparedChunks {
   size_t prepared() const;  // chunks prepared so far
   size_t used() const;      // of those, consumed by an apply
 
+  // Verifies tensor `tensor` (its index in the delta's manifest) ahead of the apply: copies
+  // `base_tensor`, writes the prepared words of `records` (every chunk of the tensor, all
+  // sparse) into the copy and hashes it. True, and the hash is kept, when every one of the
+  // chunks is prepared (it waits for one being prepared now) and the hash is
+  // `target_hash`. ApplyInPlace does not rehash a tensor verified so when it writes every
+  // one of its chunks from here. REQUIRES: no apply takes these chunks meanwhile.
+  bool VerifyTensor(size_t tensor, std::span<const uint32_t> records, int word_bytes,
+                    std::span<const std::byte> base_tensor, const Hash128& target_hash);
+  bool VerifiedHash(size_t tensor, Hash128* hash) const;
+
  private:
   friend struct PreparedAccess;
   struct Chunk;
@@ -295,6 +310,8 @@ class PreparedChunks {
   uint64_t budget_bytes_;
   std::atomic<uint64_t> bytes_{0};
   std::atomic<size_t> prepared_{0}, used_{0};
+  mutable std::mutex verified_mu_;
+  std::map<size_t, Hash128> verified_;  // tensor -> hash verified ahead
 };
 
 // Applies `delta` to `state` in place. Either the whole target is in place and every

@@ -354,6 +354,7 @@ class DeltaEncoder {
   // Streaming: the header and prologue; one chunk's record; the end record.
   Status BeginStream(const Hash128& base_hash);
   void StreamChunk(size_t k);
+  void StreamTensor(size_t i);  // tensor i's record: all its chunks are out, its hash known
   Status EndStream(const Hash128& target_hash);
 
   void EncodeTask(size_t k, StreamingHash* base_hasher, StreamingHash* target_hasher);
@@ -368,6 +369,8 @@ class DeltaEncoder {
   Status sink_error_;       // the first failed Write (guarded by sink_mu_)
   uint64_t records_ = 0;    // chunk records written (guarded by sink_mu_)
   std::vector<uint64_t> streamed_changed_;  // per tensor (guarded by sink_mu_)
+  // Streaming without fused hashing: per tensor, chunk tasks not finished yet.
+  std::unique_ptr<std::atomic<uint64_t>[]> tasks_left_;
   bool base_hashed_ = false;  // base_hashes_ hold the base's hashes already
   const bool keyframe_;
   const CheckpointView* base_;  // null for a keyframe
@@ -417,6 +420,7 @@ void DeltaEncoder::EncodeAndHash() {
     }
     target_hashes_[i] = target_hasher.Finish();
     if (hash_base) base_hashes_[i] = base_hasher.Finish();
+    if (sink_ != nullptr) StreamTensor(i);
   });
 }
 
@@ -451,8 +455,21 @@ Status DeltaEncoder::HashThenEncode() {
       }
     }
   }
+  if (sink_ != nullptr) {
+    // A tensor's record goes out when its last chunk is done (at once when none is left).
+    tasks_left_.reset(new std::atomic<uint64_t>[target_.size()]);
+    for (size_t i = 0; i < target_.size(); ++i) {
+      uint64_t left = 0;
+      for (size_t k = plan_.first_task[i]; k < plan_.first_task[i + 1]; ++k) left += !skip[k];
+      tasks_left_[i] = left;
+      if (left == 0) StreamTensor(i);
+    }
+  }
   ParallelFor(plan_.tasks.size(), options_.threads, [&](size_t k) {
-    if (!skip[k]) EncodeTask(k, nullptr, nullptr);
+    if (skip[k]) return;
+    EncodeTask(k, nullptr, nullptr);
+    const uint32_t i = plan_.tasks[k].tensor_index;
+    if (sink_ != nullptr && tasks_left_[i].fetch_sub(1) == 1) StreamTensor(i);
   });
   return Status::Ok();
 }
@@ -609,7 +626,8 @@ Status DeltaEncoder::BeginStream(const Hash128& base_hash) {
   wire::PutFixed(&header, Checksum(header), 8);
   // Every stored payload is at most the chunk's dense size (a larger sparse form is never
   // kept), and every record header at most 79 bytes.
-  uint64_t bound = header.size() + prologue.size() + 1 + 10 + 16 + 26 * target_.size() + 8;
+  uint64_t bound = header.size() + prologue.size() + 1 + 10 + 16 + 26 * target_.size() + 8 +
+                   target_.size() * (1 + 10 + 16 + 10 + 8);
   for (const ChunkTask& task : plan_.tasks) {
     bound += 79 + task.word_count * DTypeWordBytes(target_[task.tensor_index].dtype);
   }
@@ -649,6 +667,20 @@ void DeltaEncoder::StreamChunk(size_t k) {
     streamed_changed_[e.tensor_index] += e.changed_words;
   }
   c.payload = ByteVec();
+}
+
+void DeltaEncoder::StreamTensor(size_t i) {
+  std::lock_guard lock(sink_mu_);
+  const TensorView& t = target_[i];
+  ByteVec record;
+  wire::PutU8(&record, format::kTagTensor);
+  wire::PutVarint(&record, i);
+  PutHash(&record, target_hashes_[i]);
+  wire::PutVarint(&record, keyframe_ ? t.data.size() / DTypeWordBytes(t.dtype) : streamed_changed_[i]);
+  wire::PutFixed(&record, Checksum(record), 8);
+  if (sink_error_.ok()) {
+    sink_error_ = sink_->Write(std::as_bytes(std::span(record.data(), record.size())));
+  }
 }
 
 Status DeltaEncoder::EndStream(const Hash128& target_hash) {

@@ -96,11 +96,19 @@
 //   u64 XXH3-64 of this record's bytes from the tag up to here
 //   payload_bytes bytes of stored payload (as in version 1)
 //
+// TensorRecord (one per tensor, after all of that tensor's chunk records)
+//   u8 tag 3
+//   varint tensor index, 16 bytes target tensor hash, varint changed_words
+//   u64 XXH3-64 of this record's bytes from the tag up to here
+//   A reader may verify the tensor once its record is in; no chunk record of the tensor
+//   may follow it.
+//
 // EndRecord
 //   u8 tag 2
 //   varint chunk record count
 //   16 bytes target checkpoint hash
-//   per tensor (prologue order): 16 bytes target tensor hash, varint changed_words
+//   per tensor (prologue order): 16 bytes target tensor hash, varint changed_words (equal
+//       to the tensor's TensorRecord, which every tensor must have)
 //   u64 XXH3-64 of this record's bytes from the tag up to here
 //
 // Chunks of one tensor may come in any order but must not overlap; the same per-chunk
@@ -117,6 +125,7 @@ inline constexpr uint16_t kStreamedVersion = 2;
 inline constexpr uint64_t kStreamedHeaderBytes = 40;
 inline constexpr uint8_t kTagChunk = 1;
 inline constexpr uint8_t kTagEnd = 2;
+inline constexpr uint8_t kTagTensor = 3;
 inline constexpr uint16_t kFlagKeyframe = 1;
 inline constexpr uint64_t kHeaderBytes = 48;
 inline constexpr uint64_t kMaxRank = 64;

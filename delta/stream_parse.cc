@@ -41,6 +41,8 @@ struct StreamReader::State {
   uint64_t max_chunks = 0;
   uint64_t pos = 0;  // the first byte not parsed yet
   std::vector<uint64_t> words;  // per tensor
+  std::vector<uint8_t> finished;         // per tensor: its tensor record is in
+  std::vector<uint32_t> finished_order;  // tensors by the arrival of their record
 
   Status Fail(Status status) {
     error = status;
@@ -51,6 +53,7 @@ struct StreamReader::State {
   Status ParseRecord(std::span<const uint8_t> in, bool* done);
   Status ParseChunkRecord(std::span<const uint8_t> in, bool* done);
   Status ParseEndRecord(std::span<const uint8_t> in, bool* done);
+  Status ParseTensorRecord(std::span<const uint8_t> in, bool* done);
 };
 
 StreamReader::StreamReader(const DecodeLimits& limits) : state_(std::make_unique<State>()) {
@@ -71,6 +74,9 @@ bool StreamReader::has_prologue() const { return state_->has_prologue; }
 bool StreamReader::ended() const { return state_->ended; }
 const Manifest& StreamReader::manifest() const { return state_->m; }
 uint64_t StreamReader::max_chunks() const { return state_->max_chunks; }
+const std::vector<uint32_t>& StreamReader::finished_tensors() const {
+  return state_->finished_order;
+}
 
 Status StreamReader::State::ParsePrologue(std::span<const uint8_t> in) {
   const uint8_t* p = in.data();
@@ -199,6 +205,7 @@ Status StreamReader::State::ParsePrologue(std::span<const uint8_t> in) {
                                    " trailing bytes"));
   }
   has_prologue = true;
+  finished.assign(m.tensors.size(), 0);
   pos = format::kStreamedHeaderBytes + prologue_bytes;
   return Status::Ok();
 }
@@ -237,6 +244,9 @@ Status StreamReader::State::ParseChunkRecord(std::span<const uint8_t> in, bool* 
   }
   const TensorEntry& t = m.tensors[tensor];
   const std::string named = where + " (tensor " + Quote(t.name) + ")";
+  if (finished[tensor]) {
+    return Fail(Status::Corruption("delta " + named + " comes after the tensor's record"));
+  }
   if (kind > 2 || compressor > 2) {
     return Fail(Status::Corruption("delta " + named + " has unknown kind or compressor"));
   }
@@ -294,13 +304,58 @@ Status StreamReader::State::ParseEndRecord(std::span<const uint8_t> in, bool* do
                                    " chunk records, the container holds " +
                                    std::to_string(m.chunks.size())));
   }
-  m.target_hash = target_hash;
   for (size_t i = 0; i < per_tensor.size(); ++i) {
-    m.tensors[i].target_hash = per_tensor[i].first;
-    m.tensors[i].changed_words = per_tensor[i].second;
+    if (!finished[i]) {
+      return Fail(Status::Corruption("delta tensor " + Quote(m.tensors[i].name) +
+                                     " has no tensor record before the end record"));
+    }
+    if (m.tensors[i].target_hash != per_tensor[i].first ||
+        m.tensors[i].changed_words != per_tensor[i].second) {
+      return Fail(Status::Corruption("delta end record disagrees with the record of tensor " +
+                                     Quote(m.tensors[i].name)));
+    }
   }
+  m.target_hash = target_hash;
   pos += r.position();
   ended = true;
+  *done = true;
+  return Status::Ok();
+}
+
+Status StreamReader::State::ParseTensorRecord(std::span<const uint8_t> in, bool* done) {
+  const std::span<const uint8_t> rest = in.subspan(pos);
+  wire::Reader r(rest);
+  r.U8();
+  const uint64_t tensor = r.Varint();
+  const Hash128 hash = GetHash(r);
+  const uint64_t changed = r.Varint();
+  const size_t covered = r.position();
+  const uint64_t checksum = r.Fixed(8);
+  if (r.failed()) {
+    if (rest.size() < 1 + 10 + 16 + 10 + 8) return Status::Ok();
+    return Fail(Status::Corruption("delta tensor record at byte " + std::to_string(pos) +
+                                   " is malformed"));
+  }
+  if (ChecksumMismatch(checksum, rest.first(covered))) {
+    return Fail(Status::Corruption("delta tensor record at byte " + std::to_string(pos) +
+                                   " checksum mismatch"));
+  }
+  if (tensor >= m.tensors.size() || finished[tensor]) {
+    return Fail(Status::Corruption("delta tensor record names tensor " + std::to_string(tensor) +
+                                   (tensor < m.tensors.size() ? " a second time" : " of " +
+                                   std::to_string(m.tensors.size()))));
+  }
+  TensorEntry& t = m.tensors[tensor];
+  if (changed > words[tensor]) {
+    return Fail(Status::Corruption("delta tensor " + Quote(t.name) + " declares " +
+                                   std::to_string(changed) + " changed words of " +
+                                   std::to_string(words[tensor])));
+  }
+  t.target_hash = hash;
+  t.changed_words = changed;
+  finished[tensor] = 1;
+  finished_order.push_back(static_cast<uint32_t>(tensor));
+  pos += r.position();
   *done = true;
   return Status::Ok();
 }
@@ -309,6 +364,7 @@ Status StreamReader::State::ParseRecord(std::span<const uint8_t> in, bool* done)
   *done = false;
   const uint8_t tag = in[pos];
   if (tag == format::kTagChunk) return ParseChunkRecord(in, done);
+  if (tag == format::kTagTensor) return ParseTensorRecord(in, done);
   if (tag == format::kTagEnd) return ParseEndRecord(in, done);
   return Fail(Status::Corruption("delta has an unknown record tag " + std::to_string(tag) +
                                  " at byte " + std::to_string(pos)));

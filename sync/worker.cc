@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <map>
@@ -223,10 +224,28 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
       base_hash_ = m.base_hash;
       prepared_ = std::make_unique<delta::PreparedChunks>(reader_.max_chunks(), kBudgetBytes);
     }
+    records_of_.resize(m.tensors.size());
     for (; next_ < m.chunks.size(); ++next_) {
       const delta::ChunkEntry& e = m.chunks[next_];
+      records_of_[e.tensor_index].push_back(e.kind == delta::ChunkKind::kSparse ? e.record : kNotSparse);
       if (e.kind != delta::ChunkKind::kSparse) continue;
       Schedule(std::make_shared<const delta::DeltaView>(reader_.ChunkView(next_, bytes)), 0);
+    }
+    // A tensor whose record is in has all its chunks scheduled: verify it once they are
+    // decoded (the pool runs tasks in order), so the apply need not hash it again.
+    const std::vector<uint32_t>& finished = reader_.finished_tensors();
+    for (; next_tensor_ < finished.size(); ++next_tensor_) {
+      const uint32_t t = finished[next_tensor_];
+      const std::vector<uint32_t>& records = records_of_[t];
+      if (records.empty() ||
+          std::find(records.begin(), records.end(), kNotSparse) != records.end()) {
+        continue;
+      }
+      const delta::TensorEntry& entry = m.tensors[t];
+      asio::post(worker_->cpu, [self = shared_from_this(), t, records, name = entry.name,
+                                w = DTypeWordBytes(entry.dtype), hash = entry.target_hash] {
+        self->Verify(t, records, name, w, hash);
+      });
     }
   }
 
@@ -287,9 +306,34 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
     }
   }
 
+  // On the CPU pool, as Decode.
+  void Verify(uint32_t tensor, const std::vector<uint32_t>& records, const std::string& name,
+              int word_bytes, const Hash128& target_hash) {
+    if (closed_ || worker_->stopped) return;
+    std::shared_lock lock(worker_->weights_mutex);
+    if (closed_) return;
+    if (worker_->version.load() != base_version_ || worker_->hash != base_hash_) return;
+    std::call_once(mapped_, [&] {
+      for (const OwnedTensor& t : worker_->weights.tensors) by_name_.emplace(t.name, &t);
+    });
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) return;
+    if (prepared_->VerifyTensor(tensor, records, word_bytes, it->second->data, target_hash)) {
+      verified_.fetch_add(1);
+    }
+  }
+
+ public:
+  uint64_t verified() const { return verified_.load(); }
+
+ private:
+  static constexpr uint32_t kNotSparse = ~uint32_t{0};
   Worker::Impl* worker_;
   const std::shared_ptr<const GrowableBytes> bytes_;
   std::atomic<bool> closed_{false};
+  std::atomic<uint64_t> verified_{0};
+  std::vector<std::vector<uint32_t>> records_of_;  // format 2: per tensor, its chunk records
+  size_t next_tensor_ = 0;                          // format 2: finished tensors looked at
   // Network-thread state.
   uint64_t prefix_pieces_ = 0;  // pieces present from the start
   uint64_t prefix_ = 0;         // bytes those hold
@@ -636,8 +680,9 @@ awaitable<void> Worker::Impl::UpdateLoop() {
       upstream->ReportNow();  // readiness (GET /v1/wait on the publisher) learns it now
       last_error.clear();
       spdlog::info("serving v{} ({}; fetched in {:.0f} ms, applied in {:.0f} ms, {} chunk(s) "
-                   "decoded while arriving)",
-                   serving, Describe(key), fetch_ms, last_apply_ms, last_apply_chunks_early);
+                   "decoded and {} tensor(s) verified while arriving)",
+                   serving, Describe(key), fetch_ms, last_apply_ms, last_apply_chunks_early,
+                   early ? early->verified() : 0);
       head_seen.erase(head_seen.begin(), head_seen.upper_bound(serving));
       if (!options.export_dir.empty()) {
         auto export_weights = [this, serving] { return Export(serving); };

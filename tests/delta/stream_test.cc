@@ -123,7 +123,7 @@ TEST(StreamedContainerTest, ReaderDecodesChunksWhileTheContainerArrives) {
 
   StreamReader reader;
   std::unique_ptr<PreparedChunks> prepared;
-  size_t seen = 0, decoded_before_end = 0;
+  size_t seen = 0, decoded_before_end = 0, verified = 0, verified_tensors = 0;
   for (size_t step = 0;; ++step) {
     const size_t have = std::min(bytes.size(), step * 4099);
     const std::span<const std::byte> prefix(bytes.data(), have);
@@ -141,9 +141,27 @@ TEST(StreamedContainerTest, ReaderDecodesChunksWhileTheContainerArrives) {
         if (!reader.ended()) ++decoded_before_end;
       }
     }
+    // Each tensor whose record is in is verified on a copy of the base.
+    for (; verified < reader.finished_tensors().size(); ++verified) {
+      const uint32_t t = reader.finished_tensors()[verified];
+      std::vector<uint32_t> records;
+      bool all_sparse = true;
+      for (const ChunkEntry& e : m.chunks) {
+        if (e.tensor_index != t) continue;
+        records.push_back(e.record);
+        all_sparse = all_sparse && e.kind == ChunkKind::kSparse;
+      }
+      if (records.empty() || !all_sparse) continue;
+      EXPECT_TRUE(prepared->VerifyTensor(t, records, DTypeWordBytes(m.tensors[t].dtype),
+                                         base.tensors[t].data, m.tensors[t].target_hash))
+          << m.tensors[t].name;
+      ++verified_tensors;
+    }
     if (have == bytes.size()) break;
   }
   EXPECT_TRUE(reader.ended());
+  EXPECT_EQ(reader.finished_tensors().size(), base.tensors.size());
+  EXPECT_GT(verified_tensors, 0u);
   EXPECT_EQ(seen, reader.manifest().chunks.size());
   EXPECT_GT(decoded_before_end, 4u);
 
@@ -159,6 +177,64 @@ TEST(StreamedContainerTest, ReaderDecodesChunksWhileTheContainerArrives) {
   // Every chunk decoded ahead was used by the apply, none decoded twice.
   EXPECT_EQ(prepared->used(), prepared->prepared());
   EXPECT_GE(prepared->used(), decoded_before_end);
+  // The tensors verified ahead were not hashed again.
+  EXPECT_EQ(stats->tensors_verified_ahead, verified_tensors);
+}
+
+// A tensor "verified" against other bytes than the base the apply patches is never
+// trusted: the hash it got is not the delta's target hash, so the apply rehashes it, and
+// chunks prepared from the wrong base make the apply fail and restore the state.
+TEST(StreamedContainerTest, VerificationAgainstOtherBytesIsNotTrusted) {
+  const OwnedCheckpoint base = RandomCheckpoint(ChunkySpecs(), 71);
+  const OwnedCheckpoint other = Mutate(base, 0.01, 72, Change::kArbitrary);
+  const OwnedCheckpoint target = Mutate(base, 0.03, 73, Change::kArbitrary);
+  VectorSink sink;
+  ASSERT_TRUE(EncodeStreamed(base.view(), target.view(), Options(1), sink).ok());
+  Result<DeltaView> whole = DeltaView::Parse(sink.bytes_);
+  ASSERT_TRUE(whole.ok());
+  const Manifest& m = whole->manifest();
+  PreparedChunks prepared(m.chunks.size() + 8, 1ull << 30);
+  for (size_t c = 0; c < m.chunks.size(); ++c) {
+    prepared.Prepare(*whole, c, other.tensors[m.chunks[c].tensor_index].data);
+  }
+  size_t attempted = 0;
+  for (uint32_t t = 0; t < m.tensors.size(); ++t) {
+    std::vector<uint32_t> records;
+    for (uint32_t c = m.tensors[t].first_chunk; c < m.tensors[t].first_chunk + m.tensors[t].chunk_count; ++c) {
+      records.push_back(m.chunks[c].record);
+    }
+    if (records.empty()) continue;
+    ++attempted;
+    EXPECT_FALSE(prepared.VerifyTensor(t, records, DTypeWordBytes(m.tensors[t].dtype),
+                                       other.tensors[t].data, m.tensors[t].target_hash))
+        << "a tensor built on other bytes verified: " << m.tensors[t].name;
+    Hash128 ignored;
+    EXPECT_FALSE(prepared.VerifiedHash(t, &ignored));
+  }
+  EXPECT_GT(attempted, 0u);
+  OwnedCheckpoint state = base;
+  MutableCheckpointView view = state.mutable_view();
+  ApplyOptions apply;
+  apply.prepared = &prepared;
+  Result<ApplyStats> stats = ApplyInPlace(view, *whole, apply);
+  EXPECT_FALSE(stats.ok());
+  EXPECT_TRUE(SameBytes(state, base)) << "a refused apply left changes";
+}
+
+TEST(StreamedContainerTest, EveryTensorHasItsRecordAfterItsChunks) {
+  const OwnedCheckpoint base = RandomCheckpoint(MixedSpecs(), 74);
+  const OwnedCheckpoint target = Mutate(base, 0.05, 75, Change::kSmallSteps);
+  for (int threads : {1, 4}) {
+    VectorSink sink;
+    ASSERT_TRUE(EncodeStreamed(base.view(), target.view(), Options(threads), sink).ok());
+    StreamReader reader;
+    ASSERT_TRUE(reader.Advance(sink.bytes_).ok());
+    ASSERT_TRUE(reader.ended());
+    std::vector<uint32_t> order = reader.finished_tensors();
+    std::sort(order.begin(), order.end());
+    ASSERT_EQ(order.size(), base.tensors.size());
+    for (uint32_t i = 0; i < order.size(); ++i) EXPECT_EQ(order[i], i);
+  }
 }
 
 TEST(StreamedContainerTest, EveryTruncationAndTrailingByteIsRefused) {
