@@ -192,8 +192,22 @@ void CatalogVerifier::Filter(Catalog* catalog, const std::string& who) {
     kept.push_back(std::move(info));
   }
   // Deltas still streaming cannot be signed yet: they pass unverified, and nothing of
-  // them is applied or kept before their finished, signed entry verifies.
-  for (const ArtifactInfo& info : streaming) kept.push_back(info);
+  // them is applied or kept before their finished, signed entry verifies. So that a forged
+  // one cannot make a node fetch without end, one may list at most twice the largest
+  // verified artifact (a delta is never larger than the dense checkpoint) plus 64 MiB.
+  uint64_t largest = 0;
+  for (const ArtifactInfo& info : kept) largest = std::max(largest, info.size_bytes);
+  const uint64_t streaming_limit = 2 * largest + (uint64_t{64} << 20);
+  for (const ArtifactInfo& info : streaming) {
+    if (info.size_bound <= streaming_limit) {
+      kept.push_back(info);
+    } else if (counted_.insert({KeyOf(info), "streaming-bound"}).second) {
+      last_error_ = Describe(KeyOf(info)) + " streams with a bound of " +
+                    std::to_string(info.size_bound) + " bytes, over " +
+                    std::to_string(streaming_limit) + " (twice the largest verified artifact)";
+      spdlog::warn("{}: not fetched: {}", who, last_error_);
+    }
+  }
   std::sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) {
     return std::tie(a.target_version, a.kind) < std::tie(b.target_version, b.kind);
   });

@@ -243,6 +243,45 @@ TEST_F(SigningTest, CatalogVerifierKeepsOnlyVerifiedArtifactsAndCountsEachRefusa
   EXPECT_EQ(third.head_version, 5u);
 }
 
+// A delta still streaming is unsigned by nature: it passes the filter without a
+// signature (nothing of it is used before its finished entry verifies), does not raise the
+// head, and only while its bound is within twice the largest verified artifact + 64 MiB,
+// so a forged one cannot make a node fetch without end.
+TEST_F(SigningTest, StreamingEntriesPassUnsignedWithinABound) {
+  ArtifactInfo keyframe = info_;
+  keyframe.kind = ArtifactKind::kKeyframe;
+  keyframe.base_version = 0;
+  keyframe.base_hash = Hash128{};
+  keyframe.target_version = 4;
+  keyframe.target_hash = Hash128{1, 2};
+  ArtifactInfo streaming = info_;
+  streaming.streaming = true;
+  streaming.target_hash = Hash128{};
+  streaming.piece_hashes.resize(2);
+  streaming.size_bytes = 2 * info_.piece_bytes;
+  streaming.size_bound = 2 * keyframe.size_bytes + (64 << 20);
+  Catalog catalog;
+  catalog.artifacts = {keyframe, streaming};
+  catalog.signatures[KeyOf(keyframe)] = Signed(keyframe);
+  catalog.head_version = 4;
+  catalog.head_hash = keyframe.target_hash;
+  CatalogVerifier verifier(trusted_);
+  Catalog within = catalog;
+  verifier.Filter(&within, "test");
+  ASSERT_EQ(within.artifacts.size(), 2u);
+  EXPECT_TRUE(within.artifacts[1].streaming);
+  EXPECT_EQ(within.head_version, 4u);
+  EXPECT_EQ(verifier.failures(), 0u);
+  EXPECT_EQ(verifier.FactsOf(KeyOf(streaming)), nullptr) << "a streaming entry has no verified facts";
+
+  Catalog over = catalog;
+  over.artifacts[1].size_bound += 1;
+  verifier.Filter(&over, "test");
+  ASSERT_EQ(over.artifacts.size(), 1u);
+  EXPECT_FALSE(over.artifacts[0].streaming);
+  EXPECT_NE(verifier.last_error().find("bound"), std::string::npos) << verifier.last_error();
+}
+
 TEST_F(SigningTest, SigningAndVerifyingAManifestTakeMicroseconds) {
   // The per-version cost of signatures, apart from hashing the bytes: far below 5 ms.
   const SignedManifest signed_manifest = Signed(info_);
