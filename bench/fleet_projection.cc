@@ -73,10 +73,10 @@ Table ProjectionTable(const Projection& projection, const ProjectionAssumptions&
   }
   table.rows.push_back({"publish -> all workers, stages one after another", "sum + RTT",
                         Fixed(projection.store_and_forward_seconds, 2)});
-  table.rows.push_back({"publish -> all workers, today: encode, transfer cut through the relays, apply",
+  table.rows.push_back({"publish -> all workers, buffered publish (--buffered-deltas): encode, then transfer cut through the relays, then apply",
                         "encode + slowest hop + apply + RTT",
                         Fixed(projection.cut_through_seconds, 2)});
-  table.rows.push_back({"publish -> all workers, streamed through every hop (the goal; not built)",
+  table.rows.push_back({"publish -> all workers, streamed through every hop (flywheel's default)",
                         "slowest stage + RTT + a piece per other hop",
                         Fixed(projection.streamed_seconds, 2)});
   table.rows.push_back({"the same, relays serving each child from its own core (not built)",

@@ -1,6 +1,8 @@
 #include "sync/worker.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -39,6 +41,31 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   WorkerOptions options;
   NodeIdentity identity;
   asio::thread_pool cpu;
+  // Decoding and verifying ahead run on one thread of their own at the lowest CPU
+  // priority (nice 19) while a delta arrives: on a host the publisher or other roles share
+  // they only take idle cores. Before an apply takes the chunks its priority is restored,
+  // so a chunk it is decoding cannot hold the apply up.
+  // A process that may not raise a thread's priority back (no CAP_SYS_NICE, RLIMIT_NICE
+  // too low) decodes ahead on the CPU pool at normal priority instead (ahead_tid stays 0).
+  asio::thread_pool ahead{1};
+  std::atomic<pid_t> ahead_tid{0};
+  void AheadPriority(int nice) {
+    if (const pid_t tid = ahead_tid.load()) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
+  }
+  // On the ahead thread: whether it can go to nice 19 and back.
+  void ProbeAheadPriority() {
+    const pid_t tid = static_cast<pid_t>(::gettid());
+    const int before = ::getpriority(PRIO_PROCESS, static_cast<id_t>(tid));
+    if (::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 19) != 0) return;
+    if (::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), before) != 0) {
+      // This thread stays at nice 19, unused: decoding ahead goes to the CPU pool.
+      spdlog::info("decoding ahead at normal priority: this process cannot raise a thread's "
+                   "priority back from nice 19 (needs CAP_SYS_NICE or RLIMIT_NICE)");
+      return;
+    }
+    ahead_tid = tid;
+  }
+  asio::thread_pool& AheadPool() { return ahead_tid.load() != 0 ? ahead : cpu; }
   LinkRegistry links;
   std::unique_ptr<Upstream> upstream;
   std::unique_ptr<transport::HttpServer> http;
@@ -242,7 +269,7 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
         continue;
       }
       const delta::TensorEntry& entry = m.tensors[t];
-      asio::post(worker_->cpu, [self = shared_from_this(), t, records, name = entry.name,
+      asio::post(worker_->AheadPool(), [self = shared_from_this(), t, records, name = entry.name,
                                 w = DTypeWordBytes(entry.dtype), hash = entry.target_hash] {
         self->Verify(t, records, name, w, hash);
       });
@@ -280,7 +307,8 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
   }
 
   void Schedule(std::shared_ptr<const delta::DeltaView> view, size_t chunk) {
-    asio::post(worker_->cpu, [self = shared_from_this(), view = std::move(view), chunk] {
+    worker_->AheadPriority(19);
+    asio::post(worker_->AheadPool(), [self = shared_from_this(), view = std::move(view), chunk] {
       self->Decode(*view, chunk);
     });
   }
@@ -655,6 +683,7 @@ awaitable<void> Worker::Impl::UpdateLoop() {
         }
       }
       delta::PreparedChunks* prepared = early ? early->Close() : nullptr;
+      AheadPriority(0);  // a chunk being decoded ahead now must not hold the apply up
       auto apply = [this, task, bytes, prepared] { return Apply(*task, bytes->bytes(), prepared); };
       flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
       last_apply_chunks_early = early ? early->decoded() : 0;
@@ -748,6 +777,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
   FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, true));
   FW_ASSIGN_OR_RETURN(TrustedKeys trusted, TrustedKeys::Load(options.common.trust_keys));
   auto impl = std::make_shared<Impl>(executor, options);
+  asio::post(impl->ahead, [raw = impl.get()] { raw->ProbeAheadPriority(); });
   impl->verifier = std::make_unique<CatalogVerifier>(std::move(trusted));
   impl->identity = MakeIdentity(wire::WORKER, options.common);
   impl->upstream = std::make_unique<Upstream>(
@@ -798,6 +828,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
 Worker::~Worker() {
   impl_->stopped = true;
   impl_->cpu.join();
+  impl_->ahead.join();
 }
 
 void Worker::Stop() {
