@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -298,6 +299,34 @@ void PutHash(ByteVec* out, const Hash128& h) {
   wire::PutFixed(out, h.high, 8);
 }
 
+void PutMetadata(ByteVec* out, const std::map<std::string, std::string>& metadata) {
+  wire::PutVarint(out, metadata.size());
+  for (const auto& [key, value] : metadata) {
+    wire::PutString(out, key);
+    wire::PutString(out, value);
+  }
+}
+
+// A tensor's name, dtype and shape, as both container formats write them.
+void PutLayout(ByteVec* out, const TensorView& t) {
+  wire::PutString(out, t.name);
+  wire::PutU8(out, static_cast<uint8_t>(t.dtype));
+  wire::PutVarint(out, t.shape.size());
+  for (int64_t d : t.shape) wire::PutVarint(out, static_cast<uint64_t>(d));
+}
+
+// A chunk's fields from word_begin to the payload checksum, as both formats write them.
+void PutChunkFields(ByteVec* out, const ChunkEntry& e) {
+  wire::PutVarint(out, e.word_begin);
+  wire::PutVarint(out, e.word_count);
+  wire::PutU8(out, static_cast<uint8_t>(e.kind));
+  wire::PutU8(out, static_cast<uint8_t>(e.compressor));
+  wire::PutVarint(out, e.changed_words);
+  wire::PutVarint(out, e.raw_bytes);
+  wire::PutVarint(out, e.payload_bytes);
+  wire::PutFixed(out, e.checksum, 8);
+}
+
 // The word ranges of every tensor: tensor i's chunks are tasks[first_task[i] ..
 // first_task[i + 1]).
 struct ChunkPlan {
@@ -489,18 +518,11 @@ ByteVec DeltaEncoder::BuildManifest(const Hash128& base_hash, const Hash128& tar
   wire::PutVarint(&manifest, options_.target_version);
   PutHash(&manifest, keyframe_ ? Hash128{} : base_hash);
   PutHash(&manifest, target_hash);
-  wire::PutVarint(&manifest, options_.metadata.size());
-  for (const auto& [key, value] : options_.metadata) {
-    wire::PutString(&manifest, key);
-    wire::PutString(&manifest, value);
-  }
+  PutMetadata(&manifest, options_.metadata);
   wire::PutVarint(&manifest, target_.size());
   for (size_t i = 0; i < target_.size(); ++i) {
     const TensorView& t = target_[i];
-    wire::PutString(&manifest, t.name);
-    wire::PutU8(&manifest, static_cast<uint8_t>(t.dtype));
-    wire::PutVarint(&manifest, t.shape.size());
-    for (int64_t d : t.shape) wire::PutVarint(&manifest, static_cast<uint64_t>(d));
+    PutLayout(&manifest, t);
     PutHash(&manifest, keyframe_ ? Hash128{} : base_hashes_[i]);
     PutHash(&manifest, target_hashes_[i]);
     wire::PutVarint(&manifest, keyframe_ ? t.data.size() / DTypeWordBytes(t.dtype) : changed[i]);
@@ -509,15 +531,7 @@ ByteVec DeltaEncoder::BuildManifest(const Hash128& base_hash, const Hash128& tar
   wire::PutVarint(&manifest, present_chunks);
   for (const EncodedChunk& c : encoded_) {
     if (!c.present) continue;
-    const ChunkEntry& e = c.entry;
-    wire::PutVarint(&manifest, e.word_begin);
-    wire::PutVarint(&manifest, e.word_count);
-    wire::PutU8(&manifest, static_cast<uint8_t>(e.kind));
-    wire::PutU8(&manifest, static_cast<uint8_t>(e.compressor));
-    wire::PutVarint(&manifest, e.changed_words);
-    wire::PutVarint(&manifest, e.raw_bytes);
-    wire::PutVarint(&manifest, e.payload_bytes);
-    wire::PutFixed(&manifest, e.checksum, 8);
+    PutChunkFields(&manifest, c.entry);
   }
   return manifest;
 }
@@ -597,18 +611,10 @@ Status DeltaEncoder::BeginStream(const Hash128& base_hash) {
   wire::PutVarint(&prologue, keyframe_ ? 0 : options_.base_version);
   wire::PutVarint(&prologue, options_.target_version);
   PutHash(&prologue, keyframe_ ? Hash128{} : base_hash);
-  wire::PutVarint(&prologue, options_.metadata.size());
-  for (const auto& [key, value] : options_.metadata) {
-    wire::PutString(&prologue, key);
-    wire::PutString(&prologue, value);
-  }
+  PutMetadata(&prologue, options_.metadata);
   wire::PutVarint(&prologue, target_.size());
   for (size_t i = 0; i < target_.size(); ++i) {
-    const TensorView& t = target_[i];
-    wire::PutString(&prologue, t.name);
-    wire::PutU8(&prologue, static_cast<uint8_t>(t.dtype));
-    wire::PutVarint(&prologue, t.shape.size());
-    for (int64_t d : t.shape) wire::PutVarint(&prologue, static_cast<uint64_t>(d));
+    PutLayout(&prologue, target_[i]);
     PutHash(&prologue, keyframe_ ? Hash128{} : base_hashes_[i]);
   }
   wire::PutVarint(&prologue, plan_.tasks.size());
@@ -646,14 +652,7 @@ void DeltaEncoder::StreamChunk(size_t k) {
   ByteVec header;
   wire::PutU8(&header, format::kTagChunk);
   wire::PutVarint(&header, e.tensor_index);
-  wire::PutVarint(&header, e.word_begin);
-  wire::PutVarint(&header, e.word_count);
-  wire::PutU8(&header, static_cast<uint8_t>(e.kind));
-  wire::PutU8(&header, static_cast<uint8_t>(e.compressor));
-  wire::PutVarint(&header, e.changed_words);
-  wire::PutVarint(&header, e.raw_bytes);
-  wire::PutVarint(&header, e.payload_bytes);
-  wire::PutFixed(&header, e.checksum, 8);
+  PutChunkFields(&header, e);
   wire::PutFixed(&header, Checksum(header), 8);
   {
     std::lock_guard lock(sink_mu_);
