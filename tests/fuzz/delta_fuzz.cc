@@ -1,4 +1,5 @@
-// libFuzzer target for the delta decoder: parse any bytes as a container; when the
+// libFuzzer target for the delta decoder: read any bytes as a streamed container while they
+// arrive (format 2), parse them as a container; when the
 // manifest parses, decode every chunk against a zero state of the declared layout (a
 // keyframe) or apply it to such a state (a delta; the base check then fails unless the
 // fuzzer forged every hash), and check the apply either fully succeeds or restores.
@@ -13,7 +14,19 @@ int FuzzDelta(const uint8_t* data, size_t size) {
   using namespace flywheel::delta;
   DecodeLimits limits;
   limits.max_chunk_raw_bytes = 1 << 24;
-  auto view = DeltaView::Parse({reinterpret_cast<const std::byte*>(data), size}, limits);
+  const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
+  // A streamed container read while it arrives, in three slices: whatever it reads must
+  // lie inside the bytes it was given.
+  if (StreamReader::IsStreamed(bytes)) {
+    StreamReader reader(limits);
+    for (size_t have : {size / 3, 2 * size / 3, size}) {
+      if (!reader.Advance(bytes.first(have)).ok()) break;
+      for (const ChunkEntry& e : reader.manifest().chunks) {
+        if (e.payload_offset + e.payload_bytes > have) __builtin_trap();
+      }
+    }
+  }
+  auto view = DeltaView::Parse(bytes, limits);
   if (!view.ok()) return 0;
   const Manifest& m = view->manifest();
   if (m.total_bytes() > (64u << 20)) return 0;  // keep fuzzing iterations small

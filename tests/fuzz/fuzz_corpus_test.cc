@@ -82,6 +82,21 @@ TEST(FuzzCorpusTest, DeltaSeedsAndMutations) {
       auto* p = reinterpret_cast<const uint8_t*>(bytes->data());
       seeds.emplace_back(p, p + bytes->size());
     }
+    // The streamed form (format 2) of the same delta and keyframe.
+    struct Collect : delta::StreamSink {
+      std::vector<uint8_t> out;
+      Status Begin(uint64_t) override { return Status::Ok(); }
+      Status Write(std::span<const std::byte> more) override {
+        auto* p = reinterpret_cast<const uint8_t*>(more.data());
+        out.insert(out.end(), p, p + more.size());
+        return Status::Ok();
+      }
+    };
+    Collect streamed_delta, streamed_keyframe;
+    ASSERT_TRUE(delta::EncodeStreamed(base.view(), target.view(), options, streamed_delta).ok());
+    ASSERT_TRUE(delta::EncodeKeyframeStreamed(target.view(), options, streamed_keyframe).ok());
+    seeds.push_back(std::move(streamed_delta.out));
+    seeds.push_back(std::move(streamed_keyframe.out));
   }
   RunMutations(FuzzDelta, seeds, 2000);
 }
