@@ -735,6 +735,14 @@ class PieceStreamSink : public delta::StreamSink {
   std::span<const std::byte> bytes() const {
     return bytes_ ? bytes_->bytes() : std::span<const std::byte>();
   }
+  // Every piece's hash, the last (shorter) piece's included: PieceHashes(bytes()) without
+  // hashing the whole pieces a second time.
+  std::vector<uint64_t> AllPieceHashes() const {
+    std::vector<uint64_t> hashes = entry_.piece_hashes;
+    const std::span<const std::byte> all = bytes();
+    if (all.size() > entry_.size_bytes) hashes.push_back(HashBytes64(all.subspan(entry_.size_bytes)));
+    return hashes;
+  }
 
  private:
   ArtifactInfo entry_;
@@ -829,8 +837,10 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
   auto remove_written = [&] {
     for (const ArtifactInfo& info : written) ::unlink(info.path.c_str());
   };
+  // `piece_hashes`: the bytes' PieceHashes when already known (a streamed delta's).
   auto write_artifact = [&](ArtifactKind kind, const Status& encoded,
-                            std::span<const std::byte> bytes) -> Status {
+                            std::span<const std::byte> bytes,
+                            std::vector<uint64_t> piece_hashes = {}) -> Status {
     const std::string context = "version log " + s.dir + ": " + ArtifactKindName(kind) +
                                 " of version " + std::to_string(version);
     if (!encoded.ok()) return encoded.WithContext(context);
@@ -844,15 +854,16 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
     }
     info.size_bytes = bytes.size();
     info.piece_bytes = options.piece_bytes;
-    info.piece_hashes = PieceHashes(bytes, options.piece_bytes);
+    info.piece_hashes =
+        piece_hashes.empty() ? PieceHashes(bytes, options.piece_bytes) : std::move(piece_hashes);
     info.path = s.dir + "/" + RelativeArtifactPath(info);
     FW_RETURN_IF_ERROR(delta::WriteFileAtomically(info.path, bytes).WithContext(context));
     written.push_back(std::move(info));
     return Status::Ok();
   };
 
-  // The delta first: whether a keyframe is due by cost depends on its size.
-  // The delta's bytes: encoded in memory (format 1, or a given delta), or streamed.
+  // The delta first: whether a keyframe is due by cost depends on its size. Its bytes are
+  // encoded in memory (format 1, or a given delta) or streamed into the sink.
   Result<std::vector<std::byte>> delta_bytes = std::vector<std::byte>{};
   ArtifactInfo streaming_entry;
   streaming_entry.kind = ArtifactKind::kDelta;
@@ -861,18 +872,19 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
   streaming_entry.target_version = version;
   streaming_entry.piece_bytes = options.piece_bytes;
   PieceStreamSink sink(streaming_entry, given);
+  const bool streamed = given.encoded_delta.empty() && options.stream_deltas;
   std::span<const std::byte> delta_span;
   if (write_delta) {
     encode.base_tensor_hashes = s.head_tensor_hashes;
     if (!given.encoded_delta.empty()) {
       delta_bytes = GivenDelta(given.encoded_delta, s.head_version, version);
-    } else if (options.stream_deltas) {
-      Status streamed = delta::EncodeStreamed(s.head.view(), checkpoint, encode, sink);
-      if (!streamed.ok()) delta_bytes = streamed;
+    } else if (streamed) {
+      Status encoded = delta::EncodeStreamed(s.head.view(), checkpoint, encode, sink);
+      if (!encoded.ok()) delta_bytes = encoded;
     } else {
       delta_bytes = delta::Encode(s.head.view(), checkpoint, encode);
     }
-    if (delta_bytes.ok()) delta_span = delta_bytes->empty() ? sink.bytes() : *delta_bytes;
+    if (delta_bytes.ok()) delta_span = streamed ? sink.bytes() : std::span<const std::byte>(*delta_bytes);
     result.encoded_at = std::chrono::system_clock::now();
     if (hash_in_encode) {
       const std::string context =
@@ -903,7 +915,9 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
     if (!st.ok()) return st;
   }
   if (write_delta) {
-    Status st = write_artifact(ArtifactKind::kDelta, delta_bytes.status(), delta_span);
+    Status st = write_artifact(ArtifactKind::kDelta, delta_bytes.status(), delta_span,
+                               streamed && delta_bytes.ok() ? sink.AllPieceHashes()
+                                                            : std::vector<uint64_t>{});
     if (st.ok()) {
       st = CountChangedWords(delta_span, &result)
                .WithContext("version log " + s.dir + ": delta of version " + std::to_string(version));

@@ -49,8 +49,12 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   // too low) decodes ahead on the CPU pool at normal priority instead (ahead_tid stays 0).
   asio::thread_pool ahead{1};
   std::atomic<pid_t> ahead_tid{0};
-  void AheadPriority(int nice) {
-    if (const pid_t tid = ahead_tid.load()) ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
+  std::atomic<int> ahead_nice{0};
+  void AheadPriority(int nice) {  // one syscall per change, not per chunk scheduled
+    const pid_t tid = ahead_tid.load();
+    if (tid != 0 && ahead_nice.exchange(nice) != nice) {
+      ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), nice);
+    }
   }
   // On the ahead thread: whether it can go to nice 19 and back.
   void ProbeAheadPriority() {
