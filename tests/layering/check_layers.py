@@ -23,10 +23,11 @@ MAY_DEPEND_ON = {
     "kernels": ["base"],
     "delta": ["base", "kernels"],
     "transport": ["base"],
+    "tokenizer": ["base"],
     "sync": ["delta", "transport"],
-    "model": ["delta"],
+    "model": ["delta", "tokenizer"],
     "trainer": ["model", "sync"],
-    "rollout": ["model", "sync", "transport"],
+    "rollout": ["model", "sync", "transport", "tokenizer"],
     "pipeline": ["transport"],
     "rl": ["trainer", "rollout", "pipeline"],
     "bench": ["rl", "trainer", "rollout", "pipeline", "sync", "model"],
@@ -36,7 +37,7 @@ MAY_DEPEND_ON = {
 TOP = {"tests", "examples"}
 # Folders whose code must stay torch-free: relays, publishers and the coordinator must not
 # load libtorch.
-TORCH_FREE = {"base", "kernels", "delta", "transport", "sync", "pipeline"}
+TORCH_FREE = {"base", "kernels", "delta", "transport", "tokenizer", "sync", "pipeline"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
 SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")

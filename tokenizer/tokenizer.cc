@@ -1,8 +1,8 @@
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #include <algorithm>
 
-namespace flywheel::model {
+namespace flywheel::tokenizer {
 
 Result<std::vector<int32_t>> ByteTokenizer::Encode(std::string_view text) const {
   std::vector<int32_t> ids;
@@ -72,4 +72,4 @@ Result<std::string> CharTokenizer::Decode(std::span<const int32_t> ids) const {
   return out;
 }
 
-}  // namespace flywheel::model
+}  // namespace flywheel::tokenizer
