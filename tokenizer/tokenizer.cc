@@ -4,6 +4,25 @@
 
 namespace flywheel::tokenizer {
 
+Status Tokenizer::AppendPiece(int32_t id, bool skip_special_tokens, DecodeState& state,
+                              std::string& bytes) const {
+  if (id < 0 || id >= vocab_size())
+    return Status::InvalidArgument("token " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                   std::to_string(vocab_size()) + ")");
+  if (skip_special_tokens && IsSpecial(id)) return Status::Ok();
+  const int32_t one[] = {id};
+  FW_ASSIGN_OR_RETURN(std::string piece, Decode(one));
+  bytes += piece;
+  ++state.pieces;
+  return Status::Ok();
+}
+
+std::optional<int32_t> Tokenizer::TokenId(std::string_view token) const {
+  auto ids = Encode(token);
+  if (ids.ok() && ids->size() == 1) return (*ids)[0];
+  return std::nullopt;
+}
+
 Result<std::vector<int32_t>> ByteTokenizer::Encode(std::string_view text) const {
   std::vector<int32_t> ids;
   ids.reserve(text.size());

@@ -1,0 +1,1455 @@
+#include "tokenizer/hf_tokenizer.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <queue>
+#include <sstream>
+#include <unordered_map>
+
+#include "tokenizer/unicode.h"
+
+namespace flywheel::tokenizer {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr uint32_t kNoRank = UINT32_MAX;
+const std::string kEmpty;
+
+// GPT-2's byte <-> character table: printable bytes stand for themselves, the others for
+// U+0100 upwards, so that every byte is a visible character of the vocabulary.
+std::array<char32_t, 256> ByteToChar() {
+  std::array<char32_t, 256> table{};
+  std::array<bool, 256> direct{};
+  for (int b = '!'; b <= '~'; ++b) direct[b] = true;
+  for (int b = 0xA1; b <= 0xAC; ++b) direct[b] = true;
+  for (int b = 0xAE; b <= 0xFF; ++b) direct[b] = true;
+  char32_t next = 256;
+  for (int b = 0; b < 256; ++b) table[b] = direct[b] ? static_cast<char32_t>(b) : next++;
+  return table;
+}
+
+// --- the split patterns ---------------------------------------------------------------
+
+enum class SplitPattern {
+  kQwen2,   // digits one at a time
+  kLlama3,  // digits up to three at a time (OpenAI's cl100k pattern)
+  kGpt2,
+};
+
+const char* PatternName(SplitPattern p) {
+  switch (p) {
+    case SplitPattern::kQwen2:
+      return "qwen2";
+    case SplitPattern::kLlama3:
+      return "llama3";
+    case SplitPattern::kGpt2:
+      return "gpt2";
+  }
+  return "?";
+}
+
+constexpr std::string_view kQwen2Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr std::string_view kLlama3Regex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr std::string_view kGpt2Regex =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+// Text as code points with their classes, for the matchers.
+struct CodePoints {
+  std::vector<char32_t> cp;
+  std::vector<uint8_t> cls;
+  std::vector<uint32_t> offset;  // byte offset of each code point; offset[n] = size
+
+  void Assign(std::string_view s) {
+    cp.clear(), cls.clear(), offset.clear();
+    for (size_t i = 0; i < s.size();) {
+      size_t len;
+      bool valid;
+      const char32_t c = unicode::DecodeAt(s, i, len, valid);
+      cp.push_back(c);
+      cls.push_back(valid ? unicode::ClassOf(c) : 0);
+      offset.push_back(static_cast<uint32_t>(i));
+      i += len;
+    }
+    offset.push_back(static_cast<uint32_t>(s.size()));
+  }
+  size_t size() const { return cp.size(); }
+  bool L(size_t i) const { return cls[i] & unicode::kLetter; }
+  bool N(size_t i) const { return cls[i] & unicode::kNumber; }
+  bool S(size_t i) const { return cls[i] & unicode::kSpace; }
+  bool Other(size_t i) const { return (cls[i] & 7) == 0; }  // [^\s\p{L}\p{N}]
+};
+
+// (?i:'s|'t|'re|'ve|'m|'ll|'d) (or the case-sensitive one) at i: the match's length, or 0.
+size_t MatchContraction(const CodePoints& t, size_t i, bool fold) {
+  if (t.cp[i] != U'\'' || i + 1 >= t.size()) return 0;
+  auto is = [&](size_t k, char c) {
+    if (k >= t.size()) return false;
+    const char32_t v = t.cp[k];
+    if (v == static_cast<char32_t>(c)) return true;
+    if (!fold) return false;
+    if (v == static_cast<char32_t>(c - 'a' + 'A')) return true;
+    return c == 's' && v == 0x017F;  // LATIN SMALL LETTER LONG S folds to s
+  };
+  if (is(i + 1, 's') || is(i + 1, 't') || is(i + 1, 'm') || is(i + 1, 'd')) return 2;
+  if ((is(i + 1, 'r') && is(i + 2, 'e')) || (is(i + 1, 'v') && is(i + 2, 'e')) ||
+      (is(i + 1, 'l') && is(i + 2, 'l')))
+    return 3;
+  return 0;
+}
+
+// The end of the regex's match at i (leftmost-first alternation, as a backtracking engine
+// finds it). Every code point is matched by some alternative, so the matches tile the text.
+size_t MatchAt(const CodePoints& t, size_t i, SplitPattern pattern) {
+  const size_t n = t.size();
+  auto space_run_end = [&](size_t k) {
+    while (k < n && t.S(k)) ++k;
+    return k;
+  };
+  auto newline = [&](size_t k) { return t.cp[k] == U'\r' || t.cp[k] == U'\n'; };
+  if (pattern == SplitPattern::kGpt2) {
+    if (size_t m = MatchContraction(t, i, false)) return i + m;
+    const size_t j = (t.cp[i] == U' ' && i + 1 < n) ? i + 1 : i;
+    if (t.L(j)) {
+      size_t k = j;
+      while (k < n && t.L(k)) ++k;
+      return k;
+    }
+    if (t.N(j)) {
+      size_t k = j;
+      while (k < n && t.N(k)) ++k;
+      return k;
+    }
+    if (t.Other(j)) {
+      size_t k = j;
+      while (k < n && t.Other(k)) ++k;
+      return k;
+    }
+  } else {
+    if (size_t m = MatchContraction(t, i, true)) return i + m;
+    // [^\r\n\p{L}\p{N}]?\p{L}+
+    if (t.L(i)) {
+      size_t k = i;
+      while (k < n && t.L(k)) ++k;
+      return k;
+    }
+    if (!newline(i) && !t.N(i) && i + 1 < n && t.L(i + 1)) {
+      size_t k = i + 1;
+      while (k < n && t.L(k)) ++k;
+      return k;
+    }
+    // \p{N}{1,K}
+    if (t.N(i)) {
+      const size_t most = pattern == SplitPattern::kLlama3 ? 3 : 1;
+      size_t k = i;
+      while (k < n && k - i < most && t.N(k)) ++k;
+      return k;
+    }
+    //  ?[^\s\p{L}\p{N}]+[\r\n]*
+    const size_t j = (t.cp[i] == U' ' && i + 1 < n && t.Other(i + 1)) ? i + 1 : i;
+    if (t.Other(j)) {
+      size_t k = j;
+      while (k < n && t.Other(k)) ++k;
+      while (k < n && newline(k)) ++k;
+      return k;
+    }
+    // \s*[\r\n]+ : the whitespace run up to and including its last line break
+    if (t.S(i)) {
+      const size_t end = space_run_end(i);
+      for (size_t k = end; k > i; --k) {
+        if (newline(k - 1)) return k;
+      }
+    }
+  }
+  // \s+(?!\S) then \s+
+  if (t.S(i)) {
+    const size_t end = space_run_end(i);
+    if (end == n) return end;
+    if (end - i >= 2) return end - 1;
+    return end;
+  }
+  return i + 1;  // not reached for these patterns: a lone code point
+}
+
+// --- pipeline stages ------------------------------------------------------------------
+
+enum class SplitBehavior { kIsolated, kRemoved, kMergedWithPrevious, kMergedWithNext };
+
+struct NormalizerStep {
+  enum Kind { kForm, kPrepend, kReplace } kind = kForm;
+  unicode::NormalForm form = unicode::NormalForm::kNFC;
+  std::string a, b;
+};
+
+struct PreTokenizerStep {
+  enum Kind { kRegexSplit, kStringSplit, kByteLevel, kMetaspace, kDigits } kind = kByteLevel;
+  SplitPattern pattern = SplitPattern::kGpt2;
+  std::string text;  // the literal of a string split; the Metaspace replacement
+  SplitBehavior behavior = SplitBehavior::kIsolated;
+  bool add_prefix_space = false;  // ByteLevel
+  bool use_regex = false;         // ByteLevel
+  enum Prepend { kAlways, kFirst, kNever } prepend = kAlways;  // Metaspace
+  bool split = true;                                           // Metaspace
+  bool individual_digits = false;                              // Digits
+};
+
+struct DecoderStep {
+  enum Kind { kByteLevel, kMetaspace, kReplace, kByteFallback, kFuse, kStrip } kind = kByteLevel;
+  std::string a, b;   // Replace: pattern, content; Metaspace: replacement; Strip: content
+  bool prepend = true;  // Metaspace: strip the first token's leading space
+  int64_t start = 0, stop = 0;  // Strip
+};
+
+// A piece of text going through the pre-tokenizers.
+struct Piece {
+  std::string text;
+  bool at_origin = false;  // starts at offset 0 of the original text (Metaspace "first")
+};
+
+struct AddedToken {
+  int32_t id = 0;
+  std::string content;
+  bool special = false, lstrip = false, rstrip = false, single_word = false, normalized = false;
+};
+
+// Leftmost-longest matching of a set of literals in a text.
+struct AddedMatcher {
+  std::vector<const AddedToken*> tokens;  // longest first
+  std::array<bool, 256> first{};
+
+  void Build(std::vector<const AddedToken*> list) {
+    tokens = std::move(list);
+    std::stable_sort(tokens.begin(), tokens.end(), [](const AddedToken* x, const AddedToken* y) {
+      return x->content.size() > y->content.size();
+    });
+    for (const AddedToken* t : tokens) first[static_cast<unsigned char>(t->content[0])] = true;
+  }
+  bool empty() const { return tokens.empty(); }
+};
+
+bool IsWordChar(std::string_view s, size_t at_byte, bool before) {
+  // The code point just before or at `at_byte`.
+  if (before) {
+    if (at_byte == 0) return false;
+    size_t k = at_byte - 1;
+    while (k > 0 && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+    size_t len;
+    bool valid;
+    const char32_t c = unicode::DecodeAt(s, k, len, valid);
+    return c == U'_' || (unicode::ClassOf(c) & (unicode::kLetter | unicode::kNumber));
+  }
+  if (at_byte >= s.size()) return false;
+  size_t len;
+  bool valid;
+  const char32_t c = unicode::DecodeAt(s, at_byte, len, valid);
+  return c == U'_' || (unicode::ClassOf(c) & (unicode::kLetter | unicode::kNumber));
+}
+
+struct Segment {
+  std::string_view text;
+  const AddedToken* token = nullptr;  // a matched added token (text is then its match)
+  size_t offset = 0;                  // in the text it came from
+};
+
+// Splits `text` on the matcher's tokens, with lstrip/rstrip/single_word as HF applies them.
+void SplitAdded(std::string_view text, const AddedMatcher& m, std::vector<Segment>& out,
+                size_t base_offset) {
+  size_t start = 0;  // of the text not yet emitted
+  size_t i = 0;
+  while (i < text.size()) {
+    if (!m.first[static_cast<unsigned char>(text[i])]) {
+      ++i;
+      continue;
+    }
+    const AddedToken* hit = nullptr;
+    for (const AddedToken* t : m.tokens) {
+      if (text.compare(i, t->content.size(), t->content) != 0) continue;
+      if (t->single_word && (IsWordChar(text, i, true) ||
+                             IsWordChar(text, i + t->content.size(), false)))
+        continue;
+      hit = t;
+      break;
+    }
+    if (hit == nullptr) {
+      ++i;
+      continue;
+    }
+    size_t begin = i, end = i + hit->content.size();
+    auto space_before = [&](size_t k) {
+      return k > start && (unicode::ClassOf(static_cast<unsigned char>(text[k - 1])) & unicode::kSpace) &&
+             static_cast<unsigned char>(text[k - 1]) < 0x80;
+    };
+    if (hit->lstrip) {
+      while (space_before(begin)) --begin;
+    }
+    if (hit->rstrip) {
+      while (end < text.size() && static_cast<unsigned char>(text[end]) < 0x80 &&
+             (unicode::ClassOf(static_cast<unsigned char>(text[end])) & unicode::kSpace))
+        ++end;
+    }
+    if (begin > start) out.push_back({text.substr(start, begin - start), nullptr, base_offset + start});
+    out.push_back({text.substr(begin, end - begin), hit, base_offset + begin});
+    start = i = end;
+  }
+  if (start < text.size()) out.push_back({text.substr(start), nullptr, base_offset + start});
+}
+
+// An open-addressing map from a token pair to its merge (rank and merged token).
+class MergeTable {
+ public:
+  void Reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < n * 2) cap <<= 1;
+    keys_.assign(cap, kEmptyKey);
+    values_.assign(cap, {});
+    mask_ = cap - 1;
+  }
+  // false when the pair is already there (the first merge of a pair wins).
+  bool Insert(int32_t a, int32_t b, uint32_t rank, int32_t merged) {
+    const uint64_t key = Key(a, b);
+    for (size_t i = Hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (keys_[i] == kEmptyKey) {
+        keys_[i] = key;
+        values_[i] = {rank, merged};
+        return true;
+      }
+      if (keys_[i] == key) return false;
+    }
+  }
+  // The rank (kNoRank when the pair does not merge) and the merged token.
+  std::pair<uint32_t, int32_t> Find(int32_t a, int32_t b) const {
+    const uint64_t key = Key(a, b);
+    for (size_t i = Hash(key) & mask_;; i = (i + 1) & mask_) {
+      if (keys_[i] == key) return values_[i];
+      if (keys_[i] == kEmptyKey) return {kNoRank, -1};
+    }
+  }
+
+ private:
+  static constexpr uint64_t kEmptyKey = UINT64_MAX;
+  static uint64_t Key(int32_t a, int32_t b) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
+  }
+  static size_t Hash(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return static_cast<size_t>(x);
+  }
+  std::vector<uint64_t> keys_;
+  std::vector<std::pair<uint32_t, int32_t>> values_;
+  size_t mask_ = 0;
+};
+
+Result<json> ParseJson(std::string_view text, const std::string& what) {
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Status::InvalidArgument(what + " is not valid JSON");
+  return j;
+}
+
+// A JSON field that must be a string when present.
+Result<std::string> StringField(const json& j, const char* key, const std::string& where,
+                                const std::string& fallback = {}) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_string())
+    return Status::InvalidArgument(where + "." + key + " must be a string, got " + it->dump());
+  return it->get<std::string>();
+}
+
+Result<bool> BoolField(const json& j, const char* key, const std::string& where, bool fallback) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return fallback;
+  if (!it->is_boolean())
+    return Status::InvalidArgument(where + "." + key + " must be true or false, got " + it->dump());
+  return it->get<bool>();
+}
+
+// tokenizer_config.json writes special tokens as strings or as {"content": ...}.
+std::string TokenContent(const json& config, const char* key) {
+  auto it = config.find(key);
+  if (it == config.end()) return {};
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
+    return (*it)["content"].get<std::string>();
+  return {};
+}
+
+Result<std::string> ReadWhole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::NotFound("cannot open " + path);
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  if (in.bad()) return Status::IOError("cannot read " + path);
+  return buffer.str();
+}
+
+}  // namespace
+
+struct HfTokenizer::Impl {
+  // The model.
+  std::unordered_map<std::string, int32_t> vocab;
+  std::vector<std::string> id_to_token;  // by id; added tokens included
+  MergeTable merges;
+  bool ignore_merges = false;
+  bool byte_fallback = false;
+  bool fuse_unk = false;
+  int32_t unk = -1;
+  std::array<int32_t, 256> byte_fallback_ids{};  // <0xXX>
+  // Byte-level: bytes are the model's symbols.
+  bool byte_level = false;
+  std::array<int32_t, 256> byte_ids{};
+  std::array<char32_t, 256> byte_to_char = ByteToChar();
+  std::unordered_map<char32_t, uint8_t> char_to_byte;
+  std::vector<std::string> decoded_bytes;  // byte-level: each token's bytes, by id
+
+  std::vector<NormalizerStep> normalizer;
+  std::vector<PreTokenizerStep> pre_tokenizer;
+  std::vector<DecoderStep> decoder;
+  std::vector<int32_t> prefix_ids, suffix_ids;  // the post-processor's
+
+  std::vector<AddedToken> added;
+  std::unordered_map<int32_t, const AddedToken*> added_by_id;
+  std::unordered_map<std::string, int32_t> added_by_content;
+  AddedMatcher raw_matcher, normalized_matcher;
+
+  std::string bos_token, eos_token, chat_template;
+  int32_t bos = -1, eos = -1;
+  int64_t model_max_length = 0;
+  std::vector<int32_t> stop_tokens;
+  int64_t vocab_size = 0;
+  std::string description;
+
+  mutable std::mutex cache_mutex;
+  mutable std::unordered_map<std::string, std::vector<int32_t>> cache;
+  static constexpr size_t kCacheEntries = 1 << 16;
+  static constexpr size_t kCacheWordBytes = 128;
+
+  Status LoadModel(const json& model);
+  Status LoadNormalizer(const json& j, const std::string& where);
+  Status LoadPreTokenizer(const json& j, const std::string& where);
+  Status LoadDecoder(const json& j, const std::string& where);
+  Status LoadPostProcessor(const json& j, const std::string& where);
+  Status LoadAdded(const json& list);
+  Result<int32_t> SpecialId(const std::string& content, const std::string& where) const;
+
+  Result<std::string> Normalized(std::string_view text) const;
+  void PreTokenize(std::string text, bool at_origin, std::vector<Piece>& out) const;
+  void EncodeWord(std::string_view word, std::vector<int32_t>& ids) const;
+  void Merge(std::vector<int32_t>& symbols) const;
+  Status EncodeText(std::string_view text, std::vector<int32_t>& ids) const;
+  Status AppendPiece(int32_t id, bool skip_special, DecodeState& state, std::string& bytes) const;
+};
+
+// --- loading --------------------------------------------------------------------------
+
+Status HfTokenizer::Impl::LoadModel(const json& model) {
+  if (!model.is_object()) return Status::InvalidArgument("tokenizer.json: 'model' is missing");
+  FW_ASSIGN_OR_RETURN(std::string type, StringField(model, "type", "model"));
+  if (type.empty() && model.contains("merges")) type = "BPE";
+  if (type != "BPE")
+    return Status::InvalidArgument("tokenizer.json: model type '" + type +
+                                   "' is not supported (flywheel reads BPE models)");
+  if (model.contains("dropout") && !model["dropout"].is_null() &&
+      !(model["dropout"].is_number() && model["dropout"].get<double>() == 0.0))
+    return Status::InvalidArgument("tokenizer.json: BPE dropout " + model["dropout"].dump() +
+                                   " is not supported (it is for training, not serving)");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+    FW_ASSIGN_OR_RETURN(std::string v, StringField(model, key, "model"));
+    if (!v.empty())
+      return Status::InvalidArgument(std::string("tokenizer.json: model.") + key + " '" + v +
+                                     "' is not supported");
+  }
+  FW_ASSIGN_OR_RETURN(ignore_merges, BoolField(model, "ignore_merges", "model", false));
+  FW_ASSIGN_OR_RETURN(byte_fallback, BoolField(model, "byte_fallback", "model", false));
+  FW_ASSIGN_OR_RETURN(fuse_unk, BoolField(model, "fuse_unk", "model", false));
+  auto v = model.find("vocab");
+  if (v == model.end() || !v->is_object())
+    return Status::InvalidArgument("tokenizer.json: model.vocab must be an object of token -> id");
+  vocab.reserve(v->size());
+  for (auto it = v->begin(); it != v->end(); ++it) {
+    if (!it.value().is_number_integer())
+      return Status::InvalidArgument("tokenizer.json: vocab entry '" + it.key() +
+                                     "' has a non-integer id " + it.value().dump());
+    const int64_t id = it.value().get<int64_t>();
+    if (id < 0 || id >= (1 << 24))
+      return Status::InvalidArgument("tokenizer.json: vocab entry '" + it.key() + "' has id " +
+                                     std::to_string(id) + ", outside [0, 2^24)");
+    if (static_cast<size_t>(id) >= id_to_token.size()) id_to_token.resize(id + 1);
+    if (!id_to_token[id].empty())
+      return Status::InvalidArgument("tokenizer.json: id " + std::to_string(id) +
+                                     " is used by both '" + id_to_token[id] + "' and '" +
+                                     it.key() + "'");
+    id_to_token[id] = it.key();
+    vocab.emplace(it.key(), static_cast<int32_t>(id));
+  }
+  FW_ASSIGN_OR_RETURN(std::string unk_token, StringField(model, "unk_token", "model"));
+  if (!unk_token.empty()) {
+    auto u = vocab.find(unk_token);
+    if (u == vocab.end())
+      return Status::InvalidArgument("tokenizer.json: unk_token '" + unk_token +
+                                     "' is not in the vocabulary");
+    unk = u->second;
+  }
+  auto m = model.find("merges");
+  if (m == model.end() || !m->is_array())
+    return Status::InvalidArgument("tokenizer.json: model.merges must be a list");
+  merges.Reserve(m->size());
+  uint32_t rank = 0;
+  for (const json& merge : *m) {
+    std::string a, b;
+    if (merge.is_string()) {
+      const std::string s = merge.get<std::string>();
+      const size_t space = s.find(' ');
+      if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
+        return Status::InvalidArgument("tokenizer.json: merge " + std::to_string(rank) + " '" + s +
+                                       "' is not two tokens separated by one space");
+      a = s.substr(0, space), b = s.substr(space + 1);
+    } else if (merge.is_array() && merge.size() == 2 && merge[0].is_string() &&
+               merge[1].is_string()) {
+      a = merge[0].get<std::string>(), b = merge[1].get<std::string>();
+    } else {
+      return Status::InvalidArgument("tokenizer.json: merge " + std::to_string(rank) + " " +
+                                     merge.dump() + " is neither \"a b\" nor [\"a\", \"b\"]");
+    }
+    auto ia = vocab.find(a), ib = vocab.find(b), im = vocab.find(a + b);
+    for (auto [it, name] : {std::pair{ia, &a}, std::pair{ib, &b}}) {
+      if (it == vocab.end())
+        return Status::InvalidArgument("tokenizer.json: merge " + std::to_string(rank) + " ('" +
+                                       a + "', '" + b + "') references '" + *name +
+                                       "', which is not in the vocabulary");
+    }
+    if (im == vocab.end())
+      return Status::InvalidArgument("tokenizer.json: merge " + std::to_string(rank) + " ('" + a +
+                                     "', '" + b + "') makes '" + a + b +
+                                     "', which is not in the vocabulary");
+    merges.Insert(ia->second, ib->second, rank, im->second);
+    ++rank;
+  }
+  if (byte_fallback) {
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof(name), "<0x%02X>", b);
+      auto it = vocab.find(name);
+      byte_fallback_ids[b] = it == vocab.end() ? -1 : it->second;
+    }
+  }
+  return Status::Ok();
+}
+
+Status HfTokenizer::Impl::LoadNormalizer(const json& j, const std::string& where) {
+  if (j.is_null()) return Status::Ok();
+  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
+  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
+  if (type == "Sequence") {
+    auto list = j.find("normalizers");
+    if (list == j.end() || !list->is_array())
+      return Status::InvalidArgument("tokenizer.json: " + where + ".normalizers must be a list");
+    for (size_t i = 0; i < list->size(); ++i)
+      FW_RETURN_IF_ERROR(LoadNormalizer((*list)[i], where + "[" + std::to_string(i) + "]"));
+    return Status::Ok();
+  }
+  NormalizerStep step;
+  if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD") {
+    step.form = type == "NFC"    ? unicode::NormalForm::kNFC
+                : type == "NFKC" ? unicode::NormalForm::kNFKC
+                : type == "NFD"  ? unicode::NormalForm::kNFD
+                                 : unicode::NormalForm::kNFKD;
+  } else if (type == "Prepend") {
+    step.kind = NormalizerStep::kPrepend;
+    FW_ASSIGN_OR_RETURN(step.a, StringField(j, "prepend", where));
+  } else if (type == "Replace") {
+    step.kind = NormalizerStep::kReplace;
+    auto p = j.find("pattern");
+    if (p == j.end() || !p->is_object() || !p->contains("String") || !(*p)["String"].is_string())
+      return Status::InvalidArgument("tokenizer.json: " + where +
+                                     ": Replace with a regex pattern is not supported (only "
+                                     "{\"String\": ...} patterns)");
+    step.a = (*p)["String"].get<std::string>();
+    FW_ASSIGN_OR_RETURN(step.b, StringField(j, "content", where));
+    if (step.a.empty())
+      return Status::InvalidArgument("tokenizer.json: " + where + ": Replace of an empty string");
+  } else {
+    return Status::InvalidArgument("tokenizer.json: normalizer '" + type + "' (" + where +
+                                   ") is not supported");
+  }
+  normalizer.push_back(std::move(step));
+  return Status::Ok();
+}
+
+Status HfTokenizer::Impl::LoadPreTokenizer(const json& j, const std::string& where) {
+  if (j.is_null()) return Status::Ok();
+  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
+  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
+  if (type == "Sequence") {
+    auto list = j.find("pretokenizers");
+    if (list == j.end() || !list->is_array())
+      return Status::InvalidArgument("tokenizer.json: " + where + ".pretokenizers must be a list");
+    for (size_t i = 0; i < list->size(); ++i)
+      FW_RETURN_IF_ERROR(LoadPreTokenizer((*list)[i], where + "[" + std::to_string(i) + "]"));
+    return Status::Ok();
+  }
+  PreTokenizerStep step;
+  if (type == "ByteLevel") {
+    FW_ASSIGN_OR_RETURN(step.add_prefix_space, BoolField(j, "add_prefix_space", where, true));
+    FW_ASSIGN_OR_RETURN(step.use_regex, BoolField(j, "use_regex", where, true));
+    byte_level = true;
+  } else if (type == "Split") {
+    FW_ASSIGN_OR_RETURN(bool invert, BoolField(j, "invert", where, false));
+    if (invert)
+      return Status::InvalidArgument("tokenizer.json: " + where + ": Split with invert is not supported");
+    FW_ASSIGN_OR_RETURN(std::string behavior, StringField(j, "behavior", where, "Isolated"));
+    if (behavior == "Isolated") {
+      step.behavior = SplitBehavior::kIsolated;
+    } else if (behavior == "Removed") {
+      step.behavior = SplitBehavior::kRemoved;
+    } else if (behavior == "MergedWithPrevious") {
+      step.behavior = SplitBehavior::kMergedWithPrevious;
+    } else if (behavior == "MergedWithNext") {
+      step.behavior = SplitBehavior::kMergedWithNext;
+    } else {
+      return Status::InvalidArgument("tokenizer.json: " + where + ": Split behavior '" + behavior +
+                                     "' is not supported");
+    }
+    auto p = j.find("pattern");
+    if (p != j.end() && p->is_object() && p->contains("Regex") && (*p)["Regex"].is_string()) {
+      const std::string regex = (*p)["Regex"].get<std::string>();
+      step.kind = PreTokenizerStep::kRegexSplit;
+      if (regex == kQwen2Regex) {
+        step.pattern = SplitPattern::kQwen2;
+      } else if (regex == kLlama3Regex) {
+        step.pattern = SplitPattern::kLlama3;
+      } else if (regex == kGpt2Regex) {
+        step.pattern = SplitPattern::kGpt2;
+      } else {
+        return Status::InvalidArgument(
+            "tokenizer.json: " + where + ": the split regex " + json(regex).dump() +
+            " is not one flywheel knows (it runs Qwen2/Qwen3's, Llama-3's and GPT-2's patterns)");
+      }
+      if (step.behavior != SplitBehavior::kIsolated)
+        return Status::InvalidArgument("tokenizer.json: " + where +
+                                       ": a regex Split must have behavior Isolated");
+    } else if (p != j.end() && p->is_object() && p->contains("String") &&
+               (*p)["String"].is_string() && !(*p)["String"].get<std::string>().empty()) {
+      step.kind = PreTokenizerStep::kStringSplit;
+      step.text = (*p)["String"].get<std::string>();
+    } else {
+      return Status::InvalidArgument("tokenizer.json: " + where +
+                                     ": Split needs a pattern {\"Regex\": ...} or {\"String\": ...}");
+    }
+  } else if (type == "Metaspace") {
+    step.kind = PreTokenizerStep::kMetaspace;
+    FW_ASSIGN_OR_RETURN(step.text, StringField(j, "replacement", where, "\xE2\x96\x81"));
+    FW_ASSIGN_OR_RETURN(step.split, BoolField(j, "split", where, true));
+    FW_ASSIGN_OR_RETURN(std::string scheme, StringField(j, "prepend_scheme", where));
+    if (scheme.empty()) {
+      FW_ASSIGN_OR_RETURN(bool add, BoolField(j, "add_prefix_space", where, true));
+      step.prepend = add ? PreTokenizerStep::kAlways : PreTokenizerStep::kNever;
+    } else if (scheme == "always") {
+      step.prepend = PreTokenizerStep::kAlways;
+    } else if (scheme == "first") {
+      step.prepend = PreTokenizerStep::kFirst;
+    } else if (scheme == "never") {
+      step.prepend = PreTokenizerStep::kNever;
+    } else {
+      return Status::InvalidArgument("tokenizer.json: " + where + ": Metaspace prepend_scheme '" +
+                                     scheme + "' is not always, first or never");
+    }
+  } else if (type == "Digits") {
+    step.kind = PreTokenizerStep::kDigits;
+    FW_ASSIGN_OR_RETURN(step.individual_digits, BoolField(j, "individual_digits", where, false));
+  } else {
+    return Status::InvalidArgument("tokenizer.json: pre_tokenizer '" + type + "' (" + where +
+                                   ") is not supported");
+  }
+  pre_tokenizer.push_back(std::move(step));
+  return Status::Ok();
+}
+
+Status HfTokenizer::Impl::LoadDecoder(const json& j, const std::string& where) {
+  if (j.is_null()) return Status::Ok();
+  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
+  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
+  if (type == "Sequence") {
+    auto list = j.find("decoders");
+    if (list == j.end() || !list->is_array())
+      return Status::InvalidArgument("tokenizer.json: " + where + ".decoders must be a list");
+    for (size_t i = 0; i < list->size(); ++i)
+      FW_RETURN_IF_ERROR(LoadDecoder((*list)[i], where + "[" + std::to_string(i) + "]"));
+    return Status::Ok();
+  }
+  DecoderStep step;
+  if (type == "ByteLevel") {
+  } else if (type == "ByteFallback") {
+    step.kind = DecoderStep::kByteFallback;
+  } else if (type == "Fuse") {
+    step.kind = DecoderStep::kFuse;
+  } else if (type == "Metaspace") {
+    step.kind = DecoderStep::kMetaspace;
+    FW_ASSIGN_OR_RETURN(step.a, StringField(j, "replacement", where, "\xE2\x96\x81"));
+    FW_ASSIGN_OR_RETURN(std::string scheme, StringField(j, "prepend_scheme", where));
+    if (scheme.empty()) {
+      FW_ASSIGN_OR_RETURN(step.prepend, BoolField(j, "add_prefix_space", where, true));
+    } else {
+      step.prepend = scheme != "never";
+    }
+  } else if (type == "Replace") {
+    step.kind = DecoderStep::kReplace;
+    auto p = j.find("pattern");
+    if (p == j.end() || !p->is_object() || !p->contains("String") || !(*p)["String"].is_string() ||
+        (*p)["String"].get<std::string>().empty())
+      return Status::InvalidArgument("tokenizer.json: " + where +
+                                     ": a Replace decoder needs a {\"String\": ...} pattern");
+    step.a = (*p)["String"].get<std::string>();
+    FW_ASSIGN_OR_RETURN(step.b, StringField(j, "content", where));
+  } else if (type == "Strip") {
+    step.kind = DecoderStep::kStrip;
+    FW_ASSIGN_OR_RETURN(step.a, StringField(j, "content", where, " "));
+    step.start = j.value("start", 0);
+    step.stop = j.value("stop", 0);
+    if (step.stop != 0)
+      return Status::InvalidArgument("tokenizer.json: " + where +
+                                     ": a Strip decoder that strips the end (stop " +
+                                     std::to_string(step.stop) + ") is not supported");
+  } else {
+    return Status::InvalidArgument("tokenizer.json: decoder '" + type + "' (" + where +
+                                   ") is not supported");
+  }
+  decoder.push_back(std::move(step));
+  return Status::Ok();
+}
+
+Result<int32_t> HfTokenizer::Impl::SpecialId(const std::string& content,
+                                             const std::string& where) const {
+  auto a = added_by_content.find(content);
+  if (a != added_by_content.end()) return a->second;
+  auto v = vocab.find(content);
+  if (v != vocab.end()) return v->second;
+  return Status::InvalidArgument("tokenizer.json: " + where + " names '" + content +
+                                 "', which is not a token");
+}
+
+Status HfTokenizer::Impl::LoadPostProcessor(const json& j, const std::string& where) {
+  if (j.is_null()) return Status::Ok();
+  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
+  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
+  if (type == "Sequence") {
+    auto list = j.find("processors");
+    if (list == j.end() || !list->is_array())
+      return Status::InvalidArgument("tokenizer.json: " + where + ".processors must be a list");
+    for (size_t i = 0; i < list->size(); ++i)
+      FW_RETURN_IF_ERROR(LoadPostProcessor((*list)[i], where + "[" + std::to_string(i) + "]"));
+    return Status::Ok();
+  }
+  if (type == "ByteLevel") return Status::Ok();  // offsets only: the ids stay as they are
+  if (type == "RobertaProcessing" || type == "BertProcessing") {
+    for (auto [key, target] : {std::pair{"cls", &prefix_ids}, std::pair{"sep", &suffix_ids}}) {
+      auto it = j.find(key);
+      if (it == j.end() || !it->is_array() || it->size() != 2 || !(*it)[0].is_string())
+        return Status::InvalidArgument("tokenizer.json: " + where + "." + key +
+                                       " must be [token, id]");
+      FW_ASSIGN_OR_RETURN(int32_t id, SpecialId((*it)[0].get<std::string>(), where + "." + key));
+      target->push_back(id);
+    }
+    return Status::Ok();
+  }
+  if (type != "TemplateProcessing")
+    return Status::InvalidArgument("tokenizer.json: post_processor '" + type + "' (" + where +
+                                   ") is not supported");
+  auto single = j.find("single");
+  if (single == j.end() || !single->is_array())
+    return Status::InvalidArgument("tokenizer.json: " + where + ".single must be a list");
+  const json specials = j.value("special_tokens", json::object());
+  bool seen_sequence = false;
+  for (const json& item : *single) {
+    if (item.contains("Sequence")) {
+      if (seen_sequence)
+        return Status::InvalidArgument("tokenizer.json: " + where + ".single has two sequences");
+      seen_sequence = true;
+      continue;
+    }
+    if (!item.contains("SpecialToken") || !item["SpecialToken"].contains("id") ||
+        !item["SpecialToken"]["id"].is_string())
+      return Status::InvalidArgument("tokenizer.json: " + where + ".single item " + item.dump() +
+                                     " is neither a Sequence nor a SpecialToken");
+    const std::string name = item["SpecialToken"]["id"].get<std::string>();
+    std::vector<int32_t> ids;
+    if (specials.contains(name) && specials[name].contains("ids") && specials[name]["ids"].is_array()) {
+      for (const json& id : specials[name]["ids"]) {
+        if (!id.is_number_integer())
+          return Status::InvalidArgument("tokenizer.json: " + where + ": special token '" + name +
+                                         "' has a non-integer id");
+        ids.push_back(id.get<int32_t>());
+      }
+    } else {
+      FW_ASSIGN_OR_RETURN(int32_t id, SpecialId(name, where));
+      ids.push_back(id);
+    }
+    auto& target = seen_sequence ? suffix_ids : prefix_ids;
+    target.insert(target.end(), ids.begin(), ids.end());
+  }
+  return Status::Ok();
+}
+
+Status HfTokenizer::Impl::LoadAdded(const json& list) {
+  if (list.is_null()) return Status::Ok();
+  if (!list.is_array()) return Status::InvalidArgument("tokenizer.json: added_tokens must be a list");
+  added.reserve(list.size());  // pointers into it are kept below
+  for (const json& t : list) {
+    AddedToken token;
+    if (!t.is_object() || !t.contains("id") || !t["id"].is_number_integer() ||
+        !t.contains("content") || !t["content"].is_string())
+      return Status::InvalidArgument("tokenizer.json: added token " + t.dump() +
+                                     " needs an integer id and a string content");
+    token.id = t["id"].get<int32_t>();
+    token.content = t["content"].get<std::string>();
+    if (token.id < 0 || token.id >= (1 << 24) || token.content.empty())
+      return Status::InvalidArgument("tokenizer.json: added token " + t.dump() +
+                                     " has an id outside [0, 2^24) or no content");
+    token.special = t.value("special", false);
+    token.lstrip = t.value("lstrip", false);
+    token.rstrip = t.value("rstrip", false);
+    token.single_word = t.value("single_word", false);
+    token.normalized = t.value("normalized", !token.special);
+    added.push_back(std::move(token));
+  }
+  std::vector<const AddedToken*> raw, normalized;
+  for (const AddedToken& t : added) {
+    if (static_cast<size_t>(t.id) >= id_to_token.size()) id_to_token.resize(t.id + 1);
+    if (!id_to_token[t.id].empty() && id_to_token[t.id] != t.content)
+      return Status::InvalidArgument("tokenizer.json: added token '" + t.content + "' has id " +
+                                     std::to_string(t.id) + ", which the vocabulary gives to '" +
+                                     id_to_token[t.id] + "'");
+    id_to_token[t.id] = t.content;
+    added_by_id[t.id] = &t;
+    added_by_content[t.content] = t.id;
+    (t.normalized && !normalizer.empty() ? normalized : raw).push_back(&t);
+  }
+  raw_matcher.Build(std::move(raw));
+  normalized_matcher.Build(std::move(normalized));
+  return Status::Ok();
+}
+
+// --- encoding -------------------------------------------------------------------------
+
+Result<std::string> HfTokenizer::Impl::Normalized(std::string_view text) const {
+  std::string s(text);
+  for (const NormalizerStep& step : normalizer) {
+    switch (step.kind) {
+      case NormalizerStep::kForm: {
+        FW_ASSIGN_OR_RETURN(s, unicode::Normalize(s, step.form));
+        break;
+      }
+      case NormalizerStep::kPrepend:
+        if (!s.empty()) s.insert(0, step.a);
+        break;
+      case NormalizerStep::kReplace: {
+        std::string out;
+        size_t from = 0;
+        for (size_t at; (at = s.find(step.a, from)) != std::string::npos; from = at + step.a.size())
+          out.append(s, from, at - from).append(step.b);
+        out.append(s, from);
+        s = std::move(out);
+        break;
+      }
+    }
+  }
+  return s;
+}
+
+void HfTokenizer::Impl::PreTokenize(std::string text, bool at_origin, std::vector<Piece>& out) const {
+  std::vector<Piece> pieces;
+  pieces.push_back({std::move(text), at_origin});
+  std::vector<Piece> next;
+  CodePoints cps;
+  auto split_regex = [&](const Piece& p, SplitPattern pattern) {
+    cps.Assign(p.text);
+    for (size_t i = 0; i < cps.size();) {
+      const size_t end = MatchAt(cps, i, pattern);
+      next.push_back({p.text.substr(cps.offset[i], cps.offset[end] - cps.offset[i]),
+                      p.at_origin && i == 0});
+      i = end;
+    }
+  };
+  for (const PreTokenizerStep& step : pre_tokenizer) {
+    next.clear();
+    for (Piece& p : pieces) {
+      if (p.text.empty()) continue;
+      switch (step.kind) {
+        case PreTokenizerStep::kRegexSplit:
+          split_regex(p, step.pattern);
+          break;
+        case PreTokenizerStep::kByteLevel:
+          if (step.add_prefix_space && p.text[0] != ' ') p.text.insert(0, " ");
+          if (step.use_regex) {
+            split_regex(p, SplitPattern::kGpt2);
+          } else {
+            next.push_back(std::move(p));
+          }
+          break;
+        case PreTokenizerStep::kStringSplit: {
+          std::vector<std::pair<size_t, size_t>> parts;  // [begin, end) of text and matches
+          size_t from = 0;
+          for (size_t at; (at = p.text.find(step.text, from)) != std::string::npos;
+               from = at + step.text.size()) {
+            parts.push_back({from, at});
+            parts.push_back({at, at + step.text.size()});
+          }
+          parts.push_back({from, p.text.size()});
+          std::string carry;
+          for (size_t k = 0; k < parts.size(); ++k) {
+            const bool match = k % 2 == 1;
+            std::string s = p.text.substr(parts[k].first, parts[k].second - parts[k].first);
+            switch (step.behavior) {
+              case SplitBehavior::kIsolated:
+                if (!s.empty()) next.push_back({std::move(s), p.at_origin && parts[k].first == 0});
+                break;
+              case SplitBehavior::kRemoved:
+                if (!match && !s.empty()) next.push_back({std::move(s), p.at_origin && parts[k].first == 0});
+                break;
+              case SplitBehavior::kMergedWithPrevious:
+                carry += s;
+                if (match || k + 1 == parts.size()) {
+                  if (!carry.empty()) next.push_back({std::move(carry), false});
+                  carry.clear();
+                }
+                break;
+              case SplitBehavior::kMergedWithNext:
+                if (match && !carry.empty()) {
+                  next.push_back({std::move(carry), false});
+                  carry.clear();
+                }
+                carry += s;
+                if (k + 1 == parts.size() && !carry.empty()) next.push_back({std::move(carry), false});
+                break;
+            }
+          }
+          break;
+        }
+        case PreTokenizerStep::kMetaspace: {
+          std::string s;
+          s.reserve(p.text.size() + 3);
+          for (char c : p.text) {
+            if (c == ' ')
+              s += step.text;
+            else
+              s.push_back(c);
+          }
+          const bool prepend = step.prepend == PreTokenizerStep::kAlways ||
+                               (step.prepend == PreTokenizerStep::kFirst && p.at_origin);
+          if (prepend && s.compare(0, step.text.size(), step.text) != 0) s.insert(0, step.text);
+          if (!step.split) {
+            next.push_back({std::move(s), p.at_origin});
+            break;
+          }
+          // Each piece starts at a replacement character (MergedWithNext).
+          size_t begin = 0;
+          for (size_t at = s.find(step.text, 1); at != std::string::npos;
+               at = s.find(step.text, at + step.text.size())) {
+            if (at > begin) next.push_back({s.substr(begin, at - begin), p.at_origin && begin == 0});
+            begin = at;
+          }
+          next.push_back({s.substr(begin), p.at_origin && begin == 0});
+          break;
+        }
+        case PreTokenizerStep::kDigits: {
+          size_t begin = 0, i = 0;
+          auto digit = [&](size_t k) { return p.text[k] >= '0' && p.text[k] <= '9'; };
+          while (i < p.text.size()) {
+            if (!digit(i)) {
+              ++i;
+              continue;
+            }
+            if (i > begin) next.push_back({p.text.substr(begin, i - begin), p.at_origin && begin == 0});
+            size_t j = i + 1;
+            if (!step.individual_digits)
+              while (j < p.text.size() && digit(j)) ++j;
+            next.push_back({p.text.substr(i, j - i), p.at_origin && i == 0});
+            begin = i = j;
+          }
+          if (begin < p.text.size()) next.push_back({p.text.substr(begin), p.at_origin && begin == 0});
+          break;
+        }
+      }
+    }
+    pieces.swap(next);
+  }
+  for (Piece& p : pieces) {
+    if (!p.text.empty()) out.push_back(std::move(p));
+  }
+}
+
+// BPE merges over `symbols`, lowest rank first and leftmost among equals, as the tokenizers
+// library does it.
+void HfTokenizer::Impl::Merge(std::vector<int32_t>& symbols) const {
+  const size_t n = symbols.size();
+  if (n < 2) return;
+  if (n <= 24) {
+    for (;;) {
+      uint32_t best = kNoRank;
+      size_t at = 0;
+      int32_t merged = -1;
+      for (size_t i = 0; i + 1 < symbols.size(); ++i) {
+        auto [rank, id] = merges.Find(symbols[i], symbols[i + 1]);
+        if (rank < best) best = rank, at = i, merged = id;
+      }
+      if (best == kNoRank) return;
+      symbols[at] = merged;
+      symbols.erase(symbols.begin() + static_cast<ptrdiff_t>(at) + 1);
+    }
+  }
+  // Long words: a heap of candidate merges over a linked list of symbols.
+  std::vector<int32_t> id(symbols), prev(n), next(n);
+  std::vector<bool> alive(n, true);
+  for (size_t i = 0; i < n; ++i) prev[i] = static_cast<int32_t>(i) - 1, next[i] = static_cast<int32_t>(i) + 1;
+  next[n - 1] = -1;
+  struct Candidate {
+    uint32_t rank;
+    int32_t pos, left, right, merged;
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<>> heap;
+  auto push = [&](int32_t pos) {
+    if (pos < 0 || next[pos] < 0) return;
+    auto [rank, merged] = merges.Find(id[pos], id[next[pos]]);
+    if (rank != kNoRank) heap.push({rank, pos, id[pos], id[next[pos]], merged});
+  };
+  for (size_t i = 0; i + 1 < n; ++i) push(static_cast<int32_t>(i));
+  while (!heap.empty()) {
+    const Candidate c = heap.top();
+    heap.pop();
+    if (!alive[c.pos] || next[c.pos] < 0 || id[c.pos] != c.left || id[next[c.pos]] != c.right)
+      continue;
+    const int32_t gone = next[c.pos];
+    id[c.pos] = c.merged;
+    alive[gone] = false;
+    next[c.pos] = next[gone];
+    if (next[gone] >= 0) prev[next[gone]] = c.pos;
+    push(prev[c.pos]);
+    push(c.pos);
+  }
+  symbols.clear();
+  for (int32_t i = 0; i >= 0; i = next[i]) symbols.push_back(id[i]);
+}
+
+void HfTokenizer::Impl::EncodeWord(std::string_view word, std::vector<int32_t>& ids) const {
+  const bool cacheable = word.size() <= kCacheWordBytes;
+  if (cacheable) {
+    std::lock_guard lock(cache_mutex);
+    auto it = cache.find(std::string(word));
+    if (it != cache.end()) {
+      ids.insert(ids.end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  std::vector<int32_t> symbols;
+  symbols.reserve(word.size());
+  if (byte_level) {
+    if (ignore_merges) {
+      std::string mapped;
+      for (unsigned char b : word) unicode::AppendUtf8(byte_to_char[b], mapped);
+      auto it = vocab.find(mapped);
+      if (it != vocab.end()) symbols.push_back(it->second);
+    }
+    if (symbols.empty()) {
+      for (unsigned char b : word) {
+        if (byte_ids[b] >= 0) {
+          symbols.push_back(byte_ids[b]);
+        } else if (unk >= 0 && !(fuse_unk && !symbols.empty() && symbols.back() == unk)) {
+          symbols.push_back(unk);
+        }
+      }
+      Merge(symbols);
+    }
+  } else {
+    auto whole = ignore_merges ? vocab.find(std::string(word)) : vocab.end();
+    if (whole != vocab.end()) {
+      symbols.push_back(whole->second);
+    } else {
+      for (size_t i = 0; i < word.size();) {
+        size_t len;
+        bool valid;
+        unicode::DecodeAt(word, i, len, valid);
+        auto it = vocab.find(std::string(word.substr(i, len)));
+        if (it != vocab.end()) {
+          symbols.push_back(it->second);
+        } else {
+          bool fell_back = byte_fallback;
+          for (size_t k = 0; k < len && fell_back; ++k)
+            fell_back = byte_fallback_ids[static_cast<unsigned char>(word[i + k])] >= 0;
+          if (fell_back) {
+            for (size_t k = 0; k < len; ++k)
+              symbols.push_back(byte_fallback_ids[static_cast<unsigned char>(word[i + k])]);
+          } else if (unk >= 0 && !(fuse_unk && !symbols.empty() && symbols.back() == unk)) {
+            symbols.push_back(unk);
+          }
+        }
+        i += len;
+      }
+      Merge(symbols);
+    }
+  }
+  ids.insert(ids.end(), symbols.begin(), symbols.end());
+  if (cacheable) {
+    std::lock_guard lock(cache_mutex);
+    if (cache.size() < kCacheEntries) cache.emplace(std::string(word), std::move(symbols));
+  }
+}
+
+Status HfTokenizer::Impl::EncodeText(std::string_view text, std::vector<int32_t>& ids) const {
+  std::vector<Segment> raw;
+  if (raw_matcher.empty()) {
+    if (!text.empty()) raw.push_back({text, nullptr, 0});
+  } else {
+    SplitAdded(text, raw_matcher, raw, 0);
+  }
+  std::vector<Piece> pieces;
+  for (const Segment& seg : raw) {
+    if (seg.token != nullptr) {
+      ids.push_back(seg.token->id);
+      continue;
+    }
+    FW_ASSIGN_OR_RETURN(std::string normalized, Normalized(seg.text));
+    std::vector<Segment> parts;
+    if (normalized_matcher.empty()) {
+      parts.push_back({normalized, nullptr, seg.offset});
+    } else {
+      SplitAdded(normalized, normalized_matcher, parts, seg.offset);
+    }
+    for (const Segment& part : parts) {
+      if (part.token != nullptr) {
+        ids.push_back(part.token->id);
+        continue;
+      }
+      pieces.clear();
+      PreTokenize(std::string(part.text), part.offset == 0, pieces);
+      for (const Piece& p : pieces) EncodeWord(p.text, ids);
+    }
+  }
+  return Status::Ok();
+}
+
+// --- decoding -------------------------------------------------------------------------
+
+Status HfTokenizer::Impl::AppendPiece(int32_t id, bool skip_special, DecodeState& state,
+                                      std::string& bytes) const {
+  if (id < 0 || static_cast<size_t>(id) >= id_to_token.size() || id_to_token[id].empty())
+    return Status::InvalidArgument("token " + std::to_string(id) + " is not in the vocabulary");
+  auto added_it = added_by_id.find(id);
+  if (skip_special && added_it != added_by_id.end() && added_it->second->special) return Status::Ok();
+  const bool first = state.pieces == 0;
+  ++state.pieces;
+  if (byte_level && decoder.size() == 1 && decoder[0].kind == DecoderStep::kByteLevel) {
+    bytes += decoded_bytes[id];  // the common case, precomputed
+    return Status::Ok();
+  }
+  std::string s = id_to_token[id];
+  bool fused = false;
+  for (const DecoderStep& step : decoder) {
+    switch (step.kind) {
+      case DecoderStep::kByteLevel: {
+        std::string out;
+        bool all = true;
+        for (size_t i = 0; i < s.size() && all;) {
+          size_t len;
+          bool valid;
+          const char32_t c = unicode::DecodeAt(s, i, len, valid);
+          auto it = char_to_byte.find(c);
+          if (!valid || it == char_to_byte.end()) {
+            all = false;
+          } else {
+            out.push_back(static_cast<char>(it->second));
+          }
+          i += len;
+        }
+        if (all) s = std::move(out);
+        break;
+      }
+      case DecoderStep::kByteFallback:
+        if (s.size() == 6 && s.compare(0, 3, "<0x") == 0 && s[5] == '>' &&
+            std::isxdigit(static_cast<unsigned char>(s[3])) &&
+            std::isxdigit(static_cast<unsigned char>(s[4])))
+          s = std::string(1, static_cast<char>(std::stoi(s.substr(3, 2), nullptr, 16)));
+        break;
+      case DecoderStep::kFuse:
+        fused = true;
+        break;
+      case DecoderStep::kReplace: {
+        std::string out;
+        size_t from = 0;
+        for (size_t at; (at = s.find(step.a, from)) != std::string::npos; from = at + step.a.size())
+          out.append(s, from, at - from).append(step.b);
+        out.append(s, from);
+        s = std::move(out);
+        break;
+      }
+      case DecoderStep::kMetaspace: {
+        std::string out;
+        size_t from = 0;
+        for (size_t at; (at = s.find(step.a, from)) != std::string::npos; from = at + step.a.size())
+          out.append(s, from, at - from).push_back(' ');
+        out.append(s, from);
+        s = std::move(out);
+        if (first && step.prepend && !s.empty() && s[0] == ' ') s.erase(0, 1);
+        break;
+      }
+      case DecoderStep::kStrip: {
+        // After Fuse the tokens are one string: strip its start once; before, each token's.
+        int64_t& left = state.strip_left;
+        int64_t own = step.start;
+        int64_t& budget = fused ? left : own;
+        if (fused && left < 0) left = step.start;
+        while (budget > 0 && s.compare(0, step.a.size(), step.a) == 0 && !step.a.empty()) {
+          s.erase(0, step.a.size());
+          --budget;
+        }
+        if (fused && !s.empty()) left = 0;  // the text has started: nothing more to strip
+        break;
+      }
+    }
+  }
+  bytes += s;
+  return Status::Ok();
+}
+
+// --- the class ------------------------------------------------------------------------
+
+HfTokenizer::HfTokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HfTokenizer::~HfTokenizer() = default;
+
+Result<std::unique_ptr<HfTokenizer>> HfTokenizer::Load(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::path file = path, dir;
+  if (fs::is_directory(file, ec)) {
+    dir = file;
+    file = dir / "tokenizer.json";
+  } else {
+    dir = file.parent_path();
+  }
+  if (!fs::exists(file, ec))
+    return Status::NotFound("no tokenizer.json at " + file.string() +
+                            " (flywheel reads HF tokenizer.json files)");
+  FW_ASSIGN_OR_RETURN(std::string tokenizer_json, ReadWhole(file.string()));
+  std::string config, generation;
+  if (fs::exists(dir / "tokenizer_config.json", ec)) {
+    FW_ASSIGN_OR_RETURN(config, ReadWhole((dir / "tokenizer_config.json").string()));
+  }
+  if (fs::exists(dir / "generation_config.json", ec)) {
+    FW_ASSIGN_OR_RETURN(generation, ReadWhole((dir / "generation_config.json").string()));
+  }
+  auto loaded = FromJson(tokenizer_json, config, generation);
+  if (!loaded.ok())
+    return Status(loaded.status().code(), file.string() + ": " + loaded.status().message());
+  return loaded;
+}
+
+Result<std::unique_ptr<HfTokenizer>> HfTokenizer::FromJson(std::string_view tokenizer_json,
+                                                           std::string_view config_json,
+                                                           std::string_view generation_json) {
+  FW_ASSIGN_OR_RETURN(json root, ParseJson(tokenizer_json, "tokenizer.json"));
+  if (!root.is_object()) return Status::InvalidArgument("tokenizer.json is not a JSON object");
+  auto impl = std::make_unique<Impl>();
+  FW_RETURN_IF_ERROR(impl->LoadModel(root.value("model", json())));
+  FW_RETURN_IF_ERROR(impl->LoadNormalizer(root.value("normalizer", json()), "normalizer"));
+  FW_RETURN_IF_ERROR(impl->LoadPreTokenizer(root.value("pre_tokenizer", json()), "pre_tokenizer"));
+  FW_RETURN_IF_ERROR(impl->LoadDecoder(root.value("decoder", json()), "decoder"));
+  FW_RETURN_IF_ERROR(impl->LoadAdded(root.value("added_tokens", json())));
+  FW_RETURN_IF_ERROR(impl->LoadPostProcessor(root.value("post_processor", json()), "post_processor"));
+  Impl& t = *impl;
+  if (t.byte_level) {
+    for (int b = 0; b < 256; ++b) {
+      t.char_to_byte[t.byte_to_char[b]] = static_cast<uint8_t>(b);
+      std::string name;
+      unicode::AppendUtf8(t.byte_to_char[b], name);
+      auto it = t.vocab.find(name);
+      t.byte_ids[b] = it == t.vocab.end() ? -1 : it->second;
+      if (t.byte_ids[b] < 0 && t.unk < 0)
+        return Status::InvalidArgument("tokenizer.json: a byte-level vocabulary without byte 0x" +
+                                       std::string(1, "0123456789ABCDEF"[b >> 4]) +
+                                       std::string(1, "0123456789ABCDEF"[b & 15]) +
+                                       " and without an unk_token");
+    }
+  } else {
+    for (const DecoderStep& step : t.decoder) {
+      if (step.kind == DecoderStep::kByteLevel) {
+        for (int b = 0; b < 256; ++b) t.char_to_byte[t.byte_to_char[b]] = static_cast<uint8_t>(b);
+      }
+    }
+  }
+  t.vocab_size = static_cast<int64_t>(t.id_to_token.size());
+  for (size_t id = 0; id < t.id_to_token.size(); ++id) {
+    if (t.id_to_token[id].empty())
+      return Status::InvalidArgument("tokenizer.json: no token has id " + std::to_string(id) +
+                                     " (ids must run from 0 without gaps)");
+  }
+  if (t.byte_level && t.decoder.size() == 1 && t.decoder[0].kind == DecoderStep::kByteLevel) {
+    t.decoded_bytes.resize(t.id_to_token.size());
+    for (size_t id = 0; id < t.id_to_token.size(); ++id) {
+      const std::string& s = t.id_to_token[id];
+      std::string out;
+      bool all = true;
+      for (size_t i = 0; i < s.size() && all;) {
+        size_t len;
+        bool valid;
+        const char32_t c = unicode::DecodeAt(s, i, len, valid);
+        auto it = t.char_to_byte.find(c);
+        if (!valid || it == t.char_to_byte.end()) {
+          all = false;
+        } else {
+          out.push_back(static_cast<char>(it->second));
+        }
+        i += len;
+      }
+      t.decoded_bytes[id] = all ? out : s;
+    }
+  }
+
+  // tokenizer_config.json and generation_config.json.
+  json config = json::object();
+  if (!config_json.empty()) {
+    FW_ASSIGN_OR_RETURN(config, ParseJson(config_json, "tokenizer_config.json"));
+    if (!config.is_object()) return Status::InvalidArgument("tokenizer_config.json is not an object");
+  }
+  t.bos_token = TokenContent(config, "bos_token");
+  t.eos_token = TokenContent(config, "eos_token");
+  auto guess = [&](std::string& name, std::initializer_list<const char*> names) {
+    if (!name.empty()) return;
+    for (const char* n : names) {
+      if (t.added_by_content.count(n) || t.vocab.count(n)) {
+        name = n;
+        return;
+      }
+    }
+  };
+  guess(t.bos_token, {"<s>", "<|begin_of_text|>"});
+  guess(t.eos_token, {"</s>", "<|endoftext|>", "<|end_of_text|>"});
+  if (!t.bos_token.empty()) {
+    FW_ASSIGN_OR_RETURN(t.bos, t.SpecialId(t.bos_token, "tokenizer_config.json bos_token"));
+  }
+  if (!t.eos_token.empty()) {
+    FW_ASSIGN_OR_RETURN(t.eos, t.SpecialId(t.eos_token, "tokenizer_config.json eos_token"));
+  }
+  if (auto it = config.find("chat_template"); it != config.end()) {
+    if (it->is_string()) {
+      t.chat_template = it->get<std::string>();
+    } else if (it->is_array()) {
+      for (const json& named : *it) {
+        if (named.value("name", "") == "default" && named.contains("template") &&
+            named["template"].is_string())
+          t.chat_template = named["template"].get<std::string>();
+      }
+    }
+  }
+  if (auto it = config.find("model_max_length"); it != config.end() && it->is_number()) {
+    const double v = it->get<double>();
+    if (v > 0 && v < 1e12) t.model_max_length = static_cast<int64_t>(v);
+  }
+  if (t.eos >= 0) t.stop_tokens.push_back(t.eos);
+  if (!generation_json.empty()) {
+    FW_ASSIGN_OR_RETURN(json generation, ParseJson(generation_json, "generation_config.json"));
+    const json e = generation.is_object() ? generation.value("eos_token_id", json()) : json();
+    for (const json& id : e.is_array() ? e : json::array({e})) {
+      if (!id.is_number_integer()) continue;
+      const int32_t v = id.get<int32_t>();
+      if (v < 0 || v >= t.vocab_size)
+        return Status::InvalidArgument("generation_config.json: eos_token_id " +
+                                       std::to_string(v) + " is outside the vocabulary");
+      if (std::find(t.stop_tokens.begin(), t.stop_tokens.end(), v) == t.stop_tokens.end())
+        t.stop_tokens.push_back(v);
+    }
+  }
+
+  std::string split = "none";
+  for (const PreTokenizerStep& step : t.pre_tokenizer) {
+    if (step.kind == PreTokenizerStep::kRegexSplit) split = PatternName(step.pattern);
+    if (step.kind == PreTokenizerStep::kByteLevel && step.use_regex) split = "gpt2";
+    if (step.kind == PreTokenizerStep::kMetaspace) split = "metaspace";
+  }
+  std::string norm;
+  for (const NormalizerStep& step : t.normalizer) {
+    if (!norm.empty()) norm += "+";
+    norm += step.kind == NormalizerStep::kForm      ? "normal form"
+            : step.kind == NormalizerStep::kPrepend ? "prepend"
+                                                    : "replace";
+  }
+  t.description = "BPE, " + std::to_string(t.vocab_size) + " tokens (" +
+                  std::to_string(t.added.size()) + " added), " +
+                  (t.byte_level ? "byte-level" : t.byte_fallback ? "byte fallback" : "characters") +
+                  ", split: " + split + (norm.empty() ? "" : ", normalizer: " + norm);
+  return std::unique_ptr<HfTokenizer>(new HfTokenizer(std::move(impl)));
+}
+
+Result<std::vector<int32_t>> HfTokenizer::Encode(std::string_view text) const {
+  std::vector<int32_t> ids;
+  ids.reserve(text.size() / 3 + 4);
+  FW_RETURN_IF_ERROR(impl_->EncodeText(text, ids));
+  return ids;
+}
+
+Result<std::vector<int32_t>> HfTokenizer::EncodePrompt(std::string_view text) const {
+  std::vector<int32_t> ids = impl_->prefix_ids;
+  FW_RETURN_IF_ERROR(impl_->EncodeText(text, ids));
+  ids.insert(ids.end(), impl_->suffix_ids.begin(), impl_->suffix_ids.end());
+  return ids;
+}
+
+Result<std::string> HfTokenizer::Decode(std::span<const int32_t> ids) const {
+  return Decode(ids, /*skip_special_tokens=*/true);
+}
+
+Result<std::string> HfTokenizer::Decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
+  std::string bytes;
+  DecodeState state;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    Status s = impl_->AppendPiece(ids[i], skip_special_tokens, state, bytes);
+    if (!s.ok()) return Status::InvalidArgument(s.message() + " (position " + std::to_string(i) + ")");
+  }
+  std::string text;
+  text.reserve(bytes.size());
+  unicode::AppendLossy(bytes, text, /*final=*/true);
+  return text;
+}
+
+Status HfTokenizer::AppendPiece(int32_t id, bool skip_special_tokens, DecodeState& state,
+                                std::string& bytes) const {
+  return impl_->AppendPiece(id, skip_special_tokens, state, bytes);
+}
+
+bool HfTokenizer::IsSpecial(int32_t id) const {
+  auto it = impl_->added_by_id.find(id);
+  return it != impl_->added_by_id.end() && it->second->special;
+}
+
+std::optional<int32_t> HfTokenizer::TokenId(std::string_view token) const {
+  const std::string key(token);
+  if (auto it = impl_->added_by_content.find(key); it != impl_->added_by_content.end())
+    return it->second;
+  if (auto it = impl_->vocab.find(key); it != impl_->vocab.end()) return it->second;
+  return std::nullopt;
+}
+
+std::vector<int32_t> HfTokenizer::StopTokens() const { return impl_->stop_tokens; }
+int64_t HfTokenizer::vocab_size() const { return impl_->vocab_size; }
+int32_t HfTokenizer::bos() const { return impl_->bos; }
+int32_t HfTokenizer::eos() const { return impl_->eos; }
+
+std::string HfTokenizer::TokenText(int32_t id) const {
+  if (id < 0 || static_cast<size_t>(id) >= impl_->id_to_token.size()) return {};
+  return impl_->id_to_token[id];
+}
+const std::string& HfTokenizer::bos_token() const { return impl_->bos_token; }
+const std::string& HfTokenizer::eos_token() const { return impl_->eos_token; }
+const std::string& HfTokenizer::chat_template() const { return impl_->chat_template; }
+int64_t HfTokenizer::model_max_length() const { return impl_->model_max_length; }
+std::string HfTokenizer::Describe() const { return impl_->description; }
+
+}  // namespace flywheel::tokenizer
