@@ -5,9 +5,12 @@
 
 #include <boost/beast/http.hpp>
 #include <cctype>
+#include <charconv>
 #include <exception>
+#include <limits>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <string_view>
 #include <vector>
 
@@ -21,6 +24,9 @@ constexpr uint32_t kHeaderLimit = 8 * 1024;
 // routes set their own limit.
 constexpr uint64_t kRequestBodyLimit = 16 * 1024;
 constexpr uint64_t kResponseBodyLimit = 64 * 1024 * 1024;
+// While a stream route's handler runs, the server reads what the client sends (to notice it
+// leaving) into the connection's buffer; it stops reading once this much is pipelined.
+constexpr size_t kPipelinedLimit = 64 * 1024;
 
 using Request = http::request<http::string_body>;
 using Response = http::response<http::string_body>;
@@ -52,8 +58,10 @@ struct HttpServer::Impl {
   Impl(asio::any_io_executor executor, HttpServerOptions options)
       : executor(executor), acceptor(executor), options(std::move(options)) {}
 
+  // A RoutePost (handler) or a RoutePostStream (stream_handler): exactly one is set.
   struct PostEntry {
     HttpPostHandler handler;
+    HttpStreamHandler stream_handler;
     uint64_t body_limit = 0;
     uint32_t scope = kScopeRead;
   };
@@ -140,6 +148,255 @@ Response MakeTextResponse(http::status status, std::string body) {
   return response;
 }
 
+}  // namespace
+
+// The connection side of an HttpStream; StreamState below binds it to a stream type.
+struct HttpStream::State {
+  explicit State(const asio::any_io_executor& executor) : watch_done(executor) {
+    watch_done.expires_at(asio::steady_timer::time_point::max());
+  }
+  virtual ~State() = default;
+
+  // Writes `bytes` to the connection within the server's write deadline.
+  virtual awaitable<error_code> Send(std::string bytes) = 0;
+
+  // The status line and headers of the streamed answer.
+  std::string HeaderText() const;
+
+  // Sets `gone` and runs the OnGone callbacks (once).
+  void MarkGone();
+
+  std::string content_type = "text/event-stream";
+  unsigned version = 11;    // of the request; below 11: no chunking, the close ends the body
+  bool keep_alive = false;  // announced in the header; the connection serves more requests
+  bool started = false;     // the header went out (or its write failed)
+  bool writing = false;     // a Write() is in progress
+  bool gone = false;
+  bool handler_done = false;  // the handler returned: no more callbacks, the watch stops
+  bool watching = false;      // WatchForDisconnect is running
+  std::vector<std::function<void()>> on_gone;
+  // Cancelled when WatchForDisconnect ends (never expires by itself).
+  asio::steady_timer watch_done;
+};
+
+std::string HttpStream::State::HeaderText() const {
+  http::response<http::empty_body> header{http::status::ok, version};
+  header.set(http::field::server, "flywheel");
+  header.set(http::field::content_type, content_type);
+  header.set(http::field::cache_control, "no-cache");
+  header.set("X-Accel-Buffering", "no");
+  if (version >= 11) header.chunked(true);
+  header.keep_alive(keep_alive);
+  std::ostringstream text;
+  text << header.base();
+  return std::move(text).str();
+}
+
+void HttpStream::State::MarkGone() {
+  if (gone) return;
+  gone = true;
+  std::vector<std::function<void()>> callbacks = std::move(on_gone);
+  on_gone.clear();
+  for (std::function<void()>& callback : callbacks) {
+    try {
+      callback();
+    } catch (const std::exception& e) {
+      spdlog::warn("http: a stream's OnGone callback failed: {}", e.what());
+    }
+  }
+}
+
+HttpStream::HttpStream(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+HttpStream::~HttpStream() = default;
+
+void HttpStream::set_content_type(std::string content_type) {
+  state_->content_type = std::move(content_type);
+}
+
+bool HttpStream::gone() const {
+  return state_->gone;
+}
+
+void HttpStream::OnGone(std::function<void()> callback) {
+  if (!callback || state_->handler_done) return;
+  if (state_->gone) {
+    callback();
+    return;
+  }
+  state_->on_gone.push_back(std::move(callback));
+}
+
+awaitable<bool> HttpStream::Write(std::string data) {
+  State& state = *state_;
+  if (state.gone) co_return false;
+  if (state.writing) {
+    spdlog::error("http: HttpStream::Write while another Write is in progress");
+    co_return false;
+  }
+  std::string frame;
+  if (!state.started) {
+    frame = state.HeaderText();
+    state.started = true;
+  }
+  if (!data.empty() && state.version >= 11) {
+    char size[16];
+    const auto end = std::to_chars(size, size + sizeof(size), data.size(), 16).ptr;
+    frame.append(size, end).append("\r\n").append(data).append("\r\n");
+  } else {
+    frame.append(data);
+  }
+  if (frame.empty()) co_return true;
+  state.writing = true;
+  awaitable<error_code> send = state.Send(std::move(frame));
+  const error_code ec = co_await std::move(send);
+  state.writing = false;
+  if (ec) {
+    spdlog::debug("http: cannot write to a stream: {}", ec.message());
+    state.MarkGone();
+  }
+  co_return !state.gone;
+}
+
+namespace {
+
+template <typename Stream>
+struct StreamState final : HttpStream::State {
+  StreamState(Impl& impl, Stream& stream, beast::flat_buffer& buffer)
+      : State(stream.get_executor()), impl(impl), stream(stream), buffer(buffer) {}
+
+  awaitable<error_code> Send(std::string bytes) override {
+    error_code ec;
+    beast::get_lowest_layer(stream).expires_after(impl.options.timeout);
+    co_await asio::async_write(stream, asio::buffer(bytes),
+                               asio::redirect_error(use_awaitable, ec));
+    co_return ec;
+  }
+
+  Impl& impl;
+  Stream& stream;
+  // The connection's read buffer: bytes the client pipelines go where the next request's
+  // read looks for them.
+  beast::flat_buffer& buffer;
+};
+
+// Reads from the connection while a stream route's handler runs, so that a client that
+// closes (or resets) it is noticed at once. Ends when the handler is done (the session
+// cancels the read), the client is gone, or kPipelinedLimit bytes are buffered. The stream
+// must not be read by anything else meanwhile; writes may go on beside it.
+template <typename Stream>
+awaitable<void> WatchForDisconnect(std::shared_ptr<StreamState<Stream>> state) {
+  while (!state->handler_done && state->buffer.size() < kPipelinedLimit) {
+    error_code ec;
+    // Only the read's deadline: a Write in progress keeps its own.
+    beast::get_lowest_layer(state->stream).expires_never();
+    const size_t read = co_await state->stream.async_read_some(
+        state->buffer.prepare(4096), asio::redirect_error(use_awaitable, ec));
+    state->buffer.commit(read);
+    if (ec) {
+      if (!state->handler_done || ec != asio::error::operation_aborted) {
+        spdlog::debug("http: a stream's client is gone: {}", ec.message());
+        state->MarkGone();
+      }
+      co_return;
+    }
+  }
+}
+
+// What ServeRequests does after a stream route's request.
+enum class StreamEnd {
+  kRespond,      // send `response` (nothing was streamed)
+  kNextRequest,  // the stream ended cleanly; read the next request
+  kClose,        // the stream ended cleanly; close the connection
+  kAbort,        // close the connection at once (client gone, write failed, handler threw)
+};
+
+// Serves a POST to a stream route: checks access, runs the handler with an HttpStream while
+// WatchForDisconnect runs beside it, and ends the chunked body when the handler streamed.
+// REQUIRES: `entry` stays valid until this coroutine first suspends (it copies the handler).
+template <typename Stream>
+awaitable<StreamEnd> ServeStream(Impl& impl, Stream& stream, beast::flat_buffer& buffer,
+                                 Request& request, const Impl::PostEntry& entry,
+                                 Response& response) {
+  HttpStreamHandler handler = entry.stream_handler;  // the route table may change meanwhile
+  if (std::optional<Response> denied = impl.Deny(request, entry.scope)) {
+    response = std::move(*denied);
+    impl.Finish(request, response);
+    co_return StreamEnd::kRespond;
+  }
+  beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
+  error_code ec;
+  lowest.socket().set_option(tcp::no_delay(true), ec);
+
+  auto state = std::make_shared<StreamState<Stream>>(impl, stream, buffer);
+  state->version = request.version();
+  state->keep_alive = request.keep_alive() && request.version() >= 11 && !impl.stopped;
+  state->watching = true;
+  asio::co_spawn(impl.executor, WatchForDisconnect(state), [state](std::exception_ptr error) {
+    if (error) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        spdlog::warn("http: watching a stream failed: {}", e.what());
+      } catch (...) {
+        spdlog::warn("http: watching a stream failed");
+      }
+    }
+    state->watching = false;
+    state->watch_done.cancel();
+  });
+
+  const std::string target(request.target());
+  std::optional<HttpResponse> result;
+  bool failed = false;
+  {
+    HttpStream writer(state);
+    try {
+      // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
+      std::string body = std::move(request.body());
+      awaitable<std::optional<HttpResponse>> call = handler(target, std::move(body), writer);
+      result = co_await std::move(call);
+    } catch (const std::exception& e) {
+      spdlog::warn("http: stream handler for {} failed: {}", target, e.what());
+      failed = true;
+    }
+  }
+  state->handler_done = true;
+  state->on_gone.clear();
+  if (state->watching) {
+    // Ends the watch's read; bytes it already read stay in `buffer`.
+    lowest.socket().cancel(ec);
+    co_await state->watch_done.async_wait(asio::redirect_error(use_awaitable, ec));
+  }
+
+  if (state->started) {
+    if (result)
+      spdlog::warn("http: stream handler for {} returned a response after streaming", target);
+    if (failed || state->gone || impl.stopped) co_return StreamEnd::kAbort;
+    if (state->version < 11) co_return StreamEnd::kClose;  // the close ends the body
+    static constexpr std::string_view kLastChunk = "0\r\n\r\n";
+    lowest.expires_after(impl.options.timeout);
+    co_await asio::async_write(stream, asio::buffer(kLastChunk.data(), kLastChunk.size()),
+                               asio::redirect_error(use_awaitable, ec));
+    if (ec) {
+      spdlog::debug("http: cannot end a stream: {}", ec.message());
+      co_return StreamEnd::kAbort;
+    }
+    co_return state->keep_alive ? StreamEnd::kNextRequest : StreamEnd::kClose;
+  }
+  if (!failed && !result) {
+    spdlog::warn("http: stream handler for {} neither streamed nor answered", target);
+    failed = true;
+  }
+  if (failed || result->status < 100 || result->status > 599) {
+    result = HttpResponse{500, "text/plain; charset=utf-8", "internal error\n"};
+  }
+  response = Impl::ToResponse(std::move(*result));
+  impl.Finish(request, response);
+  if (state->gone) response.keep_alive(false);
+  co_return StreamEnd::kRespond;
+}
+
 // Serves requests on an established stream until the peer closes, an error, a timeout or
 // a request without keep-alive. Returns true when the connection ended cleanly (so a TLS
 // close_notify is worth sending).
@@ -195,7 +452,14 @@ awaitable<bool> ServeRequests(Impl& impl, Stream& stream) {
     const Impl::ApiEntry* api = nullptr;
     if (!impl.routes.count(path) && !impl.post_routes.count(path)) api = impl.FindApi(path);
     Response response;
-    if (request.method() == http::verb::post && post != impl.post_routes.end()) {
+    if (request.method() == http::verb::post && post != impl.post_routes.end() &&
+        post->second.stream_handler) {
+      awaitable<StreamEnd> serve =
+          ServeStream(impl, stream, buffer, parser.get(), post->second, response);
+      const StreamEnd end = co_await std::move(serve);
+      if (end == StreamEnd::kNextRequest) continue;
+      if (end != StreamEnd::kRespond) co_return end == StreamEnd::kClose;
+    } else if (request.method() == http::verb::post && post != impl.post_routes.end()) {
       response = co_await impl.HandlePost(request, post->second);
     } else if (api != nullptr) {
       error_code peer_error;
@@ -531,7 +795,12 @@ void HttpServer::Route(const std::string& path, HttpHandler handler, bool is_pub
 
 void HttpServer::RoutePost(const std::string& path, HttpPostHandler handler, uint64_t body_limit,
                            uint32_t scope) {
-  impl_->post_routes[path] = Impl::PostEntry{std::move(handler), body_limit, scope};
+  impl_->post_routes[path] = Impl::PostEntry{std::move(handler), nullptr, body_limit, scope};
+}
+
+void HttpServer::RoutePostStream(const std::string& path, HttpStreamHandler handler,
+                                 uint64_t body_limit, uint32_t scope) {
+  impl_->post_routes[path] = Impl::PostEntry{nullptr, std::move(handler), body_limit, scope};
 }
 
 const char* ScopeName(uint32_t scope) {
@@ -593,12 +862,63 @@ struct GetContext {
   http::verb method = http::verb::get;
   std::string body;
   std::string content_type;
+  // Non-null: the body is read as it arrives and handed to *on_data (HttpPostStream).
+  const std::function<bool(std::string_view)>* on_data = nullptr;
 };
 
 // Maps a failed step to Unavailable, naming the step ("connect", "TLS handshake", ...).
 Status StepFailed(const std::string& step, const error_code& ec) {
   std::string reason = ec == beast::error::timeout ? "timed out" : ec.message();
   return Status::Unavailable(step + ": " + reason);
+}
+
+HttpResponse StatusAndType(const http::response_header<>& header) {
+  HttpResponse result;
+  result.status = static_cast<int>(header.result_int());
+  auto content_type = header.find(http::field::content_type);
+  result.content_type =
+      content_type == header.end() ? std::string() : std::string(content_type->value());
+  return result;
+}
+
+// Reads a response piece by piece, handing each to *get.on_data (or collecting the body
+// when that is empty) until it ends or on_data returns false.
+template <typename Stream>
+awaitable<Result<HttpResponse>> ReadStreamed(GetContext& get, Stream& stream) {
+  beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
+  beast::flat_buffer buffer;
+  http::response_parser<http::buffer_body> parser;
+  // The call's deadline bounds a stream. Not boost::none: Boost 1.74 then rejects every
+  // Content-Length.
+  parser.body_limit(std::numeric_limits<std::uint64_t>::max());
+  error_code ec;
+  lowest.expires_at(get.deadline);
+  co_await http::async_read_header(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+  if (ec) co_return StepFailed("read response", ec);
+  HttpResponse result = StatusAndType(parser.get().base());
+  const std::function<bool(std::string_view)>& on_data = *get.on_data;
+  std::vector<char> piece(16 * 1024);
+  while (!parser.is_done()) {
+    parser.get().body().data = piece.data();
+    parser.get().body().size = piece.size();
+    lowest.expires_at(get.deadline);
+    co_await http::async_read_some(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+    if (ec == http::error::need_buffer) ec = {};  // `piece` is full
+    if (ec) co_return StepFailed("read response body", ec);
+    const size_t size = piece.size() - parser.get().body().size;
+    if (size == 0) continue;
+    if (!on_data) {
+      if (result.body.size() + size > kResponseBodyLimit) {
+        co_return Status::Unavailable("read response body: over " +
+                                      std::to_string(kResponseBodyLimit) + " bytes");
+      }
+      result.body.append(piece.data(), size);
+    } else if (!on_data(std::string_view(piece.data(), size))) {
+      lowest.close();
+      co_return result;
+    }
+  }
+  co_return result;
 }
 
 template <typename Stream>
@@ -620,6 +940,7 @@ awaitable<Result<HttpResponse>> Exchange(GetContext& get, Stream& stream) {
   lowest.expires_at(get.deadline);
   co_await http::async_write(stream, request, asio::redirect_error(use_awaitable, ec));
   if (ec) co_return StepFailed("send request", ec);
+  if (get.on_data != nullptr) co_return co_await ReadStreamed(get, stream);
 
   beast::flat_buffer buffer;
   http::response_parser<http::string_body> parser;
@@ -628,11 +949,7 @@ awaitable<Result<HttpResponse>> Exchange(GetContext& get, Stream& stream) {
   co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
   if (ec) co_return StepFailed("read response", ec);
   Response response = parser.release();
-  HttpResponse result;
-  result.status = static_cast<int>(response.result_int());
-  auto content_type = response.find(http::field::content_type);
-  result.content_type =
-      content_type == response.end() ? std::string() : std::string(content_type->value());
+  HttpResponse result = StatusAndType(response.base());
   result.body = std::move(response.body());
   co_return result;
 }
@@ -688,15 +1005,21 @@ namespace {
 
 Result<HttpResponse> Request1(const Endpoint& endpoint, const std::string& target,
                               const HttpGetOptions& options, http::verb method,
-                              const std::string& body, const std::string& content_type) {
+                              const std::string& body, const std::string& content_type,
+                              const std::function<bool(std::string_view)>* on_data = nullptr) {
   const std::string url =
       std::string(options.tls ? "https://" : "http://") + endpoint.ToString() + target;
   std::optional<Result<HttpResponse>> result;
   try {
     asio::io_context io_context;
-    GetContext get{
-        endpoint, target, options,     std::chrono::steady_clock::now() + options.timeout,
-        method,   body,   content_type};
+    GetContext get{.endpoint = endpoint,
+                   .target = target,
+                   .options = options,
+                   .deadline = std::chrono::steady_clock::now() + options.timeout,
+                   .method = method,
+                   .body = body,
+                   .content_type = content_type,
+                   .on_data = on_data};
     asio::co_spawn(io_context, RunGet(std::move(get), &result), [&](std::exception_ptr error) {
       if (!error) return;
       try {
@@ -739,6 +1062,13 @@ Result<HttpResponse> HttpPost(const Endpoint& endpoint, const std::string& targe
                               const std::string& body, const HttpGetOptions& options,
                               const std::string& content_type) {
   return Request1(endpoint, target, options, http::verb::post, body, content_type);
+}
+
+Result<HttpResponse> HttpPostStream(const Endpoint& endpoint, const std::string& target,
+                                    const std::string& body, const HttpGetOptions& options,
+                                    const std::function<bool(std::string_view)>& on_data,
+                                    const std::string& content_type) {
+  return Request1(endpoint, target, options, http::verb::post, body, content_type, &on_data);
 }
 
 }  // namespace flywheel::transport

@@ -1,14 +1,16 @@
 // The HTTP side of every role (Boost.Beast, C++20 coroutines): GET /v1/status (JSON),
-// GET /metrics (Prometheus text), GET /healthz; plus a small blocking client that tests,
+// GET /metrics (Prometheus text), GET /healthz, POST routes whose answers may be streamed
+// as they are produced (server-sent events); plus a small blocking client that tests,
 // benchmarks and scripts use to read them.
 //
 // When a token is configured, every route except the public ones (/healthz) requires
 // "Authorization: Bearer <token>", compared in constant time; a missing or wrong token is
 // answered 401 with "WWW-Authenticate: Bearer". Tokens are scoped (Scope below): each
-// route names the scope it needs, and a known token without it is answered 403. Unknown paths are 404, methods other than
-// GET/HEAD (or POST on POST routes) 405. Every read and write has a deadline; request headers are
-// size-limited; the server serves each connection in its own coroutine and closes it after an
-// error.
+// route names the scope it needs, and a known token without it is answered 403. Unknown paths are
+// 404, methods other than GET/HEAD (or POST on POST routes) 405. Every read and write has a
+// deadline (except the read that watches a streaming client, see HttpStream); request headers
+// are size-limited; the server serves each connection in its own coroutine and closes it after
+// an error.
 #pragma once
 
 #include <chrono>
@@ -16,7 +18,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/status.h"
@@ -84,6 +88,63 @@ using HttpApiHandler = std::function<awaitable<HttpResponse>(HttpRequest request
 using HttpPostHandler =
     std::function<awaitable<HttpResponse>(std::string target, std::string body)>;
 
+// The writer of one streamed answer (RoutePostStream): the server makes one per request and
+// hands it to the handler, and it lives until the handler's coroutine returns. Use it on
+// the server's executor only.
+//
+// While the handler runs, the server reads from the connection to notice a client that
+// leaves: its close (or reset) makes gone() true and runs the OnGone() callbacks at once,
+// even while the handler is not writing. A client that half-closes its side after the
+// request counts as gone too. Bytes a client pipelines meanwhile are kept for the next
+// request; after 64 KiB of them the server stops reading, and only a failed write then
+// tells that the client left. That read has no deadline: the handler's own run time bounds
+// it, as it bounds a RoutePost request.
+class HttpStream {
+ public:
+  struct State;  // the server's side of the connection
+  explicit HttpStream(std::shared_ptr<State> state);
+  ~HttpStream();
+  HttpStream(const HttpStream&) = delete;
+  HttpStream& operator=(const HttpStream&) = delete;
+
+  // The Content-Type of the streamed answer. REQUIRES: before the first Write(); the
+  // default is "text/event-stream".
+  void set_content_type(std::string content_type);
+
+  // The first call sends the status line and headers: 200, the content type,
+  // "Transfer-Encoding: chunked", "Cache-Control: no-cache", "X-Accel-Buffering: no"
+  // (HTTP/1.0 clients get no chunking, and the connection's close ends the body). Every
+  // call then sends `data` as one chunk, at once (TCP_NODELAY); an empty `data` sends no
+  // chunk. Each call has the server's per-write deadline. Returns false when the client is
+  // gone, the write failed or its deadline passed (gone() is then true and the connection
+  // will be closed): stop producing and return.
+  // REQUIRES: no other Write() of this stream is in progress.
+  awaitable<bool> Write(std::string data);
+
+  // True once the client closed the connection, a write failed, or the server stopped.
+  bool gone() const;
+
+  // Runs `callback` once on the server's executor when the client is gone before the
+  // handler returns: at once (inside this call) if it already is, otherwise from the
+  // server's read or a failed Write(). Callbacks never run after the handler returned, so
+  // they may refer to the handler's locals. They must not throw. For freeing the work the
+  // answer was for.
+  void OnGone(std::function<void()> callback);
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// Produces the answer to a POST of a stream route's path. Either returns the whole
+// response without calling stream.Write(), or streams it with stream.Write() and returns
+// std::nullopt; the server then ends the chunked body and keeps the connection when it can.
+// A response returned after Write() is ignored; std::nullopt without a Write() is answered
+// 500. A handler that throws after its first Write() ends the connection without the
+// terminating chunk, so that the client sees a truncated answer. Runs as a coroutine on the
+// server's executor, like HttpPostHandler.
+using HttpStreamHandler = std::function<awaitable<std::optional<HttpResponse>>(
+    std::string target, std::string body, HttpStream& stream)>;
+
 struct HttpServerOptions {
   // The fleet token: kScopeFleet. Empty, with no other token: no authentication.
   std::string token;
@@ -115,6 +176,12 @@ class HttpServer {
   // answered 413. A GET of the path is 405. REQUIRES: as Route().
   void RoutePost(const std::string& path, HttpPostHandler handler, uint64_t body_limit,
                  uint32_t scope);
+  // Adds a POST route whose handler may stream its answer (HttpStream): otherwise as
+  // RoutePost(), and it replaces a RoutePost() of the same path (and the other way round).
+  // Stop() closes open streams: their handlers see gone() and their OnGone() callbacks run;
+  // io_context::run() returns once they have returned. REQUIRES: as Route().
+  void RoutePostStream(const std::string& path, HttpStreamHandler handler, uint64_t body_limit,
+                       uint32_t scope);
 
   // Adds an API route: every method on `prefix` and on paths below it ("prefix/..."); the
   // longest matching prefix wins over shorter ones, and exact Route/RoutePost paths win
@@ -154,5 +221,17 @@ Result<HttpResponse> HttpCall(const Endpoint& endpoint, const std::string& metho
 Result<HttpResponse> HttpPost(const Endpoint& endpoint, const std::string& target,
                               const std::string& body, const HttpGetOptions& options = {},
                               const std::string& content_type = "application/json");
+
+// POSTs `body` (as `content_type`) to http(s)://endpoint<target> and calls `on_data` with
+// each piece of the response body as it arrives (de-chunked; pieces do not follow chunk or
+// event boundaries). Returning false from `on_data` closes the connection at once (a client
+// that leaves mid-stream) and ends the call successfully. The result holds the status and
+// content type, and the body only when `on_data` is null. options.timeout bounds the whole
+// call, stream included; failures are Unavailable as for HttpGet, also after some data
+// arrived (a connection that ends before the body does is one).
+Result<HttpResponse> HttpPostStream(const Endpoint& endpoint, const std::string& target,
+                                    const std::string& body, const HttpGetOptions& options,
+                                    const std::function<bool(std::string_view)>& on_data,
+                                    const std::string& content_type = "application/json");
 
 }  // namespace flywheel::transport

@@ -1,6 +1,6 @@
 // The HTTP endpoints over loopback: routing, authentication, limits, deadlines, TLS with
-// mutual authentication, and Stop(). The server runs on its own thread; requests come
-// from the test thread through HttpGet or a raw socket.
+// mutual authentication, streamed answers, and Stop(). The server runs on its own thread;
+// requests come from the test thread through HttpGet, HttpPostStream or a raw socket.
 #include "transport/http.h"
 
 #include <gtest/gtest.h>
@@ -9,8 +9,12 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <future>
+#include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 
@@ -86,6 +90,17 @@ class TestServer {
     return returned;
   }
 
+  // Runs `add` on the server's thread, where routes may be added while it serves.
+  void AddRoutes(const std::function<void(HttpServer&)>& add) {
+    std::promise<void> done;
+    asio::post(io_context_, [&] {
+      add(*server_);
+      done.set_value();
+    });
+    done.get_future().wait();
+  }
+
+  asio::any_io_executor executor() { return io_context_.get_executor(); }
   bool started() const { return server_ != nullptr; }
   Endpoint endpoint() const { return {"127.0.0.1", server_->port()}; }
   uint16_t port() const { return server_->port(); }
@@ -116,6 +131,19 @@ class RawClient {
     error_code ec;
     asio::write(socket_, asio::buffer(bytes), ec);
     EXPECT_FALSE(ec) << ec.message();
+  }
+
+  // Reads until what arrived contains `needle` (or the connection ends); returns it all.
+  std::string ReadUntil(const std::string& needle) {
+    std::string received;
+    char buffer[4096];
+    while (received.find(needle) == std::string::npos) {
+      error_code ec;
+      size_t n = socket_.read_some(asio::buffer(buffer), ec);
+      received.append(buffer, n);
+      if (ec) break;
+    }
+    return received;
   }
 
   // Reads until the server closes the connection (or the receive timeout); returns what
@@ -473,6 +501,377 @@ TEST(HttpTest, ListeningOnABadAddressFails) {
   EXPECT_NE(server.status().message().find("192.0.2.1"), std::string::npos);
 }
 
+// A one-shot event that a handler awaits on the server's thread, without blocking it, and
+// that another thread or an OnGone callback sets. Held by shared_ptr so that a handler
+// still waiting when a test fails early does not outlive it.
+class Event : public std::enable_shared_from_this<Event> {
+ public:
+  static std::shared_ptr<Event> Make(asio::any_io_executor executor) {
+    return std::shared_ptr<Event>(new Event(std::move(executor)));
+  }
+  // From any thread.
+  void Set() {
+    asio::post(executor_, [self = shared_from_this()] { self->SetHere(); });
+  }
+  // On the server's thread.
+  void SetHere() {
+    set_ = true;
+    timer_.cancel();
+  }
+  awaitable<void> Wait() {
+    while (!set_) {
+      error_code ec;
+      co_await timer_.async_wait(asio::redirect_error(use_awaitable, ec));
+    }
+  }
+
+ private:
+  explicit Event(asio::any_io_executor executor)
+      : executor_(executor), timer_(executor, asio::steady_timer::time_point::max()) {}
+  asio::any_io_executor executor_;
+  asio::steady_timer timer_;
+  bool set_ = false;
+};
+
+using Clock = std::chrono::steady_clock;
+using StreamResult = awaitable<std::optional<HttpResponse>>;
+
+// POST /v1/stream: "data: <body>", then waits for `release`, then "data: 2".
+void AddTwoChunkRoute(TestServer& server, std::shared_ptr<Event> release) {
+  server.AddRoutes([release](HttpServer& http) {
+    http.RoutePostStream(
+        "/v1/stream",
+        [release](std::string, std::string body, HttpStream& stream) -> StreamResult {
+          if (!co_await stream.Write("data: " + body + "\n\n")) co_return std::nullopt;
+          co_await release->Wait();
+          co_await stream.Write("data: 2\n\n");
+          co_return std::nullopt;
+        },
+        /*body_limit=*/64, kScopeSample);
+  });
+}
+
+// The client sees the first chunk while the handler still waits to write the second.
+void ExpectChunksArriveWhileTheHandlerRuns(TestServer& server, const HttpGetOptions& options) {
+  auto release = Event::Make(server.executor());
+  AddTwoChunkRoute(server, release);
+  std::string received;
+  bool released = false;
+  auto result =
+      HttpPostStream(server.endpoint(), "/v1/stream", "1", options, [&](std::string_view piece) {
+        received += piece;
+        if (!released && received.find("\n\n") != std::string::npos) {
+          // The handler waits for `release`: chunk 1 came alone.
+          EXPECT_EQ(received, "data: 1\n\n");
+          released = true;
+          release->Set();
+        }
+        return true;
+      });
+  ASSERT_TRUE(result.ok()) << result.status().ToString();
+  EXPECT_TRUE(released);
+  EXPECT_EQ(result->status, 200);
+  EXPECT_EQ(result->content_type, "text/event-stream");
+  EXPECT_EQ(result->body, "");
+  EXPECT_EQ(received, "data: 1\n\ndata: 2\n\n");
+}
+
+// What a stream handler saw after its client left. Written on the server's thread before
+// `returned` is set.
+struct LeaveProbe {
+  std::optional<Clock::time_point> gone_at;  // when the OnGone callback ran
+  bool gone_after_wait = false;
+  bool late_callback_ran_at_once = false;
+  bool write_after_gone = true;
+  int chunks_written = 0;
+  std::promise<void> returned;
+};
+
+// POST /v1/wait: one chunk, then waits for what only its OnGone callback releases.
+// POST /v1/produce: writes a chunk every 5 ms until a write fails.
+void AddLeaveRoutes(TestServer& server, std::shared_ptr<LeaveProbe> waiting,
+                    std::shared_ptr<LeaveProbe> producing) {
+  server.AddRoutes([=](HttpServer& http) {
+    http.RoutePostStream(
+        "/v1/wait",
+        [waiting](std::string, std::string, HttpStream& stream) -> StreamResult {
+          auto gone = Event::Make(co_await asio::this_coro::executor);
+          stream.OnGone([waiting, gone] {
+            waiting->gone_at = Clock::now();
+            gone->SetHere();
+          });
+          co_await stream.Write("data: 1\n\n");
+          co_await gone->Wait();
+          waiting->gone_after_wait = stream.gone();
+          bool ran = false;
+          stream.OnGone([&ran] { ran = true; });
+          waiting->late_callback_ran_at_once = ran;
+          waiting->write_after_gone = co_await stream.Write("data: 2\n\n");
+          waiting->returned.set_value();
+          co_return std::nullopt;
+        },
+        /*body_limit=*/64, kScopeSample);
+    http.RoutePostStream(
+        "/v1/produce",
+        [producing](std::string, std::string, HttpStream& stream) -> StreamResult {
+          stream.OnGone([producing] { producing->gone_at = Clock::now(); });
+          asio::steady_timer timer(co_await asio::this_coro::executor);
+          while (co_await stream.Write("data: more\n\n")) {
+            ++producing->chunks_written;
+            timer.expires_after(milliseconds(5));
+            co_await timer.async_wait(use_awaitable);
+          }
+          producing->gone_after_wait = stream.gone();
+          producing->write_after_gone = false;
+          producing->returned.set_value();
+          co_return std::nullopt;
+        },
+        /*body_limit=*/64, kScopeSample);
+  });
+}
+
+// A client that leaves after the first chunk: the waiting handler's OnGone runs promptly
+// (it is not writing), the producing one's next Write fails; both return.
+void ExpectLeavingClientIsNoticed(TestServer& server, const HttpGetOptions& options) {
+  auto waiting = std::make_shared<LeaveProbe>();
+  auto producing = std::make_shared<LeaveProbe>();
+  AddLeaveRoutes(server, waiting, producing);
+  for (const auto& [target, probe] : {std::pair{"/v1/wait", waiting}, {"/v1/produce", producing}}) {
+    std::future<void> returned = probe->returned.get_future();
+    std::string received;
+    auto result =
+        HttpPostStream(server.endpoint(), target, "{}", options, [&](std::string_view piece) {
+          received += piece;
+          return false;  // leave at once
+        });
+    const Clock::time_point left = Clock::now();
+    ASSERT_TRUE(result.ok()) << target << ": " << result.status().ToString();
+    EXPECT_EQ(result->status, 200) << target;
+    EXPECT_EQ(received.rfind("data: ", 0), 0u) << target << ": " << received;
+    ASSERT_EQ(returned.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+        << target << ": the handler did not return after its client left";
+    ASSERT_TRUE(probe->gone_at.has_value()) << target;
+    const auto delay = std::chrono::duration_cast<milliseconds>(*probe->gone_at - left);
+    // Typically well under a millisecond; generous for a loaded machine.
+    EXPECT_LT(delay, milliseconds(500)) << target;
+    EXPECT_TRUE(probe->gone_after_wait) << target;
+    EXPECT_FALSE(probe->write_after_gone) << target;
+  }
+  EXPECT_TRUE(waiting->late_callback_ran_at_once);
+  // The server goes on serving.
+  auto health = HttpGet(server.endpoint(), "/healthz", options);
+  ASSERT_TRUE(health.ok()) << health.status().ToString();
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST(HttpStreamTest, ChunksArriveWhileTheHandlerRuns) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  ExpectChunksArriveWhileTheHandlerRuns(server, GetOptions(""));
+}
+
+TEST(HttpStreamTest, StreamIsChunkedUnbufferedAndKeepsTheConnection) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  auto release = Event::Make(server.executor());
+  AddTwoChunkRoute(server, release);
+  RawClient client(server.port());
+  client.Send("POST /v1/stream HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n1");
+  std::string head = client.ReadUntil("data: 1\n\n\r\n");
+  EXPECT_EQ(head.rfind("HTTP/1.1 200 OK\r\n", 0), 0u) << head;
+  for (const char* field : {"Content-Type: text/event-stream\r\n", "Cache-Control: no-cache\r\n",
+                            "X-Accel-Buffering: no\r\n", "Transfer-Encoding: chunked\r\n"}) {
+    EXPECT_NE(head.find(field), std::string::npos) << field << " in " << head;
+  }
+  EXPECT_EQ(head.find("Content-Length"), std::string::npos) << head;
+  EXPECT_NE(head.find("\r\n\r\n9\r\ndata: 1\n\n\r\n"), std::string::npos) << head;
+  // A request pipelined while the handler waits is no sign of a client leaving; it is
+  // served after the stream.
+  client.Send("GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  std::this_thread::sleep_for(milliseconds(50));  // lets the server read it meanwhile
+  release->Set();
+  error_code end;
+  std::string rest = client.ReadToEnd(&end);
+  EXPECT_EQ(rest.rfind("9\r\ndata: 2\n\n\r\n0\r\n\r\nHTTP/1.1 200 OK\r\n", 0), 0u) << rest;
+  EXPECT_EQ(rest.substr(rest.size() - 3), "ok\n") << rest;
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+}
+
+TEST(HttpStreamTest, Http10ClientGetsAnUnchunkedStreamEndedByTheClose) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  auto release = Event::Make(server.executor());
+  release->Set();
+  AddTwoChunkRoute(server, release);
+  RawClient client(server.port());
+  client.Send("POST /v1/stream HTTP/1.0\r\nContent-Length: 1\r\n\r\n1");
+  error_code end;
+  std::string response = client.ReadToEnd(&end);
+  EXPECT_EQ(response.rfind("HTTP/1.0 200 OK\r\n", 0), 0u) << response;
+  EXPECT_EQ(response.find("Transfer-Encoding"), std::string::npos) << response;
+  EXPECT_EQ(response.substr(response.find("\r\n\r\n") + 4), "data: 1\n\ndata: 2\n\n");
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+}
+
+TEST(HttpStreamTest, StreamRouteMayAnswerWhole) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  server.AddRoutes([](HttpServer& http) {
+    http.RoutePostStream(
+        "/v1/answer",
+        [](std::string target, std::string body, HttpStream& stream) -> StreamResult {
+          const std::string mode = target.substr(target.find('?') + 1);
+          if (mode == "whole") co_return HttpResponse{201, "application/json", body};
+          if (mode == "nothing") co_return std::nullopt;
+          if (mode == "throw") throw std::runtime_error("handler bug");
+          co_await stream.Write("data: 1\n\n");
+          if (mode == "throw-after-write") throw std::runtime_error("handler bug");
+          co_return HttpResponse{201, "application/json", "ignored"};  // "answer-after-write"
+        },
+        /*body_limit=*/64, kScopeSample);
+  });
+  auto whole = HttpPost(server.endpoint(), "/v1/answer?whole", R"({"a":1})");
+  ASSERT_TRUE(whole.ok()) << whole.status().ToString();
+  EXPECT_EQ(whole->status, 201);
+  EXPECT_EQ(whole->content_type, "application/json");
+  EXPECT_EQ(whole->body, R"({"a":1})");
+  // HttpPostStream without on_data collects the body.
+  auto collected = HttpPostStream(server.endpoint(), "/v1/answer?whole", "{}", {}, nullptr);
+  ASSERT_TRUE(collected.ok()) << collected.status().ToString();
+  EXPECT_EQ(collected->status, 201);
+  EXPECT_EQ(collected->body, "{}");
+
+  for (const char* target : {"/v1/answer?nothing", "/v1/answer?throw"}) {
+    auto response = HttpPost(server.endpoint(), target, "{}");
+    ASSERT_TRUE(response.ok()) << response.status().ToString();
+    EXPECT_EQ(response->status, 500) << target;
+  }
+  std::string received;
+  auto collect = [&](std::string_view piece) {
+    received += piece;
+    return true;
+  };
+  // A handler that fails mid-stream: the body ends without its terminating chunk.
+  auto truncated =
+      HttpPostStream(server.endpoint(), "/v1/answer?throw-after-write", "{}", {}, collect);
+  EXPECT_FALSE(truncated.ok());
+  EXPECT_EQ(received, "data: 1\n\n");
+  received.clear();
+  auto streamed =
+      HttpPostStream(server.endpoint(), "/v1/answer?answer-after-write", "{}", {}, collect);
+  ASSERT_TRUE(streamed.ok()) << streamed.status().ToString();
+  EXPECT_EQ(streamed->status, 200);
+  EXPECT_EQ(received, "data: 1\n\n");
+}
+
+TEST(HttpStreamTest, StreamRouteKeepsAuthenticationAndLimits) {
+  HttpServerOptions options;
+  options.token = "fleet-token";
+  options.scoped_tokens = {{"dashboard-token", kScopeRead}};
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  auto release = Event::Make(server.executor());
+  release->Set();
+  AddTwoChunkRoute(server, release);
+  const auto no_data = [](std::string_view) { return true; };
+  auto missing = HttpPostStream(server.endpoint(), "/v1/stream", "1", {}, no_data);
+  ASSERT_TRUE(missing.ok()) << missing.status().ToString();
+  EXPECT_EQ(missing->status, 401);
+  auto read_only =
+      HttpPostStream(server.endpoint(), "/v1/stream", "1", GetOptions("dashboard-token"), nullptr);
+  ASSERT_TRUE(read_only.ok()) << read_only.status().ToString();
+  EXPECT_EQ(read_only->status, 403);
+  EXPECT_NE(read_only->body.find("does not grant 'sample'"), std::string::npos) << read_only->body;
+  auto too_big =
+      HttpPost(server.endpoint(), "/v1/stream", std::string(65, 'x'), GetOptions("fleet-token"));
+  ASSERT_TRUE(too_big.ok()) << too_big.status().ToString();
+  EXPECT_EQ(too_big->status, 413);
+  auto right = HttpPost(server.endpoint(), "/v1/stream", "1", GetOptions("fleet-token"));
+  ASSERT_TRUE(right.ok()) << right.status().ToString();
+  EXPECT_EQ(right->status, 200);
+  EXPECT_EQ(right->body, "data: 1\n\ndata: 2\n\n");  // HttpPost de-chunks as well
+  // A GET of a stream route is 405 naming POST.
+  RawClient client(server.port());
+  client.Send("GET /v1/stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  std::string response = client.ReadToEnd();
+  EXPECT_EQ(response.rfind("HTTP/1.1 405", 0), 0u) << response;
+  EXPECT_NE(response.find("Allow: POST"), std::string::npos) << response;
+}
+
+TEST(HttpStreamTest, ClientLeavingMidStreamIsNoticedWhileTheHandlerWaits) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  ExpectLeavingClientIsNoticed(server, GetOptions(""));
+}
+
+TEST(HttpStreamTest, ClientThatStopsReadingHitsTheWriteDeadline) {
+  HttpServerOptions options;
+  options.timeout = milliseconds(300);
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  auto probe = std::make_shared<LeaveProbe>();
+  std::future<void> returned = probe->returned.get_future();
+  server.AddRoutes([probe](HttpServer& http) {
+    http.RoutePostStream(
+        "/v1/flood",
+        [probe](std::string, std::string, HttpStream& stream) -> StreamResult {
+          const std::string chunk(256 * 1024, 'x');
+          while (co_await stream.Write(chunk)) ++probe->chunks_written;
+          probe->gone_after_wait = stream.gone();
+          probe->returned.set_value();
+          co_return std::nullopt;
+        },
+        /*body_limit=*/64, kScopeSample);
+  });
+  RawClient client(server.port());
+  const Clock::time_point start = Clock::now();
+  client.Send("POST /v1/flood HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n");
+  // Never reads: the socket buffers fill up and a write waits out its deadline.
+  ASSERT_EQ(returned.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_GE(Clock::now() - start, milliseconds(250));
+  EXPECT_TRUE(probe->gone_after_wait);
+  EXPECT_GT(probe->chunks_written, 0);
+}
+
+TEST(HttpStreamTest, StopWhileStreamingEndsTheStreamsAndRunReturns) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  auto waiting = std::make_shared<LeaveProbe>();
+  auto producing = std::make_shared<LeaveProbe>();
+  AddLeaveRoutes(server, waiting, producing);
+  std::future<void> waiting_returned = waiting->returned.get_future();
+  std::future<void> producing_returned = producing->returned.get_future();
+  // Each client runs on its own thread and tells when its first chunk arrived.
+  auto stream = [&](const char* target, std::promise<void>* first) {
+    return std::async(std::launch::async, [&server, target, first] {
+      bool told = false;
+      return HttpPostStream(server.endpoint(), target, "{}", GetOptions(""), [&](std::string_view) {
+        if (!told) first->set_value();
+        told = true;
+        return true;
+      });
+    });
+  };
+  std::promise<void> waiting_first, producing_first;
+  auto waiting_client = stream("/v1/wait", &waiting_first);
+  auto producing_client = stream("/v1/produce", &producing_first);
+  ASSERT_EQ(waiting_first.get_future().wait_for(std::chrono::seconds(5)),
+            std::future_status::ready);
+  ASSERT_EQ(producing_first.get_future().wait_for(std::chrono::seconds(5)),
+            std::future_status::ready);
+
+  EXPECT_TRUE(server.StopAndWait(milliseconds(2000)));
+  EXPECT_EQ(waiting_returned.wait_for(milliseconds(0)), std::future_status::ready);
+  EXPECT_EQ(producing_returned.wait_for(milliseconds(0)), std::future_status::ready);
+  EXPECT_TRUE(waiting->gone_after_wait);
+  EXPECT_TRUE(producing->gone_after_wait);
+  // The clients see the streams end without their terminating chunk.
+  ASSERT_EQ(waiting_client.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  ASSERT_EQ(producing_client.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_FALSE(waiting_client.get().ok());
+  EXPECT_FALSE(producing_client.get().ok());
+}
+
 class HttpsTest : public CertificateSuite {
  protected:
   static void SetUpTestSuite() {
@@ -614,6 +1013,40 @@ TEST_F(HttpsTest, SilentTlsConnectionIsClosedAfterTheTimeout) {
   EXPECT_EQ(silent.ReadToEnd(&end), "");
   EXPECT_TRUE(ClosedByPeer(end)) << end.message();
   EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(3000));
+}
+
+TEST_F(HttpsTest, StreamsOverTls) {
+  TestServer server(MutualServer());
+  ASSERT_TRUE(server.started());
+  const HttpGetOptions options =
+      GetOptions("", Client({Path("client.crt"), Path("client.key"), Path("ca.crt")}));
+  ExpectChunksArriveWhileTheHandlerRuns(server, options);
+  ExpectLeavingClientIsNoticed(server, options);
+}
+
+TEST_F(HttpsTest, StopWhileStreamingOverTls) {
+  TestServer server(MutualServer());
+  ASSERT_TRUE(server.started());
+  auto waiting = std::make_shared<LeaveProbe>();
+  AddLeaveRoutes(server, waiting, std::make_shared<LeaveProbe>());
+  std::future<void> returned = waiting->returned.get_future();
+  std::promise<void> first;
+  auto client = std::async(std::launch::async, [&] {
+    bool told = false;
+    return HttpPostStream(
+        server.endpoint(), "/v1/wait", "{}",
+        GetOptions("", Client({Path("client.crt"), Path("client.key"), Path("ca.crt")})),
+        [&](std::string_view) {
+          if (!told) first.set_value();
+          told = true;
+          return true;
+        });
+  });
+  ASSERT_EQ(first.get_future().wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_TRUE(server.StopAndWait(milliseconds(2000)));
+  EXPECT_EQ(returned.wait_for(milliseconds(0)), std::future_status::ready);
+  ASSERT_EQ(client.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_FALSE(client.get().ok());
 }
 
 TEST_F(HttpsTest, StopClosesTlsConnections) {
