@@ -11,6 +11,55 @@
 #include "model/weights.h"
 
 namespace flywheel::rollout {
+namespace {
+
+// For every row of `logits` [R, V]: the min(want[r], V) token ids with the highest logits,
+// highest first, equal logits by lower id. One topk over all rows, one more entry than the
+// most any row wants: a row whose cut falls inside a run of equal logits (its k-th and
+// (k+1)-th entries are equal, where topk may have picked any of them) is completed by one
+// scan of that row for the lowest ids at the cut.
+std::vector<std::vector<int64_t>> TopTokens(const torch::Tensor& logits,
+                                            const std::vector<int64_t>& want) {
+  const torch::Tensor scores = logits.to(torch::kFloat).contiguous();
+  const int64_t rows = scores.size(0), vocab = scores.size(1);
+  int64_t most = 0;
+  for (int64_t k : want) most = std::max(most, std::min(k, vocab));
+  const int64_t fetched = std::min(most + 1, vocab);
+  auto [values, indices] = scores.topk(fetched, /*dim=*/-1, /*largest=*/true, /*sorted=*/true);
+  values = values.contiguous();
+  indices = indices.contiguous();
+  std::vector<std::vector<int64_t>> out(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t k = std::min(want[r], vocab);
+    const float* value = values.data_ptr<float>() + r * fetched;
+    const int64_t* index = indices.data_ptr<int64_t>() + r * fetched;
+    std::vector<std::pair<float, int64_t>> entries;
+    const float cut = value[k - 1];
+    if (k < fetched && value[k] == cut) {
+      // Everything above the cut is in the topk; the rest are the lowest ids at the cut.
+      for (int64_t i = 0; i < k && value[i] > cut; ++i) entries.emplace_back(value[i], index[i]);
+      const float* row = scores.data_ptr<float>() + r * vocab;
+      for (int64_t t = 0; t < vocab && static_cast<int64_t>(entries.size()) < k; ++t) {
+        if (row[t] == cut) entries.emplace_back(cut, t);
+      }
+    } else {
+      for (int64_t i = 0; i < k; ++i) entries.emplace_back(value[i], index[i]);
+    }
+    // topk orders by value only: order each run of equal values by id.
+    for (size_t i = 0; i < entries.size();) {
+      size_t end = i + 1;
+      while (end < entries.size() && entries[end].first == entries[i].first) ++end;
+      std::sort(entries.begin() + i, entries.begin() + end,
+                [](const auto& a, const auto& b) { return a.second < b.second; });
+      i = end;
+    }
+    out[r].reserve(k);
+    for (const auto& entry : entries) out[r].push_back(entry.second);
+  }
+  return out;
+}
+
+}  // namespace
 
 Status SamplingParams::Validate(int64_t vocab) const {
   if (!(temperature >= 0 && std::isfinite(temperature))) {
@@ -23,6 +72,11 @@ Status SamplingParams::Validate(int64_t vocab) const {
     return Status::InvalidArgument("top_p must be in (0, 1], got " + std::to_string(top_p));
   if (max_tokens < 1)
     return Status::InvalidArgument("max_tokens must be >= 1, got " + std::to_string(max_tokens));
+  if (top_logprobs < 0 || top_logprobs > kMaxTopLogprobs) {
+    return Status::InvalidArgument("top_logprobs must be in [0, " +
+                                   std::to_string(kMaxTopLogprobs) + "], got " +
+                                   std::to_string(top_logprobs));
+  }
   for (int32_t t : stop_tokens) {
     if (t < 0 || t >= vocab) {
       return Status::InvalidArgument("stop token " + std::to_string(t) +
@@ -121,7 +175,8 @@ void Engine::AppendRouting(Sequence& sequence, const std::vector<torch::Tensor>&
   }
 }
 
-bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in) {
+bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in,
+                    const std::vector<int64_t>& top_tokens, std::vector<TokenEvent>* events) {
   const SamplingParams& p = sequence.request.params;
   torch::Tensor logits = logits_in.to(torch::kDouble).contiguous();
   const double* raw = logits.data_ptr<double>();
@@ -136,6 +191,8 @@ bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in) {
   double sum = 0;
   for (int64_t i = 0; i < vocab; ++i) sum += std::exp(scaled[i] - top);
   const double log_normaliser = top + std::log(sum);
+  // The one expression for every reported logprob, sampled and top alike.
+  auto logprob = [&](int64_t t) { return static_cast<float>(scaled[t] - log_normaliser); };
 
   int64_t token = 0;
   if (p.temperature == 0) {
@@ -179,20 +236,34 @@ bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in) {
   }
   GenerationResult& r = sequence.result;
   r.tokens.push_back(static_cast<int32_t>(token));
-  r.logprobs.push_back(static_cast<float>(scaled[token] - log_normaliser));
+  r.logprobs.push_back(logprob(token));
   r.versions.push_back(version_);
+  if (p.top_logprobs > 0) {
+    std::vector<TokenLogprob>& alternatives = r.top_logprobs.emplace_back();
+    alternatives.reserve(top_tokens.size());
+    for (int64_t t : top_tokens) alternatives.push_back({static_cast<int32_t>(t), logprob(t)});
+  }
+  bool finished = false;
   if (std::find(p.stop_tokens.begin(), p.stop_tokens.end(), token) != p.stop_tokens.end()) {
     r.finish_reason = "stop";
-    return true;
-  }
-  if (static_cast<int64_t>(r.tokens.size()) >= p.max_tokens) {
+    finished = true;
+  } else if (static_cast<int64_t>(r.tokens.size()) >= p.max_tokens) {
     r.finish_reason = "length";
-    return true;
+    finished = true;
   }
-  return false;
+  if (events) {
+    events->push_back(
+        {.id = sequence.id,
+         .token = r.tokens.back(),
+         .logprob = r.logprobs.back(),
+         .version = r.versions.back(),
+         .top = p.top_logprobs > 0 ? r.top_logprobs.back() : std::vector<TokenLogprob>{},
+         .finished = finished});
+  }
+  return finished;
 }
 
-void Engine::Prefill(Sequence& sequence, int64_t slot) {
+void Engine::Prefill(Sequence& sequence, int64_t slot, std::vector<TokenEvent>* events) {
   const auto& prompt = sequence.request.prompt;
   const int64_t length = static_cast<int64_t>(prompt.size());
   torch::Tensor tokens =
@@ -206,24 +277,65 @@ void Engine::Prefill(Sequence& sequence, int64_t slot) {
   sequence.length = length;
   AppendRouting(sequence, out.routing, 0, length);
   torch::Tensor logits = model_->LmHead(out.hidden.select(1, length - 1));  // [1, V]
-  sequence.finished_at_prefill = Sample(sequence, logits[0]);
+  const int64_t top_logprobs = sequence.request.params.top_logprobs;
+  const std::vector<int64_t> top =
+      top_logprobs > 0 ? TopTokens(logits, {top_logprobs})[0] : std::vector<int64_t>{};
+  sequence.finished_at_prefill = Sample(sequence, logits[0], top, events);
 }
 
-std::vector<GenerationResult> Engine::Step() {
+std::unique_ptr<Engine::Sequence> Engine::RemoveActive(int64_t slot) {
+  std::unique_ptr<Sequence> removed = std::move(active_[slot]);
+  const int64_t last = static_cast<int64_t>(active_.size()) - 1;
+  if (slot != last) {
+    cache_.MoveSlot(last, slot);
+    active_[slot] = std::move(active_[last]);
+  }
+  active_.pop_back();
+  return removed;
+}
+
+bool Engine::Cancel(uint64_t id) {
+  std::lock_guard lock(mutex_);
+  auto has_id = [id](const std::unique_ptr<Sequence>& s) { return s->id == id; };
+  if (auto it = std::find_if(waiting_.begin(), waiting_.end(), has_id); it != waiting_.end()) {
+    waiting_.erase(it);
+    return true;
+  }
+  if (auto it = std::find_if(active_.begin(), active_.end(), has_id); it != active_.end()) {
+    RemoveActive(it - active_.begin());
+    return true;
+  }
+  return false;
+}
+
+std::vector<GenerationResult> Engine::Step(std::vector<TokenEvent>* emitted) {
   std::lock_guard lock(mutex_);
   torch::NoGradGuard no_grad;
   std::vector<GenerationResult> finished;
+  std::vector<TokenEvent> events;
+  std::vector<TokenEvent>* record = emitted ? &events : nullptr;
+  // Sampling order is admission then slot order; consumers get request order.
+  auto emit = [&] {
+    if (!emitted) return;
+    std::stable_sort(events.begin(), events.end(),
+                     [](const TokenEvent& a, const TokenEvent& b) { return a.id < b.id; });
+    emitted->insert(emitted->end(), std::make_move_iterator(events.begin()),
+                    std::make_move_iterator(events.end()));
+  };
   while (!waiting_.empty() && static_cast<int64_t>(active_.size()) < options_.max_batch) {
     std::unique_ptr<Sequence> sequence = std::move(waiting_.front());
     waiting_.pop_front();
-    Prefill(*sequence, static_cast<int64_t>(active_.size()));
+    Prefill(*sequence, static_cast<int64_t>(active_.size()), record);
     if (sequence->finished_at_prefill) {
       finished.push_back(std::move(sequence->result));
     } else {
       active_.push_back(std::move(sequence));
     }
   }
-  if (active_.empty()) return finished;
+  if (active_.empty()) {
+    emit();
+    return finished;
+  }
 
   const int64_t batch = static_cast<int64_t>(active_.size());
   torch::Tensor tokens = torch::empty({batch, 1}, torch::kLong);
@@ -239,24 +351,36 @@ std::vector<GenerationResult> Engine::Step() {
   model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
   multi_lora_->row_adapter.clear();
   torch::Tensor logits = model_->LmHead(out.hidden.squeeze(1));  // [B, V]
+  // Top logprobs: one topk over just the rows whose requests asked.
+  std::vector<std::vector<int64_t>> top(batch);
+  std::vector<int64_t> asking, want;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t k = active_[i]->request.params.top_logprobs;
+    if (k > 0) {
+      asking.push_back(i);
+      want.push_back(k);
+    }
+  }
+  if (!asking.empty()) {
+    const torch::Tensor rows_asking =
+        static_cast<int64_t>(asking.size()) == batch
+            ? logits
+            : logits.index_select(0, torch::tensor(asking, torch::kLong));
+    std::vector<std::vector<int64_t>> ids = TopTokens(rows_asking, want);
+    for (size_t j = 0; j < asking.size(); ++j) top[asking[j]] = std::move(ids[j]);
+  }
   std::vector<bool> done(batch);
   for (int64_t i = 0; i < batch; ++i) {
     Sequence& sequence = *active_[i];
     sequence.length += 1;
     AppendRouting(sequence, out.routing, i, 1);
-    done[i] = Sample(sequence, logits[i]);
+    done[i] = Sample(sequence, logits[i], top[i], record);
   }
   // Compact from the back: the last active request moves into a finished one's slot.
   for (int64_t i = batch - 1; i >= 0; --i) {
-    if (!done[i]) continue;
-    finished.push_back(std::move(active_[i]->result));
-    const int64_t last = static_cast<int64_t>(active_.size()) - 1;
-    if (i != last) {
-      cache_.MoveSlot(last, i);
-      active_[i] = std::move(active_[last]);
-    }
-    active_.pop_back();
+    if (done[i]) finished.push_back(std::move(RemoveActive(i)->result));
   }
+  emit();
   return finished;
 }
 

@@ -17,7 +17,12 @@
 // top-p truncation; temperature 0, greedy, reports the untempered distribution), so at
 // temperature 1 it is exactly the logprob the trainer recomputes. Seeded requests draw from
 // their own generator: the same request and seed give the same tokens whatever else is in
-// the batch.
+// the batch. With top_logprobs = k, every generated token also carries the k most likely
+// tokens of that same distribution, computed the same way (so the sampled token's logprob
+// equals its entry there, bit for bit).
+//
+// Streaming: Step(&events) also reports every token it generated, one TokenEvent each, so a
+// consumer can forward tokens as they are sampled; Cancel drops a request mid-flight.
 //
 // One thread drives Submit/Step (the serving layer owns that thread); Swap may come from
 // another (the sync worker's apply thread) and runs between two steps.
@@ -43,6 +48,15 @@
 
 namespace flywheel::rollout {
 
+// The most alternatives a request may ask for per generated token (SamplingParams::top_logprobs).
+inline constexpr int64_t kMaxTopLogprobs = 20;
+
+// One entry of a token's top-logprobs list.
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;  // log softmax(logits / temperature), as the sampling logprob
+};
+
 struct SamplingParams {
   double temperature = 1.0;  // 0: greedy
   int64_t top_k = 0;         // 0: off
@@ -51,6 +65,10 @@ struct SamplingParams {
   int64_t max_tokens = 16;
   std::vector<int32_t> stop_tokens;  // generation ends after emitting one of these
   bool return_routing = false;       // MoE: also return the routing matrix
+  // 0..kMaxTopLogprobs: per generated token, the min(top_logprobs, vocab) most likely tokens
+  // of the distribution the sampling logprob comes from (before top-k / top-p truncation),
+  // most likely first, equal logits by lower token id. 0: none, and no cost.
+  int64_t top_logprobs = 0;
 
   // Names the bad field and value; `vocab` bounds the stop tokens.
   Status Validate(int64_t vocab) const;
@@ -68,11 +86,25 @@ struct GenerationResult {
   std::vector<int32_t> tokens;     // generated
   std::vector<float> logprobs;     // one per generated token
   std::vector<uint64_t> versions;  // the policy version that sampled each generated token
+  // One list per generated token when params.top_logprobs > 0 (see SamplingParams); empty
+  // otherwise.
+  std::vector<std::vector<TokenLogprob>> top_logprobs;
   // With return_routing on a MoE model: (prompt + generated - 1) tokens x MoE layers x top-k,
   // token-major, one byte per index (two, little endian, when experts > 256).
   std::vector<uint8_t> routing;
   int routing_bytes_per_index = 1;
   std::string finish_reason;  // "stop" or "length"
+};
+
+// One generated token as Step reports it while a request is in flight (streaming).
+struct TokenEvent {
+  uint64_t id = 0;  // the request
+  int32_t token = 0;
+  float logprob = 0;
+  uint64_t version = 0;           // the policy version that sampled it
+  std::vector<TokenLogprob> top;  // when the request asked for top_logprobs
+  // This was the request's last token; its result is in the same Step's return value.
+  bool finished = false;
 };
 
 struct EngineOptions {
@@ -94,8 +126,17 @@ class Engine {
   // The checks Submit makes, without queueing.
   Status Validate(const GenerationRequest& request);
   // One scheduler iteration (admit + prefill, then one batched decode step); returns the
-  // requests that finished in it.
-  std::vector<GenerationResult> Step();
+  // requests that finished in it. With `emitted`, also appends one event per token generated
+  // in this iteration (a request just admitted gets two: its prefill token and its first
+  // decoded one), ordered by request id and, within a request, by position; the last token
+  // of a request that finished here is among them, marked `finished`. Concatenating a
+  // request's events gives its result's tokens, logprobs, versions and top_logprobs.
+  std::vector<GenerationResult> Step(std::vector<TokenEvent>* emitted = nullptr);
+  // Drops waiting or active request `id`: it produces no result and no further events, and
+  // its cache slot is free for the next Step (the last active request moves into it, as
+  // when one finishes). Returns false when `id` is unknown or already finished (its result
+  // was returned). Call it from the thread that drives Submit/Step, between steps.
+  bool Cancel(uint64_t id);
   // Submits `requests`, steps until they finish, returns their results in order.
   Result<std::vector<GenerationResult>> Generate(std::vector<GenerationRequest> requests);
 
@@ -125,6 +166,7 @@ class Engine {
   size_t active() const { return active_.size(); }
   size_t waiting() const { return waiting_.size(); }
   int64_t cache_bytes() const { return cache_.bytes(); }
+  int64_t max_sequence() const { return options_.max_sequence; }
   const model::ModelConfig& config() const { return model_->config(); }
 
  private:
@@ -138,10 +180,15 @@ class Engine {
   };
 
   Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions options, uint64_t version);
-  void Prefill(Sequence& sequence, int64_t slot);
-  // Samples from `logits` [V] for `sequence`; appends token, logprob, version; returns
-  // whether the sequence finished.
-  bool Sample(Sequence& sequence, const torch::Tensor& logits);
+  void Prefill(Sequence& sequence, int64_t slot, std::vector<TokenEvent>* events);
+  // Samples from `logits` [V] for `sequence`; appends token, logprob, version and, when the
+  // request asked, the top logprobs of `top_tokens` (the ids from TopTokens, most likely
+  // first); returns whether the sequence finished. With `events`, appends the token's event.
+  bool Sample(Sequence& sequence, const torch::Tensor& logits,
+              const std::vector<int64_t>& top_tokens, std::vector<TokenEvent>* events);
+  // REQUIRES: mutex_. Removes active_[slot], moving the last active request (and its cache
+  // slot) into its place; returns the removed request.
+  std::unique_ptr<Sequence> RemoveActive(int64_t slot);
   Status ValidateLocked(const GenerationRequest& request) const;  // REQUIRES: mutex_
   void AppendRouting(Sequence& sequence, const std::vector<torch::Tensor>& routing, int64_t row,
                      int64_t tokens);

@@ -1,6 +1,7 @@
 // The rollout engine on tiny models: the KV cache against full recomputation, seeded
 // sampling, continuous batching, logprob parity with the trainer, routing that round-trips
-// into the trainer's replay, versions per token, and request validation.
+// into the trainer's replay, versions per token, request validation, top logprobs, token
+// events for streaming, and cancellation.
 #include "rollout/engine.h"
 
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <set>
 
 #include "tests/model/tiny_models.h"
 #include "trainer/training_client.h"
@@ -460,6 +462,267 @@ TEST(EngineTest, MultiLoraRequestsDoNotLeakIntoEachOther) {
   ASSERT_TRUE(full.ok());
   EXPECT_FALSE(engine->LoadAdapter("x", full->view()).ok());
   fs::remove_all(dir);
+}
+
+// log softmax(logits / temperature) (untempered at 0) of the token after prompt +
+// generated[0, t), recomputed without a cache: the distribution token t was sampled from.
+torch::Tensor RecomputedLogprobs(model::TransformerImpl& m, const GenerationResult& r, size_t t,
+                                 double temperature) {
+  torch::NoGradGuard no_grad;
+  std::vector<int64_t> sequence(r.prompt.begin(), r.prompt.end());
+  sequence.insert(sequence.end(), r.tokens.begin(), r.tokens.begin() + t);
+  torch::Tensor logits = m.forward(torch::tensor(sequence).view({1, -1})).logits[0][-1];
+  return torch::log_softmax(logits.to(torch::kDouble) / (temperature > 0 ? temperature : 1.0), -1);
+}
+
+// Every list has min(k, vocab) entries, most likely first and equal logprobs by lower id, and
+// the sampled token's entry (when listed) is its sampling logprob exactly.
+void ExpectWellFormedTopLogprobs(const GenerationResult& r, size_t k) {
+  ASSERT_EQ(r.top_logprobs.size(), r.tokens.size());
+  for (size_t t = 0; t < r.tokens.size(); ++t) {
+    const auto& top = r.top_logprobs[t];
+    ASSERT_EQ(top.size(), k) << "token " << t;
+    std::set<int32_t> distinct;
+    for (size_t i = 0; i < top.size(); ++i) {
+      distinct.insert(top[i].token);
+      if (i > 0) {
+        EXPECT_TRUE(top[i - 1].logprob > top[i].logprob ||
+                    (top[i - 1].logprob == top[i].logprob && top[i - 1].token < top[i].token))
+            << "token " << t << " entry " << i;
+      }
+      if (top[i].token == r.tokens[t]) {
+        EXPECT_EQ(top[i].logprob, r.logprobs[t]) << "token " << t;
+      }
+    }
+    EXPECT_EQ(distinct.size(), k);
+  }
+}
+
+TEST(EngineTest, TopLogprobsAreTheHeadOfTheSamplingDistribution) {
+  auto m = MakeModel(false, 12);
+  auto engine = MakeEngine(m);
+  GenerationRequest sampled = Request({3, 1, 4}, 12, 0.8, 5);
+  sampled.params.top_logprobs = 5;
+  sampled.params.top_k = 3;  // truncation does not change what is reported
+  GenerationRequest greedy = Request({3, 1, 4}, 12, 0);
+  greedy.params.top_logprobs = 3;
+  GenerationRequest widest = Request({9, 2}, 6, 1.0, 6);
+  widest.params.top_logprobs = kMaxTopLogprobs;
+  GenerationRequest plain = sampled;  // k = 0, in the same batch
+  plain.params.top_logprobs = 0;
+  auto results = engine->Generate({sampled, greedy, widest, plain});
+  ASSERT_TRUE(results.ok()) << results.status().ToString();
+  const std::vector<std::pair<size_t, double>> asked = {{5, 0.8}, {3, 0}, {20, 1.0}};
+  size_t listed = 0;
+  for (size_t i = 0; i < asked.size(); ++i) {
+    SCOPED_TRACE("request " + std::to_string(i));
+    const auto& r = (*results)[i];
+    const auto [k, temperature] = asked[i];
+    ExpectWellFormedTopLogprobs(r, k);
+    for (size_t t = 0; t < r.tokens.size(); ++t) {
+      const torch::Tensor lp = RecomputedLogprobs(*m, r, t, temperature);
+      const torch::Tensor head = std::get<0>(lp.sort(/*dim=*/-1, /*descending=*/true));
+      for (size_t e = 0; e < k; ++e) {
+        const TokenLogprob& entry = r.top_logprobs[t][e];
+        EXPECT_NEAR(entry.logprob, lp[entry.token].item<double>(), 2e-5) << "token " << t;
+        EXPECT_NEAR(entry.logprob, head[e].item<double>(), 2e-5) << "token " << t;
+        listed += entry.token == r.tokens[t];
+      }
+    }
+  }
+  EXPECT_GT(listed, 0u) << "no sampled token was listed: the equality check never ran";
+  // Greedy: the chosen token heads the list.
+  const auto& g = (*results)[1];
+  for (size_t t = 0; t < g.tokens.size(); ++t) {
+    EXPECT_EQ(g.top_logprobs[t][0].token, g.tokens[t]);
+    EXPECT_EQ(g.top_logprobs[t][0].logprob, g.logprobs[t]);
+  }
+  // Asking changes nothing else: the same seed gives the same tokens and logprobs.
+  EXPECT_TRUE((*results)[3].top_logprobs.empty());
+  EXPECT_EQ((*results)[0].tokens, (*results)[3].tokens);
+  EXPECT_EQ((*results)[0].logprobs, (*results)[3].logprobs);
+}
+
+// A model whose logits are all equal: every token ties, so the lists are the lowest ids.
+TEST(EngineTest, TopLogprobsBreakTiesByLowerTokenId) {
+  auto m = MakeModel(false, 13);
+  {
+    torch::NoGradGuard no_grad;
+    bool zeroed = false;
+    for (auto& p : m->named_parameters()) {
+      if (p.key() == "lm_head.weight") {
+        p.value().zero_();
+        zeroed = true;
+      }
+    }
+    ASSERT_TRUE(zeroed);
+  }
+  auto engine = MakeEngine(m);
+  GenerationRequest few = Request({1, 2}, 4, 1.0, 7);
+  few.params.top_logprobs = 4;
+  GenerationRequest greedy = Request({5}, 3, 0);
+  greedy.params.top_logprobs = kMaxTopLogprobs;
+  auto results = engine->Generate({few, greedy});
+  ASSERT_TRUE(results.ok()) << results.status().ToString();
+  const float uniform = static_cast<float>(-std::log(50.0));
+  for (size_t i = 0; i < results->size(); ++i) {
+    const auto& r = (*results)[i];
+    const size_t k = i == 0 ? 4 : kMaxTopLogprobs;
+    ExpectWellFormedTopLogprobs(r, k);
+    for (size_t t = 0; t < r.tokens.size(); ++t) {
+      EXPECT_FLOAT_EQ(r.logprobs[t], uniform);
+      for (size_t e = 0; e < k; ++e) {
+        EXPECT_EQ(r.top_logprobs[t][e].token, static_cast<int32_t>(e));
+        EXPECT_FLOAT_EQ(r.top_logprobs[t][e].logprob, uniform);
+      }
+    }
+  }
+  EXPECT_EQ((*results)[1].tokens, (std::vector<int32_t>{0, 0, 0}));  // greedy: the lowest id
+}
+
+TEST(EngineTest, TopLogprobsOutsideTheRangeAreRefused) {
+  auto m = MakeModel(false, 14);
+  auto engine = MakeEngine(m);
+  for (int64_t k : {int64_t{-1}, kMaxTopLogprobs + 1}) {
+    GenerationRequest r = Request({1}, 2);
+    r.params.top_logprobs = k;
+    const Status status = engine->Validate(r);
+    ASSERT_FALSE(status.ok());
+    EXPECT_NE(status.message().find("top_logprobs must be in [0, 20], got " + std::to_string(k)),
+              std::string::npos)
+        << status.message();
+    EXPECT_FALSE(engine->Submit(r).ok());
+  }
+  GenerationRequest none = Request({1}, 2);
+  auto result = engine->Generate({none});
+  ASSERT_TRUE(result.ok());
+  EXPECT_TRUE((*result)[0].top_logprobs.empty());
+}
+
+// Requests for the event tests: seeded, some with top logprobs, one done at its prefill.
+std::vector<GenerationRequest> StreamedRequests() {
+  std::vector<GenerationRequest> requests = {
+      Request({1, 2, 3}, 9, 1.0, 21), Request({4}, /*max_tokens=*/1, 1.0, 22),
+      Request({5, 6}, 5, 0.7, 23), Request({7, 7, 7}, 7, 0, std::nullopt)};
+  requests[0].params.top_logprobs = 3;
+  requests[1].params.top_logprobs = 2;
+  return requests;
+}
+
+TEST(EngineTest, StepEventsConcatenateToTheResults) {
+  auto m = MakeModel(true, 15);
+  auto engine = MakeEngine(m, /*max_batch=*/2);  // admissions spread over several steps
+  for (auto& r : StreamedRequests()) ASSERT_TRUE(engine->Submit(std::move(r)).ok());
+  std::map<uint64_t, GenerationResult> done;
+  std::map<uint64_t, std::vector<TokenEvent>> events;
+  for (int step = 0; done.size() < 4; ++step) {
+    ASSERT_LT(step, 100);
+    if (step == 3) {
+      ASSERT_TRUE(engine->SetVersion(2).ok());
+    }
+    std::vector<TokenEvent> emitted = {TokenEvent{.id = 999}};  // Step appends
+    std::vector<GenerationResult> finished = engine->Step(&emitted);
+    ASSERT_FALSE(emitted.empty());
+    EXPECT_EQ(emitted[0].id, 999u);
+    emitted.erase(emitted.begin());
+    for (size_t i = 1; i < emitted.size(); ++i) EXPECT_LE(emitted[i - 1].id, emitted[i].id);
+    std::set<uint64_t> finished_events;
+    for (auto& e : emitted) {
+      if (e.finished) finished_events.insert(e.id);
+      events[e.id].push_back(std::move(e));
+    }
+    std::set<uint64_t> finished_ids;
+    for (auto& r : finished) finished_ids.insert(r.id);
+    EXPECT_EQ(finished_events, finished_ids) << "step " << step;  // last token with the result
+    for (auto& r : finished) done.emplace(r.id, std::move(r));
+  }
+  bool swapped = false;
+  for (const auto& [id, r] : done) {
+    SCOPED_TRACE("request " + std::to_string(id));
+    const auto& mine = events[id];
+    ASSERT_EQ(mine.size(), r.tokens.size());
+    for (size_t t = 0; t < mine.size(); ++t) {
+      EXPECT_EQ(mine[t].token, r.tokens[t]);
+      EXPECT_EQ(mine[t].logprob, r.logprobs[t]);
+      EXPECT_EQ(mine[t].version, r.versions[t]);
+      swapped |= mine[t].version == 2;
+      if (r.top_logprobs.empty()) {
+        EXPECT_TRUE(mine[t].top.empty());
+      } else {
+        ASSERT_EQ(mine[t].top.size(), r.top_logprobs[t].size());
+        for (size_t e = 0; e < mine[t].top.size(); ++e) {
+          EXPECT_EQ(mine[t].top[e].token, r.top_logprobs[t][e].token);
+          EXPECT_EQ(mine[t].top[e].logprob, r.top_logprobs[t][e].logprob);
+        }
+      }
+      EXPECT_EQ(mine[t].finished, t + 1 == mine.size());
+    }
+  }
+  EXPECT_TRUE(swapped);
+  EXPECT_EQ(done.at(2).tokens.size(), 1u);
+
+  // Without events: the same tokens and logprobs.
+  auto quiet = MakeEngine(m, /*max_batch=*/2);
+  auto results = quiet->Generate(StreamedRequests());
+  ASSERT_TRUE(results.ok());
+  for (uint64_t id = 1; id <= 4; ++id) {
+    EXPECT_EQ((*results)[id - 1].tokens, done.at(id).tokens) << "request " << id;
+    EXPECT_EQ((*results)[id - 1].logprobs, done.at(id).logprobs) << "request " << id;
+  }
+}
+
+TEST(EngineTest, CancelFreesTheSlotForTheNextStep) {
+  auto m = MakeModel(false, 16);
+  const GenerationRequest cancelled = Request({1, 2, 3}, 12, 1.0, 31);
+  const std::vector<GenerationRequest> kept = {
+      Request({4, 5}, 10, 1.0, 32), Request({6}, 8, 1.0, 33), Request({8, 9, 10}, 6, 0.9, 34)};
+  auto engine = MakeEngine(m, /*max_batch=*/2);
+  auto a = engine->Submit(cancelled);  // slot 0, so cancelling it moves slot 1 into place
+  auto b = engine->Submit(kept[0]);
+  auto c = engine->Submit(kept[1]);
+  auto never_started = engine->Submit(cancelled);
+  auto d = engine->Submit(kept[2]);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok() && never_started.ok() && d.ok());
+  std::map<uint64_t, GenerationResult> done;
+  std::vector<TokenEvent> events;
+  for (auto& r : engine->Step(&events)) done.emplace(r.id, std::move(r));
+  ASSERT_EQ(engine->active(), 2u);  // every slot is full; three wait
+  ASSERT_EQ(engine->waiting(), 3u);
+  EXPECT_TRUE(engine->Cancel(*a));
+  EXPECT_TRUE(engine->Cancel(*never_started));
+  EXPECT_FALSE(engine->Cancel(*a));  // already cancelled
+  EXPECT_FALSE(engine->Cancel(12345));
+  EXPECT_EQ(engine->active(), 1u);
+  EXPECT_EQ(engine->waiting(), 2u);
+  const size_t events_before = events.size();
+  for (auto& r : engine->Step(&events)) done.emplace(r.id, std::move(r));
+  EXPECT_EQ(engine->active(), 2u) << "the freed slot was not used by the next step";
+  EXPECT_EQ(engine->waiting(), 1u);
+  for (int step = 0; engine->active() + engine->waiting() > 0; ++step) {
+    ASSERT_LT(step, 100);
+    for (auto& r : engine->Step(&events)) done.emplace(r.id, std::move(r));
+  }
+  EXPECT_EQ(done.size(), 3u);
+  EXPECT_FALSE(done.count(*a));
+  EXPECT_FALSE(done.count(*never_started));
+  for (size_t i = events_before; i < events.size(); ++i) {
+    EXPECT_NE(events[i].id, *a);
+    EXPECT_NE(events[i].id, *never_started);
+  }
+  EXPECT_FALSE(engine->Cancel(*b));  // finished: its result was returned
+
+  // The others sampled what they sample in a run that never had the cancelled request.
+  auto without = MakeEngine(m, /*max_batch=*/2);
+  auto results = without->Generate(kept);
+  ASSERT_TRUE(results.ok());
+  const std::vector<uint64_t> ids = {*b, *c, *d};
+  for (size_t i = 0; i < kept.size(); ++i) {
+    const auto& r = done.at(ids[i]);
+    EXPECT_EQ(r.tokens, (*results)[i].tokens) << "request " << ids[i];
+    ASSERT_EQ(r.logprobs.size(), (*results)[i].logprobs.size());
+    for (size_t t = 0; t < r.logprobs.size(); ++t)
+      EXPECT_NEAR(r.logprobs[t], (*results)[i].logprobs[t], 2e-5);
+  }
 }
 
 }  // namespace
