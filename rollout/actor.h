@@ -21,8 +21,11 @@
 #include "transport/http.h"
 #include "transport/rollout_protocol.h"
 
-namespace flywheel::model {
+namespace flywheel::tokenizer {
 class Tokenizer;
+}  // namespace flywheel::tokenizer
+namespace flywheel::model {
+using tokenizer::Tokenizer;
 }  // namespace flywheel::model
 
 namespace flywheel::rollout {

@@ -1,8 +1,15 @@
 #include "rollout/serving.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <deque>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
 
+#include "tokenizer/incremental.h"
+#include "tokenizer/unicode.h"
 #include "transport/connection.h"
 
 namespace flywheel::rollout {
@@ -10,6 +17,9 @@ namespace flywheel::rollout {
 namespace {
 
 using nlohmann::json;
+using ojson = nlohmann::ordered_json;
+
+std::string Dump(const ojson& j) { return j.dump(-1, ' ', false, ojson::error_handler_t::replace); }
 
 }  // namespace
 
@@ -36,9 +46,13 @@ int HttpStatusFor(const Status& status) {
   }
 }
 
-// Reads an optional field of a JSON type; a wrong type is a 400 naming it.
+transport::HttpResponse ErrorFor(const Status& status) {
+  return JsonError(HttpStatusFor(status), status.message());
+}
+
+// Reads an optional field of a JSON type; a wrong type is InvalidArgument naming it.
 template <typename T>
-Status Field(const json& request, const char* key, T& out) {
+Status Field(const ojson& request, const char* key, T& out) {
   auto it = request.find(key);
   if (it == request.end() || it->is_null()) return Status::Ok();
   bool ok = false;
@@ -58,12 +72,57 @@ Status Field(const json& request, const char* key, T& out) {
   return Status::Ok();
 }
 
+int64_t NowSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+std::string RandomId(const char* prefix) {
+  static std::atomic<uint64_t> counter{0};
+  static const uint64_t salt = std::random_device{}();
+  char buffer[48];
+  std::snprintf(buffer, sizeof(buffer), "%s%016llx", prefix,
+                static_cast<unsigned long long>(salt * 0x9E3779B97F4A7C15ULL + counter++));
+  return buffer;
+}
+
+// The text of one token alone and its bytes (for logprobs).
+std::pair<std::string, std::vector<int>> TokenBytes(const model::Tokenizer& tokenizer, int32_t id) {
+  tokenizer::DecodeState state;
+  state.pieces = 1;  // not the first token: no leading-space strip
+  state.strip_left = 0;
+  std::string bytes;
+  if (!tokenizer.AppendPiece(id, /*skip_special_tokens=*/false, state, bytes).ok()) bytes.clear();
+  std::string text;
+  tokenizer::unicode::AppendLossy(bytes, text, true);
+  std::vector<int> values(bytes.begin(), bytes.end());
+  for (int& v : values) v &= 0xFF;
+  return {text, values};
+}
+
 }  // namespace
+
+// --- the driver and its jobs --------------------------------------------------------------
+
+struct CompletionService::Job {
+  std::mutex m;
+  std::condition_variable cv;
+  bool want_events = true;
+  std::vector<uint64_t> ids;                          // engine ids, by choice
+  std::deque<std::pair<size_t, TokenEvent>> events;   // GUARDED_BY(m): (choice, event)
+  std::vector<std::optional<GenerationResult>> results;  // GUARDED_BY(m)
+  bool news = false;     // GUARDED_BY(m): a result arrived
+  bool aborted = false;  // GUARDED_BY(m): the service stopped
+  bool gone = false;     // GUARDED_BY(m): the client left
+};
 
 CompletionService::CompletionService(std::shared_ptr<Engine> engine,
                                      std::shared_ptr<const model::Tokenizer> tokenizer,
                                      ServingOptions options)
     : engine_(std::move(engine)), tokenizer_(std::move(tokenizer)), options_(std::move(options)) {
+  max_model_len_ = engine_->max_sequence();
+  if (options_.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options_.max_model_len);
   http_pool_ = std::make_unique<boost::asio::thread_pool>(
       static_cast<size_t>(std::max(1, options_.http_threads)));
   driver_ = std::thread([this] { Drive(); });
@@ -78,204 +137,911 @@ CompletionService::~CompletionService() {
   driver_.join();
   {
     std::lock_guard lock(mutex_);
-    for (auto& [id, promise] : pending_) {
-      GenerationResult failed;
-      failed.id = id;
-      failed.finish_reason = "aborted";
-      promise.set_value(std::move(failed));
+    for (auto& [id, route] : routes_) {
+      std::lock_guard job_lock(route.first->m);
+      route.first->aborted = true;
+      route.first->cv.notify_all();
     }
-    pending_.clear();
+    routes_.clear();
   }
   http_pool_->join();
 }
 
 void CompletionService::Drive() {
   for (;;) {
+    std::vector<uint64_t> cancels;
     {
       std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+      wake_.wait(lock, [&] { return stopping_ || !routes_.empty() || !cancels_.empty(); });
       if (stopping_) return;
+      cancels.swap(cancels_);
     }
+    for (uint64_t id : cancels) engine_->Cancel(id);
+    {
+      std::lock_guard lock(mutex_);
+      if (routes_.empty()) continue;
+    }
+    std::vector<TokenEvent> events;
     std::vector<GenerationResult> finished;
     if (options_.step_guard) {
-      options_.step_guard([&] { finished = engine_->Step(); });
+      options_.step_guard([&] { finished = engine_->Step(&events); });
     } else {
-      finished = engine_->Step();
+      finished = engine_->Step(&events);
     }
-    if (finished.empty()) continue;
+    if (events.empty() && finished.empty()) continue;
     std::lock_guard lock(mutex_);
-    for (auto& r : finished) {
-      auto it = pending_.find(r.id);
-      if (it == pending_.end()) continue;
-      it->second.set_value(std::move(r));
-      pending_.erase(it);
+    std::vector<Job*> touched;
+    for (TokenEvent& e : events) {
+      auto it = routes_.find(e.id);
+      if (it == routes_.end() || !it->second.first->want_events) continue;
+      Job& job = *it->second.first;
+      std::lock_guard job_lock(job.m);
+      job.events.emplace_back(it->second.second, std::move(e));
+      touched.push_back(&job);
     }
+    for (GenerationResult& r : finished) {
+      auto it = routes_.find(r.id);
+      if (it == routes_.end()) continue;
+      Job& job = *it->second.first;
+      {
+        std::lock_guard job_lock(job.m);
+        job.results[it->second.second] = std::move(r);
+        job.news = true;
+      }
+      touched.push_back(&job);
+      job.cv.notify_all();
+      routes_.erase(it);
+    }
+    std::sort(touched.begin(), touched.end());
+    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+    for (Job* job : touched) job->cv.notify_all();
   }
 }
 
-Result<std::vector<GenerationResult>> CompletionService::Generate(
-    std::vector<GenerationRequest> requests) {
-  std::vector<std::future<GenerationResult>> futures;
+Status CompletionService::Submit(const std::shared_ptr<Job>& job,
+                                 std::vector<GenerationRequest> requests) {
   {
     std::lock_guard lock(mutex_);
     if (stopping_) return Status::Unavailable("the rollout worker is stopping");
     // Validate all first, so a bad request submits nothing.
     for (const auto& r : requests) FW_RETURN_IF_ERROR(engine_->Validate(r));
-    for (auto& r : requests) {
-      FW_ASSIGN_OR_RETURN(uint64_t id, engine_->Submit(std::move(r)));
-      futures.push_back(pending_[id].get_future());
+    job->results.resize(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      FW_ASSIGN_OR_RETURN(uint64_t id, engine_->Submit(std::move(requests[i])));
+      job->ids.push_back(id);
+      routes_[id] = {job, i};
     }
   }
   wake_.notify_all();
-  std::vector<GenerationResult> out;
-  for (auto& f : futures) {
-    out.push_back(f.get());
-    if (out.back().finish_reason == "aborted")
-      return Status::Unavailable("the rollout worker stopped");
+  return Status::Ok();
+}
+
+void CompletionService::Cancel(const std::shared_ptr<Job>& job, bool client_left) {
+  {
+    std::lock_guard lock(mutex_);
+    for (uint64_t id : job->ids) {
+      if (routes_.erase(id) > 0) cancels_.push_back(id);
+    }
   }
+  wake_.notify_all();
+  if (!client_left) return;
+  std::lock_guard job_lock(job->m);
+  job->gone = true;
+  job->cv.notify_all();
+}
+
+Result<std::vector<GenerationResult>> CompletionService::Generate(
+    std::vector<GenerationRequest> requests) {
+  auto job = std::make_shared<Job>();
+  job->want_events = false;
+  const size_t n = requests.size();
+  FW_RETURN_IF_ERROR(Submit(job, std::move(requests)));
+  std::unique_lock lock(job->m);
+  job->cv.wait(lock, [&] {
+    return job->aborted ||
+           std::all_of(job->results.begin(), job->results.end(), [](const auto& r) { return r.has_value(); });
+  });
+  if (job->aborted) return Status::Unavailable("the rollout worker stopped");
+  std::vector<GenerationResult> out;
+  out.reserve(n);
+  for (auto& r : job->results) out.push_back(std::move(*r));
   return out;
 }
 
-transport::HttpResponse CompletionService::Complete(const std::string& body) {
-  json request = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (request.is_discarded() || !request.is_object())
-    return JsonError(400, "the body is not a JSON object");
+// --- one HTTP request ---------------------------------------------------------------------
+
+namespace {
+
+struct Choice {
+  explicit Choice(const model::Tokenizer& tokenizer) : decoder(tokenizer) {}
+  tokenizer::IncrementalDecoder decoder;
+  std::string text;  // decoded so far; cut before a stop string once one matched
+  size_t sent = 0;   // bytes of `text` already streamed
+  std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
+  std::vector<uint64_t> versions;
+  std::vector<std::vector<TokenLogprob>> top;
+  std::vector<size_t> offsets;  // where each token's text starts in `text`
+  size_t tokens_sent = 0;
+  bool done = false;
+  bool finish_sent = false;
+  bool role_sent = false;
+  bool has_result = false;
+  std::string finish_reason;
+  GenerationResult result;  // the engine's, for routing
+};
+
+}  // namespace
+
+struct CompletionService::Call {
+  bool chat = false;
+  bool stream = false;
+  bool include_usage = false;
+  int64_t top_logprobs = -1;  // -1: no logprobs
+  bool return_routing = false;
+  bool parse_tools = false;
+  std::string model;
+  std::string id;
+  int64_t created = 0;
   std::vector<int32_t> prompt;
-  auto p = request.find("prompt");
-  if (p == request.end()) return JsonError(400, "'prompt' is required");
-  if (p->is_string()) {
-    auto ids = tokenizer_->Encode(p->get<std::string>());
-    if (!ids.ok()) return JsonError(400, "prompt: " + ids.status().message());
-    prompt = std::move(*ids);
-  } else if (p->is_array() && std::all_of(p->begin(), p->end(),
-                                          [](const json& v) { return v.is_number_integer(); })) {
-    for (const json& v : *p) {
-      const int64_t id = v.get<int64_t>();
-      if (id < INT32_MIN || id > INT32_MAX)
-        return JsonError(400, "prompt token " + std::to_string(id) + " is out of range");
-      prompt.push_back(static_cast<int32_t>(id));
-    }
-  } else {
-    return JsonError(400, "'prompt' must be a string or an array of token ids");
-  }
-  GenerationRequest base;
-  base.prompt = std::move(prompt);
-  int64_t n = 1, seed = -1;
-  bool stream = false, want_logprobs = false;
-  Status parsed = Status::Ok();
-  auto read = [&](Status s) {
-    if (parsed.ok() && !s.ok()) parsed = s;
-  };
-  read(Field(request, "max_tokens", base.params.max_tokens));
-  read(Field(request, "temperature", base.params.temperature));
-  read(Field(request, "top_p", base.params.top_p));
-  read(Field(request, "top_k", base.params.top_k));
-  read(Field(request, "n", n));
-  read(Field(request, "stream", stream));
-  read(Field(request, "return_routing", base.params.return_routing));
-  read(Field(request, "adapter", base.adapter));
-  if (request.contains("seed") && !request["seed"].is_null()) {
-    if (!request["seed"].is_number_integer())
-      read(Status::InvalidArgument("'seed' must be an integer"));
-    else
-      seed = request["seed"].get<int64_t>();
-  }
-  if (request.contains("logprobs") && !request["logprobs"].is_null()) {
-    const json& l = request["logprobs"];
-    want_logprobs = l.is_boolean() ? l.get<bool>() : (l.is_number() && l.get<double>() > 0);
-  }
-  if (request.contains("stop") && !request["stop"].is_null()) {
-    const json& stop = request["stop"];
-    const json list = stop.is_array() ? stop : json::array({stop});
-    for (const json& s : list) {
-      if (s.is_number_integer()) {
-        base.params.stop_tokens.push_back(s.get<int32_t>());
-      } else if (s.is_string()) {
-        auto ids = tokenizer_->Encode(s.get<std::string>());
-        if (!ids.ok() || ids->size() != 1) {
-          read(
-              Status::InvalidArgument("stop '" + s.get<std::string>() + "' is not a single token"));
-        } else {
-          base.params.stop_tokens.push_back((*ids)[0]);
+  std::vector<std::string> stop_strings;
+  size_t max_stop = 0;
+  std::shared_ptr<Job> job;
+  std::vector<Choice> choices;
+  std::vector<uint64_t> to_cancel;  // engine ids whose choice ended on a stop string
+
+  // Takes what the engine produced into the choices. REQUIRES: job->m held.
+  void Absorb() {
+    while (!job->events.empty()) {
+      auto [index, e] = std::move(job->events.front());
+      job->events.pop_front();
+      Choice& c = choices[index];
+      if (c.done) continue;
+      c.tokens.push_back(e.token);
+      c.logprobs.push_back(e.logprob);
+      c.versions.push_back(e.version);
+      if (top_logprobs > 0) c.top.push_back(std::move(e.top));
+      c.offsets.push_back(c.text.size());
+      auto piece = c.decoder.Add(e.token);
+      const size_t before = c.text.size();
+      if (piece.ok()) c.text += *piece;
+      if (!stop_strings.empty() && c.text.size() > before) {
+        // A stop string may end in the new text: search from where it could start.
+        const size_t from = before >= max_stop ? before - max_stop + 1 : 0;
+        size_t cut = std::string::npos;
+        for (const std::string& s : stop_strings) cut = std::min(cut, c.text.find(s, from));
+        if (cut != std::string::npos) {
+          c.text.resize(cut);
+          c.done = true;
+          c.finish_reason = "stop";
+          if (!job->results[index]) to_cancel.push_back(job->ids[index]);
         }
+      }
+    }
+    for (size_t i = 0; i < choices.size(); ++i) {
+      Choice& c = choices[i];
+      if (!job->results[i] || c.has_result) continue;
+      c.result = std::move(*job->results[i]);
+      c.has_result = true;
+      if (!c.done) {
+        c.text += c.decoder.Finish();
+        c.done = true;
+        c.finish_reason = c.result.finish_reason;
+      }
+    }
+    job->news = false;
+  }
+
+  bool AllDone() const {
+    return std::all_of(choices.begin(), choices.end(), [](const Choice& c) { return c.done; });
+  }
+};
+
+namespace {
+
+// OpenAI's chat logprobs: {"content": [{token, logprob, bytes, top_logprobs}]} for tokens
+// [from, to) of a choice.
+ojson ChatLogprobs(const model::Tokenizer& tok, const Choice& c, size_t from, size_t to, int64_t k) {
+  ojson content = ojson::array();
+  for (size_t i = from; i < to; ++i) {
+    auto [text, bytes] = TokenBytes(tok, c.tokens[i]);
+    ojson top = ojson::array();
+    if (k > 0 && i < c.top.size()) {
+      for (size_t j = 0; j < c.top[i].size() && static_cast<int64_t>(j) < k; ++j) {
+        auto [t, b] = TokenBytes(tok, c.top[i][j].token);
+        top.push_back({{"token", t}, {"logprob", c.top[i][j].logprob}, {"bytes", b}});
+      }
+    }
+    content.push_back({{"token", text}, {"logprob", c.logprobs[i]}, {"bytes", bytes}, {"top_logprobs", top}});
+  }
+  return {{"content", content}};
+}
+
+// The legacy completions logprobs: tokens, token_logprobs, top_logprobs (token -> logprob
+// maps), text_offset.
+ojson CompletionLogprobs(const model::Tokenizer& tok, const Choice& c, size_t from, size_t to,
+                         int64_t k, size_t text_base) {
+  ojson tokens = ojson::array(), values = ojson::array(), tops = ojson::array(),
+        offsets = ojson::array();
+  for (size_t i = from; i < to; ++i) {
+    tokens.push_back(TokenBytes(tok, c.tokens[i]).first);
+    values.push_back(c.logprobs[i]);
+    offsets.push_back(text_base + std::min(c.offsets[i], c.text.size()));
+    if (k > 0) {
+      ojson top = ojson::object();
+      if (i < c.top.size()) {
+        for (size_t j = 0; j < c.top[i].size() && static_cast<int64_t>(j) < k; ++j) {
+          const std::string t = TokenBytes(tok, c.top[i][j].token).first;
+          if (!top.contains(t)) top[t] = c.top[i][j].logprob;
+        }
+      }
+      tops.push_back(top);
+    }
+  }
+  ojson out = {{"tokens", tokens}, {"token_logprobs", values}};
+  out["top_logprobs"] = k > 0 ? tops : ojson(nullptr);
+  out["text_offset"] = offsets;
+  return out;
+}
+
+// Hermes / Qwen tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+// blocks. Returns the calls (empty when there are none or one does not parse) and the text
+// outside them.
+std::pair<ojson, std::string> ParseToolCalls(const std::string& text) {
+  ojson calls = ojson::array();
+  std::string rest;
+  size_t from = 0;
+  static const std::string open = "<tool_call>", close = "</tool_call>";
+  for (size_t at; (at = text.find(open, from)) != std::string::npos;) {
+    const size_t end = text.find(close, at + open.size());
+    if (end == std::string::npos) return {ojson::array(), text};
+    ojson call = ojson::parse(text.substr(at + open.size(), end - at - open.size()), nullptr, false);
+    if (call.is_discarded() || !call.is_object() || !call.contains("name") || !call["name"].is_string())
+      return {ojson::array(), text};
+    const ojson args = call.value("arguments", ojson::object());
+    calls.push_back({{"id", RandomId("call_")},
+                     {"type", "function"},
+                     {"function",
+                      {{"name", call["name"]},
+                       {"arguments", args.is_string() ? args.get<std::string>() : Dump(args)}}}});
+    rest += text.substr(from, at - from);
+    from = end + close.size();
+  }
+  rest += text.substr(from);
+  return {calls, rest};
+}
+
+std::string Trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r\n");
+  if (a == std::string::npos) return {};
+  const size_t b = s.find_last_not_of(" \t\r\n");
+  return s.substr(a, b - a + 1);
+}
+
+// A chat message's content as the template sees it: a string (text parts joined by "\n").
+Status FlattenContent(ojson& message, size_t index) {
+  auto it = message.find("content");
+  if (it == message.end() || it->is_null() || it->is_string()) return Status::Ok();
+  if (!it->is_array())
+    return Status::InvalidArgument("messages[" + std::to_string(index) +
+                                   "].content must be a string or a list of text parts");
+  std::string text;
+  for (const ojson& part : *it) {
+    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+        !part["text"].is_string())
+      return Status::InvalidArgument("messages[" + std::to_string(index) +
+                                     "].content: only text parts ({\"type\": \"text\", \"text\": ...}) "
+                                     "are supported, got " + part.dump());
+    if (!text.empty()) text += "\n";
+    text += part["text"].get<std::string>();
+  }
+  *it = text;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool chat,
+                                                                           const std::string& body) {
+  ojson request = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (request.is_discarded() || !request.is_object())
+    return Status::InvalidArgument("the body is not a JSON object");
+  auto call = std::make_shared<Call>();
+  call->chat = chat;
+  call->created = NowSeconds();
+  call->id = RandomId(chat ? "chatcmpl-" : "cmpl-");
+  const model::Tokenizer& tok = *tokenizer_;
+
+  // The prompt.
+  if (chat) {
+    if (!options_.chat_template)
+      return Status::InvalidArgument(
+          "this worker has no chat template (its tokenizer_config.json has no chat_template); "
+          "use /v1/completions");
+    auto m = request.find("messages");
+    if (m == request.end() || !m->is_array() || m->empty())
+      return Status::InvalidArgument("'messages' must be a non-empty list");
+    ojson messages = *m;
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (!messages[i].is_object() || !messages[i].contains("role") || !messages[i]["role"].is_string())
+        return Status::InvalidArgument("messages[" + std::to_string(i) + "] needs a string 'role'");
+      FW_RETURN_IF_ERROR(FlattenContent(messages[i], i));
+    }
+    ojson context = ojson::object();
+    if (auto k = request.find("chat_template_kwargs"); k != request.end() && !k->is_null()) {
+      if (!k->is_object()) return Status::InvalidArgument("'chat_template_kwargs' must be an object");
+      for (auto it = k->begin(); it != k->end(); ++it) context[it.key()] = it.value();
+    }
+    context["messages"] = messages;
+    bool add_generation_prompt = true;
+    FW_RETURN_IF_ERROR(Field(request, "add_generation_prompt", add_generation_prompt));
+    context["add_generation_prompt"] = add_generation_prompt;
+    context["bos_token"] = options_.bos_token;
+    context["eos_token"] = options_.eos_token;
+    std::string tool_choice = "auto";
+    if (auto tc = request.find("tool_choice"); tc != request.end() && tc->is_string())
+      tool_choice = tc->get<std::string>();
+    if (auto t = request.find("tools"); t != request.end() && !t->is_null() && tool_choice != "none") {
+      if (!t->is_array()) return Status::InvalidArgument("'tools' must be a list");
+      context["tools"] = *t;
+      call->parse_tools = !t->empty();
+    }
+    auto rendered = options_.chat_template->Render(context);
+    if (!rendered.ok())
+      return Status::InvalidArgument("the chat template failed: " + rendered.status().message());
+    FW_ASSIGN_OR_RETURN(call->prompt, tok.Encode(*rendered));
+  } else {
+    auto p = request.find("prompt");
+    if (p == request.end()) return Status::InvalidArgument("'prompt' is required");
+    if (p->is_string()) {
+      auto ids = tok.EncodePrompt(p->get<std::string>());
+      if (!ids.ok()) return Status::InvalidArgument("prompt: " + ids.status().message());
+      call->prompt = std::move(*ids);
+    } else if (p->is_array() && !p->empty() &&
+               std::all_of(p->begin(), p->end(), [](const ojson& v) { return v.is_number_integer(); })) {
+      for (const ojson& v : *p) {
+        const int64_t id = v.get<int64_t>();
+        if (id < INT32_MIN || id > INT32_MAX)
+          return Status::InvalidArgument("prompt token " + std::to_string(id) + " is out of range");
+        call->prompt.push_back(static_cast<int32_t>(id));
+      }
+    } else {
+      return Status::InvalidArgument("'prompt' must be a string or a non-empty array of token ids");
+    }
+  }
+  const int64_t prompt_tokens = static_cast<int64_t>(call->prompt.size());
+  if (prompt_tokens >= max_model_len_)
+    return Status::InvalidArgument("the prompt has " + std::to_string(prompt_tokens) +
+                                   " tokens; this worker's context (max_model_len) is " +
+                                   std::to_string(max_model_len_) + " tokens");
+
+  // Sampling.
+  GenerationRequest base;
+  base.prompt = call->prompt;
+  int64_t n = 1, seed = -1;
+  bool ignore_eos = false;
+  FW_RETURN_IF_ERROR(Field(request, "temperature", base.params.temperature));
+  FW_RETURN_IF_ERROR(Field(request, "top_p", base.params.top_p));
+  FW_RETURN_IF_ERROR(Field(request, "top_k", base.params.top_k));
+  if (base.params.top_k < 0) base.params.top_k = 0;  // vLLM spells "off" as -1
+  FW_RETURN_IF_ERROR(Field(request, "n", n));
+  FW_RETURN_IF_ERROR(Field(request, "stream", call->stream));
+  FW_RETURN_IF_ERROR(Field(request, "ignore_eos", ignore_eos));
+  FW_RETURN_IF_ERROR(Field(request, "return_routing", base.params.return_routing));
+  call->return_routing = base.params.return_routing;
+  FW_RETURN_IF_ERROR(Field(request, "adapter", base.adapter));
+  FW_RETURN_IF_ERROR(Field(request, "seed", seed));
+  std::string model;
+  FW_RETURN_IF_ERROR(Field(request, "model", model));
+  if (base.adapter.empty() && !model.empty() && model != options_.model_name) {
+    const auto adapters = engine_->adapters();
+    if (std::find(adapters.begin(), adapters.end(), model) != adapters.end()) base.adapter = model;
+  }
+  call->model = base.adapter.empty() ? options_.model_name : base.adapter;
+  if (auto so = request.find("stream_options"); so != request.end() && !so->is_null()) {
+    if (!so->is_object()) return Status::InvalidArgument("'stream_options' must be an object");
+    FW_RETURN_IF_ERROR(Field(*so, "include_usage", call->include_usage));
+  }
+  // max_tokens: chat defaults to what the context has left, completions to 16 (OpenAI's).
+  int64_t max_tokens = -1;
+  FW_RETURN_IF_ERROR(Field(request, "max_tokens", max_tokens));
+  if (chat) FW_RETURN_IF_ERROR(Field(request, "max_completion_tokens", max_tokens));
+  if (max_tokens == -1) max_tokens = chat ? max_model_len_ - prompt_tokens : std::min<int64_t>(16, max_model_len_ - prompt_tokens);
+  if (max_tokens < 1) return Status::InvalidArgument("max_tokens must be >= 1, got " + std::to_string(max_tokens));
+  if (prompt_tokens + max_tokens > max_model_len_)
+    return Status::InvalidArgument("this worker's context (max_model_len) is " +
+                                   std::to_string(max_model_len_) + " tokens, but the prompt has " +
+                                   std::to_string(prompt_tokens) + " and max_tokens asks for " +
+                                   std::to_string(max_tokens) + " more");
+  base.params.max_tokens = max_tokens;
+  // logprobs: chat has logprobs (bool) + top_logprobs; completions logprobs: k (or bool).
+  int64_t top = 0;
+  FW_RETURN_IF_ERROR(Field(request, "top_logprobs", top));
+  if (auto l = request.find("logprobs"); l != request.end() && !l->is_null()) {
+    if (l->is_boolean()) {
+      if (l->get<bool>()) call->top_logprobs = top;
+    } else if (l->is_number_integer() && !chat) {
+      call->top_logprobs = std::max<int64_t>(l->get<int64_t>(), top);
+    } else {
+      return Status::InvalidArgument(chat ? "'logprobs' must be true or false (top_logprobs gives k)"
+                                          : "'logprobs' must be an integer k in [0, 20] or a boolean");
+    }
+  }
+  if (chat && top > 0 && call->top_logprobs < 0)
+    return Status::InvalidArgument("'top_logprobs' needs 'logprobs': true");
+  if (call->top_logprobs > kMaxTopLogprobs || top < 0 || top > kMaxTopLogprobs)
+    return Status::InvalidArgument("top_logprobs must be in [0, " + std::to_string(kMaxTopLogprobs) + "]");
+  base.params.top_logprobs = std::max<int64_t>(call->top_logprobs, 0);
+  // Stops: strings (any length) and token ids.
+  if (auto s = request.find("stop"); s != request.end() && !s->is_null()) {
+    const ojson list = s->is_array() ? *s : ojson::array({*s});
+    for (const ojson& v : list) {
+      if (v.is_number_integer()) {
+        base.params.stop_tokens.push_back(v.get<int32_t>());
+      } else if (v.is_string() && !v.get<std::string>().empty()) {
+        call->stop_strings.push_back(v.get<std::string>());
+        call->max_stop = std::max(call->max_stop, call->stop_strings.back().size());
       } else {
-        read(Status::InvalidArgument("'stop' entries must be token ids or single-token strings"));
+        return Status::InvalidArgument("'stop' entries must be non-empty strings or token ids, got " + v.dump());
       }
     }
   }
-  if (!parsed.ok()) return JsonError(400, parsed.message());
-  if (stream) return JsonError(400, "streaming is not supported (set stream to false)");
-  if (n < 1 || n > options_.max_n) {
-    return JsonError(400, "'n' must be in [1, " + std::to_string(options_.max_n) + "], got " +
-                              std::to_string(n));
+  if (auto s = request.find("stop_token_ids"); s != request.end() && !s->is_null()) {
+    if (!s->is_array()) return Status::InvalidArgument("'stop_token_ids' must be a list of token ids");
+    for (const ojson& v : *s) {
+      if (!v.is_number_integer()) return Status::InvalidArgument("'stop_token_ids' must be token ids");
+      base.params.stop_tokens.push_back(v.get<int32_t>());
+    }
   }
-  if (seed >= 0) base.params.seed = static_cast<uint64_t>(seed);
+  if (!ignore_eos) {
+    for (int32_t t : tok.StopTokens()) {
+      if (t >= 0 && std::find(base.params.stop_tokens.begin(), base.params.stop_tokens.end(), t) ==
+                        base.params.stop_tokens.end())
+        base.params.stop_tokens.push_back(t);
+    }
+  }
+  if (n < 1 || n > options_.max_n)
+    return Status::InvalidArgument("'n' must be in [1, " + std::to_string(options_.max_n) + "], got " +
+                                   std::to_string(n));
   std::vector<GenerationRequest> requests;
   for (int64_t i = 0; i < n; ++i) {
     GenerationRequest r = base;
     if (seed >= 0) r.params.seed = static_cast<uint64_t>(seed) + static_cast<uint64_t>(i);
     requests.push_back(std::move(r));
+    call->choices.emplace_back(tok);
   }
-  auto results = Generate(std::move(requests));
-  if (!results.ok()) return JsonError(HttpStatusFor(results.status()), results.status().message());
-
-  const model::ModelConfig& config = engine_->config();
-  json choices = json::array();
-  int64_t completion_tokens = 0;
-  for (size_t i = 0; i < results->size(); ++i) {
-    const GenerationResult& r = (*results)[i];
-    auto text = tokenizer_->Decode(r.tokens);
-    json choice = {{"index", i},
-                   {"text", text.ok() ? *text : std::string()},
-                   {"token_ids", r.tokens},
-                   {"policy_versions", r.versions},
-                   {"finish_reason", r.finish_reason}};
-    if (want_logprobs) {
-      json tokens = json::array();
-      for (int32_t t : r.tokens) {
-        auto piece = tokenizer_->Decode(std::vector<int32_t>{t});
-        tokens.push_back(piece.ok() ? *piece : std::string());
-      }
-      choice["logprobs"] = {{"tokens", tokens}, {"token_logprobs", r.logprobs}};
-    }
-    if (base.params.return_routing && config.num_experts > 0) {
-      choice["routing"] = r.routing;
-      choice["routing_shape"] = {static_cast<int64_t>(r.prompt.size() + r.tokens.size()) - 1,
-                                 config.NumMoeLayers(), config.num_experts_per_tok};
-      choice["routing_bytes_per_index"] = r.routing_bytes_per_index;
-    }
-    completion_tokens += static_cast<int64_t>(r.tokens.size());
-    choices.push_back(std::move(choice));
-  }
-  const int64_t prompt_tokens = static_cast<int64_t>(base.prompt.size());
-  json answer = {{"id", "cmpl-" + std::to_string((*results)[0].id)},
-                 {"object", "text_completion"},
-                 {"created", std::chrono::duration_cast<std::chrono::seconds>(
-                                 std::chrono::system_clock::now().time_since_epoch())
-                                 .count()},
-                 {"model", base.adapter.empty() ? options_.model_name : base.adapter},
-                 {"choices", choices},
-                 {"usage",
-                  {{"prompt_tokens", prompt_tokens},
-                   {"completion_tokens", completion_tokens},
-                   {"total_tokens", prompt_tokens * n + completion_tokens}}}};
-  // Byte-level text need not be valid UTF-8: invalid bytes become U+FFFD in JSON.
-  return {200, "application/json", answer.dump(-1, ' ', false, json::error_handler_t::replace)};
+  call->job = std::make_shared<Job>();
+  FW_RETURN_IF_ERROR(Submit(call->job, std::move(requests)));
+  return call;
 }
 
-transport::awaitable<transport::HttpResponse> CompletionService::HandleHttp(std::string body) {
-  auto work = [this, body = std::move(body)] { return Complete(body); };
-  std::optional<transport::HttpResponse> answer =
-      co_await transport::RunOn(*http_pool_, std::move(work));
-  if (!answer) co_return JsonError(503, "the rollout worker is stopping");
-  co_return std::move(*answer);
+namespace {
+
+// Waits until the engine produced something for `call` (or it is over) and absorbs it; the
+// engine ids to cancel (choices that ended on a stop string) go to `cancel`. Returns false
+// when the service stopped.
+bool WaitForNews(CompletionService::Call& call, std::vector<uint64_t>& cancel) {
+  auto& job = *call.job;
+  std::unique_lock lock(job.m);
+  job.cv.wait(lock, [&] { return !job.events.empty() || job.news || job.aborted || job.gone; });
+  if (job.aborted) return false;
+  call.Absorb();
+  cancel.swap(call.to_cancel);
+  return true;
+}
+
+}  // namespace
+
+namespace {
+
+ojson RoutingFields(const model::ModelConfig& config, const Choice& c, bool wanted) {
+  ojson out = ojson::object();
+  if (!wanted || config.num_experts == 0) return out;
+  out["routing"] = c.result.routing;
+  out["routing_shape"] = {static_cast<int64_t>(c.result.prompt.size() + c.result.tokens.size()) - 1,
+                          config.NumMoeLayers(), config.num_experts_per_tok};
+  out["routing_bytes_per_index"] = c.result.routing_bytes_per_index;
+  return out;
+}
+
+// The whole answer once every choice is done.
+ojson WholeAnswer(const CompletionService::Call& call, const model::Tokenizer& tok,
+                  const model::ModelConfig& config) {
+  ojson choices = ojson::array();
+  int64_t completion_tokens = 0;
+  for (size_t i = 0; i < call.choices.size(); ++i) {
+    const Choice& c = call.choices[i];
+    ojson choice = {{"index", i}};
+    std::string finish = c.finish_reason;
+    if (call.chat) {
+      ojson message = {{"role", "assistant"}, {"content", c.text}};
+      if (call.parse_tools) {
+        auto [calls, rest] = ParseToolCalls(c.text);
+        if (!calls.empty()) {
+          const std::string content = Trim(rest);
+          message["content"] = content.empty() ? ojson(nullptr) : ojson(content);
+          message["tool_calls"] = calls;
+          if (finish == "stop") finish = "tool_calls";
+        }
+      }
+      choice["message"] = message;
+      choice["logprobs"] = call.top_logprobs >= 0
+                               ? ChatLogprobs(tok, c, 0, c.tokens.size(), call.top_logprobs)
+                               : ojson(nullptr);
+    } else {
+      choice["text"] = c.text;
+      choice["logprobs"] = call.top_logprobs >= 0
+                               ? CompletionLogprobs(tok, c, 0, c.tokens.size(), call.top_logprobs, 0)
+                               : ojson(nullptr);
+    }
+    choice["finish_reason"] = finish;
+    choice["token_ids"] = c.tokens;
+    choice["policy_versions"] = c.versions;
+    const ojson routing = RoutingFields(config, c, call.return_routing);
+    for (auto it = routing.begin(); it != routing.end(); ++it) choice[it.key()] = it.value();
+    completion_tokens += static_cast<int64_t>(c.tokens.size());
+    choices.push_back(std::move(choice));
+  }
+  const int64_t prompt_tokens = static_cast<int64_t>(call.prompt.size());
+  ojson answer = {{"id", call.id},
+                  {"object", call.chat ? "chat.completion" : "text_completion"},
+                  {"created", call.created},
+                  {"model", call.model},
+                  {"choices", choices},
+                  {"usage",
+                   {{"prompt_tokens", prompt_tokens},
+                    {"completion_tokens", completion_tokens},
+                    {"total_tokens", prompt_tokens + completion_tokens}}}};
+  if (call.chat) answer["prompt_token_ids"] = call.prompt;
+  return answer;
+}
+
+// The SSE text of what is new in `call` since the last call, and whether the stream ended
+// (then with its usage chunk and [DONE]).
+std::string NextEvents(CompletionService::Call& call, const model::Tokenizer& tok,
+                       const model::ModelConfig& config, bool& ended) {
+  std::string out;
+  auto chunk = [&](ojson choice) {
+    ojson c = {{"id", call.id},
+               {"object", call.chat ? "chat.completion.chunk" : "text_completion"},
+               {"created", call.created},
+               {"model", call.model},
+               {"choices", ojson::array({std::move(choice)})}};
+    out += "data: " + Dump(c) + "\n\n";
+  };
+  for (size_t i = 0; i < call.choices.size(); ++i) {
+    Choice& c = call.choices[i];
+    // Text that could still turn out to start a stop string stays back until it cannot.
+    size_t end = c.text.size();
+    if (!c.done && call.max_stop > 1) {
+      end = end >= call.max_stop - 1 ? end - (call.max_stop - 1) : 0;
+      end = std::max(end, c.sent);
+      while (end > c.sent && (static_cast<unsigned char>(c.text[end]) & 0xC0) == 0x80) --end;
+    }
+    const size_t tokens_end = c.tokens.size();
+    const bool finishing = c.done && !c.finish_sent;
+    if (end == c.sent && tokens_end == c.tokens_sent && !finishing && (c.role_sent || !call.chat)) continue;
+    const std::string delta = c.text.substr(c.sent, end - c.sent);
+    ojson choice = {{"index", i}};
+    if (call.chat) {
+      ojson d = ojson::object();
+      if (!c.role_sent) d["role"] = "assistant";
+      d["content"] = delta;
+      choice["delta"] = d;
+      choice["logprobs"] = call.top_logprobs >= 0
+                               ? ChatLogprobs(tok, c, c.tokens_sent, tokens_end, call.top_logprobs)
+                               : ojson(nullptr);
+    } else {
+      choice["text"] = delta;
+      choice["logprobs"] = call.top_logprobs >= 0 ? CompletionLogprobs(tok, c, c.tokens_sent, tokens_end,
+                                                                       call.top_logprobs, 0)
+                                                  : ojson(nullptr);
+    }
+    choice["finish_reason"] = finishing ? ojson(c.finish_reason) : ojson(nullptr);
+    choice["token_ids"] = std::vector<int32_t>(c.tokens.begin() + static_cast<ptrdiff_t>(c.tokens_sent),
+                                               c.tokens.end());
+    choice["policy_versions"] = std::vector<uint64_t>(
+        c.versions.begin() + static_cast<ptrdiff_t>(c.tokens_sent), c.versions.end());
+    if (finishing) {
+      const ojson routing = RoutingFields(config, c, call.return_routing);
+      for (auto it = routing.begin(); it != routing.end(); ++it) choice[it.key()] = it.value();
+    }
+    c.role_sent = true;
+    c.sent = end;
+    c.tokens_sent = tokens_end;
+    if (finishing) c.finish_sent = true;
+    chunk(std::move(choice));
+  }
+  ended = call.AllDone();
+  if (ended) {
+    if (call.include_usage) {
+      int64_t completion_tokens = 0;
+      for (const Choice& c : call.choices) completion_tokens += static_cast<int64_t>(c.tokens.size());
+      const int64_t prompt_tokens = static_cast<int64_t>(call.prompt.size());
+      ojson usage = {{"id", call.id},
+                     {"object", call.chat ? "chat.completion.chunk" : "text_completion"},
+                     {"created", call.created},
+                     {"model", call.model},
+                     {"choices", ojson::array()},
+                     {"usage",
+                      {{"prompt_tokens", prompt_tokens},
+                       {"completion_tokens", completion_tokens},
+                       {"total_tokens", prompt_tokens + completion_tokens}}}};
+      out += "data: " + Dump(usage) + "\n\n";
+    }
+    out += "data: [DONE]\n\n";
+  }
+  return out;
+}
+
+}  // namespace
+
+transport::HttpResponse CompletionService::Answer(bool chat, const std::string& body) {
+  auto prepared = Prepare(chat, body);
+  if (!prepared.ok()) return ErrorFor(prepared.status());
+  Call& call = **prepared;
+  std::string sse;
+  for (std::vector<uint64_t> cancel;; cancel.clear()) {
+    if (!WaitForNews(call, cancel)) return JsonError(503, "the rollout worker stopped");
+    if (!cancel.empty()) Cancel(call.job);  // ended on a stop string: the rest is not needed
+    if (call.stream) {
+      bool ended = false;
+      sse += NextEvents(call, *tokenizer_, engine_->config(), ended);
+      if (ended) return {200, "text/event-stream", sse};
+    } else if (call.AllDone()) {
+      Cancel(call.job);
+      return {200, "application/json", Dump(WholeAnswer(call, *tokenizer_, engine_->config()))};
+    }
+  }
+}
+
+transport::HttpResponse CompletionService::Complete(const std::string& body) {
+  return Answer(/*chat=*/false, body);
+}
+
+transport::HttpResponse CompletionService::Chat(const std::string& body) {
+  return Answer(/*chat=*/true, body);
+}
+
+namespace {
+
+// What one wait on a call's job gave the HTTP handler.
+struct HandlerStep {
+  bool alive = true;   // false: the service stopped
+  bool ended = false;  // every choice is done
+  std::string sse;     // the events to stream
+};
+
+}  // namespace
+
+// (GCC 12's coroutines: every co_await below is a statement of its own, with named operands,
+// and every co_return returns a named local; temporaries inside co_await expressions are
+// destroyed twice otherwise.)
+transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::Handle(
+    bool chat, std::string body, transport::HttpStream& stream) {
+  std::optional<transport::HttpResponse> answer;
+  auto prepare = [this, chat, body = std::move(body)] { return Prepare(chat, body); };
+  std::optional<Result<std::shared_ptr<Call>>> prepared =
+      co_await transport::RunOn(*http_pool_, std::move(prepare));
+  if (!prepared) {
+    answer = JsonError(503, "the rollout worker is stopping");
+    co_return answer;
+  }
+  if (!prepared->ok()) {
+    answer = ErrorFor(prepared->status());
+    co_return answer;
+  }
+  std::shared_ptr<Call> call = **prepared;
+  // A client that leaves frees its requests' slots at once.
+  stream.OnGone([this, call] { Cancel(call->job, /*client_left=*/true); });
+  for (;;) {
+    auto wait = [this, call] {
+      HandlerStep s;
+      std::vector<uint64_t> cancel;
+      s.alive = WaitForNews(*call, cancel);
+      if (!cancel.empty()) Cancel(call->job);  // ended on a stop string
+      if (!s.alive) return s;
+      if (call->stream) {
+        s.sse = NextEvents(*call, *tokenizer_, engine_->config(), s.ended);
+      } else {
+        s.ended = call->AllDone();
+      }
+      return s;
+    };
+    std::optional<HandlerStep> step = co_await transport::RunOn(*http_pool_, std::move(wait));
+    bool client_left = false;
+    {
+      std::lock_guard lock(call->job->m);
+      client_left = call->job->gone;
+    }
+    if (!step || !step->alive || client_left) {
+      Cancel(call->job);
+      if (!client_left && !stream.gone()) answer = JsonError(503, "the rollout worker stopped");
+      co_return answer;
+    }
+    if (!call->stream) {
+      if (!step->ended) continue;
+      Cancel(call->job);
+      answer = transport::HttpResponse{200, "application/json",
+                                       Dump(WholeAnswer(*call, *tokenizer_, engine_->config()))};
+      co_return answer;
+    }
+    if (!step->sse.empty()) {
+      std::string sse = std::move(step->sse);
+      const bool written = co_await stream.Write(std::move(sse));
+      if (!written) {
+        Cancel(call->job);
+        co_return answer;
+      }
+    }
+    if (step->ended) {
+      Cancel(call->job);
+      co_return answer;
+    }
+  }
+}
+
+// --- tokenize, detokenize, models -----------------------------------------------------------
+
+transport::HttpResponse CompletionService::Tokenize(const std::string& body) {
+  ojson request = ojson::parse(body, nullptr, false);
+  if (request.is_discarded() || !request.is_object()) return JsonError(400, "the body is not a JSON object");
+  bool return_strs = false;
+  Status s = Field(request, "return_token_strs", return_strs);
+  if (!s.ok()) return ErrorFor(s);
+  std::vector<int32_t> ids;
+  if (request.contains("messages")) {
+    if (!options_.chat_template) return JsonError(400, "this worker has no chat template");
+    ojson messages = request["messages"];
+    if (!messages.is_array()) return JsonError(400, "'messages' must be a list");
+    for (size_t i = 0; i < messages.size(); ++i) {
+      Status f = FlattenContent(messages[i], i);
+      if (!f.ok()) return ErrorFor(f);
+    }
+    ojson context = request.value("chat_template_kwargs", ojson::object());
+    if (!context.is_object()) return JsonError(400, "'chat_template_kwargs' must be an object");
+    context["messages"] = messages;
+    context["add_generation_prompt"] = request.value("add_generation_prompt", true);
+    context["bos_token"] = options_.bos_token;
+    context["eos_token"] = options_.eos_token;
+    if (request.contains("tools") && !request["tools"].is_null()) context["tools"] = request["tools"];
+    auto rendered = options_.chat_template->Render(context);
+    if (!rendered.ok()) return JsonError(400, "the chat template failed: " + rendered.status().message());
+    auto encoded = request.value("add_special_tokens", false) ? tokenizer_->EncodePrompt(*rendered)
+                                                              : tokenizer_->Encode(*rendered);
+    if (!encoded.ok()) return ErrorFor(encoded.status());
+    ids = std::move(*encoded);
+  } else {
+    auto p = request.find("prompt");
+    if (p == request.end() || !p->is_string()) return JsonError(400, "'prompt' (a string) or 'messages' is required");
+    bool add_special = true;
+    s = Field(request, "add_special_tokens", add_special);
+    if (!s.ok()) return ErrorFor(s);
+    auto encoded = add_special ? tokenizer_->EncodePrompt(p->get<std::string>())
+                               : tokenizer_->Encode(p->get<std::string>());
+    if (!encoded.ok()) return ErrorFor(encoded.status());
+    ids = std::move(*encoded);
+  }
+  ojson answer = {{"count", ids.size()}, {"max_model_len", max_model_len_}, {"tokens", ids}};
+  if (return_strs) {
+    ojson strs = ojson::array();
+    for (int32_t id : ids) strs.push_back(TokenBytes(*tokenizer_, id).first);
+    answer["token_strs"] = strs;
+  } else {
+    answer["token_strs"] = nullptr;
+  }
+  return {200, "application/json", Dump(answer)};
+}
+
+transport::HttpResponse CompletionService::Detokenize(const std::string& body) {
+  ojson request = ojson::parse(body, nullptr, false);
+  if (request.is_discarded() || !request.is_object()) return JsonError(400, "the body is not a JSON object");
+  auto t = request.find("tokens");
+  if (t == request.end() || !t->is_array() ||
+      !std::all_of(t->begin(), t->end(), [](const ojson& v) { return v.is_number_integer(); }))
+    return JsonError(400, "'tokens' must be a list of token ids");
+  std::vector<int32_t> ids;
+  for (const ojson& v : *t) {
+    const int64_t id = v.get<int64_t>();
+    if (id < 0 || id >= tokenizer_->vocab_size())
+      return JsonError(400, "token " + std::to_string(id) + " is outside the vocabulary [0, " +
+                                std::to_string(tokenizer_->vocab_size()) + ")");
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  tokenizer::IncrementalDecoder decoder(*tokenizer_, request.value("skip_special_tokens", true));
+  std::string text;
+  for (int32_t id : ids) {
+    auto piece = decoder.Add(id);
+    if (!piece.ok()) return ErrorFor(piece.status());
+    text += *piece;
+  }
+  text += decoder.Finish();
+  return {200, "application/json", Dump(ojson{{"prompt", text}})};
+}
+
+transport::HttpResponse CompletionService::Models() {
+  ojson data = ojson::array();
+  const int64_t created = NowSeconds();
+  data.push_back({{"id", options_.model_name},
+                  {"object", "model"},
+                  {"created", created},
+                  {"owned_by", "flywheel"},
+                  {"root", options_.model_name},
+                  {"parent", nullptr},
+                  {"max_model_len", max_model_len_}});
+  for (const std::string& adapter : engine_->adapters()) {
+    data.push_back({{"id", adapter},
+                    {"object", "model"},
+                    {"created", created},
+                    {"owned_by", "flywheel"},
+                    {"root", adapter},
+                    {"parent", options_.model_name},
+                    {"max_model_len", max_model_len_}});
+  }
+  return {200, "application/json", Dump(ojson{{"object", "list"}, {"data", data}})};
+}
+
+template <typename Fn>
+transport::awaitable<transport::HttpResponse> CompletionService::OnPool(Fn fn) {
+  std::optional<transport::HttpResponse> pooled = co_await transport::RunOn(*http_pool_, std::move(fn));
+  transport::HttpResponse answer = pooled ? std::move(*pooled) : JsonError(503, "the rollout worker is stopping");
+  co_return answer;
 }
 
 void CompletionService::Register(transport::HttpServer& server) {
-  server.RoutePost(
-      "/v1/completions",
-      [this](std::string, std::string body) { return HandleHttp(std::move(body)); }, 1 << 20,
-      transport::kScopeSample);
+  // A non-owning pointer: the service outlives its server's requests by contract.
+  std::shared_ptr<CompletionService> self(std::shared_ptr<void>(), this);
+  RegisterRoutes(server, [self] { return self; });
+}
+
+void CompletionService::RegisterRoutes(transport::HttpServer& server,
+                                       std::function<std::shared_ptr<CompletionService>()> get) {
+  using transport::HttpResponse;
+  const auto not_yet = [] { return JsonError(503, "this worker serves no policy version yet"); };
+  for (bool chat : {false, true}) {
+    server.RoutePostStream(
+        chat ? "/v1/chat/completions" : "/v1/completions",
+        [get, chat, not_yet](std::string, std::string body, transport::HttpStream& stream)
+            -> transport::awaitable<std::optional<HttpResponse>> {
+          std::shared_ptr<CompletionService> service = get();
+          std::optional<HttpResponse> answer;
+          if (!service) {
+            answer = not_yet();
+            co_return answer;
+          }
+          transport::awaitable<std::optional<HttpResponse>> handled =
+              service->Handle(chat, std::move(body), stream);
+          answer = co_await std::move(handled);
+          co_return answer;
+        },
+        4 << 20, transport::kScopeSample);
+  }
+  for (bool tokenize : {true, false}) {
+    server.RoutePost(
+        tokenize ? "/tokenize" : "/detokenize",
+        [get, tokenize, not_yet](std::string, std::string body) -> transport::awaitable<HttpResponse> {
+          std::shared_ptr<CompletionService> service = get();
+          HttpResponse answer;
+          if (!service) {
+            answer = not_yet();
+            co_return answer;
+          }
+          auto fn = [service, tokenize, body = std::move(body)] {
+            return tokenize ? service->Tokenize(body) : service->Detokenize(body);
+          };
+          transport::awaitable<HttpResponse> pooled = service->OnPool(std::move(fn));
+          answer = co_await std::move(pooled);
+          co_return answer;
+        },
+        4 << 20, transport::kScopeSample);
+  }
+  server.Route(
+      "/v1/models",
+      [get, not_yet](const std::string&) {
+        std::shared_ptr<CompletionService> service = get();
+        return service ? service->Models() : not_yet();
+      },
+      false, transport::kScopeRead);
 }
 
 }  // namespace flywheel::rollout

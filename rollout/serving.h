@@ -1,26 +1,45 @@
 // The serving side of a rollout worker: a thread that drives the engine, the same requests
-// in-process (the RL loop) and over HTTP in the style users already script against
-// (OpenAI-compatible completions over text or token ids).
+// in-process (the RL loop) and over HTTP in the form users already script against (OpenAI's
+// completions and chat completions, as vLLM and SGLang serve them).
 //
 // POST /v1/completions, JSON:
-//   prompt          string (tokenized) or array of token ids            (required)
+//   prompt          string (tokenized with the tokenizer's special tokens, e.g. Llama's BOS)
+//                   or array of token ids                                       (required)
 //   max_tokens      int, default 16;  temperature (default 1), top_p (1), top_k (0 = off)
 //   n               samples per prompt, 1..max_n (each with seed + i when a seed is given)
-//   seed            int; stop: array of token ids or single-token strings
-//   logprobs        true (or a number): include per-token logprobs and tokens
+//   seed            int
+//   stop            a string or a list of strings (any length: the text stops before the
+//                   first match, which is left out) and/or token ids (the token is kept)
+//   ignore_eos      true: do not stop at the tokenizer's end tokens (they stop by default)
+//   logprobs        true, or k in 0..20: per-token logprobs (and the k most likely tokens);
+//                   top_logprobs k as an alternative spelling
+//   stream          true: server-sent events, one `data: {chunk}` per step, then
+//                   `data: [DONE]`; stream_options.include_usage adds a usage chunk
 //   return_routing  MoE routing per token (uint8 ids, layout in `routing_shape`)
-//   adapter         a loaded LoRA adapter; model: ignored; stream: true is refused
-// Answer: {"id","object":"text_completion","created","model","choices":[{"index","text",
-//   "token_ids","policy_versions","finish_reason", "logprobs":{"tokens","token_logprobs"},
-//   "routing","routing_shape"}],"usage":{"prompt_tokens","completion_tokens","total_tokens"}}.
+//   adapter         a loaded LoRA adapter (`model` naming one works too)
+// POST /v1/chat/completions: messages (role, content as a string or text parts, tool_calls,
+//   tool_call_id, name, reasoning_content), tools (handed to the chat template),
+//   chat_template_kwargs (e.g. enable_thinking), add_generation_prompt (default true), and
+//   max_tokens / max_completion_tokens (default: what the context has left), stop, n,
+//   sampling and seed as above, logprobs (bool) + top_logprobs (0..20), stream, stream_options.
+//   The answer's message has the text as `content`; `<tool_call>{json}</tool_call>` blocks
+//   (the Hermes / Qwen form) become `tool_calls` with finish_reason "tool_calls".
+// GET /v1/models; POST /tokenize ({prompt, add_special_tokens} or {messages, ...}) and
+// POST /detokenize ({tokens}) as vLLM answers them.
+//
+// Every answer keeps flywheel's fields beside OpenAI's: per choice `token_ids`,
+// `policy_versions` (the policy version that sampled each token) and, with return_routing,
+// `routing`; chat answers also `prompt_token_ids`. Streamed chunks carry the token ids and
+// versions of the tokens they add.
+//
 // Errors: 400 {"error":{"message","type":"invalid_request_error"}} for bad JSON, bad
-// parameters or an over-long prompt; 404 for an unknown adapter; 503 once stopping. A bad
-// request never disturbs the others.
+// parameters, or a prompt plus max_tokens over the context (max_model_len); 404 for an
+// unknown adapter; 503 once stopping. A client that leaves (mid-stream or while waiting)
+// frees its requests' cache slots at once. A bad request never disturbs the others.
 #pragma once
 
 #include <condition_variable>
 #include <functional>
-#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -29,8 +48,9 @@
 #include <vector>
 
 #include "base/status.h"
-#include "rollout/engine.h"
 #include "model/tokenizer.h"
+#include "rollout/engine.h"
+#include "tokenizer/chat_template.h"
 #include "transport/http.h"
 
 namespace flywheel::rollout {
@@ -42,6 +62,13 @@ struct ServingOptions {
   int64_t max_n = 16;
   std::string model_name = "flywheel";
   int http_threads = 16;  // HTTP requests waiting for their samples at once
+  // Prompt plus completion tokens a request may use; 0: the engine's max_sequence (and never
+  // more than it).
+  int64_t max_model_len = 0;
+  // The chat template of /v1/chat/completions (null: chat is answered 400 naming the
+  // missing template), and the tokens it may refer to.
+  std::shared_ptr<const tokenizer::ChatTemplate> chat_template;
+  std::string bos_token, eos_token;
   // Runs every engine step (the argument) inside it, e.g. under the sync worker's shared
   // weights lock when the engine computes straight from the served weights (fp32 serving:
   // rollout/mirror.h AliasWeights), so a swap never lands in the middle of a step.
@@ -58,25 +85,54 @@ class CompletionService {
   // In-process: submits every request (all or none: a bad one fails the call), waits for
   // their results, in order.
   Result<std::vector<GenerationResult>> Generate(std::vector<GenerationRequest> requests);
-  // The JSON API without HTTP: status and body of the answer to a completions request.
+  // The JSON APIs without HTTP (streaming requests are answered whole, as the SSE text):
+  // status and body of the answer to a completions or chat completions request.
   transport::HttpResponse Complete(const std::string& body);
-  // Adds POST /v1/completions to `server` (call on its executor or before it serves).
+  transport::HttpResponse Chat(const std::string& body);
+  // Adds the routes above to `server` (call on its executor or before it serves).
   void Register(transport::HttpServer& server);
-  // The route's handler: Complete() on a pool thread, so the server goes on serving.
-  transport::awaitable<transport::HttpResponse> HandleHttp(std::string body);
+  // The same routes, answered by the service `get` returns at the time of each request (503
+  // while it returns null: a worker before its first version).
+  static void RegisterRoutes(transport::HttpServer& server,
+                             std::function<std::shared_ptr<CompletionService>()> get);
+
+  // The routes' handlers. Handle: a completions (chat false) or chat completions request,
+  // streamed when it asks to be; run on the server's executor.
+  transport::awaitable<std::optional<transport::HttpResponse>> Handle(bool chat, std::string body,
+                                                                      transport::HttpStream& stream);
+  transport::HttpResponse Tokenize(const std::string& body);
+  transport::HttpResponse Detokenize(const std::string& body);
+  transport::HttpResponse Models();
 
   Engine& engine() { return *engine_; }
+  int64_t max_model_len() const { return max_model_len_; }
+
+  // One HTTP request's generations and what they produced (internal, shared with the
+  // request's handler).
+  struct Job;
+  struct Call;
 
  private:
   void Drive();
+  // Submits the job's requests (all or none); their events and results go to the job.
+  Status Submit(const std::shared_ptr<Job>& job, std::vector<GenerationRequest> requests);
+  // Drops the job's unfinished requests (done with, or a client that left: then whoever
+  // waits on the job wakes up).
+  void Cancel(const std::shared_ptr<Job>& job, bool client_left = false);
+  Result<std::shared_ptr<Call>> Prepare(bool chat, const std::string& body);
+  transport::HttpResponse Answer(bool chat, const std::string& body);
+  template <typename Fn>
+  transport::awaitable<transport::HttpResponse> OnPool(Fn fn);
 
   std::shared_ptr<Engine> engine_;
   std::shared_ptr<const model::Tokenizer> tokenizer_;
   ServingOptions options_;
+  int64_t max_model_len_ = 0;
   std::mutex mutex_;
   std::condition_variable wake_;
-  bool stopping_ = false;
-  std::map<uint64_t, std::promise<GenerationResult>> pending_;  // GUARDED_BY(mutex_)
+  bool stopping_ = false;                                         // GUARDED_BY(mutex_)
+  std::map<uint64_t, std::pair<std::shared_ptr<Job>, size_t>> routes_;  // GUARDED_BY(mutex_)
+  std::vector<uint64_t> cancels_;                                 // GUARDED_BY(mutex_)
   std::unique_ptr<boost::asio::thread_pool> http_pool_;
   std::thread driver_;
 };

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <atomic>
+#include <filesystem>
 #include <mutex>
 
 #include "delta/safetensors.h"
@@ -11,6 +12,8 @@
 #include "rollout/mirror.h"
 #include "rollout/serving.h"
 #include "model/tokenizer.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/hf_tokenizer.h"
 
 namespace flywheel::rollout {
 
@@ -18,6 +21,10 @@ struct WorkerEngine::Impl {
   WorkerEngineOptions options;
   model::ModelConfig config;
   std::shared_ptr<const model::Tokenizer> tokenizer;
+  // An HF tokenizer's chat template and tokens (empty for byte and char tokenizers).
+  std::shared_ptr<const tokenizer::ChatTemplate> chat_template;
+  std::string bos_token, eos_token;
+  int64_t max_model_len = 0;
   std::shared_ptr<model::TransformerImpl> model;
   std::mutex mutex;  // guards engine / service creation
   std::shared_ptr<Engine> engine;
@@ -39,14 +46,38 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   FW_ASSIGN_OR_RETURN(impl->config, model::ModelConfig::Load(options.model_config));
-  if (options.tokenizer == "byte") {
+  // The tokenizer: an HF tokenizer.json beside config.json unless told otherwise.
+  namespace fs = std::filesystem;
+  std::string hf_path;
+  if (options.tokenizer == "auto") {
+    fs::path dir = options.model_config;
+    if (!fs::is_directory(dir)) dir = dir.parent_path();
+    if (fs::exists(dir / "tokenizer.json")) hf_path = dir.string();
+  } else if (options.tokenizer != "byte" && options.tokenizer.rfind("chars:", 0) != 0) {
+    hf_path = options.tokenizer;
+  }
+  if (!hf_path.empty()) {
+    FW_ASSIGN_OR_RETURN(std::unique_ptr<tokenizer::HfTokenizer> hf, tokenizer::HfTokenizer::Load(hf_path));
+    spdlog::info("tokenizer: {} ({})", hf_path, hf->Describe());
+    if (!hf->chat_template().empty()) {
+      auto parsed = tokenizer::ChatTemplate::Parse(hf->chat_template());
+      if (!parsed.ok()) {
+        // Completions still work; chat answers 400 naming why.
+        spdlog::warn("chat template of {} not supported, /v1/chat/completions is off: {}", hf_path,
+                     parsed.status().message());
+      } else {
+        impl->chat_template = std::make_shared<tokenizer::ChatTemplate>(std::move(*parsed));
+      }
+    }
+    impl->bos_token = hf->bos_token();
+    impl->eos_token = hf->eos_token();
+    impl->max_model_len = hf->model_max_length();
+    impl->tokenizer = std::move(hf);
+  } else if (options.tokenizer == "byte" || options.tokenizer == "auto") {
     impl->tokenizer = std::make_shared<model::ByteTokenizer>();
-  } else if (options.tokenizer.rfind("chars:", 0) == 0) {
+  } else {
     FW_ASSIGN_OR_RETURN(auto chars, model::CharTokenizer::Create(options.tokenizer.substr(6)));
     impl->tokenizer = std::move(chars);
-  } else {
-    return Status::InvalidArgument("unknown tokenizer '" + options.tokenizer +
-                                   "' (byte, or chars:<alphabet>)");
   }
   if (impl->tokenizer->vocab_size() > impl->config.vocab_size) {
     return Status::InvalidArgument(
@@ -131,6 +162,11 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
     if (!added.ok()) spdlog::error("rollout engine: adapter {}: {}", name, added.message());
   }
   ServingOptions serving;
+  serving.chat_template = s.chat_template;
+  serving.bos_token = s.bos_token;
+  serving.eos_token = s.eos_token;
+  serving.max_model_len = s.max_model_len;  // the smaller of it and max_sequence counts
+  if (!s.options.model_name.empty()) serving.model_name = s.options.model_name;
   if (s.aliased) {
     WorkerEngine::Impl* impl = &s;
     serving.step_guard = [impl](const std::function<void()>& step) {
@@ -146,25 +182,11 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
 
 }  // namespace
 
-namespace {
-
-transport::awaitable<transport::HttpResponse> Answer(std::shared_ptr<CompletionService> service,
-                                                     std::string body) {
-  if (!service) co_return JsonError(503, "this worker serves no policy version yet");
-  transport::awaitable<transport::HttpResponse> call = service->HandleHttp(std::move(body));
-  co_return co_await std::move(call);
-}
-
-}  // namespace
-
 void WorkerEngine::Attach(const sync::Worker* worker) { impl_->worker.store(worker); }
 
 void WorkerEngine::Register(transport::HttpServer& server) {
   Impl* impl = impl_.get();
-  server.RoutePost(
-      "/v1/completions",
-      [impl](std::string, std::string body) { return Answer(impl->Service(), std::move(body)); },
-      1 << 20, transport::kScopeSample);
+  CompletionService::RegisterRoutes(server, [impl] { return impl->Service(); });
 }
 
 }  // namespace flywheel::rollout

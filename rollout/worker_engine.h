@@ -1,7 +1,8 @@
 // The rollout engine inside `flywheel worker` (torch-free interface for tools/): built from
 // a model config, it takes the worker's first served version as its weights, follows every
-// later swap between two decode steps (WorkerOptions::on_swap), and answers
-// POST /v1/completions on the worker's HTTP server (503 until a version is served).
+// later swap between two decode steps (WorkerOptions::on_swap), and answers the OpenAI-style
+// routes of rollout/serving.h (completions, chat completions, streaming, /v1/models,
+// /tokenize, /detokenize) on the worker's HTTP server (503 until a version is served).
 //
 // bf16 (or f16) served weights are computed from an fp32 mirror patched at the words each
 // swap wrote (rollout/mirror.h); f32 served weights (a trainer publishing with serving
@@ -26,7 +27,12 @@ struct WorkerEngineOptions {
   std::string model_config;  // config.json (or a directory holding one)
   int64_t max_batch = 32;
   int64_t max_sequence = 1024;
-  std::string tokenizer = "byte";  // "byte", or "chars:<alphabet>"
+  // "auto": the HF tokenizer.json beside config.json when there is one, else bytes; "byte";
+  // "chars:<alphabet>"; or the path of a tokenizer.json (or of the folder holding it, with
+  // its tokenizer_config.json and generation_config.json).
+  std::string tokenizer = "auto";
+  // The name /v1/models lists and answers carry; empty: "flywheel".
+  std::string model_name;
   // LoRA adapters loaded at the first version: (name, adapters-only safetensors file).
   std::vector<std::pair<std::string, std::string>> adapters;
   // Set: run the pipeline-RL actor (rollout/actor.h) against this trainer HTTP endpoint.

@@ -17,6 +17,7 @@
 #include "bench/push_bench.h"
 #include "bench/signing_bench.h"
 #include "bench/startup_bench.h"
+#include "bench/tokenizer_bench.h"
 #include "bench/trainer_bench.h"
 #include "tools/commands.h"
 
@@ -449,6 +450,40 @@ void AddSigningBenchCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddTokenizerBenchCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::TokenizerBenchOptions>();
+  CLI::App* tokenizer = bench_app.add_subcommand(
+      "tokenizer",
+      "Encode throughput of an HF tokenizer.json on one thread, on generated mixed-language\n"
+      "text, against @huggingface/tokenizers (node, installed from npm when missing) on the same\n"
+      "text, whose ids must equal ours. Checks >= 20 MB/s.");
+  tokenizer->add_option("--tokenizer", options->tokenizer, "tokenizer.json or a model directory")
+      ->required()->type_name("PATH");
+  tokenizer->add_option("--megabytes", options->megabytes, "Size of the text")->capture_default_str()
+      ->check(CLI::Range(0.01, 1024.0));
+  tokenizer->add_option("--rounds", options->rounds, "Timed encodes (the best counts)")
+      ->capture_default_str()->check(CLI::Range(1, 100));
+  tokenizer->add_option("--min-mb-per-s", options->min_mb_per_s, "The throughput target")
+      ->capture_default_str();
+  tokenizer->add_option("--reference-dir", options->reference_dir,
+                        "A folder whose node_modules has @huggingface/tokenizers (default: "
+                        "~/.cache/flywheel/npm-tokenizers, installed when missing)")
+      ->type_name("DIR");
+  tokenizer->add_flag("!--no-reference", options->reference, "Do not run the reference");
+  tokenizer->add_flag("!--no-check", options->check, "Report without failing on a missed target");
+  tokenizer->add_option("--markdown", options->markdown_out,
+                        "Write the report as the '## Tokenizer benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  tokenizer->callback([options, &action] {
+    action = [options]() -> Status {
+      Status status = bench::RunTokenizerBench(*options, std::cout);
+      std::cout.flush();
+      if (!status.ok()) return Failed("tokenizer benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 void AddStreamBenchCommand(CLI::App& bench_app, Action& action) {
   auto options = std::make_shared<bench::LoopbackStreamOptions>();
   CLI::App* stream = bench_app.add_subcommand(
@@ -541,6 +576,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddStartupCommand(*bench_app, action);
   AddPushBenchCommand(*bench_app, action);
   AddSigningBenchCommand(*bench_app, action);
+  AddTokenizerBenchCommand(*bench_app, action);
   AddStreamBenchCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);

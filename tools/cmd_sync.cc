@@ -64,7 +64,8 @@ struct SyncArgs {
   // worker: the rollout engine
   std::string model;
   int64_t max_batch = 32, max_sequence = 1024;
-  std::string tokenizer = "byte";
+  std::string tokenizer = "auto";
+  std::string served_model_name;
   std::vector<std::string> adapters;
   // worker: the pipeline-RL actor
   std::string trainer;
@@ -254,6 +255,7 @@ Status RunWorker(const SyncArgs& args) {
     engine_options.max_batch = args.max_batch;
     engine_options.max_sequence = args.max_sequence;
     engine_options.tokenizer = args.tokenizer;
+    engine_options.model_name = args.served_model_name;
     for (const std::string& adapter : args.adapters) {
       const size_t eq = adapter.find('=');
       if (eq == std::string::npos || eq == 0 || eq + 1 == adapter.size()) {
@@ -479,8 +481,15 @@ void AddWorker(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
                    "Engine: prompt + generated tokens per request")
       ->capture_default_str()
       ->check(CLI::Range(2, 1 << 20));
-  worker->add_option("--tokenizer", args->tokenizer, "Engine: byte, or chars:<alphabet>")
+  worker
+      ->add_option("--tokenizer", args->tokenizer,
+                   "Engine: auto (the HF tokenizer.json beside --model's config.json, else\n"
+                   "bytes), byte, chars:<alphabet>, or the path of a tokenizer.json (or its folder)")
       ->capture_default_str();
+  worker
+      ->add_option("--served-model-name", args->served_model_name,
+                   "Engine: the model name /v1/models lists and answers carry (default: flywheel)")
+      ->type_name("NAME");
   worker
       ->add_option("--adapter", args->adapters,
                    "Engine: a LoRA adapter NAME=PATH (adapters-only safetensors); repeatable")

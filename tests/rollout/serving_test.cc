@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "tests/model/tiny_models.h"
+#include "tokenizer/chat_template.h"
 #include "transport/asio.h"
 
 namespace flywheel::rollout {
@@ -25,10 +26,19 @@ class ServingTest : public ::testing::Test {
     // A byte-level vocabulary plus room: text prompts work.
     model_ =
         std::make_shared<model::TransformerImpl>(testing::TinyConfig({.vocab = 260, .experts = 4}));
-    auto engine = Engine::Create(model_, {.max_batch = 8, .max_sequence = 64}, 7);
+    auto engine = Engine::Create(model_, {.max_batch = 8, .max_sequence = 128}, 7);
     ASSERT_TRUE(engine.ok());
     engine_ = std::shared_ptr<Engine>(std::move(*engine));
-    service_ = std::make_unique<CompletionService>(engine_, std::make_shared<model::ByteTokenizer>());
+    ServingOptions options;
+    // ChatML, as Qwen writes it (without tools): enough to exercise the chat route.
+    auto chat = tokenizer::ChatTemplate::Parse(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}");
+    ASSERT_TRUE(chat.ok()) << chat.status().ToString();
+    options.chat_template = std::make_shared<tokenizer::ChatTemplate>(std::move(*chat));
+    options.model_name = "tiny";
+    service_ = std::make_unique<CompletionService>(engine_, std::make_shared<model::ByteTokenizer>(),
+                                                   options);
     auto server = transport::HttpServer::Start(io_.get_executor(), {"127.0.0.1", 0}, {});
     ASSERT_TRUE(server.ok());
     server_ = std::move(*server);
@@ -45,8 +55,8 @@ class ServingTest : public ::testing::Test {
     service_.reset();
   }
 
-  std::pair<int, json> Post(const std::string& body) {
-    auto response = transport::HttpPost({"127.0.0.1", server_->port()}, "/v1/completions", body,
+  std::pair<int, json> Post(const std::string& body, const std::string& path = "/v1/completions") {
+    auto response = transport::HttpPost({"127.0.0.1", server_->port()}, path, body,
                                         {.timeout = std::chrono::seconds(60)});
     EXPECT_TRUE(response.ok()) << response.status().ToString();
     if (!response.ok()) return {0, json()};
@@ -97,13 +107,15 @@ TEST_F(ServingTest, BadRequestsAre4xxAndTheWorkerKeepsServing) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"not json", "not a JSON object"},
       {R"({"max_tokens": 4})", "'prompt' is required"},
-      {R"({"prompt": "hi", "max_tokens": 100})", "exceeds the engine's max_sequence"},
+      {R"({"prompt": "hi", "max_tokens": 200})", "context (max_model_len) is 128 tokens"},
       {R"({"prompt": "hi", "temperature": -1})", "temperature"},
       {R"({"prompt": "hi", "top_p": 0})", "top_p"},
       {R"({"prompt": "hi", "n": 99})", "'n' must be in [1, 16]"},
       {R"({"prompt": "hi", "max_tokens": "many"})", "'max_tokens' has the wrong type"},
       {R"({"prompt": [1, 999]})", "outside the vocabulary"},
-      {R"({"prompt": "hi", "stream": true})", "streaming is not supported"},
+      {R"({"prompt": "hi", "logprobs": 21})", "top_logprobs must be in [0, 20]"},
+      {R"({"prompt": "hi", "stop": [""]})", "'stop' entries must be non-empty strings"},
+      {R"({"prompt": [], "max_tokens": 2})", "non-empty array of token ids"},
   };
   for (const auto& [body, needle] : cases) {
     auto [status, answer] = Post(body);
@@ -115,6 +127,260 @@ TEST_F(ServingTest, BadRequestsAre4xxAndTheWorkerKeepsServing) {
   EXPECT_NE(missing_answer.dump().find("unknown adapter 'nope'"), std::string::npos);
   auto [ok, answer] = Post(R"({"prompt": "hi", "max_tokens": 2})");
   EXPECT_EQ(ok, 200) << answer.dump();
+}
+
+// The events of a streamed answer: every `data:` payload, [DONE] included as a string.
+struct Streamed {
+  std::vector<json> chunks;
+  bool done = false;
+  std::string content_type;
+  double first_chunk_s = 0, total_s = 0;
+};
+
+Streamed Stream(uint16_t port, const std::string& path, const std::string& body,
+                size_t leave_after_chunks = SIZE_MAX) {
+  Streamed out;
+  std::string buffer;
+  const auto start = std::chrono::steady_clock::now();
+  auto response = transport::HttpPostStream(
+      {"127.0.0.1", port}, path, body, {.timeout = std::chrono::seconds(60)},
+      [&](std::string_view data) {
+        buffer.append(data);
+        for (size_t end; (end = buffer.find("\n\n")) != std::string::npos;) {
+          std::string event = buffer.substr(0, end);
+          buffer.erase(0, end + 2);
+          EXPECT_EQ(event.rfind("data: ", 0), 0u) << event;
+          const std::string payload = event.substr(6);
+          if (out.chunks.empty() && !out.done) {
+            out.first_chunk_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          }
+          if (payload == "[DONE]") {
+            out.done = true;
+          } else {
+            out.chunks.push_back(json::parse(payload));
+          }
+        }
+        return out.chunks.size() < leave_after_chunks;
+      });
+  out.total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (leave_after_chunks == SIZE_MAX) {
+    EXPECT_TRUE(response.ok()) << response.status().ToString();
+    if (response.ok()) {
+      EXPECT_EQ(response->status, 200);
+      out.content_type = response->content_type;
+    }
+  }
+  return out;
+}
+
+TEST_F(ServingTest, StreamedCompletionsAddUpToTheWholeAnswer) {
+  const std::string request =
+      R"({"prompt": "12+30=", "max_tokens": 20, "temperature": 1.0, "seed": 5, "n": 2,
+          "logprobs": 3, "ignore_eos": true)";
+  auto [status, whole] = Post(request + "}");
+  ASSERT_EQ(status, 200) << whole.dump();
+  Streamed streamed = Stream(server_->port(), "/v1/completions",
+                             request + R"(, "stream": true, "stream_options": {"include_usage": true}})");
+  ASSERT_TRUE(streamed.done);
+  EXPECT_EQ(streamed.content_type, "text/event-stream");
+  std::vector<std::string> text(2);
+  std::vector<std::vector<int32_t>> ids(2);
+  std::vector<std::vector<double>> logprobs(2);
+  std::vector<std::string> finish(2);
+  json usage;
+  for (const json& chunk : streamed.chunks) {
+    EXPECT_EQ(chunk["object"], "text_completion");
+    if (chunk.contains("usage")) {
+      EXPECT_TRUE(chunk["choices"].empty());
+      usage = chunk["usage"];
+      continue;
+    }
+    ASSERT_EQ(chunk["choices"].size(), 1u);
+    const json& c = chunk["choices"][0];
+    const size_t i = c["index"].get<size_t>();
+    text[i] += c["text"].get<std::string>();
+    for (const json& t : c["token_ids"]) ids[i].push_back(t.get<int32_t>());
+    for (const json& l : c["logprobs"]["token_logprobs"]) logprobs[i].push_back(l.get<double>());
+    EXPECT_EQ(c["logprobs"]["tokens"].size(), c["token_ids"].size());
+    if (!c["finish_reason"].is_null()) finish[i] = c["finish_reason"];
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    const json& c = whole["choices"][i];
+    EXPECT_EQ(text[i], c["text"].get<std::string>()) << i;
+    EXPECT_EQ(ids[i], c["token_ids"].get<std::vector<int32_t>>()) << i;
+    EXPECT_EQ(logprobs[i], c["logprobs"]["token_logprobs"].get<std::vector<double>>()) << i;
+    EXPECT_EQ(finish[i], c["finish_reason"]);
+    // The legacy top_logprobs: k entries per token, the most likely first.
+    ASSERT_EQ(c["logprobs"]["top_logprobs"].size(), c["token_ids"].size());
+    EXPECT_LE(c["logprobs"]["top_logprobs"][0].size(), 3u);
+    EXPECT_GE(c["logprobs"]["top_logprobs"][0].size(), 1u);
+  }
+  EXPECT_EQ(usage, whole["usage"]);
+  // Several chunks: tokens arrive as they are generated, not all at the end.
+  EXPECT_GE(streamed.chunks.size(), 10u);
+}
+
+TEST_F(ServingTest, ChatStreamsAndMatchesTheWholeAnswer) {
+  const std::string request =
+      R"({"model": "tiny", "messages": [{"role": "system", "content": "Add."},
+          {"role": "user", "content": [{"type": "text", "text": "12+30="}]}],
+          "max_completion_tokens": 12, "seed": 11, "logprobs": true, "top_logprobs": 2,
+          "ignore_eos": true)";
+  auto [status, whole] = Post(request + "}", "/v1/chat/completions");
+  ASSERT_EQ(status, 200) << whole.dump();
+  EXPECT_EQ(whole["object"], "chat.completion");
+  EXPECT_EQ(whole["model"], "tiny");
+  const json& choice = whole["choices"][0];
+  EXPECT_EQ(choice["message"]["role"], "assistant");
+  ASSERT_EQ(choice["logprobs"]["content"].size(), 12u);
+  for (const json& entry : choice["logprobs"]["content"]) {
+    ASSERT_EQ(entry["top_logprobs"].size(), 2u);
+    EXPECT_GE(entry["top_logprobs"][0]["logprob"].get<double>(), entry["top_logprobs"][1]["logprob"].get<double>());
+    EXPECT_LE(entry["logprob"].get<double>(), entry["top_logprobs"][0]["logprob"].get<double>() + 1e-6);
+    EXPECT_TRUE(entry["bytes"].is_array());
+  }
+  // The prompt is the rendered template, tokenized.
+  const std::string rendered =
+      "<|im_start|>system\nAdd.<|im_end|>\n<|im_start|>user\n12+30=<|im_end|>\n<|im_start|>assistant\n";
+  EXPECT_EQ(whole["usage"]["prompt_tokens"], rendered.size());
+  EXPECT_EQ(whole["prompt_token_ids"].size(), rendered.size());
+
+  Streamed streamed = Stream(server_->port(), "/v1/chat/completions", request + R"(, "stream": true})");
+  ASSERT_TRUE(streamed.done);
+  std::string content;
+  std::vector<int32_t> ids;
+  size_t logprob_entries = 0;
+  ASSERT_FALSE(streamed.chunks.empty());
+  EXPECT_EQ(streamed.chunks[0]["choices"][0]["delta"]["role"], "assistant");
+  for (const json& chunk : streamed.chunks) {
+    EXPECT_EQ(chunk["object"], "chat.completion.chunk");
+    EXPECT_FALSE(chunk.contains("usage"));  // not asked for
+    const json& c = chunk["choices"][0];
+    content += c["delta"].value("content", "");
+    for (const json& t : c["token_ids"]) ids.push_back(t.get<int32_t>());
+    logprob_entries += c["logprobs"]["content"].size();
+  }
+  EXPECT_EQ(content, choice["message"]["content"].get<std::string>());
+  EXPECT_EQ(ids, choice["token_ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(logprob_entries, 12u);
+  EXPECT_EQ(streamed.chunks.back()["choices"][0]["finish_reason"], "length");
+}
+
+// A service on its own engine and loopback server.
+struct LocalServer {
+  LocalServer(std::shared_ptr<Engine> engine, std::shared_ptr<const model::Tokenizer> tokenizer)
+      : service(std::move(engine), std::move(tokenizer)) {
+    auto started = transport::HttpServer::Start(io.get_executor(), {"127.0.0.1", 0}, {});
+    EXPECT_TRUE(started.ok());
+    server = std::move(*started);
+    service.Register(*server);
+    thread = std::thread([this] { io.run(); });
+  }
+  ~LocalServer() {
+    asio::post(io, [this] { server->Stop(); });
+    guard.reset();
+    thread.join();
+  }
+  std::pair<int, json> Post(const std::string& body) {
+    auto response = transport::HttpPost({"127.0.0.1", server->port()}, "/v1/completions", body,
+                                        {.timeout = std::chrono::seconds(60)});
+    EXPECT_TRUE(response.ok()) << response.status().ToString();
+    if (!response.ok()) return {0, json()};
+    return {response->status, json::parse(response->body, nullptr, false)};
+  }
+  CompletionService service;
+  asio::io_context io;
+  asio::executor_work_guard<asio::io_context::executor_type> guard = asio::make_work_guard(io);
+  std::unique_ptr<transport::HttpServer> server;
+  std::thread thread;
+};
+
+TEST_F(ServingTest, StopStringsSpanningTokensEndTheTextBeforeThem) {
+  // One printable ASCII character per token, so text and tokens line up.
+  std::string alphabet;
+  for (char c = ' '; c <= '~'; ++c) alphabet.push_back(c);
+  auto chars = model::CharTokenizer::Create(alphabet);
+  ASSERT_TRUE(chars.ok());
+  std::shared_ptr<const model::Tokenizer> tokenizer(std::move(*chars));
+  torch::manual_seed(21);
+  auto model = std::make_shared<model::TransformerImpl>(testing::TinyConfig({.vocab = 97}));
+  auto engine = Engine::Create(model, {.max_batch = 4, .max_sequence = 64}, 1);
+  ASSERT_TRUE(engine.ok());
+  LocalServer local(std::shared_ptr<Engine>(std::move(*engine)), tokenizer);
+
+  // Greedy output, then the same request stopped at a string made of its tokens 3..5:
+  // the text ends before the string's first match, streamed or not, and generation stops.
+  const std::string base = R"({"prompt": "abc", "max_tokens": 16, "temperature": 0, "ignore_eos": true)";
+  auto [status, free_run] = local.Post(base + "}");
+  ASSERT_EQ(status, 200) << free_run.dump();
+  const auto ids = free_run["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+  ASSERT_EQ(ids.size(), 16u);
+  if (std::any_of(ids.begin(), ids.end(), [](int32_t t) { return t >= 95; }))
+    GTEST_SKIP() << "the greedy text has a BOS/EOS id";
+  const std::string text = free_run["choices"][0]["text"];
+  const std::string stop = text.substr(3, 3);
+  const size_t cut = text.find(stop);
+  const std::string request = base + R"(, "stop": ["never matches", )" + json(stop).dump();
+  auto [stopped_status, stopped] = local.Post(request + "]}");
+  ASSERT_EQ(stopped_status, 200) << stopped.dump();
+  EXPECT_EQ(stopped["choices"][0]["text"], text.substr(0, cut));
+  EXPECT_EQ(stopped["choices"][0]["finish_reason"], "stop");
+  // The tokens run up to the one that completed the match.
+  EXPECT_EQ(stopped["choices"][0]["token_ids"].size(), cut + 3);
+  Streamed streamed = Stream(local.server->port(), "/v1/completions", request + R"(], "stream": true})");
+  ASSERT_TRUE(streamed.done);
+  std::string joined;
+  for (const json& chunk : streamed.chunks) joined += chunk["choices"][0]["text"].get<std::string>();
+  EXPECT_EQ(joined, text.substr(0, cut));
+  EXPECT_EQ(streamed.chunks.back()["choices"][0]["finish_reason"], "stop");
+}
+
+TEST_F(ServingTest, AClientThatLeavesMidStreamFreesItsSlotAtOnce) {
+  // One cache slot: a second request can only run once the first is gone.
+  auto engine = Engine::Create(model_, {.max_batch = 1, .max_sequence = 128}, 7);
+  ASSERT_TRUE(engine.ok());
+  std::shared_ptr<Engine> one_slot(std::move(*engine));
+  LocalServer local(one_slot, std::make_shared<model::ByteTokenizer>());
+  const uint16_t port = local.server->port();
+
+  Streamed left = Stream(port, "/v1/completions",
+                         R"({"prompt": "a long one", "max_tokens": 110, "ignore_eos": true, "stream": true})", 2);
+  EXPECT_FALSE(left.done);
+  const auto start = std::chrono::steady_clock::now();
+  auto [status, next] = local.Post(R"({"prompt": "next", "max_tokens": 2, "ignore_eos": true})");
+  EXPECT_EQ(status, 200) << next.dump();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // The abandoned request had ~100 tokens to go; the slot must not wait for them.
+  local.Post(R"({"prompt": "a long one", "max_tokens": 100, "ignore_eos": true})");
+  const double hundred =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - waited;
+  EXPECT_LT(waited, hundred / 3) << "the next request waited " << waited << " s; 100 tokens take "
+                                 << hundred << " s";
+  EXPECT_EQ(one_slot->active(), 0u);
+}
+
+TEST_F(ServingTest, ModelsTokenizeAndDetokenize) {
+  auto models = transport::HttpGet({"127.0.0.1", server_->port()}, "/v1/models");
+  ASSERT_TRUE(models.ok());
+  json m = json::parse(models->body);
+  EXPECT_EQ(m["object"], "list");
+  EXPECT_EQ(m["data"][0]["id"], "tiny");
+  EXPECT_EQ(m["data"][0]["max_model_len"], 128);
+  auto [status, tokens] = Post(R"({"prompt": "hi!", "return_token_strs": true})", "/tokenize");
+  ASSERT_EQ(status, 200) << tokens.dump();
+  EXPECT_EQ(tokens["tokens"], json::array({'h', 'i', '!'}));
+  EXPECT_EQ(tokens["count"], 3);
+  EXPECT_EQ(tokens["token_strs"], json::array({"h", "i", "!"}));
+  auto [chat_status, chat] =
+      Post(R"({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": false})", "/tokenize");
+  ASSERT_EQ(chat_status, 200);
+  EXPECT_EQ(chat["count"], std::string("<|im_start|>user\nx<|im_end|>\n").size());
+  auto [back_status, back] = Post(R"({"tokens": [104, 105, 257]})", "/detokenize");
+  ASSERT_EQ(back_status, 200);
+  EXPECT_EQ(back["prompt"], "hi");
+  auto [bad, bad_answer] = Post(R"({"tokens": [104, 9999]})", "/detokenize");
+  EXPECT_EQ(bad, 400);
+  EXPECT_NE(bad_answer.dump().find("token 9999"), std::string::npos);
 }
 
 }  // namespace
