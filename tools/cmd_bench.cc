@@ -14,6 +14,7 @@
 #include "bench/stream_bench.h"
 #include "bench/parity_bench.h"
 #include "bench/rollout_bench.h"
+#include "bench/serving_bench.h"
 #include "bench/push_bench.h"
 #include "bench/signing_bench.h"
 #include "bench/startup_bench.h"
@@ -309,6 +310,43 @@ void AddRolloutCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::ServingBenchOptions>();
+  CLI::App* serving = bench_app.add_subcommand(
+      "serving",
+      "Time to the first streamed token against the whole answer: the demo-size dense model\n"
+      "behind a worker's completions route on loopback, the same seeded request streamed\n"
+      "(stream: true) and whole. Checks the streamed text equals the whole answer's, the first\n"
+      "token within 0.25x the whole answer's time, and the streamed end within 1.15x.");
+  serving->add_option("--prompt-tokens", options->prompt_tokens, "Prompt length")
+      ->capture_default_str()->check(CLI::Range(1, 512));
+  serving->add_option("--max-tokens", options->max_tokens, "Tokens generated per answer")
+      ->capture_default_str()->check(CLI::Range(1, 512));
+  serving->add_option("--rounds", options->rounds, "Measured rounds (medians)")
+      ->capture_default_str()->check(CLI::Range(1, 100));
+  serving->add_option("--tokenizer", options->tokenizer,
+                      "An HF tokenizer.json (or model directory); the model takes its vocabulary")
+      ->type_name("PATH");
+  serving->add_option("--threads", options->threads, "torch threads (0: one per hardware thread)")
+      ->capture_default_str();
+  serving->add_flag("!--no-check", options->check, "Report without failing on a missed target");
+  serving->add_option("--markdown", options->markdown_out,
+                      "Write the report as the '## Serving benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  serving->callback([options, &action] {
+    action = [options]() -> Status {
+#ifdef FLYWHEEL_WITH_TORCH
+      Status status = bench::RunServingBench(*options, std::cout);
+#else
+      Status status = TorchOnly("bench serving");
+#endif
+      std::cout.flush();
+      if (!status.ok()) return Failed("serving benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 void AddParityCommand(CLI::App& bench_app, Action& action) {
   auto options = std::make_shared<bench::ParityReportOptions>();
   auto& b = options->bench;
@@ -577,6 +615,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddPushBenchCommand(*bench_app, action);
   AddSigningBenchCommand(*bench_app, action);
   AddTokenizerBenchCommand(*bench_app, action);
+  AddServingBenchCommand(*bench_app, action);
   AddStreamBenchCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);
