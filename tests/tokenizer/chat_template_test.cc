@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <random>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -856,6 +857,52 @@ TEST(ChatTemplateSpeed, Qwen3RenderIsFast) {
       kRenders;
   std::printf("qwen3 render: %zu bytes in %.1f us\n", first->size(), micros);
   EXPECT_LT(micros, 1000.0);
+}
+
+}  // namespace
+}  // namespace flywheel::tokenizer
+
+namespace flywheel::tokenizer {
+namespace {
+
+// Hostile templates: every prefix cut and thousands of byte changes of the real templates
+// either parse or are refused with a message, and what parses renders or fails cleanly.
+TEST(ChatTemplateRobustness, MangledTemplatesAreRefusedOrRenderCleanly) {
+  const nlohmann::ordered_json context = {
+      {"messages", {{{"role", "system"}, {"content", "s"}}, {{"role", "user"}, {"content", "u"}}}},
+      {"add_generation_prompt", true},
+      {"bos_token", "<s>"},
+      {"eos_token", "</s>"}};
+  std::mt19937_64 rng(5);
+  size_t parsed = 0, refused = 0;
+  for (const char* name : {"qwen3.jinja", "llama31.jinja", "mistral.jinja"}) {
+    std::ifstream in(std::string(FLYWHEEL_SOURCE_DIR) + "/tests/tokenizer/templates/" + name);
+    std::stringstream buffer;
+    buffer << in.rdbuf();
+    const std::string source = buffer.str();
+    ASSERT_FALSE(source.empty()) << name;
+    const char alphabet[] = "{}%#-+()[].,:'\"|~ \n\tabcdefghijklmnopqrstuvwxyz0123456789=<>!*/\xff\xc3";
+    for (int round = 0; round < 1500; ++round) {
+      std::string text = source;
+      if (round % 3 == 0) {
+        text.resize(rng() % text.size());
+      } else {
+        for (int k = 0, n = 1 + static_cast<int>(rng() % 4); k < n; ++k)
+          text[rng() % text.size()] = alphabet[rng() % (sizeof(alphabet) - 1)];
+      }
+      auto t = ChatTemplate::Parse(text);
+      if (!t.ok()) {
+        EXPECT_FALSE(t.status().message().empty());
+        ++refused;
+        continue;
+      }
+      ++parsed;
+      auto out = t->Render(context);
+      if (!out.ok()) EXPECT_FALSE(out.status().message().empty());
+    }
+  }
+  EXPECT_GT(parsed, 100u);
+  EXPECT_GT(refused, 100u);
 }
 
 }  // namespace

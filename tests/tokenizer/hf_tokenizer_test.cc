@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "tests/tokenizer/npm_reference.h"
@@ -195,11 +196,13 @@ TEST(HfTokenizerTest, Qwen3RoundTripsAndDecodesIncrementally) {
 }
 
 TEST(HfTokenizerTest, HandMadeFilesMatchTheReference) {
-  for (const char* name : {"tiny_bytelevel.json", "tiny_sentencepiece.json", "tiny_metaspace.json"}) {
+  for (const char* name : {"tiny_bytelevel.json", "tiny_llama3.json", "tiny_sentencepiece.json",
+                           "tiny_metaspace.json"}) {
     SCOPED_TRACE(name);
     auto tok = HfTokenizer::Load(kData + name);
     ASSERT_TRUE(tok.ok()) << tok.status().ToString();
     std::vector<std::string> texts = Corpus();
+    texts.push_back("the quick xyz 1234567 xyzw");
     texts.push_back("Hello World the world");
     texts.push_back("the [tool]  x  [tool]y<|end|> <|bos|>");
     texts.push_back("<s>Hello</s> World <unk>");
@@ -226,6 +229,19 @@ TEST(HfTokenizerTest, ByteLevelBpeMergesByRank) {
   EXPECT_EQ((*tok)->TokenText(prompt->front()), "<|bos|>");
   EXPECT_EQ(*(*tok)->Decode(*prompt), "the");
   EXPECT_EQ(*(*tok)->Decode(*prompt, false), "<|bos|>the");
+}
+
+TEST(HfTokenizerTest, IgnoreMergesTakesWholeWordsAndLlama3SplitsDigitsByThree) {
+  auto tok = HfTokenizer::Load(kData + "tiny_llama3.json");
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  std::vector<std::string> pieces;
+  auto ids = (*tok)->Encode("the xyz 1234567");
+  ASSERT_TRUE(ids.ok());
+  for (int32_t id : *ids) pieces.push_back((*tok)->TokenText(id));
+  // "Ġxyz" is in the vocabulary (no merge makes it); digits go three at a time, and "123"
+  // is a word of its own.
+  EXPECT_EQ(pieces, (std::vector<std::string>{"t", "he", "Ġxyz", "Ġ", "123", "4", "5", "6", "7"}));
+  EXPECT_NE((*tok)->Describe().find("split: llama3"), std::string::npos);
 }
 
 TEST(HfTokenizerTest, SentencePieceFallsBackToBytes) {
@@ -347,6 +363,57 @@ TEST(UnicodeTest, LossyRepairHoldsBackOnlyIncompleteEnds) {
   out.clear();
   unicode::AppendLossy("\xED\xA0\x80", out, true);  // a surrogate: three invalid bytes
   EXPECT_EQ(out, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
+}
+
+}  // namespace
+}  // namespace flywheel::tokenizer
+
+namespace flywheel::tokenizer {
+namespace {
+
+// Hostile input: mangled tokenizer files load or are refused with a message (never crash),
+// and any bytes, invalid UTF-8 included, encode and decode back to their lossy text.
+TEST(HfTokenizerRobustness, MangledFilesAndArbitraryBytes) {
+  std::mt19937_64 rng(9);
+  const std::string good = ReadFile(kData + "tiny_bytelevel.json");
+  size_t loaded = 0, refused = 0;
+  const char alphabet[] = "{}[]\":,0123456789 abcxyzĠ\\\xff\xc3-eE.";
+  for (int round = 0; round < 3000; ++round) {
+    std::string text = good;
+    if (round % 4 == 0) {
+      text.resize(rng() % text.size());
+    } else {
+      for (int k = 0, n = 1 + static_cast<int>(rng() % 3); k < n; ++k)
+        text[rng() % text.size()] = alphabet[rng() % (sizeof(alphabet) - 1)];
+    }
+    auto tok = HfTokenizer::FromJson(text);
+    if (!tok.ok()) {
+      EXPECT_FALSE(tok.status().message().empty());
+      ++refused;
+      continue;
+    }
+    ++loaded;
+    auto ids = (*tok)->Encode("the café 日本 <|end|> 12");
+    if (ids.ok()) (void)(*tok)->Decode(*ids);
+  }
+  EXPECT_GT(loaded, 20u);  // both outcomes are exercised
+  EXPECT_GT(refused, 1000u);
+
+  auto tok = HfTokenizer::Load(kData + "tiny_bytelevel.json");
+  ASSERT_TRUE(tok.ok());
+  for (int round = 0; round < 2000; ++round) {
+    std::string bytes(rng() % 64, '\0');
+    for (char& c : bytes) c = static_cast<char>(rng());
+    auto ids = (*tok)->Encode(bytes);
+    ASSERT_TRUE(ids.ok()) << ids.status().ToString();
+    auto back = (*tok)->Decode(*ids, false);
+    ASSERT_TRUE(back.ok());
+    std::string lossy;
+    unicode::AppendLossy(bytes, lossy, true);
+    auto nfc = unicode::Normalize(lossy, unicode::NormalForm::kNFC);
+    ASSERT_TRUE(nfc.ok());
+    EXPECT_EQ(*back, *nfc);
+  }
 }
 
 }  // namespace

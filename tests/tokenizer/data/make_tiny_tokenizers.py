@@ -66,6 +66,31 @@ def byte_level():
     }
 
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def llama3_style():
+    """Byte-level BPE as Llama-3 files have it: the Llama-3 split, ignore_merges (a word in
+    the vocabulary is one token whatever the merges say), a template that adds BOS."""
+    doc = byte_level()
+    vocab = doc["model"]["vocab"]
+    for word in ("Ġxyz", "123", "Ġquick"):
+        vocab[word] = len(vocab)
+    for a in doc["added_tokens"]:
+        a["id"] += 3
+    doc["post_processor"]["special_tokens"]["<|bos|>"]["ids"] = [doc["added_tokens"][0]["id"]]
+    doc["model"]["ignore_merges"] = True
+    doc["normalizer"] = None
+    doc["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    doc["post_processor"] = {"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+        doc["post_processor"]]}
+    return doc
+
+
 def sentencepiece(metaspace):
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for b in range(256):
@@ -115,6 +140,7 @@ def sentencepiece(metaspace):
 
 
 for name, doc in (("tiny_bytelevel.json", byte_level()),
+                  ("tiny_llama3.json", llama3_style()),
                   ("tiny_sentencepiece.json", sentencepiece(False)),
                   ("tiny_metaspace.json", sentencepiece(True))):
     with open(name, "w", encoding="utf-8") as f:
