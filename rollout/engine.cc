@@ -134,8 +134,7 @@ Status Engine::ValidateLocked(const GenerationRequest& request) const {
   if (!request.adapter.empty() && !adapter_slots_.count(request.adapter)) {
     return Status::NotFound("unknown adapter '" + request.adapter + "'");
   }
-  const int64_t needed = static_cast<int64_t>(request.prompt.size()) + request.params.max_tokens;
-  if (needed > options_.max_sequence) {
+  if (request.params.max_tokens > options_.max_sequence - static_cast<int64_t>(request.prompt.size())) {
     return Status::InvalidArgument(
         "prompt of " + std::to_string(request.prompt.size()) + " tokens + max_tokens " +
         std::to_string(request.params.max_tokens) + " exceeds the engine's max_sequence " +

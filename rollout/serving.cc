@@ -170,14 +170,14 @@ void CompletionService::Drive() {
     }
     if (events.empty() && finished.empty()) continue;
     std::lock_guard lock(mutex_);
-    std::vector<Job*> touched;
+    std::vector<std::shared_ptr<Job>> touched;  // owned: a finished route may hold the last reference
     for (TokenEvent& e : events) {
       auto it = routes_.find(e.id);
       if (it == routes_.end() || !it->second.first->want_events) continue;
       Job& job = *it->second.first;
       std::lock_guard job_lock(job.m);
       job.events.emplace_back(it->second.second, std::move(e));
-      touched.push_back(&job);
+      touched.push_back(it->second.first);
     }
     for (GenerationResult& r : finished) {
       auto it = routes_.find(r.id);
@@ -188,13 +188,12 @@ void CompletionService::Drive() {
         job.results[it->second.second] = std::move(r);
         job.news = true;
       }
-      touched.push_back(&job);
-      job.cv.notify_all();
+      touched.push_back(it->second.first);
       routes_.erase(it);
     }
     std::sort(touched.begin(), touched.end());
     touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
-    for (Job* job : touched) job->cv.notify_all();
+    for (const auto& job : touched) job->cv.notify_all();
   }
 }
 
@@ -207,23 +206,36 @@ Status CompletionService::Submit(const std::shared_ptr<Job>& job,
     for (const auto& r : requests) FW_RETURN_IF_ERROR(engine_->Validate(r));
     job->results.resize(requests.size());
     for (size_t i = 0; i < requests.size(); ++i) {
-      FW_ASSIGN_OR_RETURN(uint64_t id, engine_->Submit(std::move(requests[i])));
-      job->ids.push_back(id);
-      routes_[id] = {job, i};
+      auto id = engine_->Submit(std::move(requests[i]));
+      if (!id.ok()) {
+        // All or none: what went in already comes out again.
+        for (uint64_t submitted : job->ids) {
+          routes_.erase(submitted);
+          cancels_.push_back(submitted);
+        }
+        wake_.notify_all();
+        return id.status();
+      }
+      job->ids.push_back(*id);
+      routes_[*id] = {job, i};
     }
   }
   wake_.notify_all();
   return Status::Ok();
 }
 
-void CompletionService::Cancel(const std::shared_ptr<Job>& job, bool client_left) {
+void CompletionService::CancelIds(const std::vector<uint64_t>& ids) {
   {
     std::lock_guard lock(mutex_);
-    for (uint64_t id : job->ids) {
+    for (uint64_t id : ids) {
       if (routes_.erase(id) > 0) cancels_.push_back(id);
     }
   }
   wake_.notify_all();
+}
+
+void CompletionService::Cancel(const std::shared_ptr<Job>& job, bool client_left) {
+  CancelIds(job->ids);
   if (!client_left) return;
   std::lock_guard job_lock(job->m);
   job->gone = true;
@@ -253,7 +265,9 @@ Result<std::vector<GenerationResult>> CompletionService::Generate(
 namespace {
 
 struct Choice {
-  explicit Choice(const model::Tokenizer& tokenizer) : decoder(tokenizer) {}
+  // The decoder continues after the prompt: a SentencePiece answer keeps its leading space.
+  explicit Choice(const model::Tokenizer& tokenizer)
+      : decoder(tokenizer, /*skip_special_tokens=*/true, /*after_prompt=*/true) {}
   tokenizer::IncrementalDecoder decoder;
   std::string text;  // decoded so far; cut before a stop string once one matched
   size_t sent = 0;   // bytes of `text` already streamed
@@ -548,7 +562,7 @@ Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool
   if (chat) FW_RETURN_IF_ERROR(Field(request, "max_completion_tokens", max_tokens));
   if (max_tokens == -1) max_tokens = chat ? max_model_len_ - prompt_tokens : std::min<int64_t>(16, max_model_len_ - prompt_tokens);
   if (max_tokens < 1) return Status::InvalidArgument("max_tokens must be >= 1, got " + std::to_string(max_tokens));
-  if (prompt_tokens + max_tokens > max_model_len_)
+  if (max_tokens > max_model_len_ - prompt_tokens)
     return Status::InvalidArgument("this worker's context (max_model_len) is " +
                                    std::to_string(max_model_len_) + " tokens, but the prompt has " +
                                    std::to_string(prompt_tokens) + " and max_tokens asks for " +
@@ -577,6 +591,8 @@ Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool
     const ojson list = s->is_array() ? *s : ojson::array({*s});
     for (const ojson& v : list) {
       if (v.is_number_integer()) {
+        if (v.get<int64_t>() < 0 || v.get<int64_t>() >= tok.vocab_size())
+          return Status::InvalidArgument("stop token " + v.dump() + " is outside the vocabulary");
         base.params.stop_tokens.push_back(v.get<int32_t>());
       } else if (v.is_string() && !v.get<std::string>().empty()) {
         call->stop_strings.push_back(v.get<std::string>());
@@ -589,7 +605,8 @@ Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool
   if (auto s = request.find("stop_token_ids"); s != request.end() && !s->is_null()) {
     if (!s->is_array()) return Status::InvalidArgument("'stop_token_ids' must be a list of token ids");
     for (const ojson& v : *s) {
-      if (!v.is_number_integer()) return Status::InvalidArgument("'stop_token_ids' must be token ids");
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= tok.vocab_size())
+        return Status::InvalidArgument("'stop_token_ids' must be token ids in the vocabulary, got " + v.dump());
       base.params.stop_tokens.push_back(v.get<int32_t>());
     }
   }
@@ -637,6 +654,11 @@ namespace {
 ojson RoutingFields(const model::ModelConfig& config, const Choice& c, bool wanted) {
   ojson out = ojson::object();
   if (!wanted || config.num_experts == 0) return out;
+  if (!c.has_result) {
+    // Ended on a stop string and cancelled: the engine kept no routing for it.
+    out["routing"] = nullptr;
+    return out;
+  }
   out["routing"] = c.result.routing;
   out["routing_shape"] = {static_cast<int64_t>(c.result.prompt.size() + c.result.tokens.size()) - 1,
                           config.NumMoeLayers(), config.num_experts_per_tok};
@@ -783,7 +805,7 @@ transport::HttpResponse CompletionService::Answer(bool chat, const std::string& 
   std::string sse;
   for (std::vector<uint64_t> cancel;; cancel.clear()) {
     if (!WaitForNews(call, cancel)) return JsonError(503, "the rollout worker stopped");
-    if (!cancel.empty()) Cancel(call.job);  // ended on a stop string: the rest is not needed
+    if (!cancel.empty()) CancelIds(cancel);  // ended on a stop string: the rest is not needed
     if (call.stream) {
       bool ended = false;
       sse += NextEvents(call, *tokenizer_, engine_->config(), ended);
@@ -832,14 +854,26 @@ transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::
     co_return answer;
   }
   std::shared_ptr<Call> call = **prepared;
+  // Ends the job's engine requests from a pool thread: the service's lock, which that
+  // takes, is held by a Submit while the engine steps, and this runs on the network thread.
+  auto drop = [this, call] { boost::asio::post(*http_pool_, [this, call] { Cancel(call->job); }); };
   // A client that leaves frees its requests' slots at once.
-  stream.OnGone([this, call] { Cancel(call->job, /*client_left=*/true); });
+  // Marks the job at once (its waiter wakes); the engine requests are dropped on the pool,
+  // since that takes the service's lock, which a Submit holds while the engine steps.
+  stream.OnGone([this, call] {
+    {
+      std::lock_guard lock(call->job->m);
+      call->job->gone = true;
+    }
+    call->job->cv.notify_all();
+    boost::asio::post(*http_pool_, [this, call] { Cancel(call->job); });
+  });
   for (;;) {
     auto wait = [this, call] {
       HandlerStep s;
       std::vector<uint64_t> cancel;
       s.alive = WaitForNews(*call, cancel);
-      if (!cancel.empty()) Cancel(call->job);  // ended on a stop string
+      if (!cancel.empty()) CancelIds(cancel);  // ended on a stop string
       if (!s.alive) return s;
       if (call->stream) {
         s.sse = NextEvents(*call, *tokenizer_, engine_->config(), s.ended);
@@ -855,13 +889,13 @@ transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::
       client_left = call->job->gone;
     }
     if (!step || !step->alive || client_left) {
-      Cancel(call->job);
+      drop();
       if (!client_left && !stream.gone()) answer = JsonError(503, "the rollout worker stopped");
       co_return answer;
     }
     if (!call->stream) {
       if (!step->ended) continue;
-      Cancel(call->job);
+      drop();
       answer = transport::HttpResponse{200, "application/json",
                                        Dump(WholeAnswer(*call, *tokenizer_, engine_->config()))};
       co_return answer;
@@ -870,12 +904,12 @@ transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::
       std::string sse = std::move(step->sse);
       const bool written = co_await stream.Write(std::move(sse));
       if (!written) {
-        Cancel(call->job);
+        drop();
         co_return answer;
       }
     }
     if (step->ended) {
-      Cancel(call->job);
+      drop();
       co_return answer;
     }
   }
@@ -901,14 +935,17 @@ transport::HttpResponse CompletionService::Tokenize(const std::string& body) {
     ojson context = request.value("chat_template_kwargs", ojson::object());
     if (!context.is_object()) return JsonError(400, "'chat_template_kwargs' must be an object");
     context["messages"] = messages;
-    context["add_generation_prompt"] = request.value("add_generation_prompt", true);
+    bool add_generation_prompt = true, add_special = false;
+    Status f = Field(request, "add_generation_prompt", add_generation_prompt);
+    if (f.ok()) f = Field(request, "add_special_tokens", add_special);
+    if (!f.ok()) return ErrorFor(f);
+    context["add_generation_prompt"] = add_generation_prompt;
     context["bos_token"] = options_.bos_token;
     context["eos_token"] = options_.eos_token;
     if (request.contains("tools") && !request["tools"].is_null()) context["tools"] = request["tools"];
     auto rendered = options_.chat_template->Render(context);
     if (!rendered.ok()) return JsonError(400, "the chat template failed: " + rendered.status().message());
-    auto encoded = request.value("add_special_tokens", false) ? tokenizer_->EncodePrompt(*rendered)
-                                                              : tokenizer_->Encode(*rendered);
+    auto encoded = add_special ? tokenizer_->EncodePrompt(*rendered) : tokenizer_->Encode(*rendered);
     if (!encoded.ok()) return ErrorFor(encoded.status());
     ids = std::move(*encoded);
   } else {
@@ -948,7 +985,9 @@ transport::HttpResponse CompletionService::Detokenize(const std::string& body) {
                                 std::to_string(tokenizer_->vocab_size()) + ")");
     ids.push_back(static_cast<int32_t>(id));
   }
-  tokenizer::IncrementalDecoder decoder(*tokenizer_, request.value("skip_special_tokens", true));
+  bool skip_special = true;
+  if (Status f = Field(request, "skip_special_tokens", skip_special); !f.ok()) return ErrorFor(f);
+  tokenizer::IncrementalDecoder decoder(*tokenizer_, skip_special);
   std::string text;
   for (int32_t id : ids) {
     auto piece = decoder.Add(id);

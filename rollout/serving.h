@@ -119,6 +119,8 @@ class CompletionService {
   // Drops the job's unfinished requests (done with, or a client that left: then whoever
   // waits on the job wakes up).
   void Cancel(const std::shared_ptr<Job>& job, bool client_left = false);
+  // Drops these engine requests (their routes go at once, the engine's between two steps).
+  void CancelIds(const std::vector<uint64_t>& ids);
   Result<std::shared_ptr<Call>> Prepare(bool chat, const std::string& body);
   transport::HttpResponse Answer(bool chat, const std::string& body);
   template <typename Fn>

@@ -272,10 +272,10 @@ void SplitAdded(std::string_view text, const AddedMatcher& m, std::vector<Segmen
     const AddedToken* hit = nullptr;
     for (const AddedToken* t : m.tokens) {
       if (text.compare(i, t->content.size(), t->content) != 0) continue;
+      hit = t;  // the longest match here; a single_word one inside a word is no match at all
       if (t->single_word && (IsWordChar(text, i, true) ||
                              IsWordChar(text, i + t->content.size(), false)))
-        continue;
-      hit = t;
+        hit = nullptr;
       break;
     }
     if (hit == nullptr) {
@@ -283,17 +283,26 @@ void SplitAdded(std::string_view text, const AddedMatcher& m, std::vector<Segmen
       continue;
     }
     size_t begin = i, end = i + hit->content.size();
-    auto space_before = [&](size_t k) {
-      return k > start && (unicode::ClassOf(static_cast<unsigned char>(text[k - 1])) & unicode::kSpace) &&
-             static_cast<unsigned char>(text[k - 1]) < 0x80;
-    };
+    // lstrip / rstrip take the (Unicode) whitespace next to the token with it.
     if (hit->lstrip) {
-      while (space_before(begin)) --begin;
+      while (begin > start) {
+        size_t k = begin - 1;
+        while (k > start && (static_cast<unsigned char>(text[k]) & 0xC0) == 0x80) --k;
+        size_t len;
+        bool valid;
+        const char32_t c = unicode::DecodeAt(text, k, len, valid);
+        if (!valid || k + len != begin || !(unicode::ClassOf(c) & unicode::kSpace)) break;
+        begin = k;
+      }
     }
     if (hit->rstrip) {
-      while (end < text.size() && static_cast<unsigned char>(text[end]) < 0x80 &&
-             (unicode::ClassOf(static_cast<unsigned char>(text[end])) & unicode::kSpace))
-        ++end;
+      while (end < text.size()) {
+        size_t len;
+        bool valid;
+        const char32_t c = unicode::DecodeAt(text, end, len, valid);
+        if (!valid || !(unicode::ClassOf(c) & unicode::kSpace)) break;
+        end += len;
+      }
     }
     if (begin > start) out.push_back({text.substr(start, begin - start), nullptr, base_offset + start});
     out.push_back({text.substr(begin, end - begin), hit, base_offset + begin});
@@ -961,17 +970,24 @@ void HfTokenizer::Impl::PreTokenize(std::string text, bool at_origin, std::vecto
           break;
         }
         case PreTokenizerStep::kDigits: {
+          // Numeric code points (Rust's char::is_numeric: Nd, Nl, No), as the library splits.
           size_t begin = 0, i = 0;
-          auto digit = [&](size_t k) { return p.text[k] >= '0' && p.text[k] <= '9'; };
+          auto digit_length = [&](size_t k) -> size_t {
+            size_t len;
+            bool valid;
+            const char32_t c = unicode::DecodeAt(p.text, k, len, valid);
+            return valid && (unicode::ClassOf(c) & unicode::kNumber) ? len : 0;
+          };
           while (i < p.text.size()) {
-            if (!digit(i)) {
+            size_t len = digit_length(i);
+            if (len == 0) {
               ++i;
               continue;
             }
             if (i > begin) next.push_back({p.text.substr(begin, i - begin), p.at_origin && begin == 0});
-            size_t j = i + 1;
+            size_t j = i + len;
             if (!step.individual_digits)
-              while (j < p.text.size() && digit(j)) ++j;
+              while (j < p.text.size() && (len = digit_length(j)) > 0) j += len;
             next.push_back({p.text.substr(i, j - i), p.at_origin && i == 0});
             begin = i = j;
           }
@@ -1192,13 +1208,18 @@ Status HfTokenizer::Impl::AppendPiece(int32_t id, bool skip_special, DecodeState
         break;
       }
       case DecoderStep::kMetaspace: {
+        // As the tokenizers library does: every replacement character becomes a space,
+        // except in the sequence's first token, where they all go (unless the scheme is
+        // "never").
+        const bool drop = first && step.prepend;
         std::string out;
         size_t from = 0;
-        for (size_t at; (at = s.find(step.a, from)) != std::string::npos; from = at + step.a.size())
-          out.append(s, from, at - from).push_back(' ');
+        for (size_t at; (at = s.find(step.a, from)) != std::string::npos; from = at + step.a.size()) {
+          out.append(s, from, at - from);
+          if (!drop) out.push_back(' ');
+        }
         out.append(s, from);
         s = std::move(out);
-        if (first && step.prepend && !s.empty() && s[0] == ' ') s.erase(0, 1);
         break;
       }
       case DecoderStep::kStrip: {

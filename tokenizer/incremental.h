@@ -13,8 +13,14 @@ namespace flywheel::tokenizer {
 
 class IncrementalDecoder {
  public:
-  explicit IncrementalDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = true)
-      : tokenizer_(tokenizer), skip_special_(skip_special_tokens) {}
+  // `after_prompt`: the tokens continue a text (a generation after its prompt), so the first
+  // one is not the start of the text (SentencePiece decoders keep its leading space, as
+  // vLLM's answers do).
+  explicit IncrementalDecoder(const Tokenizer& tokenizer, bool skip_special_tokens = true,
+                              bool after_prompt = false)
+      : tokenizer_(tokenizer), skip_special_(skip_special_tokens) {
+    if (after_prompt) state_.pieces = 1, state_.strip_left = 0;
+  }
 
   // Adds a token; returns the text that is now complete (possibly empty: the token ended
   // inside a character, or it is a skipped special token).

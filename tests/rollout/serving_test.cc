@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "tests/model/tiny_models.h"
@@ -333,6 +334,21 @@ TEST_F(ServingTest, StopStringsSpanningTokensEndTheTextBeforeThem) {
   for (const json& chunk : streamed.chunks) joined += chunk["choices"][0]["text"].get<std::string>();
   EXPECT_EQ(joined, text.substr(0, cut));
   EXPECT_EQ(streamed.chunks.back()["choices"][0]["finish_reason"], "stop");
+
+  // Sampled choices that stop at different tokens: each ends on its own, the others go on.
+  json stops = json::array();
+  for (char c = 'a'; c <= 'z'; ++c) stops.push_back(std::string(1, c));
+  for (char c = 'A'; c <= 'P'; ++c) stops.push_back(std::string(1, c));
+  json sampled = {{"prompt", "abc"}, {"max_tokens", 40}, {"n", 4}, {"seed", 1}, {"ignore_eos", true}, {"stop", stops}};
+  auto [n_status, n_answer] = local.Post(sampled.dump());
+  ASSERT_EQ(n_status, 200) << n_answer.dump();
+  std::set<size_t> lengths;
+  for (const json& c : n_answer["choices"]) {
+    const std::string t = c["text"];
+    for (const json& stop : stops) EXPECT_EQ(t.find(stop.get<std::string>()), std::string::npos) << t;
+    lengths.insert(c["token_ids"].size());
+  }
+  EXPECT_GT(lengths.size(), 1u) << "the choices should stop at different tokens";
 }
 
 TEST_F(ServingTest, AClientThatLeavesMidStreamFreesItsSlotAtOnce) {

@@ -124,14 +124,23 @@ void ExpectParity(const HfTokenizer& tok, const std::string& tokenizer_path,
     auto prompt = tok.EncodePrompt(texts[i]);
     ASSERT_TRUE(prompt.ok());
     EXPECT_EQ(*prompt, ref->prompt_ids[i]) << "prompt " << i << ": " << json(texts[i]).dump();
-    auto decoded = tok.Decode(ours[i], true);
-    auto decoded_special = tok.Decode(ours[i], false);
-    ASSERT_TRUE(decoded.ok() && decoded_special.ok());
-    EXPECT_EQ(*decoded, ref->decoded[i]) << "decode " << i;
-    EXPECT_EQ(*decoded_special, ref->decoded_special[i]) << "decode with specials " << i;
     total += std::max(ours[i].size(), ref->ids[i].size());
     for (size_t k = 0; k < std::min(ours[i].size(), ref->ids[i].size()); ++k)
       same += ours[i][k] == ref->ids[i][k];
+    auto decoded = tok.Decode(ours[i], true);
+    auto decoded_special = tok.Decode(ours[i], false);
+    ASSERT_TRUE(decoded.ok() && decoded_special.ok());
+    // The one place the JS port differs from the tokenizers library: its Metaspace decoder
+    // strips one space from the first token, the library drops every "▁" in it (ours does).
+    const std::string first = ours[i].empty() ? "" : tok.TokenText(ours[i][0]);
+    const bool known_js_difference = tok.Describe().find("metaspace") != std::string::npos &&
+                                     first.find("▁▁") != std::string::npos;
+    if (known_js_difference) {
+      std::printf("decode %zu: the JS Metaspace decoder differs here (first token %s)\n", i, first.c_str());
+      continue;
+    }
+    EXPECT_EQ(*decoded, ref->decoded[i]) << "decode " << i;
+    EXPECT_EQ(*decoded_special, ref->decoded_special[i]) << "decode with specials " << i;
   }
   std::printf("parity: %zu of %zu token ids equal to the reference (%.2f%%) over %zu texts\n", same,
               total, total ? 100.0 * same / total : 100.0, texts.size());
@@ -264,6 +273,20 @@ TEST(HfTokenizerTest, SentencePieceFallsBackToBytes) {
     for (int32_t id : *ids) joined += *stream.Add(id);
     EXPECT_EQ(joined + stream.Finish(), "Hello World 日本語");
   }
+}
+
+TEST(HfTokenizerTest, MetaspaceDecoderDropsEveryReplacementOfTheFirstToken) {
+  // As the tokenizers library's Metaspace decoder: "▁▁" first decodes to nothing, later to
+  // two spaces; an answer decoded after its prompt keeps its leading space.
+  auto tok = HfTokenizer::Load(kData + "tiny_metaspace.json");
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  const int32_t two = *(*tok)->TokenId("▁▁"), hello = *(*tok)->TokenId("Hello");
+  EXPECT_EQ(*(*tok)->Decode(std::vector<int32_t>{two, hello, two, hello}), "Hello  Hello");
+  const int32_t space_hello = *(*tok)->TokenId("▁Hello");
+  IncrementalDecoder after_prompt(**tok, true, /*after_prompt=*/true);
+  EXPECT_EQ(*after_prompt.Add(space_hello), " Hello");
+  IncrementalDecoder fresh(**tok);
+  EXPECT_EQ(*fresh.Add(space_hello), "Hello");
 }
 
 TEST(HfTokenizerTest, ReadsConfigAndGenerationConfigBesideIt) {

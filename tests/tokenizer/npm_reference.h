@@ -3,6 +3,10 @@
 // node or the registry is not reachable, the callers skip with the reason.
 #pragma once
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -39,6 +43,18 @@ inline std::optional<std::string> NpmInstall(const std::string& name,
   }
   const fs::path dir = fs::path(FLYWHEEL_BUILD_DIR) / "npm" / name;
   const fs::path stamp = dir / ".installed";
+  // Tests run in parallel: one installs, the others wait for it (the lock goes with the fd).
+  fs::create_directories(dir.parent_path());
+  struct Lock {
+    int fd;
+    ~Lock() {
+      if (fd >= 0) ::close(fd);
+    }
+  } lock{::open((dir.string() + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644)};
+  if (lock.fd < 0 || ::flock(lock.fd, LOCK_EX) != 0) {
+    why = "cannot lock " + dir.string() + ".lock";
+    return std::nullopt;
+  }
   std::string wanted;
   for (const auto& p : packages) wanted += p + "\n";
   {
