@@ -115,6 +115,8 @@ TEST_F(ServingTest, BadRequestsAre4xxAndTheWorkerKeepsServing) {
       {R"({"prompt": "hi", "max_tokens": "many"})", "'max_tokens' has the wrong type"},
       {R"({"prompt": [1, 999]})", "outside the vocabulary"},
       {R"({"prompt": "hi", "logprobs": 21})", "top_logprobs must be in [0, 20]"},
+      {R"({"prompt": "hi", "max_tokens": 9223372036854775800})", "context (max_model_len) is 128 tokens"},
+      {R"({"prompt": "hi", "stop": [99999]})", "stop token 99999 is outside the vocabulary"},
       {R"({"prompt": "hi", "stop": [""]})", "'stop' entries must be non-empty strings"},
       {R"({"prompt": [], "max_tokens": 2})", "non-empty array of token ids"},
   };
