@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <sstream>
@@ -401,6 +402,54 @@ Result<std::string> ReadWhole(const std::string& path) {
   return buffer.str();
 }
 
+// Every occurrence of `from` (non-empty) in `s` replaced by `to`.
+std::string ReplaceAll(const std::string& s, const std::string& from, const std::string& to) {
+  std::string out;
+  size_t begin = 0;
+  for (size_t at; (at = s.find(from, begin)) != std::string::npos; begin = at + from.size())
+    out.append(s, begin, at - begin).append(to);
+  out.append(s, begin);
+  return out;
+}
+
+// A byte-level token's bytes: each character mapped back to its byte; nullopt when one is
+// not a byte character (the tokenizers library then keeps the token's text as it is).
+std::optional<std::string> ByteLevelBytes(const std::string& token,
+                                          const std::unordered_map<char32_t, uint8_t>& char_to_byte) {
+  std::string out;
+  for (size_t i = 0; i < token.size();) {
+    size_t len;
+    bool valid;
+    const char32_t c = unicode::DecodeAt(token, i, len, valid);
+    auto it = char_to_byte.find(c);
+    if (!valid || it == char_to_byte.end()) return std::nullopt;
+    out.push_back(static_cast<char>(it->second));
+    i += len;
+  }
+  return out;
+}
+
+// A tokenizer.json component: null (none), a Sequence of components under `list_key` (each
+// handed to `load`), or one component. Returns its type; empty when there is nothing more
+// to load (null, or a Sequence loaded).
+template <typename Load>
+Result<std::string> ComponentType(const json& j, const std::string& where, const char* list_key,
+                                  Load&& load) {
+  if (j.is_null()) return std::string();
+  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
+  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
+  if (type == "Sequence") {
+    auto list = j.find(list_key);
+    if (list == j.end() || !list->is_array())
+      return Status::InvalidArgument("tokenizer.json: " + where + "." + list_key + " must be a list");
+    for (size_t i = 0; i < list->size(); ++i)
+      FW_RETURN_IF_ERROR(load((*list)[i], where + "[" + std::to_string(i) + "]"));
+    return std::string();
+  }
+  if (type.empty()) return Status::InvalidArgument("tokenizer.json: " + where + " has no type");
+  return type;
+}
+
 }  // namespace
 
 struct HfTokenizer::Impl {
@@ -555,17 +604,11 @@ Status HfTokenizer::Impl::LoadModel(const json& model) {
 }
 
 Status HfTokenizer::Impl::LoadNormalizer(const json& j, const std::string& where) {
-  if (j.is_null()) return Status::Ok();
-  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
-  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
-  if (type == "Sequence") {
-    auto list = j.find("normalizers");
-    if (list == j.end() || !list->is_array())
-      return Status::InvalidArgument("tokenizer.json: " + where + ".normalizers must be a list");
-    for (size_t i = 0; i < list->size(); ++i)
-      FW_RETURN_IF_ERROR(LoadNormalizer((*list)[i], where + "[" + std::to_string(i) + "]"));
-    return Status::Ok();
-  }
+  FW_ASSIGN_OR_RETURN(std::string type,
+                      ComponentType(j, where, "normalizers", [this](const json& c, const std::string& w) {
+                        return LoadNormalizer(c, w);
+                      }));
+  if (type.empty()) return Status::Ok();
   NormalizerStep step;
   if (type == "NFC" || type == "NFKC" || type == "NFD" || type == "NFKD") {
     step.form = type == "NFC"    ? unicode::NormalForm::kNFC
@@ -595,17 +638,11 @@ Status HfTokenizer::Impl::LoadNormalizer(const json& j, const std::string& where
 }
 
 Status HfTokenizer::Impl::LoadPreTokenizer(const json& j, const std::string& where) {
-  if (j.is_null()) return Status::Ok();
-  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
-  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
-  if (type == "Sequence") {
-    auto list = j.find("pretokenizers");
-    if (list == j.end() || !list->is_array())
-      return Status::InvalidArgument("tokenizer.json: " + where + ".pretokenizers must be a list");
-    for (size_t i = 0; i < list->size(); ++i)
-      FW_RETURN_IF_ERROR(LoadPreTokenizer((*list)[i], where + "[" + std::to_string(i) + "]"));
-    return Status::Ok();
-  }
+  FW_ASSIGN_OR_RETURN(std::string type,
+                      ComponentType(j, where, "pretokenizers", [this](const json& c, const std::string& w) {
+                        return LoadPreTokenizer(c, w);
+                      }));
+  if (type.empty()) return Status::Ok();
   PreTokenizerStep step;
   if (type == "ByteLevel") {
     FW_ASSIGN_OR_RETURN(step.add_prefix_space, BoolField(j, "add_prefix_space", where, true));
@@ -684,17 +721,11 @@ Status HfTokenizer::Impl::LoadPreTokenizer(const json& j, const std::string& whe
 }
 
 Status HfTokenizer::Impl::LoadDecoder(const json& j, const std::string& where) {
-  if (j.is_null()) return Status::Ok();
-  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
-  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
-  if (type == "Sequence") {
-    auto list = j.find("decoders");
-    if (list == j.end() || !list->is_array())
-      return Status::InvalidArgument("tokenizer.json: " + where + ".decoders must be a list");
-    for (size_t i = 0; i < list->size(); ++i)
-      FW_RETURN_IF_ERROR(LoadDecoder((*list)[i], where + "[" + std::to_string(i) + "]"));
-    return Status::Ok();
-  }
+  FW_ASSIGN_OR_RETURN(std::string type,
+                      ComponentType(j, where, "decoders", [this](const json& c, const std::string& w) {
+                        return LoadDecoder(c, w);
+                      }));
+  if (type.empty()) return Status::Ok();
   DecoderStep step;
   if (type == "ByteLevel") {
   } else if (type == "ByteFallback") {
@@ -747,17 +778,11 @@ Result<int32_t> HfTokenizer::Impl::SpecialId(const std::string& content,
 }
 
 Status HfTokenizer::Impl::LoadPostProcessor(const json& j, const std::string& where) {
-  if (j.is_null()) return Status::Ok();
-  if (!j.is_object()) return Status::InvalidArgument("tokenizer.json: " + where + " must be an object");
-  FW_ASSIGN_OR_RETURN(std::string type, StringField(j, "type", where));
-  if (type == "Sequence") {
-    auto list = j.find("processors");
-    if (list == j.end() || !list->is_array())
-      return Status::InvalidArgument("tokenizer.json: " + where + ".processors must be a list");
-    for (size_t i = 0; i < list->size(); ++i)
-      FW_RETURN_IF_ERROR(LoadPostProcessor((*list)[i], where + "[" + std::to_string(i) + "]"));
-    return Status::Ok();
-  }
+  FW_ASSIGN_OR_RETURN(std::string type,
+                      ComponentType(j, where, "processors", [this](const json& c, const std::string& w) {
+                        return LoadPostProcessor(c, w);
+                      }));
+  if (type.empty()) return Status::Ok();
   if (type == "ByteLevel") return Status::Ok();  // offsets only: the ids stay as they are
   if (type == "RobertaProcessing" || type == "BertProcessing") {
     for (auto [key, target] : {std::pair{"cls", &prefix_ids}, std::pair{"sep", &suffix_ids}}) {
@@ -860,15 +885,9 @@ Result<std::string> HfTokenizer::Impl::Normalized(std::string_view text) const {
       case NormalizerStep::kPrepend:
         if (!s.empty()) s.insert(0, step.a);
         break;
-      case NormalizerStep::kReplace: {
-        std::string out;
-        size_t from = 0;
-        for (size_t at; (at = s.find(step.a, from)) != std::string::npos; from = at + step.a.size())
-          out.append(s, from, at - from).append(step.b);
-        out.append(s, from);
-        s = std::move(out);
+      case NormalizerStep::kReplace:
+        s = ReplaceAll(s, step.a, step.b);
         break;
-      }
     }
   }
   return s;
@@ -1171,24 +1190,9 @@ Status HfTokenizer::Impl::AppendPiece(int32_t id, bool skip_special, DecodeState
   bool fused = false;
   for (const DecoderStep& step : decoder) {
     switch (step.kind) {
-      case DecoderStep::kByteLevel: {
-        std::string out;
-        bool all = true;
-        for (size_t i = 0; i < s.size() && all;) {
-          size_t len;
-          bool valid;
-          const char32_t c = unicode::DecodeAt(s, i, len, valid);
-          auto it = char_to_byte.find(c);
-          if (!valid || it == char_to_byte.end()) {
-            all = false;
-          } else {
-            out.push_back(static_cast<char>(it->second));
-          }
-          i += len;
-        }
-        if (all) s = std::move(out);
+      case DecoderStep::kByteLevel:
+        if (auto bytes = ByteLevelBytes(s, char_to_byte)) s = std::move(*bytes);
         break;
-      }
       case DecoderStep::kByteFallback:
         if (s.size() == 6 && s.compare(0, 3, "<0x") == 0 && s[5] == '>' &&
             std::isxdigit(static_cast<unsigned char>(s[3])) &&
@@ -1198,30 +1202,15 @@ Status HfTokenizer::Impl::AppendPiece(int32_t id, bool skip_special, DecodeState
       case DecoderStep::kFuse:
         fused = true;
         break;
-      case DecoderStep::kReplace: {
-        std::string out;
-        size_t from = 0;
-        for (size_t at; (at = s.find(step.a, from)) != std::string::npos; from = at + step.a.size())
-          out.append(s, from, at - from).append(step.b);
-        out.append(s, from);
-        s = std::move(out);
+      case DecoderStep::kReplace:
+        s = ReplaceAll(s, step.a, step.b);
         break;
-      }
-      case DecoderStep::kMetaspace: {
+      case DecoderStep::kMetaspace:
         // As the tokenizers library does: every replacement character becomes a space,
         // except in the sequence's first token, where they all go (unless the scheme is
         // "never").
-        const bool drop = first && step.prepend;
-        std::string out;
-        size_t from = 0;
-        for (size_t at; (at = s.find(step.a, from)) != std::string::npos; from = at + step.a.size()) {
-          out.append(s, from, at - from);
-          if (!drop) out.push_back(' ');
-        }
-        out.append(s, from);
-        s = std::move(out);
+        s = ReplaceAll(s, step.a, first && step.prepend ? "" : " ");
         break;
-      }
       case DecoderStep::kStrip: {
         // After Fuse the tokens are one string: strip its start once; before, each token's.
         int64_t& left = state.strip_left;
@@ -1314,24 +1303,8 @@ Result<std::unique_ptr<HfTokenizer>> HfTokenizer::FromJson(std::string_view toke
   }
   if (t.byte_level && t.decoder.size() == 1 && t.decoder[0].kind == DecoderStep::kByteLevel) {
     t.decoded_bytes.resize(t.id_to_token.size());
-    for (size_t id = 0; id < t.id_to_token.size(); ++id) {
-      const std::string& s = t.id_to_token[id];
-      std::string out;
-      bool all = true;
-      for (size_t i = 0; i < s.size() && all;) {
-        size_t len;
-        bool valid;
-        const char32_t c = unicode::DecodeAt(s, i, len, valid);
-        auto it = t.char_to_byte.find(c);
-        if (!valid || it == t.char_to_byte.end()) {
-          all = false;
-        } else {
-          out.push_back(static_cast<char>(it->second));
-        }
-        i += len;
-      }
-      t.decoded_bytes[id] = all ? out : s;
-    }
+    for (size_t id = 0; id < t.id_to_token.size(); ++id)
+      t.decoded_bytes[id] = ByteLevelBytes(t.id_to_token[id], t.char_to_byte).value_or(t.id_to_token[id]);
   }
 
   // tokenizer_config.json and generation_config.json.
