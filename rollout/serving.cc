@@ -470,8 +470,11 @@ Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool
   if (chat) {
     if (!options_.chat_template)
       return Status::InvalidArgument(
-          "this worker has no chat template (its tokenizer_config.json has no chat_template); "
-          "use /v1/completions");
+          options_.chat_template_error.empty()
+              ? "this worker has no chat template (its tokenizer_config.json has no "
+                "chat_template); use /v1/completions"
+              : "this worker's chat template is not supported (" + options_.chat_template_error +
+                    "); use /v1/completions");
     auto m = request.find("messages");
     if (m == request.end() || !m->is_array() || m->empty())
       return Status::InvalidArgument("'messages' must be a non-empty list");

@@ -68,6 +68,8 @@ struct ServingOptions {
   // The chat template of /v1/chat/completions (null: chat is answered 400 naming the
   // missing template), and the tokens it may refer to.
   std::shared_ptr<const tokenizer::ChatTemplate> chat_template;
+  // Why there is no chat template (e.g. the model's could not be parsed), for chat's 400.
+  std::string chat_template_error;
   std::string bos_token, eos_token;
   // Runs every engine step (the argument) inside it, e.g. under the sync worker's shared
   // weights lock when the engine computes straight from the served weights (fp32 serving:

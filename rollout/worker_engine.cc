@@ -23,6 +23,7 @@ struct WorkerEngine::Impl {
   std::shared_ptr<const model::Tokenizer> tokenizer;
   // An HF tokenizer's chat template and tokens (empty for byte and char tokenizers).
   std::shared_ptr<const tokenizer::ChatTemplate> chat_template;
+  std::string chat_template_error;
   std::string bos_token, eos_token;
   int64_t max_model_len = 0;
   std::shared_ptr<model::TransformerImpl> model;
@@ -65,6 +66,7 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
         // Completions still work; chat answers 400 naming why.
         spdlog::warn("chat template of {} not supported, /v1/chat/completions is off: {}", hf_path,
                      parsed.status().message());
+        impl->chat_template_error = parsed.status().message();
       } else {
         impl->chat_template = std::make_shared<tokenizer::ChatTemplate>(std::move(*parsed));
       }
@@ -163,6 +165,7 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
   }
   ServingOptions serving;
   serving.chat_template = s.chat_template;
+  serving.chat_template_error = s.chat_template_error;
   serving.bos_token = s.bos_token;
   serving.eos_token = s.eos_token;
   serving.max_model_len = s.max_model_len;  // the smaller of it and max_sequence counts

@@ -284,8 +284,8 @@ struct LocalServer {
     guard.reset();
     thread.join();
   }
-  std::pair<int, json> Post(const std::string& body) {
-    auto response = transport::HttpPost({"127.0.0.1", server->port()}, "/v1/completions", body,
+  std::pair<int, json> Post(const std::string& body, const std::string& path = "/v1/completions") {
+    auto response = transport::HttpPost({"127.0.0.1", server->port()}, path, body,
                                         {.timeout = std::chrono::seconds(60)});
     EXPECT_TRUE(response.ok()) << response.status().ToString();
     if (!response.ok()) return {0, json()};
@@ -351,6 +351,12 @@ TEST_F(ServingTest, StopStringsSpanningTokensEndTheTextBeforeThem) {
     lengths.insert(c["token_ids"].size());
   }
   EXPECT_GT(lengths.size(), 1u) << "the choices should stop at different tokens";
+
+  // Without a chat template, chat says so and completions go on.
+  auto [chat_status, chat] = local.Post(R"({"messages": [{"role": "user", "content": "x"}]})",
+                                        "/v1/chat/completions");
+  EXPECT_EQ(chat_status, 400);
+  EXPECT_NE(chat.dump().find("no chat template"), std::string::npos) << chat.dump();
 }
 
 TEST_F(ServingTest, AClientThatLeavesMidStreamFreesItsSlotAtOnce) {
