@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <mutex>
 
+#include "base/env.h"
 #include "delta/safetensors.h"
 #include "rollout/actor.h"
 #include "rollout/engine.h"
@@ -53,7 +54,7 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
   if (options.tokenizer == "auto") {
     fs::path dir = options.model_config;
     if (!fs::is_directory(dir)) dir = dir.parent_path();
-    if (fs::exists(dir / "tokenizer.json")) hf_path = dir.string();
+    if (Env::Default()->FileExists((dir / "tokenizer.json").string())) hf_path = dir.string();
   } else if (options.tokenizer != "byte" && options.tokenizer.rfind("chars:", 0) != 0) {
     hf_path = options.tokenizer;
   }

@@ -4,14 +4,13 @@
 #include <array>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <mutex>
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <queue>
-#include <sstream>
 #include <unordered_map>
 
+#include "base/env.h"
 #include "tokenizer/unicode.h"
 
 namespace flywheel::tokenizer {
@@ -393,13 +392,10 @@ std::string TokenContent(const json& config, const char* key) {
   return {};
 }
 
-Result<std::string> ReadWhole(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::NotFound("cannot open " + path);
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  if (in.bad()) return Status::IOError("cannot read " + path);
-  return buffer.str();
+// A whole file through the Env (base/env.h), as text.
+Result<std::string> ReadText(const std::string& path) {
+  FW_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, Env::Default()->ReadFile(path));
+  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
 }
 
 // Every occurrence of `from` (non-empty) in `s` replaced by `to`.
@@ -1245,16 +1241,18 @@ Result<std::unique_ptr<HfTokenizer>> HfTokenizer::Load(const std::string& path) 
   } else {
     dir = file.parent_path();
   }
-  if (!fs::exists(file, ec))
+  Env* env = Env::Default();
+  if (!env->FileExists(file.string()))
     return Status::NotFound("no tokenizer.json at " + file.string() +
                             " (flywheel reads HF tokenizer.json files)");
-  FW_ASSIGN_OR_RETURN(std::string tokenizer_json, ReadWhole(file.string()));
+  FW_ASSIGN_OR_RETURN(std::string tokenizer_json, ReadText(file.string()));
+  // The two companions are optional; present, they must read.
   std::string config, generation;
-  if (fs::exists(dir / "tokenizer_config.json", ec)) {
-    FW_ASSIGN_OR_RETURN(config, ReadWhole((dir / "tokenizer_config.json").string()));
+  if (const std::string c = (dir / "tokenizer_config.json").string(); env->FileExists(c)) {
+    FW_ASSIGN_OR_RETURN(config, ReadText(c));
   }
-  if (fs::exists(dir / "generation_config.json", ec)) {
-    FW_ASSIGN_OR_RETURN(generation, ReadWhole((dir / "generation_config.json").string()));
+  if (const std::string g = (dir / "generation_config.json").string(); env->FileExists(g)) {
+    FW_ASSIGN_OR_RETURN(generation, ReadText(g));
   }
   auto loaded = FromJson(tokenizer_json, config, generation);
   if (!loaded.ok())

@@ -64,6 +64,17 @@ class SigningTest : public ::testing::Test {
     return facts.status().message();
   }
 
+  // A keyframe of version 4 (the version before info_'s target).
+  ArtifactInfo KeyframeOfV4() const {
+    ArtifactInfo keyframe = info_;
+    keyframe.kind = ArtifactKind::kKeyframe;
+    keyframe.base_version = 0;
+    keyframe.base_hash = Hash128{};
+    keyframe.target_version = 4;
+    keyframe.target_hash = Hash128{1, 2};
+    return keyframe;
+  }
+
   fs::path dir_;
   KeyFiles files_;
   std::optional<SigningKey> key_;
@@ -212,12 +223,7 @@ TEST_F(SigningTest, VersionsOnlyGoUpWithinARunAndOlderRunsAreReplays) {
 
 TEST_F(SigningTest, CatalogVerifierKeepsOnlyVerifiedArtifactsAndCountsEachRefusalOnce) {
   Catalog catalog;
-  ArtifactInfo keyframe = info_;
-  keyframe.kind = ArtifactKind::kKeyframe;
-  keyframe.base_version = 0;
-  keyframe.base_hash = Hash128{};
-  keyframe.target_version = 4;
-  keyframe.target_hash = Hash128{1, 2};
+  const ArtifactInfo keyframe = KeyframeOfV4();
   catalog.artifacts = {keyframe, info_};
   catalog.signatures[KeyOf(keyframe)] = Signed(keyframe);  // info_ (v5) is unsigned
   catalog.head_version = 5;
@@ -248,12 +254,7 @@ TEST_F(SigningTest, CatalogVerifierKeepsOnlyVerifiedArtifactsAndCountsEachRefusa
 // head, and only while its bound is within twice the largest verified artifact + 64 MiB,
 // so a forged one cannot make a node fetch without end.
 TEST_F(SigningTest, StreamingEntriesPassUnsignedWithinABound) {
-  ArtifactInfo keyframe = info_;
-  keyframe.kind = ArtifactKind::kKeyframe;
-  keyframe.base_version = 0;
-  keyframe.base_hash = Hash128{};
-  keyframe.target_version = 4;
-  keyframe.target_hash = Hash128{1, 2};
+  const ArtifactInfo keyframe = KeyframeOfV4();
   ArtifactInfo streaming = info_;
   streaming.streaming = true;
   streaming.target_hash = Hash128{};
