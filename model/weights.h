@@ -36,6 +36,11 @@ Result<OwnedCheckpoint> SnapshotWeights(TransformerImpl& model, DType dtype,
                                         bool adapters_only = false);
 
 inline constexpr const char* kAdapterConfigTensor = "flywheel.adapter_config";
+// In a version served to workers, session <name>'s adapter rides beside the base weights as
+// "flywheel.adapters/<name>/" + the adapters-only snapshot's tensor names (its PEFT factors
+// and its kAdapterConfigTensor): the training service's LoRA sessions. Workers load each
+// such group as adapter <name> (rollout/worker_engine.h) and ignore them as base weights.
+inline constexpr const char* kServedAdapterPrefix = "flywheel.adapters/";
 // PEFT's adapter_config.json fields (peft_type, r, lora_alpha, target_modules) plus the base
 // model's config. REQUIRES: LoRA enabled.
 nlohmann::json AdapterConfigJson(const TransformerImpl& model);
