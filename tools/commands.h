@@ -40,7 +40,8 @@ inline constexpr bool kWithTorch = true;
 inline constexpr bool kWithTorch = false;
 #endif
 
-// Whether the command line names a command that needs libtorch: `train`, `bench trainer`,
+// Whether the command line names a command that needs libtorch: `train`, `serve-trainer`,
+// `bench trainer`,
 // `bench rollout`, `bench parity`, `bench pipeline`, and `worker` with --model.
 bool NeedsTorch(int argc, char** argv);
 
@@ -77,6 +78,8 @@ void AddCertsCommands(CLI::App& app, Action& action);
 void AddSyncCommands(CLI::App& app, Action& action);
 // `push`, `versions`, `pin`, `unpin`: clients of a publisher's push API.
 void AddPushCommands(CLI::App& app, Action& action);
+// `serve-trainer` and `service`: the training service (docs/TRAINING_API.md).
+void AddServeCommands(CLI::App& app, Action& action);
 // `demo` and `train`: the pipeline-RL loop.
 void AddRlCommands(CLI::App& app, Action& action);
 // `bench pipeline` (registered by AddBenchCommands).

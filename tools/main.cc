@@ -40,7 +40,7 @@ bool NeedsTorch(int argc, char** argv) {
     if (!arg.empty() && arg[0] != '-' && words.size() < 2) words.push_back(arg);
   }
   if (words.empty()) return false;
-  if (words[0] == "train") return true;
+  if (words[0] == "train" || words[0] == "serve-trainer") return true;
   if (words[0] == "worker") return model;
   if (words[0] == "bench" && words.size() > 1) {
     return words[1] == "trainer" || words[1] == "rollout" || words[1] == "parity" ||
@@ -182,6 +182,7 @@ int Run(int argc, char** argv) {
   AddSyncCommands(app, action);
   AddPushCommands(app, action);
   AddRlCommands(app, action);
+  AddServeCommands(app, action);
   AddCertsCommands(app, action);
   // After the subcommands, which would inherit it otherwise; they have their own.
   app.footer(kFooter);

@@ -385,13 +385,110 @@ Result<Metrics> TrainingClient::ForwardBackwardCustom(const std::vector<Datum>& 
     if (grads[i].defined())
       upstream[i].narrow(0, 0, batch.lengths[i]).copy_(grads[i].to(torch::kFloat));
   }
+  return BackwardUpstream(batch, upstream, loss.item<double>());
+}
+
+Metrics TrainingClient::BackwardUpstream(const Batch& batch, const torch::Tensor& upstream,
+                                         double loss_value) {
   // Pass 2: the same forward with a graph; sum(logprob * dL/dlogprob) has the loss's gradient.
   LogprobResult second = Logprobs(batch, upstream.ne(0));
   Metrics metrics;
   Backward(batch, (second.logprobs * upstream).sum(), second.aux_loss, metrics);
-  metrics.loss = loss.item<double>();
+  metrics.loss = loss_value;
   metrics.aux_loss = second.aux_loss.item<double>();
   return metrics;
+}
+
+Result<Metrics> TrainingClient::ForwardBackwardFromGrads(
+    const std::vector<Datum>& datums, const std::vector<std::vector<float>>& grads,
+    double loss_value) {
+  if (grads.size() != datums.size()) {
+    return Status::InvalidArgument("forward_backward_custom: " + std::to_string(grads.size()) +
+                                   " gradient rows for " + std::to_string(datums.size()) +
+                                   " datums");
+  }
+  if (!std::isfinite(loss_value))
+    return Status::InvalidArgument("forward_backward_custom: the loss value is not finite");
+  FW_ASSIGN_OR_RETURN(Batch batch, MakeBatch(datums, false, false, false));
+  torch::Tensor upstream = torch::zeros_like(batch.weights);
+  for (size_t i = 0; i < datums.size(); ++i) {
+    if (static_cast<int64_t>(grads[i].size()) != batch.lengths[i]) {
+      return Status::InvalidArgument("forward_backward_custom: datum " + std::to_string(i) +
+                                     " has " + std::to_string(batch.lengths[i]) + " tokens but " +
+                                     std::to_string(grads[i].size()) + " gradients");
+    }
+    for (size_t t = 0; t < grads[i].size(); ++t) {
+      if (!std::isfinite(grads[i][t])) {
+        return Status::InvalidArgument("forward_backward_custom: gradient " + std::to_string(t) +
+                                       " of datum " + std::to_string(i) + " is not finite");
+      }
+    }
+    upstream[i]
+        .narrow(0, 0, batch.lengths[i])
+        .copy_(torch::from_blob(const_cast<float*>(grads[i].data()), {batch.lengths[i]},
+                                torch::kFloat));
+  }
+  return BackwardUpstream(batch, upstream, loss_value);
+}
+
+TrainableState TrainingClient::ExportTrainable() const {
+  TrainableState state;
+  for (size_t i = 0; i < trainable_.size(); ++i) {
+    const torch::Tensor& p = trainable_[i].second;
+    state.values.push_back(p.detach().clone());
+    state.exp_avg.push_back(exp_avg_[i].clone());
+    state.exp_avg_sq.push_back(exp_avg_sq_[i].clone());
+    state.grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  }
+  state.step = step_;
+  state.last_version = last_version_;
+  state.pending_norm = pending_norm_;
+  state.pending_tokens = pending_tokens_;
+  state.have_pending = have_pending_;
+  state.pending_since = pending_since_;
+  return state;
+}
+
+Status TrainingClient::ImportTrainable(const TrainableState& state) {
+  const size_t n = trainable_.size();
+  if (state.values.size() != n || state.exp_avg.size() != n || state.exp_avg_sq.size() != n ||
+      state.grads.size() != n) {
+    return Status::Mismatch("import_trainable: the state has " +
+                            std::to_string(state.values.size()) + " tensors, the client trains " +
+                            std::to_string(n));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (!state.values[i].sizes().equals(trainable_[i].second.sizes())) {
+      return Status::Mismatch("import_trainable: " + trainable_[i].first + " has another shape");
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < n; ++i) {
+    torch::Tensor& p = trainable_[i].second;
+    p.copy_(state.values[i]);
+    exp_avg_[i].copy_(state.exp_avg[i]);
+    exp_avg_sq_[i].copy_(state.exp_avg_sq[i]);
+    p.mutable_grad() = state.grads[i].defined() ? state.grads[i].clone() : torch::Tensor();
+  }
+  step_ = state.step;
+  last_version_ = state.last_version;
+  pending_norm_ = state.pending_norm;
+  pending_tokens_ = state.pending_tokens;
+  have_pending_ = state.have_pending;
+  pending_since_ = state.pending_since;
+  return Status::Ok();
+}
+
+int64_t TrainingClient::parameter_count() const {
+  int64_t n = 0;
+  for (const auto& item : model_->named_parameters()) n += item.value().numel();
+  return n;
+}
+
+int64_t TrainingClient::trainable_count() const {
+  int64_t n = 0;
+  for (const auto& [name, p] : trainable_) n += p.numel();
+  return n;
 }
 
 Result<Metrics> TrainingClient::OptimStep(const AdamWParams& params) {
@@ -521,7 +618,7 @@ Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) 
   return snapshot;
 }
 
-Status TrainingClient::SaveState(const std::string& dir) {
+Status TrainingClient::SaveState(const std::string& dir, bool include_frozen) {
   if (have_pending_) {
     return Status::InvalidArgument(
         "save_state: gradients are pending (forward_backward without optim_step); "
@@ -545,6 +642,7 @@ Status TrainingClient::SaveState(const std::string& dir) {
 
   OwnedCheckpoint weights, moments;
   for (auto& item : model_->named_parameters()) {
+    if (!include_frozen && !item.value().requires_grad()) continue;
     FW_ASSIGN_OR_RETURN(OwnedTensor t, model::FromTorch(item.key(), item.value(), DType::kF32));
     weights.tensors.push_back(std::move(t));
   }
@@ -595,7 +693,7 @@ Status TrainingClient::SaveState(const std::string& dir) {
   return Status::Ok();
 }
 
-Status TrainingClient::LoadState(const std::string& dir) {
+Status TrainingClient::LoadState(const std::string& dir, bool include_frozen) {
   const fs::path root = dir;
   const fs::path meta_path = root / "trainer.json";
   if (!fs::exists(meta_path))
@@ -646,6 +744,7 @@ Status TrainingClient::LoadState(const std::string& dir) {
   };
   std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
   for (auto& item : model_->named_parameters()) {
+    if (!include_frozen && !item.value().requires_grad()) continue;
     FW_ASSIGN_OR_RETURN(torch::Tensor value, find(item.key(), item.value()));
     copies.emplace_back(item.value(), value);
   }

@@ -136,6 +136,20 @@ struct CpuThreads {
 CpuThreads ConfigureCpuThreads(int threads);
 CpuThreads CurrentCpuThreads();
 
+// What one training run owns of a TrainingClient: the trainable tensors' values (LoRA: the
+// adapters; otherwise every weight), their AdamW moments and pending gradients, the step and
+// the gradient accumulation since it. The training service keeps one per session and swaps
+// them in and out of one client, so several runs share one frozen base (multi-LoRA).
+struct TrainableState {
+  std::vector<torch::Tensor> values, exp_avg, exp_avg_sq, grads;  // aligned with the client's
+  uint64_t step = 0;                                              // trainable parameters
+  uint64_t last_version = 0;
+  double pending_norm = 0;
+  int64_t pending_tokens = 0;
+  bool have_pending = false;
+  std::chrono::steady_clock::time_point pending_since{};
+};
+
 // The user loss of ForwardBackwardCustom: given the datums and their current logprobs
 // (one 1-D fp32 tensor of length T per datum, requiring grad), return a scalar loss.
 using CustomLossFn = std::function<Result<torch::Tensor>(const std::vector<Datum>&,
@@ -154,6 +168,14 @@ class TrainingClient {
   // The general path: a no-grad forward for logprobs, `fn` computes the loss and
   // d loss / d logprob, then a forward+backward of sum(logprob * that gradient).
   Result<Metrics> ForwardBackwardCustom(const std::vector<Datum>& datums, const CustomLossFn& fn);
+  // ForwardBackwardCustom's second pass for a loss computed elsewhere (the training
+  // service's Python clients): `grads[i][t]` is d loss / d logprob of datum i's token t, taken
+  // at the logprobs Forward() returned (pass the routing it returned in the datums, so an
+  // MoE model routes as it did); `loss_value` is reported as the metrics' loss. Backpropagates
+  // sum(logprob * grads) through one forward with a graph: the loss's gradient.
+  Result<Metrics> ForwardBackwardFromGrads(const std::vector<Datum>& datums,
+                                           const std::vector<std::vector<float>>& grads,
+                                           double loss_value);
   // AdamW on the accumulated gradients (divided by the accumulated normaliser), with
   // global-norm clipping; clears the gradients. Data parallel: gradients, normalisers and
   // token counts are summed over the ranks first (a rank may contribute nothing).
@@ -170,12 +192,23 @@ class TrainingClient {
 
   // Weights (fp32), optimizer moments, step and pending accumulation, so a run resumes
   // bit-exactly. `dir` is replaced atomically (written beside it, then renamed).
-  Status SaveState(const std::string& dir);
-  Status LoadState(const std::string& dir);
+  // With include_frozen false only the trained parameters are written and read (LoRA: the
+  // adapters; the frozen base is left as it is): a state of one LoRA session on a shared base.
+  Status SaveState(const std::string& dir, bool include_frozen = true);
+  Status LoadState(const std::string& dir, bool include_frozen = true);
+
+  // Copies of the trainable state, and back (REQUIRES: a state exported by this client, or
+  // one shaped like it). Import replaces values, moments, gradients, step and accumulation.
+  TrainableState ExportTrainable() const;
+  Status ImportTrainable(const TrainableState& state);
+  // Number of parameters (elements): all, and those trained.
+  int64_t parameter_count() const;
+  int64_t trainable_count() const;
 
   model::TransformerImpl& model() { return *model_; }
   const TrainerOptions& options() const { return options_; }
   uint64_t step() const { return step_; }
+  int64_t pending_tokens() const { return pending_tokens_; }  // loss tokens since the last step
   uint64_t last_sampler_version() const { return last_version_; }
 
  private:
@@ -193,6 +226,8 @@ class TrainingClient {
   // accumulates the normaliser and token counts (see the file comment).
   void Backward(const Batch& batch, const torch::Tensor& loss, const torch::Tensor& aux_loss,
                 Metrics& metrics);
+  // The second pass of the custom paths: `upstream` [B, T] is d loss / d logprob.
+  Metrics BackwardUpstream(const Batch& batch, const torch::Tensor& upstream, double loss_value);
 
   TrainerOptions options_;
   std::shared_ptr<model::TransformerImpl> model_;

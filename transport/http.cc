@@ -815,6 +815,8 @@ const char* ScopeName(uint32_t scope) {
       return "push";
     case kScopeAdmin:
       return "admin";
+    case kScopeTrain:
+      return "train";
     default:
       return "several scopes";
   }
@@ -827,12 +829,12 @@ Result<uint32_t> ParseScopes(const std::string& text) {
     const size_t end = std::min(text.find(',', begin), text.size());
     const std::string name = text.substr(begin, end - begin);
     uint32_t scope = 0;
-    for (uint32_t bit : {kScopeRead, kScopeSample, kScopeSubmit, kScopePush, kScopeAdmin}) {
+    for (uint32_t bit : {kScopeRead, kScopeSample, kScopeSubmit, kScopePush, kScopeAdmin, kScopeTrain}) {
       if (name == ScopeName(bit)) scope = bit;
     }
     if (scope == 0) {
       return Status::InvalidArgument("unknown scope '" + name +
-                                     "' (expected read, sample, submit, push or admin)");
+                                     "' (expected read, sample, submit, push, admin or train)");
     }
     scopes |= scope;
     begin = end + 1;

@@ -46,10 +46,11 @@ enum Scope : uint32_t {
   kScopeSubmit = 1u << 2,  // the trainer's POST /v1/rollout/claim and /v1/rollout/submit
   kScopePush = 1u << 3,    // the publisher's uploads (push API)
   kScopeAdmin = 1u << 4,   // pin and unpin
+  kScopeTrain = 1u << 5,   // the training service's calls (docs/TRAINING_API.md)
 };
 // HttpServerOptions::token's scopes: what the fleet's own processes do with each other.
 inline constexpr uint32_t kScopeFleet = kScopeRead | kScopeSample | kScopeSubmit;
-// "read", "sample", "submit", "push", "admin" (one scope bit), for messages and flags.
+// "read", "sample", "submit", "push", "admin", "train" (one scope bit), for messages and flags.
 const char* ScopeName(uint32_t scope);
 // "read,submit" -> kScopeRead | kScopeSubmit; InvalidArgument naming an unknown scope.
 Result<uint32_t> ParseScopes(const std::string& text);

@@ -1,0 +1,83 @@
+// The training service (`flywheel serve-trainer`): the embedded trainer behind the HTTP API
+// of docs/TRAINING_API.md, with sessions.
+//
+//   full mode  one session at a time trains every weight
+//   LoRA mode  (TrainerOptions::lora) many sessions share one frozen base; each has its own
+//              adapter, AdamW moments, step and accumulation (trainer::TrainableState),
+//              swapped into the one model for its calls
+//
+// One trainer thread runs every call; a session's calls run in `seq` order (answers of the
+// last ones are kept, so a retry is answered without running twice). HTTP handlers decode on
+// a pool and wait there, never on the network thread. save_weights_for_sampler publishes
+// through the in-process publisher: full mode publishes the weights; LoRA mode publishes the
+// base plus every session's latest adapter under model::kServedAdapterPrefix + <name>/, so
+// workers serve each session's adapter by name. Sessions expire after an idle timeout;
+// save_state writes <state>/sessions/<id>/<name>, and a restarted service restores every
+// session that saved a state (from its latest one) under the same id.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "base/status.h"
+#include "trainer/training_client.h"
+#include "transport/http.h"
+
+namespace flywheel::sync {
+class Publisher;
+}
+
+namespace flywheel::rl {
+
+struct TrainingServiceOptions {
+  trainer::TrainerOptions trainer;  // model, initial weights, seed, LoRA (sets the mode), dtype
+  std::string state_dir;            // sessions/ lives here (required)
+  std::chrono::milliseconds session_idle_timeout{std::chrono::hours(1)};
+  std::chrono::milliseconds seq_wait{std::chrono::minutes(1)};
+  int64_t max_batch_tokens = 1 << 18;
+  uint64_t max_body_bytes = 256ull << 20;
+  size_t answers_kept = 64;  // per session, for retries
+  int http_threads = 32;     // requests decoded or waiting for their call at once
+  Status Validate() const;
+};
+
+// An answer of the API.
+struct ServiceAnswer {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+};
+
+class TrainingService {
+ public:
+  // Builds the trainer, restores the sessions saved under state_dir and, with a publisher,
+  // publishes the starting weights as the version after the publisher's head (workers can
+  // serve the base before any session saves).
+  static Result<std::unique_ptr<TrainingService>> Create(TrainingServiceOptions options,
+                                                         sync::Publisher* publisher);
+  ~TrainingService();  // calls still waiting are answered 503
+  TrainingService(const TrainingService&) = delete;
+  TrainingService& operator=(const TrainingService&) = delete;
+
+  // GET/POST/DELETE under /v1/train (scopes: GETs read or train, the rest train), plus
+  // GET /v1/status and /metrics. Call on the server's executor before it serves.
+  void Register(transport::HttpServer& server);
+  // One request without HTTP (blocking; what the routes run on their pool).
+  ServiceAnswer Handle(const std::string& method, const std::string& path, const std::string& body);
+
+  nlohmann::json StatusJson();
+  uint64_t version() const;  // the last version published (0: none)
+  bool lora() const;
+
+  struct Impl;
+
+ private:
+  explicit TrainingService(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flywheel::rl
