@@ -2,9 +2,14 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
+#include <map>
 #include <mutex>
+#include <optional>
+#include <set>
+#include <string_view>
 
 #include "base/env.h"
 #include "delta/safetensors.h"
@@ -13,6 +18,7 @@
 #include "rollout/mirror.h"
 #include "rollout/serving.h"
 #include "model/tokenizer.h"
+#include "model/weights.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/hf_tokenizer.h"
 
@@ -33,6 +39,13 @@ struct WorkerEngine::Impl {
   std::shared_ptr<CompletionService> service;
   bool aliased = false;  // fp32 serving: the parameters are views of the worker's weights
   std::atomic<const sync::Worker*> worker{nullptr};
+  // Adapters loaded from the served versions' kServedAdapterPrefix groups (guarded by
+  // `mutex`, like everything a swap touches). The --adapter ones are never among them, so a
+  // swap never unloads those.
+  std::set<std::string> served_adapters;
+  // Served adapters a version dropped while a request still used them: a later swap tries
+  // to unload them again.
+  std::set<std::string> retiring_adapters;
 
   std::shared_ptr<CompletionService> Service() {
     std::lock_guard lock(mutex);
@@ -114,6 +127,50 @@ namespace {
 // The first served version: the engine is built on it.
 Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event);
 
+// A served version's tensor "flywheel.adapters/<adapter>/<tensor>" split in two (`tensor`
+// empty when no '/' follows the adapter's name); nullopt for a base tensor.
+struct ServedAdapterTensor {
+  std::string_view adapter;
+  std::string_view tensor;
+};
+std::optional<ServedAdapterTensor> SplitServedAdapterTensor(std::string_view name) {
+  const std::string_view prefix = model::kServedAdapterPrefix;
+  if (!name.starts_with(prefix)) return std::nullopt;
+  const std::string_view rest = name.substr(prefix.size());
+  const size_t slash = rest.find('/');
+  if (slash == std::string_view::npos) return ServedAdapterTensor{rest, {}};
+  return ServedAdapterTensor{rest.substr(0, slash), rest.substr(slash + 1)};
+}
+
+// The training service's session names: [A-Za-z0-9._-]{1,64}.
+bool ValidAdapterName(std::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (const char c : name) {
+    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// `weights` without the served adapters' tensors: what the model's parameters load from
+// (LoadMirror and AliasWeights take a version's base tensors only). Views of the same bytes.
+CheckpointView BaseWeights(const CheckpointView& weights) {
+  CheckpointView base;
+  base.reserve(weights.size());
+  for (const TensorView& t : weights) {
+    if (!SplitServedAdapterTensor(t.name)) base.push_back(t);
+  }
+  return base;
+}
+
+// After the engine took `event`'s version: (re)loads the adapters the version serves, all
+// of them when `all` (the first version, a keyframe in a new layout), else only those whose
+// tensors `event.changes` lists, and unloads those a version dropped. A group that does not
+// load is logged and leaves the adapter's previous copy served; nothing here refuses the
+// version.
+void ServeAdapters(WorkerEngine::Impl& s, const sync::SwapEvent& event, bool all);
+
 }  // namespace
 
 Status WorkerEngine::OnSwap(const sync::SwapEvent& event) {
@@ -133,9 +190,15 @@ Status WorkerEngine::OnSwap(const sync::SwapEvent& event) {
     if (s.aliased) {
       // Deltas were applied in place into the tensors the model views; a keyframe decoded
       // into new buffers is viewed afresh.
-      return event.full ? AliasWeights(*s.model, *event.weights) : Status::Ok();
+      return event.full ? AliasWeights(*s.model, BaseWeights(*event.weights)) : Status::Ok();
     }
-    if (event.full) return LoadMirrorOrRestore(*s.model, *event.weights, event.previous);
+    if (event.full) {
+      const CheckpointView previous =
+          event.previous ? BaseWeights(*event.previous) : CheckpointView();
+      return LoadMirrorOrRestore(*s.model, BaseWeights(*event.weights),
+                                 event.previous ? &previous : nullptr);
+    }
+    // PatchMirror skips tensors that are not parameters (the served adapters).
     return PatchMirror(*s.model, *event.weights, *event.changes).status();
   });
   if (!swapped.ok()) {
@@ -145,15 +208,20 @@ Status WorkerEngine::OnSwap(const sync::SwapEvent& event) {
   }
   spdlog::info("rollout engine: version {} in {:.2f} ms", event.version,
                s.engine->last_swap_pause_ms());
+  // Between steps, after the base: the engine's lock is not reentrant, so the adapters
+  // cannot be loaded inside Swap's patch.
+  ServeAdapters(s, event, event.full);
   return Status::Ok();
 }
 
 namespace {
 
 Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
-  const bool aliased = AllF32(*event.weights);
-  FW_RETURN_IF_ERROR(aliased ? AliasWeights(*s.model, *event.weights)
-                             : LoadMirror(*s.model, *event.weights));
+  // The served adapters' tensors (their U8 configs included) are not the base's: F32 base
+  // weights are served without a mirror whatever rides beside them.
+  const CheckpointView base = BaseWeights(*event.weights);
+  const bool aliased = AllF32(base);
+  FW_RETURN_IF_ERROR(aliased ? AliasWeights(*s.model, base) : LoadMirror(*s.model, base));
   FW_ASSIGN_OR_RETURN(
       auto engine,
       Engine::Create(s.model, {s.options.max_batch, s.options.max_sequence}, event.version));
@@ -164,6 +232,7 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
     Status added = file.ok() ? s.engine->LoadAdapter(name, file->tensors()) : file.status();
     if (!added.ok()) spdlog::error("rollout engine: adapter {}: {}", name, added.message());
   }
+  ServeAdapters(s, event, /*all=*/true);
   ServingOptions serving;
   serving.chat_template = s.chat_template;
   serving.chat_template_error = s.chat_template_error;
@@ -182,6 +251,81 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
   s.service = std::make_shared<CompletionService>(s.engine, s.tokenizer, serving);
   spdlog::info("rollout engine: serving version {}", event.version);
   return Status::Ok();
+}
+
+void ServeAdapters(WorkerEngine::Impl& s, const sync::SwapEvent& event, bool all) {
+  const CheckpointView& weights = *event.weights;
+  // The adapters whose tensors this swap wrote (a base-only delta: none, and no more work).
+  std::set<std::string, std::less<>> changed;
+  if (!all) {
+    for (const delta::ChangedWords& c : *event.changes) {
+      if (c.state_index >= weights.size() || (!c.all && c.positions.empty())) continue;
+      if (auto served = SplitServedAdapterTensor(weights[c.state_index].name)) {
+        changed.emplace(served->adapter);
+      }
+    }
+  }
+  // Each group to load, its tensors under their adapters-only snapshot names. With `all`,
+  // also every adapter the version serves.
+  std::map<std::string, CheckpointView, std::less<>> groups;
+  if (all || !changed.empty()) {
+    for (const TensorView& t : weights) {
+      auto served = SplitServedAdapterTensor(t.name);
+      if (!served || (!all && !changed.contains(served->adapter))) continue;
+      // A tensor right under the prefix keeps its whole name, which LoadAdapter refuses.
+      groups[std::string(served->adapter)].push_back(
+          {served->tensor.empty() ? t.name : std::string(served->tensor), t.dtype, t.shape,
+           t.data});
+    }
+  }
+  for (const auto& [name, group] : groups) {
+    if (!ValidAdapterName(name)) {
+      spdlog::error(
+          "rollout engine: version {}: served adapter name '{}' ignored (want "
+          "[A-Za-z0-9._-], 1 to 64 characters)",
+          event.version, name);
+      continue;
+    }
+    const bool from_file = std::any_of(s.options.adapters.begin(), s.options.adapters.end(),
+                                       [&](const auto& adapter) { return adapter.first == name; });
+    if (from_file) {
+      spdlog::error(
+          "rollout engine: version {}: served adapter {} ignored: --adapter {} names "
+          "the one served under that name",
+          event.version, name, name);
+      continue;
+    }
+    s.retiring_adapters.erase(name);
+    Status loaded = s.engine->LoadAdapter(name, group);
+    if (!loaded.ok()) {
+      spdlog::error("rollout engine: version {}: served adapter {} not loaded ({}): {}",
+                    event.version, name,
+                    s.served_adapters.contains(name) ? "still serving its previous copy"
+                                                     : "not served",
+                    loaded.message());
+      continue;
+    }
+    s.served_adapters.insert(name);
+  }
+  // Only a new layout (`all`) can drop an adapter; one still in use is retried at every swap.
+  if (all) {
+    for (const std::string& name : s.served_adapters) {
+      if (!groups.contains(name)) s.retiring_adapters.insert(name);
+    }
+  }
+  for (auto it = s.retiring_adapters.begin(); it != s.retiring_adapters.end();) {
+    Status unloaded = s.engine->UnloadAdapter(*it);
+    if (!unloaded.ok() && unloaded.code() != StatusCode::kNotFound) {
+      spdlog::warn("rollout engine: adapter {} is not in version {} but stays loaded until a "
+                   "later swap: {}",
+                   *it, event.version, unloaded.message());
+      ++it;
+      continue;
+    }
+    spdlog::info("rollout engine: adapter {} unloaded (not in version {})", *it, event.version);
+    s.served_adapters.erase(*it);
+    it = s.retiring_adapters.erase(it);
+  }
 }
 
 }  // namespace

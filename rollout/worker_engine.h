@@ -8,6 +8,19 @@
 // swap wrote (rollout/mirror.h); f32 served weights (a trainer publishing with serving
 // dtype F32) are computed from directly, without a copy: the engine's steps then run under
 // the worker's shared weights lock, so applies and steps never overlap.
+//
+// Served adapters (the training service's LoRA sessions): a version's tensors
+// model::kServedAdapterPrefix + "<name>/" + <adapters-only snapshot tensor name> are served
+// as LoRA adapter <name> beside the base (requests choose it by `adapter` or `model`;
+// /v1/models lists it). The first version loads every such group; a later swap reloads only
+// the groups whose tensors it wrote (a base-only delta costs nothing more) and unloads the
+// adapters a new layout no longer carries (one still in use by a request in flight is
+// retried at each later swap). A group that does not load (malformed, or a name outside
+// [A-Za-z0-9._-]{1,64}) is logged and never refuses the version: that adapter's previous
+// copy, if any, stays served. The `adapters` given as files are never unloaded by a swap,
+// and a served group under one of their names is ignored. Adapters change right after the
+// base, between decode steps of their own: a token sampled in between is tagged with the
+// new version but computed with an adapter's previous factors.
 #pragma once
 
 #include <cstdint>

@@ -15,6 +15,7 @@
 #include "bench/parity_bench.h"
 #include "bench/rollout_bench.h"
 #include "bench/serving_bench.h"
+#include "bench/training_api_bench.h"
 #include "bench/push_bench.h"
 #include "bench/signing_bench.h"
 #include "bench/startup_bench.h"
@@ -347,6 +348,38 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+void AddTrainingApiBenchCommand(CLI::App& bench_app, Action& action) {
+  auto options = std::make_shared<bench::TrainingApiBenchOptions>();
+  CLI::App* api = bench_app.add_subcommand(
+      "training-api",
+      "The training service's API against the in-process trainer, on the demo's model and\n"
+      "batch over loopback HTTP: forward_backward's overhead (target <= 1.10x), a loss computed\n"
+      "by the client (forward + forward_backward_custom) vs built-in, and two LoRA sessions\n"
+      "trained at once vs one after the other. Checks losses match and the adapters agree.");
+  api->add_option("--rounds", options->rounds, "Timed pairs (medians)")
+      ->capture_default_str()->check(CLI::Range(1, 1000));
+  api->add_option("--lora-steps", options->lora_steps, "Steps per LoRA session")
+      ->capture_default_str()->check(CLI::Range(1, 1000));
+  api->add_option("--threads", options->threads, "Compute threads (0: one per hardware thread)")
+      ->capture_default_str();
+  api->add_flag("!--no-check", options->check, "Report without failing on a missed target");
+  api->add_option("--markdown", options->markdown_out,
+                  "Write the report as the '## Training API benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  api->callback([options, &action] {
+    action = [options]() -> Status {
+#ifdef FLYWHEEL_WITH_TORCH
+      Status status = bench::RunTrainingApiBench(*options, std::cout);
+#else
+      Status status = TorchOnly("bench training-api");
+#endif
+      std::cout.flush();
+      if (!status.ok()) return Failed("training API benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 void AddParityCommand(CLI::App& bench_app, Action& action) {
   auto options = std::make_shared<bench::ParityReportOptions>();
   auto& b = options->bench;
@@ -616,6 +649,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddSigningBenchCommand(*bench_app, action);
   AddTokenizerBenchCommand(*bench_app, action);
   AddServingBenchCommand(*bench_app, action);
+  AddTrainingApiBenchCommand(*bench_app, action);
   AddStreamBenchCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);

@@ -1,0 +1,308 @@
+#include "bench/training_api_bench.h"
+
+#include <boost/asio.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <future>
+#include <random>
+#include <thread>
+
+#include "bench/util.h"
+#include "model/model_config.h"
+#include "pipeline/task.h"
+#include "rl/training_service.h"
+#include "rl/training_wire.h"
+#include "trainer/training_client.h"
+#include "transport/http.h"
+
+namespace flywheel::bench {
+namespace {
+
+namespace asio = boost::asio;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// The demo's batch: 8 groups x 8 samples, BOS + 6-digit prompt + ">" then 6 answer digits +
+// EOS (15 tokens; loss on the answer), sampling logprobs near uniform, group advantages.
+std::vector<trainer::Datum> DemoBatch(int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<trainer::Datum> out;
+  for (int g = 0; g < 8; ++g) {
+    for (int s = 0; s < 8; ++s) {
+      std::vector<int32_t> seq = {static_cast<int32_t>(vocab - 2)};
+      for (int i = 0; i < 6; ++i) seq.push_back(static_cast<int32_t>(rng() % 10));
+      seq.push_back(12);
+      for (int i = 0; i < 6; ++i) seq.push_back(static_cast<int32_t>(rng() % 10));
+      seq.push_back(static_cast<int32_t>(vocab - 1));
+      trainer::Datum d;
+      d.tokens.assign(seq.begin(), seq.end() - 1);
+      d.target_tokens.assign(seq.begin() + 1, seq.end());
+      const float advantage = (s % 2 ? 1.0f : -1.0f) * (0.5f + 0.1f * g);
+      for (size_t t = 0; t < d.tokens.size(); ++t) {
+        d.weights.push_back(t >= 7 ? 1.0f : 0.0f);
+        d.logprobs.push_back(-std::log(static_cast<float>(vocab)) + 0.05f * ((rng() % 21) - 10.0f) / 10.0f);
+        d.advantages.push_back(advantage);
+      }
+      out.push_back(std::move(d));
+    }
+  }
+  return out;
+}
+
+class LoopbackService {
+ public:
+  static Result<std::unique_ptr<LoopbackService>> Start(rl::TrainingServiceOptions options) {
+    auto self = std::unique_ptr<LoopbackService>(new LoopbackService());
+    FW_ASSIGN_OR_RETURN(self->service_, rl::TrainingService::Create(std::move(options), nullptr));
+    std::promise<Status> started;
+    LoopbackService* raw = self.get();
+    asio::post(self->io_, [raw, &started] {
+      auto server = transport::HttpServer::Start(raw->io_.get_executor(),
+                                                 transport::Endpoint{"127.0.0.1", 0}, {});
+      if (!server.ok()) return started.set_value(server.status());
+      raw->http_ = std::move(*server);
+      raw->service_->Register(*raw->http_);
+      started.set_value(Status::Ok());
+    });
+    self->thread_ = std::thread([raw] { raw->io_.run(); });
+    FW_RETURN_IF_ERROR(started.get_future().get());
+    self->endpoint_ = transport::Endpoint{"127.0.0.1", self->http_->port()};
+    return self;
+  }
+  ~LoopbackService() {
+    std::promise<void> stopped;
+    asio::post(io_, [&] {
+      if (http_) http_->Stop();
+      stopped.set_value();
+    });
+    stopped.get_future().wait();
+    service_.reset();
+    work_.reset();
+    io_.stop();
+    if (thread_.joinable()) thread_.join();
+  }
+  // POST; the body of a 2xx answer, else the error.
+  Result<std::string> Post(const std::string& target, const std::string& body,
+                           const std::string& type = "application/json") {
+    transport::HttpGetOptions options;
+    options.timeout = std::chrono::seconds(300);
+    FW_ASSIGN_OR_RETURN(transport::HttpResponse r,
+                        transport::HttpCall(endpoint_, "POST", target, body, options, type));
+    if (r.status / 100 != 2) return Status::Internal("POST " + target + ": " + std::to_string(r.status) + " " + r.body);
+    return r.body;
+  }
+  Result<std::string> Open(const std::string& name) {
+    FW_ASSIGN_OR_RETURN(std::string body, Post("/v1/train/sessions", json{{"name", name}}.dump()));
+    return json::parse(body)["id"].get<std::string>();
+  }
+  Result<json> Call(const std::string& id, const std::string& call, const json& body) {
+    FW_ASSIGN_OR_RETURN(std::string answer, Post("/v1/train/sessions/" + id + "/" + call, body.dump()));
+    return json::parse(answer);
+  }
+  Result<std::string> Batch(const std::string& id, const std::string& call, const json& header,
+                            const std::vector<trainer::Datum>& datums,
+                            const std::vector<std::vector<float>>& grads = {}) {
+    return Post("/v1/train/sessions/" + id + "/" + call, rl::EncodeBatch(header, datums, grads),
+                rl::kBatchContentType);
+  }
+
+ private:
+  LoopbackService() = default;
+  asio::io_context io_{1};
+  asio::executor_work_guard<asio::io_context::executor_type> work_ = asio::make_work_guard(io_);
+  std::unique_ptr<rl::TrainingService> service_;
+  std::unique_ptr<transport::HttpServer> http_;
+  std::thread thread_;
+  transport::Endpoint endpoint_;
+};
+
+// Importance sampling, token mean, and its gradient per logprob: what a user's loss function
+// computes on the client.
+double IsLossAndGrads(const std::vector<trainer::Datum>& data, const trainer::ForwardOutput& lp,
+                      std::vector<std::vector<float>>& grads) {
+  double weight_sum = 0, loss = 0;
+  for (const auto& d : data)
+    for (float w : d.weights) weight_sum += w;
+  grads.clear();
+  for (size_t i = 0; i < data.size(); ++i) {
+    std::vector<float> g(data[i].tokens.size());
+    for (size_t t = 0; t < g.size(); ++t) {
+      const double ratio = std::exp(static_cast<double>(lp.logprobs[i][t]) - data[i].logprobs[t]);
+      const double term = data[i].weights[t] * ratio * data[i].advantages[t] / weight_sum;
+      loss -= term;
+      g[t] = static_cast<float>(-term);
+    }
+    grads.push_back(std::move(g));
+  }
+  return loss;
+}
+
+}  // namespace
+
+Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream& out) {
+  if (options.rounds < 1 || options.lora_steps < 1)
+    return Status::InvalidArgument("rounds and lora steps must be >= 1");
+  ScopedWorkDir work;
+  FW_RETURN_IF_ERROR(work.Prepare("", "fw-training-api", false));
+  FW_ASSIGN_OR_RETURN(auto task, pipeline::Task::Create({}));
+  const int64_t vocab = static_cast<int64_t>(task->alphabet().size()) + 2;
+  trainer::TrainerOptions trainer_options;
+  trainer_options.config = model::PipelineTinyConfig(vocab, false);
+  trainer_options.seed = 1;
+  trainer_options.threads = options.threads;
+  const std::vector<trainer::Datum> batch = DemoBatch(vocab, 3);
+  int64_t loss_tokens = 0;
+  for (const auto& d : batch)
+    for (float w : d.weights) loss_tokens += w > 0;
+  const json ppo = {{"loss", "ppo"}, {"loss_config", {{"tis_cap", 2.0}}}};
+  trainer::LossConfig ppo_config;
+  ppo_config.tis_cap = 2.0;
+  out << "Training API benchmark: the demo's model (tiny preset, vocab " << vocab << ") and batch ("
+      << batch.size() << " sequences x " << batch[0].tokens.size() << " tokens, " << loss_tokens
+      << " loss tokens), loopback HTTP\n\n";
+
+  // 1. Overhead: interleaved pairs of the in-process call and the API call.
+  rl::TrainingServiceOptions full;
+  full.trainer = trainer_options;
+  full.state_dir = (fs::path(work.path()) / "full").string();
+  FW_ASSIGN_OR_RETURN(auto service, LoopbackService::Start(full));
+  FW_ASSIGN_OR_RETURN(auto local, trainer::TrainingClient::Create(trainer_options));
+  FW_ASSIGN_OR_RETURN(std::string id, service->Open("bench"));
+  const size_t body_bytes = rl::EncodeBatch(ppo, batch).size();
+  std::vector<double> local_s, api_s, ratios;
+  for (int round = -2; round < options.rounds; ++round) {  // two warm-up rounds
+    Clock::time_point start = Clock::now();
+    FW_ASSIGN_OR_RETURN(trainer::Metrics mine, local->ForwardBackward(batch, "ppo", ppo_config));
+    const double l = Since(start);
+    start = Clock::now();
+    FW_ASSIGN_OR_RETURN(std::string answer, service->Batch(id, "forward_backward", ppo, batch));
+    const double a = Since(start);
+    const double theirs = json::parse(answer)["metrics"]["loss"].get<double>();
+    if (std::abs(theirs - mine.loss) > 1e-6) {
+      return Status::Internal("the API's loss " + std::to_string(theirs) +
+                              " differs from the in-process loss " + std::to_string(mine.loss));
+    }
+    if (round < 0) continue;
+    local_s.push_back(l);
+    api_s.push_back(a);
+    ratios.push_back(a / l);
+  }
+  const double overhead = Median(ratios);
+
+  // 2. Custom vs built-in, both over the API.
+  std::vector<double> builtin_s, custom_s, custom_ratio;
+  for (int round = -1; round < options.rounds; ++round) {
+    Clock::time_point start = Clock::now();
+    FW_ASSIGN_OR_RETURN(std::string fb, service->Batch(id, "forward_backward",
+                                                       {{"loss", "importance_sampling"}}, batch));
+    const double b = Since(start);
+    start = Clock::now();
+    FW_ASSIGN_OR_RETURN(std::string forward, service->Batch(id, "forward", json::object(), batch));
+    FW_ASSIGN_OR_RETURN(trainer::ForwardOutput lp, rl::DecodeForwardOutput(forward));
+    std::vector<std::vector<float>> grads;
+    const double loss = IsLossAndGrads(batch, lp, grads);
+    FW_ASSIGN_OR_RETURN(std::string fbc, service->Batch(id, "forward_backward_custom",
+                                                        {{"loss_value", loss}}, batch, grads));
+    const double c = Since(start);
+    const double builtin_loss = json::parse(fb)["metrics"]["loss"].get<double>();
+    if (std::abs(builtin_loss - loss) > 1e-6) {
+      return Status::Internal("the custom loss " + std::to_string(loss) +
+                              " differs from the built-in " + std::to_string(builtin_loss));
+    }
+    if (round < 0) continue;
+    builtin_s.push_back(b);
+    custom_s.push_back(c);
+    custom_ratio.push_back(c / b);
+  }
+  service.reset();
+
+  // 3. Two LoRA sessions: one after the other, then at once.
+  rl::TrainingServiceOptions lora = full;
+  lora.trainer.lora = model::LoraOptions{.rank = 8, .alpha = 16};
+  auto run_lora = [&](bool together, const std::string& dir,
+                      std::vector<std::string>& hashes) -> Result<double> {
+    rl::TrainingServiceOptions o = lora;
+    o.state_dir = dir;
+    FW_ASSIGN_OR_RETURN(auto s, LoopbackService::Start(o));
+    FW_ASSIGN_OR_RETURN(std::string a, s->Open("a"));
+    FW_ASSIGN_OR_RETURN(std::string b, s->Open("b"));
+    const std::vector<trainer::Datum> batch_b = DemoBatch(vocab, 4);
+    auto train = [&](const std::string& session, const std::vector<trainer::Datum>& data) -> Status {
+      for (int step = 0; step < options.lora_steps; ++step) {
+        FW_RETURN_IF_ERROR(s->Batch(session, "forward_backward", ppo, data).status());
+        FW_RETURN_IF_ERROR(s->Call(session, "optim_step", {{"adam", {{"lr", 1e-3}}}}).status());
+      }
+      return Status::Ok();
+    };
+    const Clock::time_point start = Clock::now();
+    if (together) {
+      auto other = std::async(std::launch::async, [&] { return train(b, batch_b); });
+      Status mine = train(a, batch);
+      Status theirs = other.get();
+      FW_RETURN_IF_ERROR(mine);
+      FW_RETURN_IF_ERROR(theirs);
+    } else {
+      FW_RETURN_IF_ERROR(train(a, batch));
+      FW_RETURN_IF_ERROR(train(b, batch_b));
+    }
+    const double seconds = Since(start);
+    for (const std::string& session : {a, b}) {
+      FW_ASSIGN_OR_RETURN(json saved, s->Call(session, "save_weights_for_sampler", json::object()));
+      hashes.push_back(saved["adapter_hash"].get<std::string>());
+    }
+    return seconds;
+  };
+  std::vector<std::string> sequential_hashes, together_hashes;
+  FW_ASSIGN_OR_RETURN(double sequential, run_lora(false, (fs::path(work.path()) / "lora1").string(),
+                                                  sequential_hashes));
+  FW_ASSIGN_OR_RETURN(double together, run_lora(true, (fs::path(work.path()) / "lora2").string(),
+                                                together_hashes));
+  if (sequential_hashes != together_hashes) {
+    return Status::Internal("two LoRA sessions trained at once ended with other adapters than "
+                            "trained one after the other");
+  }
+  const double lora_tokens = 2.0 * options.lora_steps * static_cast<double>(loss_tokens);
+
+  Table table;
+  table.header = {"measure", "in-process / built-in", "over the API", "ratio", "target", "result"};
+  table.rows.push_back({"forward_backward (ppo + TIS), ms", Fixed(Median(local_s) * 1e3, 1),
+                        Fixed(Median(api_s) * 1e3, 1), Fixed(overhead, 3) + "x", "<= 1.10x",
+                        PassFail(overhead <= 1.10)});
+  table.rows.push_back({"custom (forward + fb_custom) vs built-in fb, ms",
+                        Fixed(Median(builtin_s) * 1e3, 1), Fixed(Median(custom_s) * 1e3, 1),
+                        Fixed(Median(custom_ratio), 3) + "x", "reported", "-"});
+  table.rows.push_back({"two LoRA sessions: loss tokens/s, sequential vs at once",
+                        Fixed(lora_tokens / sequential, 0), Fixed(lora_tokens / together, 0),
+                        Fixed(sequential / together, 3) + "x", "reported", "-"});
+  out << RenderText(table) << "\nRequest body: " << body_bytes << " bytes for " << batch.size()
+      << " datums (binary batch). Ratios are medians of interleaved pairs ("
+      << options.rounds << " rounds).\n";
+  if (!options.markdown_out.empty()) {
+    std::string section = "## Training API benchmark\n\n`flywheel bench training-api`: " +
+                          std::to_string(batch.size()) + " sequences x " +
+                          std::to_string(batch[0].tokens.size()) +
+                          " tokens, the tiny preset, loopback HTTP, medians of " +
+                          std::to_string(options.rounds) + " interleaved pairs.\n\n" +
+                          RenderMarkdown(table) + "\n";
+    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Training API benchmark", section));
+  }
+  if (options.check && overhead > 1.10) {
+    return Status::Internal("the API costs " + Fixed(overhead, 3) +
+                            "x the in-process forward_backward (target <= 1.10x)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace flywheel::bench
