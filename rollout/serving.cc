@@ -550,10 +550,10 @@ Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool
   FW_RETURN_IF_ERROR(Field(request, "seed", seed));
   std::string model;
   FW_RETURN_IF_ERROR(Field(request, "model", model));
-  if (base.adapter.empty() && !model.empty() && model != options_.model_name) {
-    const auto adapters = engine_->adapters();
-    if (std::find(adapters.begin(), adapters.end(), model) != adapters.end()) base.adapter = model;
-  }
+  // A model name other than the served one names an adapter; one that is not loaded is a
+  // 404 (as vLLM answers), never silently the base model: an RL client that asks for a
+  // session's adapter must not get samples of another policy.
+  if (base.adapter.empty() && !model.empty() && model != options_.model_name) base.adapter = model;
   call->model = base.adapter.empty() ? options_.model_name : base.adapter;
   if (auto so = request.find("stream_options"); so != request.end() && !so->is_null()) {
     if (!so->is_object()) return Status::InvalidArgument("'stream_options' must be an object");

@@ -16,7 +16,8 @@
 //   stream          true: server-sent events, one `data: {chunk}` per step, then
 //                   `data: [DONE]`; stream_options.include_usage adds a usage chunk
 //   return_routing  MoE routing per token (uint8 ids, layout in `routing_shape`)
-//   adapter         a loaded LoRA adapter (`model` naming one works too)
+//   adapter         a loaded LoRA adapter (`model` naming one works too; a `model` that is
+//                   neither the served name nor a loaded adapter is a 404, never the base)
 // POST /v1/chat/completions: messages (role, content as a string or text parts, tool_calls,
 //   tool_call_id, name, reasoning_content), tools (handed to the chat template),
 //   chat_template_kwargs (e.g. enable_thinking), add_generation_prompt (default true), and

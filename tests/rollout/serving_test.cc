@@ -128,6 +128,12 @@ TEST_F(ServingTest, BadRequestsAre4xxAndTheWorkerKeepsServing) {
   auto [missing, missing_answer] = Post(R"({"prompt": "hi", "adapter": "nope"})");
   EXPECT_EQ(missing, 404);
   EXPECT_NE(missing_answer.dump().find("unknown adapter 'nope'"), std::string::npos);
+  // A model name that is neither the served one nor an adapter is a 404, not the base model.
+  auto [other_model, other_answer] = Post(R"({"prompt": "hi", "model": "gpt-4o"})");
+  EXPECT_EQ(other_model, 404) << other_answer.dump();
+  EXPECT_NE(other_answer.dump().find("'gpt-4o'"), std::string::npos);
+  auto [named, named_answer] = Post(R"({"prompt": "hi", "model": "tiny", "max_tokens": 2})");
+  EXPECT_EQ(named, 200) << named_answer.dump();
   auto [ok, answer] = Post(R"({"prompt": "hi", "max_tokens": 2})");
   EXPECT_EQ(ok, 200) << answer.dump();
 }
