@@ -39,7 +39,7 @@ struct ServeArgs {
   std::vector<std::string> regions = {"local"};
   int64_t workers = 2;
   int64_t max_batch = 64;
-  int64_t max_sequence = 256;
+  int64_t max_sequence = 0;  // 0: the smaller of 1024 and the model's max_position_embeddings
   double ready_timeout_s = 120;
 };
 
@@ -104,6 +104,65 @@ std::vector<std::string> ServeTrainerArgs(const ServeArgs& a) {
   return out;
 }
 
+// A relay per region (upstream: the publisher) and its workers (upstreams: the relay, then
+// the publisher); returns the workers' URLs once every one serves.
+Result<json> StartRegions(const ServeArgs& args, pipeline::ProcessGroup& processes,
+                          const fs::path& run, const std::string& program,
+                          const std::string& token_file, const json& trainer_ready, json& relays,
+                          std::chrono::milliseconds timeout) {
+  std::error_code ec;
+  const std::string publisher = trainer_ready.value("listen", "");
+  json workers = json::array();
+  int64_t max_sequence = args.max_sequence;
+  if (max_sequence <= 0) {
+    // The smaller of ours and the model's limit.
+    auto text = pipeline::ReadWholeFile(trainer_ready.value("model_config", ""));
+    json config = text.ok() ? json::parse(*text, nullptr, false) : json();
+    const int64_t model_limit = config.is_object() ? config.value("max_position_embeddings", int64_t{1024}) : 1024;
+    max_sequence = std::min<int64_t>(1024, model_limit);
+  }
+  struct Pending {
+    std::string name, ready;
+  };
+  std::vector<Pending> pending;
+  for (const std::string& region : args.regions) {
+    auto port = pipeline::FreePort();
+    if (!port.ok()) return port.status();
+    const std::string relay_listen = "127.0.0.1:" + std::to_string(*port);
+    const std::string relay = "relay-" + region;
+    const std::string relay_ready = (run / (relay + ".ready")).string();
+    fs::remove(relay_ready, ec);
+    auto started = processes.Start(
+        relay, program,
+        {"relay", "--region", region, "--node-id", relay, "--listen", relay_listen, "--http",
+         "127.0.0.1:0", "--upstream", publisher, "--token-file", token_file, "--ready-file",
+         relay_ready});
+    if (!started.ok()) return started.status();
+    pending.push_back({relay, relay_ready});
+    relays.push_back(relay_listen);
+    for (int64_t i = 1; i <= args.workers; ++i) {
+      const std::string worker = "worker-" + region + "-" + std::to_string(i);
+      const std::string ready = (run / (worker + ".ready")).string();
+      fs::remove(ready, ec);
+      auto w = processes.Start(
+          worker, program,
+          {"worker", "--region", region, "--node-id", worker, "--upstream", relay_listen,
+           "--upstream", publisher, "--http", "127.0.0.1:0", "--token-file", token_file,
+           "--ready-file", ready, "--model", trainer_ready.value("model_config", ""),
+           "--tokenizer", trainer_ready.value("tokenizer", "auto"), "--max-batch",
+           std::to_string(args.max_batch), "--max-sequence", std::to_string(max_sequence)});
+      if (!w.ok()) return w.status();
+      pending.push_back({worker, ready});
+    }
+  }
+  for (const Pending& p : pending) {
+    auto ready = pipeline::AwaitReadyFile(processes, p.ready, p.name, timeout);
+    if (!ready.ok()) return ready.status();
+    if (p.name.rfind("worker-", 0) == 0) workers.push_back("http://" + ready->value("http", ""));
+  }
+  return workers;
+}
+
 Status RunService(const ServeArgs& args) {
   if (args.run_dir.empty()) return Status::InvalidArgument("service needs --run-dir DIR");
   if (args.workers < 1) return Status::InvalidArgument("--workers must be >= 1");
@@ -148,48 +207,11 @@ Status RunService(const ServeArgs& args) {
                                                 "serve-trainer", timeout);
   if (!trainer_ready.ok()) return fail(trainer_ready.status());
   const std::string publisher = trainer_ready->value("listen", "");
-  json relays = json::array(), workers = json::array();
-  struct Pending {
-    std::string name, ready;
-  };
-  std::vector<Pending> pending;
-  for (const std::string& region : args.regions) {
-    auto port = pipeline::FreePort();
-    if (!port.ok()) return fail(port.status());
-    const std::string relay_listen = "127.0.0.1:" + std::to_string(*port);
-    const std::string relay = "relay-" + region;
-    const std::string relay_ready = (run / (relay + ".ready")).string();
-    fs::remove(relay_ready, ec);
-    auto started = processes.Start(
-        relay, program,
-        {"relay", "--region", region, "--node-id", relay, "--listen", relay_listen, "--http",
-         "127.0.0.1:0", "--upstream", publisher, "--token-file", token_file, "--ready-file",
-         relay_ready});
-    if (!started.ok()) return fail(started.status());
-    pending.push_back({relay, relay_ready});
-    relays.push_back(relay_listen);
-    for (int64_t i = 1; i <= args.workers; ++i) {
-      const std::string worker = "worker-" + region + "-" + std::to_string(i);
-      const std::string ready = (run / (worker + ".ready")).string();
-      fs::remove(ready, ec);
-      auto w = processes.Start(
-          worker, program,
-          {"worker", "--region", region, "--node-id", worker, "--upstream", relay_listen,
-           "--upstream", publisher, "--http", "127.0.0.1:0", "--token-file", token_file,
-           "--ready-file", ready, "--model", trainer_ready->value("model_config", ""),
-           "--tokenizer", trainer_ready->value("tokenizer", "auto"), "--max-batch",
-           std::to_string(args.max_batch), "--max-sequence", std::to_string(args.max_sequence)});
-      if (!w.ok()) return fail(w.status());
-      pending.push_back({worker, ready});
-    }
-  }
-  for (const Pending& p : pending) {
-    auto ready = pipeline::AwaitReadyFile(processes, p.ready, p.name, timeout);
-    if (!ready.ok()) return fail(ready.status());
-    if (p.name.rfind("worker-", 0) == 0) workers.push_back("http://" + ready->value("http", ""));
-  }
+  json relays = json::array();
+  auto workers = StartRegions(args, processes, run, program, token_file, *trainer_ready, relays, timeout);
+  if (!workers.ok()) return fail(workers.status());
   const json service = {{"trainer", "http://" + trainer_ready->value("http", "")},
-                        {"workers", workers},
+                        {"workers", *workers},
                         {"token_file", token_file},
                         {"publisher", publisher},
                         {"relays", relays},
@@ -200,7 +222,7 @@ Status RunService(const ServeArgs& args) {
   Status written = WriteFileAtomically((run / "service.json").string(), std::as_bytes(std::span(text)));
   if (!written.ok()) return fail(written);
   std::cout << "service: ready: training API " << service["trainer"].get<std::string>() << ", "
-            << workers.size() << " workers; endpoints in " << (run / "service.json").string()
+            << workers->size() << " workers; endpoints in " << (run / "service.json").string()
             << "\nservice: Ctrl-C stops every process" << std::endl;
   Status status = Status::Ok();
   while (!g_service_stop.load()) {
@@ -327,8 +349,10 @@ void AddServeCommands(CLI::App& app, Action& action) {
   service->add_option("--region", args->regions, "A region (one relay each); repeatable")
       ->capture_default_str();
   service->add_option("--max-batch", args->max_batch, "Each worker's engine batch")->capture_default_str();
-  service->add_option("--max-sequence", args->max_sequence, "Each worker's longest sequence")
-      ->capture_default_str();
+  service->add_option("--max-sequence", args->max_sequence,
+                      "Each worker's longest sequence (default: the smaller of 1024 and the\n"
+                      "model's max_position_embeddings)")
+      ->type_name("N");
   service->add_option("--token-file", args->token_file,
                       "The token for everything (default: a new one in <run-dir>/token)")
       ->type_name("F");

@@ -58,6 +58,12 @@ class HttpSession:
         """The default per-operation timeout in seconds."""
         return self._timeout
 
+    @property
+    def connected(self) -> bool:
+        """Whether a kept-alive connection is open (the next request reuses it; the server
+        may have closed it while it was idle)."""
+        return self._connection is not None
+
     def close(self) -> None:
         """Closes the keep-alive connection (the next request opens a new one)."""
         if self._connection is not None:

@@ -1,10 +1,12 @@
 """The exceptions of the flywheel client.
 
-Every error answer of the publisher is JSON, ``{"error": {"code", "message", ...}}``
-(docs/PUSH_API.md, "Errors"). :func:`api_error` turns one into the :class:`ApiError`
-subclass registered for its ``code`` (falling back on the HTTP status), carrying the
-status, code, message and every extra field (``head_version``, ``held_versions``,
-``pin``, ``missing``) in :attr:`ApiError.details`.
+Every error answer of the publisher and of the training service is JSON,
+``{"error": {"code", "message", ...}}`` (docs/PUSH_API.md and docs/TRAINING_API.md,
+"Errors"). :func:`api_error` turns one into the :class:`ApiError` subclass registered for
+its ``code`` (falling back on the HTTP status), carrying the status, code, message and every
+extra field (``head_version``, ``held_versions``, ``pin``, ``missing``) in
+:attr:`ApiError.details`. The rollout workers' OpenAI-style errors,
+``{"error": {"message", "type"}}``, carry no code: their ``type`` stands in for it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ class WaitTimeout(FlywheelError, TimeoutError):
     def __init__(self, message: str, readiness: Optional[Dict[str, Any]]):
         super().__init__(message)
         self.readiness = readiness
+
+
+class StaleSample(FlywheelError):
+    """No worker answered with samples of at least ``min_version`` in time; ``versions`` maps
+    each worker URL to the version it last reported (None: unknown)."""
+
+    def __init__(self, message: str, min_version: int, versions: Dict[str, Optional[int]]):
+        super().__init__(message)
+        self.min_version = min_version
+        self.versions = dict(versions)
 
 
 class ApiError(FlywheelError):
@@ -132,6 +144,30 @@ class InsufficientStorage(ApiError):
     """507 ``insufficient_storage``: the publisher's staging disk is full."""
 
 
+class SeqTimeout(ApiError):
+    """408 ``seq_timeout``: a training call waited for an earlier ``seq`` that never came."""
+
+
+class SessionConflict(ApiError):
+    """409 ``session_conflict``: a full-mode training server already has a session."""
+
+
+class SeqReplayed(ApiError):
+    """409 ``seq_replayed``: a training call's ``seq`` ran too long ago to repeat its answer."""
+
+
+class NameTaken(ApiError):
+    """409 ``name_taken``: another training session has that name."""
+
+
+class InternalError(ApiError):
+    """500 ``internal``: the server failed (the message says how)."""
+
+
+class Unavailable(ApiError):
+    """503 ``unavailable``: the server is stopping (or not serving yet)."""
+
+
 _BY_CODE = {
     "bad_request": BadRequest,
     "unauthorized": Unauthorized,
@@ -148,10 +184,17 @@ _BY_CODE = {
     "invalid_checkpoint": InvalidCheckpoint,
     "invalid_delta": InvalidDelta,
     "insufficient_storage": InsufficientStorage,
+    "seq_timeout": SeqTimeout,
+    "session_conflict": SessionConflict,
+    "seq_replayed": SeqReplayed,
+    "name_taken": NameTaken,
+    "internal": InternalError,
+    "unavailable": Unavailable,
 }
 
 _BY_STATUS = {400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound,
-              410: Expired, 413: TooLarge, 507: InsufficientStorage}
+              410: Expired, 413: TooLarge, 500: InternalError,
+              503: Unavailable, 507: InsufficientStorage}
 
 
 def api_error(status: int, body: bytes, url: str) -> ApiError:
@@ -161,7 +204,8 @@ def api_error(status: int, body: bytes, url: str) -> ApiError:
     try:
         document = json.loads(body.decode("utf-8"))
         error = document["error"]
-        code = str(error["code"])
+        # The workers' OpenAI-style errors have a "type" where flywheel's have a "code".
+        code = str(error["code"] if "code" in error else error["type"])
         message = str(error.get("message", ""))
         details = {k: v for k, v in error.items() if k not in ("code", "message")}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
