@@ -33,38 +33,11 @@ bool HasSafetensors(const fs::path& dir) {
   return false;
 }
 
-}  // namespace
-
-Status RunServeTrainer(const ServeTrainerOptions& o) {
-  if (o.state_dir.empty()) return Status::InvalidArgument("serve-trainer needs --state DIR");
-  if (!o.model.empty() && !o.preset.empty())
-    return Status::InvalidArgument("give --model or --preset, not both");
-  TrainingServiceOptions options;
-  options.state_dir = o.state_dir;
-  options.session_idle_timeout =
-      std::chrono::milliseconds(static_cast<int64_t>(o.session_idle_timeout_s * 1000));
-  options.seq_wait = std::chrono::milliseconds(static_cast<int64_t>(o.seq_wait_s * 1000));
-  options.max_batch_tokens = o.max_batch_tokens;
-  if (o.max_body_mb < 1) return Status::InvalidArgument("--max-body-mb must be >= 1");
-  options.max_body_bytes = static_cast<uint64_t>(o.max_body_mb) << 20;
-  trainer::TrainerOptions& t = options.trainer;
-  t.seed = o.seed;
-  t.threads = o.threads;
-  if (o.serving_dtype == "bf16") {
-    t.serving_dtype = DType::kBF16;
-  } else if (o.serving_dtype == "f16") {
-    t.serving_dtype = DType::kF16;
-  } else if (o.serving_dtype == "f32") {
-    t.serving_dtype = DType::kF32;
-  } else {
-    return Status::InvalidArgument("--serving-dtype must be bf16, f16 or f32, got " + o.serving_dtype);
-  }
+// The model and what workers load with it: its config.json and a tokenizer.
+Status ChooseModel(const ServeTrainerOptions& o, trainer::TrainerOptions& t,
+                   std::string& model_config_path, std::string& tokenizer) {
   std::error_code ec;
-  fs::create_directories(o.state_dir, ec);
-  if (ec) return Status::IOError("cannot create " + o.state_dir + ": " + ec.message());
-  // The model, and what workers load: its config.json and a tokenizer.
-  std::string tokenizer = "auto";
-  std::string model_config_path;
+  tokenizer = "auto";
   if (!o.model.empty()) {
     const fs::path given = o.model;
     const bool is_dir = fs::is_directory(given, ec);
@@ -92,6 +65,39 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
     tokenizer = vocab >= static_cast<int64_t>(alphabet.size()) + 2 ? "chars:" + alphabet : "byte";
     if (!o.weights.empty()) t.init_weights = o.weights;
   }
+  return Status::Ok();
+}
+
+Result<TrainingServiceOptions> ServiceOptions(const ServeTrainerOptions& o,
+                                              std::string& model_config_path,
+                                              std::string& tokenizer) {
+  if (o.state_dir.empty()) return Status::InvalidArgument("serve-trainer needs --state DIR");
+  if (!o.model.empty() && !o.preset.empty())
+    return Status::InvalidArgument("give --model or --preset, not both");
+  TrainingServiceOptions options;
+  options.state_dir = o.state_dir;
+  options.session_idle_timeout =
+      std::chrono::milliseconds(static_cast<int64_t>(o.session_idle_timeout_s * 1000));
+  options.seq_wait = std::chrono::milliseconds(static_cast<int64_t>(o.seq_wait_s * 1000));
+  options.max_batch_tokens = o.max_batch_tokens;
+  if (o.max_body_mb < 1) return Status::InvalidArgument("--max-body-mb must be >= 1");
+  options.max_body_bytes = static_cast<uint64_t>(o.max_body_mb) << 20;
+  trainer::TrainerOptions& t = options.trainer;
+  t.seed = o.seed;
+  t.threads = o.threads;
+  if (o.serving_dtype == "bf16") {
+    t.serving_dtype = DType::kBF16;
+  } else if (o.serving_dtype == "f16") {
+    t.serving_dtype = DType::kF16;
+  } else if (o.serving_dtype == "f32") {
+    t.serving_dtype = DType::kF32;
+  } else {
+    return Status::InvalidArgument("--serving-dtype must be bf16, f16 or f32, got " + o.serving_dtype);
+  }
+  std::error_code ec;
+  fs::create_directories(o.state_dir, ec);
+  if (ec) return Status::IOError("cannot create " + o.state_dir + ": " + ec.message());
+  FW_RETURN_IF_ERROR(ChooseModel(o, t, model_config_path, tokenizer));
   if (o.lora_rank > 0) {
     model::LoraOptions lora;
     lora.rank = o.lora_rank;
@@ -102,9 +108,10 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
     return Status::InvalidArgument("--lora-rank must be >= 0");
   }
   FW_RETURN_IF_ERROR(options.Validate());
+  return options;
+}
 
-  transport::asio::io_context io{1};
-  auto work = transport::asio::make_work_guard(io);
+Result<sync::PublisherOptions> PublisherOptionsFor(const ServeTrainerOptions& o) {
   sync::PublisherOptions publisher_options;
   publisher_options.common.region = "home";
   publisher_options.common.node_id = "trainer";
@@ -120,6 +127,32 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
   if (o.keyframe_every < 1) return Status::InvalidArgument("--keyframe-every must be >= 1");
   publisher_options.log.keyframe_every = static_cast<uint64_t>(o.keyframe_every);
   publisher_options.log.retain = 2 * static_cast<uint64_t>(o.keyframe_every);
+  return publisher_options;
+}
+
+// The training API's server: the fleet token, the train token (train + read) and TLS.
+Result<transport::HttpServerOptions> HttpOptionsFor(const ServeTrainerOptions& o) {
+  transport::HttpServerOptions http_options;
+  http_options.token = o.token;
+  http_options.scoped_tokens = o.scoped_tokens;
+  if (!o.train_token.empty()) {
+    http_options.scoped_tokens.push_back(
+        {o.train_token, transport::kScopeTrain | transport::kScopeRead});
+  }
+  if (o.tls.enabled()) {
+    FW_ASSIGN_OR_RETURN(http_options.tls, transport::MakeServerTlsContext(o.tls));
+  }
+  return http_options;
+}
+
+}  // namespace
+
+Status RunServeTrainer(const ServeTrainerOptions& o) {
+  std::string model_config_path, tokenizer;
+  FW_ASSIGN_OR_RETURN(TrainingServiceOptions options, ServiceOptions(o, model_config_path, tokenizer));
+  FW_ASSIGN_OR_RETURN(sync::PublisherOptions publisher_options, PublisherOptionsFor(o));
+  transport::asio::io_context io{1};
+  auto work = transport::asio::make_work_guard(io);
   FW_ASSIGN_OR_RETURN(std::unique_ptr<sync::Publisher> publisher,
                       sync::Publisher::Start(io.get_executor(), publisher_options));
   std::thread io_thread([&] { io.run(); });
@@ -141,16 +174,7 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
   }
   std::unique_ptr<TrainingService> service = std::move(*service_or);
 
-  transport::HttpServerOptions http_options;
-  http_options.token = o.token;
-  http_options.scoped_tokens = o.scoped_tokens;
-  if (!o.train_token.empty()) {
-    http_options.scoped_tokens.push_back(
-        {o.train_token, transport::kScopeTrain | transport::kScopeRead});
-  }
-  if (o.tls.enabled()) {
-    FW_ASSIGN_OR_RETURN(http_options.tls, transport::MakeServerTlsContext(o.tls));
-  }
+  FW_ASSIGN_OR_RETURN(transport::HttpServerOptions http_options, HttpOptionsFor(o));
   FW_ASSIGN_OR_RETURN(transport::Endpoint http_endpoint, transport::ParseEndpoint(o.http));
   std::promise<Result<std::unique_ptr<transport::HttpServer>>> started;
   transport::asio::post(io, [&] {
@@ -166,17 +190,17 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
   }
   std::unique_ptr<transport::HttpServer> http = std::move(*server_or);
   const std::string scheme = o.tls.enabled() ? "https://" : "http://";
-  const json ready = {{"http", "127.0.0.1:" + std::to_string(http->port())},
-                      {"url", scheme + "127.0.0.1:" + std::to_string(http->port())},
+  const std::string host = http_endpoint.host == "0.0.0.0" ? "127.0.0.1" : http_endpoint.host;
+  const json ready = {{"http", host + ":" + std::to_string(http->port())},
+                      {"url", scheme + host + ":" + std::to_string(http->port())},
                       {"listen", "127.0.0.1:" + std::to_string(publisher->port())},
                       {"publisher_http", "127.0.0.1:" + std::to_string(publisher->http_port())},
                       {"model_config", model_config_path},
                       {"tokenizer", tokenizer},
                       {"mode", service->lora() ? "lora" : "full"},
                       {"version", service->version()}};
-  spdlog::info("serve-trainer: training API on {}127.0.0.1:{}, publisher on 127.0.0.1:{} ({} mode, "
-               "version {})",
-               scheme, http->port(), publisher->port(), service->lora() ? "LoRA" : "full",
+  spdlog::info("serve-trainer: training API on {}{}:{}, publisher on port {} ({} mode, version {})",
+               scheme, host, http->port(), publisher->port(), service->lora() ? "LoRA" : "full",
                service->version());
   Status status = Status::Ok();
   if (!o.ready_file.empty()) status = WriteText(o.ready_file, ready.dump() + "\n");

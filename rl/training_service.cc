@@ -161,6 +161,10 @@ struct TrainingService::Impl {
   ServiceAnswer CreateSession(const std::string& body);
   ServiceAnswer CloseSession(const std::string& id);
   ServiceAnswer Call(const std::string& id, const std::string& call, const std::string& body);
+  // What a call runs on the trainer thread (the session active), from its decoded request.
+  std::function<ServiceAnswer()> BatchRun(const std::string& call, std::shared_ptr<WireBatch> batch);
+  std::function<ServiceAnswer()> JsonRun(const std::string& call, Session* s,
+                                         std::shared_ptr<json> body_json);
   Result<std::shared_ptr<Session>> Find(const std::string& id);  // REQUIRES: mutex
   // Submits `run` as call `seq` (0: next) of `session` and waits for its answer.
   ServiceAnswer SubmitAndWait(const std::shared_ptr<Session>& session, uint64_t seq,
@@ -492,6 +496,93 @@ bool IsBatchCall(const std::string& call) {
 
 }  // namespace
 
+std::function<ServiceAnswer()> TrainingService::Impl::BatchRun(const std::string& call,
+                                                             std::shared_ptr<WireBatch> batch) {
+  trainer::TrainingClient* c = client.get();
+  std::function<ServiceAnswer()> run;
+  if (call == "forward") {
+    run = [c, batch]() -> ServiceAnswer {
+      for (const auto& [key, value] : batch->header.items())
+        return Error(400, "bad_request", "forward: unknown header key '" + key + "'");
+      auto out = c->Forward(batch->datums);
+      if (!out.ok()) return FromStatus(out.status());
+      return {200, kBatchContentType, EncodeForwardOutput(*out)};
+    };
+  } else if (call == "forward_backward") {
+    run = [c, batch]() -> ServiceAnswer {
+      const json& h = batch->header;
+      for (const auto& [key, value] : h.items()) {
+        if (key != "loss" && key != "loss_config")
+          return Error(400, "bad_request",
+                       "forward_backward: unknown header key '" + key + "' (known: loss, loss_config)");
+      }
+      if (!h.contains("loss") || !h["loss"].is_string())
+        return Error(400, "bad_request", "forward_backward: header \"loss\" (a loss name) is missing");
+      auto config = LossConfigFromJson(h.value("loss_config", json()));
+      if (!config.ok()) return FromStatus(config.status());
+      if (!batch->grads.empty())
+        return Error(400, "bad_request", "forward_backward: grads belong to forward_backward_custom");
+      auto metrics = c->ForwardBackward(batch->datums, h["loss"].get<std::string>(), *config);
+      if (!metrics.ok()) return FromStatus(metrics.status());
+      return Json({{"metrics", ToJson(*metrics)}});
+    };
+  } else {
+    run = [c, batch]() -> ServiceAnswer {
+      const json& h = batch->header;
+      for (const auto& [key, value] : h.items()) {
+        if (key != "loss_value")
+          return Error(400, "bad_request", "forward_backward_custom: unknown header key '" + key +
+                                               "' (known: loss_value)");
+      }
+      if (batch->grads.empty())
+        return Error(400, "bad_request", "forward_backward_custom: the grads array is missing");
+      const json lv = h.value("loss_value", json(0.0));
+      if (!lv.is_number())
+        return Error(400, "bad_request", "forward_backward_custom: loss_value must be a number");
+      auto metrics = c->ForwardBackwardFromGrads(batch->datums, batch->grads, lv.get<double>());
+      if (!metrics.ok()) return FromStatus(metrics.status());
+      return Json({{"metrics", ToJson(*metrics)}});
+    };
+  }
+  return run;
+}
+
+std::function<ServiceAnswer()> TrainingService::Impl::JsonRun(const std::string& call, Session* s,
+                                                            std::shared_ptr<json> body_json) {
+  trainer::TrainingClient* c = client.get();
+  std::function<ServiceAnswer()> run;
+  if (call == "optim_step") {
+    run = [c, body_json]() -> ServiceAnswer {
+      for (const auto& [key, value] : body_json->items()) {
+        if (key != "adam")
+          return Error(400, "bad_request", "optim_step: unknown key '" + key + "' (known: adam)");
+      }
+      auto adam = AdamFromJson(body_json->value("adam", json()));
+      if (!adam.ok()) return FromStatus(adam.status());
+      auto metrics = c->OptimStep(*adam);
+      if (!metrics.ok()) return FromStatus(metrics.status());
+      return Json({{"metrics", ToJson(*metrics)}});
+    };
+  } else if (call == "save_weights_for_sampler") {
+    run = [this, s, body_json]() -> ServiceAnswer {
+      if (!body_json->empty())
+        return Error(400, "bad_request", "save_weights_for_sampler takes no parameters");
+      return SaveWeights(*s);
+    };
+  } else if (call == "save_state") {
+    run = [this, s, body_json] { return SaveState(*s, *body_json); };
+  } else if (call == "load_state") {
+    run = [this, s, body_json] { return LoadState(*s, *body_json); };
+  } else {  // get_info
+    run = [this, s]() -> ServiceAnswer {
+      NoteClient(*s);
+      std::lock_guard lock(mutex);
+      return Json(SessionInfo(*s));
+    };
+  }
+  return run;
+}
+
 ServiceAnswer TrainingService::Impl::Call(const std::string& id, const std::string& call,
                                           const std::string& body) {
   std::shared_ptr<Session> session;
@@ -534,52 +625,7 @@ ServiceAnswer TrainingService::Impl::Call(const std::string& id, const std::stri
     auto seq = ReadSeq(batch->header);
     if (!seq.ok()) return FromStatus(seq.status());
     batch->header.erase("seq");
-    std::function<ServiceAnswer()> run;
-    if (call == "forward") {
-      run = [c, batch]() -> ServiceAnswer {
-        for (const auto& [key, value] : batch->header.items())
-          return Error(400, "bad_request", "forward: unknown header key '" + key + "'");
-        auto out = c->Forward(batch->datums);
-        if (!out.ok()) return FromStatus(out.status());
-        return {200, kBatchContentType, EncodeForwardOutput(*out)};
-      };
-    } else if (call == "forward_backward") {
-      run = [c, batch]() -> ServiceAnswer {
-        const json& h = batch->header;
-        for (const auto& [key, value] : h.items()) {
-          if (key != "loss" && key != "loss_config")
-            return Error(400, "bad_request",
-                         "forward_backward: unknown header key '" + key + "' (known: loss, loss_config)");
-        }
-        if (!h.contains("loss") || !h["loss"].is_string())
-          return Error(400, "bad_request", "forward_backward: header \"loss\" (a loss name) is missing");
-        auto config = LossConfigFromJson(h.value("loss_config", json()));
-        if (!config.ok()) return FromStatus(config.status());
-        if (!batch->grads.empty())
-          return Error(400, "bad_request", "forward_backward: grads belong to forward_backward_custom");
-        auto metrics = c->ForwardBackward(batch->datums, h["loss"].get<std::string>(), *config);
-        if (!metrics.ok()) return FromStatus(metrics.status());
-        return Json({{"metrics", ToJson(*metrics)}});
-      };
-    } else {
-      run = [c, batch]() -> ServiceAnswer {
-        const json& h = batch->header;
-        for (const auto& [key, value] : h.items()) {
-          if (key != "loss_value")
-            return Error(400, "bad_request", "forward_backward_custom: unknown header key '" + key +
-                                                 "' (known: loss_value)");
-        }
-        if (batch->grads.empty())
-          return Error(400, "bad_request", "forward_backward_custom: the grads array is missing");
-        const json lv = h.value("loss_value", json(0.0));
-        if (!lv.is_number())
-          return Error(400, "bad_request", "forward_backward_custom: loss_value must be a number");
-        auto metrics = c->ForwardBackwardFromGrads(batch->datums, batch->grads, lv.get<double>());
-        if (!metrics.ok()) return FromStatus(metrics.status());
-        return Json({{"metrics", ToJson(*metrics)}});
-      };
-    }
-    return SubmitAndWait(session, *seq, std::move(run));
+    return SubmitAndWait(session, *seq, BatchRun(call, std::move(batch)));
   }
   json request = body.empty() ? json::object() : json::parse(body, nullptr, false);
   if (request.is_discarded() || !request.is_object())
@@ -588,38 +634,7 @@ ServiceAnswer TrainingService::Impl::Call(const std::string& id, const std::stri
   if (!seq.ok()) return FromStatus(seq.status());
   request.erase("seq");
   auto body_json = std::make_shared<json>(std::move(request));
-  Session* s = session.get();
-  std::function<ServiceAnswer()> run;
-  if (call == "optim_step") {
-    run = [c, body_json]() -> ServiceAnswer {
-      for (const auto& [key, value] : body_json->items()) {
-        if (key != "adam")
-          return Error(400, "bad_request", "optim_step: unknown key '" + key + "' (known: adam)");
-      }
-      auto adam = AdamFromJson(body_json->value("adam", json()));
-      if (!adam.ok()) return FromStatus(adam.status());
-      auto metrics = c->OptimStep(*adam);
-      if (!metrics.ok()) return FromStatus(metrics.status());
-      return Json({{"metrics", ToJson(*metrics)}});
-    };
-  } else if (call == "save_weights_for_sampler") {
-    run = [this, s, body_json]() -> ServiceAnswer {
-      if (!body_json->empty())
-        return Error(400, "bad_request", "save_weights_for_sampler takes no parameters");
-      return SaveWeights(*s);
-    };
-  } else if (call == "save_state") {
-    run = [this, s, body_json] { return SaveState(*s, *body_json); };
-  } else if (call == "load_state") {
-    run = [this, s, body_json] { return LoadState(*s, *body_json); };
-  } else {  // get_info
-    run = [this, s]() -> ServiceAnswer {
-      NoteClient(*s);
-      std::lock_guard lock(mutex);
-      return Json(SessionInfo(*s));
-    };
-  }
-  return SubmitAndWait(session, *seq, std::move(run));
+  return SubmitAndWait(session, *seq, JsonRun(call, session.get(), std::move(body_json)));
 }
 
 // ---- the calls that touch more than the client ----
