@@ -303,7 +303,7 @@ Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream&
   table.rows.push_back({"forward_backward (ppo + TIS), ms", Fixed(Median(local_s) * 1e3, 1),
                         Fixed(Median(api_s) * 1e3, 1), Fixed(overhead, 3) + "x", "<= 1.10x",
                         PassFail(overhead <= 1.10)});
-  table.rows.push_back({"fixed cost of a call: get_info round trip | batch encode+decode, ms",
+  table.rows.push_back({"fixed cost per call: batch encode+decode; get_info round trip, ms",
                         Fixed(Median(codec_s) * 1e3, 2), Fixed(Median(empty_s) * 1e3, 2),
                         Fixed(Median(empty_s) / Median(local_s), 3) + "x of fb", "-", "-"});
   table.rows.push_back({"custom (forward + fb_custom) vs built-in fb, ms",

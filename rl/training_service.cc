@@ -135,6 +135,8 @@ struct TrainingService::Impl {
   std::condition_variable wake;  // the trainer thread: a call is ready, or stop
   std::condition_variable done;  // handlers: a call was answered
   bool stopping = false;
+  // LoRA: a session with a served adapter went away; the next version drops its adapter.
+  bool republish = false;
   std::map<std::string, std::shared_ptr<Session>> sessions;  // open ones, by id
   std::map<std::string, std::string> gone;                   // id -> why it is gone
   struct Job {
@@ -188,9 +190,17 @@ struct TrainingService::Impl {
 void TrainingService::Impl::Run() {
   std::unique_lock lock(mutex);
   while (true) {
-    wake.wait_for(lock, std::chrono::seconds(1), [&] { return stopping || !ready.empty(); });
+    wake.wait_for(lock, std::chrono::seconds(1), [&] { return stopping || republish || !ready.empty(); });
     if (stopping) break;
     ExpireIdle();
+    if (republish) {
+      republish = false;
+      lock.unlock();
+      auto published = PublishLora(version.load() + 1);
+      if (!published.ok()) spdlog::error("training service: {}", published.status().ToString());
+      lock.lock();
+      continue;
+    }
     if (ready.empty()) continue;
     Job job = std::move(ready.front());
     ready.pop_front();
@@ -269,6 +279,7 @@ void TrainingService::Impl::ExpireIdle() {
       spdlog::info("training service: {}", why);
       s.closed = true;
       gone[s.id] = why;
+      republish |= lora && !s.adapter.tensors.empty();
       if (!s.saved_states.empty()) WriteSessionFile(s, true, "expired");
       it = sessions.erase(it);
     } else {
@@ -406,6 +417,10 @@ ServiceAnswer TrainingService::Impl::CloseSession(const std::string& id) {
   s->closed = true;
   gone[id] = "session " + id + " was closed";
   sessions.erase(id);
+  if (lora && !s->adapter.tensors.empty()) {
+    republish = true;  // workers stop serving its adapter at the next version
+    wake.notify_all();
+  }
   if (!s->saved_states.empty()) WriteSessionFile(*s, true, "closed");
   spdlog::info("training service: session {} closed", id);
   return Json({{"closed", id}});
@@ -875,6 +890,8 @@ Result<std::unique_ptr<TrainingService>> TrainingService::Create(TrainingService
   FW_ASSIGN_OR_RETURN(impl->client, trainer::TrainingClient::Create(options.trainer));
   if (!impl->lora && publisher) impl->client->AttachPublisher(publisher);
   impl->initial = impl->client->ExportTrainable();
+  for (auto& m : impl->initial.exp_avg) m = torch::Tensor();  // zeros, not held twice
+  for (auto& m : impl->initial.exp_avg_sq) m = torch::Tensor();
   if (impl->lora) {
     FW_ASSIGN_OR_RETURN(impl->base, model::SnapshotWeights(impl->client->model(),
                                                            options.trainer.serving_dtype, false));

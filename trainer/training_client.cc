@@ -466,8 +466,9 @@ Status TrainingClient::ImportTrainable(const TrainableState& state) {
   for (size_t i = 0; i < n; ++i) {
     torch::Tensor& p = trainable_[i].second;
     p.copy_(state.values[i]);
-    exp_avg_[i].copy_(state.exp_avg[i]);
-    exp_avg_sq_[i].copy_(state.exp_avg_sq[i]);
+    // Undefined moments are zeros (a fresh state need not hold two copies of them).
+    state.exp_avg[i].defined() ? exp_avg_[i].copy_(state.exp_avg[i]) : exp_avg_[i].zero_();
+    state.exp_avg_sq[i].defined() ? exp_avg_sq_[i].copy_(state.exp_avg_sq[i]) : exp_avg_sq_[i].zero_();
     p.mutable_grad() = state.grads[i].defined() ? state.grads[i].clone() : torch::Tensor();
   }
   step_ = state.step;

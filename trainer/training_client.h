@@ -141,8 +141,9 @@ CpuThreads CurrentCpuThreads();
 // the gradient accumulation since it. The training service keeps one per session and swaps
 // them in and out of one client, so several runs share one frozen base (multi-LoRA).
 struct TrainableState {
-  std::vector<torch::Tensor> values, exp_avg, exp_avg_sq, grads;  // aligned with the client's
-  uint64_t step = 0;                                              // trainable parameters
+  // Aligned with the client's trainable parameters; undefined moments or gradients are zeros.
+  std::vector<torch::Tensor> values, exp_avg, exp_avg_sq, grads;
+  uint64_t step = 0;
   uint64_t last_version = 0;
   double pending_norm = 0;
   int64_t pending_tokens = 0;

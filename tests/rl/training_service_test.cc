@@ -356,6 +356,13 @@ TEST(TrainingServiceTest, TwoLoraSessionsDoNotLeak) {
   EXPECT_EQ(vb.Json()["adapter_hash"], solo_b->SaveWeightsForSampler(1)->weights_hash);
   ExpectSameWeights(server, a, *solo_a, dir, "a", false);
   ExpectSameWeights(server, b, *solo_b, dir, "b", false);
+  // Closing a session whose adapter is served publishes a version without it.
+  const uint64_t before = server.service().version();
+  ASSERT_EQ(server.Call("DELETE", "/v1/train/sessions/" + b, "").status, 200);
+  for (int i = 0; i < 100 && server.service().version() == before; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(server.service().version(), before + 1);
+  EXPECT_EQ(server.Post(b, "get_info").status, 404);
   fs::remove_all(dir);
 }
 
