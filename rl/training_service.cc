@@ -130,6 +130,7 @@ struct TrainingService::Impl {
   OwnedCheckpoint base;  // LoRA: the frozen base in the serving dtype
   std::vector<Hash128> base_hashes;
   std::atomic<uint64_t> version{0};
+  int64_t parameters_total = 0, parameters_trainable = 0;
 
   std::mutex mutex;
   std::condition_variable wake;  // the trainer thread: a call is ready, or stop
@@ -320,7 +321,9 @@ json TrainingService::Impl::SessionInfo(const Session& s) {
           {"calls", s.calls},
           {"next_seq", s.seq_floating ? json(nullptr) : json(s.next_seq)},
           {"saved_states", s.saved_states},
-          {"adapter", lora ? json(s.name) : json(nullptr)}};
+          {"adapter", lora ? json(s.name) : json(nullptr)},
+          {"model_type", client->options().config.model_type},
+          {"parameters", {{"total", parameters_total}, {"trainable", parameters_trainable}}}};
 }
 
 ServiceAnswer TrainingService::Impl::Info() {
@@ -889,6 +892,8 @@ Result<std::unique_ptr<TrainingService>> TrainingService::Create(TrainingService
   if (ec) return Status::IOError("cannot create " + options.state_dir + "/sessions: " + ec.message());
   FW_ASSIGN_OR_RETURN(impl->client, trainer::TrainingClient::Create(options.trainer));
   if (!impl->lora && publisher) impl->client->AttachPublisher(publisher);
+  impl->parameters_total = impl->client->parameter_count();
+  impl->parameters_trainable = impl->client->trainable_count();
   impl->initial = impl->client->ExportTrainable();
   for (auto& m : impl->initial.exp_avg) m = torch::Tensor();  // zeros, not held twice
   for (auto& m : impl->initial.exp_avg_sq) m = torch::Tensor();
