@@ -39,7 +39,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     sort_task.add_service_arguments(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--time-limit", type=float, default=600.0, help="seconds (default 600)")
-    run.add_argument("--target", type=float, default=0.8, help="held-out accuracy to stop at")
+    run.add_argument("--target", type=float, default=0.8,
+                     help="held-out accuracy to stop at (0: none, run --max-steps)")
     run.add_argument("--max-steps", type=int, default=5000)
     run.add_argument("--eval-every", type=int, default=5, help="steps between evaluations")
     run.add_argument("--eval-prompts", type=int, default=256)
@@ -149,9 +150,11 @@ class Run:
         initial = self.evaluate()
         say(f"v{self.version}: held-out accuracy {initial:.3f} ({len(self.held_out)} prompts)  "
             f"{self.elapsed():.1f} s")
-        accuracy, reached_at, step = initial, None, 0
+        accuracy, step = initial, 0
+        reached_at = self.elapsed() if args.target > 0 and initial >= args.target else None
         pending = collections.deque()
-        while step < args.max_steps and self.elapsed() < args.time_limit and accuracy < args.target:
+        while (step < args.max_steps and self.elapsed() < args.time_limit
+               and (args.target <= 0 or accuracy < args.target)):
             step += 1
             while len(pending) <= args.max_staleness:
                 pending.append(self.launch_batch(max(0, self.version - args.max_staleness)))
@@ -172,7 +175,7 @@ class Run:
                 self.sampler.wait_for_version(version, timeout=120, all_workers=False)
                 accuracy = self.evaluate()
                 line += f"  held-out {accuracy:.3f}"
-                if accuracy >= args.target and reached_at is None:
+                if args.target > 0 and accuracy >= args.target and reached_at is None:
                     reached_at = self.elapsed()
             self.history.append({"step": step, "version": version, "reward": mean_reward,
                                  "accuracy": accuracy if step % args.eval_every == 0 else None,

@@ -95,8 +95,9 @@ class HttpSession:
 
         ``timeout`` overrides the session's for this request (a long-poll, a commit).
         ``fresh_connection`` closes the keep-alive connection first: for requests that
-        must not be sent twice (a GET on a reused connection that the server closed while
-        idle is retried once on a new one; nothing else is retried here).
+        must not be sent twice (a GET or DELETE, both idempotent, on a reused connection
+        that the server closed while idle is retried once on a new one; nothing else is
+        retried here).
         Raises ConnectionFailed on any transport failure.
         """
         timeout = self._timeout if timeout is None else timeout
@@ -106,7 +107,7 @@ class HttpSession:
         if body is not None:
             headers["Content-Type"] = content_type or "application/octet-stream"
         target = self._target(path, query)
-        retry_stale = method == "GET" and self._connection is not None
+        retry_stale = method in ("GET", "DELETE") and self._connection is not None
         while True:
             reused = self._connection is not None
             if self._connection is None:
