@@ -148,6 +148,8 @@ struct TrainingService::Impl {
   std::thread thread;
   std::shared_ptr<Session> active;  // whose state the client holds (trainer thread only)
   uint64_t calls_total = 0, calls_failed = 0;
+  size_t waiting_total = 0;  // calls of all sessions waiting for an earlier seq
+  static constexpr uint64_t kSeqWindow = 256;  // how far ahead of the next seq a call may be
   std::unique_ptr<boost::asio::thread_pool> pool;
 
   // The trainer thread.
@@ -172,6 +174,10 @@ struct TrainingService::Impl {
   // Submits `run` as call `seq` (0: next) of `session` and waits for its answer.
   ServiceAnswer SubmitAndWait(const std::shared_ptr<Session>& session, uint64_t seq,
                               std::function<ServiceAnswer()> run);
+  // REQUIRES: mutex. Records the call (or finds the one a retry repeats) and queues it when
+  // its turn has come. Mismatch: an old seq whose answer is gone.
+  Result<std::shared_ptr<CallState>> Enqueue(const std::shared_ptr<Session>& session, uint64_t seq,
+                                             std::function<ServiceAnswer()> run);
   // Runs `run` on the trainer thread (no session) and waits.
   ServiceAnswer RunOnTrainer(std::function<ServiceAnswer()> run);
 
@@ -251,7 +257,12 @@ ServiceAnswer TrainingService::Impl::Execute(const Job& job) {
 
 void TrainingService::Impl::Activate(const std::shared_ptr<Session>& session) {
   if (active == session) return;
-  if (active && !active->closed) active->state = client->ExportTrainable();
+  bool active_open = false;
+  if (active) {
+    std::lock_guard lock(mutex);
+    active_open = !active->closed;
+  }
+  if (active_open) active->state = client->ExportTrainable();
   Status imported = client->ImportTrainable(session->state);
   if (!imported.ok()) throw std::runtime_error(imported.ToString());
   session->state = {};
@@ -339,7 +350,7 @@ ServiceAnswer TrainingService::Impl::Info() {
   return Json({{"mode", lora ? "lora" : "full"},
                {"model", config.ToJson()},
                {"parameters",
-                {{"total", client->parameter_count()}, {"trainable", client->trainable_count()}}},
+                {{"total", parameters_total}, {"trainable", parameters_trainable}}},
                {"lora", lora_json},
                {"serving_dtype", DTypeName(client->options().serving_dtype)},
                {"version", version.load()},
@@ -363,9 +374,9 @@ ServiceAnswer TrainingService::Impl::RunOnTrainer(std::function<ServiceAnswer()>
 }
 
 ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body) {
-  json request = body.empty() ? json::object() : json::parse(body, nullptr, false);
+  json request = body.empty() ? json::object() : ParseShallowJson(body);
   if (request.is_discarded() || !request.is_object())
-    return Error(400, "bad_request", "the body must be a JSON object");
+    return Error(400, "bad_request", "the body must be a JSON object (nested at most 16 deep)");
   for (const auto& [key, value] : request.items()) {
     if (key != "name" && key != "from_state")
       return Error(400, "bad_request", "unknown key '" + key + "' (known: name, from_state)");
@@ -405,6 +416,10 @@ ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body) {
   std::lock_guard lock(mutex);
   if (!lora && !sessions.empty())
     return Error(409, "session_conflict", "another session took the weights meanwhile");
+  for (const auto& [id, other] : sessions) {
+    if (other->name == session->name)
+      return Error(409, "name_taken", "session " + id + " took the name " + session->name + " meanwhile");
+  }
   sessions[session->id] = session;
   session->last_activity = Clock::now();
   spdlog::info("training service: session {} ({}) opened{}", session->id, session->name,
@@ -420,6 +435,14 @@ ServiceAnswer TrainingService::Impl::CloseSession(const std::string& id) {
   s->closed = true;
   gone[id] = "session " + id + " was closed";
   sessions.erase(id);
+  for (auto& [seq, call] : s->waiting) {  // calls waiting for an earlier seq never run
+    call->answer = Error(404, "not_found", "session " + id + " was closed");
+    call->done = true;
+    --s->inflight;
+    --waiting_total;
+  }
+  s->waiting.clear();
+  done.notify_all();
   if (lora && !s->adapter.tensors.empty()) {
     republish = true;  // workers stop serving its adapter at the next version
     wake.notify_all();
@@ -429,66 +452,99 @@ ServiceAnswer TrainingService::Impl::CloseSession(const std::string& id) {
   return Json({{"closed", id}});
 }
 
-ServiceAnswer TrainingService::Impl::SubmitAndWait(const std::shared_ptr<Session>& session,
-                                                   uint64_t seq, std::function<ServiceAnswer()> run) {
-  std::unique_lock lock(mutex);
-  if (stopping) return Error(503, "unavailable", "the training service is stopping");
-  if (session->closed) return Error(404, "not_found", "session " + session->id + " was closed");
+Result<std::shared_ptr<CallState>> TrainingService::Impl::Enqueue(
+    const std::shared_ptr<Session>& session, uint64_t seq, std::function<ServiceAnswer()> run) {
   Session& s = *session;
   if (seq == 0) seq = std::max(s.max_seq, s.next_seq - 1) + 1;
   if (s.seq_floating) {
     s.next_seq = seq;
     s.seq_floating = false;
   }
-  std::shared_ptr<CallState> call;
-  if (auto it = s.recent.find(seq); it != s.recent.end()) {
-    call = it->second;  // a retry: the same answer (waiting for it if need be)
-  } else if (seq < s.next_seq) {
-    return Error(409, "seq_replayed",
-                 "call seq " + std::to_string(seq) + " of session " + s.id +
-                     " ran long ago; its answer is no longer kept (next seq: " +
-                     std::to_string(s.next_seq) + ")");
-  } else {
-    call = std::make_shared<CallState>();
-    call->seq = seq;
-    call->run = std::move(run);
-    s.max_seq = std::max(s.max_seq, seq);
-    s.recent[seq] = call;
-    ++s.inflight;
-    s.last_activity = Clock::now();
-    if (seq == s.next_seq) {
-      auto queue = [&](const std::shared_ptr<CallState>& c) {
-        c->queued = true;
-        ready.push_back({session, c});
-        ++s.next_seq;
-      };
-      queue(call);
-      while (!s.waiting.empty() && s.waiting.begin()->first == s.next_seq) {
-        queue(s.waiting.begin()->second);
-        s.waiting.erase(s.waiting.begin());
-      }
-      wake.notify_all();
-    } else {
-      s.waiting[seq] = call;
-    }
-    // Keep the last answers_kept answered calls for retries.
-    while (s.recent.size() > options.answers_kept && s.recent.begin()->second->done) {
-      s.recent.erase(s.recent.begin());
-    }
+  if (auto it = s.recent.find(seq); it != s.recent.end()) return it->second;  // a retry
+  if (seq < s.next_seq) {
+    return Status(StatusCode::kMismatch, "call seq " + std::to_string(seq) + " of session " + s.id +
+                                             " ran long ago; its answer is no longer kept (next seq: " +
+                                             std::to_string(s.next_seq) + ")");
   }
+  if (seq > s.next_seq + kSeqWindow) {
+    return Status::InvalidArgument("call seq " + std::to_string(seq) + " is more than " +
+                                   std::to_string(kSeqWindow) + " ahead of session " + s.id +
+                                   "'s next seq " + std::to_string(s.next_seq));
+  }
+  if (seq != s.next_seq && waiting_total >= static_cast<size_t>(options.http_threads / 2)) {
+    return Status::Unavailable("too many calls wait for earlier seqs (" +
+                               std::to_string(waiting_total) + "); send the missing ones first");
+  }
+  auto call = std::make_shared<CallState>();
+  call->seq = seq;
+  call->run = std::move(run);
+  s.max_seq = std::max(s.max_seq, seq);
+  s.recent[seq] = call;
+  ++s.inflight;
+  s.last_activity = Clock::now();
+  if (seq == s.next_seq) {
+    auto queue = [&](const std::shared_ptr<CallState>& c) {
+      c->queued = true;
+      ready.push_back({session, c});
+      ++s.next_seq;
+    };
+    queue(call);
+    while (!s.waiting.empty() && s.waiting.begin()->first == s.next_seq) {
+      queue(s.waiting.begin()->second);
+      s.waiting.erase(s.waiting.begin());
+      --waiting_total;
+    }
+    wake.notify_all();
+  } else {
+    s.waiting[seq] = call;
+    ++waiting_total;
+  }
+  // Keep the last answers_kept answered calls for retries, and at most 64 MiB of them
+  // (forward answers with MoE routing are large).
+  size_t kept_bytes = 0;
+  for (const auto& [kept_seq, kept] : s.recent) kept_bytes += kept->done ? kept->answer.body.size() : 0;
+  while (!s.recent.empty() && s.recent.begin()->second->done &&
+         (s.recent.size() > options.answers_kept || kept_bytes > (64u << 20))) {
+    kept_bytes -= s.recent.begin()->second->answer.body.size();
+    s.recent.erase(s.recent.begin());
+  }
+  return call;
+}
+
+ServiceAnswer TrainingService::Impl::SubmitAndWait(const std::shared_ptr<Session>& session,
+                                                   uint64_t seq, std::function<ServiceAnswer()> run) {
+  std::unique_lock lock(mutex);
+  if (stopping) return Error(503, "unavailable", "the training service is stopping");
+  if (session->closed) return Error(404, "not_found", "session " + session->id + " was closed");
+  Session& s = *session;
+  auto enqueued = Enqueue(session, seq, std::move(run));
+  if (!enqueued.ok()) {
+    if (enqueued.status().code() == StatusCode::kMismatch)
+      return Error(409, "seq_replayed", enqueued.status().message());
+    return FromStatus(enqueued.status());
+  }
+  std::shared_ptr<CallState> call = *enqueued;
   const Clock::time_point deadline = call->arrived + options.seq_wait;
   while (!call->done) {
     if (!call->queued && Clock::now() >= deadline) {
       // Its turn never came: an earlier seq never arrived.
       if (auto it = s.waiting.find(call->seq); it != s.waiting.end() && it->second == call) {
         s.waiting.erase(it);
+        --waiting_total;
         s.recent.erase(call->seq);
         --s.inflight;
-        return Error(408, "seq_timeout",
-                     "call seq " + std::to_string(call->seq) + " of session " + s.id + " waited " +
-                         std::to_string(Seconds(options.seq_wait)) + " s for seq " +
-                         std::to_string(s.next_seq) + ", which never arrived; send it (next seq: " +
-                         std::to_string(s.next_seq) + ")");
+        // Later calls without a seq go after what is still known, not after this one.
+        s.max_seq = std::max(s.next_seq - 1, s.waiting.empty() ? 0 : s.waiting.rbegin()->first);
+        // A retry waiting on the same call gets the same answer.
+        call->answer = Error(408, "seq_timeout",
+                             "call seq " + std::to_string(call->seq) + " of session " + s.id +
+                                 " waited " + std::to_string(Seconds(options.seq_wait)) +
+                                 " s for seq " + std::to_string(s.next_seq) +
+                                 ", which never arrived; send it (next seq: " +
+                                 std::to_string(s.next_seq) + ")");
+        call->done = true;
+        done.notify_all();
+        return call->answer;
       }
     }
     if (stopping && !call->started) return Error(503, "unavailable", "the training service is stopping");
@@ -633,7 +689,7 @@ ServiceAnswer TrainingService::Impl::Call(const std::string& id, const std::stri
       if (body.size() < 8 || body.compare(0, 4, "FWB1") != 0) return FromStatus(decoded.status());
       uint32_t n = 0;
       std::memcpy(&n, body.data() + 4, 4);
-      json header = n <= body.size() - 8 ? json::parse(body.substr(8, n), nullptr, false) : json();
+      json header = n <= body.size() - 8 && n <= (16u << 20) ? ParseShallowJson(body.substr(8, n)) : json();
       auto seq = header.is_object() ? ReadSeq(header) : Result<uint64_t>(Status::InvalidArgument(""));
       if (!seq.ok()) return FromStatus(decoded.status());
       Status why = decoded.status();
@@ -645,9 +701,9 @@ ServiceAnswer TrainingService::Impl::Call(const std::string& id, const std::stri
     batch->header.erase("seq");
     return SubmitAndWait(session, *seq, BatchRun(call, std::move(batch)));
   }
-  json request = body.empty() ? json::object() : json::parse(body, nullptr, false);
+  json request = body.empty() ? json::object() : ParseShallowJson(body);
   if (request.is_discarded() || !request.is_object())
-    return Error(400, "bad_request", call + ": the body must be a JSON object");
+    return Error(400, "bad_request", call + ": the body must be a JSON object (nested at most 16 deep)");
   auto seq = ReadSeq(request);
   if (!seq.ok()) return FromStatus(seq.status());
   request.erase("seq");
@@ -660,9 +716,13 @@ ServiceAnswer TrainingService::Impl::Call(const std::string& id, const std::stri
 Result<json> TrainingService::Impl::PublishLora(uint64_t v) {
   CheckpointView view = base.view();
   std::vector<Hash128> hashes = base_hashes;
+  // The views point into the sessions' adapters: hold the sessions until Publish returns
+  // (a session closed meanwhile is dropped from `sessions`, not freed under the views).
+  std::vector<std::shared_ptr<Session>> held;
   {
     std::lock_guard lock(mutex);
     for (const auto& [id, s] : sessions) {
+      held.push_back(s);
       const CheckpointView adapter = s->adapter.view();
       view.insert(view.end(), adapter.begin(), adapter.end());
       hashes.insert(hashes.end(), s->adapter_hashes.begin(), s->adapter_hashes.end());
@@ -745,8 +805,12 @@ ServiceAnswer TrainingService::Impl::SaveState(Session& s, const json& body) {
     if (!value.is_string()) return Error(400, "bad_request", "save_state: name must be a string");
   }
   const std::string name = body.value("name", "step-" + std::to_string(client->step()));
-  if (!ValidName(name))
-    return Error(400, "bad_request", "save_state: name '" + name + "' must be 1-64 of A-Z a-z 0-9 . _ -");
+  if (!ValidName(name) || name == "session.json" || name.find(".tmp.") != std::string::npos ||
+      name.find(".old.") != std::string::npos) {
+    return Error(400, "bad_request", "save_state: name '" + name +
+                                         "' must be 1-64 of A-Z a-z 0-9 . _ - (not session.json, "
+                                         "nor containing .tmp. or .old.)");
+  }
   const std::string relative = "sessions/" + s.id + "/" + name;
   const fs::path dir = fs::path(options.state_dir) / relative;
   std::error_code ec;
@@ -758,7 +822,7 @@ ServiceAnswer TrainingService::Impl::SaveState(Session& s, const json& body) {
     auto& list = s.saved_states;
     list.erase(std::remove(list.begin(), list.end(), relative), list.end());
     list.push_back(relative);
-    WriteSessionFile(s, false, "");
+    WriteSessionFile(s, s.closed, s.closed ? "closed" : "");
   }
   return Json({{"path", relative}, {"step", client->step()}});
 }
@@ -788,19 +852,27 @@ Status TrainingService::Impl::RestoreSessions() {
     if (!fs::exists(meta_path, ec)) continue;
     auto bytes = Env::Default()->ReadFile(meta_path.string());
     if (!bytes.ok()) continue;
-    json meta = json::parse(std::string(reinterpret_cast<const char*>(bytes->data()), bytes->size()),
-                            nullptr, false);
-    if (meta.is_discarded() || !meta.is_object()) {
-      spdlog::error("training service: {} is not JSON; that session is not restored", meta_path.string());
+    json meta = ParseShallowJson(
+        std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()));
+    auto s = std::make_shared<Session>();
+    bool closed = true;
+    try {
+      if (meta.is_discarded() || !meta.is_object()) throw std::runtime_error("not a JSON object");
+      closed = meta.value("closed", true);
+      s->id = meta.value("id", "");
+      s->name = meta.value("name", s->id);
+      s->saved_states = meta.value("saved_states", std::vector<std::string>{});
+    } catch (const std::exception& e) {
+      spdlog::error("training service: {} is malformed ({}); that session is not restored",
+                    meta_path.string(), e.what());
       continue;
     }
-    if (meta.value("closed", true) || meta.value("latest", "").empty()) continue;
-    auto s = std::make_shared<Session>();
-    s->id = meta.value("id", "");
-    s->name = meta.value("name", s->id);
-    s->saved_states = meta.value("saved_states", std::vector<std::string>{});
-    if (s->id != entry.path().filename().string() || !ValidName(s->name)) {
-      spdlog::error("training service: {} names another session; not restored", meta_path.string());
+    if (closed || s->saved_states.empty()) continue;
+    bool duplicate = false;
+    for (const auto& [when, other] : found) duplicate |= other->name == s->name;
+    if (s->id != entry.path().filename().string() || !ValidName(s->name) || duplicate) {
+      spdlog::error("training service: {} names another session, or a name already restored; "
+                    "not restored", meta_path.string());
       continue;
     }
     found.emplace_back(fs::last_write_time(meta_path, ec), s);

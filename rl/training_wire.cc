@@ -74,7 +74,7 @@ Result<Container> ParseContainer(std::string_view body) {
                                    " bytes does not fit a body of " + std::to_string(body.size()));
   }
   Container c;
-  c.header = json::parse(body.substr(8, header_bytes), nullptr, false);
+  c.header = ParseShallowJson(body.substr(8, header_bytes));
   if (c.header.is_discarded() || !c.header.is_object())
     return Status::InvalidArgument("batch: the header is not a JSON object");
   size_t offset = 8 + header_bytes;
@@ -148,17 +148,20 @@ Result<std::vector<int64_t>> ReadLengths(const json& header, int64_t max_tokens)
   if (!header.contains("lengths") || !header["lengths"].is_array())
     return Status::InvalidArgument("batch: header \"lengths\" (one length per datum) is missing");
   std::vector<int64_t> lengths;
-  int64_t total = 0;
+  int64_t longest = 0;
   for (const json& l : header["lengths"]) {
     if (!l.is_number_integer() || l.get<int64_t>() < 1) {
       return Status::InvalidArgument("batch: datum " + std::to_string(lengths.size()) +
                                      " has length " + l.dump() + " (expected an integer >= 1)");
     }
     lengths.push_back(l.get<int64_t>());
-    total += lengths.back();
-    if (total > max_tokens) {
-      return Status::ResourceExhausted("batch: more than " + std::to_string(max_tokens) +
-                                       " tokens (the server's --max-batch-tokens)");
+    longest = std::max(longest, lengths.back());
+    // The trainer pads every datum to the longest: that is what the limit counts.
+    if (longest > max_tokens / static_cast<int64_t>(lengths.size())) {
+      return Status::ResourceExhausted(
+          "batch: " + std::to_string(lengths.size()) + " datums padded to " +
+          std::to_string(longest) + " tokens exceed " + std::to_string(max_tokens) +
+          " tokens (the server's --max-batch-tokens)");
     }
   }
   if (lengths.empty()) return Status::InvalidArgument("batch: no datums");
@@ -171,6 +174,29 @@ Status ExpectNumber(const json& value, const std::string& key) {
 }
 
 }  // namespace
+
+json ParseShallowJson(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char ch : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (ch == '\\') {
+        escaped = true;
+      } else if (ch == '"') {
+        in_string = false;
+      }
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      if (++depth > max_depth) return json(json::value_t::discarded);
+    } else if (ch == ']' || ch == '}') {
+      --depth;
+    }
+  }
+  return json::parse(text, nullptr, false);
+}
 
 Result<WireBatch> DecodeBatch(std::string_view body, const WireLimits& limits) {
   FW_ASSIGN_OR_RETURN(Container c, ParseContainer(body));

@@ -32,9 +32,14 @@ struct WireBatch {
 };
 
 struct WireLimits {
-  int64_t max_tokens = 1 << 20;    // sum of lengths
+  int64_t max_tokens = 1 << 20;    // datums x the longest datum (the padded batch)
   int64_t routing_per_token = 0;   // moe_layers x top_k: a routing array's elements per token
 };
+
+// Parses `text` as JSON nested at most `max_depth` deep (deeper documents would recurse deep
+// in dump() and copies: a stack a client could overflow); discarded (is_discarded()) when it
+// is not JSON or nests deeper.
+nlohmann::json ParseShallowJson(std::string_view text, int max_depth = 16);
 
 // Decodes a request body. InvalidArgument names what is wrong (magic, header, an array's
 // dtype or count against "lengths", a field given for some datums only); ResourceExhausted

@@ -282,6 +282,14 @@ void AddServeTrainerFlags(CLI::App* app, ServeArgs& a) {
       ->capture_default_str();
 }
 
+void AddTlsFlags(CLI::App* app, ServeArgs& a) {
+  app->add_option("--tls-cert", a.tls_cert, "TLS certificate chain (PEM): TLS 1.3 on every port")
+      ->type_name("F");
+  app->add_option("--tls-key", a.tls_key, "TLS private key (PEM)")->type_name("F");
+  app->add_option("--tls-ca", a.tls_ca, "Clients must present a certificate from this CA")
+      ->type_name("F");
+}
+
 }  // namespace
 
 void AddServeCommands(CLI::App& app, Action& action) {
@@ -319,11 +327,7 @@ void AddServeCommands(CLI::App& app, Action& action) {
   serve->add_option("--scoped-token-file", args->scoped_tokens,
                     "A further token with its own scopes, SCOPES:FILE (train, read, ...); repeatable")
       ->type_name("SCOPES:F");
-  serve->add_option("--tls-cert", args->tls_cert, "TLS certificate chain (PEM): TLS 1.3 on every port")
-      ->type_name("F");
-  serve->add_option("--tls-key", args->tls_key, "TLS private key (PEM)")->type_name("F");
-  serve->add_option("--tls-ca", args->tls_ca, "Clients must present a certificate from this CA")
-      ->type_name("F");
+  AddTlsFlags(serve, *args);
   serve->add_option("--signing-key", args->o.signing_key, "Sign every published version (Ed25519)")
       ->type_name("F");
   serve->add_option("--ready-file", args->o.ready_file, "Write the bound endpoints here (JSON)")

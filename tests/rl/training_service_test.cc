@@ -476,6 +476,22 @@ TEST(TrainingServiceTest, BadInputIsA4xxAndLeavesTheSessionUsable) {
   EXPECT_EQ(call(fb, EncodeBatch({{"loss", "ppo"}}, good), kBatchContentType, "fleet-token").status, 403);
   EXPECT_EQ(call("/v1/train/sessions/" + id + "/load_state", "{\"path\": \"../../etc\"}",
                  "application/json").status, 400);
+  // JSON nested deep enough to overflow a recursive dump is refused, not crashed on.
+  const std::string deep = "{\"adam\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  EXPECT_EQ(call("/v1/train/sessions/" + id + "/optim_step", deep, "application/json").status, 400);
+  EXPECT_EQ(call(fb, EncodeBatch({{"loss", "ppo"}, {"loss_config", json::parse(std::string(40, '[') + std::string(40, ']'))}}, good),
+                 kBatchContentType).status, 400);
+  // The limit counts the padded batch: one long datum and many short ones are refused too.
+  {
+    std::vector<Datum> ragged = {Data(1, 10)[0]};
+    for (int i = 0; i < 12; ++i) ragged.push_back(Datum{{1}, {2}});
+    auto answer = call(fb, EncodeBatch({{"loss", "cross_entropy"}}, ragged), kBatchContentType);
+    EXPECT_EQ(answer.status, 413) << answer.body;
+  }
+  // A state name that would replace the session's own file is refused; a seq far ahead too.
+  EXPECT_EQ(call("/v1/train/sessions/" + id + "/save_state", "{\"name\": \"session.json\"}",
+                 "application/json").status, 400);
+  EXPECT_EQ(call("/v1/train/sessions/" + id + "/get_info", "{\"seq\": 100000}", "application/json").status, 400);
 
   // Nothing of those was applied: the session trains exactly like a fresh client.
   auto ok = call(fb, EncodeBatch({{"loss", "ppo"}}, good), kBatchContentType);
@@ -545,6 +561,12 @@ TEST(TrainingServiceTest, CallsRunInSeqOrderWhateverOrderTheyArrive) {
   EXPECT_EQ(gap.status, 408) << gap.body;
   EXPECT_NE(gap.body.find("seq 3"), std::string::npos) << gap.body;
   EXPECT_EQ(server.Post(id, "get_info", {{"seq", 3}}).status, 200);
+  // A retry of a call that waits for a missing seq gets the same 408, and neither hangs.
+  auto first = std::async(std::launch::async, [&] { return server.Post(id, "get_info", {{"seq", 6}}); });
+  auto retry = std::async(std::launch::async, [&] { return server.Post(id, "get_info", {{"seq", 6}}); });
+  EXPECT_EQ(first.get().status, 408);
+  EXPECT_EQ(retry.get().status, 408);
+  EXPECT_EQ(server.Post(id, "get_info", {{"seq", 4}}).status, 200);
   fs::remove_all(dir);
 }
 
