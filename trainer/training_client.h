@@ -110,6 +110,15 @@ struct TrainerOptions {
   std::optional<model::LoraOptions> lora;  // set: LoRA mode (base frozen)
   DType serving_dtype = DType::kBF16;
   Normalization normalization = Normalization::kTokens;
+  // FP8 serving (model/fp8.h): SaveWeightsForSampler writes the projection weights as F8_E4M3
+  // with power-of-two fp8_block x fp8_block scales (HF layout), everything else in
+  // serving_dtype. Adapters-only snapshots (LoRA) are unaffected.
+  bool fp8_serving = false;
+  int64_t fp8_block = 128;
+  // FP8 quantization-aware training: the forward pass computes with the projection weights
+  // fake-quantized exactly as the FP8 snapshot stores them (straight-through gradients to the
+  // fp32 masters), so the trainer's logprobs match what FP8 workers compute.
+  bool fp8_qat = false;
   int threads = 0;  // compute threads (see ConfigureCpuThreads); 0: one per hardware thread
   // Set: join a c10d/Gloo group (trainer/data_parallel.h). Rank 0's initial weights are
   // broadcast; every rank must call optim_step together; only rank 0 should publish.
