@@ -15,7 +15,9 @@
 #include "delta/safetensors.h"
 #include "rl/training_wire.h"
 #include "tests/model/tiny_models.h"
+#include "transport/certs.h"
 #include "transport/http.h"
+#include "transport/tls.h"
 
 namespace flywheel::rl {
 namespace {
@@ -110,6 +112,7 @@ class Server {
     transport::HttpGetOptions options;
     options.timeout = std::chrono::seconds(120);
     options.token = token;
+    options.tls = client_tls;
     auto r = transport::HttpCall(endpoint_, method, target, body, options,
                                  body.empty() ? "" : content_type);
     EXPECT_TRUE(r.ok()) << r.status().ToString();
@@ -129,6 +132,7 @@ class Server {
     return Call("POST", "/v1/train/sessions/" + id + "/" + call, body.dump());
   }
   TrainingService& service() { return *service_; }
+  std::shared_ptr<asio::ssl::context> client_tls;  // set: requests go over TLS
   const transport::Endpoint& endpoint() const { return endpoint_; }
 
  private:
@@ -503,6 +507,32 @@ TEST(TrainingServiceTest, BadInputIsA4xxAndLeavesTheSessionUsable) {
   ASSERT_EQ(saved.status, 200) << saved.body;
   ASSERT_TRUE(local->SaveState(dir + "/local-x").ok());
   EXPECT_EQ(StateWeights(dir + "/" + saved.Json()["path"].get<std::string>()), StateWeights(dir + "/local-x"));
+  fs::remove_all(dir);
+}
+
+// The API over TLS 1.3 with mutual authentication (serve-trainer's --tls-* flags): a client
+// with the CA's certificate trains; one without a client certificate is refused.
+TEST(TrainingServiceTest, TheApiRunsOverMutualTls) {
+  const std::string dir = TempDir("tls");
+  ASSERT_TRUE(transport::WriteTestCertificates(dir + "/certs").ok());
+  const std::string certs = dir + "/certs/";
+  transport::HttpServerOptions http;
+  auto server_tls = transport::MakeServerTlsContext({certs + "server.crt", certs + "server.key", certs + "ca.crt"});
+  ASSERT_TRUE(server_tls.ok()) << server_tls.status().ToString();
+  http.tls = *server_tls;
+  Server server(ServiceOptions(dir + "/state"), http);
+  auto client_tls = transport::MakeClientTlsContext({certs + "client.crt", certs + "client.key", certs + "ca.crt"});
+  ASSERT_TRUE(client_tls.ok()) << client_tls.status().ToString();
+  server.client_tls = *client_tls;
+  const std::string id = server.Open();
+  auto fb = server.Batch(id, "forward_backward", {{"loss", "cross_entropy"}}, Data(2, 11));
+  EXPECT_EQ(fb.status, 200) << fb.body;
+  auto anonymous = transport::MakeClientTlsContext({"", "", certs + "ca.crt"});
+  ASSERT_TRUE(anonymous.ok());
+  transport::HttpGetOptions options;
+  options.tls = *anonymous;
+  auto refused = transport::HttpCall(server.endpoint(), "GET", "/v1/train/info", "", options);
+  EXPECT_FALSE(refused.ok() && refused->status == 200) << "a client without a certificate was served";
   fs::remove_all(dir);
 }
 
