@@ -1,7 +1,11 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
+#include <set>
+
+#include "model/fp8.h"
 
 namespace flywheel::model {
 
@@ -14,6 +18,33 @@ torch::Tensor RotateHalf(const torch::Tensor& x) {
   return torch::cat({-halves[1], halves[0]}, -1);
 }
 
+// dequant(quant(w)) with model/fp8.h's own QuantizeBlockwise and DequantizeBlockwise: the
+// values LoadFp8Weights writes into a worker's fp32 weight for SnapshotWeightsFp8's bytes.
+torch::Tensor Fp8FakeQuantize(const torch::Tensor& w, int64_t block) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor master = w.detach().to(torch::kCPU, torch::kFloat).contiguous();
+  const int64_t rows = master.size(0), cols = master.size(1);
+  const Fp8Block q = QuantizeBlockwise(master.data_ptr<float>(), rows, cols, block);
+  torch::Tensor out = torch::empty({rows, cols}, torch::kFloat);
+  DequantizeBlockwise(q.data.data(), q.scale_inv.data(), rows, cols, block, out.data_ptr<float>());
+  return out.to(w.options().requires_grad(false));
+}
+
+// Forward: the fake-quantized weight as it is; backward: the master's gradient is the
+// fake-quantized weight's (the straight-through estimator). Returning `quantized` itself,
+// with no arithmetic on it (master + (quantized - master).detach() could flip the sign of a
+// zero), makes the forward bit-exact by construction.
+struct StraightThrough : torch::autograd::Function<StraightThrough> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, const torch::Tensor& /*master*/,
+                               const torch::Tensor& quantized) {
+    return quantized;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 ProjImpl::ProjImpl(int64_t in_features, int64_t out_features, bool bias) {
@@ -22,7 +53,14 @@ ProjImpl::ProjImpl(int64_t in_features, int64_t out_features, bool bias) {
 }
 
 torch::Tensor ProjImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y = torch::linear(x, weight, bias);
+  torch::Tensor w = weight;
+  if (fp8_block_ > 0) {
+    const torch::Tensor& quantized = Fp8Weight();
+    w = weight.requires_grad() && torch::GradMode::is_enabled()
+            ? StraightThrough::apply(weight, quantized)
+            : quantized;
+  }
+  torch::Tensor y = torch::linear(x, w, bias);
   if (lora_a_)
     y = y + torch::linear(torch::linear(x, lora_a_->weight), lora_b_->weight) * lora_scale_;
   if (multi_ && !multi_->row_adapter.empty() && x.dim() >= 2 &&
@@ -54,6 +92,29 @@ void ProjImpl::EnableLora(int64_t rank, double alpha) {
       "lora_A", std::make_shared<WeightImpl>(torch::empty({rank, in}).uniform_(-bound, bound)));
   lora_b_ = register_module("lora_B", std::make_shared<WeightImpl>(torch::zeros({out, rank})));
   lora_scale_ = alpha / static_cast<double>(rank);
+}
+
+void ProjImpl::EnableFp8FakeQuant(int64_t block) {
+  assert(block > 0);
+  fp8_block_ = block;
+  fp8_weight_ = torch::Tensor();
+  fp8_version_ = -1;
+  fp8_storage_ = nullptr;
+}
+
+bool ProjImpl::fp8_weight_stale() const {
+  return fp8_block_ > 0 && (!fp8_weight_.defined() || weight._version() != fp8_version_ ||
+                            weight.storage().data() != fp8_storage_);
+}
+
+const torch::Tensor& ProjImpl::Fp8Weight() {
+  assert(fp8_block_ > 0);
+  if (fp8_weight_stale()) {
+    fp8_weight_ = Fp8FakeQuantize(weight, fp8_block_);
+    fp8_version_ = weight._version();
+    fp8_storage_ = weight.storage().data();
+  }
+  return fp8_weight_;
 }
 
 RmsNormImpl::RmsNormImpl(int64_t dim, double eps) : eps_(eps) {
@@ -255,6 +316,17 @@ ForwardResult TransformerImpl::Hidden(const torch::Tensor& tokens,
                                       const std::vector<torch::Tensor>& replay,
                                       const CacheSpan* cache) {
   const int64_t batch = tokens.size(0), length = tokens.size(1);
+  if (!fp8_projections_.empty()) {
+    // Fake-quantize every projection whose master changed (after an optimizer step or a
+    // load: all of them) at once rather than one by one inside the layers.
+    std::vector<ProjImpl*> stale;
+    for (const auto& proj : fp8_projections_) {
+      if (proj->fp8_weight_stale()) stale.push_back(proj.get());
+    }
+    at::parallel_for(0, static_cast<int64_t>(stale.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) stale[i]->Fp8Weight();
+    });
+  }
   torch::Tensor positions =
       positions_in.defined()
           ? positions_in
@@ -335,6 +407,24 @@ Status TransformerImpl::EnableLora(const LoraOptions& options) {
     return Status::InvalidArgument("LoRA targets match no projection of this model");
   }
   lora_ = options;
+  return Status::Ok();
+}
+
+Status TransformerImpl::EnableFp8Qat(int64_t block) {
+  if (block < 1) {
+    return Status::InvalidArgument("FP8 QAT block size must be at least 1, got " +
+                                   std::to_string(block));
+  }
+  if (fp8_qat_block_ > 0) return Status::InvalidArgument("FP8 QAT is already enabled");
+  const std::vector<std::string> names = Fp8WeightNames(*this);
+  const std::set<std::string> quantized(names.begin(), names.end());
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
+    auto proj = std::dynamic_pointer_cast<ProjImpl>(item.value());
+    if (!proj || !quantized.count(item.key() + ".weight")) continue;
+    proj->EnableFp8FakeQuant(block);
+    fp8_projections_.push_back(std::move(proj));
+  }
+  fp8_qat_block_ = block;
   return Status::Ok();
 }
 

@@ -61,12 +61,29 @@ class ProjImpl : public torch::nn::Module {
   // [out, rank] = 0, so the adapted layer starts equal to the base layer.
   void EnableLora(int64_t rank, double alpha);
   bool has_lora() const { return lora_a_ != nullptr; }
+  // FP8 quantization-aware training (model/fp8.h): from now on forward() computes with the
+  // weight fake-quantized in block x block tiles, bit for bit the fp32 values LoadFp8Weights
+  // gives a worker for SnapshotWeightsFp8's bytes, and passes the gradient of that weight
+  // straight through to `weight` (d w_q / d w = identity). The bias and the LoRA adapter
+  // stay fp32.
+  // REQUIRES: block > 0.
+  void EnableFp8FakeQuant(int64_t block);
+  // The fake-quantized weight (no gradient), recomputed when `weight` changed since the last
+  // call: every in-place update (optimizer step, load, copy_) moves its version counter.
+  // REQUIRES: EnableFp8FakeQuant ran.
+  const torch::Tensor& Fp8Weight();
+  // Whether Fp8Weight() would recompute (false when fake quantization is off).
+  bool fp8_weight_stale() const;
 
   torch::Tensor weight;
   torch::Tensor bias;  // undefined without bias
 
  private:
   std::shared_ptr<WeightImpl> lora_a_, lora_b_;
+  int64_t fp8_block_ = 0;  // 0: fake quantization off
+  torch::Tensor fp8_weight_;
+  int64_t fp8_version_ = -1;  // weight._version() and storage fp8_weight_ was computed from
+  const void* fp8_storage_ = nullptr;
   double lora_scale_ = 0;
   std::shared_ptr<const MultiLora> multi_;
   std::string name_;
@@ -209,6 +226,14 @@ class TransformerImpl : public torch::nn::Module {
   // Module names of all projections ("model.layers.0.self_attn.q_proj") with [out, in].
   std::map<std::string, std::pair<int64_t, int64_t>> ProjectionShapes();
   bool lora_enabled() const { return lora_.has_value(); }
+  // FP8 quantization-aware training: every projection whose weight Fp8WeightNames()
+  // (model/fp8.h) lists, MoE experts included, computes with that weight fake-quantized in
+  // block x block tiles (ProjImpl::EnableFp8FakeQuant); routers, lm_head, embeddings, norms
+  // and LoRA adapters stay fp32. The fake-quantized weights are cached and recomputed at the
+  // first forward after the masters change, all stale projections at once. Fails on a block
+  // below 1 or when already enabled.
+  Status EnableFp8Qat(int64_t block);
+  int64_t fp8_qat_block() const { return fp8_qat_block_; }  // 0: off
   const std::optional<LoraOptions>& lora() const { return lora_; }
 
   const ModelConfig& config() const { return config_; }
@@ -216,6 +241,9 @@ class TransformerImpl : public torch::nn::Module {
  private:
   ModelConfig config_;
   std::optional<LoraOptions> lora_;
+  int64_t fp8_qat_block_ = 0;
+  // The projections EnableFp8Qat fake-quantizes.
+  std::vector<std::shared_ptr<ProjImpl>> fp8_projections_;
   std::shared_ptr<torch::nn::Module> body_;  // "model"
   torch::Tensor embed_tokens_;               // model.embed_tokens.weight
   std::vector<std::shared_ptr<DecoderLayerImpl>> layers_;

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "base/env.h"
+#include "model/fp8.h"
 #include "model/model_config.h"
 #include "pipeline/task.h"
 #include "rl/trainer_process.h"
@@ -61,7 +62,10 @@ Status ChooseModel(const ServeTrainerOptions& o, trainer::TrainerOptions& t,
     t.config = model::PipelineTinyConfig(vocab, preset == "tiny-moe");
     FW_RETURN_IF_ERROR(t.config.Validate());
     model_config_path = fs::absolute(fs::path(o.state_dir) / "config.json").string();
-    FW_RETURN_IF_ERROR(WriteText(model_config_path, t.config.ToJson().dump(2) + "\n"));
+    json config = t.config.ToJson();
+    // Workers read the FP8 block size from here (rollout/worker_engine.h).
+    if (t.fp8_serving) config["quantization_config"] = model::Fp8QuantizationConfig(t.fp8_block);
+    FW_RETURN_IF_ERROR(WriteText(model_config_path, config.dump(2) + "\n"));
     tokenizer = vocab >= static_cast<int64_t>(alphabet.size()) + 2 ? "chars:" + alphabet : "byte";
     if (!o.weights.empty()) t.init_weights = o.weights;
   }
@@ -91,13 +95,22 @@ Result<TrainingServiceOptions> ServiceOptions(const ServeTrainerOptions& o,
     t.serving_dtype = DType::kF16;
   } else if (o.serving_dtype == "f32") {
     t.serving_dtype = DType::kF32;
+  } else if (o.serving_dtype == "fp8") {
+    // Projection weights F8_E4M3 in 128 x 128 blocks (HF layout), everything else BF16.
+    t.serving_dtype = DType::kBF16;
+    t.fp8_serving = true;
   } else {
-    return Status::InvalidArgument("--serving-dtype must be bf16, f16 or f32, got " + o.serving_dtype);
+    return Status::InvalidArgument("--serving-dtype must be bf16, f16, f32 or fp8, got " +
+                                   o.serving_dtype);
   }
   std::error_code ec;
   fs::create_directories(o.state_dir, ec);
   if (ec) return Status::IOError("cannot create " + o.state_dir + ": " + ec.message());
   FW_RETURN_IF_ERROR(ChooseModel(o, t, model_config_path, tokenizer));
+  if (o.lora_rank > 0 && t.fp8_serving) {
+    // LoRA publishes adapters-only snapshots over a base that stays as it was loaded.
+    return Status::InvalidArgument("--serving-dtype fp8 is for full fine-tuning, not LoRA");
+  }
   if (o.lora_rank > 0) {
     model::LoraOptions lora;
     lora.rank = o.lora_rank;

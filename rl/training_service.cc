@@ -18,6 +18,7 @@
 
 #include "base/env.h"
 #include "delta/hash.h"
+#include "model/fp8.h"
 #include "model/weights.h"
 #include "rl/training_wire.h"
 #include "sync/publisher.h"
@@ -352,7 +353,9 @@ ServiceAnswer TrainingService::Impl::Info() {
                {"parameters",
                 {{"total", parameters_total}, {"trainable", parameters_trainable}}},
                {"lora", lora_json},
-               {"serving_dtype", DTypeName(client->options().serving_dtype)},
+               {"serving_dtype", client->options().fp8_serving
+                                     ? std::string("F8_E4M3")
+                                     : std::string(DTypeName(client->options().serving_dtype))},
                {"version", version.load()},
                {"sessions", list},
                {"limits",
@@ -929,8 +932,13 @@ Status TrainingService::Impl::PublishStart() {
   }
   // Full mode: the weights the first (or restored) session starts from, without moving the
   // client's own last version (a session's state keeps its own).
+  const trainer::TrainerOptions& t = client->options();
   FW_ASSIGN_OR_RETURN(OwnedCheckpoint weights,
-                      model::SnapshotWeights(client->model(), client->options().serving_dtype));
+                      t.fp8_serving
+                          ? model::SnapshotWeightsFp8(client->model(),
+                                                      {.block = t.fp8_block,
+                                                       .other_dtype = t.serving_dtype})
+                          : model::SnapshotWeights(client->model(), t.serving_dtype));
   if (publisher) FW_RETURN_IF_ERROR(publisher->Publish(head + 1, weights.view()).status());
   version = head + 1;
   spdlog::info("training service: published the starting weights as version {}", head + 1);

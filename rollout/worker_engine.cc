@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <string_view>
@@ -17,6 +18,7 @@
 #include "rollout/engine.h"
 #include "rollout/mirror.h"
 #include "rollout/serving.h"
+#include "model/fp8.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"
 #include "tokenizer/chat_template.h"
@@ -38,6 +40,8 @@ struct WorkerEngine::Impl {
   std::shared_ptr<Engine> engine;
   std::shared_ptr<CompletionService> service;
   bool aliased = false;  // fp32 serving: the parameters are views of the worker's weights
+  // FP8 versions' weight_block_size (config.json's quantization_config; HF's 128 if absent).
+  int64_t fp8_block = model::kFp8BlockSize;
   std::atomic<const sync::Worker*> worker{nullptr};
   // Adapters loaded from the served versions' kServedAdapterPrefix groups (guarded by
   // `mutex`, like everything a swap touches). The --adapter ones are never among them, so a
@@ -54,6 +58,36 @@ struct WorkerEngine::Impl {
   std::unique_ptr<Actor> actor;  // last: stops before the service goes
 };
 
+namespace {
+
+// quantization_config.weight_block_size of the model's config.json: [n, n] (or [n]) gives n;
+// no quantization_config (or none with weight_block_size) gives HF's 128. Blocks that are
+// not square are refused: FP8 serving here quantizes square blocks only.
+Result<int64_t> Fp8BlockFromConfig(const std::string& model_config) {
+  std::filesystem::path file = model_config;
+  std::error_code ec;
+  if (std::filesystem::is_directory(file, ec)) file /= "config.json";
+  FW_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, Env::Default()->ReadFile(file.string()));
+  const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object() || !json.contains("quantization_config")) return model::kFp8BlockSize;
+  const nlohmann::json& q = json["quantization_config"];
+  if (!q.is_object() || !q.contains("weight_block_size")) return model::kFp8BlockSize;
+  const nlohmann::json& size = q["weight_block_size"];
+  const bool valid = size.is_array() && !size.empty() && size.size() <= 2 &&
+                     size[0].is_number_integer() && size[0].get<int64_t>() > 0 &&
+                     (size.size() == 1 || size[1] == size[0]);
+  if (!valid) {
+    return Status::InvalidArgument(file.string() +
+                                   ": quantization_config.weight_block_size must be [n, n] "
+                                   "with n > 0, got " +
+                                   size.dump());
+  }
+  return size[0].get<int64_t>();
+}
+
+}  // namespace
+
 WorkerEngine::WorkerEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 WorkerEngine::~WorkerEngine() = default;
 
@@ -61,6 +95,7 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   FW_ASSIGN_OR_RETURN(impl->config, model::ModelConfig::Load(options.model_config));
+  FW_ASSIGN_OR_RETURN(impl->fp8_block, Fp8BlockFromConfig(options.model_config));
   // The tokenizer: an HF tokenizer.json beside config.json unless told otherwise.
   namespace fs = std::filesystem;
   std::string hf_path;
@@ -196,10 +231,10 @@ Status WorkerEngine::OnSwap(const sync::SwapEvent& event) {
       const CheckpointView previous =
           event.previous ? BaseWeights(*event.previous) : CheckpointView();
       return LoadMirrorOrRestore(*s.model, BaseWeights(*event.weights),
-                                 event.previous ? &previous : nullptr);
+                                 event.previous ? &previous : nullptr, s.fp8_block);
     }
     // PatchMirror skips tensors that are not parameters (the served adapters).
-    return PatchMirror(*s.model, *event.weights, *event.changes).status();
+    return PatchMirror(*s.model, *event.weights, *event.changes, s.fp8_block).status();
   });
   if (!swapped.ok()) {
     spdlog::error("rollout engine: version {} refused, still serving version {}: {}",
@@ -221,7 +256,8 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
   // weights are served without a mirror whatever rides beside them.
   const CheckpointView base = BaseWeights(*event.weights);
   const bool aliased = AllF32(base);
-  FW_RETURN_IF_ERROR(aliased ? AliasWeights(*s.model, base) : LoadMirror(*s.model, base));
+  FW_RETURN_IF_ERROR(aliased ? AliasWeights(*s.model, base)
+                              : LoadMirror(*s.model, base, s.fp8_block));
   FW_ASSIGN_OR_RETURN(
       auto engine,
       Engine::Create(s.model, {s.options.max_batch, s.options.max_sequence}, event.version));

@@ -8,6 +8,10 @@
 // swap wrote (rollout/mirror.h); f32 served weights (a trainer publishing with serving
 // dtype F32) are computed from directly, without a copy: the engine's steps then run under
 // the worker's shared weights lock, so applies and steps never overlap.
+// FP8 versions (trainer::TrainerOptions::fp8_serving: F8_E4M3 projection weights with
+// `<name>_scale_inv` block scales) are computed from the fp32 dequantization, kept exact
+// across swaps (rollout/mirror.h); the block size is config.json's
+// quantization_config.weight_block_size, 128 when it has none.
 //
 // Served adapters (the training service's LoRA sessions): a version's tensors
 // model::kServedAdapterPrefix + "<name>/" + <adapters-only snapshot tensor name> are served

@@ -266,7 +266,10 @@ void AddServeTrainerFlags(CLI::App* app, ServeArgs& a) {
   app->add_option("--seed", o.seed, "Random initialisation (weights without a file, LoRA A)")
       ->capture_default_str();
   app->add_option("--threads", o.threads, "Compute threads (default: every core)")->type_name("N");
-  app->add_option("--serving-dtype", o.serving_dtype, "What workers serve: bf16, f16 or f32")
+  app->add_option("--serving-dtype", o.serving_dtype,
+                  "What workers serve: bf16, f16, f32 or fp8 (projection weights F8_E4M3\n"
+                  "with 128x128 block scales, HF's FP8 layout; the rest bf16; full\n"
+                  "fine-tuning only)")
       ->capture_default_str();
   app->add_option("--session-idle-timeout", o.session_idle_timeout_s,
                   "Seconds without a call after which a session expires (its saved states stay)")

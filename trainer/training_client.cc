@@ -14,6 +14,7 @@
 #include "delta/hash.h"
 #include "delta/safetensors.h"
 #include "sync/publisher.h"
+#include "model/fp8.h"
 #include "model/weights.h"
 
 namespace flywheel::trainer {
@@ -121,6 +122,10 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
     return Status::InvalidArgument(std::string("serving dtype must be BF16, F16 or F32, got ") +
                                    DTypeName(options.serving_dtype));
   }
+  if (options.fp8_serving && options.fp8_block < 1) {
+    return Status::InvalidArgument("fp8_block must be >= 1, got " +
+                                   std::to_string(options.fp8_block));
+  }
   if (options.threads < 0) return Status::InvalidArgument("threads must be >= 0");
   ConfigureCpuThreads(options.threads);
   std::unique_ptr<TrainingClient> client(new TrainingClient(std::move(options)));
@@ -135,6 +140,8 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
     torch::manual_seed(client->options_.seed + 1);
     FW_RETURN_IF_ERROR(client->model_->EnableLora(*client->options_.lora));
   }
+  if (client->options_.fp8_qat)
+    FW_RETURN_IF_ERROR(client->model_->EnableFp8Qat(client->options_.fp8_block));
   for (auto& item : client->model_->named_parameters()) {
     if (item.value().requires_grad()) client->trainable_.emplace_back(item.key(), item.value());
   }
@@ -591,8 +598,15 @@ Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) 
   SamplerSnapshot snapshot;
   snapshot.version = version;
   snapshot.adapters_only = model_->lora_enabled();
-  FW_ASSIGN_OR_RETURN(snapshot.checkpoint, model::SnapshotWeights(*model_, options_.serving_dtype,
-                                                                  snapshot.adapters_only));
+  if (options_.fp8_serving && !snapshot.adapters_only) {
+    // Deterministic: quantization is a pure function of the weights (model/fp8.h).
+    FW_ASSIGN_OR_RETURN(snapshot.checkpoint,
+                        model::SnapshotWeightsFp8(*model_, {.block = options_.fp8_block,
+                                                            .other_dtype = options_.serving_dtype}));
+  } else {
+    FW_ASSIGN_OR_RETURN(snapshot.checkpoint, model::SnapshotWeights(*model_, options_.serving_dtype,
+                                                                    snapshot.adapters_only));
+  }
   const CheckpointView view = snapshot.checkpoint.view();
   // The only pass over the bytes on this side: the publisher reuses these hashes.
   snapshot.tensor_hashes.reserve(view.size());
