@@ -45,6 +45,23 @@ struct StraightThrough : torch::autograd::Function<StraightThrough> {
   }
 };
 
+// y = x W^T for a packed W: the forward dequantizes W, the backward dequantizes it again for
+// dx = dy W, so no fp32 W outlives its matmul. W gets no gradient (it is frozen). The packed
+// weight travels as a raw pointer: it lives in its ProjImpl, which outlives the graph.
+struct PackedLinear : torch::autograd::Function<PackedLinear> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const PackedWeight* packed) {
+    ctx->saved_data["packed"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(packed));
+    return torch::linear(x, packed->Dequantize());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* packed =
+        reinterpret_cast<const PackedWeight*>(static_cast<intptr_t>(ctx->saved_data["packed"].toInt()));
+    return {torch::matmul(grads[0], packed->Dequantize()), torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 ProjImpl::ProjImpl(int64_t in_features, int64_t out_features, bool bias) {
@@ -53,14 +70,22 @@ ProjImpl::ProjImpl(int64_t in_features, int64_t out_features, bool bias) {
 }
 
 torch::Tensor ProjImpl::forward(const torch::Tensor& x) {
-  torch::Tensor w = weight;
-  if (fp8_block_ > 0) {
-    const torch::Tensor& quantized = Fp8Weight();
-    w = weight.requires_grad() && torch::GradMode::is_enabled()
-            ? StraightThrough::apply(weight, quantized)
-            : quantized;
+  torch::Tensor y;
+  if (packed_) {
+    y = x.requires_grad() && torch::GradMode::is_enabled()
+            ? PackedLinear::apply(x, packed_.get())
+            : torch::linear(x, packed_->Dequantize());
+    if (bias.defined()) y = y + bias;
+  } else {
+    torch::Tensor w = weight;
+    if (fp8_block_ > 0) {
+      const torch::Tensor& quantized = Fp8Weight();
+      w = weight.requires_grad() && torch::GradMode::is_enabled()
+              ? StraightThrough::apply(weight, quantized)
+              : quantized;
+    }
+    y = torch::linear(x, w, bias);
   }
-  torch::Tensor y = torch::linear(x, w, bias);
   if (lora_a_)
     y = y + torch::linear(torch::linear(x, lora_a_->weight), lora_b_->weight) * lora_scale_;
   if (multi_ && !multi_->row_adapter.empty() && x.dim() >= 2 &&
@@ -86,7 +111,7 @@ torch::Tensor ProjImpl::forward(const torch::Tensor& x) {
 }
 
 void ProjImpl::EnableLora(int64_t rank, double alpha) {
-  const int64_t in = weight.size(1), out = weight.size(0);
+  const int64_t in = in_features(), out = out_features();
   const double bound = 1.0 / std::sqrt(static_cast<double>(in));
   lora_a_ = register_module(
       "lora_A", std::make_shared<WeightImpl>(torch::empty({rank, in}).uniform_(-bound, bound)));
@@ -115,6 +140,32 @@ const torch::Tensor& ProjImpl::Fp8Weight() {
     fp8_storage_ = weight.storage().data();
   }
   return fp8_weight_;
+}
+
+int64_t ProjImpl::out_features() const {
+  return packed_ ? packed_->rows : weight.size(0);
+}
+
+int64_t ProjImpl::in_features() const {
+  return packed_ ? packed_->cols : weight.size(1);
+}
+
+Result<std::shared_ptr<ProjImpl>> ProjImpl::Packed(PackFormat format, int64_t block) const {
+  if (packed_) return Status::InvalidArgument("the projection is already packed");
+  if (weight.requires_grad())
+    return Status::InvalidArgument("only a frozen weight can be packed (it requires a gradient)");
+  FW_ASSIGN_OR_RETURN(PackedWeight packed, PackWeight(weight, format, block));
+  std::shared_ptr<ProjImpl> out(new ProjImpl());
+  out->packed_ = std::make_shared<const PackedWeight>(std::move(packed));
+  if (bias.defined()) out->bias = out->register_parameter("bias", bias, bias.requires_grad());
+  if (lora_a_) {
+    out->lora_a_ = out->register_module("lora_A", lora_a_);
+    out->lora_b_ = out->register_module("lora_B", lora_b_);
+    out->lora_scale_ = lora_scale_;
+  }
+  out->multi_ = multi_;
+  out->name_ = name_;
+  return out;
 }
 
 RmsNormImpl::RmsNormImpl(int64_t dim, double eps) : eps_(eps) {
@@ -213,6 +264,17 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   return o_proj_->forward(out.transpose(1, 2).reshape({batch, length, heads_ * head_dim_}));
 }
 
+Status MlpImpl::PackProjections(PackFormat format, int64_t block) {
+  // All three first, so that a failure leaves this MLP as it was.
+  FW_ASSIGN_OR_RETURN(std::shared_ptr<ProjImpl> gate, gate_proj_->Packed(format, block));
+  FW_ASSIGN_OR_RETURN(std::shared_ptr<ProjImpl> up, up_proj_->Packed(format, block));
+  FW_ASSIGN_OR_RETURN(std::shared_ptr<ProjImpl> down, down_proj_->Packed(format, block));
+  gate_proj_ = replace_module("gate_proj", std::move(gate));
+  up_proj_ = replace_module("up_proj", std::move(up));
+  down_proj_ = replace_module("down_proj", std::move(down));
+  return Status::Ok();
+}
+
 MoeImpl::MoeImpl(const ModelConfig& c)
     : num_experts_(c.num_experts),
       top_k_(c.num_experts_per_tok),
@@ -260,6 +322,14 @@ MoeOutput MoeImpl::forward(const torch::Tensor& x, const torch::Tensor& replay,
   torch::Tensor aux =
       (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * static_cast<double>(num_experts_);
   return {out.view({batch, length, d}), indices.view({batch, length, top_k_}), aux};
+}
+
+Status MoeImpl::PackExperts(PackFormat format, int64_t block) {
+  for (size_t e = 0; e < experts_.size(); ++e) {
+    FW_RETURN_IF_ERROR(experts_[e]->PackProjections(format, block).WithContext(
+        "packing expert " + std::to_string(e)));
+  }
+  return Status::Ok();
 }
 
 DecoderLayerImpl::DecoderLayerImpl(const ModelConfig& c, int64_t index) {
@@ -420,12 +490,53 @@ Status TransformerImpl::EnableFp8Qat(int64_t block) {
   const std::set<std::string> quantized(names.begin(), names.end());
   for (const auto& item : named_modules("", /*include_self=*/false)) {
     auto proj = std::dynamic_pointer_cast<ProjImpl>(item.value());
-    if (!proj || !quantized.count(item.key() + ".weight")) continue;
+    if (!proj || proj->packed() || !quantized.count(item.key() + ".weight")) continue;
     proj->EnableFp8FakeQuant(block);
     fp8_projections_.push_back(std::move(proj));
   }
   fp8_qat_block_ = block;
   return Status::Ok();
+}
+
+Status TransformerImpl::PackFrozenExperts(PackFormat format, int64_t block) {
+  if (format == PackFormat::kNone) return Status::Ok();
+  if (packed_experts_ != PackFormat::kNone)
+    return Status::InvalidArgument("the experts are already packed");
+  if (config_.NumMoeLayers() == 0)
+    return Status::InvalidArgument("packed frozen experts need a MoE model; this one is dense");
+  if (!lora_) {
+    return Status::InvalidArgument(
+        "packed frozen experts need LoRA (only frozen experts can be packed)");
+  }
+  if (fp8_qat_block_ > 0)
+    return Status::InvalidArgument("pack the experts before enabling FP8 QAT");
+  if (block < 0) return Status::InvalidArgument("the packing block must be >= 0");
+  // Checked up front, so that packing cannot fail halfway (PackWeight refuses these).
+  for (const auto& item : named_parameters()) {
+    if (item.key().find(".mlp.experts.") == std::string::npos ||
+        item.key().find(".lora_") != std::string::npos)
+      continue;
+    if (item.value().requires_grad())
+      return Status::InvalidArgument("cannot pack " + item.key() + ": it is trainable");
+    if (!torch::isfinite(item.value()).all().item<bool>())
+      return Status::InvalidArgument("cannot pack " + item.key() + ": it holds NaN or inf");
+  }
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (!layers_[i]->is_moe()) continue;
+    FW_RETURN_IF_ERROR(
+        layers_[i]->moe->PackExperts(format, block).WithContext("layer " + std::to_string(i)));
+  }
+  packed_experts_ = format;
+  return Status::Ok();
+}
+
+std::vector<std::pair<std::string, const PackedWeight*>> TransformerImpl::PackedWeights() {
+  std::vector<std::pair<std::string, const PackedWeight*>> out;
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
+    auto proj = std::dynamic_pointer_cast<ProjImpl>(item.value());
+    if (proj && proj->packed()) out.emplace_back(item.key() + ".weight", proj->packed());
+  }
+  return out;
 }
 
 void TransformerImpl::AttachMultiLora(std::shared_ptr<const MultiLora> multi) {
@@ -439,7 +550,7 @@ std::map<std::string, std::pair<int64_t, int64_t>> TransformerImpl::ProjectionSh
   std::map<std::string, std::pair<int64_t, int64_t>> out;
   for (const auto& item : named_modules("", /*include_self=*/false)) {
     if (auto proj = std::dynamic_pointer_cast<ProjImpl>(item.value())) {
-      out[item.key()] = {proj->weight.size(0), proj->weight.size(1)};
+      out[item.key()] = {proj->out_features(), proj->in_features()};
     }
   }
   return out;

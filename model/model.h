@@ -24,6 +24,7 @@
 
 #include "base/status.h"
 #include "model/model_config.h"
+#include "model/packed.h"
 
 namespace flywheel::model {
 
@@ -74,11 +75,23 @@ class ProjImpl : public torch::nn::Module {
   const torch::Tensor& Fp8Weight();
   // Whether Fp8Weight() would recompute (false when fake quantization is off).
   bool fp8_weight_stale() const;
+  // A copy of this projection whose weight is packed (model/packed.h) instead of an fp32
+  // parameter: it has no `weight` parameter, computes with the dequantized weight, which it
+  // dequantizes again in the backward pass rather than keeping it, and passes gradients only
+  // to its input and its LoRA adapter (the same parameter objects as this one's).
+  // Fails when the weight cannot be packed (see PackWeight) or requires a gradient.
+  Result<std::shared_ptr<ProjImpl>> Packed(PackFormat format, int64_t block) const;
+  // The packed weight, or null for an fp32 one.
+  const PackedWeight* packed() const { return packed_.get(); }
+  int64_t out_features() const;
+  int64_t in_features() const;
 
-  torch::Tensor weight;
-  torch::Tensor bias;  // undefined without bias
+  torch::Tensor weight;  // undefined when packed
+  torch::Tensor bias;    // undefined without bias
 
  private:
+  ProjImpl() = default;  // for Packed()
+  std::shared_ptr<const PackedWeight> packed_;
   std::shared_ptr<WeightImpl> lora_a_, lora_b_;
   int64_t fp8_block_ = 0;  // 0: fake quantization off
   torch::Tensor fp8_weight_;
@@ -103,6 +116,8 @@ class MlpImpl : public torch::nn::Module {
  public:
   MlpImpl(int64_t hidden, int64_t intermediate);
   torch::Tensor forward(const torch::Tensor& x);
+  // Replaces gate/up/down by their ProjImpl::Packed() copies.
+  Status PackProjections(PackFormat format, int64_t block);
 
  private:
   std::shared_ptr<ProjImpl> gate_proj_, up_proj_, down_proj_;
@@ -163,6 +178,7 @@ class MoeImpl : public torch::nn::Module {
   // `replay` [B, T, k] int64 or undefined; `valid` [B, T] bool (tokens counted by aux loss).
   MoeOutput forward(const torch::Tensor& x, const torch::Tensor& replay,
                     const torch::Tensor& valid);
+  Status PackExperts(PackFormat format, int64_t block);
 
  private:
   int64_t num_experts_, top_k_;
@@ -234,6 +250,17 @@ class TransformerImpl : public torch::nn::Module {
   // below 1 or when already enabled.
   Status EnableFp8Qat(int64_t block);
   int64_t fp8_qat_block() const { return fp8_qat_block_; }  // 0: off
+  // Packed frozen experts (model/packed.h): every MoE expert's gate/up/down weight is stored
+  // packed and dequantized one expert at a time while its matmuls run, in the forward and
+  // again in the backward pass, so the fp32 weights of all experts never exist at once. The
+  // packed weights leave named_parameters() (PackedWeights() lists them); full snapshots
+  // (SnapshotWeights) still carry them, dequantized. Requires LoRA (the experts must be
+  // frozen) and a MoE model; run before EnableFp8Qat (packed experts are not fake-quantized:
+  // their packed values already are what is served). `block` 0: the format's default.
+  Status PackFrozenExperts(PackFormat format, int64_t block = 0);
+  PackFormat packed_experts() const { return packed_experts_; }
+  // Every packed weight by its parameter name (`...experts.3.up_proj.weight`), model order.
+  std::vector<std::pair<std::string, const PackedWeight*>> PackedWeights();
   const std::optional<LoraOptions>& lora() const { return lora_; }
 
   const ModelConfig& config() const { return config_; }
@@ -242,6 +269,7 @@ class TransformerImpl : public torch::nn::Module {
   ModelConfig config_;
   std::optional<LoraOptions> lora_;
   int64_t fp8_qat_block_ = 0;
+  PackFormat packed_experts_ = PackFormat::kNone;
   // The projections EnableFp8Qat fake-quantizes.
   std::vector<std::shared_ptr<ProjImpl>> fp8_projections_;
   std::shared_ptr<torch::nn::Module> body_;  // "model"

@@ -159,6 +159,13 @@ Result<OwnedCheckpoint> SnapshotWeights(TransformerImpl& model, DType dtype, boo
     FW_ASSIGN_OR_RETURN(OwnedTensor t, FromTorch(name, item.value(), dtype));
     out.tensors.push_back(std::move(t));
   }
+  if (!adapters_only) {
+    // Packed frozen experts: their dequantized values (exact in BF16 and F32).
+    for (const auto& [name, packed] : model.PackedWeights()) {
+      FW_ASSIGN_OR_RETURN(OwnedTensor t, FromTorch(name, packed->Dequantize(), dtype));
+      out.tensors.push_back(std::move(t));
+    }
+  }
   if (adapters_only) {
     // The adapter config travels with the factors (and is covered by the same hash).
     const std::string text = AdapterConfigJson(model).dump();

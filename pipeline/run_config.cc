@@ -28,6 +28,8 @@ void ForEachField(Config& c, F&& f) {
   f("model", "preset", FieldRef(&c.model.preset));
   f("model", "config", FieldRef(&c.model.config));
   f("model", "routing_replay", FieldRef(&c.model.routing_replay));
+  f("model", "serving", FieldRef(&c.model.serving));
+  f("model", "fp8_qat", FieldRef(&c.model.fp8_qat));
   f("task", "name", FieldRef(&c.task.name));
   f("task", "digits", FieldRef(&c.task.digits));
   f("algorithm", "name", FieldRef(&c.algorithm.name));
@@ -160,6 +162,10 @@ Status RunConfig::Validate() const {
   if (run.state_every < 1) return bad("run.state_every", run.state_every, "must be at least 1");
   if (model.config.empty() && model.preset != "tiny" && model.preset != "tiny-moe")
     return bad("model.preset", model.preset, "unknown (tiny, tiny-moe; or set model.config)");
+  if (model.serving != "bf16" && model.serving != "fp8")
+    return bad("model.serving", model.serving, "unknown (bf16, fp8)");
+  if (model.fp8_qat && model.serving != "fp8")
+    return bad("model.fp8_qat", "true", "needs model.serving = \"fp8\"");
   FW_RETURN_IF_ERROR(Task::Create(task).status());
   const std::set<std::string> algorithms = {"grpo", "dapo", "gspo", "cispo"};
   if (!algorithms.count(algorithm.name))

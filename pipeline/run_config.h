@@ -5,7 +5,9 @@
 //   [run]        seed, max_steps, time_limit_s, target_accuracy (stop when reached; 0: run
 //                all steps), eval_every, eval_prompts, threads (trainer), state_every
 //   [model]      preset ("tiny", "tiny-moe"), config (a config.json; overrides the preset),
-//                routing_replay (MoE: train on the experts the sampler used)
+//                routing_replay (MoE: train on the experts the sampler used), serving
+//                ("bf16", or "fp8": projection weights F8_E4M3 with 128x128 block scales),
+//                fp8_qat (with fp8: train on the fake-quantized weights workers serve)
 //   [task]       name (sort, reverse, add), digits
 //   [algorithm]  name (grpo, dapo, gspo, cispo), group_size, groups_per_step, lr,
 //                temperature, clip_low, clip_high, tis_cap, weight_decay, grad_clip
@@ -40,6 +42,8 @@ struct RunConfig {
     std::string preset = "tiny";
     std::string config;
     bool routing_replay = true;
+    std::string serving = "bf16";
+    bool fp8_qat = false;
   } model;
   TaskConfig task;
   struct Algorithm {

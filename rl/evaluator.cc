@@ -1,26 +1,45 @@
 #include "rl/evaluator.h"
 
 #include <algorithm>
+#include <map>
+
+#include "model/fp8.h"
 
 namespace flywheel::rl {
 
 Evaluator::Evaluator(const model::ModelConfig& config, std::vector<pipeline::Problem> problems,
-                     std::shared_ptr<const model::Tokenizer> tokenizer, int64_t max_tokens)
-    : problems_(std::move(problems)), tokenizer_(std::move(tokenizer)), max_tokens_(max_tokens) {
+                     std::shared_ptr<const model::Tokenizer> tokenizer, int64_t max_tokens,
+                     int64_t fp8_block)
+    : problems_(std::move(problems)),
+      tokenizer_(std::move(tokenizer)),
+      max_tokens_(max_tokens),
+      fp8_block_(fp8_block) {
   model_ = std::make_shared<model::TransformerImpl>(config);
   for (auto& p : model_->parameters()) p.set_requires_grad(false);
 }
 
-void Evaluator::CopyServedWeights(model::TransformerImpl& policy) {
+Status Evaluator::CopyServedWeights(model::TransformerImpl& policy) {
+  if (fp8_block_ > 0) {
+    // Exactly what an FP8 worker holds: the snapshot's bytes, dequantized.
+    FW_ASSIGN_OR_RETURN(OwnedCheckpoint served,
+                        model::SnapshotWeightsFp8(policy, {.block = fp8_block_}));
+    return model::LoadFp8Weights(*model_, served.view(), "the served FP8 policy", fp8_block_);
+  }
   torch::NoGradGuard no_grad;
   auto source = policy.named_parameters();
+  std::map<std::string, const model::PackedWeight*> packed;
+  for (const auto& [name, weight] : policy.PackedWeights()) packed[name] = weight;
   for (auto& item : model_->named_parameters()) {
-    item.value().copy_(source[item.key()].to(torch::kBFloat16).to(torch::kFloat32));
+    auto it = packed.find(item.key());
+    const torch::Tensor value =
+        it != packed.end() ? it->second->Dequantize() : source[item.key()];
+    item.value().copy_(value.to(torch::kBFloat16).to(torch::kFloat32));
   }
+  return Status::Ok();
 }
 
 Result<double> Evaluator::Accuracy(model::TransformerImpl& policy) {
-  CopyServedWeights(policy);
+  FW_RETURN_IF_ERROR(CopyServedWeights(policy));
   if (!engine_) {
     int64_t longest = 0;
     for (const auto& p : problems_) longest = std::max<int64_t>(longest, p.prompt.size());

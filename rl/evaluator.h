@@ -13,14 +13,17 @@
 namespace flywheel::rl {
 
 // Greedy exact-match accuracy on a fixed list of held-out problems. The policy's weights
-// are rounded to bf16 first (into a private copy of the model), because that is what the
-// workers hold: the number is the served policy's accuracy, not the fp32 master's.
+// are rounded to bf16 first (into a private copy of the model), or with `fp8_block` > 0
+// its projection weights quantized to FP8 in those blocks (model/fp8.h) and the rest to
+// bf16, because that is what the workers hold: the number is the served policy's accuracy,
+// not the fp32 master's.
 // Not thread-safe; one Accuracy call at a time.
 class Evaluator {
  public:
   // `config` must be the policy's; `max_tokens` bounds each answer (EOS ends it earlier).
   Evaluator(const model::ModelConfig& config, std::vector<pipeline::Problem> problems,
-            std::shared_ptr<const model::Tokenizer> tokenizer, int64_t max_tokens);
+            std::shared_ptr<const model::Tokenizer> tokenizer, int64_t max_tokens,
+            int64_t fp8_block = 0);
 
   // The fraction of problems whose decoded greedy answer (EOS stripped) equals the
   // expected answer exactly; 0 for no problems. Fails when the engine cannot be built or a
@@ -28,11 +31,12 @@ class Evaluator {
   Result<double> Accuracy(model::TransformerImpl& policy);
 
  private:
-  void CopyServedWeights(model::TransformerImpl& policy);
+  Status CopyServedWeights(model::TransformerImpl& policy);
 
   std::vector<pipeline::Problem> problems_;
   std::shared_ptr<const model::Tokenizer> tokenizer_;
   int64_t max_tokens_;
+  int64_t fp8_block_;
   std::shared_ptr<model::TransformerImpl> model_;
   std::unique_ptr<rollout::Engine> engine_;  // built on the first Accuracy call
 };

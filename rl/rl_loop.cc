@@ -9,6 +9,7 @@
 #include <iostream>
 #include <optional>
 
+#include "model/fp8.h"
 #include "rl/evaluator.h"
 #include "rl/publish.h"
 #include "rl/rl_step.h"
@@ -32,6 +33,8 @@ Result<std::unique_ptr<TrainingClient>> CreateClient(const RunConfig& config, co
   trainer_options.config = setup.model_config;
   trainer_options.seed = static_cast<uint64_t>(config.run.seed);
   trainer_options.threads = static_cast<int>(config.run.threads);
+  trainer_options.fp8_serving = config.model.serving == "fp8";
+  trainer_options.fp8_qat = config.model.fp8_qat;
   return TrainingClient::Create(trainer_options);
 }
 
@@ -63,7 +66,8 @@ class TrainerRun {
         services_(services),
         evaluator_(setup.model_config,
                    setup.task->HeldOut(static_cast<size_t>(options.config.run.eval_prompts), 4242),
-                   setup.tokenizer, setup.max_tokens),
+                   setup.tokenizer, setup.max_tokens,
+                   options.config.model.serving == "fp8" ? model::kFp8BlockSize : 0),
         loss_(MakeLossSetup(options.config)),
         progress_(std::move(progress)),
         resumed_(resumed),

@@ -9,6 +9,7 @@
 
 #include "base/env.h"
 #include "model/fp8.h"
+#include "model/packed.h"
 #include "model/model_config.h"
 #include "pipeline/task.h"
 #include "rl/trainer_process.h"
@@ -120,6 +121,11 @@ Result<TrainingServiceOptions> ServiceOptions(const ServeTrainerOptions& o,
   } else if (o.lora_rank < 0) {
     return Status::InvalidArgument("--lora-rank must be >= 0");
   }
+  Result<model::PackFormat> pack = model::ParsePackFormat(o.pack_experts);
+  if (!pack.ok()) return pack.status().WithContext("--pack-experts");
+  t.pack_frozen_experts = *pack;
+  if (t.pack_frozen_experts != model::PackFormat::kNone && o.lora_rank == 0)
+    return Status::InvalidArgument("--pack-experts needs --lora-rank (only frozen experts pack)");
   FW_RETURN_IF_ERROR(options.Validate());
   return options;
 }

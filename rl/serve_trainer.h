@@ -36,6 +36,7 @@ struct ServeTrainerOptions {
   uint64_t seed = 0;
   int threads = 0;
   std::string serving_dtype = "bf16";
+  std::string pack_experts = "none";  // LoRA on MoE: none, fp8, int8, int4 (model/packed.h)
   double session_idle_timeout_s = 3600;
   double seq_wait_s = 60;
   int64_t max_batch_tokens = 1 << 18;

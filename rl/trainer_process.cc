@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "delta/delta_file.h"
+#include "model/fp8.h"
 #include "sync/role.h"
 #include "transport/http.h"
 
@@ -114,7 +115,11 @@ Result<RunSetup> PrepareRun(const TrainRunOptions& options) {
   setup.tokenizer = std::move(tokenizer);
   FW_ASSIGN_OR_RETURN(setup.model_config, MakeModelConfig(options.config, setup.tokenizer->vocab_size()));
   setup.model_config_path = (fs::path(options.state_dir) / "config.json").string();
-  FW_RETURN_IF_ERROR(WriteText(setup.model_config_path, setup.model_config.ToJson().dump(2)));
+  nlohmann::json config_json = setup.model_config.ToJson();
+  // FP8 serving: workers read the block size from here (rollout/worker_engine.h).
+  if (options.config.model.serving == "fp8")
+    config_json["quantization_config"] = model::Fp8QuantizationConfig(model::kFp8BlockSize);
+  FW_RETURN_IF_ERROR(WriteText(setup.model_config_path, config_json.dump(2)));
   setup.max_tokens = setup.task->max_answer_chars() + 1;
   return setup;
 }

@@ -343,7 +343,10 @@ ServiceAnswer TrainingService::Impl::Info() {
   json lora_json = nullptr;
   if (lora) {
     const auto& l = *client->options().lora;
-    lora_json = {{"rank", l.rank}, {"alpha", l.alpha}, {"targets", l.targets}};
+    lora_json = {{"rank", l.rank},
+                 {"alpha", l.alpha},
+                 {"targets", l.targets},
+                 {"packed_experts", model::PackFormatName(client->options().pack_frozen_experts)}};
   }
   std::lock_guard lock(mutex);
   json list = json::array();

@@ -96,6 +96,7 @@ std::vector<std::string> ServeTrainerArgs(const ServeArgs& a) {
   add("--seed", std::to_string(o.seed));
   if (o.threads > 0) add("--threads", std::to_string(o.threads));
   add("--serving-dtype", o.serving_dtype);
+  add("--pack-experts", o.pack_experts);
   add("--session-idle-timeout", std::to_string(o.session_idle_timeout_s));
   add("--seq-wait", std::to_string(o.seq_wait_s));
   add("--max-batch-tokens", std::to_string(o.max_batch_tokens));
@@ -270,6 +271,12 @@ void AddServeTrainerFlags(CLI::App* app, ServeArgs& a) {
                   "What workers serve: bf16, f16, f32 or fp8 (projection weights F8_E4M3\n"
                   "with 128x128 block scales, HF's FP8 layout; the rest bf16; full\n"
                   "fine-tuning only)")
+      ->capture_default_str();
+  app->add_option("--pack-experts", o.pack_experts,
+                  "LoRA on a MoE model: hold the frozen experts packed, dequantized one\n"
+                  "expert at a time: fp8 (128x128 block scales, 0.5x bf16), int8 (per-row,\n"
+                  "0.5x) or int4 (per 32 inputs, 0.27x; lossy: workers serve the same\n"
+                  "dequantized base the trainer uses); none keeps fp32")
       ->capture_default_str();
   app->add_option("--session-idle-timeout", o.session_idle_timeout_s,
                   "Seconds without a call after which a session expires (its saved states stay)")

@@ -140,6 +140,10 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
     torch::manual_seed(client->options_.seed + 1);
     FW_RETURN_IF_ERROR(client->model_->EnableLora(*client->options_.lora));
   }
+  if (client->options_.pack_frozen_experts != model::PackFormat::kNone) {
+    FW_RETURN_IF_ERROR(client->model_->PackFrozenExperts(client->options_.pack_frozen_experts,
+                                                         client->options_.pack_block));
+  }
   if (client->options_.fp8_qat)
     FW_RETURN_IF_ERROR(client->model_->EnableFp8Qat(client->options_.fp8_block));
   for (auto& item : client->model_->named_parameters()) {
@@ -490,6 +494,7 @@ Status TrainingClient::ImportTrainable(const TrainableState& state) {
 int64_t TrainingClient::parameter_count() const {
   int64_t n = 0;
   for (const auto& item : model_->named_parameters()) n += item.value().numel();
+  for (const auto& [name, packed] : model_->PackedWeights()) n += packed->rows * packed->cols;
   return n;
 }
 

@@ -119,6 +119,12 @@ struct TrainerOptions {
   // fake-quantized exactly as the FP8 snapshot stores them (straight-through gradients to the
   // fp32 masters), so the trainer's logprobs match what FP8 workers compute.
   bool fp8_qat = false;
+  // Packed frozen experts (LoRA on a MoE model; model/packed.h): the experts' frozen weights
+  // are held as fp8 (block scales), int8 (per-row scales) or int4 (per-group scales) and
+  // dequantized one expert at a time in the forward and backward passes. The trainer and
+  // the served base then both use the dequantized values. pack_block 0: the format's default.
+  model::PackFormat pack_frozen_experts = model::PackFormat::kNone;
+  int64_t pack_block = 0;
   int threads = 0;  // compute threads (see ConfigureCpuThreads); 0: one per hardware thread
   // Set: join a c10d/Gloo group (trainer/data_parallel.h). Rank 0's initial weights are
   // broadcast; every rank must call optim_step together; only rank 0 should publish.
@@ -211,7 +217,7 @@ class TrainingClient {
   // one shaped like it). Import replaces values, moments, gradients, step and accumulation.
   TrainableState ExportTrainable() const;
   Status ImportTrainable(const TrainableState& state);
-  // Number of parameters (elements): all, and those trained.
+  // Number of parameters (elements): all (packed frozen experts included), and those trained.
   int64_t parameter_count() const;
   int64_t trainable_count() const;
 

@@ -67,6 +67,21 @@ TEST(RunConfigTest, ErrorsNameTheKey) {
   EXPECT_FALSE(regions.ok());
 }
 
+TEST(RunConfigTest, Fp8ServingKeys) {
+  auto fp8 = RunConfig::FromToml("[model]\nserving = \"fp8\"\nfp8_qat = true\n", "run.toml");
+  ASSERT_TRUE(fp8.ok()) << fp8.status().ToString();
+  EXPECT_EQ(fp8->model.serving, "fp8");
+  EXPECT_TRUE(fp8->model.fp8_qat);
+  EXPECT_EQ(RunConfig::FromToml(fp8->ToToml(), "again")->ToToml(), fp8->ToToml());
+  auto unknown = RunConfig::FromToml("[model]\nserving = \"int4\"\n", "run.toml");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("model.serving"), std::string::npos);
+  auto qat = RunConfig::FromToml("[model]\nfp8_qat = true\n", "run.toml");
+  ASSERT_FALSE(qat.ok());
+  EXPECT_NE(qat.status().message().find("model.fp8_qat"), std::string::npos)
+      << qat.status().message();
+}
+
 TEST(RunConfigTest, DapoDefaultsToClipHigher) {
   auto dapo = RunConfig::FromToml("[algorithm]\nname = \"dapo\"\n", "run.toml");
   ASSERT_TRUE(dapo.ok());

@@ -309,6 +309,37 @@ def test_name_taken_and_adapters_in_lora_mode(lora_server):
         second.close()
 
 
+def test_lora_on_packed_moe_experts(tmp_path):
+    """--pack-experts int4: the frozen experts are packed; LoRA sessions train and publish."""
+    running = Server(tmp_path, "--preset", "tiny-moe", "--lora-rank", "4",
+                     "--pack-experts", "int4")
+    try:
+        service = flywheel.ServiceClient(running.url, TOKEN)
+        assert service.info()["lora"]["packed_experts"] == "int4"
+        session = service.create_session(name="packed")
+        try:
+            datums = rl_datums(running.url)
+            first = session.forward_backward(datums, loss="cross_entropy")
+            session.optim_step(lr=1e-2)
+            second = session.forward_backward(datums, loss="cross_entropy")
+            assert second.loss < first.loss
+            assert session.save_weights_for_sampler().adapter == "packed"
+        finally:
+            session.close()
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pack-experts", "int4"], "--pack-experts needs --lora-rank"),
+    (["--pack-experts", "nf4", "--lora-rank", "4"], "unknown packed format 'nf4'"),
+    (["--pack-experts", "fp8", "--lora-rank", "4"], "need a MoE model"),
+])
+def test_pack_experts_refusals_name_the_problem(tmp_path, flags, message):
+    with pytest.raises(RuntimeError, match=message):
+        Server(tmp_path, *flags)
+
+
 # ---------------------------------------------------------------------------------------
 # Order, retries
 
