@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -61,20 +62,39 @@ void DequantizeInt8Rows(const PackedWeight& p, int64_t begin, int64_t end, float
   }
 }
 
+// Per byte, its two values (low nibble, high nibble) as floats: one table load per pair.
+const std::array<std::array<float, 2>, 256>& Int4PairTable() {
+  static const auto table = [] {
+    std::array<std::array<float, 2>, 256> t{};
+    for (int b = 0; b < 256; ++b)
+      t[b] = {static_cast<float>((b & 0x0F) - 8), static_cast<float>((b >> 4) - 8)};
+    return t;
+  }();
+  return table;
+}
+
 void DequantizeInt4Rows(const PackedWeight& p, int64_t begin, int64_t end, float* out) {
   const uint8_t* data = p.data.data_ptr<uint8_t>();
   const int8_t* exponents = p.scales.data_ptr<int8_t>();
+  const auto& pairs = Int4PairTable();
   const int64_t row_bytes = CeilDiv(p.cols, 2), groups = CeilDiv(p.cols, p.block);
   for (int64_t r = begin; r < end; ++r) {
+    const uint8_t* row = data + r * row_bytes;
+    float* dst = out + r * p.cols;
     for (int64_t g = 0; g < groups; ++g) {
       const float scale = std::ldexp(1.0f, exponents[r * groups + g]);
-      const int64_t stop = std::min(p.cols, (g + 1) * p.block);
-      for (int64_t c = g * p.block; c < stop; ++c) {
-        const uint8_t byte = data[r * row_bytes + c / 2];
-        // A nibble holds q + 8 (1..15).
-        const int q = static_cast<int>((c % 2 == 0) ? (byte & 0x0F) : (byte >> 4)) - 8;
-        out[r * p.cols + c] = static_cast<float>(q) * scale;
+      int64_t c = g * p.block;
+      const int64_t stop = std::min(p.cols, c + p.block);
+      if (c % 2 == 1) {  // an odd group length: the first value is a high nibble
+        dst[c] = pairs[row[c / 2]][1] * scale;
+        ++c;
       }
+      for (; c + 1 < stop; c += 2) {
+        const auto& pair = pairs[row[c / 2]];
+        dst[c] = pair[0] * scale;
+        dst[c + 1] = pair[1] * scale;
+      }
+      if (c < stop) dst[c] = pairs[row[c / 2]][0] * scale;  // a lone low nibble
     }
   }
 }

@@ -54,9 +54,12 @@ torch::Tensor RandomWeight(int64_t rows, int64_t cols, uint32_t seed) {
 TEST(PackedWeightTest, IntFormatsMatchTheirDefinition) {
   const int64_t rows = 7, cols = 70;  // cols not a multiple of the group or of 2
   const torch::Tensor w = RandomWeight(rows, cols, 1);
-  for (auto [format, limit, group] : {std::tuple{PackFormat::kInt8, 127, cols},
-                                      std::tuple{PackFormat::kInt4, 7, int64_t{32}}}) {
-    auto packed = model::PackWeight(w, format);
+  // int4 with the default group (32) and with an odd one (groups start on high nibbles).
+  for (auto [format, limit, group, block] :
+       {std::tuple{PackFormat::kInt8, 127, cols, int64_t{0}},
+        std::tuple{PackFormat::kInt4, 7, int64_t{32}, int64_t{0}},
+        std::tuple{PackFormat::kInt4, 7, int64_t{5}, int64_t{5}}}) {
+    auto packed = model::PackWeight(w, format, block);
     ASSERT_TRUE(packed.ok()) << packed.status().ToString();
     const torch::Tensor got = packed->Dequantize();
     ASSERT_EQ(got.sizes(), w.sizes());
