@@ -31,7 +31,7 @@ struct PackedExpertsBenchOptions {
   // The batch: sequences x tokens per step.
   int64_t sequences = 8;
   int64_t tokens = 128;
-  int rounds = 5;   // timed rounds (each runs every format once, interleaved)
+  int rounds = 9;   // timed rounds (each runs every format once, interleaved)
   int threads = 0;  // compute threads (0: one per hardware thread)
   bool check = true;  // fail on a missed target
   std::string markdown_out;  // write the '## Packed experts benchmark' section here

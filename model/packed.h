@@ -7,8 +7,9 @@
 //        QuantizeBlockwise, the bytes an FP8 snapshot serves (1 byte + 4 / block^2 per weight).
 //   int8 integers in [-127, 127] with one power-of-two scale per output row, stored as its
 //        int8 exponent: 2^e is the smallest power of two with amax / 2^e <= 127.
-//   int4 integers in [-7, 7], two per byte (low nibble first), with one power-of-two scale per
-//        group of `block` consecutive inputs of a row (default 32): 0.5 + 1 / 32 bytes per
+//   int4 integers in [-7, 7], two per byte, with one power-of-two scale per group of `block`
+//        consecutive inputs of a row (default 32; the group's first half in the low nibbles of
+//        its ceil(block / 2) bytes, the second half in the high nibbles): 0.5 + 1 / 32 bytes per
 //        weight, 0.27x of bf16. Lossy like QLoRA's 4-bit base; the trainer and the served
 //        base still agree exactly, since both use the dequantized values.
 // Rounding is to nearest, ties to even; NaN and inf are refused when packing.
@@ -39,7 +40,7 @@ struct PackedWeight {
   int64_t rows = 0, cols = 0;
   int64_t block = 0;     // fp8: the tile side; int4: the group length; int8: unused (0)
   torch::Tensor data;    // uint8: fp8 [rows, cols]; int8 (as uint8) [rows, cols];
-                         // int4 [rows, ceil(cols / 2)]
+                         // int4 [rows, ceil(cols / block) * ceil(block / 2)]
   torch::Tensor scales;  // fp8: float scale_inv [ceil(rows/block), ceil(cols/block)];
                          // int8: int8 exponents [rows]; int4: int8 exponents
                          // [rows, ceil(cols / block)]

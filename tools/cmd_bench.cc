@@ -1,16 +1,19 @@
-// `flywheel bench codec|fleet|trainer|rollout|parity`: the benchmark reports (the codec one
+// `flywheel bench codec|fleet|trainer|rollout|parity|fp8`: the benchmark reports (the codec one
 // is also build/bin/codec_bench); `bench pipeline` is registered from cmd_rl.cc.
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench/codec_bench.h"
 #include "bench/fleet_bench.h"
+#include "bench/fp8_bench.h"
 #include "bench/stream_bench.h"
 #include "bench/parity_bench.h"
 #include "bench/rollout_bench.h"
@@ -427,6 +430,111 @@ void AddPackedExpertsBenchCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+// `--small` takes Fp8BenchOptions::Small() for every size option not given on the line.
+struct Fp8Args {
+  bench::Fp8BenchOptions options;
+  bool small = false;
+  std::vector<std::pair<CLI::Option*, std::function<void(bench::Fp8BenchOptions&)>>> sized;
+};
+
+[[maybe_unused]] bench::Fp8BenchOptions Fp8Options(const Fp8Args& args) {
+  if (!args.small) return args.options;
+  bench::Fp8BenchOptions options = args.options;
+  const bench::Fp8BenchOptions small = bench::Fp8BenchOptions::Small();
+  options.hidden = small.hidden;
+  options.layers = small.layers;
+  options.sft_steps = small.sft_steps;
+  options.rl_steps = small.rl_steps;
+  options.sequence_length = small.sequence_length;
+  for (const auto& [option, keep_given] : args.sized) {
+    if (option->count() > 0) keep_given(options);
+  }
+  return options;
+}
+
+// The options `--small` gives other values unless they are on the line.
+void AddFp8SizeOptions(CLI::App& fp8_app, Fp8Args& args) {
+  CLI::App* fp8 = &fp8_app;
+  bench::Fp8BenchOptions& o = args.options;
+  auto sized = [&](CLI::Option* option, auto field) {
+    args.sized.emplace_back(option,
+                            [field, &o](bench::Fp8BenchOptions& to) { to.*field = o.*field; });
+    return option;
+  };
+  sized(fp8->add_option("--hidden", o.hidden, "Hidden size: the model's size (a multiple of 64)"),
+        &bench::Fp8BenchOptions::hidden)
+      ->capture_default_str()
+      ->check(CLI::Range(128, 8192));
+  sized(fp8->add_option("--layers", o.layers, "Transformer layers"),
+        &bench::Fp8BenchOptions::layers)
+      ->capture_default_str()
+      ->check(CLI::Range(1, 128));
+  sized(
+      fp8->add_option("--sft-steps", o.sft_steps, "SFT steps (AdamW, lr 1e-3) before the RL steps"),
+      &bench::Fp8BenchOptions::sft_steps)
+      ->capture_default_str()
+      ->check(CLI::Range(0, 100000));
+  sized(fp8->add_option("--rl-steps", o.rl_steps, "Measured RL (PPO) steps"),
+        &bench::Fp8BenchOptions::rl_steps)
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  sized(fp8->add_option("--length", o.sequence_length, "Tokens per sequence"),
+        &bench::Fp8BenchOptions::sequence_length)
+      ->capture_default_str()
+      ->check(CLI::Range(4, 4096));
+}
+
+void AddFp8BenchCommand(CLI::App& bench_app, Action& action) {
+  auto args = std::make_shared<Fp8Args>();
+  bench::Fp8BenchOptions& o = args->options;
+  CLI::App* fp8 = bench_app.add_subcommand(
+      "fp8",
+      "FP8 against BF16 serving of the same trainer masters, one run on a dense model: per RL\n"
+      "step at lr 1e-6 after a short SFT, the share of served words changed and the delta (as\n"
+      "the publisher encodes it) as % of the FP8 and BF16 checkpoints (goal <= 1.5%; peers:\n"
+      "zstd -19 and -3 of the XOR of consecutive FP8 checkpoints, the full checkpoint); bits\n"
+      "per changed F8 byte against the entropy floor (target <= 1.05x); k3 sampler vs trainer\n"
+      "for FP8 without and with QAT and for BF16 (target: QAT <= 2x BF16). Checks that every\n"
+      "delta rebuilds the next checkpoint and the peers round-trip.");
+  fp8->add_flag("--small", args->small,
+                "A quick run: hidden 256, 2 layers, 8 SFT steps, 2 RL steps, 32-token sequences "
+                "(options given on the line still apply)");
+  AddFp8SizeOptions(*fp8, *args);
+  fp8->add_option("--vocab", o.vocab, "Vocabulary size (embeddings and lm_head stay BF16)")
+      ->capture_default_str()
+      ->check(CLI::Range(64, 1 << 20));
+  fp8->add_option("--lr", o.rl_lr, "Learning rate of the RL steps")
+      ->capture_default_str()
+      ->check(CLI::Range(1e-12, 0.5));
+  fp8->add_option("--block", o.block, "FP8 block size (TrainerOptions::fp8_block)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  fp8->add_flag("!--no-peers", o.run_peers, "Skip the zstd peers");
+  fp8->add_option("--threads", o.threads, "torch threads (0: one per hardware thread)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1024));
+  fp8->add_option("--seed", o.seed, "Seed of the model and batches")->capture_default_str();
+  fp8->add_option("--markdown", o.markdown_out,
+                  "Write the tables as the '## FP8 benchmark' section of this Markdown file")
+      ->type_name("PATH");
+  fp8->footer(
+      "\nExamples:\n"
+      "  flywheel bench fp8 --small\n"
+      "  flywheel bench fp8 --markdown docs/BENCHMARKS.md");
+  fp8->callback([args, &action] {
+    action = [args]() -> Status {
+#ifdef FLYWHEEL_WITH_TORCH
+      Status status = bench::RunFp8Bench(Fp8Options(*args), std::cout);
+#else
+      Status status = TorchOnly("bench fp8");
+#endif
+      std::cout.flush();
+      if (!status.ok()) return Failed("FP8 benchmark failed", status);
+      return Status::Ok();
+    };
+  });
+}
+
 void AddParityCommand(CLI::App& bench_app, Action& action) {
   auto options = std::make_shared<bench::ParityReportOptions>();
   auto& b = options->bench;
@@ -698,6 +806,7 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddServingBenchCommand(*bench_app, action);
   AddTrainingApiBenchCommand(*bench_app, action);
   AddPackedExpertsBenchCommand(*bench_app, action);
+  AddFp8BenchCommand(*bench_app, action);
   AddStreamBenchCommand(*bench_app, action);
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);

@@ -45,7 +45,7 @@ bool NeedsTorch(int argc, char** argv) {
   if (words[0] == "bench" && words.size() > 1) {
     return words[1] == "trainer" || words[1] == "rollout" || words[1] == "parity" ||
            words[1] == "pipeline" || words[1] == "serving" || words[1] == "training-api" ||
-           words[1] == "packed-experts";
+           words[1] == "packed-experts" || words[1] == "fp8";
   }
   return false;
 }
