@@ -175,7 +175,7 @@ Status RunPackedExpertsBench(const PackedExpertsBenchOptions& o, std::ostream& o
   const double bf16_bytes = 2.0 * static_cast<double>(base.expert_weights);
   Table table;
   table.header = {"frozen experts",       "MiB",    "vs bf16", "vs fp32 (unpacked)", "target",
-                  "step ms (median)",     "vs unpacked", "target", "max |diff| vs dequantized"};
+                  "step ms (median)",     "vs unpacked", "target", "max abs diff vs dequantized"};
   table.rows.push_back({"unpacked fp32 (flywheel's default)", Fixed(base.expert_bytes / 1048576.0, 2),
                         Fixed(base.expert_bytes / bf16_bytes, 3) + "x", "1.000x", "-",
                         Fixed(Median(base.step_s) * 1e3, 1), "1.000x", "-", "-"});
