@@ -184,7 +184,8 @@ Status RunPackedExpertsBench(const PackedExpertsBenchOptions& o, std::ostream& o
     const Variant& v = variants[i];
     const double memory = v.expert_bytes / bf16_bytes, time = MedianRatio(v, base);
     const bool memory_ok = memory <= kMemoryTarget, time_ok = time <= kTimeTarget;
-    met = met && time_ok;
+    // 8-bit formats are 0.5x of bf16 by construction; int4 must reach the memory target.
+    met = met && time_ok && (v.format != PackFormat::kInt4 || memory_ok);
     table.rows.push_back(
         {std::string("packed ") + model::PackFormatName(v.format),
          Fixed(v.expert_bytes / 1048576.0, 2), Fixed(memory, 3) + "x",
@@ -207,7 +208,9 @@ Status RunPackedExpertsBench(const PackedExpertsBenchOptions& o, std::ostream& o
         WriteMarkdownSection(o.markdown_out, "## Packed experts benchmark", section));
   }
   if (o.check && !met)
-    return Status::Internal("a packed format missed the step-time target (<= 1.20x unpacked)");
+    return Status::Internal(
+        "a packed format missed the step-time target (<= 1.20x unpacked) or int4 the memory "
+        "target (<= 0.30x bf16)");
   return Status::Ok();
 }
 

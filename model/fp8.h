@@ -149,4 +149,10 @@ Status LoadFp8Weights(TransformerImpl& model, const CheckpointView& checkpoint,
 //  "weight_block_size": [block, block]}.
 nlohmann::json Fp8QuantizationConfig(int64_t block = kFp8BlockSize);
 
+// quantization_config.weight_block_size of a config.json (or of a model directory's): [n, n]
+// (or [n]) gives n; no quantization_config (or none with weight_block_size) gives HF's 128.
+// Blocks that are not square are refused, naming the file: FP8 serving here quantizes square
+// blocks only.
+Result<int64_t> Fp8BlockFromConfig(const std::string& model_config);
+
 }  // namespace flywheel::model

@@ -46,19 +46,29 @@ struct StraightThrough : torch::autograd::Function<StraightThrough> {
 };
 
 // y = x W^T for a packed W: the forward dequantizes W, the backward dequantizes it again for
-// dx = dy W, so no fp32 W outlives its matmul. W gets no gradient (it is frozen). The packed
-// weight travels as a raw pointer: it lives in its ProjImpl, which outlives the graph.
+// dx = dy W, so no fp32 W outlives its matmul. W gets no gradient (it is frozen). The graph
+// holds the packed tensors themselves (reference-counted), so a backward run after the model
+// is gone still finds them.
 struct PackedLinear : torch::autograd::Function<PackedLinear> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const PackedWeight* packed) {
-    ctx->saved_data["packed"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(packed));
+    ctx->saved_data["data"] = packed->data;
+    ctx->saved_data["scales"] = packed->scales;
+    ctx->saved_data["shape"] = std::vector<int64_t>{static_cast<int64_t>(packed->format),
+                                                    packed->rows, packed->cols, packed->block};
     return torch::linear(x, packed->Dequantize());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto* packed =
-        reinterpret_cast<const PackedWeight*>(static_cast<intptr_t>(ctx->saved_data["packed"].toInt()));
-    return {torch::matmul(grads[0], packed->Dequantize()), torch::Tensor()};
+    const std::vector<int64_t> shape = ctx->saved_data["shape"].toIntVector();
+    PackedWeight packed;
+    packed.format = static_cast<PackFormat>(shape[0]);
+    packed.rows = shape[1];
+    packed.cols = shape[2];
+    packed.block = shape[3];
+    packed.data = ctx->saved_data["data"].toTensor();
+    packed.scales = ctx->saved_data["scales"].toTensor();
+    return {torch::matmul(grads[0], packed.Dequantize()), torch::Tensor()};
   }
 };
 

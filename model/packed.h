@@ -2,7 +2,8 @@
 // stored in a low-precision format and dequantized to fp32 only while a matmul needs it.
 //
 // Formats (all scales are powers of two, so every dequantized value q * 2^e is exact in fp32
-// and in bf16: a base served in bf16 is bit for bit the base the trainer computes with):
+// and, but for blocks of magnitude below ~2^-122, in bf16: a base served in bf16 or f32 is
+// bit for bit the base the trainer computes with; f16 cannot hold all of them):
 //   fp8  E4M3 codes with one fp32 scale per block x block tile: exactly model/fp8.h's
 //        QuantizeBlockwise, the bytes an FP8 snapshot serves (1 byte + 4 / block^2 per weight).
 //   int8 integers in [-127, 127] with one power-of-two scale per output row, stored as its

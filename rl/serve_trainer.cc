@@ -46,6 +46,10 @@ Status ChooseModel(const ServeTrainerOptions& o, trainer::TrainerOptions& t,
     const fs::path config_path = is_dir ? given / "config.json" : given;
     FW_ASSIGN_OR_RETURN(t.config, model::ModelConfig::Load(config_path.string()));
     model_config_path = fs::absolute(config_path).string();
+    // An FP8 model directory's own block size, which its workers will read from there too.
+    if (t.fp8_serving) {
+      FW_ASSIGN_OR_RETURN(t.fp8_block, model::Fp8BlockFromConfig(model_config_path));
+    }
     if (!o.weights.empty()) {
       t.init_weights = o.weights;
     } else if (is_dir && !o.random_init && HasSafetensors(given)) {

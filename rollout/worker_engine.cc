@@ -58,36 +58,6 @@ struct WorkerEngine::Impl {
   std::unique_ptr<Actor> actor;  // last: stops before the service goes
 };
 
-namespace {
-
-// quantization_config.weight_block_size of the model's config.json: [n, n] (or [n]) gives n;
-// no quantization_config (or none with weight_block_size) gives HF's 128. Blocks that are
-// not square are refused: FP8 serving here quantizes square blocks only.
-Result<int64_t> Fp8BlockFromConfig(const std::string& model_config) {
-  std::filesystem::path file = model_config;
-  std::error_code ec;
-  if (std::filesystem::is_directory(file, ec)) file /= "config.json";
-  FW_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, Env::Default()->ReadFile(file.string()));
-  const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  const nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!json.is_object() || !json.contains("quantization_config")) return model::kFp8BlockSize;
-  const nlohmann::json& q = json["quantization_config"];
-  if (!q.is_object() || !q.contains("weight_block_size")) return model::kFp8BlockSize;
-  const nlohmann::json& size = q["weight_block_size"];
-  const bool valid = size.is_array() && !size.empty() && size.size() <= 2 &&
-                     size[0].is_number_integer() && size[0].get<int64_t>() > 0 &&
-                     (size.size() == 1 || size[1] == size[0]);
-  if (!valid) {
-    return Status::InvalidArgument(file.string() +
-                                   ": quantization_config.weight_block_size must be [n, n] "
-                                   "with n > 0, got " +
-                                   size.dump());
-  }
-  return size[0].get<int64_t>();
-}
-
-}  // namespace
-
 WorkerEngine::WorkerEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 WorkerEngine::~WorkerEngine() = default;
 
@@ -95,7 +65,7 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   FW_ASSIGN_OR_RETURN(impl->config, model::ModelConfig::Load(options.model_config));
-  FW_ASSIGN_OR_RETURN(impl->fp8_block, Fp8BlockFromConfig(options.model_config));
+  FW_ASSIGN_OR_RETURN(impl->fp8_block, model::Fp8BlockFromConfig(options.model_config));
   // The tokenizer: an HF tokenizer.json beside config.json unless told otherwise.
   namespace fs = std::filesystem;
   std::string hf_path;

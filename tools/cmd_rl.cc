@@ -163,7 +163,8 @@ void AddRlCommands(CLI::App& app, Action& action) {
       "  flywheel demo\n"
       "  flywheel demo --moe\n"
       "  flywheel demo --resume --run-dir flywheel-runs/demo-20261123-120000\n"
-      "  flywheel demo --set task.name=reverse --set algorithm.name=dapo --report /tmp/report");
+      "  flywheel demo --set task.name=reverse --set algorithm.name=dapo --report /tmp/report\n"
+      "  flywheel demo --set model.serving=fp8 --set model.fp8_qat=true   # FP8 workers, QAT");
   demo->callback([args, &action] { action = [args] { return RunDemo(*args); }; });
 
   CLI::App* train = app.add_subcommand(

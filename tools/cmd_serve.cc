@@ -276,7 +276,7 @@ void AddServeTrainerFlags(CLI::App* app, ServeArgs& a) {
                   "LoRA on a MoE model: hold the frozen experts packed, dequantized one\n"
                   "expert at a time: fp8 (128x128 block scales, 0.5x bf16), int8 (per-row,\n"
                   "0.5x) or int4 (per 32 inputs, 0.27x; lossy: workers serve the same\n"
-                  "dequantized base the trainer uses); none keeps fp32")
+                  "dequantized base the trainer uses, in bf16 or f32); none keeps fp32")
       ->capture_default_str();
   app->add_option("--session-idle-timeout", o.session_idle_timeout_s,
                   "Seconds without a call after which a session expires (its saved states stay)")

@@ -115,6 +115,20 @@ Status AdamWParams::Validate() const {
 TrainingClient::TrainingClient(TrainerOptions options) : options_(std::move(options)) {}
 TrainingClient::~TrainingClient() = default;
 
+namespace {
+
+// {"format", "block"} of the packed frozen experts, or null: recorded in saved states.
+nlohmann::json PackedExpertsJson(const TrainerOptions& options) {
+  const model::PackFormat format = options.pack_frozen_experts;
+  if (format == model::PackFormat::kNone) return nullptr;
+  const int64_t block = format == model::PackFormat::kInt8 ? 0
+                        : options.pack_block > 0           ? options.pack_block
+                                                           : model::DefaultPackBlock(format);
+  return {{"format", model::PackFormatName(format)}, {"block", block}};
+}
+
+}  // namespace
+
 Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions options) {
   FW_RETURN_IF_ERROR(options.config.Validate());
   if (options.serving_dtype != DType::kBF16 && options.serving_dtype != DType::kF16 &&
@@ -125,6 +139,17 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
   if (options.fp8_serving && options.fp8_block < 1) {
     return Status::InvalidArgument("fp8_block must be >= 1, got " +
                                    std::to_string(options.fp8_block));
+  }
+  if (options.pack_frozen_experts != model::PackFormat::kNone) {
+    // Packed values are exact in BF16 and F32 (power-of-two scales), not always in F16; and an
+    // FP8 snapshot would quantize the packed base again.
+    if (options.fp8_serving)
+      return Status::InvalidArgument("packed frozen experts cannot be served as FP8 snapshots");
+    if (options.serving_dtype == DType::kF16) {
+      return Status::InvalidArgument(
+          "packed frozen experts need serving dtype BF16 or F32 (F16 cannot hold every packed "
+          "value exactly)");
+    }
   }
   if (options.threads < 0) return Status::InvalidArgument("threads must be >= 0");
   ConfigureCpuThreads(options.threads);
@@ -140,12 +165,6 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
     torch::manual_seed(client->options_.seed + 1);
     FW_RETURN_IF_ERROR(client->model_->EnableLora(*client->options_.lora));
   }
-  if (client->options_.pack_frozen_experts != model::PackFormat::kNone) {
-    FW_RETURN_IF_ERROR(client->model_->PackFrozenExperts(client->options_.pack_frozen_experts,
-                                                         client->options_.pack_block));
-  }
-  if (client->options_.fp8_qat)
-    FW_RETURN_IF_ERROR(client->model_->EnableFp8Qat(client->options_.fp8_block));
   for (auto& item : client->model_->named_parameters()) {
     if (item.value().requires_grad()) client->trainable_.emplace_back(item.key(), item.value());
   }
@@ -162,6 +181,13 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
     for (auto& item : client->model_->named_parameters()) params.push_back(item.value());
     FW_RETURN_IF_ERROR(client->data_parallel_->Broadcast(params));
   }
+  // After the broadcast, so that every rank packs rank 0's experts.
+  if (client->options_.pack_frozen_experts != model::PackFormat::kNone) {
+    FW_RETURN_IF_ERROR(client->model_->PackFrozenExperts(client->options_.pack_frozen_experts,
+                                                         client->options_.pack_block));
+  }
+  if (client->options_.fp8_qat)
+    FW_RETURN_IF_ERROR(client->model_->EnableFp8Qat(client->options_.fp8_block));
   return client;
 }
 
@@ -686,6 +712,7 @@ Status TrainingClient::SaveState(const std::string& dir, bool include_frozen) {
                                               {"alpha", options_.lora->alpha},
                                               {"targets", options_.lora->targets}}
                              : nlohmann::json(nullptr)},
+      {"packed_experts", PackedExpertsJson(options_)},
   };
   {
     std::ofstream out(temp / "trainer.json");
@@ -738,6 +765,12 @@ Status TrainingClient::LoadState(const std::string& dir, bool include_frozen) {
           state["lora"].value("alpha", 0.0) != options_.lora->alpha ||
           state["lora"].value("targets", std::vector<std::string>{}) != options_.lora->targets))) {
       return Status::Mismatch("load_state: " + dir + " was saved with different LoRA settings");
+    }
+    // The adapters were trained against the base as packed; another packing is another base.
+    if (state.value("packed_experts", nlohmann::json(nullptr)) != PackedExpertsJson(options_)) {
+      return Status::Mismatch("load_state: " + dir + " was saved with packed experts " +
+                              state.value("packed_experts", nlohmann::json(nullptr)).dump() +
+                              ", this trainer has " + PackedExpertsJson(options_).dump());
     }
     saved_step = state.value("step", uint64_t{0});
     saved_version = state.value("last_sampler_version", uint64_t{0});

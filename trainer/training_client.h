@@ -117,7 +117,9 @@ struct TrainerOptions {
   int64_t fp8_block = 128;
   // FP8 quantization-aware training: the forward pass computes with the projection weights
   // fake-quantized exactly as the FP8 snapshot stores them (straight-through gradients to the
-  // fp32 masters), so the trainer's logprobs match what FP8 workers compute.
+  // fp32 masters). The other tensors stay fp32: the trainer's logprobs equal an FP8 worker's
+  // when the snapshot keeps them F32 (serving_dtype F32), and are as close as BF16 serving is
+  // when it rounds them to BF16 (the default).
   bool fp8_qat = false;
   // Packed frozen experts (LoRA on a MoE model; model/packed.h): the experts' frozen weights
   // are held as fp8 (block scales), int8 (per-row scales) or int4 (per-group scales) and

@@ -55,9 +55,9 @@ torch::Tensor RandomWeight(int64_t rows, int64_t cols, uint32_t seed) {
 }
 
 TEST(PackedWeightTest, IntFormatsMatchTheirDefinition) {
-  const int64_t rows = 7, cols = 70;  // cols not a multiple of the group or of 2
+  const int64_t rows = 7, cols = 71;  // odd, and the last group is partial (7 of 32, 1 of 5)
   const torch::Tensor w = RandomWeight(rows, cols, 1);
-  // int4 with the default group (32) and with an odd one (groups start on high nibbles).
+  // int4 with the default group (32) and with an odd one (a group's halves are uneven).
   for (auto [format, limit, group, block] :
        {std::tuple{PackFormat::kInt8, 127, cols, int64_t{0}},
         std::tuple{PackFormat::kInt4, 7, int64_t{32}, int64_t{0}},
@@ -213,6 +213,65 @@ TEST(PackedExpertsTest, BackwardDequantizesAgainInsteadOfKeepingWeights) {
   EXPECT_EQ(model::PackedDequantizeCount() - start, 2 * forward_only);
 }
 
+// The graph keeps what its backward needs: the packed codes outlive the model, and the
+// adapters' gradients equal those of a twin that is still alive.
+TEST(PackedExpertsTest, BackwardAfterTheModelIsGone) {
+  const torch::Tensor tokens = torch::randint(0, 40, {2, 6}, torch::kLong);
+  auto build = [] {
+    torch::manual_seed(21);
+    auto model = std::make_shared<model::TransformerImpl>(TinyMoe());
+    EXPECT_TRUE(model->EnableLora({.rank = 2}).ok());
+    EXPECT_TRUE(model->PackFrozenExperts(PackFormat::kInt4).ok());
+    return model;
+  };
+  auto expert_adapters = [](model::TransformerImpl& m) {
+    std::vector<torch::Tensor> out;
+    for (const auto& item : m.named_parameters())
+      if (item.key().find(".experts.") != std::string::npos &&
+          item.key().find("lora_B") != std::string::npos)
+        out.push_back(item.value());
+    return out;
+  };
+  std::vector<torch::Tensor> orphaned;
+  torch::Tensor loss;
+  {
+    auto model = build();
+    orphaned = expert_adapters(*model);
+    loss = model->forward(tokens).logits.logsumexp(-1).sum();
+  }
+  loss.backward();  // the model and its ProjImpls are gone
+  auto twin = build();
+  twin->forward(tokens).logits.logsumexp(-1).sum().backward();
+  const std::vector<torch::Tensor> alive = expert_adapters(*twin);
+  ASSERT_EQ(orphaned.size(), alive.size());
+  double total = 0;
+  for (size_t i = 0; i < alive.size(); ++i) {
+    ASSERT_TRUE(orphaned[i].grad().defined() == alive[i].grad().defined()) << i;
+    if (!alive[i].grad().defined()) continue;
+    EXPECT_TRUE(torch::equal(orphaned[i].grad(), alive[i].grad())) << i;
+    total += alive[i].grad().abs().sum().item<double>();
+  }
+  EXPECT_GT(total, 0);
+}
+
+TEST(PackedExpertsTest, SavedStatesRecordThePacking) {
+  const std::string dir = ::testing::TempDir() + "/packed_state";
+  auto int4 = TrainingClient::Create(LoraOptions(PackFormat::kInt4));
+  ASSERT_TRUE(int4.ok());
+  ASSERT_TRUE((*int4)->SaveState(dir, /*include_frozen=*/false).ok());
+  auto again = TrainingClient::Create(LoraOptions(PackFormat::kInt4));
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE((*again)->LoadState(dir, false).ok());
+  auto fp8 = TrainingClient::Create(LoraOptions(PackFormat::kFp8));
+  ASSERT_TRUE(fp8.ok());
+  Status other = (*fp8)->LoadState(dir, false);
+  ASSERT_FALSE(other.ok());
+  EXPECT_NE(other.message().find("packed experts"), std::string::npos) << other.ToString();
+  auto unpacked = TrainingClient::Create(LoraOptions(PackFormat::kNone));
+  ASSERT_TRUE(unpacked.ok());
+  EXPECT_FALSE((*unpacked)->LoadState(dir, false).ok());
+}
+
 TEST(PackedExpertsTest, ExpertsLeaveTheParametersButNotTheSnapshots) {
   auto packed = TrainingClient::Create(LoraOptions(PackFormat::kFp8));
   ASSERT_TRUE(packed.ok());
@@ -271,6 +330,15 @@ TEST(PackedExpertsTest, RefusesWhatCannotBePacked) {
   auto b = TrainingClient::Create(dense);
   ASSERT_FALSE(b.ok());
   EXPECT_NE(b.status().message().find("MoE"), std::string::npos) << b.status().ToString();
+
+  TrainerOptions fp8 = LoraOptions(PackFormat::kInt8);
+  fp8.fp8_serving = true;
+  EXPECT_FALSE(TrainingClient::Create(fp8).ok());
+  TrainerOptions f16 = LoraOptions(PackFormat::kInt8);
+  f16.serving_dtype = DType::kF16;
+  auto c = TrainingClient::Create(f16);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("F16"), std::string::npos) << c.status().ToString();
 
   // A non-finite expert weight is named, and the model is left unpacked.
   auto model = std::make_shared<model::TransformerImpl>(TinyMoe());
