@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "base/env.h"
+#include "bench/pattern_batch.h"
 #include "bench/peers.h"
 #include "bench/util.h"
 #include "delta/delta.h"
@@ -75,26 +76,6 @@ Status CheckOptions(const Fp8BenchOptions& o) {
 }
 
 // ---- batches --------------------------------------------------------------------------
-
-// Sequences with a learnable continuation (a repeating pattern per sequence, 10% noise), so
-// that SFT makes progress and the RL steps start from a trained model.
-std::vector<Datum> PatternBatch(int sequences, int length, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<Datum> out;
-  for (int i = 0; i < sequences; ++i) {
-    const int period = 3 + static_cast<int>(rng() % 13);
-    std::vector<int32_t> pattern(period);
-    for (auto& t : pattern) t = static_cast<int32_t>(rng() % vocab);
-    std::vector<int32_t> seq(length + 1);
-    for (int t = 0; t <= length; ++t)
-      seq[t] = rng() % 10 == 0 ? static_cast<int32_t>(rng() % vocab) : pattern[t % period];
-    Datum d;
-    d.tokens.assign(seq.begin(), seq.end() - 1);
-    d.target_tokens.assign(seq.begin() + 1, seq.end());
-    out.push_back(std::move(d));
-  }
-  return out;
-}
 
 // An RL batch: the first quarter a prompt (weight 0), sampling logprobs the model's own plus
 // sampler noise, group-style advantages.

@@ -11,6 +11,7 @@
 #include <random>
 #include <thread>
 
+#include "bench/pattern_batch.h"
 #include "trainer/training_client.h"
 
 namespace flywheel::trainer {
@@ -55,25 +56,12 @@ class CostMeter {
   int64_t faults_;
 };
 
-// Sequences whose continuation is learnable (a repeating pattern per sequence, with noise),
-// so SFT makes real progress and the RL steps start from a trained model.
+// bench::PatternBatch with, as in RL batches, a prompt (the first quarter) that carries no loss.
 std::vector<Datum> MakeBatch(int sequences, int length, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<Datum> out;
-  for (int i = 0; i < sequences; ++i) {
-    const int period = 3 + static_cast<int>(rng() % 13);
-    std::vector<int32_t> pattern(period);
-    for (auto& t : pattern) t = static_cast<int32_t>(rng() % vocab);
-    std::vector<int32_t> seq(length + 1);
-    for (int t = 0; t <= length; ++t)
-      seq[t] = rng() % 10 == 0 ? static_cast<int32_t>(rng() % vocab) : pattern[t % period];
-    Datum d;
-    d.tokens.assign(seq.begin(), seq.end() - 1);
-    d.target_tokens.assign(seq.begin() + 1, seq.end());
-    // As in RL batches, a prompt (the first quarter) carries no loss.
+  std::vector<Datum> out = bench::PatternBatch(sequences, length, vocab, seed);
+  for (Datum& d : out) {
     d.weights.assign(length, 1.0f);
     std::fill(d.weights.begin(), d.weights.begin() + length / 4, 0.0f);
-    out.push_back(std::move(d));
   }
   return out;
 }

@@ -166,7 +166,31 @@ Fp8Block QuantizeBlockwise(const float* w, int64_t rows, int64_t cols, int64_t b
 void DequantizeBlockwise(const uint8_t* data, const float* scale_inv, int64_t rows, int64_t cols,
                          int64_t block, float* out) {
   assert(rows >= 0 && cols >= 0 && block > 0);
-  DequantizeRect(data, scale_inv, cols, block, 0, rows, 0, cols, out);
+  DequantizeRows(data, scale_inv, cols, block, 0, rows, out);
+}
+
+void DequantizeRows(const uint8_t* data, const float* scale_inv, int64_t cols, int64_t block,
+                    int64_t row_begin, int64_t row_end, float* out) {
+  assert(cols >= 0 && block > 0 && 0 <= row_begin && row_begin <= row_end);
+  const std::array<float, 256>& table = E4M3Table();
+  const int64_t block_cols = CeilDiv(cols, block);
+  std::array<float, 256> scaled;
+  // Block by block: the 256 codes' values times the block's scale, then one load per element
+  // (the same fp32 product DequantizeRect computes).
+  for (int64_t r0 = row_begin; r0 < row_end;) {
+    const int64_t br = r0 / block, r1 = std::min(row_end, (br + 1) * block);
+    for (int64_t bc = 0; bc < block_cols; ++bc) {
+      const float scale = scale_inv[br * block_cols + bc];
+      for (int code = 0; code < 256; ++code) scaled[code] = table[code] * scale;
+      const int64_t c0 = bc * block, c1 = std::min(cols, c0 + block);
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* __restrict__ src = data + r * cols;
+        float* __restrict__ dst = out + r * cols;
+        for (int64_t c = c0; c < c1; ++c) dst[c] = scaled[src[c]];
+      }
+    }
+    r0 = r1;
+  }
 }
 
 void DequantizeElementRange(const uint8_t* data, const float* scale_inv, int64_t rows, int64_t cols,

@@ -94,6 +94,12 @@ Fp8Block QuantizeBlockwise(const float* w, int64_t rows, int64_t cols,
 void DequantizeBlockwise(const uint8_t* data, const float* scale_inv, int64_t rows, int64_t cols,
                          int64_t block, float* out);
 
+// DequantizeBlockwise for rows [row_begin, row_end) only (the same values), e.g. one thread's
+// share; `data`, `scale_inv` and `out` are the whole matrix's.
+// REQUIRES: 0 <= row_begin <= row_end <= rows; as DequantizeBlockwise.
+void DequantizeRows(const uint8_t* data, const float* scale_inv, int64_t cols, int64_t block,
+                    int64_t row_begin, int64_t row_end, float* out);
+
 // Partial dequantization, for patching an fp32 mirror after a delta wrote some words of the
 // served FP8 tensors: `out` is the whole [rows, cols] fp32 matrix; only the listed entries
 // are written, each with the same value DequantizeBlockwise gives it.

@@ -73,32 +73,6 @@ void DequantizeInt8Rows(const PackedWeight& p, int64_t begin, int64_t end, float
   }
 }
 
-// FP8: per block, the 256 codes' values times the block's scale, then one table load per
-// weight. E4M3ToFloat(code) * scale is what DequantizeBlockwise computes, so the values are
-// the same bit for bit. (Building the values arithmetically, to let GCC vectorize, measured
-// slower than the table here.)
-void DequantizeFp8Rows(const PackedWeight& p, int64_t begin, int64_t end, float* out) {
-  const uint8_t* data = p.data.data_ptr<uint8_t>();
-  const float* scale_inv = p.scales.data_ptr<float>();
-  const int64_t cols = p.cols, block = p.block, block_cols = CeilDiv(cols, block);
-  std::array<float, 256> scaled;
-  for (int64_t r0 = begin; r0 < end;) {
-    const int64_t br = r0 / block, r1 = std::min(end, (br + 1) * block);
-    for (int64_t bc = 0; bc < block_cols; ++bc) {
-      const float scale = scale_inv[br * block_cols + bc];
-      const int64_t c0 = bc * block, c1 = std::min(cols, c0 + block);
-      for (int code = 0; code < 256; ++code)
-        scaled[code] = E4M3ToFloat(static_cast<uint8_t>(code)) * scale;
-      for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* __restrict__ src = data + r * cols;
-        float* __restrict__ dst = out + r * cols;
-        for (int64_t c = c0; c < c1; ++c) dst[c] = scaled[src[c]];
-      }
-    }
-    r0 = r1;
-  }
-}
-
 // int4 layout: each group of `block` inputs of a row owns Int4GroupBytes(block) bytes; its
 // first ceil(len / 2) values sit in the low nibbles of those bytes, in order, the rest in the
 // high nibbles, each nibble holding q + 8. Both halves then dequantize as contiguous runs,
@@ -168,7 +142,8 @@ torch::Tensor PackedWeight::Dequantize() const {
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     switch (format) {
       case PackFormat::kFp8:
-        DequantizeFp8Rows(*this, begin, end, dst);
+        DequantizeRows(data.data_ptr<uint8_t>(), scales.data_ptr<float>(), cols, block, begin, end,
+                       dst);
         break;
       case PackFormat::kInt8:
         DequantizeInt8Rows(*this, begin, end, dst);

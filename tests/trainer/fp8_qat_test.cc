@@ -14,36 +14,11 @@
 #include "model/fp8.h"
 #include "model/weights.h"
 #include "tests/model/tiny_models.h"
+#include "tests/trainer/trainer_test_util.h"
 #include "trainer/training_client.h"
 
 namespace flywheel::trainer {
 namespace {
-
-model::ModelConfig Tiny(bool moe) {
-  return testing::TinyConfig({.vocab = 40, .experts = moe ? 4 : 0, .moe_intermediate = 32});
-}
-
-std::unique_ptr<TrainingClient> MakeClient(TrainerOptions options) {
-  auto client = TrainingClient::Create(std::move(options));
-  EXPECT_TRUE(client.ok()) << client.status().ToString();
-  return client.ok() ? std::move(*client) : nullptr;
-}
-
-// Random sequences; datum i predicts its own next token.
-std::vector<Datum> Sequences(int count, int length, int vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<Datum> out;
-  for (int i = 0; i < count; ++i) {
-    std::vector<int32_t> seq(length + 1);
-    for (auto& t : seq) t = static_cast<int32_t>(rng() % vocab);
-    Datum d;
-    const int this_length = length - i % 3;  // ragged
-    d.tokens.assign(seq.begin(), seq.begin() + this_length);
-    d.target_tokens.assign(seq.begin() + 1, seq.begin() + this_length + 1);
-    out.push_back(std::move(d));
-  }
-  return out;
-}
 
 void Train(TrainingClient& client, const std::vector<Datum>& data, int steps) {
   for (int i = 0; i < steps; ++i) {
@@ -85,7 +60,9 @@ Gap Compare(TrainingClient& served, TrainingClient& trainer, std::vector<Datum> 
   auto recomputed = trainer.Forward(data);
   EXPECT_TRUE(recomputed.ok());
   if (!recomputed.ok()) return {1, 1};
-  if (!replay) EXPECT_EQ(sampled->routing, recomputed->routing);
+  if (!replay) {
+    EXPECT_EQ(sampled->routing, recomputed->routing);
+  }
   Gap gap;
   int64_t tokens = 0;
   for (size_t i = 0; i < data.size(); ++i) {
@@ -208,7 +185,9 @@ TEST(Fp8QatTest, GradientsReachTheMastersAndSftLearns) {
     for (const std::string& name : names) {
       const torch::Tensor &mine = params[name].grad(), &theirs = served_params[name].grad();
       ASSERT_EQ(mine.defined(), theirs.defined()) << name;
-      if (mine.defined()) EXPECT_TRUE(torch::equal(mine, theirs)) << name;
+      if (mine.defined()) {
+        EXPECT_TRUE(torch::equal(mine, theirs)) << name;
+      }
     }
     ASSERT_TRUE(client->OptimStep({.lr = 1e-2, .beta2 = 0.99}).ok());
     int moved = 0;
@@ -308,7 +287,9 @@ TEST(Fp8QatTest, QatClosesTheGapToTheFp8Engine) {
         fp8_bf16_qat.max_abs, bf16_plain.k3, bf16_plain.max_abs);
     EXPECT_GT(fp8_plain.k3, 1e-8) << "QAT would have nothing to close";
     EXPECT_LE(fp8_qat.k3, 1e-9);
-    if (!moe) EXPECT_EQ(fp8_qat.max_abs, 0.0);
+    if (!moe) {
+      EXPECT_EQ(fp8_qat.max_abs, 0.0);
+    }
     EXPECT_LT(fp8_bf16_qat.k3, fp8_bf16_plain.k3);
   }
 }

@@ -15,6 +15,7 @@
 #include "delta/safetensors.h"
 #include "sync/publisher.h"
 #include "tests/model/tiny_models.h"
+#include "tests/trainer/trainer_test_util.h"
 #include "model/weights.h"
 #include "transport/asio.h"
 
@@ -23,32 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace asio = boost::asio;
-
-model::ModelConfig Tiny(bool moe = false) {
-  return testing::TinyConfig({.vocab = 40, .experts = moe ? 4 : 0, .moe_intermediate = 32});
-}
-
-std::unique_ptr<TrainingClient> MakeClient(TrainerOptions options) {
-  auto client = TrainingClient::Create(std::move(options));
-  EXPECT_TRUE(client.ok()) << client.status().ToString();
-  return client.ok() ? std::move(*client) : nullptr;
-}
-
-// Random sequences; datum i predicts its own next token.
-std::vector<Datum> Sequences(int count, int length, int vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<Datum> out;
-  for (int i = 0; i < count; ++i) {
-    std::vector<int32_t> seq(length + 1);
-    for (auto& t : seq) t = static_cast<int32_t>(rng() % vocab);
-    Datum d;
-    const int this_length = length - i % 3;  // ragged
-    d.tokens.assign(seq.begin(), seq.begin() + this_length);
-    d.target_tokens.assign(seq.begin() + 1, seq.begin() + this_length + 1);
-    out.push_back(std::move(d));
-  }
-  return out;
-}
 
 // RL fields: sampling logprobs near the model's, advantages per sequence.
 void AddRlFields(std::vector<Datum>& datums, TrainingClient& client, uint32_t seed) {
