@@ -4,9 +4,12 @@
 // compares the two bit for bit.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda.h"
 
@@ -14,11 +17,14 @@ namespace flywheel::kernels::cuda {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// Errors and device memory.
+// Errors.
 
-Status CudaError(cudaError_t error, const char* what) {
+Status CudaError(cudaError_t error, const std::string& what) {
+  // Clears the error so that a later cudaGetLastError does not report it again (sticky
+  // errors, faults inside a kernel, stay: the context is lost).
+  cudaGetLastError();
   std::string message =
-      std::string(what) + ": " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) + ")";
+      what + ": " + cudaGetErrorName(error) + " (" + cudaGetErrorString(error) + ")";
   switch (error) {
     case cudaErrorMemoryAllocation:
       return Status::ResourceExhausted(std::move(message));
@@ -39,40 +45,6 @@ Status CudaError(cudaError_t error, const char* what) {
     if (fw_cuda_error_ != cudaSuccess) return CudaError(fw_cuda_error_, what); \
   } while (0)
 
-// Owns one cudaMalloc allocation.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-
-  Status Allocate(size_t bytes, const char* what) {
-    // A zero-byte request still gets a valid pointer, so kernels never see nullptr.
-    FW_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes), what);
-    return Status::Ok();
-  }
-  Status CopyIn(const void* host, size_t bytes, const char* what) {
-    if (bytes == 0) return Status::Ok();
-    FW_CUDA_RETURN_IF_ERROR(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice), what);
-    return Status::Ok();
-  }
-  Status CopyOut(void* host, size_t bytes, const char* what) const {
-    if (bytes == 0) return Status::Ok();
-    FW_CUDA_RETURN_IF_ERROR(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost), what);
-    return Status::Ok();
-  }
-  template <typename T>
-  T* As() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-};
-
 // Launch errors (bad configuration, no image for this device) surface at once; faults
 // inside the kernel surface at the next synchronisation, which names the kernel too.
 Status CheckLaunch(const char* kernel) {
@@ -87,32 +59,89 @@ Status CheckElemSize(size_t elem_size, const char* what) {
                                  " is not 1, 2, 4 or 8");
 }
 
+Status CheckAligned(const void* device_pointer, size_t alignment, const char* what,
+                    const char* name) {
+  if (reinterpret_cast<uintptr_t>(device_pointer) % alignment == 0) return Status::Ok();
+  return Status::InvalidArgument(std::string(what) + ": " + name + " is not aligned to " +
+                                 std::to_string(alignment) + " bytes");
+}
+
+// Returns fn(T{}) with T the unsigned integer of elem_size bytes (a tag: fn takes `auto`).
+// REQUIRES: CheckElemSize(elem_size) passed.
+template <typename Fn>
+auto DispatchElemSize(size_t elem_size, Fn&& fn) {
+  switch (elem_size) {
+    case 1:
+      return fn(uint8_t{});
+    case 2:
+      return fn(uint16_t{});
+    case 4:
+      return fn(uint32_t{});
+    default:
+      return fn(uint64_t{});
+  }
+}
+
 // ---------------------------------------------------------------------------------------
-// Compare + compact, in ascending order: (1) count the changed elements of each tile,
-// (2) exclusive scan of the tile counts into output offsets, (3) each tile writes its
-// positions from its offset, ordered inside the tile by a block-wide ballot scan.
+// Compare + compact, in ascending order, reading base and target once:
+//   (1) MarkChangesKernel: per tile of kTileElements elements, a bitmap word per 32
+//       elements (bit b of word w: element 32w+b changed) and the tile's count;
+//   (2) ExclusiveScanKernel twice: tile counts into offsets inside groups of kScanThreads
+//       tiles, then the group sums into group offsets and the total;
+//   (3) CompactKernel: one thread per bitmap word writes its elements' positions from
+//       group offset + tile offset + the words before it in the tile.
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kItemsPerThread = 8;
 constexpr uint64_t kTileElements = uint64_t{kThreads} * kItemsPerThread;
+constexpr uint64_t kWordsPerTile = kTileElements / 32;
+constexpr unsigned kWarpsPerTile = kWordsPerTile / 32;
 constexpr int kScanThreads = 1024;
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
+constexpr size_t kScratchAlignment = 256;
+static_assert(kWordsPerTile % 32 == 0 && kThreads % kWordsPerTile == 0,
+              "CompactKernel: a tile is whole warps, a block whole tiles");
 
 // Element `item` of thread t in a tile is tile_start + item * kThreads + t, so that each
-// step reads kThreads consecutive elements (coalesced) and the steps go up in order.
+// step reads kThreads consecutive elements (coalesced) and a warp's ballot is one bitmap
+// word.
 template <typename T>
-__global__ void CountTileChangesKernel(const T* base, const T* target, uint64_t n,
-                                       uint32_t* tile_counts) {
+__global__ void MarkChangesKernel(const T* __restrict__ base, const T* __restrict__ target,
+                                  uint64_t n, uint32_t* __restrict__ bitmap,
+                                  uint32_t* __restrict__ tile_counts) {
   __shared__ uint32_t warp_totals[kWarps];
+  const unsigned lane = threadIdx.x % 32;
+  const unsigned warp = threadIdx.x / 32;
   const uint64_t tile_start = uint64_t{blockIdx.x} * kTileElements;
-  uint32_t changed = 0;
-  for (int item = 0; item < kItemsPerThread; ++item) {
-    const uint64_t i = tile_start + uint64_t(item) * kThreads + threadIdx.x;
-    if (i < n && base[i] != target[i]) ++changed;
+  bool differs[kItemsPerThread];
+  if (tile_start + kTileElements <= n) {
+    // A whole tile: every load is issued before the first comparison.
+    T a[kItemsPerThread];
+    T b[kItemsPerThread];
+#pragma unroll
+    for (int item = 0; item < kItemsPerThread; ++item) {
+      const uint64_t i = tile_start + uint64_t(item) * kThreads + threadIdx.x;
+      a[item] = base[i];
+      b[item] = target[i];
+    }
+#pragma unroll
+    for (int item = 0; item < kItemsPerThread; ++item) differs[item] = a[item] != b[item];
+  } else {
+#pragma unroll
+    for (int item = 0; item < kItemsPerThread; ++item) {
+      const uint64_t i = tile_start + uint64_t(item) * kThreads + threadIdx.x;
+      differs[item] = i < n && base[i] != target[i];
+    }
   }
-  changed = __reduce_add_sync(kFullWarp, changed);
-  if (threadIdx.x % 32 == 0) warp_totals[threadIdx.x / 32] = changed;
+  uint32_t changed = 0;
+#pragma unroll
+  for (int item = 0; item < kItemsPerThread; ++item) {
+    const unsigned ballot = __ballot_sync(kFullWarp, differs[item]);
+    if (lane == 0) bitmap[(tile_start + uint64_t(item) * kThreads) / 32 + warp] = ballot;
+    changed += __popc(ballot);
+  }
+  if (lane == 0) warp_totals[warp] = changed;
   __syncthreads();
   if (threadIdx.x == 0) {
     uint32_t total = 0;
@@ -121,19 +150,24 @@ __global__ void CountTileChangesKernel(const T* base, const T* target, uint64_t 
   }
 }
 
-// One block of kScanThreads: tile_offsets[k] = sum of tile_counts[0..k), *total = sum of
-// all. 64-bit sums: n may be 2^32, so the total may not fit in 32 bits.
-__global__ void ExclusiveScanKernel(const uint32_t* tile_counts, uint64_t tiles,
-                                    uint64_t* tile_offsets, uint64_t* total) {
+// Blocks of kScanThreads threads. Block b scans values[b*span, min((b+1)*span, count)):
+// offsets[k] = sum of the values from the start of its range to k (exclusive), and
+// block_sums[b] = the range's sum. 64-bit sums: n may be 2^32, so the total may not fit
+// in 32 bits.
+template <typename In>
+__global__ void ExclusiveScanKernel(const In* values, uint64_t count, uint64_t span,
+                                    uint64_t* offsets, uint64_t* block_sums) {
   __shared__ uint64_t warp_sums[kScanThreads / 32];
   __shared__ uint64_t carry;
   const unsigned lane = threadIdx.x % 32;
   const unsigned warp = threadIdx.x / 32;
+  const uint64_t begin = uint64_t{blockIdx.x} * span;
+  const uint64_t end = count - begin < span ? count : begin + span;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
-  for (uint64_t start = 0; start < tiles; start += kScanThreads) {
+  for (uint64_t start = begin; start < end; start += kScanThreads) {
     const uint64_t k = start + threadIdx.x;
-    const uint64_t value = k < tiles ? tile_counts[k] : 0;
+    const uint64_t value = k < end ? uint64_t{values[k]} : 0;
     uint64_t inclusive = value;
     for (unsigned d = 1; d < 32; d <<= 1) {
       const uint64_t up = __shfl_up_sync(kFullWarp, inclusive, d);
@@ -151,116 +185,142 @@ __global__ void ExclusiveScanKernel(const uint32_t* tile_counts, uint64_t tiles,
     }
     __syncthreads();
     const uint64_t exclusive = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + inclusive - value;
-    if (k < tiles) tile_offsets[k] = exclusive;
+    if (k < end) offsets[k] = exclusive;
     __syncthreads();  // every thread has read `carry` and `warp_sums`
     if (threadIdx.x == kScanThreads - 1) carry = exclusive + value;
     __syncthreads();
   }
-  if (threadIdx.x == 0) *total = carry;
+  if (threadIdx.x == 0) block_sums[blockIdx.x] = carry;
 }
 
-template <typename T>
-__global__ void CompactTileKernel(const T* base, const T* target, uint64_t n,
-                                  const uint32_t* tile_counts, const uint64_t* tile_offsets,
-                                  uint32_t* out_positions) {
-  __shared__ uint32_t warp_counts[kWarps];
-  if (tile_counts[blockIdx.x] == 0) return;  // uniform across the block
+// One thread per bitmap word; a block is kThreads / kWordsPerTile whole tiles. Positions
+// from `capacity` on are counted but not written.
+__global__ void CompactKernel(const uint32_t* __restrict__ bitmap, uint64_t words,
+                              const uint64_t* __restrict__ tile_offsets,
+                              const uint64_t* __restrict__ group_offsets,
+                              uint32_t* __restrict__ out_positions, uint64_t capacity) {
+  __shared__ uint32_t warp_totals[kWarps];
   const unsigned lane = threadIdx.x % 32;
   const unsigned warp = threadIdx.x / 32;
-  const uint64_t tile_start = uint64_t{blockIdx.x} * kTileElements;
-  uint64_t next = tile_offsets[blockIdx.x];
-  for (int item = 0; item < kItemsPerThread; ++item) {
-    const uint64_t i = tile_start + uint64_t(item) * kThreads + threadIdx.x;
-    const bool differs = i < n && base[i] != target[i];
-    const unsigned ballot = __ballot_sync(kFullWarp, differs);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    uint32_t before_warp = 0;
-    uint32_t step_total = 0;
-    for (unsigned w = 0; w < kWarps; ++w) {
-      const uint32_t c = warp_counts[w];
-      before_warp += w < warp ? c : 0;
-      step_total += c;
-    }
-    if (differs) {
-      const uint32_t before_lane = __popc(ballot & ((1u << lane) - 1));
-      out_positions[next + before_warp + before_lane] = static_cast<uint32_t>(i);
-    }
-    next += step_total;
-    __syncthreads();  // warp_counts is rewritten by the next step
+  const uint64_t word_index = uint64_t{blockIdx.x} * kThreads + threadIdx.x;
+  const uint32_t word = word_index < words ? bitmap[word_index] : 0;
+  const uint32_t bits = __popc(word);
+  uint32_t inclusive = bits;
+  for (unsigned d = 1; d < 32; d <<= 1) {
+    const uint32_t up = __shfl_up_sync(kFullWarp, inclusive, d);
+    if (lane >= d) inclusive += up;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  if (word == 0) return;
+  uint32_t before = inclusive - bits;
+  for (unsigned w = warp - warp % kWarpsPerTile; w < warp; ++w) before += warp_totals[w];
+  const uint64_t tile = word_index / kWordsPerTile;
+  uint64_t next = group_offsets[tile / kScanThreads] + tile_offsets[tile] + before;
+  // word_index < 2^27 since n <= 2^32, so the element index fits in 32 bits.
+  const uint32_t first = static_cast<uint32_t>(word_index * 32);
+  for (uint32_t rest = word; rest != 0; rest &= rest - 1) {
+    if (next < capacity) out_positions[next] = first + static_cast<uint32_t>(__ffs(rest) - 1);
+    ++next;
   }
 }
 
+size_t AlignScratch(size_t bytes) {
+  return (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
+}
+
+// Where CompareCompactOnDevice keeps its intermediate arrays inside the caller's scratch.
+struct CompactScratch {
+  uint64_t tiles = 0;
+  uint64_t groups = 0;
+  size_t bitmap = 0, tile_counts = 0, tile_offsets = 0, group_sums = 0, group_offsets = 0,
+         total = 0, bytes = 0;  // byte offsets, then the size
+};
+
+CompactScratch LayOutScratch(uint64_t n) {
+  CompactScratch layout;
+  layout.tiles = n == 0 ? 1 : (n + kTileElements - 1) / kTileElements;
+  layout.groups = (layout.tiles + kScanThreads - 1) / kScanThreads;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    const size_t offset = at;
+    at += AlignScratch(bytes);
+    return offset;
+  };
+  layout.bitmap = take(layout.tiles * kWordsPerTile * sizeof(uint32_t));
+  layout.tile_counts = take(layout.tiles * sizeof(uint32_t));
+  layout.tile_offsets = take(layout.tiles * sizeof(uint64_t));
+  layout.group_sums = take(layout.groups * sizeof(uint64_t));
+  layout.group_offsets = take(layout.groups * sizeof(uint64_t));
+  layout.total = take(sizeof(uint64_t));
+  layout.bytes = at;
+  return layout;
+}
+
+// REQUIRES: 0 < n <= 2^32; scratch laid out by LayOutScratch(n).
 template <typename T>
-Status CompareCompactOnDevice(const void* base, const void* target, uint64_t n,
-                              uint32_t* out_positions, size_t* changed) {
-  const uint64_t tiles = (n + kTileElements - 1) / kTileElements;
-  const size_t bytes = n * sizeof(T);
-  DeviceBuffer d_base, d_target, d_counts, d_offsets, d_total, d_positions;
-  FW_RETURN_IF_ERROR(d_base.Allocate(bytes, "cudaMalloc(base)"));
-  FW_RETURN_IF_ERROR(d_target.Allocate(bytes, "cudaMalloc(target)"));
-  FW_RETURN_IF_ERROR(d_counts.Allocate(tiles * sizeof(uint32_t), "cudaMalloc(tile counts)"));
-  FW_RETURN_IF_ERROR(d_offsets.Allocate(tiles * sizeof(uint64_t), "cudaMalloc(tile offsets)"));
-  FW_RETURN_IF_ERROR(d_total.Allocate(sizeof(uint64_t), "cudaMalloc(total)"));
-  FW_RETURN_IF_ERROR(d_positions.Allocate(n * sizeof(uint32_t), "cudaMalloc(positions)"));
-  FW_RETURN_IF_ERROR(d_base.CopyIn(base, bytes, "cudaMemcpy(base to device)"));
-  FW_RETURN_IF_ERROR(d_target.CopyIn(target, bytes, "cudaMemcpy(target to device)"));
+Result<uint64_t> RunCompareCompact(const T* base, const T* target, uint64_t n,
+                                   uint32_t* out_positions, uint64_t capacity, char* scratch) {
+  const CompactScratch layout = LayOutScratch(n);
+  auto* bitmap = reinterpret_cast<uint32_t*>(scratch + layout.bitmap);
+  auto* tile_counts = reinterpret_cast<uint32_t*>(scratch + layout.tile_counts);
+  auto* tile_offsets = reinterpret_cast<uint64_t*>(scratch + layout.tile_offsets);
+  auto* group_sums = reinterpret_cast<uint64_t*>(scratch + layout.group_sums);
+  auto* group_offsets = reinterpret_cast<uint64_t*>(scratch + layout.group_offsets);
+  auto* total = reinterpret_cast<uint64_t*>(scratch + layout.total);
 
-  CountTileChangesKernel<T><<<static_cast<unsigned>(tiles), kThreads>>>(
-      d_base.As<T>(), d_target.As<T>(), n, d_counts.As<uint32_t>());
-  FW_RETURN_IF_ERROR(CheckLaunch("CountTileChangesKernel"));
-  ExclusiveScanKernel<<<1, kScanThreads>>>(d_counts.As<uint32_t>(), tiles, d_offsets.As<uint64_t>(),
-                                           d_total.As<uint64_t>());
-  FW_RETURN_IF_ERROR(CheckLaunch("ExclusiveScanKernel"));
-  CompactTileKernel<T><<<static_cast<unsigned>(tiles), kThreads>>>(
-      d_base.As<T>(), d_target.As<T>(), n, d_counts.As<uint32_t>(), d_offsets.As<uint64_t>(),
-      d_positions.As<uint32_t>());
-  FW_RETURN_IF_ERROR(CheckLaunch("CompactTileKernel"));
+  MarkChangesKernel<T>
+      <<<static_cast<unsigned>(layout.tiles), kThreads>>>(base, target, n, bitmap, tile_counts);
+  FW_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "MarkChangesKernel");
+  ExclusiveScanKernel<uint32_t><<<static_cast<unsigned>(layout.groups), kScanThreads>>>(
+      tile_counts, layout.tiles, kScanThreads, tile_offsets, group_sums);
+  FW_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "ExclusiveScanKernel(tiles)");
+  ExclusiveScanKernel<uint64_t>
+      <<<1, kScanThreads>>>(group_sums, layout.groups, layout.groups, group_offsets, total);
+  FW_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "ExclusiveScanKernel(groups)");
+  const uint64_t words = layout.tiles * kWordsPerTile;
+  CompactKernel<<<static_cast<unsigned>((words + kThreads - 1) / kThreads), kThreads>>>(
+      bitmap, words, tile_offsets, group_offsets, out_positions, capacity);
+  FW_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "CompactKernel");
 
-  uint64_t total = 0;
-  FW_RETURN_IF_ERROR(d_total.CopyOut(&total, sizeof(total), "cudaMemcpy(total to host)"));
-  if (total > n) {
-    return Status::Internal("cuda::CompareCompact: device counted " + std::to_string(total) +
-                            " changes in " + std::to_string(n) + " elements");
+  // The copy waits for the kernels; a fault in any of them surfaces here.
+  uint64_t changed = 0;
+  FW_CUDA_RETURN_IF_ERROR(cudaMemcpy(&changed, total, sizeof(changed), cudaMemcpyDeviceToHost),
+                          "MarkChanges/ExclusiveScan/CompactKernel, then cudaMemcpy(count)");
+  if (changed > n) {
+    return Status::Internal("device counted " + std::to_string(changed) + " changes in " +
+                            std::to_string(n) + " elements");
   }
-  FW_RETURN_IF_ERROR(d_positions.CopyOut(out_positions, total * sizeof(uint32_t),
-                                         "cudaMemcpy(positions to host)"));
-  *changed = static_cast<size_t>(total);
-  return Status::Ok();
+  return changed;
 }
 
 // ---------------------------------------------------------------------------------------
-// Scatter.
+// Scatter. Entries whose position is out of range are not written; the first such entry
+// is recorded here (kNoBadEntry when none). A __device__ variable is one per process and
+// device, so ScatterApplyOnDevice calls are serialised by g_scatter_mutex.
+
+constexpr unsigned long long kNoBadEntry = ~0ull;
+__device__ unsigned long long g_first_bad_entry = kNoBadEntry;
+std::mutex g_scatter_mutex;
 
 template <typename T>
-__global__ void ScatterApplyKernel(T* dst, const uint32_t* positions, const T* values,
-                                   uint64_t count) {
+__global__ void ScatterApplyKernel(T* __restrict__ dst, uint64_t dst_elements,
+                                   const uint32_t* __restrict__ positions,
+                                   const T* __restrict__ values, uint64_t count) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count; i += stride) {
-    dst[positions[i]] = values[i];
+    const uint32_t position = positions[i];
+    if (position < dst_elements) {
+      dst[position] = values[i];
+    } else {
+      atomicMin(&g_first_bad_entry, static_cast<unsigned long long>(i));
+    }
   }
 }
 
 unsigned GridFor(uint64_t work_items) {
   const uint64_t blocks = (work_items + kThreads - 1) / kThreads;
   return static_cast<unsigned>(blocks < 65535 ? (blocks == 0 ? 1 : blocks) : 65535);
-}
-
-template <typename T>
-Status ScatterApplyOnDevice(void* dst, uint64_t dst_elements, const uint32_t* positions,
-                            const void* values, uint64_t count) {
-  DeviceBuffer d_dst, d_positions, d_values;
-  FW_RETURN_IF_ERROR(d_dst.Allocate(dst_elements * sizeof(T), "cudaMalloc(dst)"));
-  FW_RETURN_IF_ERROR(d_positions.Allocate(count * sizeof(uint32_t), "cudaMalloc(positions)"));
-  FW_RETURN_IF_ERROR(d_values.Allocate(count * sizeof(T), "cudaMalloc(values)"));
-  FW_RETURN_IF_ERROR(d_dst.CopyIn(dst, dst_elements * sizeof(T), "cudaMemcpy(dst to device)"));
-  FW_RETURN_IF_ERROR(
-      d_positions.CopyIn(positions, count * sizeof(uint32_t), "cudaMemcpy(positions to device)"));
-  FW_RETURN_IF_ERROR(d_values.CopyIn(values, count * sizeof(T), "cudaMemcpy(values to device)"));
-  ScatterApplyKernel<T><<<GridFor(count), kThreads>>>(d_dst.As<T>(), d_positions.As<uint32_t>(),
-                                                      d_values.As<T>(), count);
-  FW_RETURN_IF_ERROR(CheckLaunch("ScatterApplyKernel"));
-  return d_dst.CopyOut(dst, dst_elements * sizeof(T), "cudaMemcpy(dst to host)");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -310,15 +370,35 @@ constexpr size_t kSecretLastAccStart = 7;
 constexpr size_t kSecretMergeAccsStart = 11;
 
 // Both CPUs and NVIDIA GPUs are little-endian, as XXH3's reads are defined.
+// On the device, memcpy from a pointer of unknown alignment compiles to byte loads (and
+// a branch to a plain load for aligned pointers is merged back into them). So the device
+// reads the one or two aligned words that hold the bytes and shifts: it never reads past
+// the aligned word that holds the last byte, which is as mapped as that byte is.
 __host__ __device__ inline uint64_t Read64(const uint8_t* p) {
+#ifdef __CUDA_ARCH__
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  const unsigned shift = static_cast<unsigned>(address % 8) * 8;
+  const auto* word = reinterpret_cast<const uint64_t*>(address - address % 8);
+  if (shift == 0) return word[0];
+  return (word[0] >> shift) | (word[1] << (64 - shift));
+#else
   uint64_t v;
   memcpy(&v, p, sizeof(v));
   return v;
+#endif
 }
 __host__ __device__ inline uint32_t Read32(const uint8_t* p) {
+#ifdef __CUDA_ARCH__
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  const unsigned shift = static_cast<unsigned>(address % 4) * 8;
+  const auto* word = reinterpret_cast<const uint32_t*>(address - address % 4);
+  if (shift == 0) return word[0];
+  return (word[0] >> shift) | (word[1] << (32 - shift));
+#else
   uint32_t v;
   memcpy(&v, p, sizeof(v));
   return v;
+#endif
 }
 __host__ __device__ inline uint64_t Rotl64(uint64_t x, int r) {
   return (x << r) | (x >> (64 - r));
@@ -492,7 +572,7 @@ __host__ __device__ inline uint64_t Xxh3_64(const uint8_t* input, size_t len,
 
 __global__ void ChunkChecksumsKernel(const uint8_t* data, uint64_t size, uint64_t chunk_bytes,
                                      uint64_t chunks, uint64_t* out) {
-  __shared__ uint8_t secret[kSecretSize];
+  __shared__ alignas(8) uint8_t secret[kSecretSize];  // Read64 reads aligned words
   for (unsigned i = threadIdx.x; i < kSecretSize; i += blockDim.x) secret[i] = kDeviceSecret[i];
   __syncthreads();
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
@@ -510,6 +590,7 @@ __global__ void ChunkChecksumsKernel(const uint8_t* data, uint64_t size, uint64_
 struct DeviceProbe {
   bool usable = false;
   std::string description;
+  int multiprocessors = 1;
 };
 
 DeviceProbe ProbeDevice() {
@@ -535,7 +616,7 @@ DeviceProbe ProbeDevice() {
   // This build carries code for one architecture (CMAKE_CUDA_ARCHITECTURES); asking for a
   // kernel's attributes fails when the device cannot load it.
   cudaFuncAttributes attributes{};
-  error = cudaFuncGetAttributes(&attributes, ExclusiveScanKernel);
+  error = cudaFuncGetAttributes(&attributes, ExclusiveScanKernel<uint32_t>);
   const std::string device = std::string(properties.name) + " (sm_" +
                              std::to_string(properties.major) + std::to_string(properties.minor) +
                              ")";
@@ -547,6 +628,7 @@ DeviceProbe ProbeDevice() {
   }
   probe.usable = true;
   probe.description = device;
+  probe.multiprocessors = properties.multiProcessorCount > 0 ? properties.multiProcessorCount : 1;
   return probe;
 }
 
@@ -570,38 +652,206 @@ std::string DeviceDescription() {
   return Probe().description;
 }
 
+// ---------------------------------------------------------------------------------------
+// DeviceBuffer.
+
+Result<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
+  FW_RETURN_IF_ERROR(RequireDevice());
+  void* ptr = nullptr;
+  // A zero-byte request still gets a valid pointer, so kernels never see nullptr.
+  FW_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, bytes == 0 ? 1 : bytes),
+                          "cudaMalloc(" + std::to_string(bytes) + " bytes)");
+  DeviceBuffer buffer;
+  buffer.ptr_ = ptr;
+  buffer.size_ = bytes;
+  return std::move(buffer);  // explicit: nvcc does not move into Result on its own
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept : ptr_(other.ptr_), size_(other.size_) {
+  other.ptr_ = nullptr;
+  other.size_ = 0;
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = other.ptr_;
+    size_ = other.size_;
+    other.ptr_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_ != nullptr) cudaFree(ptr_);
+}
+
+namespace {
+
+Status CheckRange(size_t offset, size_t bytes, size_t size, const char* what) {
+  if (offset <= size && bytes <= size - offset) return Status::Ok();
+  return Status::InvalidArgument(std::string(what) + ": " + std::to_string(bytes) +
+                                 " bytes at offset " + std::to_string(offset) +
+                                 " do not fit in a buffer of " + std::to_string(size) + " bytes");
+}
+
+}  // namespace
+
+Status DeviceBuffer::CopyFromHost(const void* host, size_t bytes, size_t offset) {
+  FW_RETURN_IF_ERROR(CheckRange(offset, bytes, size_, "DeviceBuffer::CopyFromHost"));
+  if (bytes == 0) return Status::Ok();
+  FW_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(static_cast<char*>(ptr_) + offset, host, bytes, cudaMemcpyHostToDevice),
+      "DeviceBuffer::CopyFromHost: cudaMemcpy(" + std::to_string(bytes) + " bytes)");
+  return Status::Ok();
+}
+
+Status DeviceBuffer::CopyToHost(void* host, size_t bytes, size_t offset) const {
+  FW_RETURN_IF_ERROR(CheckRange(offset, bytes, size_, "DeviceBuffer::CopyToHost"));
+  if (bytes == 0) return Status::Ok();
+  FW_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host, static_cast<const char*>(ptr_) + offset, bytes, cudaMemcpyDeviceToHost),
+      "DeviceBuffer::CopyToHost: cudaMemcpy(" + std::to_string(bytes) + " bytes)");
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------
+// Device-memory entry points.
+
+size_t CompareCompactScratchBytes(size_t n) {
+  return LayOutScratch(n).bytes;
+}
+
+Result<size_t> CompareCompactOnDevice(const void* base, const void* target, size_t n,
+                                      size_t elem_size, uint32_t* out_positions,
+                                      size_t positions_capacity, void* scratch,
+                                      size_t scratch_bytes) {
+  constexpr const char* kWhat = "cuda::CompareCompactOnDevice";
+  FW_RETURN_IF_ERROR(CheckElemSize(elem_size, kWhat));
+  if (n > (uint64_t{1} << 32)) {
+    return Status::InvalidArgument(std::string(kWhat) + ": " + std::to_string(n) +
+                                   " elements; positions are 32-bit, at most 2^32");
+  }
+  if (scratch_bytes < CompareCompactScratchBytes(n)) {
+    return Status::InvalidArgument(
+        std::string(kWhat) + ": scratch of " + std::to_string(scratch_bytes) + " bytes; " +
+        std::to_string(n) + " elements need " + std::to_string(CompareCompactScratchBytes(n)));
+  }
+  FW_RETURN_IF_ERROR(CheckAligned(base, elem_size, kWhat, "base"));
+  FW_RETURN_IF_ERROR(CheckAligned(target, elem_size, kWhat, "target"));
+  FW_RETURN_IF_ERROR(CheckAligned(out_positions, sizeof(uint32_t), kWhat, "out_positions"));
+  FW_RETURN_IF_ERROR(CheckAligned(scratch, kScratchAlignment, kWhat, "scratch"));
+  FW_RETURN_IF_ERROR(RequireDevice());
+  if (n == 0) return size_t{0};
+  Result<uint64_t> changed = DispatchElemSize(elem_size, [&](auto tag) -> Result<uint64_t> {
+    using T = decltype(tag);
+    return RunCompareCompact<T>(static_cast<const T*>(base), static_cast<const T*>(target), n,
+                                out_positions, positions_capacity, static_cast<char*>(scratch));
+  });
+  if (!changed.ok()) return changed.status().WithContext(kWhat);
+  if (*changed > positions_capacity) {
+    return Status::ResourceExhausted(
+        std::string(kWhat) + ": " + std::to_string(*changed) + " of " + std::to_string(n) +
+        " elements changed; out_positions has room for " + std::to_string(positions_capacity));
+  }
+  return static_cast<size_t>(*changed);
+}
+
+Status ScatterApplyOnDevice(void* dst, size_t dst_elements, size_t elem_size,
+                            const uint32_t* positions, const void* values, size_t count) {
+  constexpr const char* kWhat = "cuda::ScatterApplyOnDevice";
+  FW_RETURN_IF_ERROR(CheckElemSize(elem_size, kWhat));
+  FW_RETURN_IF_ERROR(CheckAligned(dst, elem_size, kWhat, "dst"));
+  FW_RETURN_IF_ERROR(CheckAligned(values, elem_size, kWhat, "values"));
+  FW_RETURN_IF_ERROR(CheckAligned(positions, sizeof(uint32_t), kWhat, "positions"));
+  FW_RETURN_IF_ERROR(RequireDevice());
+  if (count == 0) return Status::Ok();
+  std::lock_guard<std::mutex> lock(g_scatter_mutex);
+  const Status launched = DispatchElemSize(elem_size, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    ScatterApplyKernel<T><<<GridFor(count), kThreads>>>(
+        static_cast<T*>(dst), dst_elements, positions, static_cast<const T*>(values), count);
+    FW_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "ScatterApplyKernel");
+    return Status::Ok();
+  });
+  FW_RETURN_IF_ERROR(launched.WithContext(kWhat));
+  // The copy waits for the kernel; a fault in it surfaces here.
+  unsigned long long first_bad = kNoBadEntry;
+  FW_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyFromSymbol(&first_bad, g_first_bad_entry, sizeof(first_bad)),
+      std::string(kWhat) + ": ScatterApplyKernel, then cudaMemcpyFromSymbol(first bad entry)");
+  if (first_bad == kNoBadEntry) return Status::Ok();
+  FW_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_first_bad_entry, &kNoBadEntry, sizeof(kNoBadEntry)),
+                          std::string(kWhat) + ": cudaMemcpyToSymbol(reset first bad entry)");
+  uint32_t position = 0;
+  FW_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(&position, positions + first_bad, sizeof(position), cudaMemcpyDeviceToHost),
+      std::string(kWhat) + ": cudaMemcpy(bad position)");
+  return Status::InvalidArgument(std::string(kWhat) + ": position " + std::to_string(position) +
+                                 " (entry " + std::to_string(first_bad) + ") is out of range for " +
+                                 std::to_string(dst_elements) + " elements; it was not written");
+}
+
+Status ChunkChecksumsOnDevice(const void* data, size_t size, size_t chunk_bytes, uint64_t* out) {
+  constexpr const char* kWhat = "cuda::ChunkChecksumsOnDevice";
+  if (chunk_bytes == 0) return Status::InvalidArgument(std::string(kWhat) + ": chunk_bytes is 0");
+  FW_RETURN_IF_ERROR(CheckAligned(out, sizeof(uint64_t), kWhat, "out"));
+  FW_RETURN_IF_ERROR(RequireDevice());
+  if (size == 0) return Status::Ok();
+  const uint64_t chunks = (size + chunk_bytes - 1) / chunk_bytes;
+  // One thread per chunk: with few chunks (a 4 GiB tensor in 4 MiB chunks is 1024), small
+  // blocks spread them over every multiprocessor instead of crowding a few.
+  const uint64_t per_multiprocessor =
+      (chunks + Probe().multiprocessors - 1) / Probe().multiprocessors;
+  const uint64_t block = std::min<uint64_t>(kThreads, (per_multiprocessor + 31) / 32 * 32);
+  const uint64_t blocks = std::min<uint64_t>((chunks + block - 1) / block, 65535);
+  ChunkChecksumsKernel<<<static_cast<unsigned>(blocks), static_cast<unsigned>(block)>>>(
+      static_cast<const uint8_t*>(data), size, chunk_bytes, chunks, out);
+  return CheckLaunch("ChunkChecksumsKernel").WithContext(kWhat);
+}
+
+// ---------------------------------------------------------------------------------------
+// Host-memory conveniences, on the entry points above.
+
 Result<size_t> CompareCompact(const void* base, const void* target, size_t n, size_t elem_size,
                               uint32_t* out_positions) {
-  FW_RETURN_IF_ERROR(CheckElemSize(elem_size, "cuda::CompareCompact"));
+  constexpr const char* kWhat = "cuda::CompareCompact";
+  FW_RETURN_IF_ERROR(CheckElemSize(elem_size, kWhat));
   if (n > (uint64_t{1} << 32)) {
-    return Status::InvalidArgument("cuda::CompareCompact: " + std::to_string(n) +
+    return Status::InvalidArgument(std::string(kWhat) + ": " + std::to_string(n) +
                                    " elements; positions are 32-bit, at most 2^32");
   }
   FW_RETURN_IF_ERROR(RequireDevice());
   if (n == 0) return size_t{0};
-  size_t changed = 0;
-  const Status status = [&]() -> Status {
-    switch (elem_size) {
-      case 1:
-        return CompareCompactOnDevice<uint8_t>(base, target, n, out_positions, &changed);
-      case 2:
-        return CompareCompactOnDevice<uint16_t>(base, target, n, out_positions, &changed);
-      case 4:
-        return CompareCompactOnDevice<uint32_t>(base, target, n, out_positions, &changed);
-      default:
-        return CompareCompactOnDevice<uint64_t>(base, target, n, out_positions, &changed);
-    }
-  }();
-  if (!status.ok()) return status.WithContext("cuda::CompareCompact");
-  return changed;
+  const size_t bytes = n * elem_size;
+  const size_t scratch_bytes = CompareCompactScratchBytes(n);
+  const auto run = [&]() -> Result<size_t> {
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_base, DeviceBuffer::Allocate(bytes));
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_target, DeviceBuffer::Allocate(bytes));
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_positions, DeviceBuffer::Allocate(n * sizeof(uint32_t)));
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_scratch, DeviceBuffer::Allocate(scratch_bytes));
+    FW_RETURN_IF_ERROR(d_base.CopyFromHost(base, bytes));
+    FW_RETURN_IF_ERROR(d_target.CopyFromHost(target, bytes));
+    FW_ASSIGN_OR_RETURN(
+        const size_t changed,
+        CompareCompactOnDevice(d_base.data(), d_target.data(), n, elem_size,
+                               d_positions.As<uint32_t>(), n, d_scratch.data(), scratch_bytes));
+    FW_RETURN_IF_ERROR(d_positions.CopyToHost(out_positions, changed * sizeof(uint32_t)));
+    return changed;
+  };
+  Result<size_t> changed = run();
+  if (!changed.ok()) return changed.status().WithContext(kWhat);
+  return *changed;
 }
 
 Status ScatterApply(void* dst, size_t dst_elements, size_t elem_size, const uint32_t* positions,
                     const void* values, size_t count) {
-  FW_RETURN_IF_ERROR(CheckElemSize(elem_size, "cuda::ScatterApply"));
+  constexpr const char* kWhat = "cuda::ScatterApply";
+  FW_RETURN_IF_ERROR(CheckElemSize(elem_size, kWhat));
   for (size_t i = 0; i < count; ++i) {
     if (positions[i] >= dst_elements) {
-      return Status::InvalidArgument("cuda::ScatterApply: position " +
+      return Status::InvalidArgument(std::string(kWhat) + ": position " +
                                      std::to_string(positions[i]) + " (entry " + std::to_string(i) +
                                      ") is out of range for " + std::to_string(dst_elements) +
                                      " elements");
@@ -609,36 +859,36 @@ Status ScatterApply(void* dst, size_t dst_elements, size_t elem_size, const uint
   }
   FW_RETURN_IF_ERROR(RequireDevice());
   if (count == 0) return Status::Ok();
-  const Status status = [&]() -> Status {
-    switch (elem_size) {
-      case 1:
-        return ScatterApplyOnDevice<uint8_t>(dst, dst_elements, positions, values, count);
-      case 2:
-        return ScatterApplyOnDevice<uint16_t>(dst, dst_elements, positions, values, count);
-      case 4:
-        return ScatterApplyOnDevice<uint32_t>(dst, dst_elements, positions, values, count);
-      default:
-        return ScatterApplyOnDevice<uint64_t>(dst, dst_elements, positions, values, count);
-    }
-  }();
-  return status.WithContext("cuda::ScatterApply");
+  const size_t dst_bytes = dst_elements * elem_size;
+  const auto run = [&]() -> Status {
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_dst, DeviceBuffer::Allocate(dst_bytes));
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_positions, DeviceBuffer::Allocate(count * sizeof(uint32_t)));
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_values, DeviceBuffer::Allocate(count * elem_size));
+    FW_RETURN_IF_ERROR(d_dst.CopyFromHost(dst, dst_bytes));
+    FW_RETURN_IF_ERROR(d_positions.CopyFromHost(positions, count * sizeof(uint32_t)));
+    FW_RETURN_IF_ERROR(d_values.CopyFromHost(values, count * elem_size));
+    FW_RETURN_IF_ERROR(ScatterApplyOnDevice(d_dst.data(), dst_elements, elem_size,
+                                            d_positions.As<uint32_t>(), d_values.data(), count));
+    return d_dst.CopyToHost(dst, dst_bytes);
+  };
+  return run().WithContext(kWhat);
 }
 
 Status ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_t* out) {
-  if (chunk_bytes == 0) return Status::InvalidArgument("cuda::ChunkChecksums: chunk_bytes is 0");
+  constexpr const char* kWhat = "cuda::ChunkChecksums";
+  if (chunk_bytes == 0) return Status::InvalidArgument(std::string(kWhat) + ": chunk_bytes is 0");
   FW_RETURN_IF_ERROR(RequireDevice());
   if (size == 0) return Status::Ok();
   const uint64_t chunks = (size + chunk_bytes - 1) / chunk_bytes;
-  DeviceBuffer d_data, d_out;
-  FW_RETURN_IF_ERROR(d_data.Allocate(size, "cuda::ChunkChecksums: cudaMalloc(data)"));
-  FW_RETURN_IF_ERROR(
-      d_out.Allocate(chunks * sizeof(uint64_t), "cuda::ChunkChecksums: cudaMalloc(out)"));
-  FW_RETURN_IF_ERROR(d_data.CopyIn(data, size, "cuda::ChunkChecksums: cudaMemcpy(data to device)"));
-  ChunkChecksumsKernel<<<GridFor(chunks), kThreads>>>(d_data.As<uint8_t>(), size, chunk_bytes,
-                                                      chunks, d_out.As<uint64_t>());
-  FW_RETURN_IF_ERROR(CheckLaunch("cuda::ChunkChecksums: ChunkChecksumsKernel"));
-  return d_out.CopyOut(out, chunks * sizeof(uint64_t),
-                       "cuda::ChunkChecksums: cudaMemcpy(checksums to host)");
+  const auto run = [&]() -> Status {
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_data, DeviceBuffer::Allocate(size));
+    FW_ASSIGN_OR_RETURN(DeviceBuffer d_out, DeviceBuffer::Allocate(chunks * sizeof(uint64_t)));
+    FW_RETURN_IF_ERROR(d_data.CopyFromHost(data, size));
+    FW_RETURN_IF_ERROR(
+        ChunkChecksumsOnDevice(d_data.data(), size, chunk_bytes, d_out.As<uint64_t>()));
+    return d_out.CopyToHost(out, chunks * sizeof(uint64_t));
+  };
+  return run().WithContext(kWhat);
 }
 
 }  // namespace flywheel::kernels::cuda

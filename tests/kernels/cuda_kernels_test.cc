@@ -5,7 +5,10 @@
 
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda.h"
@@ -54,6 +57,18 @@ TEST(CudaKernelsTest, UnavailableIsAStatusNotACrash) {
   uint64_t sum = 0;
   const Status checksums = cuda::ChunkChecksums(a, sizeof(a), 4, &sum);
   EXPECT_EQ(checksums.code(), StatusCode::kUnavailable) << checksums.ToString();
+
+  const Result<cuda::DeviceBuffer> buffer = cuda::DeviceBuffer::Allocate(16);
+  ASSERT_FALSE(buffer.ok());
+  EXPECT_EQ(buffer.status().code(), StatusCode::kUnavailable) << buffer.status().ToString();
+  const Result<size_t> on_device = cuda::CompareCompactOnDevice(
+      a, b, 4, 2, positions, 4, nullptr, cuda::CompareCompactScratchBytes(4));
+  ASSERT_FALSE(on_device.ok());
+  EXPECT_EQ(on_device.status().code(), StatusCode::kUnavailable) << on_device.status().ToString();
+  const Status scatter_on_device = cuda::ScatterApplyOnDevice(dst, 4, 2, where, value, 1);
+  EXPECT_EQ(scatter_on_device.code(), StatusCode::kUnavailable) << scatter_on_device.ToString();
+  const Status checksums_on_device = cuda::ChunkChecksumsOnDevice(a, sizeof(a), 4, &sum);
+  EXPECT_EQ(checksums_on_device.code(), StatusCode::kUnavailable) << checksums_on_device.ToString();
 }
 
 TEST(CudaKernelsTest, RejectsBadArgumentsBeforeTouchingTheDevice) {
@@ -139,6 +154,186 @@ TEST(CudaKernelsTest, ChunkChecksumsMatchScalar) {
       ASSERT_TRUE(status.ok()) << status.ToString();
       ASSERT_EQ(got, want);
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Device-memory entry points.
+
+// A device copy of `bytes`; fails the test on error.
+cuda::DeviceBuffer ToDevice(const std::vector<unsigned char>& bytes) {
+  Result<cuda::DeviceBuffer> buffer = cuda::DeviceBuffer::Allocate(bytes.size());
+  EXPECT_TRUE(buffer.ok()) << buffer.status().ToString();
+  if (!buffer.ok()) return {};
+  const Status copied = buffer->CopyFromHost(bytes.data(), bytes.size());
+  EXPECT_TRUE(copied.ok()) << copied.ToString();
+  return std::move(buffer).value();
+}
+
+// A device buffer of `bytes` bytes of 0xA5, so that unwritten output and stale scratch show.
+cuda::DeviceBuffer Poisoned(size_t bytes) {
+  return ToDevice(std::vector<unsigned char>(bytes, 0xA5));
+}
+
+// Sizes past one group of the two-level scan (1024 tiles of 2048 elements), with the last
+// tile partial.
+constexpr size_t kLargeSizes[] = {(size_t{1} << 21) + 1, (size_t{3} << 21) + 5};
+
+TEST(CudaKernelsTest, CompareCompactOnDeviceMatchesScalar) {
+  if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
+  uint64_t seed = 200;
+  std::vector<size_t> sizes(std::begin(kSizes), std::end(kSizes));
+  sizes.insert(sizes.end(), std::begin(kLargeSizes), std::end(kLargeSizes));
+  for (size_t elem_size : kElemSizes) {
+    for (size_t n : sizes) {
+      for (double density : kDensities) {
+        SCOPED_TRACE(testing::Message()
+                     << "elem_size " << elem_size << " n " << n << " density " << density);
+        const auto base = RandomBytes(n * elem_size, seed++);
+        const auto target = Perturb(base, elem_size, density, seed++);
+        std::vector<uint32_t> want(n);
+        want.resize(CompareCompactScalar(base.data(), target.data(), n, elem_size, want.data()));
+        const cuda::DeviceBuffer d_base = ToDevice(base);
+        const cuda::DeviceBuffer d_target = ToDevice(target);
+        const cuda::DeviceBuffer d_positions = Poisoned(n * sizeof(uint32_t));
+        const size_t scratch_bytes = cuda::CompareCompactScratchBytes(n);
+        const cuda::DeviceBuffer d_scratch = Poisoned(scratch_bytes);
+        const Result<size_t> count = cuda::CompareCompactOnDevice(
+            d_base.data(), d_target.data(), n, elem_size, d_positions.As<uint32_t>(), n,
+            d_scratch.data(), scratch_bytes);
+        ASSERT_TRUE(count.ok()) << count.status().ToString();
+        std::vector<uint32_t> got(*count);
+        ASSERT_TRUE(d_positions.CopyToHost(got.data(), got.size() * sizeof(uint32_t)).ok());
+        ASSERT_EQ(got, want);
+      }
+    }
+  }
+}
+
+TEST(CudaKernelsTest, CompareCompactOnDeviceReportsTooManyChanges) {
+  if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
+  const size_t n = 5003;
+  const auto base = RandomBytes(n * 2, 300);
+  const auto target = Perturb(base, 2, 0.5, 301);
+  std::vector<uint32_t> want(n);
+  want.resize(CompareCompactScalar(base.data(), target.data(), n, 2, want.data()));
+  ASSERT_GT(want.size(), 100u);
+  const size_t capacity = want.size() / 2;
+  const cuda::DeviceBuffer d_base = ToDevice(base);
+  const cuda::DeviceBuffer d_target = ToDevice(target);
+  // One guard entry past the capacity, which must stay poisoned.
+  const cuda::DeviceBuffer d_positions = Poisoned((capacity + 1) * sizeof(uint32_t));
+  const size_t scratch_bytes = cuda::CompareCompactScratchBytes(n);
+  const cuda::DeviceBuffer d_scratch = Poisoned(scratch_bytes);
+  const Result<size_t> count =
+      cuda::CompareCompactOnDevice(d_base.data(), d_target.data(), n, 2, d_positions.As<uint32_t>(),
+                                   capacity, d_scratch.data(), scratch_bytes);
+  ASSERT_FALSE(count.ok());
+  EXPECT_EQ(count.status().code(), StatusCode::kResourceExhausted) << count.status().ToString();
+  EXPECT_NE(count.status().message().find(std::to_string(want.size())), std::string::npos)
+      << count.status().ToString();
+  std::vector<uint32_t> got(capacity + 1);
+  ASSERT_TRUE(d_positions.CopyToHost(got.data(), got.size() * sizeof(uint32_t)).ok());
+  EXPECT_EQ(got.back(), 0xA5A5A5A5u);
+  got.pop_back();
+  want.resize(capacity);
+  EXPECT_EQ(got, want);
+}
+
+TEST(CudaKernelsTest, CompareCompactOnDeviceRejectsBadArguments) {
+  if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
+  const size_t n = 1000;
+  const cuda::DeviceBuffer d_data = Poisoned(n * 4 + 8);
+  const cuda::DeviceBuffer d_positions = Poisoned(n * sizeof(uint32_t));
+  const size_t scratch_bytes = cuda::CompareCompactScratchBytes(n);
+  const cuda::DeviceBuffer d_scratch = Poisoned(scratch_bytes);
+  const auto* bytes = d_data.As<unsigned char>();
+  const Result<size_t> small_scratch = cuda::CompareCompactOnDevice(
+      bytes, bytes, n, 4, d_positions.As<uint32_t>(), n, d_scratch.data(), scratch_bytes - 1);
+  EXPECT_EQ(small_scratch.status().code(), StatusCode::kInvalidArgument)
+      << small_scratch.status().ToString();
+  const Result<size_t> misaligned = cuda::CompareCompactOnDevice(
+      bytes + 2, bytes, n, 4, d_positions.As<uint32_t>(), n, d_scratch.data(), scratch_bytes);
+  EXPECT_EQ(misaligned.status().code(), StatusCode::kInvalidArgument)
+      << misaligned.status().ToString();
+  const Result<size_t> too_many =
+      cuda::CompareCompactOnDevice(bytes, bytes, (size_t{1} << 32) + 1, 1,
+                                   d_positions.As<uint32_t>(), n, d_scratch.data(), scratch_bytes);
+  EXPECT_EQ(too_many.status().code(), StatusCode::kInvalidArgument) << too_many.status().ToString();
+}
+
+TEST(CudaKernelsTest, ScatterApplyOnDeviceMatchesScalar) {
+  if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
+  uint64_t seed = 400;
+  for (size_t elem_size : kElemSizes) {
+    for (size_t n : {size_t{1}, size_t{733}, kLargeSizes[0]}) {
+      SCOPED_TRACE(testing::Message() << "elem_size " << elem_size << " n " << n);
+      const auto base = RandomBytes(n * elem_size, seed++);
+      const auto target = Perturb(base, elem_size, 0.3, seed++);
+      std::vector<uint32_t> positions(n);
+      positions.resize(
+          CompareCompactScalar(base.data(), target.data(), n, elem_size, positions.data()));
+      std::vector<unsigned char> values(positions.size() * elem_size);
+      GatherScalar(target.data(), elem_size, positions.data(), values.data(), positions.size());
+      cuda::DeviceBuffer d_dst = ToDevice(base);
+      const cuda::DeviceBuffer d_positions = ToDevice(std::vector<unsigned char>(
+          reinterpret_cast<const unsigned char*>(positions.data()),
+          reinterpret_cast<const unsigned char*>(positions.data() + positions.size())));
+      const cuda::DeviceBuffer d_values = ToDevice(values);
+      const Status status =
+          cuda::ScatterApplyOnDevice(d_dst.data(), n, elem_size, d_positions.As<uint32_t>(),
+                                     d_values.data(), positions.size());
+      ASSERT_TRUE(status.ok()) << status.ToString();
+      std::vector<unsigned char> got(n * elem_size);
+      ASSERT_TRUE(d_dst.CopyToHost(got.data(), got.size()).ok());
+      ASSERT_EQ(got, target);
+    }
+  }
+}
+
+TEST(CudaKernelsTest, ScatterApplyOnDeviceNamesTheFirstOutOfRangeEntry) {
+  if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
+  const uint32_t positions[] = {1, 3, 9, 0, 12};  // entries 2 and 4 are out of range
+  const uint16_t values[] = {11, 13, 19, 10, 22};
+  std::vector<unsigned char> start(4 * sizeof(uint16_t), 0x5A);
+  cuda::DeviceBuffer d_dst = ToDevice(start);
+  const cuda::DeviceBuffer d_positions =
+      ToDevice(std::vector<unsigned char>(reinterpret_cast<const unsigned char*>(positions),
+                                          reinterpret_cast<const unsigned char*>(positions + 5)));
+  const cuda::DeviceBuffer d_values =
+      ToDevice(std::vector<unsigned char>(reinterpret_cast<const unsigned char*>(values),
+                                          reinterpret_cast<const unsigned char*>(values + 5)));
+  const Status bad = cuda::ScatterApplyOnDevice(d_dst.data(), 4, 2, d_positions.As<uint32_t>(),
+                                                d_values.data(), 5);
+  ASSERT_EQ(bad.code(), StatusCode::kInvalidArgument) << bad.ToString();
+  EXPECT_NE(bad.message().find("position 9 (entry 2)"), std::string::npos) << bad.ToString();
+  // The record of the bad entry is reset: an in-range call afterwards succeeds.
+  const Status good = cuda::ScatterApplyOnDevice(d_dst.data(), 4, 2, d_positions.As<uint32_t>(),
+                                                 d_values.data(), 2);
+  EXPECT_TRUE(good.ok()) << good.ToString();
+  uint16_t got[4];
+  ASSERT_TRUE(d_dst.CopyToHost(got, sizeof(got)).ok());
+  EXPECT_EQ(got[0], 10);
+  EXPECT_EQ(got[1], 11);
+  EXPECT_EQ(got[2], 0x5A5A);
+  EXPECT_EQ(got[3], 13);
+}
+
+TEST(CudaKernelsTest, ChunkChecksumsOnDeviceMatchScalar) {
+  if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
+  const auto data = RandomBytes((1u << 20) + 333, 500);
+  const cuda::DeviceBuffer d_data = ToDevice(data);
+  for (size_t chunk : {size_t{1000}, size_t{64} << 10}) {
+    SCOPED_TRACE(testing::Message() << "chunk " << chunk);
+    const size_t chunks = (data.size() + chunk - 1) / chunk;
+    std::vector<uint64_t> want(chunks), got(chunks);
+    ChunkChecksumsScalar(data.data(), data.size(), chunk, want.data());
+    const cuda::DeviceBuffer d_out = Poisoned(chunks * sizeof(uint64_t));
+    const Status status =
+        cuda::ChunkChecksumsOnDevice(d_data.data(), data.size(), chunk, d_out.As<uint64_t>());
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    ASSERT_TRUE(d_out.CopyToHost(got.data(), got.size() * sizeof(uint64_t)).ok());
+    ASSERT_EQ(got, want);
   }
 }
 
