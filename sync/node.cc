@@ -168,6 +168,23 @@ void CatalogVerifier::Filter(Catalog* catalog, const std::string& who) {
   std::map<ArtifactKey, ManifestFacts> facts;
   std::vector<ArtifactInfo> kept;
   std::vector<ArtifactInfo> streaming;
+  // Refusals of artifacts this catalog no longer lists are forgotten (see the header).
+  std::set<ArtifactKey> listed;
+  for (const ArtifactInfo& info : catalog->artifacts) listed.insert(KeyOf(info));
+  std::erase_if(counted_, [&](const auto& refusal) { return !listed.count(refusal.first); });
+  size_t refused = 0;
+  std::string first_refusal;
+  auto refuse = [&](const ArtifactKey& key, uint64_t signature_hash, std::string message,
+                    bool failure) {
+    auto [it, inserted] = counted_.try_emplace(key, signature_hash);
+    if (!inserted) {
+      if (it->second == signature_hash) return;  // refused before with this signature
+      it->second = signature_hash;
+    }
+    if (failure) ++failures_;
+    if (refused++ == 0) first_refusal = message;
+    last_error_ = std::move(message);
+  };
   for (ArtifactInfo& info : catalog->artifacts) {
     const ArtifactKey key = KeyOf(info);
     if (info.streaming) {
@@ -179,12 +196,11 @@ void CatalogVerifier::Filter(Catalog* catalog, const std::string& who) {
     Result<ManifestFacts> verified =
         VerifyManifest(trusted_, signed_manifest ? *signed_manifest : kUnsigned, info);
     if (!verified.ok()) {
-      const std::string signature = signed_manifest ? signed_manifest->signature : std::string();
-      if (counted_.insert({key, signature}).second) {
-        ++failures_;
-        last_error_ = verified.status().message();
-        spdlog::error("{}: refused: {}", who, last_error_);
-      }
+      const std::string& signature = signed_manifest ? signed_manifest->signature : std::string();
+      // 0 stands for the streaming bound below; a signature hashing to 0 is only counted
+      // together with it.
+      refuse(key, HashBytes64(std::as_bytes(std::span(signature))) | 1, verified.status().message(),
+             /*failure=*/true);
       catalog->signatures.erase(key);
       continue;
     }
@@ -201,12 +217,18 @@ void CatalogVerifier::Filter(Catalog* catalog, const std::string& who) {
   for (const ArtifactInfo& info : streaming) {
     if (info.size_bound <= streaming_limit) {
       kept.push_back(info);
-    } else if (counted_.insert({KeyOf(info), "streaming-bound"}).second) {
-      last_error_ = Describe(KeyOf(info)) + " streams with a bound of " +
-                    std::to_string(info.size_bound) + " bytes, over " +
-                    std::to_string(streaming_limit) + " (twice the largest verified artifact)";
-      spdlog::warn("{}: not fetched: {}", who, last_error_);
+    } else {
+      refuse(KeyOf(info), 0,
+             Describe(KeyOf(info)) + " streams with a bound of " + std::to_string(info.size_bound) +
+                 " bytes, over " + std::to_string(streaming_limit) +
+                 " (twice the largest verified artifact); not fetched",
+             /*failure=*/false);
     }
+  }
+  if (refused == 1) {
+    spdlog::error("{}: refused: {}", who, first_refusal);
+  } else if (refused > 1) {
+    spdlog::error("{}: refused {} artifacts of a catalog, the first: {}", who, refused, first_refusal);
   }
   std::sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) {
     return std::tie(a.target_version, a.kind) < std::tie(b.target_version, b.kind);
@@ -393,10 +415,167 @@ void Server::SetCatalog(wire::Catalog catalog) {
 std::vector<FleetNode> Server::Fleet() const {
   std::vector<FleetNode> nodes;
   const auto now = Clock::now();
-  for (const auto& [id, node] : fleet_) {
-    if (now - node.seen <= options_.report_timeout) nodes.push_back(node);
+  for (const auto& [id, entry] : fleet_) {
+    if (now - entry.node.seen <= options_.report_timeout) nodes.push_back(entry.node);
   }
   return nodes;
+}
+
+uint64_t Server::fleet_nodes_omitted() const {
+  uint64_t omitted = 0;
+  for (const auto& [peer, held] : peer_fleets_) omitted += held.omitted;
+  return omitted;
+}
+
+void BoundReport(wire::Report* report, size_t max_bytes, size_t max_nodes) {
+  if (report->nodes_size() == 0) return;
+  // The sender, then the nodes below it while both bounds hold. Each listed node costs its
+  // size, a tag byte and a length of at most 5 bytes; omitted_nodes at most 11 bytes.
+  size_t bytes = 11 + report->nodes(0).ByteSizeLong() + 6;
+  int keep = 1;
+  while (keep < report->nodes_size() && static_cast<size_t>(keep) < max_nodes) {
+    const size_t node_bytes = report->nodes(keep).ByteSizeLong() + 6;
+    if (bytes + node_bytes > max_bytes) break;
+    bytes += node_bytes;
+    ++keep;
+  }
+  const int dropped = report->nodes_size() - keep;
+  if (dropped == 0) return;
+  report->mutable_nodes()->DeleteSubrange(keep, dropped);
+  report->set_omitted_nodes(report->omitted_nodes() + static_cast<uint64_t>(dropped));
+}
+
+namespace {
+
+// Why one NodeState of a Report is refused, or "" when it may be taken.
+std::string NodeStateProblem(const wire::NodeState& node) {
+  if (node.node_id().empty()) return "a node without an id";
+  if (node.node_id().size() > kMaxNodeIdBytes || node.region().size() > kMaxNodeIdBytes ||
+      node.upstream().size() > kMaxNodeUpstreamBytes) {
+    return "a node id, region or upstream over " + std::to_string(kMaxNodeIdBytes) + " bytes";
+  }
+  if (!node.weights_hash().empty() && node.weights_hash().size() != 16) {
+    return "a weights hash of " + std::to_string(node.weights_hash().size()) + " bytes";
+  }
+  if (node.role() != wire::RELAY && node.role() != wire::WORKER && node.role() != wire::CLIENT) {
+    return std::string("a node of role ") + RoleName(node.role());
+  }
+  return "";
+}
+
+}  // namespace
+
+Status Server::ApplyReport(const Connection& peer, const wire::Report& report) {
+  const wire::Hello& hello = peer.hello;
+  const std::string who = std::string(RoleName(hello.role())) + " " + hello.node_id();
+  if (report.nodes_size() == 0 || report.nodes(0).node_id() != hello.node_id() ||
+      report.nodes(0).role() != hello.role()) {
+    return Status::InvalidArgument("report from " + who + " at " + peer.peer() +
+                                   " does not start with " + who + " itself");
+  }
+  if (hello.role() != wire::RELAY && report.nodes_size() > 1) {
+    return Status::InvalidArgument("report from " + who + " at " + peer.peer() + " lists " +
+                                   std::to_string(report.nodes_size() - 1) +
+                                   " other nodes; only a relay speaks for nodes below it");
+  }
+  const auto now = Clock::now();
+  uint64_t refused = 0;
+  std::string first_problem;
+  auto refuse = [&](const std::string& problem) {
+    ++refused;
+    if (first_problem.empty()) first_problem = problem;
+  };
+  // The well-formed nodes listed, each once (the first listing counts).
+  std::vector<const wire::NodeState*> listed;
+  std::set<std::string> listed_ids;
+  for (const wire::NodeState& node : report.nodes()) {
+    if (std::string problem = NodeStateProblem(node); !problem.empty()) {
+      refuse(problem);
+    } else if (listed_ids.insert(node.node_id()).second) {
+      listed.push_back(&node);
+    }
+  }
+  bool changed = false;
+  // The report replaces what this connection listed before: what it no longer lists goes.
+  PeerFleet& held = peer_fleets_[&peer];
+  for (auto it = held.held.begin(); it != held.held.end();) {
+    if (listed_ids.count(*it)) {
+      ++it;
+      continue;
+    }
+    auto entry = fleet_.find(*it);
+    if (entry != fleet_.end() && entry->second.holder == &peer) {
+      fleet_.erase(entry);
+      changed = true;
+    }
+    it = held.held.erase(it);
+  }
+  auto expired = [&](const FleetEntry& entry) {
+    return now - entry.node.seen > options_.report_timeout;
+  };
+  auto drop = [&](std::map<std::string, FleetEntry>::iterator entry) {
+    auto holder = peer_fleets_.find(entry->second.holder);
+    if (holder != peer_fleets_.end()) holder->second.held.erase(entry->first);
+    return fleet_.erase(entry);
+  };
+  bool swept = false;
+  size_t taken = 0;
+  for (const wire::NodeState* node : listed) {
+    auto known = fleet_.find(node->node_id());
+    if (known != fleet_.end() && known->second.holder != &peer) {
+      if (!expired(known->second)) {
+        refuse("node " + node->node_id() + " is reported through " + known->second.node.via);
+        continue;
+      }
+      drop(known);  // its reporter stopped reporting it: free for another
+      known = fleet_.end();
+    }
+    if (taken >= options_.max_fleet_nodes_per_peer) {
+      if (known != fleet_.end()) {
+        drop(known);
+        changed = true;
+      }
+      refuse("over " + std::to_string(options_.max_fleet_nodes_per_peer) +
+             " nodes through one connection");
+      continue;
+    }
+    if (known == fleet_.end()) {
+      if (fleet_.size() >= options_.max_fleet_nodes && !swept) {
+        swept = true;  // drop the expired ones, at most once per report
+        for (auto it = fleet_.begin(); it != fleet_.end();) it = expired(it->second) ? drop(it) : std::next(it);
+      }
+      if (fleet_.size() >= options_.max_fleet_nodes) {
+        refuse("over " + std::to_string(options_.max_fleet_nodes) + " nodes in the fleet");
+        continue;
+      }
+      changed = true;
+      known = fleet_.emplace(node->node_id(), FleetEntry{{}, &peer}).first;
+      held.held.insert(node->node_id());
+    } else if (known->second.node.state.version() != node->version()) {
+      changed = true;
+    }
+    known->second.node = FleetNode{*node, hello.node_id(), now};
+    ++taken;
+  }
+  held.omitted = std::min<uint64_t>(report.omitted_nodes(), uint64_t{1} << 32) + refused;
+  fleet_nodes_refused_ += refused;
+  if (refused > 0 && !held.warned) {
+    held.warned = true;  // once per connection: a hostile peer cannot flood the log
+    spdlog::warn("report from {} at {}: {} node(s) refused, first: {}", who, peer.peer(), refused,
+                 first_problem);
+  }
+  if (changed && options_.on_fleet_change) options_.on_fleet_change();
+  return Status::Ok();
+}
+
+void Server::ReleaseFleet(const Connection& peer) {
+  auto held = peer_fleets_.find(&peer);
+  if (held == peer_fleets_.end()) return;
+  for (const std::string& id : held->second.held) {
+    auto it = fleet_.find(id);
+    if (it != fleet_.end() && it->second.holder == &peer) fleet_.erase(it);
+  }
+  peer_fleets_.erase(held);
 }
 
 awaitable<void> Server::OnPeer(std::shared_ptr<Connection> connection) {
@@ -417,7 +596,6 @@ awaitable<void> Server::ServeControl(std::shared_ptr<Connection> connection) {
   wire::Header header;
   *header.mutable_catalog() = catalog_;
   Status status = co_await connection->Send(MakeFrame(std::move(header)));
-  std::set<std::string> reported;
   while (status.ok()) {
     Result<Frame> frame = co_await connection->Receive();
     if (!frame.ok()) {
@@ -425,26 +603,16 @@ awaitable<void> Server::ServeControl(std::shared_ptr<Connection> connection) {
       break;
     }
     if (frame->header.has_report()) {
-      for (const wire::NodeState& node : frame->header.report().nodes()) {
-        if (node.node_id().empty()) continue;
-        auto known = fleet_.find(node.node_id());
-        const bool changed = known == fleet_.end() || known->second.state.version() != node.version();
-        fleet_[node.node_id()] = FleetNode{node, connection->hello.node_id(), Clock::now()};
-        if (changed && options_.on_fleet_change) options_.on_fleet_change();
-        reported.insert(node.node_id());
-      }
+      status = ApplyReport(*connection, frame->header.report());
     } else {
       status = Status::Corruption(std::string("unexpected ") + FrameKindName(frame->header) +
                                   " frame on a control channel");
-      connection->Close(status);
     }
+    if (!status.ok()) connection->Close(status);
   }
   control_peers_.erase(connection);
   // The nodes behind this connection left with it (or report again elsewhere).
-  for (const std::string& id : reported) {
-    auto it = fleet_.find(id);
-    if (it != fleet_.end() && it->second.via == connection->hello.node_id()) fleet_.erase(it);
-  }
+  ReleaseFleet(*connection);
   spdlog::info("{} {} left: {}", RoleName(connection->hello.role()), connection->hello.node_id(),
                status.message());
 }
@@ -521,8 +689,30 @@ bool Download::Extend(const ArtifactInfo& newer) {
   return true;
 }
 
+uint64_t PhysicalMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return uint64_t{1} << 40;  // unknown: 1 TiB
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+}
+
+std::vector<std::string> DropOversized(Catalog* catalog, uint64_t max_bytes) {
+  std::vector<std::string> dropped;
+  std::erase_if(catalog->artifacts, [&](const ArtifactInfo& info) {
+    const uint64_t reserved = info.streaming ? info.size_bound : info.size_bytes;
+    if (reserved <= max_bytes) return false;
+    dropped.push_back("catalog entry " + Describe(KeyOf(info)) + " announces " +
+                      std::to_string(reserved) + " bytes, over this node's limit of " +
+                      std::to_string(max_bytes) + " (max_artifact_bytes); not fetched");
+    catalog->signatures.erase(KeyOf(info));
+    return true;
+  });
+  return dropped;
+}
+
 Upstream::Upstream(asio::any_io_executor executor, UpstreamOptions options, LinkRegistry* links)
     : executor_(std::move(executor)), options_(std::move(options)), links_(links) {
+  if (options_.max_artifact_bytes == 0) options_.max_artifact_bytes = PhysicalMemoryBytes();
   data_.resize(static_cast<size_t>(std::max(1, options_.streams)));
   data_index_.resize(data_.size(), 0);
 }
@@ -582,10 +772,20 @@ awaitable<void> Upstream::ReportLoop(std::shared_ptr<Connection> connection,
   auto next_prefer = Clock::now() + options_.prefer_retry;
   auto timer = std::make_shared<asio::steady_timer>(executor_);
   report_timer_ = timer;
+  // Half the header limit: a report never cuts its own control channel.
+  const size_t max_report_bytes = options_.connection.limits.max_header_bytes / 2;
+  uint64_t last_omitted = 0;
   while (*reporting && !connection->closed()) {
     report_now_ = false;
     wire::Header header;
-    *header.mutable_report() = report_();
+    wire::Report* report = header.mutable_report();
+    *report = report_();
+    BoundReport(report, max_report_bytes);
+    if (last_omitted == 0 && report->omitted_nodes() > 0) {
+      spdlog::warn("report to {} lists {} node(s) below this one and counts {} more",
+                   connection->peer(), report->nodes_size() - 1, report->omitted_nodes());
+    }
+    last_omitted = report->omitted_nodes();
     if (!(co_await connection->Send(MakeFrame(std::move(header)))).ok()) co_return;
     // ReportNow cuts the wait short; 50 ms at least between reports all the same.
     timer->expires_after(report_now_ ? 50ms : 1000ms);
@@ -660,6 +860,15 @@ awaitable<void> Upstream::RunControl(std::function<void(Catalog)> on_catalog,
                      catalog.status().message());
         continue;
       }
+      // Nothing a peer announces reserves more than this node allows (Download).
+      std::vector<std::string> dropped = DropOversized(&*catalog, options_.max_artifact_bytes);
+      std::set<std::string> logged;
+      for (std::string& message : dropped) {
+        if (!logged_oversized_.count(message)) spdlog::error("{}: {}", connection->peer(), message);
+        logged.insert(std::move(message));
+      }
+      last_catalog_error_ = logged.empty() ? std::string() : *logged.begin();
+      logged_oversized_ = std::move(logged);
       on_catalog(std::move(*catalog));
     }
     *reporting = false;

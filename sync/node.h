@@ -75,10 +75,18 @@ class CatalogVerifier {
   bool enabled() const { return !trusted_.empty(); }
   uint64_t trusted_keys() const { return trusted_.key_ids().size(); }
   // Without trusted keys, does nothing. Else drops every artifact whose signed manifest
-  // does not verify or describe it (each refusal is logged and counted once per artifact
-  // and signature), keeps the facts of the others, and lowers the head to the newest
-  // artifact left (a forged head cannot make a node look stale).
+  // does not verify or describe it, keeps the facts of the others, and lowers the head to
+  // the newest artifact left (a forged head cannot make a node look stale).
+  //
+  // A refusal is counted (failures()) and logged once per artifact and signature while
+  // remembered: only the last refused signature of each artifact is remembered (as a
+  // 64-bit hash), and only while catalogs keep listing the artifact. So what a node keeps
+  // is bounded by the last catalog (itself bounded by the frame header limit), however
+  // many forgeries arrive; an artifact refused again with another signature, or after
+  // leaving the catalog, is counted again. One log line per catalog with new refusals.
   void Filter(Catalog* catalog, const std::string& who);
+  // Refusals remembered now (see Filter): at most one per artifact of the last catalog.
+  size_t remembered_refusals() const { return counted_.size(); }
   // The verified facts of an artifact of the last filtered catalog; null if none.
   const ManifestFacts* FactsOf(const ArtifactKey& key) const;
   // A downloaded artifact whose bytes do not have the signed SHA-256, or a validly signed
@@ -92,7 +100,9 @@ class CatalogVerifier {
  private:
   TrustedKeys trusted_;
   std::map<ArtifactKey, ManifestFacts> facts_;
-  std::set<std::pair<ArtifactKey, std::string>> counted_;  // (artifact, signature) refused
+  // Artifact of the last catalog -> hash of its last refused signature (0: refused for
+  // its streaming bound).
+  std::map<ArtifactKey, uint64_t> counted_;
   uint64_t failures_ = 0;
   uint64_t replays_ = 0;
   std::string last_error_;
@@ -141,11 +151,23 @@ class PieceSource {
   virtual awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) = 0;
 };
 
+// What a node may put in one NodeState of a Report: longer ids, regions or upstreams and
+// hashes other than 16 bytes are refused.
+inline constexpr size_t kMaxNodeIdBytes = 256;
+inline constexpr size_t kMaxNodeUpstreamBytes = 512;
+// The most nodes a Report lists, its sender included (the rest are counted, not listed):
+// what ServerOptions::max_fleet_nodes_per_peer takes by default.
+inline constexpr size_t kMaxReportNodes = 2048;
+
 struct ServerOptions {
   transport::Endpoint listen;
   transport::ListenerOptions listener;
   NodeIdentity identity;
   std::chrono::milliseconds report_timeout{10000};  // a node not reporting is dropped
+  // Bounds of the fleet map (see Server::Fleet): nodes in all, and nodes one control
+  // connection may hold (a worker's holds only the worker itself).
+  size_t max_fleet_nodes = 4096;
+  size_t max_fleet_nodes_per_peer = kMaxReportNodes;
   // Called on the executor when a report adds a node or changes a node's version (a relay
   // passes the news upstream at once: Upstream::ReportNow).
   std::function<void()> on_fleet_change;
@@ -158,6 +180,12 @@ struct FleetNode {
   std::chrono::steady_clock::time_point seen;
 };
 
+// Bounds `report` (the sender first, then the nodes below it) so that it lists at most
+// `max_nodes` nodes, the sender included, and serializes to at most `max_bytes`: nodes past
+// either bound are dropped from the end and added to omitted_nodes. The sender is always
+// kept (a NodeState within the limits above is far below any sane `max_bytes`).
+void BoundReport(wire::Report* report, size_t max_bytes, size_t max_nodes = kMaxReportNodes);
+
 class Server {
  public:
   static Result<std::unique_ptr<Server>> Start(asio::any_io_executor executor,
@@ -168,8 +196,24 @@ class Server {
   // Replaces the catalog and sends it to every control peer.
   void SetCatalog(wire::Catalog catalog);
   const wire::Catalog& catalog() const { return catalog_; }
-  // Nodes below this one (from their Reports), newest report per node id.
+  // Nodes below this one (from their Reports), newest report per node id, those reported
+  // within report_timeout only.
+  //
+  // A control connection speaks only for the nodes it may speak for: its Report must start
+  // with the node of its Hello (same node id and role), and only a relay's may list more
+  // (its subtree). A node id held by one connection is not taken by another until that
+  // connection closes, stops listing it, or stops reporting for report_timeout (the first
+  // reporter keeps it: a fleet-token holder cannot overwrite a worker's readiness). Each
+  // Report replaces what its connection listed before; a connection holds at most
+  // max_fleet_nodes_per_peer nodes and the map at most max_fleet_nodes. Nodes over a bound,
+  // already held elsewhere, or with over-long fields are refused (fleet_nodes_refused);
+  // a Report that does not start with its sender, or a non-relay's that lists other
+  // nodes, closes the connection.
   std::vector<FleetNode> Fleet() const;
+  // Nodes refused from Reports so far, and nodes the live control peers said they left out
+  // of their Reports (BoundReport) or that were refused here.
+  uint64_t fleet_nodes_refused() const { return fleet_nodes_refused_; }
+  uint64_t fleet_nodes_omitted() const;
   uint64_t pieces_served() const { return pieces_served_; }
   void Stop();
 
@@ -178,6 +222,10 @@ class Server {
   awaitable<void> OnPeer(std::shared_ptr<Connection> connection);
   awaitable<void> ServeControl(std::shared_ptr<Connection> connection);
   awaitable<void> ServeData(std::shared_ptr<Connection> connection);
+  // Takes a Report received on `peer` (see Fleet). An error: the peer lied about who it
+  // is or speaks for; the connection is closed.
+  Status ApplyReport(const Connection& peer, const wire::Report& report);
+  void ReleaseFleet(const Connection& peer);  // the nodes `peer` held leave with it
 
   ServerOptions options_;
   PieceSource* source_;
@@ -185,7 +233,18 @@ class Server {
   std::unique_ptr<transport::Listener> listener_;
   wire::Catalog catalog_;
   std::set<std::shared_ptr<Connection>> control_peers_;
-  std::map<std::string, FleetNode> fleet_;
+  struct FleetEntry {
+    FleetNode node;
+    const Connection* holder;  // the control connection that reported it
+  };
+  struct PeerFleet {
+    std::set<std::string> held;  // node ids
+    uint64_t omitted = 0;        // what its last Report left out or had refused
+    bool warned = false;         // a refusal was logged already (once per connection)
+  };
+  std::map<std::string, FleetEntry> fleet_;
+  std::map<const Connection*, PeerFleet> peer_fleets_;
+  uint64_t fleet_nodes_refused_ = 0;
   uint64_t pieces_served_ = 0;
 };
 
@@ -204,7 +263,21 @@ struct UpstreamOptions {
   std::chrono::milliseconds prefer_retry{5000};  // how often a failed-over node tries the preferred upstream
   std::chrono::milliseconds give_up{30000};      // a fetch with no progress this long fails
   uint64_t max_piece_bytes = 64ull << 20;
+  // The most bytes a catalog entry may make this node reserve (its size, or a streaming
+  // entry's bound): larger entries are dropped from every catalog received, with an error,
+  // before anything is reserved. 0: this machine's physical memory (an artifact is held
+  // in memory while it arrives). Applies to signed entries too: on a verifying node a
+  // signed size is trusted only once its signature verifies, and never beyond this.
+  uint64_t max_artifact_bytes = 0;
 };
+
+// This machine's physical memory in bytes.
+uint64_t PhysicalMemoryBytes();
+
+// Drops from `catalog` every artifact that would reserve more than `max_bytes` (its size,
+// or a streaming entry's bound), with its signature; returns one message per artifact
+// dropped.
+std::vector<std::string> DropOversized(Catalog* catalog, uint64_t max_bytes);
 
 // An artifact being downloaded: verified pieces survive failed attempts. The bytes never
 // move (GrowableBytes), so a streaming artifact grows in place as its catalog entry does.
@@ -217,6 +290,8 @@ struct Download {
   bool all_known() const { return have_count == have.size(); }
   bool complete() const { return all_known() && !info.streaming; }
   // Throws std::bad_alloc when the size (or a streaming entry's bound) cannot be reserved.
+  // REQUIRES: the entry passed DropOversized (Upstream::RunControl does it), so that no
+  // announcement reserves more than the node's max_artifact_bytes.
   explicit Download(ArtifactInfo artifact);
   std::span<const std::byte> piece(uint32_t index) const;
   // Takes a newer entry of the streaming artifact being downloaded (more pieces, or the
@@ -255,6 +330,8 @@ class Upstream {
   void ReportNow();
 
   std::string current() const;  // the upstream of the control channel, "" if none
+  // Why the last catalog received lost entries (DropOversized), "" if it lost none.
+  const std::string& last_catalog_error() const { return last_catalog_error_; }
   const FetchCounters& counters() const { return counters_; }
   bool connected() const { return control_ != nullptr; }
   void Stop();
@@ -289,6 +366,8 @@ class Upstream {
   std::weak_ptr<asio::steady_timer> report_timer_;  // the running report loop's sleep
   bool report_now_ = false;
   bool stopped_ = false;
+  std::string last_catalog_error_;
+  std::set<std::string> logged_oversized_;  // messages of the last catalog, logged once
   std::chrono::steady_clock::time_point last_progress_;
 };
 

@@ -269,7 +269,9 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
               self->set_bytes_in(raw->links.bytes_in());
               self->set_bytes_out(raw->links.bytes_out());
               self->set_upstream(raw->upstream->current());
+              // Upstream::ReportLoop bounds it (BoundReport): what does not fit is counted.
               for (const FleetNode& node : raw->server->Fleet()) *report.add_nodes() = node.state;
+              report.set_omitted_nodes(raw->server->fleet_nodes_omitted());
               return report;
             };
         co_await impl->upstream->RunControl(on_catalog, make_report);

@@ -225,6 +225,7 @@ UpstreamOptions MakeUpstreamOptions(const CommonOptions& common,
   }
   upstream.streams = streams;
   upstream.window = window;
+  upstream.max_artifact_bytes = common.max_artifact_bytes;
   return upstream;
 }
 

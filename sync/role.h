@@ -37,6 +37,9 @@ struct CommonOptions {
   // --trust-key (relays and workers): public keys (sync/signing.h). Non-empty: only
   // versions signed by one of them are cached, forwarded or applied.
   std::vector<std::string> trust_keys;
+  // Relays and workers: the largest artifact a catalog may announce (UpstreamOptions::
+  // max_artifact_bytes); 0: this machine's physical memory.
+  uint64_t max_artifact_bytes = 0;
   bool wan_shaped() const { return wan_rate > 0 || wan_latency_ms > 0; }
 };
 

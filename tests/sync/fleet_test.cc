@@ -1312,6 +1312,8 @@ TEST_F(FleetTest, ScopedTokensFromFilesPerRouteAndNeverLogged) {
                                                      {"rollout", "roll-Qq7e4"},
                                                      {"ops", "ops-Hh5t2"}};
   for (const auto& [name, token] : tokens) ASSERT_TRUE(WriteText(dir_ / (name + ".token"), token + "\n"));
+  // Token files must be private to their owner (CheckPrivateFile, base/env.h).
+  for (const auto& [name, token] : tokens) fs::permissions(dir_ / (name + ".token"), fs::perms::owner_read | fs::perms::owner_write);
   auto file = [&](const std::string& name) { return (dir_ / (name + ".token")).string(); };
   const std::vector<std::string> scoped = {"--scoped-token-file", "read:" + file("dashboard"),
                                            "--scoped-token-file", "submit:" + file("rollout")};
@@ -1447,7 +1449,10 @@ class CraftedSource : public PieceSource {
         piece_bytes = it->second.info.piece_bytes;
       }
     }
-    if (!bytes) co_return Status::NotFound("no " + Describe(key));
+    if (!bytes) {
+      if (hold_missing_) co_await transport::SleepFor(5s);  // an upstream that is slow to say
+      co_return Status::NotFound("no " + Describe(key));
+    }
     const uint64_t begin = static_cast<uint64_t>(index) * piece_bytes;
     if (begin >= bytes->size()) co_return Status::NotFound(Describe(key) + " has no such piece");
     const uint64_t end = std::min<uint64_t>(bytes->size(), begin + piece_bytes);
@@ -1462,6 +1467,14 @@ class CraftedSource : public PieceSource {
   };
   std::mutex mutex_;
   std::map<ArtifactKey, Stored> artifacts_;
+
+ public:
+  // Requests for an artifact not Put are answered only after 5 s (NotFound), so that a
+  // downloader keeps what it set aside for it meanwhile.
+  void HoldMissing() { hold_missing_ = true; }
+
+ private:
+  std::atomic<bool> hold_missing_{false};
 };
 
 // A catalog entry for `bytes`, with whatever base the test says it has.
@@ -1864,6 +1877,294 @@ TEST_F(CraftedUpstreamTest, OlderHeadIgnored) {
   const std::vector<std::string> violations = StopWatching();
   EXPECT_TRUE(violations.empty()) << violations.size()
                                   << " violations, first: " << violations.front();
+}
+
+
+// This process's address space (VmSize), what GrowableBytes reserves.
+uint64_t AddressSpaceBytes() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t pages = 0;
+  statm >> pages;
+  return pages * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// A catalog entry is unsigned and no trusted key is configured: its size is the
+// upstream's word. One announcing ~8 TiB (130,000 pieces of 64 MiB: as many piece hashes as
+// one catalog frame holds) must not make the worker reserve it.
+TEST_F(CraftedUpstreamTest, AnUnsignedEntryAnnouncing8TiBReservesNothing) {
+  ArtifactInfo huge;
+  huge.kind = ArtifactKind::kKeyframe;
+  huge.target_version = 1;
+  huge.target_hash = Hash128{5, 6};
+  huge.piece_bytes = uint64_t{64} << 20;
+  huge.size_bytes = 130000 * huge.piece_bytes;
+  for (uint64_t i = 0; i < 130000; ++i) huge.piece_hashes.push_back(i);
+  source_.HoldMissing();  // whatever the worker sets aside stays set aside while we look
+  const uint64_t idle = AddressSpaceBytes();
+  Announce({huge}, 1, huge.target_hash);
+  uint64_t most = idle;
+  const auto until = Clock::now() + 3s;
+  while (Clock::now() < until) {
+    most = std::max(most, AddressSpaceBytes());
+    std::this_thread::sleep_for(2ms);  // a sampler's pace
+  }
+  const double reserved_gib = static_cast<double>(most - idle) / double(1 << 30);
+  std::printf("address space reserved after an unsigned %.2f TiB announcement: %.3f GiB\n",
+              static_cast<double>(huge.size_bytes) / double(uint64_t{1} << 40), reserved_gib);
+  EXPECT_LT(most - idle, uint64_t{1} << 30) << "the announced size was reserved";
+  const json status = WorkerStatus();  // still serving its HTTP side, nothing applied
+  EXPECT_EQ(U64(status, "version"), 0u) << Brief(status);
+}
+
+// ---- fleet reports from fleet-token holders ------------------------------------------------
+
+// A publisher's sync::Server in process. Honest nodes report through sync::Upstream, as
+// relays and workers do; hostile ones hold the fleet token too (none is configured here:
+// anyone may connect), dial a control channel claiming whatever Hello they like, and send
+// whatever Report frames they like.
+class FleetReportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    io_ = std::make_unique<asio::io_context>(1);
+    work_.emplace(asio::make_work_guard(*io_));
+    io_thread_ = std::thread([this] { io_->run(); });
+    connection_.heartbeat = 100ms;
+    connection_.idle_timeout = 1000ms;
+    connection_.io_timeout = 2000ms;
+    ServerOptions options;
+    options.listen = {"127.0.0.1", 0};
+    options.identity = {wire::PUBLISHER, "home", "publisher"};
+    options.listener.connection = connection_;
+    Status started = Status::Ok();
+    OnIo([&] {
+      Result<std::unique_ptr<Server>> server =
+          Server::Start(io_->get_executor(), options, &source_, &links_);
+      if (server.ok()) {
+        server_ = std::move(*server);
+      } else {
+        started = server.status();
+      }
+    });
+    ASSERT_TRUE(started.ok()) << started.ToString();
+  }
+
+  void TearDown() override {
+    OnIo([&] {
+      for (auto& upstream : upstreams_) upstream->Stop();
+      for (auto& connection : hostile_) connection->Close(Status::Unavailable("test done"));
+      server_->Stop();
+    });
+    work_.reset();
+    (void)pipeline::WaitUntil([&] { return io_->stopped(); }, 100ms,
+                              "the io_context to run out of work");
+    io_->stop();
+    io_thread_.join();
+    upstreams_.clear();
+    hostile_.clear();
+    server_.reset();
+    io_.reset();
+  }
+
+  void OnIo(const std::function<void()>& fn) {
+    std::promise<void> done;
+    asio::post(io_->get_executor(), [&] {
+      fn();
+      done.set_value();
+    });
+    done.get_future().get();
+  }
+
+  // An honest node: reports report() every second, as relays and workers do.
+  Upstream* Subscribe(wire::Role role, const std::string& node_id,
+                      std::function<wire::Report()> report) {
+    UpstreamOptions options;
+    options.endpoints = {{"127.0.0.1", server_->port()}};
+    options.identity = {role, "eu", node_id};
+    options.connection = connection_;
+    upstreams_.push_back(std::make_unique<Upstream>(io_->get_executor(), options, &links_));
+    Upstream* upstream = upstreams_.back().get();
+    OnIo([&] {
+      asio::co_spawn(io_->get_executor(), upstream->RunControl([](Catalog) {}, std::move(report)),
+                     asio::detached);
+    });
+    return upstream;
+  }
+
+  // A hostile fleet-token holder: says it is `role` `node_id` and sends `reports`.
+  void Hostile(wire::Role role, const std::string& node_id, std::vector<wire::Report> reports) {
+    std::promise<Status> sent;
+    auto shared = std::make_shared<std::vector<wire::Report>>(std::move(reports));
+    transport::DialOptions dial;
+    dial.endpoint = {"127.0.0.1", server_->port()};
+    dial.connection = connection_;
+    wire::Hello hello;
+    hello.set_role(role);
+    hello.set_region("eu");
+    hello.set_node_id(node_id);
+    hello.set_channel(wire::CONTROL);
+    asio::co_spawn(
+        io_->get_executor(),
+        [this, dial, hello, shared, &sent]() -> awaitable<void> {
+          Result<std::shared_ptr<Connection>> connection = co_await transport::Dial(dial, hello);
+          if (!connection.ok()) {
+            sent.set_value(connection.status());
+            co_return;
+          }
+          hostile_.push_back(*connection);
+          Status status = Status::Ok();
+          for (wire::Report& report : *shared) {
+            wire::Header header;
+            *header.mutable_report() = std::move(report);
+            status = co_await (*connection)->Send(transport::MakeFrame(std::move(header)));
+            if (!status.ok()) break;
+          }
+          sent.set_value(status);
+        },
+        asio::detached);
+    const Status status = sent.get_future().get();
+    ASSERT_TRUE(status.ok()) << node_id << ": " << status.ToString();
+  }
+
+  std::map<std::string, FleetNode> FleetNow() {
+    std::map<std::string, FleetNode> fleet;
+    OnIo([&] {
+      for (FleetNode& node : server_->Fleet()) fleet[node.state.node_id()] = std::move(node);
+    });
+    return fleet;
+  }
+
+  bool WaitFleet(const std::string& what,
+                 const std::function<bool(const std::map<std::string, FleetNode>&)>& holds,
+                 std::chrono::milliseconds timeout = kWait) {
+    size_t size = 0;
+    const Status waited = pipeline::WaitUntil(
+        [&] {
+          const auto fleet = FleetNow();
+          size = fleet.size();
+          return holds(fleet);
+        },
+        timeout, "the fleet map: " + what, 20ms);
+    if (waited.ok()) return true;
+    ADD_FAILURE() << waited.ToString() << " (" << size << " nodes in the map)";
+    return false;
+  }
+
+  static wire::NodeState State(const std::string& node_id, wire::Role role, uint64_t version) {
+    wire::NodeState node;
+    node.set_node_id(node_id);
+    node.set_region("eu");
+    node.set_role(role);
+    node.set_version(version);
+    return node;
+  }
+
+  static wire::Report ReportOf(std::initializer_list<wire::NodeState> nodes) {
+    wire::Report report;
+    for (const wire::NodeState& node : nodes) *report.add_nodes() = node;
+    return report;
+  }
+
+  std::unique_ptr<asio::io_context> io_;
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
+  std::thread io_thread_;
+  transport::ConnectionOptions connection_;
+  CraftedSource source_;
+  LinkRegistry links_;
+  std::unique_ptr<Server> server_;
+  std::vector<std::unique_ptr<Upstream>> upstreams_;
+  std::vector<std::shared_ptr<Connection>> hostile_;
+};
+
+// A fleet-token holder reports fake workers, overwrites a real worker's readiness (from a
+// worker's connection, a relay's, and one claiming the real worker's own id) and floods
+// the map with 100,000 nodes: none of it is taken beyond what the connection may speak
+// for, the real worker's entry never changes, and the map stays bounded.
+TEST_F(FleetReportTest, ForgedReportsFromAFleetTokenHolderAreRefusedOrBounded) {
+  Subscribe(wire::WORKER, "worker-a",
+            [] { return ReportOf({State("worker-a", wire::WORKER, 5)}); });
+  ASSERT_TRUE(WaitFleet("worker-a at v5", [](const auto& fleet) {
+    auto it = fleet.find("worker-a");
+    return it != fleet.end() && it->second.state.version() == 5;
+  }));
+  // 100,000 fake workers from a connection that says it is a relay, in four reports
+  // (each well within the frame header limit), after claiming worker-a at v0.
+  std::vector<wire::Report> flood;
+  flood.push_back(ReportOf({State("evil-relay", wire::RELAY, 1), State("worker-a", wire::WORKER, 0)}));
+  for (int batch = 0; batch < 4; ++batch) {
+    wire::Report report = ReportOf({State("evil-relay", wire::RELAY, 1)});
+    for (int i = 0; i < 25000; ++i) {
+      char id[32];
+      std::snprintf(id, sizeof id, "fake-%d-%06d", batch, i);
+      *report.add_nodes() = State(id, wire::WORKER, 99);
+    }
+    flood.push_back(std::move(report));
+  }
+  Hostile(wire::RELAY, "evil-relay", std::move(flood));
+  ASSERT_TRUE(WaitFleet("the last flood report taken",
+                        [](const auto& fleet) { return fleet.count("fake-3-000000") > 0; }));
+  // A worker's connection speaking for others; one not starting with itself; one claiming
+  // to be worker-a.
+  Hostile(wire::WORKER, "mallory",
+          {ReportOf({State("mallory", wire::WORKER, 1), State("fake-worker", wire::WORKER, 99),
+                     State("worker-a", wire::WORKER, 0)})});
+  Hostile(wire::WORKER, "mallory-2", {ReportOf({State("worker-a", wire::WORKER, 0)})});
+  Hostile(wire::WORKER, "worker-a", {ReportOf({State("worker-a", wire::WORKER, 0)})});
+  // worker-a's entry is sampled while the forged reports land and after.
+  std::vector<std::string> violations;
+  size_t most = 0;
+  const auto until = Clock::now() + 1500ms;
+  while (Clock::now() < until) {
+    const auto fleet = FleetNow();
+    most = std::max(most, fleet.size());
+    auto it = fleet.find("worker-a");
+    if (it == fleet.end()) {
+      violations.push_back("worker-a missing");
+    } else if (it->second.state.version() != 5 || it->second.via != "worker-a") {
+      violations.push_back("worker-a at v" + std::to_string(it->second.state.version()) +
+                           " via " + it->second.via);
+    }
+    if (fleet.count("fake-worker")) violations.push_back("fake-worker taken from a worker's report");
+    std::this_thread::sleep_for(10ms);  // a sampler's pace
+  }
+  std::printf("fleet map after 100,000 forged nodes: at most %zu entries\n", most);
+  EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
+  EXPECT_LE(most, 4096u);
+  uint64_t refused = 0;
+  OnIo([&] { refused = server_->fleet_nodes_refused(); });
+  EXPECT_GT(refused, 0u);
+}
+
+// A relay with more nodes below it than one report frame can carry (20,000 with long ids:
+// ~1.5 MB, over the 1 MiB header limit) keeps its control channel: its report is bounded.
+TEST_F(FleetReportTest, ARelaysReportOfALargeFleetKeepsItsControlChannel) {
+  Upstream* relay = Subscribe(wire::RELAY, "big-relay", [] {
+    wire::Report report = ReportOf({State("big-relay", wire::RELAY, 7)});
+    for (int i = 0; i < 20000; ++i) {
+      char id[96];
+      std::snprintf(id, sizeof id, "worker-eu-west-rack-%04d-host-%06d-a-rather-long-node-id", i / 40, i);
+      *report.add_nodes() = State(id, wire::WORKER, 7);
+    }
+    return report;
+  });
+  ASSERT_TRUE(WaitFleet("big-relay and the nodes below it", [](const auto& fleet) {
+    return fleet.count("big-relay") > 0 && fleet.size() > 1000;
+  }, 5000ms));
+  // Several report intervals on: still connected, still listed.
+  const auto until = Clock::now() + 2500ms;
+  size_t fewest = SIZE_MAX;
+  while (Clock::now() < until) {
+    const auto fleet = FleetNow();
+    fewest = std::min(fewest, fleet.size());
+    bool connected = false;
+    OnIo([&] { connected = relay->connected(); });
+    EXPECT_TRUE(connected && fleet.count("big-relay")) << "the relay's control channel was cut";
+    std::this_thread::sleep_for(50ms);  // a sampler's pace
+  }
+  std::printf("a relay reporting 20,000 nodes: at least %zu of them listed upstream\n", fewest - 1);
+  // What did not fit is counted, not lost silently.
+  uint64_t omitted = 0;
+  OnIo([&] { omitted = server_->fleet_nodes_omitted(); });
+  EXPECT_EQ(omitted, 20000u - (fewest - 1));
 }
 
 

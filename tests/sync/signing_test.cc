@@ -2,9 +2,13 @@
 #include "sync/signing.h"
 
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -247,6 +251,62 @@ TEST_F(SigningTest, CatalogVerifierKeepsOnlyVerifiedArtifactsAndCountsEachRefusa
   off.Filter(&third, "test");
   EXPECT_EQ(third.artifacts.size(), 2u);
   EXPECT_EQ(third.head_version, 5u);
+}
+
+// This process's resident memory, and the heap in use (glibc's count), for figures.
+struct MemoryUse {
+  uint64_t rss = 0;
+  uint64_t heap = 0;
+};
+MemoryUse MemoryNow() {
+  std::ifstream statm("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  const struct mallinfo2 info = ::mallinfo2();
+  return {resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)), info.uordblks + info.hblkhd};
+}
+
+// A forger upstream of a verifying node sends catalogs of 100 entries, each with a new
+// version and a new 512-byte signature (the most an entry may carry) over a manifest that
+// names the trusted key: 10,000 forged entries, then on to 100,000 (it can go on forever).
+// Every one is refused and counted once; the node's memory stays within idle + 16 MiB.
+TEST_F(SigningTest, ForgedSignedEntriesLeaveAVerifyingNodesMemoryBounded) {
+  const SignedManifest genuine = Signed(info_);
+  CatalogVerifier verifier(trusted_);
+  uint64_t forged = 0;
+  auto attack = [&](uint64_t until) {
+    while (forged < until) {
+      Catalog catalog;
+      for (int i = 0; i < 100; ++i, ++forged) {
+        ArtifactInfo entry = KeyframeOfV4();
+        entry.target_version = 10 + forged;
+        std::string signature(512, 'x');
+        std::memcpy(signature.data(), &forged, sizeof forged);
+        catalog.signatures[KeyOf(entry)] = {genuine.manifest, signature};
+        catalog.artifacts.push_back(std::move(entry));
+      }
+      catalog.head_version = catalog.artifacts.back().target_version;
+      verifier.Filter(&catalog, "verifying node");
+      ASSERT_TRUE(catalog.artifacts.empty());
+    }
+  };
+  const MemoryUse idle = MemoryNow();
+  attack(10000);
+  const MemoryUse at_10k = MemoryNow();
+  EXPECT_EQ(verifier.failures(), 10000u);
+  attack(100000);
+  const MemoryUse at_100k = MemoryNow();
+  EXPECT_EQ(verifier.failures(), 100000u);
+  EXPECT_LE(verifier.remembered_refusals(), 100u);  // the last catalog's, no more
+  auto mib = [](uint64_t after, uint64_t before) {
+    return (static_cast<double>(after) - static_cast<double>(before)) / double(1 << 20);
+  };
+  std::printf("verifying node after 10,000 forged entries: RSS idle + %.2f MiB (heap + %.2f MiB); "
+              "after 100,000: RSS idle + %.2f MiB (heap + %.2f MiB)\n",
+              mib(at_10k.rss, idle.rss), mib(at_10k.heap, idle.heap), mib(at_100k.rss, idle.rss),
+              mib(at_100k.heap, idle.heap));
+  EXPECT_LE(at_10k.rss, idle.rss + (16u << 20));
+  EXPECT_LE(at_100k.rss, idle.rss + (16u << 20));
 }
 
 // A delta still streaming is unsigned by nature: it passes the filter without a
