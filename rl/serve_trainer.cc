@@ -89,6 +89,13 @@ Result<TrainingServiceOptions> ServiceOptions(const ServeTrainerOptions& o,
       std::chrono::milliseconds(static_cast<int64_t>(o.session_idle_timeout_s * 1000));
   options.seq_wait = std::chrono::milliseconds(static_cast<int64_t>(o.seq_wait_s * 1000));
   options.max_batch_tokens = o.max_batch_tokens;
+  if (o.max_sessions_per_token < 1 || o.max_sessions_per_token > INT32_MAX)
+    return Status::InvalidArgument("--max-sessions-per-token must be >= 1, got " +
+                                   std::to_string(o.max_sessions_per_token));
+  if (o.max_sessions < 1 || o.max_sessions > INT32_MAX)
+    return Status::InvalidArgument("--max-sessions must be >= 1, got " + std::to_string(o.max_sessions));
+  options.max_sessions_per_identity = static_cast<int>(o.max_sessions_per_token);
+  options.max_sessions = static_cast<int>(o.max_sessions);
   if (o.max_body_mb < 1) return Status::InvalidArgument("--max-body-mb must be >= 1");
   options.max_body_bytes = static_cast<uint64_t>(o.max_body_mb) << 20;
   trainer::TrainerOptions& t = options.trainer;
@@ -153,8 +160,10 @@ Result<sync::PublisherOptions> PublisherOptionsFor(const ServeTrainerOptions& o)
   return publisher_options;
 }
 
-// The training API's server: the fleet token, the train token (train + read) and TLS.
-Result<transport::HttpServerOptions> HttpOptionsFor(const ServeTrainerOptions& o) {
+// The training API's server: the fleet token, the train token (train + read) and TLS; every
+// token with the train scope tagged (`identities`), so that sessions know their owners.
+Result<transport::HttpServerOptions> HttpOptionsFor(const ServeTrainerOptions& o,
+                                                    TokenIdentities& identities) {
   transport::HttpServerOptions http_options;
   http_options.token = o.token;
   http_options.scoped_tokens = o.scoped_tokens;
@@ -165,6 +174,7 @@ Result<transport::HttpServerOptions> HttpOptionsFor(const ServeTrainerOptions& o
   if (o.tls.enabled()) {
     FW_ASSIGN_OR_RETURN(http_options.tls, transport::MakeServerTlsContext(o.tls));
   }
+  FW_ASSIGN_OR_RETURN(identities, TagTrainTokens(http_options));
   return http_options;
 }
 
@@ -197,12 +207,13 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
   }
   std::unique_ptr<TrainingService> service = std::move(*service_or);
 
-  FW_ASSIGN_OR_RETURN(transport::HttpServerOptions http_options, HttpOptionsFor(o));
+  TokenIdentities identities;
+  FW_ASSIGN_OR_RETURN(transport::HttpServerOptions http_options, HttpOptionsFor(o, identities));
   FW_ASSIGN_OR_RETURN(transport::Endpoint http_endpoint, transport::ParseEndpoint(o.http));
   std::promise<Result<std::unique_ptr<transport::HttpServer>>> started;
   transport::asio::post(io, [&] {
     auto server = transport::HttpServer::Start(io.get_executor(), http_endpoint, http_options);
-    if (server.ok()) service->Register(**server);
+    if (server.ok()) service->Register(**server, identities);
     started.set_value(std::move(server));
   });
   auto server_or = started.get_future().get();

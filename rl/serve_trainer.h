@@ -42,6 +42,8 @@ struct ServeTrainerOptions {
   int64_t max_batch_tokens = 1 << 18;
   int64_t max_body_mb = 256;
   int64_t keyframe_every = 20;
+  int64_t max_sessions_per_token = 8;  // open sessions one identity may hold
+  int64_t max_sessions = 64;           // open sessions in all
   double wan_rate_mbit = 0;    // the publisher's shaper (0: off)
   double wan_latency_ms = 0;
 };

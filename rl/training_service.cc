@@ -4,6 +4,7 @@
 
 #include <boost/asio/thread_pool.hpp>
 #include <algorithm>
+#include <bit>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
@@ -23,6 +24,7 @@
 #include "rl/training_wire.h"
 #include "sync/publisher.h"
 #include "sync/role.h"
+#include "sync/signing.h"
 #include "transport/connection.h"
 
 namespace flywheel::rl {
@@ -86,7 +88,51 @@ Status TrainingServiceOptions::Validate() const {
   if (max_body_bytes < 1024) return Status::InvalidArgument("the body limit must be >= 1 KiB");
   if (answers_kept < 1) return Status::InvalidArgument("answers kept must be >= 1");
   if (http_threads < 2) return Status::InvalidArgument("http threads must be >= 2");
+  if (max_sessions_per_identity < 1)
+    return Status::InvalidArgument("--max-sessions-per-token must be >= 1, got " +
+                                   std::to_string(max_sessions_per_identity));
+  if (max_sessions < 1)
+    return Status::InvalidArgument("--max-sessions must be >= 1, got " + std::to_string(max_sessions));
   return Status::Ok();
+}
+
+std::string TokenIdentity(std::string_view token) {
+  const sync::Sha256 digest = sync::Sha256Of(std::as_bytes(std::span(token.data(), token.size())));
+  return "token:" + sync::HexOf(std::span(digest).first(8));
+}
+
+Result<TokenIdentities> TagTrainTokens(transport::HttpServerOptions& http) {
+  static_assert(transport::kScopeTrain < (1u << kIdentityTagShift),
+                "identity tags must sit above every named scope");
+  TokenIdentities out;
+  std::map<std::string, uint32_t> tag_of;  // identity -> its scope bit
+  for (transport::ScopedToken& scoped : http.scoped_tokens) {
+    if (scoped.token.empty() || (scoped.scopes & transport::kScopeTrain) == 0) continue;
+    const std::string identity = TokenIdentity(scoped.token);
+    auto [it, added] = tag_of.emplace(identity, 0u);
+    if (added) {
+      if (out.by_tag.size() >= kMaxTaggedTokens) {
+        return Status::InvalidArgument("the training API tells at most " +
+                                       std::to_string(kMaxTaggedTokens) +
+                                       " tokens with the train scope apart; " +
+                                       std::to_string(tag_of.size()) + " are configured");
+      }
+      it->second = 1u << (kIdentityTagShift + out.by_tag.size());
+      out.by_tag.push_back(identity);
+    }
+    scoped.scopes |= it->second;
+  }
+  return out;
+}
+
+std::string IdentityOf(const transport::HttpRequest& request, const TokenIdentities& identities) {
+  if (request.scopes == ~0u) return std::string(kAnonymousIdentity);  // the server has no tokens
+  const uint32_t tags = request.scopes >> kIdentityTagShift;
+  if (tags != 0) {
+    const size_t tag = static_cast<size_t>(std::countr_zero(tags));
+    if (tag < identities.by_tag.size()) return identities.by_tag[tag];
+  }
+  return std::string(kUntaggedIdentity);
 }
 
 struct CallState {
@@ -101,6 +147,7 @@ struct CallState {
 
 struct Session {
   std::string id, name;
+  std::string owner;  // the identity that opened it (TokenIdentity), never a token
   bool closed = false;
   // Ordering: the next seq to queue; floating after a restore (the first call sets it).
   uint64_t next_seq = 1;
@@ -140,7 +187,10 @@ struct TrainingService::Impl {
   // LoRA: a session with a served adapter went away; the next version drops its adapter.
   bool republish = false;
   std::map<std::string, std::shared_ptr<Session>> sessions;  // open ones, by id
-  std::map<std::string, std::string> gone;                   // id -> why it is gone
+  struct Gone {
+    std::string why, owner;
+  };
+  std::map<std::string, Gone> gone;  // closed or expired, by id
   struct Job {
     std::shared_ptr<Session> session;  // null: a job of the service itself
     std::shared_ptr<CallState> call;
@@ -159,19 +209,26 @@ struct TrainingService::Impl {
   void Activate(const std::shared_ptr<Session>& session);
   void NoteClient(Session& session);
   void ExpireIdle();  // REQUIRES: mutex
-  void WriteSessionFile(const Session& session, bool closed, const std::string& why);
+  // sessions/<id>/session.json: the session's owner, name and saved states.
+  [[nodiscard]] Status WriteSessionFile(const Session& session, bool closed, const std::string& why);
 
-  // Requests.
-  ServiceAnswer Info();
+  // Requests (`identity`: who sends it, see IdentityOf).
+  ServiceAnswer Info(std::string_view identity);
   json SessionInfo(const Session& s);  // REQUIRES: mutex
-  ServiceAnswer CreateSession(const std::string& body);
-  ServiceAnswer CloseSession(const std::string& id);
-  ServiceAnswer Call(const std::string& id, const std::string& call, const std::string& body);
+  json SessionList(std::string_view identity);  // REQUIRES: mutex. The caller's open sessions.
+  ServiceAnswer CreateSession(const std::string& body, std::string_view identity);
+  ServiceAnswer CloseSession(const std::string& id, std::string_view identity);
+  ServiceAnswer Call(const std::string& id, const std::string& call, const std::string& body,
+                     std::string_view identity);
+  // REQUIRES: mutex. 409 too_many_sessions when `identity` may open no further session.
+  std::optional<ServiceAnswer> CheckSessionCaps(std::string_view identity);
   // What a call runs on the trainer thread (the session active), from its decoded request.
   std::function<ServiceAnswer()> BatchRun(const std::string& call, std::shared_ptr<WireBatch> batch);
   std::function<ServiceAnswer()> JsonRun(const std::string& call, Session* s,
                                          std::shared_ptr<json> body_json);
-  Result<std::shared_ptr<Session>> Find(const std::string& id);  // REQUIRES: mutex
+  // REQUIRES: mutex. NotFound, with the same message as an id never seen, for another
+  // identity's session.
+  Result<std::shared_ptr<Session>> Find(const std::string& id, std::string_view identity);
   // Submits `run` as call `seq` (0: next) of `session` and waits for its answer.
   ServiceAnswer SubmitAndWait(const std::shared_ptr<Session>& session, uint64_t seq,
                               std::function<ServiceAnswer()> run);
@@ -186,7 +243,12 @@ struct TrainingService::Impl {
   ServiceAnswer SaveWeights(Session& s);
   ServiceAnswer SaveState(Session& s, const json& body);
   ServiceAnswer LoadState(Session& s, const json& body);
-  Result<std::string> StatePath(const std::string& relative);
+  // The directory of saved state `relative` (sessions/<id>/<name>). InvalidArgument: not of
+  // that form; NotFound: no such state, or session <id> is not `owner`'s (the same message).
+  Result<std::string> StatePath(const std::string& relative, std::string_view owner);
+  // The owner session.json records for session `id` (kAnonymousIdentity when it records none:
+  // saved before owners were recorded). NotFound: no readable session.json.
+  Result<std::string> SavedOwner(const std::string& id);
   // Publishes base + every open session's adapter (LoRA) as `v`.
   Result<json> PublishLora(uint64_t v);
   Status RestoreSessions();
@@ -291,9 +353,12 @@ void TrainingService::Impl::ExpireIdle() {
                                          s.saved_states.back() + "\" to go on");
       spdlog::info("training service: {}", why);
       s.closed = true;
-      gone[s.id] = why;
+      gone[s.id] = {why, s.owner};
       republish |= lora && !s.adapter.tensors.empty();
-      if (!s.saved_states.empty()) WriteSessionFile(s, true, "expired");
+      if (!s.saved_states.empty()) {
+        Status written = WriteSessionFile(s, true, "expired");
+        if (!written.ok()) spdlog::error("training service: {}", written.ToString());
+      }
       it = sessions.erase(it);
     } else {
       ++it;
@@ -301,25 +366,56 @@ void TrainingService::Impl::ExpireIdle() {
   }
 }
 
-void TrainingService::Impl::WriteSessionFile(const Session& s, bool closed, const std::string& why) {
+Status TrainingService::Impl::WriteSessionFile(const Session& s, bool closed, const std::string& why) {
   const json meta = {{"id", s.id},
                      {"name", s.name},
+                     {"owner", s.owner},
                      {"closed", closed},
                      {"why", why},
                      {"saved_states", s.saved_states},
                      {"latest", s.saved_states.empty() ? "" : s.saved_states.back()}};
   const std::string text = meta.dump(2) + "\n";
   const fs::path path = fs::path(options.state_dir) / "sessions" / s.id / "session.json";
-  Status written = WriteFileAtomically(path.string(), std::as_bytes(std::span(text)));
-  if (!written.ok()) spdlog::error("training service: {}", written.ToString());
+  return WriteFileAtomically(path.string(), std::as_bytes(std::span(text)));
 }
 
 // ---- requests ----
 
-Result<std::shared_ptr<Session>> TrainingService::Impl::Find(const std::string& id) {
-  if (auto it = sessions.find(id); it != sessions.end()) return it->second;
-  if (auto it = gone.find(id); it != gone.end()) return Status::NotFound(it->second);
+Result<std::shared_ptr<Session>> TrainingService::Impl::Find(const std::string& id,
+                                                              std::string_view identity) {
+  if (auto it = sessions.find(id); it != sessions.end() && it->second->owner == identity)
+    return it->second;
+  if (auto it = gone.find(id); it != gone.end() && it->second.owner == identity)
+    return Status::NotFound(it->second.why);
   return Status::NotFound("unknown session " + id);
+}
+
+json TrainingService::Impl::SessionList(std::string_view identity) {
+  json list = json::array();
+  for (const auto& [id, s] : sessions) {
+    if (s->owner == identity) list.push_back(SessionInfo(*s));
+  }
+  return list;
+}
+
+std::optional<ServiceAnswer> TrainingService::Impl::CheckSessionCaps(std::string_view identity) {
+  const auto mine = std::count_if(sessions.begin(), sessions.end(),
+                                  [&](const auto& entry) { return entry.second->owner == identity; });
+  if (mine >= options.max_sessions_per_identity) {
+    return Error(409, "too_many_sessions",
+                 "this token already has " + std::to_string(mine) + " open sessions, the most " +
+                     "--max-sessions-per-token (" + std::to_string(options.max_sessions_per_identity) +
+                     ") allows; close one (DELETE /v1/train/sessions/{id}) or start serve-trainer "
+                     "with a larger --max-sessions-per-token");
+  }
+  if (sessions.size() >= static_cast<size_t>(options.max_sessions)) {
+    return Error(409, "too_many_sessions",
+                 "the server already has " + std::to_string(sessions.size()) +
+                     " open sessions, the most --max-sessions (" + std::to_string(options.max_sessions) +
+                     ") allows; close one (DELETE /v1/train/sessions/{id}) or start serve-trainer "
+                     "with a larger --max-sessions");
+  }
+  return std::nullopt;
 }
 
 json TrainingService::Impl::SessionInfo(const Session& s) {
@@ -338,7 +434,7 @@ json TrainingService::Impl::SessionInfo(const Session& s) {
           {"parameters", {{"total", parameters_total}, {"trainable", parameters_trainable}}}};
 }
 
-ServiceAnswer TrainingService::Impl::Info() {
+ServiceAnswer TrainingService::Impl::Info(std::string_view identity) {
   const model::ModelConfig& config = client->options().config;
   json lora_json = nullptr;
   if (lora) {
@@ -349,8 +445,6 @@ ServiceAnswer TrainingService::Impl::Info() {
                  {"packed_experts", model::PackFormatName(client->options().pack_frozen_experts)}};
   }
   std::lock_guard lock(mutex);
-  json list = json::array();
-  for (const auto& [id, s] : sessions) list.push_back(SessionInfo(*s));
   return Json({{"mode", lora ? "lora" : "full"},
                {"model", config.ToJson()},
                {"parameters",
@@ -360,11 +454,14 @@ ServiceAnswer TrainingService::Impl::Info() {
                                      ? std::string("F8_E4M3")
                                      : std::string(DTypeName(client->options().serving_dtype))},
                {"version", version.load()},
-               {"sessions", list},
+               {"identity", std::string(identity)},
+               {"sessions", SessionList(identity)},
                {"limits",
                 {{"max_batch_tokens", options.max_batch_tokens},
                  {"max_body_bytes", options.max_body_bytes},
-                 {"session_idle_timeout_s", Seconds(options.session_idle_timeout)}}}});
+                 {"session_idle_timeout_s", Seconds(options.session_idle_timeout)},
+                 {"max_sessions_per_token", options.max_sessions_per_identity},
+                 {"max_sessions", options.max_sessions}}}});
 }
 
 ServiceAnswer TrainingService::Impl::RunOnTrainer(std::function<ServiceAnswer()> run) {
@@ -379,7 +476,7 @@ ServiceAnswer TrainingService::Impl::RunOnTrainer(std::function<ServiceAnswer()>
   return call->answer;
 }
 
-ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body) {
+ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body, std::string_view identity) {
   json request = body.empty() ? json::object() : ParseShallowJson(body);
   if (request.is_discarded() || !request.is_object())
     return Error(400, "bad_request", "the body must be a JSON object (nested at most 16 deep)");
@@ -390,23 +487,35 @@ ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body) {
   }
   auto session = std::make_shared<Session>();
   session->id = NewSessionId();
+  session->owner = std::string(identity);
   session->name = request.value("name", session->id);
   if (!ValidName(session->name))
     return Error(400, "bad_request", "session name '" + session->name +
                                          "' must be 1-64 of A-Z a-z 0-9 . _ -");
   const std::string from = request.value("from_state", "");
+  // Who else holds the weights or the name, told without another identity's session id.
+  auto full_conflict = [&](const char* when) {
+    const Session& holder = *sessions.begin()->second;
+    return Error(409, "session_conflict",
+                 std::string("full fine-tuning: ") +
+                     (holder.owner == identity ? "session " + holder.id : std::string("another token's session")) +
+                     " owns the weights" + when +
+                     "; close it first (or start the server with --lora-rank for sessions that "
+                     "share the base)");
+  };
+  auto name_taken = [&](const Session& holder, const char* when) {
+    return Error(409, "name_taken",
+                 (holder.owner == identity ? "session " + holder.id : std::string("another token's session")) +
+                     " is already named " + session->name + when +
+                     " (a name is the adapter workers serve, one namespace for every token)");
+  };
   {
     std::lock_guard lock(mutex);
     if (stopping) return Error(503, "unavailable", "the training service is stopping");
-    if (!lora && !sessions.empty()) {
-      return Error(409, "session_conflict",
-                   "full fine-tuning: session " + sessions.begin()->first +
-                       " owns the weights; close it first (or start the server with --lora-rank "
-                       "for sessions that share the base)");
-    }
+    if (!lora && !sessions.empty()) return full_conflict("");
+    if (auto refused = CheckSessionCaps(identity)) return *refused;
     for (const auto& [id, s] : sessions) {
-      if (s->name == session->name)
-        return Error(409, "name_taken", "session " + id + " is already named " + session->name);
+      if (s->name == session->name) return name_taken(*s, "");
     }
     session->state = initial;
   }
@@ -420,26 +529,25 @@ ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body) {
     if (loaded.status != 200) return loaded;
   }
   std::lock_guard lock(mutex);
-  if (!lora && !sessions.empty())
-    return Error(409, "session_conflict", "another session took the weights meanwhile");
+  if (!lora && !sessions.empty()) return full_conflict(" (it opened meanwhile)");
+  if (auto refused = CheckSessionCaps(identity)) return *refused;
   for (const auto& [id, other] : sessions) {
-    if (other->name == session->name)
-      return Error(409, "name_taken", "session " + id + " took the name " + session->name + " meanwhile");
+    if (other->name == session->name) return name_taken(*other, " (it opened meanwhile)");
   }
   sessions[session->id] = session;
   session->last_activity = Clock::now();
-  spdlog::info("training service: session {} ({}) opened{}", session->id, session->name,
-               from.empty() ? "" : " from " + from);
+  spdlog::info("training service: session {} ({}) opened by {}{}", session->id, session->name,
+               session->owner, from.empty() ? "" : " from " + from);
   return Json(SessionInfo(*session), 201);
 }
 
-ServiceAnswer TrainingService::Impl::CloseSession(const std::string& id) {
+ServiceAnswer TrainingService::Impl::CloseSession(const std::string& id, std::string_view identity) {
   std::lock_guard lock(mutex);
-  auto found = Find(id);
+  auto found = Find(id, identity);
   if (!found.ok()) return FromStatus(found.status());
   std::shared_ptr<Session> s = *found;
   s->closed = true;
-  gone[id] = "session " + id + " was closed";
+  gone[id] = {"session " + id + " was closed", s->owner};
   sessions.erase(id);
   for (auto& [seq, call] : s->waiting) {  // calls waiting for an earlier seq never run
     call->answer = Error(404, "not_found", "session " + id + " was closed");
@@ -453,7 +561,10 @@ ServiceAnswer TrainingService::Impl::CloseSession(const std::string& id) {
     republish = true;  // workers stop serving its adapter at the next version
     wake.notify_all();
   }
-  if (!s->saved_states.empty()) WriteSessionFile(*s, true, "closed");
+  if (!s->saved_states.empty()) {
+    Status written = WriteSessionFile(*s, true, "closed");
+    if (!written.ok()) spdlog::error("training service: {}", written.ToString());
+  }
   spdlog::info("training service: session {} closed", id);
   return Json({{"closed", id}});
 }
@@ -664,11 +775,11 @@ std::function<ServiceAnswer()> TrainingService::Impl::JsonRun(const std::string&
 }
 
 ServiceAnswer TrainingService::Impl::Call(const std::string& id, const std::string& call,
-                                          const std::string& body) {
+                                          const std::string& body, std::string_view identity) {
   std::shared_ptr<Session> session;
   {
     std::lock_guard lock(mutex);
-    auto found = Find(id);
+    auto found = Find(id, identity);
     if (!found.ok()) return FromStatus(found.status());
     session = *found;
   }
@@ -791,7 +902,22 @@ ServiceAnswer TrainingService::Impl::SaveWeights(Session& s) {
   return Json(*published);
 }
 
-Result<std::string> TrainingService::Impl::StatePath(const std::string& relative) {
+Result<std::string> TrainingService::Impl::SavedOwner(const std::string& id) {
+  const fs::path meta_path = fs::path(options.state_dir) / "sessions" / id / "session.json";
+  auto bytes = Env::Default()->ReadFile(meta_path.string());
+  if (!bytes.ok()) return Status::NotFound(meta_path.string() + ": " + bytes.status().message());
+  json meta = ParseShallowJson(
+      std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()));
+  if (meta.is_discarded() || !meta.is_object())
+    return Status::NotFound(meta_path.string() + " is not a JSON object");
+  if (!meta.contains("owner")) return std::string(kAnonymousIdentity);
+  if (!meta["owner"].is_string() || meta["owner"].get<std::string>().empty())
+    return Status::NotFound(meta_path.string() + ": owner is not a non-empty string");
+  return meta["owner"].get<std::string>();
+}
+
+Result<std::string> TrainingService::Impl::StatePath(const std::string& relative,
+                                                      std::string_view owner) {
   static const std::regex pattern("sessions/[A-Za-z0-9._-]{1,64}/[A-Za-z0-9._-]{1,64}");
   if (!std::regex_match(relative, pattern) || relative.find("/./") != std::string::npos ||
       relative.find("/../") != std::string::npos || relative.ends_with("/..") ||
@@ -802,6 +928,14 @@ Result<std::string> TrainingService::Impl::StatePath(const std::string& relative
   const fs::path path = fs::path(options.state_dir) / relative;
   if (!fs::exists(path / "trainer.json"))
     return Status::NotFound("no saved state " + relative);
+  // Another identity's state is one that does not exist.
+  const std::string id = fs::path(relative).parent_path().filename().string();
+  Result<std::string> saved_by = SavedOwner(id);
+  if (!saved_by.ok() || *saved_by != owner) {
+    if (!saved_by.ok()) spdlog::warn("training service: state {} has no owner: {}", relative,
+                                     saved_by.status().ToString());
+    return Status::NotFound("no saved state " + relative);
+  }
   return path.string();
 }
 
@@ -828,7 +962,9 @@ ServiceAnswer TrainingService::Impl::SaveState(Session& s, const json& body) {
     auto& list = s.saved_states;
     list.erase(std::remove(list.begin(), list.end(), relative), list.end());
     list.push_back(relative);
-    WriteSessionFile(s, s.closed, s.closed ? "closed" : "");
+    // Without session.json the state has no recorded owner, and no one may load it.
+    Status written = WriteSessionFile(s, s.closed, s.closed ? "closed" : "");
+    if (!written.ok()) return FromStatus(written.WithContext("save_state: recording its owner"));
   }
   return Json({{"path", relative}, {"step", client->step()}});
 }
@@ -839,7 +975,7 @@ ServiceAnswer TrainingService::Impl::LoadState(Session& s, const json& body) {
   }
   if (!body.contains("path") || !body["path"].is_string())
     return Error(400, "bad_request", "load_state: path (what save_state returned) is missing");
-  auto path = StatePath(body["path"].get<std::string>());
+  auto path = StatePath(body["path"].get<std::string>(), s.owner);
   if (!path.ok()) return FromStatus(path.status());
   Status loaded = client->LoadState(*path, /*include_frozen=*/!lora);
   if (!loaded.ok()) return FromStatus(loaded);
@@ -867,6 +1003,9 @@ Status TrainingService::Impl::RestoreSessions() {
       closed = meta.value("closed", true);
       s->id = meta.value("id", "");
       s->name = meta.value("name", s->id);
+      // Saved before owners were recorded: the identity of a server without tokens.
+      s->owner = meta.value("owner", std::string(kAnonymousIdentity));
+      if (s->owner.empty()) throw std::runtime_error("its owner is empty");
       s->saved_states = meta.value("saved_states", std::vector<std::string>{});
     } catch (const std::exception& e) {
       spdlog::error("training service: {} is malformed ({}); that session is not restored",
@@ -891,7 +1030,7 @@ Status TrainingService::Impl::RestoreSessions() {
       continue;
     }
     const std::string latest = s->saved_states.back();
-    auto path = StatePath(latest);
+    auto path = StatePath(latest, s->owner);
     Status loaded = path.ok() ? client->ImportTrainable(initial) : path.status();
     if (loaded.ok()) loaded = client->LoadState(*path, !lora);
     if (!loaded.ok()) {
@@ -912,8 +1051,8 @@ Status TrainingService::Impl::RestoreSessions() {
     }
     s->state = client->ExportTrainable();
     sessions[s->id] = s;
-    spdlog::info("training service: session {} ({}) restored from {} at step {}", s->id, s->name,
-                 latest, s->step);
+    spdlog::info("training service: session {} ({}) of {} restored from {} at step {}", s->id,
+                 s->name, s->owner, latest, s->step);
   }
   if (!sessions.empty() && !lora) {
     // Full mode: the client holds the restored weights (what is published first).
@@ -997,7 +1136,7 @@ uint64_t TrainingService::version() const { return impl_->version.load(); }
 bool TrainingService::lora() const { return impl_->lora; }
 
 ServiceAnswer TrainingService::Handle(const std::string& method, const std::string& path,
-                                      const std::string& body) {
+                                      const std::string& body, std::string_view identity) {
   Impl& s = *impl_;
   const std::string prefix = "/v1/train";
   if (path.rfind(prefix, 0) != 0) return Error(404, "not_found", "no route " + path);
@@ -1013,24 +1152,22 @@ ServiceAnswer TrainingService::Handle(const std::string& method, const std::stri
     return Error(405, "method_not_allowed", method + " is not allowed on " + path);
   };
   if (parts.size() == 1 && parts[0] == "info") {
-    return method == "GET" ? s.Info() : wrong_method();
+    return method == "GET" ? s.Info(identity) : wrong_method();
   }
   if (!parts.empty() && parts[0] == "sessions") {
     if (parts.size() == 1) {
-      if (method == "POST") return s.CreateSession(body);
+      if (method == "POST") return s.CreateSession(body, identity);
       if (method == "GET") {
         std::lock_guard lock(s.mutex);
-        json list = json::array();
-        for (const auto& [id, session] : s.sessions) list.push_back(s.SessionInfo(*session));
-        return Json({{"sessions", list}});
+        return Json({{"sessions", s.SessionList(identity)}});
       }
       return wrong_method();
     }
     if (parts.size() == 2) {
-      if (method == "DELETE") return s.CloseSession(parts[1]);
+      if (method == "DELETE") return s.CloseSession(parts[1], identity);
       if (method == "GET") {
         std::lock_guard lock(s.mutex);
-        auto found = s.Find(parts[1]);
+        auto found = s.Find(parts[1], identity);
         if (!found.ok()) return FromStatus(found.status());
         return Json(s.SessionInfo(**found));
       }
@@ -1038,7 +1175,7 @@ ServiceAnswer TrainingService::Handle(const std::string& method, const std::stri
     }
     if (parts.size() == 3) {
       if (method != "POST") return wrong_method();
-      return s.Call(parts[1], parts[2], body);
+      return s.Call(parts[1], parts[2], body, identity);
     }
   }
   return Error(404, "not_found",
@@ -1063,6 +1200,7 @@ namespace {
 // One request of the API routes (a coroutine on the server's executor; the work on `pool`).
 transport::awaitable<transport::HttpResponse> ServeApi(TrainingService* self,
                                                        boost::asio::thread_pool* pool,
+                                                       std::shared_ptr<const TokenIdentities> identities,
                                                        transport::HttpRequest request) {
   transport::HttpResponse response;
   const bool read = request.method == "GET" || request.method == "HEAD";
@@ -1077,7 +1215,9 @@ transport::awaitable<transport::HttpResponse> ServeApi(TrainingService* self,
     co_return response;
   }
   auto work = [self, method = request.method, path = request.path,
-               body = std::move(request.body)] { return self->Handle(method, path, body); };
+               identity = IdentityOf(request, *identities), body = std::move(request.body)] {
+    return self->Handle(method, path, body, identity);
+  };
   std::optional<ServiceAnswer> answer = co_await transport::RunOn(*pool, std::move(work));
   if (!answer) {
     response.status = 503;
@@ -1092,13 +1232,14 @@ transport::awaitable<transport::HttpResponse> ServeApi(TrainingService* self,
 
 }  // namespace
 
-void TrainingService::Register(transport::HttpServer& server) {
+void TrainingService::Register(transport::HttpServer& server, TokenIdentities identities) {
   TrainingService* self = this;
   boost::asio::thread_pool* pool = impl_->pool.get();
+  auto shared = std::make_shared<const TokenIdentities>(std::move(identities));
   server.RouteApi(
       "/v1/train",
-      [self, pool](transport::HttpRequest request) {
-        return ServeApi(self, pool, std::move(request));
+      [self, pool, shared](transport::HttpRequest request) {
+        return ServeApi(self, pool, shared, std::move(request));
       },
       impl_->options.max_body_bytes);
   server.Route("/v1/status", [self](const std::string&) {

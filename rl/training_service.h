@@ -14,12 +14,28 @@
 // workers serve each session's adapter by name. Sessions expire after an idle timeout;
 // save_state writes <state>/sessions/<id>/<name>, and a restarted service restores every
 // session that saved a state (from its latest one) under the same id.
+//
+// Owners. A session belongs to the identity that opened it (below). Every request about a
+// session from another identity (a read, a call, a close) is answered exactly as for an id
+// that never existed: 404 "unknown session <id>", so that one token learns nothing of
+// another's sessions (GitHub and S3 answer private objects the same way). A saved state
+// (sessions/<id>/<name>) is loaded, by load_state or from_state, only by the owner of
+// session <id>, recorded in sessions/<id>/session.json; another identity gets the 404 of a
+// state that does not exist. Listings (GET /v1/train/sessions, /v1/train/info) show the
+// caller's own sessions. Session names stay one namespace (they name served adapters): a
+// name another identity uses is 409 name_taken, without its session's id.
+//
+// Caps. Open sessions are capped per identity (max_sessions_per_identity) and in all
+// (max_sessions); a create past either is 409 too_many_sessions naming the cap and its flag.
+// Restored sessions count, but a restart never refuses to restore one.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -42,8 +58,49 @@ struct TrainingServiceOptions {
   uint64_t max_body_bytes = 256ull << 20;
   size_t answers_kept = 64;  // per session, for retries
   int http_threads = 32;     // requests decoded or waiting for their call at once
+  // Open sessions one identity may hold (serve-trainer --max-sessions-per-token), and all
+  // identities together (--max-sessions).
+  int max_sessions_per_identity = 8;
+  int max_sessions = 64;
   Status Validate() const;
 };
+
+// ---- identities ----
+//
+// An identity names who calls without being a secret: "token:" + the first 16 hex digits of
+// the SHA-256 of the bearer token (stable across restarts and token-file order; what
+// session.json records as "owner" and GET /v1/train/info answers as "identity"). With no
+// tokens configured every request is kAnonymousIdentity, which also owns the sessions saved
+// before owners were recorded.
+//
+// transport::HttpRequest carries the presented token's scopes, not which token it was. Until
+// it does, the training API's server tells its train tokens apart by tagging each with a
+// scope bit of its own above the named scopes (TagTrainTokens, before the server starts): the
+// server ORs the presented token's scopes into HttpRequest::scopes, and Register's handler
+// reads the tag back (IdentityOf). A request whose scopes carry no tag is
+// kUntaggedIdentity: every train token of a server started without TagTrainTokens is that
+// one identity (the behaviour before owners), and a read-only token owns nothing.
+inline constexpr std::string_view kAnonymousIdentity = "anonymous";
+inline constexpr std::string_view kUntaggedIdentity = "token:untagged";
+inline constexpr int kIdentityTagShift = 8;  // tag i is scope bit kIdentityTagShift + i
+inline constexpr size_t kMaxTaggedTokens = 32 - kIdentityTagShift;
+
+// What each tag stands for: by_tag[i] is the identity of scope bit kIdentityTagShift + i.
+struct TokenIdentities {
+  std::vector<std::string> by_tag;
+};
+
+// The identity of a bearer token ("token:<16 hex>").
+std::string TokenIdentity(std::string_view token);
+
+// Tags every scoped token of `http` with the train scope (equal tokens share one tag) and
+// returns the identities of the tags. InvalidArgument: more than kMaxTaggedTokens distinct
+// train tokens. REQUIRES: before transport::HttpServer::Start(..., http).
+Result<TokenIdentities> TagTrainTokens(transport::HttpServerOptions& http);
+
+// Who sent `request`: kAnonymousIdentity when the server has no tokens (every scope), the
+// tagged token's identity, else kUntaggedIdentity.
+std::string IdentityOf(const transport::HttpRequest& request, const TokenIdentities& identities);
 
 // An answer of the API.
 struct ServiceAnswer {
@@ -64,10 +121,13 @@ class TrainingService {
   TrainingService& operator=(const TrainingService&) = delete;
 
   // GET/POST/DELETE under /v1/train (scopes: GETs read or train, the rest train), plus
-  // GET /v1/status and /metrics. Call on the server's executor before it serves.
-  void Register(transport::HttpServer& server);
-  // One request without HTTP (blocking; what the routes run on their pool).
-  ServiceAnswer Handle(const std::string& method, const std::string& path, const std::string& body);
+  // GET /v1/status and /metrics. `identities`: what TagTrainTokens returned for the server's
+  // options (none: every token is kUntaggedIdentity). Call on the server's executor before
+  // it serves.
+  void Register(transport::HttpServer& server, TokenIdentities identities = {});
+  // One request of `identity` without HTTP (blocking; what the routes run on their pool).
+  ServiceAnswer Handle(const std::string& method, const std::string& path, const std::string& body,
+                       std::string_view identity = kAnonymousIdentity);
 
   nlohmann::json StatusJson();
   uint64_t version() const;  // the last version published (0: none)

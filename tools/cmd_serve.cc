@@ -102,6 +102,8 @@ std::vector<std::string> ServeTrainerArgs(const ServeArgs& a) {
   add("--max-batch-tokens", std::to_string(o.max_batch_tokens));
   add("--max-body-mb", std::to_string(o.max_body_mb));
   add("--keyframe-every", std::to_string(o.keyframe_every));
+  add("--max-sessions-per-token", std::to_string(o.max_sessions_per_token));
+  add("--max-sessions", std::to_string(o.max_sessions));
   return out;
 }
 
@@ -289,6 +291,11 @@ void AddServeTrainerFlags(CLI::App* app, ServeArgs& a) {
   app->add_option("--max-body-mb", o.max_body_mb, "Request bodies, at most (MiB)")
       ->capture_default_str();
   app->add_option("--keyframe-every", o.keyframe_every, "A full keyframe every N versions")
+      ->capture_default_str();
+  app->add_option("--max-sessions-per-token", o.max_sessions_per_token,
+                  "Open sessions one token may hold (each session is its opener's alone)")
+      ->capture_default_str();
+  app->add_option("--max-sessions", o.max_sessions, "Open sessions of every token together")
       ->capture_default_str();
 }
 

@@ -17,8 +17,8 @@ from .errors import (ApiError, BadRequest, BodyHashMismatch, ConnectionFailed, D
                      Expired, FlywheelError, Forbidden, Incomplete, InsufficientStorage,
                      InternalError, InvalidCheckpoint, InvalidDelta, NameTaken, NotFound,
                      Pinned, PushDisabled, SeqReplayed, SeqTimeout, SessionConflict,
-                     StaleSample, TooLarge, Unauthorized, Unavailable, UnknownBase,
-                     VersionConflict, WaitTimeout)
+                     StaleSample, TooLarge, TooManySessions, Unauthorized, Unavailable,
+                     UnknownBase, VersionConflict, WaitTimeout)
 from .safetensors import SafetensorsError, checkpoint_files, write_state_dict
 from .sampling import Sample, SamplingClient
 from .training import (Answer, Datum, ForwardResult, ServiceClient, TrainingClient,
@@ -33,6 +33,7 @@ __all__ = [
     "BadRequest", "Unauthorized", "Forbidden", "PushDisabled", "NotFound", "VersionConflict",
     "UnknownBase", "Pinned", "Expired", "TooLarge", "Incomplete", "BodyHashMismatch",
     "InvalidCheckpoint", "InvalidDelta", "InsufficientStorage",
-    "SeqTimeout", "SessionConflict", "SeqReplayed", "NameTaken", "InternalError", "Unavailable",
+    "SeqTimeout", "SessionConflict", "SeqReplayed", "NameTaken", "TooManySessions",
+    "InternalError", "Unavailable",
     "SafetensorsError", "checkpoint_files", "write_state_dict",
 ]

@@ -160,6 +160,11 @@ class NameTaken(ApiError):
     """409 ``name_taken``: another training session has that name."""
 
 
+class TooManySessions(ApiError):
+    """409 ``too_many_sessions``: this token (``--max-sessions-per-token``) or the training
+    server (``--max-sessions``) already holds as many open sessions as it may; close one."""
+
+
 class InternalError(ApiError):
     """500 ``internal``: the server failed (the message says how)."""
 
@@ -188,6 +193,7 @@ _BY_CODE = {
     "session_conflict": SessionConflict,
     "seq_replayed": SeqReplayed,
     "name_taken": NameTaken,
+    "too_many_sessions": TooManySessions,
     "internal": InternalError,
     "unavailable": Unavailable,
 }

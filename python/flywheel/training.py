@@ -14,8 +14,11 @@ may have several calls in flight, each on its own connection, and they still run
 A call whose connection fails is sent once more with the same ``seq``; the server repeats
 its answer instead of running it twice. Server errors raise the
 :class:`~flywheel.errors.ApiError` subclass of their code (``SessionConflict``,
-``SeqTimeout``, ``SeqReplayed``, ``NameTaken``, ``TooLarge``, ``NotFound``, ``BadRequest``,
-...) carrying the server's message.
+``SeqTimeout``, ``SeqReplayed``, ``NameTaken``, ``TooManySessions``, ``TooLarge``,
+``NotFound``, ``BadRequest``, ...) carrying the server's message.
+
+A session belongs to the token that opened it: with another token its id, its calls and
+its saved states are ``NotFound``, as if they did not exist.
 
 A :class:`Datum` is one sequence: position ``i`` of ``tokens`` predicts
 ``target_tokens[i]``; every other field is per position too (``routing``: T x MoE layers x
@@ -298,8 +301,10 @@ class ServiceClient:
                        from_state: Optional[str] = None) -> "TrainingClient":
         """A new session (``POST /v1/train/sessions``) and its client. ``name``: the adapter
         name workers serve a LoRA session under (default: the id); ``from_state``: a path
-        :meth:`TrainingClient.save_state` returned, to start from. Raises SessionConflict
-        (full mode, a session is open), NameTaken, NotFound (no such state)."""
+        :meth:`TrainingClient.save_state` returned (by a session of this token), to start
+        from. Raises SessionConflict (full mode, a session is open), NameTaken,
+        TooManySessions (this token's or the server's cap of open sessions), NotFound (no
+        such state of this token)."""
         return TrainingClient(self.url, name=name, from_state=from_state, **self._options)
 
     def session(self, session_id: str) -> "TrainingClient":

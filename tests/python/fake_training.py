@@ -65,6 +65,7 @@ class FakeTrainer:
         self.delay: Dict[str, float] = {}
         self.fail_call: Dict[str, Tuple[int, str, str]] = {}
         self.version = 0
+        self.max_sessions_per_token = 8  # the real server's default (one token here)
         self.lock = threading.Condition()
         self._ids = 0
         self._server: Optional[_Server] = None
@@ -151,6 +152,11 @@ class FakeTrainer:
             if self.mode == "full" and self.sessions:
                 raise Failure(409, "session_conflict",
                               f"full mode: session '{next(iter(self.sessions))}' owns the weights")
+            if len(self.sessions) >= self.max_sessions_per_token:
+                raise Failure(409, "too_many_sessions",
+                              f"this token already has {len(self.sessions)} open sessions, the "
+                              f"most --max-sessions-per-token ({self.max_sessions_per_token}) "
+                              "allows")
             self._ids += 1
             session_id = f"s{self._ids}"
             name = request.get("name") or session_id

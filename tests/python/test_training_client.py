@@ -163,6 +163,18 @@ def test_name_taken(trainer):
         first.close()
 
 
+def test_too_many_sessions(trainer):
+    trainer.mode = "lora"
+    trainer.max_sessions_per_token = 1
+    with flywheel.ServiceClient(trainer.url) as service:
+        first = service.create_session(name="a")
+        with pytest.raises(flywheel.TooManySessions, match="--max-sessions-per-token") as capped:
+            service.create_session(name="b")
+        assert capped.value.status == 409 and capped.value.code == "too_many_sessions"
+        first.close()
+        service.create_session(name="b").close()  # a closed session frees its place
+
+
 def test_arguments_are_checked_before_a_seq_is_used(trainer):
     with flywheel.TrainingClient(trainer.url) as client:
         with pytest.raises(ValueError, match="unknown loss_config key"):

@@ -60,6 +60,7 @@ class Server:
         self.directory = directory
         token_file = directory / "token"
         token_file.write_text(TOKEN + "\n")
+        token_file.chmod(0o600)  # flywheel refuses a token file others can read
         ready = directory / "ready.json"
         self.log_path = directory / "serve-trainer.log"
         command = [BINARY, "serve-trainer", "--state", str(directory / "state"),
@@ -307,6 +308,49 @@ def test_name_taken_and_adapters_in_lora_mode(lora_server):
     finally:
         first.close()
         second.close()
+
+
+def test_sessions_and_states_belong_to_their_token(tmp_path):
+    """A second token gets NotFound for the first token's session (read, attach, delete) and
+    for its saved state (load_state, from_state), exactly as for ones that do not exist;
+    a token's open sessions are capped (--max-sessions-per-token)."""
+    other = "other-train-secret-9876543210"
+    (tmp_path / "other-token").write_text(other + "\n")
+    (tmp_path / "other-token").chmod(0o600)  # a token file must be private
+    running = Server(tmp_path, "--lora-rank", "4", "--max-sessions-per-token", "2",
+                     "--scoped-token-file", f"train,read:{tmp_path / 'other-token'}")
+    opened = []
+    try:
+        mine = flywheel.TrainingClient(running.url, TOKEN, name="mine", timeout=60)
+        opened.append(mine)
+        mine.forward_backward(rl_datums(running.url), loss="cross_entropy")
+        mine.optim_step(lr=1e-2)
+        state = mine.save_state("kept")
+        service = flywheel.ServiceClient(running.url, other)
+        assert service.info()["sessions"] == []
+        assert service.info()["identity"] != flywheel.ServiceClient(running.url, TOKEN).info()["identity"]
+        with pytest.raises(flywheel.NotFound, match=f"unknown session {mine.session_id}"):
+            service.session(mine.session_id)
+        with pytest.raises(flywheel.NotFound, match=f"unknown session {mine.session_id}"):
+            service.delete_session(mine.session_id)
+        with pytest.raises(flywheel.NotFound, match="no saved state"):
+            service.create_session(name="copy", from_state=state.path)
+        theirs = service.create_session(name="theirs")
+        opened.append(theirs)
+        with pytest.raises(flywheel.NotFound, match="no saved state"):
+            theirs.load_state(state.path)
+        assert theirs.get_info()["step"] == 0
+        assert mine.get_info()["step"] == 1  # untouched, and still open
+        opened.append(flywheel.TrainingClient(running.url, TOKEN, name="second", timeout=60))
+        with pytest.raises(flywheel.TooManySessions, match="--max-sessions-per-token") as capped:
+            flywheel.TrainingClient(running.url, TOKEN, name="third", timeout=60)
+        assert capped.value.status == 409
+        copy = flywheel.TrainingClient(running.url, other, name="copy", timeout=60)  # its own cap
+        opened.append(copy)
+    finally:
+        for client in opened:
+            client.close()
+        running.stop()
 
 
 def test_lora_on_packed_moe_experts(tmp_path):

@@ -8,6 +8,7 @@
 
 #include <boost/asio.hpp>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <random>
 #include <thread>
@@ -70,18 +71,21 @@ std::vector<Datum> Data(int count, uint32_t seed) {
 // A service on a loopback HTTP server (no publisher).
 class Server {
  public:
+  // Tags `http`'s train tokens (as serve-trainer does) so that each is its own identity.
   explicit Server(TrainingServiceOptions options, transport::HttpServerOptions http = {}) {
     auto service = TrainingService::Create(std::move(options), nullptr);
     EXPECT_TRUE(service.ok()) << service.status().ToString();
     if (!service.ok()) return;
     service_ = std::move(*service);
+    auto identities = TagTrainTokens(http);
+    EXPECT_TRUE(identities.ok()) << identities.status().ToString();
     std::promise<Status> started;
     asio::post(io_, [&] {
       auto server = transport::HttpServer::Start(io_.get_executor(),
                                                  transport::Endpoint{"127.0.0.1", 0}, http);
       if (!server.ok()) return started.set_value(server.status());
       http_ = std::move(*server);
-      service_->Register(*http_);
+      service_->Register(*http_, identities.ok() ? *identities : TokenIdentities{});
       started.set_value(Status::Ok());
     });
     thread_ = std::thread([this] { io_.run(); });
@@ -597,6 +601,226 @@ TEST(TrainingServiceTest, CallsRunInSeqOrderWhateverOrderTheyArrive) {
   EXPECT_EQ(first.get().status, 408);
   EXPECT_EQ(retry.get().status, 408);
   EXPECT_EQ(server.Post(id, "get_info", {{"seq", 4}}).status, 200);
+  fs::remove_all(dir);
+}
+
+// ---- sessions belong to the token that opened them ----
+
+constexpr const char* kAlice = "alice-train-token";
+constexpr const char* kBob = "bob-train-token";
+
+// The fleet token and two tokens with the train scope, as serve-trainer's
+// --scoped-token-file would give them.
+transport::HttpServerOptions TwoTrainTokens() {
+  transport::HttpServerOptions http;
+  http.token = "fleet-token";
+  http.scoped_tokens = {{kAlice, transport::kScopeTrain | transport::kScopeRead},
+                        {kBob, transport::kScopeTrain | transport::kScopeRead}};
+  return http;
+}
+
+// The error message of an answer, with `id` written as <id> (to compare two refusals).
+std::string MessageWithout(const Server::Answer& answer, const std::string& id) {
+  const json body = answer.Json();
+  if (!body.is_object() || !body.contains("error")) return "(no error: " + answer.body + ")";
+  std::string message = body["error"].value("message", "");
+  for (size_t at = message.find(id); !id.empty() && at != std::string::npos; at = message.find(id))
+    message.replace(at, id.size(), "<id>");
+  return message;
+}
+
+// Another token's requests on a session are answered exactly as for a session that does not
+// exist (404), and change nothing; the owner's session goes on untouched.
+TEST(TrainingServiceTest, AnotherTokenCannotSeeDriveOrCloseASession) {
+  const std::string dir = TempDir("owner");
+  Server server(ServiceOptions(dir, /*lora=*/true), TwoTrainTokens());
+  auto as = [&](const char* token, const std::string& method, const std::string& target,
+                const std::string& body = "", const std::string& type = "application/json") {
+    return server.Call(method, target, body, type, token);
+  };
+  auto opened = as(kAlice, "POST", "/v1/train/sessions", json{{"name", "alice-run"}}.dump());
+  ASSERT_EQ(opened.status, 201) << opened.body;
+  const std::string id = opened.Json()["id"];
+  const std::string session = "/v1/train/sessions/" + id;
+  const std::string never = "s-000000000000";
+  auto unknown = as(kBob, "GET", "/v1/train/sessions/" + never);
+  ASSERT_EQ(unknown.status, 404) << unknown.body;
+  const std::vector<Datum> data = Data(2, 12);
+  struct Attempt {
+    std::string what, method, target, body, type;
+  };
+  const std::string batch = kBatchContentType;
+  const std::vector<Attempt> attempts = {
+      {"read", "GET", session, "", ""},
+      {"forward", "POST", session + "/forward", EncodeBatch({}, data), batch},
+      {"forward_backward", "POST", session + "/forward_backward",
+       EncodeBatch({{"loss", "cross_entropy"}}, data), batch},
+      {"optim_step", "POST", session + "/optim_step", "{}", "application/json"},
+      {"save_weights_for_sampler", "POST", session + "/save_weights_for_sampler", "{}", "application/json"},
+      {"save_state", "POST", session + "/save_state", json{{"name", "stolen"}}.dump(), "application/json"},
+      {"load_state", "POST", session + "/load_state",
+       json{{"path", "sessions/" + id + "/none"}}.dump(), "application/json"},
+      {"get_info", "POST", session + "/get_info", "{}", "application/json"},
+      {"close", "DELETE", session, "", ""},
+  };
+  for (const Attempt& attempt : attempts) {
+    auto answer = as(kBob, attempt.method, attempt.target, attempt.body, attempt.type);
+    EXPECT_EQ(answer.status, 404) << "bob's " << attempt.what << " of alice's session: " << answer.body;
+    EXPECT_EQ(MessageWithout(answer, id), MessageWithout(unknown, never))
+        << "bob's " << attempt.what << " tells alice's session from one that never existed";
+  }
+  for (const std::string target : {"/v1/train/sessions", "/v1/train/info"}) {
+    auto listed = as(kBob, "GET", target);
+    ASSERT_EQ(listed.status, 200) << listed.body;
+    EXPECT_EQ(listed.Json()["sessions"].size(), 0u) << "bob sees alice's session in " << target
+                                                    << ": " << listed.body;
+  }
+  // Nothing bob sent ran: alice's session has no calls, no step, no state, and stays open.
+  auto info = as(kAlice, "POST", session + "/get_info", "{}");
+  ASSERT_EQ(info.status, 200) << "bob closed alice's session: " << info.body;
+  EXPECT_EQ(info.Json()["calls"].get<uint64_t>(), 0u) << info.body;
+  EXPECT_EQ(info.Json()["step"].get<uint64_t>(), 0u) << info.body;
+  EXPECT_EQ(info.Json()["saved_states"].size(), 0u) << info.body;
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "sessions" / id / "stolen"));
+  auto listed = as(kAlice, "GET", "/v1/train/sessions");
+  EXPECT_EQ(listed.Json()["sessions"].size(), 1u) << listed.body;
+  EXPECT_EQ(as(kAlice, "DELETE", session).status, 200);
+  fs::remove_all(dir);
+}
+
+// A state saved by one token's session is loaded only by that token: not into another
+// token's session, not as another token's from_state, not after the session closed, not
+// after a restart (the owner is on disk with the state).
+TEST(TrainingServiceTest, AnotherTokenCannotLoadASavedState) {
+  const std::string dir = TempDir("owner_state");
+  const std::vector<Datum> data = Data(4, 13);
+  std::string path, alice_again;
+  auto open = [](Server& server, const char* token, const json& request) {
+    return server.Call("POST", "/v1/train/sessions", request.dump(), "application/json", token);
+  };
+  auto post = [](Server& server, const char* token, const std::string& id, const std::string& call,
+                 const json& body) {
+    return server.Call("POST", "/v1/train/sessions/" + id + "/" + call, body.dump(),
+                       "application/json", token);
+  };
+  {
+    Server server(ServiceOptions(dir, /*lora=*/true), TwoTrainTokens());
+    auto opened = open(server, kAlice, {{"name", "alice-run"}});
+    ASSERT_EQ(opened.status, 201) << opened.body;
+    const std::string alice = opened.Json()["id"];
+    auto fb = server.Call("POST", "/v1/train/sessions/" + alice + "/forward_backward",
+                          EncodeBatch({{"loss", "cross_entropy"}}, data), kBatchContentType, kAlice);
+    ASSERT_EQ(fb.status, 200) << fb.body;
+    ASSERT_EQ(post(server, kAlice, alice, "optim_step", json::object()).status, 200);
+    auto saved = post(server, kAlice, alice, "save_state", {{"name", "mine"}});
+    ASSERT_EQ(saved.status, 200) << saved.body;
+    path = saved.Json()["path"];
+
+    auto bob_opened = open(server, kBob, {{"name", "bob-run"}});
+    ASSERT_EQ(bob_opened.status, 201) << bob_opened.body;
+    const std::string bob = bob_opened.Json()["id"];
+    auto loaded = post(server, kBob, bob, "load_state", {{"path", path}});
+    EXPECT_EQ(loaded.status, 404) << "bob loaded alice's state: " << loaded.body;
+    auto from = open(server, kBob, {{"name", "bob-copy"}, {"from_state", path}});
+    EXPECT_EQ(from.status, 404) << "bob opened a session from alice's state: " << from.body;
+    EXPECT_EQ(post(server, kBob, bob, "get_info", json::object()).Json()["step"].get<uint64_t>(), 0u);
+    // Closed, its states are still alice's alone.
+    ASSERT_EQ(server.Call("DELETE", "/v1/train/sessions/" + alice, "", "", kAlice).status, 200);
+    loaded = post(server, kBob, bob, "load_state", {{"path", path}});
+    EXPECT_EQ(loaded.status, 404) << "bob loaded a closed session's state: " << loaded.body;
+    auto again = open(server, kAlice, {{"name", "alice-again"}, {"from_state", path}});
+    ASSERT_EQ(again.status, 201) << again.body;
+    alice_again = again.Json()["id"];
+    EXPECT_EQ(again.Json()["step"].get<uint64_t>(), 1u);
+    ASSERT_EQ(post(server, kAlice, alice_again, "save_state", {{"name", "again"}}).status, 200);
+  }
+  // After a restart the restored session is alice's, and so are the states.
+  Server server(ServiceOptions(dir, /*lora=*/true), TwoTrainTokens());
+  auto bob_list = server.Call("GET", "/v1/train/sessions", "", "", kBob);
+  EXPECT_EQ(bob_list.Json()["sessions"].size(), 0u) << bob_list.body;
+  EXPECT_EQ(post(server, kBob, alice_again, "get_info", json::object()).status, 404);
+  auto info = post(server, kAlice, alice_again, "get_info", json::object());
+  EXPECT_EQ(info.status, 200) << info.body;
+  auto bob_opened = open(server, kBob, {{"name", "bob-after"}});
+  ASSERT_EQ(bob_opened.status, 201) << bob_opened.body;
+  auto loaded = post(server, kBob, bob_opened.Json()["id"].get<std::string>(), "load_state", {{"path", path}});
+  EXPECT_EQ(loaded.status, 404) << "bob loaded alice's state after a restart: " << loaded.body;
+  fs::remove_all(dir);
+}
+
+// A state saved before owners were recorded (no "owner" in its session.json) belongs to the
+// identity of a server without tokens: with tokens configured no token loads it.
+TEST(TrainingServiceTest, StatesSavedBeforeOwnersBelongToTheServerWithoutTokens) {
+  const std::string dir = TempDir("owner_legacy");
+  std::string path;
+  {
+    Server server(ServiceOptions(dir, /*lora=*/true));
+    const std::string id = server.Open({{"name", "old"}});
+    auto saved = server.Post(id, "save_state", {{"name", "old"}});
+    ASSERT_EQ(saved.status, 200) << saved.body;
+    path = saved.Json()["path"];
+    ASSERT_EQ(server.Call("DELETE", "/v1/train/sessions/" + id, "").status, 200);
+    const fs::path meta_path = fs::path(dir) / "sessions" / id / "session.json";
+    std::ifstream in(meta_path);
+    json meta = json::parse(in);
+    ASSERT_EQ(meta.value("owner", ""), "anonymous") << meta.dump();
+    meta.erase("owner");
+    std::ofstream(meta_path) << meta.dump(2) << "\n";
+  }
+  {
+    Server server(ServiceOptions(dir, /*lora=*/true), TwoTrainTokens());
+    auto from = server.Call("POST", "/v1/train/sessions",
+                            json{{"name", "alice"}, {"from_state", path}}.dump(), "application/json", kAlice);
+    EXPECT_EQ(from.status, 404) << "a token loaded a state without an owner: " << from.body;
+  }
+  Server server(ServiceOptions(dir, /*lora=*/true));
+  auto from = server.Call("POST", "/v1/train/sessions", json{{"name", "again"}, {"from_state", path}}.dump());
+  EXPECT_EQ(from.status, 201) << from.body;
+  fs::remove_all(dir);
+}
+
+// Open sessions are capped per token (default 8) and in all (default 64); the refusal names
+// the cap and the flag that raises it, and a closed session frees its place.
+TEST(TrainingServiceTest, SessionsAreCappedPerTokenAndInAll) {
+  const std::string dir = TempDir("cap");
+  transport::HttpServerOptions http;
+  std::vector<std::string> tokens;
+  for (int i = 0; i < 9; ++i) {
+    tokens.push_back("train-token-" + std::to_string(i));
+    http.scoped_tokens.push_back({tokens.back(), transport::kScopeTrain | transport::kScopeRead});
+  }
+  Server server(ServiceOptions(dir, /*lora=*/true), http);
+  auto open = [&](int token, const std::string& name) {
+    return server.Call("POST", "/v1/train/sessions", json{{"name", name}}.dump(), "application/json",
+                       tokens[token]);
+  };
+  std::vector<std::string> first_ids;
+  for (int i = 0; i < 8; ++i) {
+    auto opened = open(0, "t0-" + std::to_string(i));
+    ASSERT_EQ(opened.status, 201) << opened.body;
+    first_ids.push_back(opened.Json()["id"]);
+  }
+  auto refused = open(0, "t0-8");
+  EXPECT_EQ(refused.status, 409) << "a ninth session of one token: " << refused.body;
+  EXPECT_EQ(refused.Json().value("error", json::object()).value("code", ""), "too_many_sessions") << refused.body;
+  EXPECT_NE(refused.body.find("8"), std::string::npos) << refused.body;
+  EXPECT_NE(refused.body.find("--max-sessions-per-token"), std::string::npos) << refused.body;
+  for (int token = 1; token < 8; ++token) {
+    for (int i = 0; i < 8; ++i) {
+      auto opened = open(token, "t" + std::to_string(token) + "-" + std::to_string(i));
+      ASSERT_EQ(opened.status, 201) << opened.body;
+    }
+  }
+  refused = open(8, "t8-0");
+  EXPECT_EQ(refused.status, 409) << "a 65th session: " << refused.body;
+  EXPECT_EQ(refused.Json().value("error", json::object()).value("code", ""), "too_many_sessions") << refused.body;
+  EXPECT_NE(refused.body.find("64"), std::string::npos) << refused.body;
+  EXPECT_NE(refused.body.find("--max-sessions"), std::string::npos) << refused.body;
+  EXPECT_EQ(refused.body.find("--max-sessions-per-token"), std::string::npos) << refused.body;
+  // A closed session frees its place.
+  ASSERT_EQ(server.Call("DELETE", "/v1/train/sessions/" + first_ids[0], "", "", tokens[0]).status, 200);
+  auto reopened = open(8, "t8-0");
+  EXPECT_EQ(reopened.status, 201) << reopened.body;
   fs::remove_all(dir);
 }
 
