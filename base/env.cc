@@ -198,6 +198,18 @@ class PosixEnv final : public Env {
     return Status::IOError(path + ": could not find a free temporary file name");
   }
 
+  Result<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) override {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return ErrnoStatus("open for appending", path, errno);
+    return std::unique_ptr<WritableFile>(new PosixWritableFile(path, fd));
+  }
+
+  Result<uint32_t> FileMode(const std::string& path) override {
+    struct stat info;
+    if (::stat(path.c_str(), &info) != 0) return ErrnoStatus("stat", path, errno);
+    return static_cast<uint32_t>(info.st_mode & 07777);
+  }
+
   Result<std::string> MakeTempDir(const std::string& prefix) override {
     const char* tmpdir = std::getenv("TMPDIR");
     std::string base = tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
@@ -372,6 +384,16 @@ Status WriteFileAtomically(const std::string& path, std::span<const std::byte> b
   FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, env));
   FW_RETURN_IF_ERROR(file.Append(bytes));
   return file.Commit();
+}
+
+Status CheckPrivateFile(const std::string& path, std::string_view what, Env* env) {
+  FW_ASSIGN_OR_RETURN(const uint32_t mode, env->FileMode(path));
+  if ((mode & 077) == 0) return Status::Ok();
+  char octal[8];
+  std::snprintf(octal, sizeof(octal), "%04o", static_cast<unsigned>(mode));
+  return Status::InvalidArgument(std::string(what) + " " + path + " has mode " + octal +
+                                 ": group or others can access it, and it holds a secret; "
+                                 "make it private with: chmod 600 " + path);
 }
 
 }  // namespace flywheel

@@ -89,6 +89,13 @@ class Env {
   // ".<name>.tmp-<pid>-<random>" (exclusive create, mode 0666 & ~umask), for writing
   // `path` atomically. InvalidArgument when `path` names no file.
   virtual Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path) = 0;
+  // Opens `path` for appending, creating it (mode 0600) when missing; writes go to its
+  // end. For append-only logs: Append, then Sync before acknowledging. A file created here
+  // survives a crash only once its directory is synced too (SyncDir).
+  virtual Result<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) = 0;
+  // The permission bits (st_mode & 07777) of `path`, following symlinks. NotFound when
+  // there is nothing there.
+  virtual Result<uint32_t> FileMode(const std::string& path) = 0;
   // Creates a new directory "<TMPDIR or /tmp>/<prefix>XXXXXX" and returns its path.
   virtual Result<std::string> MakeTempDir(const std::string& prefix) = 0;
   // rename(2): atomically replaces `to` (same filesystem).
@@ -135,6 +142,10 @@ class EnvWrapper : public Env {
   Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path) override {
     return target_->NewTempFile(path);
   }
+  Result<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) override {
+    return target_->NewAppendableFile(path);
+  }
+  Result<uint32_t> FileMode(const std::string& path) override { return target_->FileMode(path); }
   Result<std::string> MakeTempDir(const std::string& prefix) override {
     return target_->MakeTempDir(prefix);
   }
@@ -229,5 +240,11 @@ class AtomicFile {
 // AtomicFile::Create, Append, Commit.
 Status WriteFileAtomically(const std::string& path, std::span<const std::byte> bytes,
                            Env* env = Env::Default());
+
+// Checks that the file at `path` holds a secret only its owner can read (a bearer token),
+// as ssh checks a private key: InvalidArgument when group or others have any access
+// (mode & 077), with a message naming `what` (the flag it came from), the file, its mode
+// and the chmod that fixes it; NotFound / IOError when it cannot be examined.
+Status CheckPrivateFile(const std::string& path, std::string_view what, Env* env = Env::Default());
 
 }  // namespace flywheel

@@ -1,12 +1,31 @@
 // The publisher's version ledger: one row per published version (where it came from, when,
 // its size on the wire, the client's metadata, who pushed it) and the pin state, kept in
-// <state-dir>/ledger.json so it survives restarts.
+// <state-dir>/ledger.log so it survives restarts.
 //
-// ledger.json (format 1), replaced atomically (temporary file, fsync, rename) on every
-// change: {"format": 1, "rows": [<row>, ...], "pin": null | <pin>, "events": [<event>, ...]}
-// with rows as ToJson(LedgerRow) writes them, oldest first. A ledger that is missing starts
-// empty; one that does not parse fails Open (Corruption, naming the file and the field):
-// the publisher does not start over a history it cannot read.
+// ledger.log (format 2) is append-only: a change appends one record and fsyncs it before
+// it is acknowledged, so a change costs the bytes of that change (a row's metadata, up to
+// the 1 MiB a push may carry, is written once, never again). Records are lines:
+//
+//   <16 lowercase hex digits: XXH3-64 of the JSON text> ' ' <JSON text, one line> '\n'
+//
+// The first record is {"format": 2}; each later one is either
+//   {"row": <row>}                              a version recorded (ToJson(LedgerRow)), or
+//   {"pin": null | <pin>, "event": <event>}     the pin in force from here on, and the pin or
+//                                               unpin event that set it (null: none).
+// Rows are never dropped and the pin is one record, so the log needs no compaction: Open
+// rewrites it (atomically: temporary file, fsync, rename) only to cut a torn tail or to
+// take over a format 1 ledger.json.
+//
+// Recovery (Open): a missing log starts empty. A last record that is cut short or fails its
+// checksum is an append interrupted by a crash, never acknowledged: it is dropped (and the
+// log rewritten without it). A bad record with good ones after it, or one that does not
+// parse, fails Open (Corruption, naming the file and the byte offset): the publisher does
+// not start over a history it cannot read. A failed append leaves the change undone in
+// memory, and the next change first rewrites the whole log from memory.
+//
+// Format 1, <state-dir>/ledger.json ({"format": 1, "rows": [...], "pin": ..., "events":
+// [...]}, rewritten whole on every change), is read once when no ledger.log exists beside
+// it, written out as a ledger.log, and removed.
 //
 // Thread-safe.
 #pragma once
@@ -55,6 +74,7 @@ nlohmann::json ToJson(const std::optional<PinState>& pin);
 
 class Ledger {
  public:
+  // `path`: the log, <state-dir>/ledger.log.
   static Result<std::unique_ptr<Ledger>> Open(const std::string& path, Env* env = Env::Default());
 
   // Adds a row (versions only move forward: a row at or below the last is InvalidArgument).
@@ -69,7 +89,14 @@ class Ledger {
 
  private:
   Ledger(std::string path, Env* env) : path_(std::move(path)), env_(env) {}
-  Status SaveLocked() const;  // REQUIRES: mu_
+  // Reads the log's records; sets *torn when the last one was cut short.
+  Status Load(bool* torn);
+  // Takes over a format 1 ledger.json.
+  Status LoadFormat1(const std::string& path);
+  // Writes the whole state as a new log (atomically) and reopens it for appending.
+  Status RewriteLocked();  // REQUIRES: mu_
+  // Appends one record and fsyncs it; after a failure the next call rewrites the log.
+  Status AppendLocked(const nlohmann::json& record);  // REQUIRES: mu_
 
   const std::string path_;
   Env* const env_;
@@ -77,6 +104,7 @@ class Ledger {
   std::vector<LedgerRow> rows_;     // GUARDED_BY(mu_)
   std::optional<PinState> pin_;     // GUARDED_BY(mu_)
   nlohmann::json events_ = nlohmann::json::array();  // GUARDED_BY(mu_)
+  std::unique_ptr<WritableFile> log_;  // GUARDED_BY(mu_); null: rewrite before appending
 };
 
 }  // namespace flywheel::sync

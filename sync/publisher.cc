@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "base/env.h"
+#include "base/json.h"
 #include "delta/safetensors.h"
 #include "sync/drop.h"
 #include "sync/node.h"
@@ -137,8 +138,10 @@ void Publisher::Impl::LoadSignatures() {
   const std::string path = options.log.dir + "/" + kSignaturesFile;
   Result<std::vector<std::byte>> bytes = Env::Default()->ReadFile(path);
   if (!bytes.ok()) return;  // a first start: a new run id
-  nlohmann::json document = nlohmann::json::parse(
-      std::string(reinterpret_cast<const char*>(bytes->data()), bytes->size()), nullptr, false);
+  Result<nlohmann::json> parsed =
+      ParseJson(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()), path,
+                JsonLimits{.max_bytes = bytes->size()});
+  const nlohmann::json document = parsed.ok() ? std::move(*parsed) : nlohmann::json();
   if (!document.is_object() || !document.contains("run_id") || !document["run_id"].is_string()) {
     spdlog::warn("{} does not parse; signing every artifact again under a new run id", path);
     return;
@@ -205,7 +208,7 @@ Status Publisher::Impl::SignArtifacts() {
 }
 
 Status Publisher::Impl::StartPush() {
-  FW_ASSIGN_OR_RETURN(ledger, Ledger::Open(options.log.dir + "/ledger.json"));
+  FW_ASSIGN_OR_RETURN(ledger, Ledger::Open(options.log.dir + "/ledger.log"));
   PushOptions& push_options = options.push;
   UploadStoreOptions staging;
   staging.dir = push_options.staging_dir.empty() ? options.log.dir + "/uploads"
@@ -215,7 +218,10 @@ Status Publisher::Impl::StartPush() {
   staging.max_part_bytes = push_options.max_part_bytes;
   staging.expiry = push_options.upload_expiry;
   FW_ASSIGN_OR_RETURN(std::unique_ptr<UploadStore> uploads, UploadStore::Open(staging));
-  const bool read_token_required = !options.common.token.empty() || !push_options.token.empty();
+  // Any token configured (the fleet's, the push token, or only scoped ones) makes every
+  // read need a token with the read scope.
+  const bool read_token_required = !options.common.token.empty() || !push_options.token.empty() ||
+                                   !options.common.scoped_tokens.empty();
   push = std::make_unique<PushApi>(executor, push_options, this, ledger.get(), std::move(uploads),
                                    &cpu, options.common.threads, read_token_required);
   push->Register(*http);

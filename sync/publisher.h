@@ -6,7 +6,7 @@
 // or a version already used before a restart), is rejected with a logged reason, listed in
 // /v1/status, and never retried; the publisher keeps serving the last good version.
 //
-// The HTTP port also serves the version ledger (<state-dir>/ledger.json: every version, its
+// The HTTP port also serves the version ledger (<state-dir>/ledger.log: every version, its
 // source, sizes and metadata), readiness and its long-poll, and, with a push token, the
 // push API: resumable uploads of full checkpoints or deltas, and pin/unpin
 // (sync/push_api.h, docs/PUSH_API.md).

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "base/json.h"
 #include "delta/safetensors.h"
 
 namespace flywheel::sync {
@@ -17,7 +18,6 @@ using transport::HttpResponse;
 namespace {
 
 constexpr std::chrono::milliseconds kWaitDefault{30000};
-constexpr std::chrono::milliseconds kWaitMax{300000};
 constexpr std::chrono::milliseconds kWaitTick{25};
 constexpr uint64_t kControlBodyLimit = 1 << 20;
 
@@ -140,6 +140,8 @@ struct PushApi::Impl : std::enable_shared_from_this<PushApi::Impl> {
   std::atomic<bool> stopped{false};
   // Commits and pins run one at a time on the CPU pool; this says a pin is in force.
   std::atomic<bool> pinned{false};
+  // GET /v1/wait requests being held (at most options.max_waiters).
+  std::atomic<size_t> waiters{0};
 
   std::optional<HttpResponse> DenyPush(const HttpRequest& request) const;
   std::optional<HttpResponse> DenyRead(const HttpRequest& request) const;
@@ -223,9 +225,12 @@ HttpResponse PushApi::Impl::UploadFailure(const Status& status, const std::strin
 }
 
 HttpResponse PushApi::Impl::CreateUpload(const HttpRequest& request) {
-  const nlohmann::json body = nlohmann::json::parse(request.body, nullptr, false);
-  if (body.is_discarded()) return Error(400, "bad_request", "the request body is not JSON");
-  Result<UploadSpec> spec = ParseUploadSpec(body);
+  // The route takes part-sized bodies (PUT); a create is a control body, parsed here on the
+  // network thread, so it gets the control limit.
+  Result<nlohmann::json> body =
+      ParseJson(request.body, "the request body", JsonLimits{.max_bytes = kControlBodyLimit});
+  if (!body.ok()) return Error(400, "bad_request", body.status().message());
+  Result<UploadSpec> spec = ParseUploadSpec(*body);
   if (!spec.ok()) return Error(400, "bad_request", spec.status().message());
   if (pinned) {
     return Error(409, "pinned", "the fleet is pinned; unpin before pushing",
@@ -347,9 +352,12 @@ HttpResponse PushApi::Impl::PublishStaged(const StagedUpload& staged, const std:
 }
 
 HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow row) {
-  Result<std::vector<std::byte>> bytes = Env::Default()->ReadFile(staged.CheckpointPath());
-  if (!bytes.ok()) return Error(500, "internal", bytes.status().message());
-  Result<delta::DeltaView> view = delta::DeltaView::Parse(*bytes);
+  // Mapped, never read whole: the apply and the log's copy read it where it lies on disk,
+  // so a commit holds the rebuilt base (the head's size) and not the delta's gigabytes.
+  Result<std::unique_ptr<MappedRegion>> mapped = Env::Default()->MapReadOnly(staged.CheckpointPath());
+  if (!mapped.ok()) return Error(500, "internal", mapped.status().message());
+  const std::span<const std::byte> bytes = (*mapped)->bytes();
+  Result<delta::DeltaView> view = delta::DeltaView::Parse(bytes);
   if (!view.ok()) return Error(422, "invalid_delta", "upload " + staged.id + ": " + view.status().message());
   const delta::Manifest& manifest = view->manifest();
   if (manifest.keyframe || manifest.base_version != staged.spec.base_version ||
@@ -360,7 +368,7 @@ HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow r
                      std::to_string(manifest.target_version) + (manifest.keyframe ? " (a keyframe)" : "") +
                      ", the upload declared base v" + std::to_string(staged.spec.base_version));
   }
-  Result<RebuiltCheckpoint> rebuilt = target->version_log().ApplyDelta(*bytes, threads);
+  Result<RebuiltCheckpoint> rebuilt = target->version_log().ApplyDelta(bytes, threads);
   if (!rebuilt.ok()) {
     const StatusCode code = rebuilt.status().code();
     if (code == StatusCode::kNotFound || code == StatusCode::kMismatch) {
@@ -374,7 +382,7 @@ HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow r
   known.tensor_hashes = rebuilt->tensor_hashes;
   known.checkpoint_hash = rebuilt->hash;
   // A delta from the head is the log's own delta artifact for this version, byte for byte.
-  if (manifest.base_version == target->version_log().head_version()) known.encoded_delta = *bytes;
+  if (manifest.base_version == target->version_log().head_version()) known.encoded_delta = bytes;
   return Published(manifest.target_version, rebuilt->checkpoint.view(), known, std::move(row));
 }
 
@@ -453,9 +461,21 @@ awaitable<HttpResponse> PushApi::Impl::Wait(HttpRequest request) {
   if (!(wanted >= 0.0 && wanted <= 1.0)) {
     co_return Error(400, "bad_request", "fraction must be in [0, 1]");
   }
+  // Each waiter holds a connection slot: at most max_waiters, each for at most max_wait.
+  if (waiters.fetch_add(1) >= options.max_waiters) {
+    --waiters;
+    co_return Error(503, "too_many_waiters",
+                    std::to_string(options.max_waiters) +
+                        " long-polls are waiting already; retry, or poll GET /v1/readiness");
+  }
+  struct Leave {
+    std::atomic<size_t>& count;
+    ~Leave() { --count; }
+  } leave{waiters};
+  const std::chrono::milliseconds granted =
+      std::min(options.max_wait, std::chrono::milliseconds(std::get<uint64_t>(timeout_ms)));
   const auto start = std::chrono::steady_clock::now();
-  const auto deadline =
-      start + std::min(kWaitMax, std::chrono::milliseconds(std::get<uint64_t>(timeout_ms)));
+  const auto deadline = start + granted;
   for (;;) {
     const Readiness readiness = ReadinessOf(target->Fleet(), std::get<uint64_t>(version));
     const uint64_t needed = std::max<uint64_t>(
@@ -468,6 +488,7 @@ awaitable<HttpResponse> PushApi::Impl::Wait(HttpRequest request) {
       json["head_version"] = target->version_log().head_version();
       json["ready"] = ready;
       json["needed"] = needed;
+      json["timeout_ms"] = granted.count();
       json["waited_ms"] = std::chrono::duration<double, std::milli>(now - start).count();
       co_return JsonResponse(200, json);
     }
@@ -484,9 +505,11 @@ awaitable<HttpResponse> PushApi::Impl::Pin(HttpRequest request) {
     std::optional<HttpResponse> response = co_await transport::RunOn(*cpu, std::move(unpin));
     co_return response ? std::move(*response) : Error(500, "internal", "the unpin did not run");
   }
-  const nlohmann::json body = nlohmann::json::parse(request.body, nullptr, false);
-  if (body.is_discarded() || !body.is_object() || !body.contains("version") ||
-      !body["version"].is_number_unsigned()) {
+  Result<nlohmann::json> parsed =
+      ParseJson(request.body, "the request body", JsonLimits{.max_bytes = kControlBodyLimit});
+  if (!parsed.ok()) co_return Error(400, "bad_request", parsed.status().message());
+  const nlohmann::json& body = *parsed;
+  if (!body.is_object() || !body.contains("version") || !body["version"].is_number_unsigned()) {
     co_return Error(400, "bad_request", "the body must be {\"version\": N, \"metadata\": {...}}");
   }
   nlohmann::json metadata = body.value("metadata", nlohmann::json::object());

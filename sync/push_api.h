@@ -31,6 +31,10 @@ struct PushOptions {
   uint64_t max_upload_bytes = 64ull << 30;
   uint64_t max_part_bytes = 64ull << 20;
   std::chrono::milliseconds upload_expiry{3600 * 1000};
+  // GET /v1/wait: one long-poll waits at most this long (a longer timeout_ms is cut to it),
+  // and at most max_waiters wait at once (more answer 503 too_many_waiters at once).
+  std::chrono::milliseconds max_wait{60000};
+  size_t max_waiters = 32;
 };
 
 // What the push API needs from the publisher that owns it.

@@ -297,8 +297,12 @@ UploadStore::~UploadStore() {
 
 uint64_t UploadStore::staged_bytes() const {
   std::lock_guard lock(mu_);
+  return StagedBytesLocked();
+}
+
+uint64_t UploadStore::StagedBytesLocked() const {
   uint64_t total = 0;
-  for (const auto& [id, upload] : uploads_) total += upload.spec.size;
+  for (const auto& [id, upload] : uploads_) total += upload->spec.size;
   return total;
 }
 
@@ -316,19 +320,19 @@ UploadState UploadStore::StateOf(const std::string& id, const Upload& upload) co
   return state;
 }
 
-Result<UploadStore::Upload*> UploadStore::Find(const std::string& id) {
+Result<std::shared_ptr<UploadStore::Upload>> UploadStore::Find(const std::string& id) {
   auto it = uploads_.find(id);
   if (it == uploads_.end()) {
     return Status::NotFound(expired_.count(id) ? "upload " + id + " expired and was removed"
                                                : "no upload " + id);
   }
-  return &it->second;
+  return it->second;
 }
 
 void UploadStore::RemoveLocked(const std::string& id) {
   auto it = uploads_.find(id);
   if (it == uploads_.end()) return;
-  (void)env_->RemoveAll(it->second.dir);
+  (void)env_->RemoveAll(it->second->dir);
   uploads_.erase(it);
 }
 
@@ -338,65 +342,100 @@ Result<UploadState> UploadStore::Create(UploadSpec spec) {
                                      " bytes is above the limit of " +
                                      std::to_string(options_.max_upload_bytes));
   }
-  std::lock_guard lock(mu_);
-  if (uploads_.size() >= kMaxOpenUploads) {
-    return Status::ResourceExhausted(std::to_string(uploads_.size()) +
-                                     " uploads are open already; commit or abort some first");
-  }
-  uint64_t staged = 0;
-  for (const auto& [id, upload] : uploads_) staged += upload.spec.size;
-  if (staged + spec.size > options_.quota_bytes) {
-    return Status::ResourceExhausted(
-        "upload of " + std::to_string(spec.size) + " bytes does not fit the staging quota (" +
-        std::to_string(options_.quota_bytes - std::min(staged, options_.quota_bytes)) + " of " +
-        std::to_string(options_.quota_bytes) + " bytes left)");
-  }
   const std::string id = NewUploadId();
-  Upload upload{std::move(spec), options_.dir + "/" + id, {}, env_->NowMicros(), false};
-  std::error_code ec;
-  std::filesystem::create_directory(upload.dir, ec);
-  if (ec) return Status::IOError("cannot create " + upload.dir + ": " + ec.message());
-  for (const UploadFile& file : upload.spec.files) {
-    Status allocated = Allocate(upload.dir + "/" + file.name, file.size);
-    if (!allocated.ok()) {
-      (void)env_->RemoveAll(upload.dir);
-      return allocated;
+  auto upload = std::make_shared<Upload>();
+  upload->spec = std::move(spec);
+  upload->dir = options_.dir + "/" + id;
+  upload->last_activity_us = env_->NowMicros();
+  upload->busy = 1;  // the allocation below; nobody knows the id yet
+  {
+    // The quota is reserved here, under the lock; the (possibly slow) allocation is not.
+    std::lock_guard lock(mu_);
+    if (uploads_.size() >= kMaxOpenUploads) {
+      return Status::ResourceExhausted(std::to_string(uploads_.size()) +
+                                       " uploads are open already; commit or abort some first");
     }
+    const uint64_t staged = StagedBytesLocked();
+    if (staged + upload->spec.size > options_.quota_bytes) {
+      return Status::ResourceExhausted(
+          "upload of " + std::to_string(upload->spec.size) +
+          " bytes does not fit the staging quota (" +
+          std::to_string(options_.quota_bytes - std::min(staged, options_.quota_bytes)) + " of " +
+          std::to_string(options_.quota_bytes) + " bytes left)");
+    }
+    uploads_.emplace(id, upload);
   }
-  auto [it, inserted] = uploads_.emplace(id, std::move(upload));
-  return StateOf(id, it->second);
+  Status allocated;
+  std::error_code ec;
+  std::filesystem::create_directory(upload->dir, ec);
+  if (ec) allocated = Status::IOError("cannot create " + upload->dir + ": " + ec.message());
+  for (const UploadFile& file : upload->spec.files) {
+    if (!allocated.ok()) break;
+    allocated = Allocate(upload->dir + "/" + file.name, file.size);
+  }
+  std::lock_guard lock(mu_);
+  --upload->busy;
+  if (!allocated.ok()) {
+    RemoveLocked(id);
+    return allocated;
+  }
+  return StateOf(id, *upload);
 }
+
+namespace {
+
+// Writes the body bytes [offset, offset + bytes.size()) into the upload's files.
+Status WriteBody(const std::string& dir, const std::vector<UploadFile>& files, uint64_t offset,
+                 std::span<const std::byte> bytes) {
+  uint64_t file_begin = 0;
+  for (const UploadFile& file : files) {
+    const uint64_t begin = std::max(offset, file_begin);
+    const uint64_t end = std::min<uint64_t>(offset + bytes.size(), file_begin + file.size);
+    if (begin < end) {
+      FW_RETURN_IF_ERROR(WriteAt(dir + "/" + file.name, begin - file_begin,
+                                 bytes.subspan(begin - offset, end - begin)));
+    }
+    file_begin += file.size;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 Result<UploadState> UploadStore::Write(const std::string& id, uint64_t offset,
                                        std::span<const std::byte> bytes) {
-  std::lock_guard lock(mu_);
-  FW_ASSIGN_OR_RETURN(Upload * upload, Find(id));
-  if (upload->taken) return Status::Mismatch("upload " + id + " is being committed");
   if (bytes.size() > options_.max_part_bytes) {
     return Status::ResourceExhausted("part of " + std::to_string(bytes.size()) +
                                      " bytes is above the limit of " +
                                      std::to_string(options_.max_part_bytes));
   }
-  if (offset > upload->spec.size || bytes.size() > upload->spec.size - offset) {
-    return Status::InvalidArgument("part [" + std::to_string(offset) + ", " +
-                                   std::to_string(offset + bytes.size()) +
-                                   ") lies outside the upload's " +
-                                   std::to_string(upload->spec.size) + " bytes");
-  }
-  uint64_t file_begin = 0;
-  for (const UploadFile& file : upload->spec.files) {
-    const uint64_t begin = std::max(offset, file_begin);
-    const uint64_t end = std::min<uint64_t>(offset + bytes.size(), file_begin + file.size);
-    if (begin < end) {
-      Status wrote = WriteAt(upload->dir + "/" + file.name, begin - file_begin,
-                             bytes.subspan(begin - offset, end - begin));
-      if (!wrote.ok()) {
-        if (wrote.code() == StatusCode::kUnavailable) RemoveLocked(id);
-        return wrote;
-      }
+  std::shared_ptr<Upload> upload;
+  {
+    std::lock_guard lock(mu_);
+    FW_ASSIGN_OR_RETURN(upload, Find(id));
+    if (upload->taken) return Status::Mismatch("upload " + id + " is being committed");
+    if (offset > upload->spec.size || bytes.size() > upload->spec.size - offset) {
+      return Status::InvalidArgument("part [" + std::to_string(offset) + ", " +
+                                     std::to_string(offset + bytes.size()) +
+                                     ") lies outside the upload's " +
+                                     std::to_string(upload->spec.size) + " bytes");
     }
-    file_begin += file.size;
+    ++upload->busy;  // Take and ExpireIdle leave it alone until the bytes are down
+    upload->last_activity_us = env_->NowMicros();
   }
+  // Outside the lock: a 64 MiB part to a slow disk holds up no other upload. spec and dir
+  // never change after Create; the bytes land inside the space Create allocated (and
+  // counted against the quota), so the quota holds while this runs.
+  const Status wrote = WriteBody(upload->dir, upload->spec.files, offset, bytes);
+  std::lock_guard lock(mu_);
+  --upload->busy;
+  auto current = uploads_.find(id);
+  const bool still_held = current != uploads_.end() && current->second == upload;
+  if (!wrote.ok()) {
+    if (wrote.code() == StatusCode::kUnavailable && still_held) RemoveLocked(id);
+    return wrote;
+  }
+  if (!still_held) return Status::NotFound("upload " + id + " was removed while a part was written");
   // Merge [offset, offset + size) into the received ranges.
   uint64_t begin = offset, end = offset + bytes.size();
   auto it = upload->received.upper_bound(begin);
@@ -413,7 +452,7 @@ Result<UploadState> UploadStore::Write(const std::string& id, uint64_t offset,
 
 Result<UploadState> UploadStore::State(const std::string& id) {
   std::lock_guard lock(mu_);
-  FW_ASSIGN_OR_RETURN(Upload * upload, Find(id));
+  FW_ASSIGN_OR_RETURN(std::shared_ptr<Upload> upload, Find(id));
   upload->last_activity_us = env_->NowMicros();
   return StateOf(id, *upload);
 }
@@ -422,8 +461,12 @@ Result<StagedUpload> UploadStore::Take(const std::string& id) {
   StagedUpload staged;
   {
     std::lock_guard lock(mu_);
-    FW_ASSIGN_OR_RETURN(Upload * upload, Find(id));
+    FW_ASSIGN_OR_RETURN(std::shared_ptr<Upload> upload, Find(id));
     if (upload->taken) return Status::Mismatch("upload " + id + " is being committed already");
+    if (upload->busy > 0) {
+      return Status::Mismatch("upload " + id +
+                              " has a part still being written; commit once it is acknowledged");
+    }
     const UploadState state = StateOf(id, *upload);
     if (!state.missing.empty()) {
       return Status::Mismatch("upload " + id + " is incomplete: " +
@@ -464,7 +507,9 @@ size_t UploadStore::ExpireIdle() {
   const int64_t expiry_us = static_cast<int64_t>(options_.expiry.count()) * 1000;
   std::vector<std::string> idle;
   for (const auto& [id, upload] : uploads_) {
-    if (!upload.taken && now - upload.last_activity_us > expiry_us) idle.push_back(id);
+    if (!upload->taken && upload->busy == 0 && now - upload->last_activity_us > expiry_us) {
+      idle.push_back(id);
+    }
   }
   for (const std::string& id : idle) {
     RemoveLocked(id);

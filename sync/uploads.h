@@ -19,7 +19,11 @@
 // body does not match its digest: the upload is removed), IOError (anything else the OS
 // refused).
 //
-// Thread-safe: every call may come from any thread.
+// Thread-safe: every call may come from any thread. One lock guards the bookkeeping (which
+// uploads exist, their received ranges, the quota); no disk I/O runs under it: a part's
+// bytes are written, and an upload's files allocated, outside it, so one slow 64 MiB part
+// holds up no other upload. While a part of an upload is being written, Take refuses it
+// (Mismatch) and ExpireIdle skips it; a Remove meanwhile wins (the write answers NotFound).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -123,22 +127,27 @@ class UploadStore {
   uint64_t staged_bytes() const;  // declared sizes of the uploads held
 
  private:
+  // spec and dir are set before the upload is in uploads_ and never change: they are read
+  // without the lock. The rest is GUARDED_BY(mu_).
   struct Upload {
     UploadSpec spec;
     std::string dir;
     std::map<uint64_t, uint64_t> received;  // begin -> end, disjoint, merged
     int64_t last_activity_us = 0;
     bool taken = false;
+    int busy = 0;  // part writes (or Create's allocation) running outside the lock
   };
   UploadStore(UploadStoreOptions options, Env* env) : options_(std::move(options)), env_(env) {}
   UploadState StateOf(const std::string& id, const Upload& upload) const;  // REQUIRES: mu_
-  Result<Upload*> Find(const std::string& id);                               // REQUIRES: mu_
+  Result<std::shared_ptr<Upload>> Find(const std::string& id);              // REQUIRES: mu_
   void RemoveLocked(const std::string& id);                                  // REQUIRES: mu_
+  uint64_t StagedBytesLocked() const;                                        // REQUIRES: mu_
 
   const UploadStoreOptions options_;
   Env* const env_;
   mutable std::mutex mu_;
-  std::map<std::string, Upload> uploads_;  // GUARDED_BY(mu_)
+  // Shared so that a part write outside the lock keeps its upload alive through a Remove.
+  std::map<std::string, std::shared_ptr<Upload>> uploads_;  // GUARDED_BY(mu_)
   std::set<std::string> expired_;          // GUARDED_BY(mu_)
 };
 

@@ -473,15 +473,16 @@ std::vector<uint64_t> Rebuildable(const std::vector<ArtifactInfo>& artifacts) {
 }
 
 // A copy of a verified delta container from the head to `version` (AppendOptions).
-Result<std::vector<std::byte>> GivenDelta(std::span<const std::byte> container, uint64_t base,
-                                          uint64_t version) {
+// Checks a given delta (AppendOptions::encoded_delta); its bytes are used where they are,
+// never copied (a pushed delta may be a mapped file of gigabytes).
+Status CheckGivenDelta(std::span<const std::byte> container, uint64_t base, uint64_t version) {
   FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(container));
   const delta::Manifest& manifest = view.manifest();
   if (manifest.keyframe || manifest.base_version != base || manifest.target_version != version) {
     return Status::InvalidArgument("the given delta is not one from version " +
                                    std::to_string(base) + " to " + std::to_string(version));
   }
-  return std::vector<std::byte>(container.begin(), container.end());
+  return Status::Ok();
 }
 
 // Anything in artifacts/ that log.json does not name, and any temporary log.json, is a
@@ -877,14 +878,20 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
   if (write_delta) {
     encode.base_tensor_hashes = s.head_tensor_hashes;
     if (!given.encoded_delta.empty()) {
-      delta_bytes = GivenDelta(given.encoded_delta, s.head_version, version);
+      if (Status checked = CheckGivenDelta(given.encoded_delta, s.head_version, version); !checked.ok()) {
+        delta_bytes = checked;
+      }
     } else if (streamed) {
       Status encoded = delta::EncodeStreamed(s.head.view(), checkpoint, encode, sink);
       if (!encoded.ok()) delta_bytes = encoded;
     } else {
       delta_bytes = delta::Encode(s.head.view(), checkpoint, encode);
     }
-    if (delta_bytes.ok()) delta_span = streamed ? sink.bytes() : std::span<const std::byte>(*delta_bytes);
+    if (delta_bytes.ok()) {
+      delta_span = !given.encoded_delta.empty() ? given.encoded_delta
+                   : streamed                  ? sink.bytes()
+                                               : std::span<const std::byte>(*delta_bytes);
+    }
     result.encoded_at = std::chrono::system_clock::now();
     if (hash_in_encode) {
       const std::string context =

@@ -53,7 +53,8 @@ Status TorchOnly(const std::string& command);
 int DefaultThreads();
 
 // The first line of a token file, trailing whitespace removed; NotFound / InvalidArgument
-// (empty) name `flag` and the path, never the token.
+// (empty, or open to group or others: CheckPrivateFile in base/env.h) name `flag` and the
+// path, never the token.
 Result<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
 
 // --scoped-token-file SCOPES:FILE entries ("read:/etc/fw/dashboard.token",

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <unistd.h>
 
+#include "base/env.h"
 #include "tools/commands.h"
 
 #ifndef FLYWHEEL_VERSION
@@ -59,6 +60,7 @@ int DefaultThreads() {
 }
 
 Result<std::string> ReadTokenFile(const std::string& path, const std::string& flag) {
+  FW_RETURN_IF_ERROR(CheckPrivateFile(path, flag));
   std::ifstream in(path);
   if (!in) return Status::NotFound("cannot read " + flag + " " + path);
   std::string token;

@@ -32,7 +32,7 @@ _log = logging.getLogger("flywheel")
 ProgressCallback = Callable[[int, int], None]
 
 DEFAULT_PART_SIZE = 8 << 20
-_MAX_WAIT_MS = 300_000  # the server's cap on one long-poll
+_MAX_WAIT_MS = 60_000  # the server's cap on one long-poll (docs/PUSH_API.md)
 
 
 class _Body:

@@ -1,9 +1,11 @@
 #include "base/env.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -347,6 +349,30 @@ TEST(ClockTest, ManualClockTimedWaitEndsAtTheDrivenDeadline) {
   // A deadline already passed returns at once.
   std::unique_lock lock(mutex);
   clock.WaitUntil(cv, lock, deadline);
+}
+
+// ---------------------------------------------------------------------------------------
+// Secrets: a token file open to group or others is refused, as ssh refuses such a key.
+
+TEST_F(EnvTest, PrivateFileCheckRefusesAFileOthersCanRead) {
+  const std::string path = P("push.token");
+  ASSERT_TRUE(WriteFileAtomically(path, Bytes("secret\n"), env_).ok());
+  for (mode_t mode : {0644, 0640, 0604, 0660, 0620}) {
+    ASSERT_EQ(::chmod(path.c_str(), mode), 0);
+    const Status status = CheckPrivateFile(path, "--token-file", env_);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << std::oct << mode;
+    char octal[8];
+    std::snprintf(octal, sizeof(octal), "%04o", static_cast<unsigned>(mode));
+    EXPECT_NE(status.message().find(path), std::string::npos) << status.message();
+    EXPECT_NE(status.message().find(octal), std::string::npos) << status.message();
+    EXPECT_NE(status.message().find("chmod 600 " + path), std::string::npos) << status.message();
+    EXPECT_NE(status.message().find("--token-file"), std::string::npos) << status.message();
+  }
+  for (mode_t mode : {0600, 0400}) {
+    ASSERT_EQ(::chmod(path.c_str(), mode), 0);
+    EXPECT_TRUE(CheckPrivateFile(path, "--token-file", env_).ok()) << std::oct << mode;
+  }
+  EXPECT_EQ(CheckPrivateFile(P("missing.token"), "--token-file", env_).code(), StatusCode::kNotFound);
 }
 
 }  // namespace

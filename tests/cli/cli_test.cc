@@ -690,6 +690,9 @@ TEST_F(CliTest, BenchStartupMeetsItsTargets) {
 TEST_F(CliTest, PushVersionsPinAndUnpinAgainstAPublisher) {
   WriteFile(Path("push.token"), "cli-push-token\n");
   WriteFile(Path("read.token"), "cli-read-token\n");
+  for (const char* token : {"push.token", "read.token"}) {  // token files must be private
+    fs::permissions(Path(token), fs::perms::owner_read | fs::perms::owner_write);
+  }
   fs::create_directories(Path("logs"));
   pipeline::ProcessGroup group(Path("logs"));
   Result<size_t> publisher = group.Start(

@@ -126,6 +126,7 @@ def run(bin_dir: str, work_dir: str, fleet: Fleet) -> None:
     for path, token in ((push_token_file, PUSH_TOKEN), (read_token_file, READ_TOKEN)):
         with open(path, "w", encoding="utf-8") as out:
             out.write(token + "\n")
+        os.chmod(path, 0o600)  # flywheel refuses a token file others can read
     os.makedirs(os.path.join(work_dir, "watch"))
 
     with step("start the publisher"):
