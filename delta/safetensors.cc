@@ -1,5 +1,7 @@
 #include "delta/safetensors.h"
 
+#include "base/json.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -94,28 +96,9 @@ constexpr int kMaxJsonDepth = 128;
 
 // Offset of the bracket that nests deeper than kMaxJsonDepth, if any.
 std::optional<size_t> FindExcessiveNesting(std::string_view text) {
-  int depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxJsonDepth) return i;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return std::nullopt;
+  const size_t at = json_internal::OffsetTooDeep(text, kMaxJsonDepth);
+  if (at == text.size()) return std::nullopt;
+  return at;
 }
 
 // Parses `text` as JSON with duplicate-key detection. `what` names the document.

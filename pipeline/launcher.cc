@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "base/env.h"
+#include "base/json.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"
 
@@ -41,8 +42,8 @@ Result<json> GetJson(const std::string& endpoint_text, const std::string& token,
     return Status::Unavailable("GET http://" + endpoint_text + "/v1/status: HTTP " +
                                std::to_string(response.status));
   }
-  json body = json::parse(response.body, nullptr, false);
-  if (!body.is_object()) return Status::Corruption("GET /v1/status: not a JSON object");
+  Result<json> body = ParseJson(response.body, "GET /v1/status");
+  if (!body.ok() || !body->is_object()) return Status::Corruption("GET /v1/status: not a JSON object");
   return body;
 }
 

@@ -7,6 +7,8 @@
 #include <map>
 #include <set>
 
+#include "base/json.h"
+
 namespace flywheel::rl {
 namespace {
 
@@ -176,26 +178,10 @@ Status ExpectNumber(const json& value, const std::string& key) {
 }  // namespace
 
 json ParseShallowJson(std::string_view text, int max_depth) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char ch : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (ch == '\\') {
-        escaped = true;
-      } else if (ch == '"') {
-        in_string = false;
-      }
-    } else if (ch == '"') {
-      in_string = true;
-    } else if (ch == '[' || ch == '{') {
-      if (++depth > max_depth) return json(json::value_t::discarded);
-    } else if (ch == ']' || ch == '}') {
-      --depth;
-    }
-  }
-  return json::parse(text, nullptr, false);
+  JsonLimits limits;
+  limits.max_depth = max_depth;
+  Result<json> parsed = ParseJson(text, "", limits);
+  return parsed.ok() ? std::move(parsed).value() : json(json::value_t::discarded);
 }
 
 Result<WireBatch> DecodeBatch(std::string_view body, const WireLimits& limits) {

@@ -8,6 +8,7 @@
 #include <optional>
 #include <random>
 
+#include "base/json.h"
 #include "tokenizer/incremental.h"
 #include "tokenizer/unicode.h"
 #include "transport/connection.h"
@@ -409,8 +410,11 @@ std::pair<ojson, std::string> ParseToolCalls(const std::string& text) {
   for (size_t at; (at = text.find(open, from)) != std::string::npos;) {
     const size_t end = text.find(close, at + open.size());
     if (end == std::string::npos) return {ojson::array(), text};
-    ojson call = ojson::parse(text.substr(at + open.size(), end - at - open.size()), nullptr, false);
-    if (call.is_discarded() || !call.is_object() || !call.contains("name") || !call["name"].is_string())
+    Result<ojson> parsed = ParseJson<ojson>(
+        std::string_view(text).substr(at + open.size(), end - at - open.size()), "a tool call");
+    if (!parsed.ok()) return {ojson::array(), text};
+    ojson call = std::move(parsed).value();
+    if (!call.is_object() || !call.contains("name") || !call["name"].is_string())
       return {ojson::array(), text};
     const ojson args = call.value("arguments", ojson::object());
     calls.push_back({{"id", RandomId("call_")},
@@ -457,9 +461,8 @@ Status FlattenContent(ojson& message, size_t index) {
 
 Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool chat,
                                                                            const std::string& body) {
-  ojson request = ojson::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (request.is_discarded() || !request.is_object())
-    return Status::InvalidArgument("the body is not a JSON object");
+  FW_ASSIGN_OR_RETURN(ojson request, ParseJson<ojson>(body, "the body"));
+  if (!request.is_object()) return Status::InvalidArgument("the body is not a JSON object");
   auto call = std::make_shared<Call>();
   call->chat = chat;
   call->created = NowSeconds();
@@ -921,8 +924,10 @@ transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::
 // --- tokenize, detokenize, models -----------------------------------------------------------
 
 transport::HttpResponse CompletionService::Tokenize(const std::string& body) {
-  ojson request = ojson::parse(body, nullptr, false);
-  if (request.is_discarded() || !request.is_object()) return JsonError(400, "the body is not a JSON object");
+  Result<ojson> parsed = ParseJson<ojson>(body, "the body");
+  if (!parsed.ok()) return ErrorFor(parsed.status());
+  ojson request = std::move(parsed).value();
+  if (!request.is_object()) return JsonError(400, "the body is not a JSON object");
   bool return_strs = false;
   Status s = Field(request, "return_token_strs", return_strs);
   if (!s.ok()) return ErrorFor(s);
@@ -974,8 +979,10 @@ transport::HttpResponse CompletionService::Tokenize(const std::string& body) {
 }
 
 transport::HttpResponse CompletionService::Detokenize(const std::string& body) {
-  ojson request = ojson::parse(body, nullptr, false);
-  if (request.is_discarded() || !request.is_object()) return JsonError(400, "the body is not a JSON object");
+  Result<ojson> parsed = ParseJson<ojson>(body, "the body");
+  if (!parsed.ok()) return ErrorFor(parsed.status());
+  ojson request = std::move(parsed).value();
+  if (!request.is_object()) return JsonError(400, "the body is not a JSON object");
   auto t = request.find("tokens");
   if (t == request.end() || !t->is_array() ||
       !std::all_of(t->begin(), t->end(), [](const ojson& v) { return v.is_number_integer(); }))

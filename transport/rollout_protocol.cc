@@ -4,6 +4,8 @@
 #include <nlohmann/json.hpp>
 #include <type_traits>
 
+#include "base/json.h"
+
 namespace flywheel::transport {
 namespace {
 
@@ -12,8 +14,7 @@ using nlohmann::json;
 std::string Quote(const std::string& text) { return "\"" + text + "\""; }
 
 Result<json> ParseObject(std::string_view body, const char* what) {
-  json document = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (document.is_discarded()) return Status::InvalidArgument(std::string(what) + ": not JSON");
+  FW_ASSIGN_OR_RETURN(json document, ParseJson(body, what));
   if (!document.is_object()) {
     return Status::InvalidArgument(std::string(what) + ": not a JSON object");
   }

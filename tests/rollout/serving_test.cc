@@ -106,7 +106,7 @@ TEST_F(ServingTest, CompletionsOverHttpMatchTheInProcessPath) {
 
 TEST_F(ServingTest, BadRequestsAre4xxAndTheWorkerKeepsServing) {
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"not json", "not a JSON object"},
+      {"not json", "not valid JSON"},
       {R"({"max_tokens": 4})", "'prompt' is required"},
       {R"({"prompt": "hi", "max_tokens": 200})", "context (max_model_len) is 128 tokens"},
       {R"({"prompt": "hi", "temperature": -1})", "temperature"},
@@ -134,6 +134,23 @@ TEST_F(ServingTest, BadRequestsAre4xxAndTheWorkerKeepsServing) {
   EXPECT_NE(other_answer.dump().find("'gpt-4o'"), std::string::npos);
   auto [named, named_answer] = Post(R"({"prompt": "hi", "model": "tiny", "max_tokens": 2})");
   EXPECT_EQ(named, 200) << named_answer.dump();
+  auto [ok, answer] = Post(R"({"prompt": "hi", "max_tokens": 2})");
+  EXPECT_EQ(ok, 200) << answer.dump();
+}
+
+// The request that killed a worker with a segmentation fault: `temperature` as 100,000
+// nested arrays in a 200 KB body (and a million in 2 MB, under the 4 MiB body limit), on every
+// JSON route. Each is a 400 naming the nesting, and the worker keeps serving.
+TEST_F(ServingTest, DeeplyNestedJsonIsRefusedOnEveryRouteAndTheWorkerKeepsServing) {
+  for (int depth : {100000, 1000000}) {
+    const std::string deep = std::string(depth, '[') + std::string(depth, ']');
+    for (const char* path : {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}) {
+      auto [status, answer] = Post(R"({"prompt": "hi", "temperature": )" + deep + "}", path);
+      EXPECT_EQ(status, 400) << path;
+      EXPECT_NE(answer.dump().find("nested deeper than 64 levels"), std::string::npos)
+          << path << " -> " << answer.dump();
+    }
+  }
   auto [ok, answer] = Post(R"({"prompt": "hi", "max_tokens": 2})");
   EXPECT_EQ(ok, 200) << answer.dump();
 }

@@ -50,7 +50,7 @@ TEST(RolloutProtocolTest, ClaimRequestOptionalFieldsKeepTheirDefaults) {
 }
 
 TEST(RolloutProtocolTest, MalformedClaimRequestsNameWhatWasWrong) {
-  ExpectRefused(ParseClaimRequest("{not json").status(), "not JSON");
+  ExpectRefused(ParseClaimRequest("{not json").status(), "not valid JSON");
   ExpectRefused(ParseClaimRequest("[1, 2]").status(), "not a JSON object");
   ExpectRefused(ParseClaimRequest(R"({"version": 1})").status(), "missing \"worker\"");
   ExpectRefused(ParseClaimRequest(R"({"worker": 7, "version": 1})").status(), "\"worker\"");
@@ -59,6 +59,17 @@ TEST(RolloutProtocolTest, MalformedClaimRequestsNameWhatWasWrong) {
   ExpectRefused(ParseClaimRequest(R"({"worker": "", "version": 1})").status(), "worker must be named");
   ExpectRefused(ParseClaimRequest(R"({"worker": "w", "version": 1, "max_groups": 0})").status(),
                 "max_groups >= 1");
+}
+
+// A worker's body nested 100,000 deep (the request that killed a worker on the serving
+// side) is refused by every parser of the coordinator's protocol, which never recurses on it.
+TEST(RolloutProtocolTest, DeeplyNestedBodiesAreRefusedByEveryParser) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const std::string claim = R"({"worker": "w", "version": 1, "max_groups": )" + deep + "}";
+  const std::string submit = R"({"worker": "w", "claim": 1, "version": 1, "samples": )" + deep + "}";
+  ExpectRefused(ParseClaimRequest(claim).status(), "nested deeper than 64 levels");
+  ExpectRefused(ParseSubmitRequest(submit).status(), "nested deeper than 64 levels");
+  ExpectRefused(ParseSubmitHeader(submit).status(), "nested deeper than 64 levels");
 }
 
 TEST(RolloutProtocolTest, ClaimAnswersOfEveryKindRoundTrip) {
