@@ -8,6 +8,8 @@
 #include <charconv>
 #include <exception>
 #include <limits>
+#include <list>
+#include <map>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -27,6 +29,13 @@ constexpr uint64_t kResponseBodyLimit = 64 * 1024 * 1024;
 // While a stream route's handler runs, the server reads what the client sends (to notice it
 // leaving) into the connection's buffer; it stops reading once this much is pipelined.
 constexpr size_t kPipelinedLimit = 64 * 1024;
+// A connection serves at most this many requests, then closes (nginx's keepalive_requests).
+constexpr int kRequestsPerConnection = 1000;
+// After an answer sent before the body was read (401, 403, 413), the server reads and drops
+// at most this much of the body for at most kLingerTime before it closes, so that the client
+// reads the answer instead of a reset (nginx's lingering close, bounded).
+constexpr size_t kLingerBytes = 64 * 1024;
+constexpr std::chrono::milliseconds kLingerTime{1000};
 
 using Request = http::request<http::string_body>;
 using Response = http::response<http::string_body>;
@@ -97,10 +106,32 @@ struct HttpServer::Impl {
   std::map<std::string, RouteEntry, std::less<>> routes;
   std::map<std::string, PostEntry, std::less<>> post_routes;
   std::map<std::string, ApiEntry, std::less<>> api_routes;
-  // Counts sessions from accept to the end of their coroutine (for max_connections).
-  size_t active_sessions = 0;
-  // Streams of the sessions that are running, so that Stop() can close them.
-  std::set<beast::tcp_stream*> live_streams;
+  // One per connection, from accept to the end of its coroutine: what max_connections,
+  // max_connections_per_address and the eviction of idle connections count.
+  struct Session {
+    std::string address;        // the client's address (no port)
+    std::string peer;           // "address:port"
+    beast::tcp_stream* stream = nullptr;  // set while the session's coroutine runs
+    bool idle = true;           // waiting for a request's header (no request in progress)
+    bool served = false;        // answered at least one request (a kept-alive connection)
+    std::chrono::steady_clock::time_point idle_since = std::chrono::steady_clock::now();
+    bool evicted = false;       // closed to make room: no longer counted
+  };
+  std::list<Session> sessions;
+  size_t evicted_pending = 0;  // evicted sessions whose coroutines have not ended yet
+  std::map<std::string, size_t, std::less<>> per_address;  // counted sessions per address
+  std::chrono::steady_clock::time_point last_refusal_log{};
+
+  size_t counted_sessions() const { return sessions.size() - evicted_pending; }
+  // Closes the idle connection that has waited longest for its next request (kept-alive
+  // ones before fresh ones), of `address` when it is not empty; false when none is idle.
+  bool EvictIdle(std::string_view address);
+  // Answers that need no body, decided from the header alone: 401 for a missing or unknown
+  // token, 403 for a token without the route's scope. Null: read the body.
+  std::optional<Response> Admit(const Request& request) const;
+  bool has_tokens() const {
+    return !options.token.empty() || !options.write_token.empty() || !options.scoped_tokens.empty();
+  }
   bool stopped = false;
 };
 
@@ -108,37 +139,49 @@ namespace {
 
 using Impl = HttpServer::Impl;
 
-// Holds a connection's place in Impl::active_sessions (and the Impl itself) for as long as
-// its coroutine frame exists, even if the frame is destroyed before it ever ran.
+// Holds a connection's place in Impl::sessions (and the Impl itself) for as long as its
+// coroutine frame exists, even if the frame is destroyed before it ever ran.
 class SessionSlot {
  public:
-  explicit SessionSlot(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {
-    ++impl_->active_sessions;
+  SessionSlot(std::shared_ptr<Impl> impl, std::string address, std::string peer)
+      : impl_(std::move(impl)) {
+    impl_->sessions.push_back(Impl::Session{std::move(address), std::move(peer)});
+    session_ = std::prev(impl_->sessions.end());
+    ++impl_->per_address[session_->address];
   }
-  SessionSlot(SessionSlot&& other) noexcept : impl_(std::move(other.impl_)) {}
+  SessionSlot(SessionSlot&& other) noexcept
+      : impl_(std::move(other.impl_)), session_(other.session_) {}
   SessionSlot& operator=(SessionSlot&&) = delete;
   ~SessionSlot() {
-    if (impl_) --impl_->active_sessions;
+    if (!impl_) return;
+    if (session_->evicted) {
+      --impl_->evicted_pending;
+    } else if (auto it = impl_->per_address.find(session_->address);
+               it != impl_->per_address.end() && --it->second == 0) {
+      impl_->per_address.erase(it);
+    }
+    impl_->sessions.erase(session_);
   }
   Impl& impl() const { return *impl_; }
+  Impl::Session& session() const { return *session_; }
 
  private:
   std::shared_ptr<Impl> impl_;
+  std::list<Impl::Session>::iterator session_;
 };
 
-// Registers a session's stream with Impl::live_streams while the session runs.
+// Makes a session's stream closable (by Stop() or an eviction) while the session runs.
 class LiveStream {
  public:
-  LiveStream(Impl& impl, beast::tcp_stream& stream) : impl_(impl), stream_(&stream) {
-    impl_.live_streams.insert(stream_);
+  LiveStream(Impl::Session& session, beast::tcp_stream& stream) : session_(session) {
+    session_.stream = &stream;
   }
   LiveStream(const LiveStream&) = delete;
   LiveStream& operator=(const LiveStream&) = delete;
-  ~LiveStream() { impl_.live_streams.erase(stream_); }
+  ~LiveStream() { session_.stream = nullptr; }
 
  private:
-  Impl& impl_;
-  beast::tcp_stream* stream_;
+  Impl::Session& session_;
 };
 
 Response MakeTextResponse(http::status status, std::string body) {
@@ -397,44 +440,100 @@ awaitable<StreamEnd> ServeStream(Impl& impl, Stream& stream, beast::flat_buffer&
   co_return StreamEnd::kRespond;
 }
 
+// Reads and drops what the client still sends (the body of a refused request), bounded by
+// kLingerBytes and kLingerTime, so that a close right after the answer does not reset it.
+template <typename Stream>
+awaitable<void> Linger(Stream& stream) {
+  beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
+  error_code ec;
+  if constexpr (std::is_same_v<Stream, beast::tcp_stream>) {
+    lowest.socket().shutdown(tcp::socket::shutdown_send, ec);
+  }
+  lowest.expires_after(kLingerTime);
+  size_t dropped = 0;
+  char sink[4096];
+  while (dropped < kLingerBytes) {
+    const size_t n =
+        co_await stream.async_read_some(asio::buffer(sink), asio::redirect_error(use_awaitable, ec));
+    if (ec) break;
+    dropped += n;
+  }
+}
+
+// Writes `response` (a refusal or limit answer that closes the connection) and lingers.
+template <typename Stream>
+awaitable<void> RefuseAndClose(Impl& impl, Stream& stream, Response response) {
+  response.keep_alive(false);
+  response.prepare_payload();
+  error_code ec;
+  beast::get_lowest_layer(stream).expires_after(impl.options.timeout);
+  co_await http::async_write(stream, response, asio::redirect_error(use_awaitable, ec));
+  if (ec) co_return;
+  awaitable<void> linger = Linger(stream);
+  co_await std::move(linger);
+}
+
 // Serves requests on an established stream until the peer closes, an error, a timeout or
 // a request without keep-alive. Returns true when the connection ended cleanly (so a TLS
 // close_notify is worth sending).
+//
+// Per request: the header is read into a buffer that holds at most kHeaderLimit bytes;
+// access is decided from the header alone (Impl::Admit), so a client without a valid token
+// is answered 401 and the connection closed before any of its body is read; then the
+// route's body limit applies, to a Content-Length at once and to a chunked body as it
+// arrives.
 template <typename Stream>
-awaitable<bool> ServeRequests(Impl& impl, Stream& stream) {
+awaitable<bool> ServeRequests(Impl& impl, Impl::Session& session, Stream& stream) {
   beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
   beast::flat_buffer buffer;
-  for (;;) {
+  for (int served = 0; served < kRequestsPerConnection; ++served) {
     http::request_parser<http::string_body> parser;
     parser.header_limit(kHeaderLimit);
     // The parser checks Content-Length against this when the header completes, before the
     // route is known: the largest limit here, the route's own right after the header.
     parser.body_limit(impl.MaxBodyLimit());
     error_code ec;
+    session.idle = true;
+    session.idle_since = std::chrono::steady_clock::now();
+    // Nothing beyond a header's worth is read before the request is admitted (bytes a
+    // client pipelined earlier may already be here).
+    buffer.max_size(std::max<size_t>(kHeaderLimit, buffer.size()));
     lowest.expires_after(impl.options.timeout);
     co_await http::async_read_header(stream, buffer, parser,
                                      asio::redirect_error(use_awaitable, ec));
-    if (!ec) {
+    session.idle = false;
+    if (ec == http::error::buffer_overflow) ec = http::error::header_limit;
+    if (!ec && !impl.stopped) {
+      if (std::optional<Response> refused = impl.Admit(parser.get())) {
+        impl.Finish(parser.get(), *refused);
+        // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
+        awaitable<void> refuse = RefuseAndClose(impl, stream, std::move(*refused));
+        co_await std::move(refuse);
+        co_return false;
+      }
+      buffer.max_size(std::numeric_limits<size_t>::max());
       const uint64_t limit = impl.BodyLimit(parser.get());
       if (parser.content_length() && *parser.content_length() > limit) {
         ec = http::error::body_limit;
       } else {
+        parser.body_limit(limit);  // a chunked body is checked against it as it arrives
         lowest.expires_after(impl.options.timeout);
         co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
-        if (!ec && parser.get().body().size() > limit) ec = http::error::body_limit;
       }
     }
     if (ec == http::error::end_of_stream) co_return true;
     if (ec == http::error::header_limit || ec == http::error::body_limit) {
-      Response response =
+      Response too_large =
           ec == http::error::header_limit
               ? MakeTextResponse(http::status::request_header_fields_too_large,
-                                 "request header too large\n")
-              : MakeTextResponse(http::status::payload_too_large, "request body too large\n");
-      response.keep_alive(false);
-      response.prepare_payload();
-      lowest.expires_after(impl.options.timeout);
-      co_await http::async_write(stream, response, asio::redirect_error(use_awaitable, ec));
+                                 "request header too large (limit " +
+                                     std::to_string(kHeaderLimit) + " bytes)\n")
+              : MakeTextResponse(http::status::payload_too_large,
+                                 "request body too large (limit " +
+                                     std::to_string(impl.BodyLimit(parser.get())) +
+                                     " bytes for this route)\n");
+      awaitable<void> refuse = RefuseAndClose(impl, stream, std::move(too_large));
+      co_await std::move(refuse);
       co_return false;
     }
     if (ec) {
@@ -457,41 +556,48 @@ awaitable<bool> ServeRequests(Impl& impl, Stream& stream) {
       awaitable<StreamEnd> serve =
           ServeStream(impl, stream, buffer, parser.get(), post->second, response);
       const StreamEnd end = co_await std::move(serve);
+      session.served = true;
       if (end == StreamEnd::kNextRequest) continue;
       if (end != StreamEnd::kRespond) co_return end == StreamEnd::kClose;
     } else if (request.method() == http::verb::post && post != impl.post_routes.end()) {
       response = co_await impl.HandlePost(request, post->second);
     } else if (api != nullptr) {
-      error_code peer_error;
-      const auto remote = lowest.socket().remote_endpoint(peer_error);
-      std::string peer = peer_error ? std::string("unknown")
-                                    : remote.address().to_string() + ":" +
-                                          std::to_string(remote.port());
       // The body moves into the handler's request (a part may be large); nothing below
       // reads it again.
-      response = co_await impl.HandleApi(parser.get(), *api, std::move(peer));
+      std::string peer = session.peer;
+      awaitable<Response> handled = impl.HandleApi(parser.get(), *api, std::move(peer));
+      response = co_await std::move(handled);
     } else {
       response = impl.Handle(request);
     }
+    // A refused credential ends the connection: a client cannot keep a slot by retrying
+    // a wrong token on it.
+    if (response.result() == http::status::unauthorized ||
+        served + 1 == kRequestsPerConnection) {
+      response.keep_alive(false);
+    }
     lowest.expires_after(impl.options.timeout);
     co_await http::async_write(stream, response, asio::redirect_error(use_awaitable, ec));
+    session.served = true;
     if (ec) {
       spdlog::debug("http: cannot write response: {}", ec.message());
       co_return false;
     }
     if (!response.keep_alive()) co_return true;
   }
+  co_return true;
 }
 
 awaitable<void> RunSession(SessionSlot slot, tcp::socket socket) {
   Impl& impl = slot.impl();
+  Impl::Session& session = slot.session();
   try {
-    if (impl.stopped) co_return;
+    if (impl.stopped || session.evicted) co_return;
     error_code ec;
     if (impl.options.tls) {
       beast::ssl_stream<beast::tcp_stream> stream(std::move(socket), *impl.options.tls);
       beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
-      LiveStream live(impl, lowest);
+      LiveStream live(session, lowest);
       lowest.expires_after(impl.options.timeout);
       co_await stream.async_handshake(asio::ssl::stream_base::server,
                                       asio::redirect_error(use_awaitable, ec));
@@ -499,20 +605,33 @@ awaitable<void> RunSession(SessionSlot slot, tcp::socket socket) {
         spdlog::debug("http: TLS handshake failed: {}", ec.message());
         co_return;
       }
-      if (co_await ServeRequests(impl, stream) && !impl.stopped) {
+      if (co_await ServeRequests(impl, session, stream) && !impl.stopped && !session.evicted) {
         lowest.expires_after(impl.options.timeout);
         co_await stream.async_shutdown(asio::redirect_error(use_awaitable, ec));
       }
     } else {
       beast::tcp_stream stream(std::move(socket));
-      LiveStream live(impl, stream);
-      if (co_await ServeRequests(impl, stream)) {
+      LiveStream live(session, stream);
+      if (co_await ServeRequests(impl, session, stream) && !session.evicted) {
         stream.socket().shutdown(tcp::socket::shutdown_send, ec);
       }
     }
   } catch (const std::exception& e) {
     spdlog::warn("http: session failed: {}", e.what());
   }
+}
+
+// Makes room for a connection from `address`: true when it is under both limits, or an idle
+// connection was closed to make room.
+bool MakeRoom(Impl& impl, const std::string& address) {
+  auto it = impl.per_address.find(address);
+  const size_t from_address = it == impl.per_address.end() ? 0 : it->second;
+  if (from_address >= impl.options.max_connections_per_address) {
+    // Only this address's own idle connections make room for it.
+    return impl.EvictIdle(address);
+  }
+  if (impl.counted_sessions() >= impl.options.max_connections) return impl.EvictIdle("");
+  return true;
 }
 
 awaitable<void> AcceptLoop(std::shared_ptr<Impl> impl) {
@@ -529,12 +648,25 @@ awaitable<void> AcceptLoop(std::shared_ptr<Impl> impl) {
         co_await timer.async_wait(asio::redirect_error(use_awaitable, ec));
         continue;
       }
-      if (impl->active_sessions >= impl->options.max_connections) {
-        spdlog::warn("http: {} connections open, closing a new one", impl->active_sessions);
+      const tcp::endpoint remote = socket.remote_endpoint(ec);
+      if (ec) continue;  // already gone
+      std::string address = remote.address().to_string();
+      if (!MakeRoom(*impl, address)) {
+        // Every connection is busy: refuse this one. Logged at most once a second, so that a
+        // flood of connections cannot flood the log.
+        const auto now = std::chrono::steady_clock::now();
+        if (now - impl->last_refusal_log >= std::chrono::seconds(1)) {
+          impl->last_refusal_log = now;
+          spdlog::warn("http: {} connections open ({} from {}), all busy: closing a new one",
+                       impl->counted_sessions(), impl->per_address[address], address);
+        }
         socket.close(ec);
         continue;
       }
-      asio::co_spawn(impl->executor, RunSession(SessionSlot(impl), std::move(socket)),
+      std::string peer = address + ":" + std::to_string(remote.port());
+      asio::co_spawn(impl->executor,
+                     RunSession(SessionSlot(impl, std::move(address), std::move(peer)),
+                                std::move(socket)),
                      [](std::exception_ptr error) {
                        if (!error) return;
                        try {
@@ -741,9 +873,59 @@ void HttpServer::Impl::StopAll() {
   error_code ec;
   acceptor.close(ec);
   // Closing a stream completes its pending operation with an error, which ends the
-  // session; copy first because sessions unregister themselves as they finish.
-  std::vector<beast::tcp_stream*> streams(live_streams.begin(), live_streams.end());
-  for (beast::tcp_stream* stream : streams) stream->close();
+  // session (later, on the executor: the list does not change meanwhile).
+  for (Session& session : sessions) {
+    if (session.stream != nullptr) session.stream->close();
+  }
+}
+
+bool HttpServer::Impl::EvictIdle(std::string_view address) {
+  Session* oldest = nullptr;
+  for (Session& session : sessions) {
+    if (session.evicted || !session.idle || session.stream == nullptr) continue;
+    if (!address.empty() && session.address != address) continue;
+    // Kept-alive connections go first: a fresh one may be about to send its request.
+    if (oldest == nullptr || (session.served && !oldest->served) ||
+        (session.served == oldest->served && session.idle_since < oldest->idle_since)) {
+      oldest = &session;
+    }
+  }
+  if (oldest == nullptr) return false;
+  spdlog::debug("http: closing an idle connection from {} to make room", oldest->peer);
+  oldest->evicted = true;
+  ++evicted_pending;
+  if (auto it = per_address.find(oldest->address); it != per_address.end() && --it->second == 0) {
+    per_address.erase(it);
+  }
+  oldest->stream->close();
+  return true;
+}
+
+std::optional<Response> HttpServer::Impl::Admit(const Request& request) const {
+  const std::string_view target(request.target().data(), request.target().size());
+  const std::string_view path = target.substr(0, target.find('?'));
+  if (auto route = routes.find(path); route != routes.end()) {
+    if (route->second.is_public) return std::nullopt;
+    return Deny(request, route->second.scope);
+  }
+  if (auto post = post_routes.find(path); post != post_routes.end()) {
+    if (request.method() != http::verb::post) return std::nullopt;  // 405, no body read
+    return Deny(request, post->second.scope);
+  }
+  // API routes decide on scopes themselves, from the request; but a client that presents no
+  // valid token at all is refused before its body is read when it sends one.
+  if (FindApi(path) != nullptr && has_tokens() && ScopesOf(request) == 0) {
+    const bool has_body = request.chunked() || (request.has_content_length() &&
+                                                request[http::field::content_length] != "0");
+    if (has_body) {
+      Response response{http::status::unauthorized, request.version()};
+      response.set(http::field::content_type, "application/json");
+      response.set(http::field::www_authenticate, "Bearer");
+      response.body() = R"({"error": {"code": "unauthorized", "message": "missing or unknown bearer token"}})";
+      return response;
+    }
+  }
+  return std::nullopt;
 }
 
 HttpServer::HttpServer(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -941,7 +1123,11 @@ awaitable<Result<HttpResponse>> Exchange(GetContext& get, Stream& stream) {
   error_code ec;
   lowest.expires_at(get.deadline);
   co_await http::async_write(stream, request, asio::redirect_error(use_awaitable, ec));
-  if (ec) co_return StepFailed("send request", ec);
+  // A server may answer (401, 413) and close before the whole body is sent: its answer is
+  // still worth reading. Any other failure ends the call.
+  const bool answered_early = ec == asio::error::broken_pipe || ec == asio::error::connection_reset;
+  if (ec && !answered_early) co_return StepFailed("send request", ec);
+  const error_code write_error = ec;
   if (get.on_data != nullptr) co_return co_await ReadStreamed(get, stream);
 
   beast::flat_buffer buffer;
@@ -949,7 +1135,7 @@ awaitable<Result<HttpResponse>> Exchange(GetContext& get, Stream& stream) {
   parser.body_limit(kResponseBodyLimit);
   lowest.expires_at(get.deadline);
   co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
-  if (ec) co_return StepFailed("read response", ec);
+  if (ec) co_return StepFailed(write_error ? "send request" : "read response", write_error ? write_error : ec);
   Response response = parser.release();
   HttpResponse result = StatusAndType(response.base());
   result.body = std::move(response.body());

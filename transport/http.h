@@ -11,6 +11,21 @@
 // deadline (except the read that watches a streaming client, see HttpStream); request headers
 // are size-limited; the server serves each connection in its own coroutine and closes it after
 // an error.
+//
+// Against hostile clients (what nginx and Envoy do, in small):
+//  * Access is decided from the header alone: a request without a valid token for its route
+//    (and, on API routes, any request with a body and no valid token at all) is answered
+//    401/403 before any of its body is read — at most 8 KiB of it arrives before the answer —
+//    and the connection is closed. Every 401 closes the connection.
+//  * Each route's body limit applies to a Content-Length at once and to a chunked body as it
+//    arrives (413, connection closed).
+//  * Slots: at most max_connections connections, at most max_connections_per_address from one
+//    client address. A new connection over a limit closes the idle connection (one waiting
+//    for its next request) that has waited longest — kept-alive ones first, of the same
+//    address when that address is at its own limit — and is refused only when every
+//    connection it could replace is busy. So keep-alive connections cannot hold the server:
+//    a request every few seconds does not keep a slot that someone else needs.
+//  * A connection serves at most 1000 requests, then closes (nginx's keepalive_requests).
 #pragma once
 
 #include <chrono>
@@ -157,7 +172,8 @@ struct HttpServerOptions {
   std::vector<ScopedToken> scoped_tokens;
   std::shared_ptr<asio::ssl::context> tls;   // null: plain HTTP
   std::chrono::milliseconds timeout{10000};  // per read/write/handshake
-  size_t max_connections = 256;              // further connections are closed at once
+  size_t max_connections = 256;              // see "Slots" above
+  size_t max_connections_per_address = 128;  // connections from one client address
 };
 
 class HttpServer {

@@ -7,7 +7,10 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <future>
@@ -116,9 +119,17 @@ class TestServer {
 // A blocking loopback socket whose reads give up after `receive_timeout`.
 class RawClient {
  public:
-  explicit RawClient(uint16_t port, milliseconds receive_timeout = milliseconds(5000))
+  // `source`: the local address to connect from (another loopback address is another
+  // client address to the server).
+  explicit RawClient(uint16_t port, milliseconds receive_timeout = milliseconds(5000),
+                     const char* source = nullptr)
       : socket_(io_context_) {
     error_code ec;
+    if (source != nullptr) {
+      socket_.open(tcp::v4());
+      socket_.bind({asio::ip::make_address(source), 0}, ec);
+      EXPECT_FALSE(ec) << ec.message();
+    }
     socket_.connect({asio::ip::make_address("127.0.0.1"), port}, ec);
     EXPECT_FALSE(ec) << ec.message();
     timeval tv{};
@@ -425,18 +436,219 @@ TEST(HttpTest, SilentConnectionIsClosedAfterTheTimeout) {
   EXPECT_TRUE(ClosedByPeer(end)) << end.message();
 }
 
-TEST(HttpTest, ConnectionsBeyondTheLimitAreClosed) {
+// A POST route whose handler holds its connection busy for `busy`.
+void AddSlowRoute(TestServer& server, milliseconds busy) {
+  server.AddRoutes([executor = server.executor(), busy](HttpServer& http) {
+    http.RoutePost(
+        "/v1/slow",
+        [executor, busy](std::string, std::string) -> awaitable<HttpResponse> {
+          asio::steady_timer timer(executor, busy);
+          co_await timer.async_wait(use_awaitable);
+          co_return HttpResponse{200, "text/plain", "done\n"};
+        },
+        64, kScopeSubmit);
+  });
+}
+
+TEST(HttpTest, ConnectionsBeyondTheLimitAreClosedWhenEveryOneIsBusy) {
   HttpServerOptions options;
   options.max_connections = 1;
   TestServer server(options);
   ASSERT_TRUE(server.started());
+  AddSlowRoute(server, milliseconds(1000));
   RawClient first(server.port());
-  // Make sure the first connection was accepted and is being served before the second.
-  first.Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+  first.Send("POST /v1/slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
   std::this_thread::sleep_for(milliseconds(100));
   RawClient second(server.port());
   error_code end;
   EXPECT_EQ(second.ReadToEnd(&end), "");
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+  // The busy connection was never touched.
+  EXPECT_NE(first.ReadToEnd().find("done"), std::string::npos);
+}
+
+// Keep-alive cannot hold a slot: a kept-alive connection waiting for its next request is
+// closed to make room for a new client (the server's limit here: one connection).
+TEST(HttpTest, AnIdleKeptAliveConnectionMakesRoomForANewClient) {
+  HttpServerOptions options;
+  options.max_connections = 1;
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  RawClient idle(server.port());
+  idle.Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_NE(idle.ReadUntil("ok\n").find("HTTP/1.1 200"), std::string::npos);
+  auto fresh = HttpGet(server.endpoint(), "/healthz");
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  EXPECT_EQ(fresh->status, 200);
+  error_code end;
+  EXPECT_EQ(idle.ReadToEnd(&end), "");
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+}
+
+// One address gets at most max_connections_per_address slots; another address still gets in
+// even when the first one's connections are all busy.
+TEST(HttpTest, OneAddressHoldsAtMostItsShareOfTheSlots) {
+  HttpServerOptions options;
+  options.max_connections = 8;
+  options.max_connections_per_address = 2;
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  AddSlowRoute(server, milliseconds(1000));
+  const std::string slow =
+      "POST /v1/slow HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+  RawClient a1(server.port(), milliseconds(5000), "127.0.0.2");
+  RawClient a2(server.port(), milliseconds(5000), "127.0.0.2");
+  a1.Send(slow);
+  a2.Send(slow);
+  std::this_thread::sleep_for(milliseconds(100));
+  RawClient a3(server.port(), milliseconds(5000), "127.0.0.2");
+  error_code end;
+  EXPECT_EQ(a3.ReadToEnd(&end), "");  // its address is at its limit, both busy
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+  auto other = HttpGet(server.endpoint(), "/healthz");  // from 127.0.0.1
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  EXPECT_EQ(other->status, 200);
+}
+
+// The hole: one address opens 300 keep-alive sockets and sends GET /healthz on each every
+// second, reconnecting whatever the server closes. Before, the first 256 held every slot for
+// good and every other client was refused. Now a real client is served throughout, and its
+// latency stays near the undisturbed one.
+TEST(HttpTest, ThreeHundredKeepAliveSocketsDoNotStarveARealClient) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  const auto measure = [&](int requests, int* failures) {
+    std::vector<double> ms;
+    for (int i = 0; i < requests; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      auto response = HttpGet(server.endpoint(), "/v1/status");
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      if (!response.ok() || response->status != 200) ++*failures;
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() * 99 / 100];
+  };
+  int failures = 0;
+  const double undisturbed_p99 = measure(200, &failures);
+  ASSERT_EQ(failures, 0);
+
+  std::atomic<bool> stop{false};
+  std::atomic<int> attacker_requests{0}, attacker_reconnects{0};
+  std::thread attacker([&] {
+    std::vector<std::unique_ptr<RawClient>> sockets;
+    for (int i = 0; i < 300; ++i)
+      sockets.push_back(std::make_unique<RawClient>(server.port(), milliseconds(200)));
+    while (!stop) {
+      for (auto& socket : sockets) {
+        if (stop) break;
+        socket->Send("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+        if (socket->ReadUntil("ok\n").find("ok\n") == std::string::npos) {
+          socket = std::make_unique<RawClient>(server.port(), milliseconds(200));
+          ++attacker_reconnects;
+        } else {
+          ++attacker_requests;
+        }
+      }
+      std::this_thread::sleep_for(milliseconds(1000));
+    }
+  });
+  std::this_thread::sleep_for(milliseconds(1500));  // every socket has sent a request
+  const double attacked_p99 = measure(200, &failures);
+  stop = true;
+  attacker.join();
+  std::printf("real client p99: undisturbed %.3f ms, beside 300 keep-alive sockets %.3f ms "
+              "(%.2fx); the attacker made %d requests and reconnected %d times\n",
+              undisturbed_p99, attacked_p99, attacked_p99 / undisturbed_p99,
+              attacker_requests.load(), attacker_reconnects.load());
+  EXPECT_EQ(failures, 0) << "real requests refused while the attacker held keep-alive sockets";
+  // The target is 2x; a few milliseconds of slack absorb this shared machine's scheduling
+  // noise on sub-millisecond figures.
+  EXPECT_LE(attacked_p99, 2 * undisturbed_p99 + 5.0);
+}
+
+// A request without a valid token is answered before its body is read, and the connection
+// closed: here the client sends the header of a 256 MiB body and nothing more, and the 401
+// arrives at once (before, the server waited for the body).
+TEST(HttpTest, UnauthenticatedBodiesAreRefusedBeforeAnyOfThemIsRead) {
+  HttpServerOptions options;
+  options.token = "fleet-token";
+  options.scoped_tokens = {{"dashboard-token", kScopeRead}};
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  server.AddRoutes([](HttpServer& http) {
+    http.RoutePost(
+        "/v1/big", [](std::string, std::string body) -> awaitable<HttpResponse> {
+          co_return HttpResponse{200, "text/plain", std::to_string(body.size())};
+        },
+        256 << 20, kScopeSubmit);
+    http.RouteApi(
+        "/v1/api", [](HttpRequest request) -> awaitable<HttpResponse> {
+          co_return HttpResponse{200, "text/plain", std::to_string(request.body.size())};
+        },
+        256 << 20);
+  });
+  struct Case {
+    const char* path;
+    const char* token;
+    const char* answer;
+  };
+  for (const Case& c : {Case{"/v1/big", nullptr, "HTTP/1.1 401"},
+                        Case{"/v1/big", "wrong", "HTTP/1.1 401"},
+                        Case{"/v1/big", "dashboard-token", "HTTP/1.1 403"},
+                        Case{"/v1/api", nullptr, "HTTP/1.1 401"},
+                        Case{"/v1/api", "wrong", "HTTP/1.1 401"}}) {
+    for (const char* framing : {"Content-Length: 268435456", "Transfer-Encoding: chunked"}) {
+      RawClient client(server.port(), milliseconds(2000));
+      const auto start = std::chrono::steady_clock::now();
+      client.Send(std::string("POST ") + c.path + " HTTP/1.1\r\nHost: x\r\n" + framing + "\r\n" +
+                  (c.token ? std::string("Authorization: Bearer ") + c.token + "\r\n" : "") +
+                  "\r\n");
+      error_code end;
+      const std::string response = client.ReadToEnd(&end);
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_EQ(response.rfind(c.answer, 0), 0u) << c.path << " " << framing << ": " << response;
+      EXPECT_NE(response.find("Connection: close"), std::string::npos) << response;
+      EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+      EXPECT_LT(waited, 1.5) << "the answer waited for the body";
+    }
+  }
+  // A client that sends its whole (1 MiB) body anyway still reads the 401.
+  auto sent = HttpPost(server.endpoint(), "/v1/big", std::string(1 << 20, 'x'));
+  ASSERT_TRUE(sent.ok()) << sent.status().ToString();
+  EXPECT_EQ(sent->status, 401);
+  auto right = HttpPost(server.endpoint(), "/v1/big", std::string(1 << 20, 'x'), GetOptions("fleet-token"));
+  ASSERT_TRUE(right.ok()) << right.status().ToString();
+  EXPECT_EQ(right->body, std::to_string(1 << 20));
+}
+
+// A chunked body is held to its route's limit as it arrives: the 413 comes after the first
+// chunk past it, without waiting for the rest (before, chunked bodies were read up to the
+// largest limit of any route).
+TEST(HttpTest, ChunkedBodiesKeepTheirRoutesLimit) {
+  TestServer server;
+  ASSERT_TRUE(server.started());
+  RawClient client(server.port(), milliseconds(2000));
+  client.Send("POST /v1/echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n400\r\n" +
+              std::string(1024, 'x') + "\r\n");  // and never the last chunk
+  error_code end;
+  const std::string response = client.ReadToEnd(&end);
+  EXPECT_EQ(response.rfind("HTTP/1.1 413", 0), 0u) << response;
+  EXPECT_NE(response.find("limit 64 bytes"), std::string::npos) << response;
+  EXPECT_TRUE(ClosedByPeer(end)) << end.message();
+}
+
+// A refused token ends the connection: a client cannot keep a slot by sending requests the
+// server refuses.
+TEST(HttpTest, A401ClosesTheConnection) {
+  HttpServerOptions options;
+  options.token = "fleet-token";
+  TestServer server(options);
+  ASSERT_TRUE(server.started());
+  RawClient client(server.port(), milliseconds(2000));
+  client.Send("GET /v1/status HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/status HTTP/1.1\r\nHost: x\r\n\r\n");
+  error_code end;
+  const std::string responses = client.ReadToEnd(&end);
+  EXPECT_EQ(CountOccurrences(responses, "HTTP/1.1 401"), 1u) << responses;
   EXPECT_TRUE(ClosedByPeer(end)) << end.message();
 }
 
