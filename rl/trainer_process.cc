@@ -11,6 +11,7 @@
 #include "delta/delta_file.h"
 #include "model/fp8.h"
 #include "sync/role.h"
+#include "transport/connection.h"
 #include "transport/http.h"
 
 namespace flywheel::rl {
@@ -131,6 +132,9 @@ struct TrainerServices::Impl {
   std::unique_ptr<sync::Publisher> publisher;
   std::unique_ptr<pipeline::Coordinator> coordinator;
   std::unique_ptr<transport::HttpServer> http;
+  // Parses rollout submissions (up to 64 MiB of JSON each) off the I/O thread, which also
+  // runs the publisher and answers heartbeats; two at a time, the rest wait their turn.
+  transport::asio::thread_pool parse_pool{2};
   std::thread thread;
   std::mutex status_mutex;
   TrainerStatus status;  // GUARDED_BY(status_mutex); its coordinator part is filled when read
@@ -148,10 +152,15 @@ void TrainerServices::Impl::AddRoutes() {
         return JsonAnswer(coordinator_ptr->HandleClaim(body));
       },
       1 << 20, transport::kScopeSubmit);
+  transport::asio::thread_pool* pool = &parse_pool;
   http->RoutePost(
       "/v1/rollout/submit",
-      [coordinator_ptr](std::string, std::string body) {
-        return JsonAnswer(coordinator_ptr->HandleSubmit(body));
+      [coordinator_ptr, pool](std::string, std::string body) -> transport::awaitable<transport::HttpResponse> {
+        auto parse = [coordinator_ptr, body = std::move(body)] { return coordinator_ptr->HandleSubmit(body); };
+        // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
+        transport::awaitable<std::optional<std::string>> call = transport::RunOn(*pool, std::move(parse));
+        std::optional<std::string> answer = co_await std::move(call);
+        co_return transport::HttpResponse{200, "application/json", answer ? std::move(*answer) : "{}"};
       },
       64 << 20, transport::kScopeSubmit);
   http->Route("/v1/status", [this](const std::string&) {
@@ -208,6 +217,7 @@ TrainerServices::Impl::~Impl() {
   work.reset();
   io.stop();
   if (thread.joinable()) thread.join();
+  parse_pool.join();  // a parse still running refers to the coordinator
 }
 
 TrainerServices::TrainerServices(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -239,6 +249,7 @@ Result<std::unique_ptr<TrainerServices>> TrainerServices::Start(const TrainRunOp
 }
 
 sync::Publisher& TrainerServices::publisher() { return *impl_->publisher; }
+uint16_t TrainerServices::http_port() const { return impl_->http->port(); }
 pipeline::Coordinator& TrainerServices::coordinator() { return *impl_->coordinator; }
 
 sync::PublisherStatus TrainerServices::PublisherStatusNow() {

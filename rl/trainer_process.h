@@ -54,6 +54,8 @@ class TrainerServices {
 
   sync::Publisher& publisher();
   pipeline::Coordinator& coordinator();
+  // The port of the coordinator's HTTP server (POST /v1/rollout/..., GET /v1/status).
+  uint16_t http_port() const;
   // The publisher's status (its counters are read on the I/O thread); blocks until answered.
   sync::PublisherStatus PublisherStatusNow();
   // Writes {"listen","http","publisher_http","model_config","tokenizer"} to `path`

@@ -6,6 +6,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <thread>
 #include <filesystem>
 #include <fstream>
 
@@ -14,6 +18,8 @@
 #include "rl/run_report.h"
 #include "rl/trainer_process.h"
 #include "rl/warmup.h"
+#include "transport/http.h"
+#include "transport/rollout_protocol.h"
 #include "sync/role.h"
 #include "tests/delta/test_checkpoints.h"
 #include "tests/sync/promtool.h"
@@ -368,6 +374,69 @@ TEST(PublishTest, SnapshotIsHashedOnceAndTheEncoderCountsTheChange) {
   EXPECT_LT(v3->delta_density, 1.0);
   EXPECT_GT(v3->delta_bytes, 0u);
   EXPECT_EQ(v3->full_bytes, v2->bytes);
+  services->reset();
+  fs::remove_all(dir);
+}
+
+// A 64 MiB submission is parsed off the trainer's I/O thread, which also runs the publisher:
+// while one is parsed, GET /v1/status (as every heartbeat) keeps answering at once. Before,
+// the parse ran on that thread and every other request waited for it.
+TEST(TrainerServicesTest, ALargeSubmissionDoesNotStallTheIoThread) {
+  const fs::path dir = TempDir("submit");
+  TrainRunOptions options;
+  options.state_dir = (dir / "state").string();
+  options.report_dir = (dir / "report").string();
+  auto setup = PrepareRun(options);
+  ASSERT_TRUE(setup.ok()) << setup.status().ToString();
+  auto services = TrainerServices::Start(options, *setup, 0);
+  ASSERT_TRUE(services.ok()) << services.status().ToString();
+  const transport::Endpoint endpoint{"127.0.0.1", (*services)->http_port()};
+
+  std::string body = R"({"worker": "w", "claim": 1, "version": 0, "samples": [)";
+  const std::string sample = "[1.5,2.5,3.5,4.5,5.5,6.5,7.5,8.5,9.5,10.5,11.5,12.5],";
+  while (body.size() + sample.size() + 2 < (63u << 20)) body += sample;
+  body += "[1]]}";
+  const auto parse_start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(transport::ParseSubmitRequest(body).ok());  // parsed whole, then refused
+  const double parse_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - parse_start).count();
+
+  std::atomic<bool> done{false};
+  std::thread submitter([&] {
+    auto answer = transport::HttpPost(endpoint, "/v1/rollout/submit", body,
+                                      {.timeout = std::chrono::seconds(60)});
+    EXPECT_TRUE(answer.ok()) << answer.status().ToString();
+    if (answer.ok()) EXPECT_NE(answer->body.find("\"accepted\":false"), std::string::npos) << answer->body.substr(0, 200);
+    done = true;
+  });
+  double worst_ms = 0;
+  int polls = 0;
+  while (!done) {
+    const auto start = std::chrono::steady_clock::now();
+    auto status = transport::HttpGet(endpoint, "/v1/status");
+    ASSERT_TRUE(status.ok()) << status.status().ToString();
+    worst_ms = std::max(worst_ms, std::chrono::duration<double, std::milli>(
+                                      std::chrono::steady_clock::now() - start).count());
+    ++polls;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  submitter.join();
+  std::printf("63 MiB submission: parse %.0f ms; slowest of %d GET /v1/status meanwhile: %.1f ms\n",
+              parse_ms, polls, worst_ms);
+  EXPECT_LT(worst_ms, std::max(100.0, parse_ms / 3));
+
+  // Bodies nested 100,000 deep on both of the coordinator's routes: refused by name, and the
+  // trainer keeps serving.
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  for (const char* path : {"/v1/rollout/claim", "/v1/rollout/submit"}) {
+    auto answer = transport::HttpPost(endpoint, path, R"({"worker": "w", "version": )" + deep + "}");
+    ASSERT_TRUE(answer.ok()) << path << ": " << answer.status().ToString();
+    EXPECT_NE(answer->body.find("nested deeper than 64 levels"), std::string::npos)
+        << path << ": " << answer->body.substr(0, 300);
+  }
+  auto after = transport::HttpGet(endpoint, "/v1/status");
+  ASSERT_TRUE(after.ok()) << after.status().ToString();
+  EXPECT_EQ(after->status, 200);
   services->reset();
   fs::remove_all(dir);
 }
