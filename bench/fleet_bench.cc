@@ -949,8 +949,7 @@ std::vector<std::string> Checks(const std::vector<StrategyResult>& results) {
   return lines;
 }
 
-std::string Preamble(const FleetBenchOptions& options, const StagedSequence& staged,
-                     const std::string& flywheel) {
+std::string Preamble(const FleetBenchOptions& options, const StagedSequence& staged) {
   const std::vector<std::string> regions = RegionNames(options.regions);
   std::string region_list;
   for (const std::string& region : regions)
@@ -960,7 +959,7 @@ std::string Preamble(const FleetBenchOptions& options, const StagedSequence& sta
          "through relays vs deltas through relays\n"
       << "fleet: publisher (region " << kHomeRegion << ") + " << options.regions << " regions ("
       << region_list << ") x (relay + " << options.workers_per_region
-      << " workers); separate processes on loopback (" << flywheel << ")\n"
+      << " workers); separate processes of the flywheel binary on loopback\n"
       << "WAN: " << Fixed(options.wan_bytes_per_second * 8 / 1e9, 2)
       << " Gbit/s per remote region and direction, " << options.wan_latency_ms
       << " ms one way (RTT " << 2 * options.wan_latency_ms
@@ -1162,7 +1161,7 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
   FW_ASSIGN_OR_RETURN(const StagedSequence staged,
                       StageVersions(options, static_cast<uint64_t>(options.updates) + 1,
                                     work_dir.path() + "/staged"));
-  const std::string preamble = Preamble(options, staged, flywheel);
+  const std::string preamble = Preamble(options, staged);
   out << preamble << "\n" << std::flush;
 
   std::vector<StrategyResult> results;

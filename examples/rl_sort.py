@@ -12,7 +12,8 @@ Settings are the demo's (pipeline/run_config.h, pipeline/demo.cc): sort of 6 dig
 warm-up of 30 steps (batch 32, lr 1e-3), then GRPO with groups of 8, 8 groups a step,
 lr 5e-5, clip 0.2, TIS cap 2, gradient clip 1, seq-mean-token-mean aggregation.
 
-    examples/rl_sort.py --launch                                  # starts `flywheel service`
+    examples/rl_sort.py --launch     # starts `flywheel service` (--flywheel, $FLYWHEEL_BIN,
+                                     # PATH, or this checkout's build/bin/flywheel)
     examples/rl_sort.py --service flywheel-runs/service-1         # its service.json
     examples/rl_sort.py --trainer http://127.0.0.1:7300 --workers http://127.0.0.1:7280 \\
         --token-file token

@@ -133,7 +133,7 @@ def add_service_arguments(parser: argparse.ArgumentParser) -> None:
                        help="start `flywheel service --run-dir DIR` here and stop it at the end")
     group.add_argument("--run-dir", help="--launch: the service's run directory (default: new)")
     group.add_argument("--flywheel", help="--launch: the flywheel binary "
-                       "(default: $FLYWHEEL_BIN, else PATH)")
+                       "(default: $FLYWHEEL_BIN, else PATH, else this checkout's build/bin/flywheel)")
     group.add_argument("--service-arg", action="append", default=[], metavar="ARG",
                        help="--launch: one more argument for `flywheel service` (repeatable)")
 
@@ -174,9 +174,15 @@ class Service:
     @classmethod
     def launch(cls, args: argparse.Namespace, say=print, timeout: float = 300.0) -> "Service":
         binary = args.flywheel or os.environ.get("FLYWHEEL_BIN") or shutil.which("flywheel")
+        if not binary:
+            # Run from a checkout: the binary `tools/dev build` makes.
+            built = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                 os.environ.get("FLYWHEEL_BUILD_DIR", "build"), "bin", "flywheel")
+            binary = os.path.normpath(built) if os.access(built, os.X_OK) else None
         if not binary or not os.path.exists(binary):
             raise SystemExit("--launch needs the flywheel binary: --flywheel PATH, "
-                             "$FLYWHEEL_BIN or flywheel on PATH")
+                             "$FLYWHEEL_BIN, flywheel on PATH, or build/bin/flywheel in this "
+                             "checkout (run `tools/dev build` first)")
         run_dir = args.run_dir or tempfile.mkdtemp(prefix="flywheel-service-")
         os.makedirs(run_dir, exist_ok=True)
         log_path = os.path.join(run_dir, "service.log")
