@@ -162,8 +162,7 @@ Result<sync::PublisherOptions> PublisherOptionsFor(const ServeTrainerOptions& o)
 
 // The training API's server: the fleet token, the train token (train + read) and TLS; every
 // token with the train scope tagged (`identities`), so that sessions know their owners.
-Result<transport::HttpServerOptions> HttpOptionsFor(const ServeTrainerOptions& o,
-                                                    TokenIdentities& identities) {
+Result<transport::HttpServerOptions> HttpOptionsFor(const ServeTrainerOptions& o) {
   transport::HttpServerOptions http_options;
   http_options.token = o.token;
   http_options.scoped_tokens = o.scoped_tokens;
@@ -174,7 +173,6 @@ Result<transport::HttpServerOptions> HttpOptionsFor(const ServeTrainerOptions& o
   if (o.tls.enabled()) {
     FW_ASSIGN_OR_RETURN(http_options.tls, transport::MakeServerTlsContext(o.tls));
   }
-  FW_ASSIGN_OR_RETURN(identities, TagTrainTokens(http_options));
   return http_options;
 }
 
@@ -207,13 +205,12 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
   }
   std::unique_ptr<TrainingService> service = std::move(*service_or);
 
-  TokenIdentities identities;
-  FW_ASSIGN_OR_RETURN(transport::HttpServerOptions http_options, HttpOptionsFor(o, identities));
+  FW_ASSIGN_OR_RETURN(transport::HttpServerOptions http_options, HttpOptionsFor(o));
   FW_ASSIGN_OR_RETURN(transport::Endpoint http_endpoint, transport::ParseEndpoint(o.http));
   std::promise<Result<std::unique_ptr<transport::HttpServer>>> started;
   transport::asio::post(io, [&] {
     auto server = transport::HttpServer::Start(io.get_executor(), http_endpoint, http_options);
-    if (server.ok()) service->Register(**server, identities);
+    if (server.ok()) service->Register(**server);
     started.set_value(std::move(server));
   });
   auto server_or = started.get_future().get();

@@ -97,42 +97,12 @@ Status TrainingServiceOptions::Validate() const {
 }
 
 std::string TokenIdentity(std::string_view token) {
-  const sync::Sha256 digest = sync::Sha256Of(std::as_bytes(std::span(token.data(), token.size())));
-  return "token:" + sync::HexOf(std::span(digest).first(8));
+  return transport::TokenIdentity(token);
 }
 
-Result<TokenIdentities> TagTrainTokens(transport::HttpServerOptions& http) {
-  static_assert(transport::kScopeTrain < (1u << kIdentityTagShift),
-                "identity tags must sit above every named scope");
-  TokenIdentities out;
-  std::map<std::string, uint32_t> tag_of;  // identity -> its scope bit
-  for (transport::ScopedToken& scoped : http.scoped_tokens) {
-    if (scoped.token.empty() || (scoped.scopes & transport::kScopeTrain) == 0) continue;
-    const std::string identity = TokenIdentity(scoped.token);
-    auto [it, added] = tag_of.emplace(identity, 0u);
-    if (added) {
-      if (out.by_tag.size() >= kMaxTaggedTokens) {
-        return Status::InvalidArgument("the training API tells at most " +
-                                       std::to_string(kMaxTaggedTokens) +
-                                       " tokens with the train scope apart; " +
-                                       std::to_string(tag_of.size()) + " are configured");
-      }
-      it->second = 1u << (kIdentityTagShift + out.by_tag.size());
-      out.by_tag.push_back(identity);
-    }
-    scoped.scopes |= it->second;
-  }
-  return out;
-}
-
-std::string IdentityOf(const transport::HttpRequest& request, const TokenIdentities& identities) {
-  if (request.scopes == ~0u) return std::string(kAnonymousIdentity);  // the server has no tokens
-  const uint32_t tags = request.scopes >> kIdentityTagShift;
-  if (tags != 0) {
-    const size_t tag = static_cast<size_t>(std::countr_zero(tags));
-    if (tag < identities.by_tag.size()) return identities.by_tag[tag];
-  }
-  return std::string(kUntaggedIdentity);
+std::string IdentityOf(const transport::HttpRequest& request) {
+  if (request.scopes == ~0u || request.identity.empty()) return std::string(kAnonymousIdentity);
+  return request.identity;
 }
 
 struct CallState {
@@ -1200,7 +1170,6 @@ namespace {
 // One request of the API routes (a coroutine on the server's executor; the work on `pool`).
 transport::awaitable<transport::HttpResponse> ServeApi(TrainingService* self,
                                                        boost::asio::thread_pool* pool,
-                                                       std::shared_ptr<const TokenIdentities> identities,
                                                        transport::HttpRequest request) {
   transport::HttpResponse response;
   const bool read = request.method == "GET" || request.method == "HEAD";
@@ -1215,7 +1184,7 @@ transport::awaitable<transport::HttpResponse> ServeApi(TrainingService* self,
     co_return response;
   }
   auto work = [self, method = request.method, path = request.path,
-               identity = IdentityOf(request, *identities), body = std::move(request.body)] {
+               identity = IdentityOf(request), body = std::move(request.body)] {
     return self->Handle(method, path, body, identity);
   };
   std::optional<ServiceAnswer> answer = co_await transport::RunOn(*pool, std::move(work));
@@ -1232,14 +1201,13 @@ transport::awaitable<transport::HttpResponse> ServeApi(TrainingService* self,
 
 }  // namespace
 
-void TrainingService::Register(transport::HttpServer& server, TokenIdentities identities) {
+void TrainingService::Register(transport::HttpServer& server) {
   TrainingService* self = this;
   boost::asio::thread_pool* pool = impl_->pool.get();
-  auto shared = std::make_shared<const TokenIdentities>(std::move(identities));
   server.RouteApi(
       "/v1/train",
-      [self, pool, shared](transport::HttpRequest request) {
-        return ServeApi(self, pool, shared, std::move(request));
+      [self, pool](transport::HttpRequest request) {
+        return ServeApi(self, pool, std::move(request));
       },
       impl_->options.max_body_bytes);
   server.Route("/v1/status", [self](const std::string&) {

@@ -73,34 +73,16 @@ struct TrainingServiceOptions {
 // tokens configured every request is kAnonymousIdentity, which also owns the sessions saved
 // before owners were recorded.
 //
-// transport::HttpRequest carries the presented token's scopes, not which token it was. Until
-// it does, the training API's server tells its train tokens apart by tagging each with a
-// scope bit of its own above the named scopes (TagTrainTokens, before the server starts): the
-// server ORs the presented token's scopes into HttpRequest::scopes, and Register's handler
-// reads the tag back (IdentityOf). A request whose scopes carry no tag is
-// kUntaggedIdentity: every train token of a server started without TagTrainTokens is that
-// one identity (the behaviour before owners), and a read-only token owns nothing.
+// The identity of a request comes from the HTTP server (transport::HttpRequest::identity:
+// transport::TokenIdentity of the presented token).
 inline constexpr std::string_view kAnonymousIdentity = "anonymous";
-inline constexpr std::string_view kUntaggedIdentity = "token:untagged";
-inline constexpr int kIdentityTagShift = 8;  // tag i is scope bit kIdentityTagShift + i
-inline constexpr size_t kMaxTaggedTokens = 32 - kIdentityTagShift;
 
-// What each tag stands for: by_tag[i] is the identity of scope bit kIdentityTagShift + i.
-struct TokenIdentities {
-  std::vector<std::string> by_tag;
-};
-
-// The identity of a bearer token ("token:<16 hex>").
+// The identity of a bearer token ("token:<16 hex>"): transport::TokenIdentity.
 std::string TokenIdentity(std::string_view token);
 
-// Tags every scoped token of `http` with the train scope (equal tokens share one tag) and
-// returns the identities of the tags. InvalidArgument: more than kMaxTaggedTokens distinct
-// train tokens. REQUIRES: before transport::HttpServer::Start(..., http).
-Result<TokenIdentities> TagTrainTokens(transport::HttpServerOptions& http);
-
-// Who sent `request`: kAnonymousIdentity when the server has no tokens (every scope), the
-// tagged token's identity, else kUntaggedIdentity.
-std::string IdentityOf(const transport::HttpRequest& request, const TokenIdentities& identities);
+// Who sent `request`: kAnonymousIdentity when the server has no tokens (every scope), else
+// the presented token's identity.
+std::string IdentityOf(const transport::HttpRequest& request);
 
 // An answer of the API.
 struct ServiceAnswer {
@@ -121,10 +103,8 @@ class TrainingService {
   TrainingService& operator=(const TrainingService&) = delete;
 
   // GET/POST/DELETE under /v1/train (scopes: GETs read or train, the rest train), plus
-  // GET /v1/status and /metrics. `identities`: what TagTrainTokens returned for the server's
-  // options (none: every token is kUntaggedIdentity). Call on the server's executor before
-  // it serves.
-  void Register(transport::HttpServer& server, TokenIdentities identities = {});
+  // GET /v1/status and /metrics. Call on the server's executor before it serves.
+  void Register(transport::HttpServer& server);
   // One request of `identity` without HTTP (blocking; what the routes run on their pool).
   ServiceAnswer Handle(const std::string& method, const std::string& path, const std::string& body,
                        std::string_view identity = kAnonymousIdentity);

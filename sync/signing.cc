@@ -13,6 +13,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "base/env.h"
 #include "sync/node.h"
 #include "transport/flywheel.pb.h"
 
@@ -186,15 +187,7 @@ Result<KeyFiles> GenerateSigningKeys(const std::string& dir, Env* env) {
 }
 
 Result<SigningKey> SigningKey::Load(const std::string& path) {
-  struct stat info {};
-  if (::stat(path.c_str(), &info) != 0) return ErrnoStatus("signing key", path, errno);
-  if ((info.st_mode & 077) != 0) {
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(info.st_mode & 0777));
-    return Status::InvalidArgument("signing key " + path + " has mode " + mode +
-                                   ": it must not be readable by group or others (chmod 600 " +
-                                   path + ")");
-  }
+  FW_RETURN_IF_ERROR(CheckPrivateFile(path, "signing key"));
   FW_ASSIGN_OR_RETURN(std::string pem, ReadSmallFile(path, "signing key"));
   SigningKey key;
   FW_ASSIGN_OR_RETURN(key.key_, ParseEd25519(pem, true, "signing key", path,

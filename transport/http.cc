@@ -1,5 +1,6 @@
 #include "transport/http.h"
 
+#include <openssl/sha.h>
 #include <openssl/ssl.h>
 #include <spdlog/spdlog.h>
 
@@ -77,6 +78,7 @@ struct HttpServer::Impl {
   struct ApiEntry {
     HttpApiHandler handler;
     uint64_t body_limit = 0;
+    HttpBodyLimit limit_for;  // null: body_limit for every request
   };
 
   // The scopes of the request's bearer token: every scope when the server has no tokens,
@@ -728,7 +730,11 @@ uint64_t HttpServer::Impl::BodyLimit(const Request& request) const {
   if (request.method() == http::verb::post && post != post_routes.end())
     return post->second.body_limit;
   if (!routes.count(path) && !post_routes.count(path)) {
-    if (const ApiEntry* api = FindApi(path)) return api->body_limit;
+    if (const ApiEntry* api = FindApi(path)) {
+      if (!api->limit_for) return api->body_limit;
+      const std::string_view method(request.method_string().data(), request.method_string().size());
+      return std::min(api->body_limit, api->limit_for(method, path));
+    }
   }
   return kRequestBodyLimit;
 }
@@ -796,6 +802,7 @@ awaitable<Response> HttpServer::Impl::HandleApi(Request& request, const ApiEntry
   api.credential = CredentialOf(request);
   api.scopes = ScopesOf(request);
   api.peer = std::move(peer);
+  if (api.scopes != 0 && api.scopes != ~0u) api.identity = TokenIdentity(BearerToken(request));
   HttpResponse result;
   bool failed = false;
   try {
@@ -985,6 +992,18 @@ void HttpServer::RoutePostStream(const std::string& path, HttpStreamHandler hand
   impl_->post_routes[path] = Impl::PostEntry{nullptr, std::move(handler), body_limit, scope};
 }
 
+std::string TokenIdentity(std::string_view token) {
+  unsigned char digest[SHA256_DIGEST_LENGTH];
+  SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(), digest);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string identity = "token:";
+  for (int i = 0; i < 8; ++i) {
+    identity += kHex[digest[i] >> 4];
+    identity += kHex[digest[i] & 15];
+  }
+  return identity;
+}
+
 const char* ScopeName(uint32_t scope) {
   switch (scope) {
     case kScopeRead:
@@ -1024,8 +1043,9 @@ Result<uint32_t> ParseScopes(const std::string& text) {
   return scopes;
 }
 
-void HttpServer::RouteApi(const std::string& prefix, HttpApiHandler handler, uint64_t body_limit) {
-  impl_->api_routes[prefix] = Impl::ApiEntry{std::move(handler), body_limit};
+void HttpServer::RouteApi(const std::string& prefix, HttpApiHandler handler, uint64_t body_limit,
+                          HttpBodyLimit limit_for) {
+  impl_->api_routes[prefix] = Impl::ApiEntry{std::move(handler), body_limit, std::move(limit_for)};
 }
 
 uint16_t HttpServer::port() const {

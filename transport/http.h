@@ -92,7 +92,17 @@ struct HttpRequest {
   Credential credential = Credential::kNone;
   uint32_t scopes = 0;  // of the bearer token (every scope when the server has no tokens)
   std::string peer;     // the client's "address:port"
+  // Who sent it, without being a secret: TokenIdentity() of the presented token when it is
+  // one of the server's; empty when the server has no tokens or the token is unknown.
+  std::string identity;
 };
+
+// A bearer token's name that is no secret: "token:" + the first 16 hex digits of the
+// SHA-256 of the token (stable across restarts and token-file order; safe to log and store).
+std::string TokenIdentity(std::string_view token);
+
+// The body limit of one request of an API route, from its method and path.
+using HttpBodyLimit = std::function<uint64_t(std::string_view method, std::string_view path)>;
 
 // Serves every method of an API route; it decides on access itself (from
 // HttpRequest::credential). Runs as a coroutine on the server's executor.
@@ -204,8 +214,11 @@ class HttpServer {
   // longest matching prefix wins over shorter ones, and exact Route/RoutePost paths win
   // over API routes. Bodies over `body_limit` bytes are answered 413 before the handler
   // runs. The server does no authentication for these routes: the handler checks
-  // HttpRequest::scopes. REQUIRES: as Route().
-  void RouteApi(const std::string& prefix, HttpApiHandler handler, uint64_t body_limit = 1 << 20);
+  // HttpRequest::scopes. `limit_for` (optional) lowers the limit per request from its method
+  // and path, before any of the body is read (an upload route: large PUTs, small POSTs).
+  // REQUIRES: as Route().
+  void RouteApi(const std::string& prefix, HttpApiHandler handler, uint64_t body_limit = 1 << 20,
+                HttpBodyLimit limit_for = nullptr);
 
   uint16_t port() const;
   // Stops accepting and closes open connections. Idempotent. Must be called on the

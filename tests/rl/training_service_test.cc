@@ -71,21 +71,18 @@ std::vector<Datum> Data(int count, uint32_t seed) {
 // A service on a loopback HTTP server (no publisher).
 class Server {
  public:
-  // Tags `http`'s train tokens (as serve-trainer does) so that each is its own identity.
   explicit Server(TrainingServiceOptions options, transport::HttpServerOptions http = {}) {
     auto service = TrainingService::Create(std::move(options), nullptr);
     EXPECT_TRUE(service.ok()) << service.status().ToString();
     if (!service.ok()) return;
     service_ = std::move(*service);
-    auto identities = TagTrainTokens(http);
-    EXPECT_TRUE(identities.ok()) << identities.status().ToString();
     std::promise<Status> started;
     asio::post(io_, [&] {
       auto server = transport::HttpServer::Start(io_.get_executor(),
                                                  transport::Endpoint{"127.0.0.1", 0}, http);
       if (!server.ok()) return started.set_value(server.status());
       http_ = std::move(*server);
-      service_->Register(*http_, identities.ok() ? *identities : TokenIdentities{});
+      service_->Register(*http_);
       started.set_value(Status::Ok());
     });
     thread_ = std::thread([this] { io_.run(); });
