@@ -215,6 +215,8 @@ Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
   for (const auto& [name, token] : {std::pair{"push.token", kPushToken}, {"read.token", kReadToken}}) {
     const std::string text = token;
     FW_RETURN_IF_ERROR(WriteFileAtomically(dir + "/" + name, std::as_bytes(std::span(text))));
+    // A token file must be private: the roles refuse one that others can read.
+    fs::permissions(dir + "/" + name, fs::perms::owner_read | fs::perms::owner_write);
   }
   out << "push bench: starting publisher, relay and " << options.workers << " workers\n";
   FW_ASSIGN_OR_RETURN(Fleet fleet, StartFleet(options, binary, dir));

@@ -540,7 +540,11 @@ TEST(EngineTest, TopLogprobsAreTheHeadOfTheSamplingDistribution) {
   // Asking changes nothing else: the same seed gives the same tokens and logprobs.
   EXPECT_TRUE((*results)[3].top_logprobs.empty());
   EXPECT_EQ((*results)[0].tokens, (*results)[3].tokens);
-  EXPECT_EQ((*results)[0].logprobs, (*results)[3].logprobs);
+  // The two sit in different rows of one batched forward: some CPUs' GEMM kernels round a
+  // row differently by its place in the batch (seen: 1e-5 on a Xeon without AVX-512).
+  ASSERT_EQ((*results)[0].logprobs.size(), (*results)[3].logprobs.size());
+  for (size_t t = 0; t < (*results)[0].logprobs.size(); ++t)
+    EXPECT_NEAR((*results)[0].logprobs[t], (*results)[3].logprobs[t], 2e-5) << "token " << t;
 }
 
 // A model whose logits are all equal: every token ties, so the lists are the lowest ids.

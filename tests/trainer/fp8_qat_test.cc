@@ -289,8 +289,12 @@ TEST(Fp8QatTest, QatClosesTheGapToTheFp8Engine) {
     EXPECT_LE(fp8_qat.k3, 1e-9);
     if (!moe) {
       EXPECT_EQ(fp8_qat.max_abs, 0.0);
+      EXPECT_LT(fp8_bf16_qat.k3, fp8_bf16_plain.k3);
     }
-    EXPECT_LT(fp8_bf16_qat.k3, fp8_bf16_plain.k3);
+    // MoE with the rest in BF16: both gaps are ~1e-7 and BF16 rounding outside the FP8
+    // projections (which QAT does not model) dominates them, so their order follows the
+    // CPU's GEMM rounding (seen both ways on two Xeons). The exact match above (rest in F32)
+    // is what shows QAT closing the FP8 gap on MoE.
   }
 }
 
