@@ -102,6 +102,18 @@ class PosixMappedRegion final : public MappedRegion {
   std::span<const std::byte> bytes() const override {
     return {static_cast<const std::byte*>(data_), size_};
   }
+  void Release(std::span<const std::byte> range) const override {
+    if (data_ == nullptr || range.empty()) return;
+    static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const uintptr_t map_begin = reinterpret_cast<uintptr_t>(data_);
+    const uintptr_t begin =
+        std::max(reinterpret_cast<uintptr_t>(range.data()), map_begin) & ~(page - 1);
+    const uintptr_t end =
+        std::min(reinterpret_cast<uintptr_t>(range.data()) + range.size(), map_begin + size_);
+    if (end <= begin) return;
+    // Only advice: on failure the pages stay resident, which costs memory, not correctness.
+    ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  }
 
  private:
   void* data_;
@@ -384,6 +396,11 @@ Status WriteFileAtomically(const std::string& path, std::span<const std::byte> b
   FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, env));
   FW_RETURN_IF_ERROR(file.Append(bytes));
   return file.Commit();
+}
+
+void MappedReleaser::Done(std::span<const std::byte> bytes) {
+  const uint64_t before = done_bytes_.fetch_add(bytes.size());
+  if (before / slice_bytes_ != (before + bytes.size()) / slice_bytes_) ReleaseAll();
 }
 
 Status CheckPrivateFile(const std::string& path, std::string_view what, Env* env) {

@@ -16,6 +16,7 @@
 // thread at a time.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -63,6 +64,39 @@ class MappedRegion {
  public:
   virtual ~MappedRegion() = default;
   virtual std::span<const std::byte> bytes() const = 0;
+  // Drops the pages holding `range` (a subspan of bytes(), widened to whole pages) from
+  // the process's resident set (madvise MADV_DONTNEED). The bytes do not change: the
+  // mapping is read-only, so a later read faults them back in from the page cache or the
+  // file. Safe from any thread, also while another thread reads those bytes. For a reader
+  // that goes through a file larger than the process should hold resident (see
+  // MappedReleaser). The default does nothing.
+  virtual void Release(std::span<const std::byte> range) const { (void)range; }
+};
+
+// Keeps a MappedRegion from becoming resident whole while readers go through it: each
+// reader says which bytes it has finished with (Done, from any thread), and after every
+// `slice_bytes` so reported the whole region is released. Releasing only the finished
+// ranges would not do: a page fault also maps the cached pages around it (the kernel's
+// fault-around, 64 KiB), so finished pages beside a range still to be read come back and
+// stay. The region's resident pages stay below about slice_bytes + what the readers have
+// in flight (a delta chunk each) + fault-around. REQUIRES: `region` outlives this.
+class MappedReleaser {
+ public:
+  explicit MappedReleaser(const MappedRegion& region, uint64_t slice_bytes = 16 << 20)
+      : region_(region), slice_bytes_(slice_bytes == 0 ? 1 : slice_bytes) {}
+  MappedReleaser(const MappedReleaser&) = delete;
+  MappedReleaser& operator=(const MappedReleaser&) = delete;
+
+  // `bytes`: read for the last time by one reader (or for now: a later read is correct,
+  // only slower). Thread-safe.
+  void Done(std::span<const std::byte> bytes);
+  // Releases the whole region now.
+  void ReleaseAll() const { region_.Release(region_.bytes()); }
+
+ private:
+  const MappedRegion& region_;
+  const uint64_t slice_bytes_;
+  std::atomic<uint64_t> done_bytes_{0};
 };
 
 class Env {

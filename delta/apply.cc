@@ -367,6 +367,7 @@ Status Applier::ApplyChunks() {
                            options_.restore_on_failure, options_.report_changes, &undo[c],
                            options_.prepared);
     if (!errors[c].ok()) failed = true;
+    if (options_.payload_read) options_.payload_read(delta_.payload(e));
     const uint64_t bytes = e.word_count * DTypeWordBytes(m_.tensors[e.tensor_index].dtype);
     uint64_t done = done_bytes.fetch_add(bytes) + bytes;
     if (options_.progress) options_.progress(done, total_bytes);

@@ -257,6 +257,10 @@ struct ApplyOptions {
   // derived copy in step (the rollout engine's fp32 mirror of bf16 weights).
   bool report_changes = false;
   ProgressFn progress;
+  // Called on the applying thread with each chunk's stored payload (DeltaView::payload)
+  // once the apply has read it for the last time: a caller applying a mapped file drops
+  // those pages as it goes (MappedReleaser::Done), so a large delta is never resident whole.
+  std::function<void(std::span<const std::byte> payload)> payload_read;
   // Called once the whole target is in place and verified, before ApplyInPlace returns,
   // with the stats it is about to return: a consumer that must take the new version too
   // (the rollout engine patching its mirror) says yes or no. An error restores the state to

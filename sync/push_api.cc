@@ -353,11 +353,15 @@ HttpResponse PushApi::Impl::PublishStaged(const StagedUpload& staged, const std:
 
 HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow row) {
   // Mapped, never read whole: the apply and the log's copy read it where it lies on disk,
-  // so a commit holds the rebuilt base (the head's size) and not the delta's gigabytes.
+  // and drop its pages as they finish with them (MappedReleaser), so a commit holds the
+  // rebuilt base (the head's size) and not the delta's gigabytes, in RSS as in its own memory.
   Result<std::unique_ptr<MappedRegion>> mapped = Env::Default()->MapReadOnly(staged.CheckpointPath());
   if (!mapped.ok()) return Error(500, "internal", mapped.status().message());
   const std::span<const std::byte> bytes = (*mapped)->bytes();
+  MappedReleaser releaser(**mapped);
+  const BytesReadFn read = [&releaser](std::span<const std::byte> done) { releaser.Done(done); };
   Result<delta::DeltaView> view = delta::DeltaView::Parse(bytes);
+  releaser.ReleaseAll();
   if (!view.ok()) return Error(422, "invalid_delta", "upload " + staged.id + ": " + view.status().message());
   const delta::Manifest& manifest = view->manifest();
   if (manifest.keyframe || manifest.base_version != staged.spec.base_version ||
@@ -368,7 +372,7 @@ HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow r
                      std::to_string(manifest.target_version) + (manifest.keyframe ? " (a keyframe)" : "") +
                      ", the upload declared base v" + std::to_string(staged.spec.base_version));
   }
-  Result<RebuiltCheckpoint> rebuilt = target->version_log().ApplyDelta(bytes, threads);
+  Result<RebuiltCheckpoint> rebuilt = target->version_log().ApplyDelta(bytes, threads, read);
   if (!rebuilt.ok()) {
     const StatusCode code = rebuilt.status().code();
     if (code == StatusCode::kNotFound || code == StatusCode::kMismatch) {
@@ -382,7 +386,10 @@ HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow r
   known.tensor_hashes = rebuilt->tensor_hashes;
   known.checkpoint_hash = rebuilt->hash;
   // A delta from the head is the log's own delta artifact for this version, byte for byte.
-  if (manifest.base_version == target->version_log().head_version()) known.encoded_delta = bytes;
+  if (manifest.base_version == target->version_log().head_version()) {
+    known.encoded_delta = bytes;
+    known.encoded_delta_read = read;
+  }
   return Published(manifest.target_version, rebuilt->checkpoint.view(), known, std::move(row));
 }
 

@@ -594,6 +594,31 @@ std::vector<uint64_t> PieceHashes(std::span<const std::byte> bytes, uint64_t pie
   return hashes;
 }
 
+namespace {
+
+// Writes `bytes` to `path` atomically (nothing is left there on failure) one piece at a
+// time, hashing each piece as it is written: PieceHashes(bytes, piece_bytes) in the same
+// pass. Each piece is then reported to `read` (optional).
+Result<std::vector<uint64_t>> WriteHashedPieces(const std::string& path,
+                                                std::span<const std::byte> bytes,
+                                                uint64_t piece_bytes, const BytesReadFn& read) {
+  if (piece_bytes == 0) piece_bytes = std::max<uint64_t>(bytes.size(), 1);
+  FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path));
+  std::vector<uint64_t> hashes;
+  hashes.reserve(bytes.size() / piece_bytes + 1);
+  for (uint64_t offset = 0; offset < bytes.size(); offset += piece_bytes) {
+    const std::span<const std::byte> piece =
+        bytes.subspan(offset, std::min(piece_bytes, bytes.size() - offset));
+    hashes.push_back(HashBytes64(piece));
+    FW_RETURN_IF_ERROR(file.Append(piece));
+    if (read) read(piece);
+  }
+  FW_RETURN_IF_ERROR(file.Commit());
+  return hashes;
+}
+
+}  // namespace
+
 struct VersionLog::State {
   VersionLogOptions options;
   std::string dir;  // absolute
@@ -839,9 +864,10 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
     for (const ArtifactInfo& info : written) ::unlink(info.path.c_str());
   };
   // `piece_hashes`: the bytes' PieceHashes when already known (a streamed delta's).
-  auto write_artifact = [&](ArtifactKind kind, const Status& encoded,
-                            std::span<const std::byte> bytes,
-                            std::vector<uint64_t> piece_hashes = {}) -> Status {
+  // `read`: told of the bytes as they are written (a given delta's encoded_delta_read).
+  auto write_artifact =
+      [&](ArtifactKind kind, const Status& encoded, std::span<const std::byte> bytes,
+          std::vector<uint64_t> piece_hashes = {}, const BytesReadFn& read = {}) -> Status {
     const std::string context = "version log " + s.dir + ": " + ArtifactKindName(kind) +
                                 " of version " + std::to_string(version);
     if (!encoded.ok()) return encoded.WithContext(context);
@@ -855,10 +881,16 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
     }
     info.size_bytes = bytes.size();
     info.piece_bytes = options.piece_bytes;
-    info.piece_hashes =
-        piece_hashes.empty() ? PieceHashes(bytes, options.piece_bytes) : std::move(piece_hashes);
     info.path = s.dir + "/" + RelativeArtifactPath(info);
-    FW_RETURN_IF_ERROR(delta::WriteFileAtomically(info.path, bytes).WithContext(context));
+    if (piece_hashes.empty()) {
+      Result<std::vector<uint64_t>> hashed =
+          WriteHashedPieces(info.path, bytes, options.piece_bytes, read);
+      if (!hashed.ok()) return hashed.status().WithContext(context);
+      info.piece_hashes = std::move(*hashed);
+    } else {
+      info.piece_hashes = std::move(piece_hashes);
+      FW_RETURN_IF_ERROR(delta::WriteFileAtomically(info.path, bytes).WithContext(context));
+    }
     written.push_back(std::move(info));
     return Status::Ok();
   };
@@ -881,6 +913,7 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
       if (Status checked = CheckGivenDelta(given.encoded_delta, s.head_version, version); !checked.ok()) {
         delta_bytes = checked;
       }
+      if (given.encoded_delta_read) given.encoded_delta_read(given.encoded_delta);
     } else if (streamed) {
       Status encoded = delta::EncodeStreamed(s.head.view(), checkpoint, encode, sink);
       if (!encoded.ok()) delta_bytes = encoded;
@@ -922,12 +955,15 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
     if (!st.ok()) return st;
   }
   if (write_delta) {
-    Status st = write_artifact(ArtifactKind::kDelta, delta_bytes.status(), delta_span,
-                               streamed && delta_bytes.ok() ? sink.AllPieceHashes()
-                                                            : std::vector<uint64_t>{});
+    const bool given_delta = !given.encoded_delta.empty();
+    Status st = write_artifact(
+        ArtifactKind::kDelta, delta_bytes.status(), delta_span,
+        streamed && delta_bytes.ok() ? sink.AllPieceHashes() : std::vector<uint64_t>{},
+        given_delta ? given.encoded_delta_read : BytesReadFn{});
     if (st.ok()) {
       st = CountChangedWords(delta_span, &result)
                .WithContext("version log " + s.dir + ": delta of version " + std::to_string(version));
+      if (given_delta && given.encoded_delta_read) given.encoded_delta_read(delta_span);
     }
     if (!st.ok()) {
       remove_written();
@@ -1049,9 +1085,10 @@ Result<RebuiltCheckpoint> VersionLog::RebuildLocked(uint64_t version) const {
   return out;
 }
 
-Result<RebuiltCheckpoint> VersionLog::ApplyDelta(std::span<const std::byte> container,
-                                                 int threads) const {
+Result<RebuiltCheckpoint> VersionLog::ApplyDelta(std::span<const std::byte> container, int threads,
+                                                 const BytesReadFn& read) const {
   FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(container));
+  if (read) read(container);  // the parse walked it; the apply reads each payload again
   const delta::Manifest& manifest = view.manifest();
   if (manifest.keyframe) return Status::InvalidArgument("the container is a keyframe, not a delta");
   std::lock_guard append_lock(state_->append_mu);
@@ -1067,6 +1104,7 @@ Result<RebuiltCheckpoint> VersionLog::ApplyDelta(std::span<const std::byte> cont
   apply.threads = threads;
   apply.state_tensor_hashes = base.tensor_hashes;
   apply.restore_on_failure = false;  // a scratch copy
+  apply.payload_read = read;
   FW_ASSIGN_OR_RETURN(delta::ApplyStats stats, delta::ApplyInPlace(state, view, apply));
   RebuiltCheckpoint out;
   out.version = manifest.target_version;

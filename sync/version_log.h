@@ -93,6 +93,11 @@ struct VersionLogOptions {
   int threads = 1;  // encode/decode/hash threads, in [1, delta::kMaxThreads]
 };
 
+// Told of bytes of a caller's container that the version log has read for the last time
+// (for now), from the reading thread: a caller that mapped a large delta drops them from
+// memory as they go (MappedReleaser::Done), so the delta is never resident whole.
+using BytesReadFn = std::function<void(std::span<const std::byte> read)>;
+
 // What a caller that hashed the checkpoint already (the embedded trainer) hands to Append,
 // so the bytes are not hashed a second time.
 struct AppendOptions {
@@ -110,6 +115,9 @@ struct AppendOptions {
   // bytes as they are instead of encoding one. Its manifest must name the head as base
   // and `version` as target (InvalidArgument otherwise). Empty: Append encodes.
   std::span<const std::byte> encoded_delta;
+  // Told of ranges of encoded_delta as Append finishes with them (its check, then each
+  // piece once hashed and written). Optional.
+  BytesReadFn encoded_delta_read;
   // While a streamed delta is encoded (VersionLogOptions::stream_deltas, no
   // encoded_delta): called from the encoding thread as whole pieces are written, at most
   // every 10 ms and for the first piece at once, with the delta's entry so far
@@ -205,7 +213,10 @@ class VersionLog {
   // manifest's base_version, whose hash must be the manifest's base_hash: Mismatch
   // otherwise, NotFound when the base cannot be rebuilt) and returns the target, verified
   // against the delta's own tensor and target hashes (Corruption when they do not match).
-  Result<RebuiltCheckpoint> ApplyDelta(std::span<const std::byte> container, int threads) const;
+  // `read` (optional) is told of the container's bytes as the parse and each chunk's
+  // apply finish with them.
+  Result<RebuiltCheckpoint> ApplyDelta(std::span<const std::byte> container, int threads,
+                                       const BytesReadFn& read = {}) const;
 
  private:
   struct State;

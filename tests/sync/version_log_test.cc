@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -718,6 +719,71 @@ TEST_F(VersionLogTest, AppendRefusesGivenHashesThatDisagree) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(log->empty());
+}
+
+// A pushed delta (the push API's commit): ApplyDelta and Append read the caller's
+// container where it lies and tell the caller of every byte they are done with, the
+// payloads chunk by chunk and the stored copy piece by piece, so that a caller that mapped
+// a large file can drop it from memory as they go. The stored artifact is the container
+// byte for byte, with its piece hashes.
+TEST_F(VersionLogTest, AGivenDeltaIsReportedReadAsItIsAppliedAndStored) {
+  VersionLogOptions options = Options();
+  options.keyframe_cost = 0;  // the delta alone
+  options.piece_bytes = 64;   // many pieces of a small delta
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+  delta::EncodeOptions encode;
+  encode.base_version = 1;
+  encode.target_version = 2;
+  encode.chunk_bytes = 4096;  // several chunks
+  auto container = delta::Encode(Version(1).view(), Version(2).view(), encode);
+  ASSERT_TRUE(container.ok()) << container.status().ToString();
+  const std::span<const std::byte> bytes(*container);
+  auto delta_view = delta::DeltaView::Parse(bytes);
+  ASSERT_TRUE(delta_view.ok());
+  ASSERT_GT(delta_view->manifest().chunks.size(), 1u);
+
+  std::mutex mu;  // the apply reports from its threads
+  std::vector<std::span<const std::byte>> applied;
+  auto rebuilt = log->ApplyDelta(bytes, 2, [&](std::span<const std::byte> read) {
+    std::lock_guard lock(mu);
+    applied.push_back(read);
+  });
+  ASSERT_TRUE(rebuilt.ok()) << rebuilt.status().ToString();
+  for (const delta::ChunkEntry& chunk : delta_view->manifest().chunks) {
+    const std::span<const std::byte> payload = delta_view->payload(chunk);
+    EXPECT_EQ(std::count_if(applied.begin(), applied.end(),
+                            [&](std::span<const std::byte> read) {
+                              return read.data() == payload.data() && read.size() == payload.size();
+                            }),
+              1);
+  }
+
+  std::vector<std::span<const std::byte>> stored;
+  AppendOptions known;
+  known.tensor_hashes = rebuilt->tensor_hashes;
+  known.checkpoint_hash = rebuilt->hash;
+  known.encoded_delta = bytes;
+  known.encoded_delta_read = [&](std::span<const std::byte> read) { stored.push_back(read); };
+  auto added = log->Append(2, rebuilt->checkpoint.view(), known);
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  ASSERT_EQ(added->artifacts.size(), 1u);
+  const ArtifactInfo& artifact = added->artifacts[0];
+  EXPECT_EQ(ReadText(artifact.path),
+            std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+  EXPECT_EQ(artifact.piece_hashes, PieceHashes(bytes, options.piece_bytes));
+  // Each piece is reported once it is written, in order, between the checks' whole reads.
+  std::vector<std::span<const std::byte>> pieces;
+  for (std::span<const std::byte> read : stored) {
+    if (read.size() != bytes.size()) pieces.push_back(read);
+  }
+  ASSERT_EQ(pieces.size(), artifact.piece_hashes.size());
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    EXPECT_EQ(pieces[i].data(), bytes.data() + i * options.piece_bytes);
+    EXPECT_LE(pieces[i].size(), options.piece_bytes);
+  }
+  EXPECT_EQ(pieces.back().data() + pieces.back().size(), bytes.data() + bytes.size());
 }
 
 TEST(PieceHashesTest, SplitsIntoPiecesWithAShortLastOne) {
