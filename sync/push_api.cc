@@ -591,7 +591,11 @@ void PushApi::Register(transport::HttpServer& http) {
   const uint64_t part_limit = impl->options.max_part_bytes;
   http.RouteApi(
       "/v1/uploads", [impl](HttpRequest request) { return impl->Uploads(std::move(request)); },
-      std::max<uint64_t>(part_limit, kControlBodyLimit));
+      std::max<uint64_t>(part_limit, kControlBodyLimit),
+      // Only a part (PUT) is large; creating or committing an upload takes a small body.
+      [part_limit](std::string_view method, std::string_view) -> uint64_t {
+        return method == "PUT" ? std::max<uint64_t>(part_limit, kControlBodyLimit) : kControlBodyLimit;
+      });
   http.RouteApi("/v1/versions", [impl](HttpRequest request) -> awaitable<HttpResponse> {
     co_return impl->Versions(request);
   });
