@@ -12,6 +12,7 @@
 #include <thread>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "rl/publish.h"
 #include "rl/rl_step.h"
@@ -324,23 +325,40 @@ TEST(PublishTest, VersionToPublishOnResume) {
   EXPECT_EQ(DeltaDensity(1, 4), 0.25);
 }
 
+// The trainer process's services on a fresh run directory, started as the trainer starts them.
+struct StartedServices {
+  fs::path dir;
+  std::optional<RunSetup> setup;
+  std::unique_ptr<TrainerServices> services;
+};
+
+void StartServices(const std::string& name, StartedServices* out) {
+  out->dir = TempDir(name);
+  TrainRunOptions options;
+  options.state_dir = (out->dir / "state").string();
+  options.report_dir = (out->dir / "report").string();
+  auto setup = PrepareRun(options);
+  ASSERT_TRUE(setup.ok()) << setup.status().ToString();
+  out->setup = std::move(*setup);
+  auto services = TrainerServices::Start(options, *out->setup, 0);
+  ASSERT_TRUE(services.ok()) << services.status().ToString();
+  out->services = std::move(*services);
+}
+
 // The trainer's side of the snapshot path end to end, in process: the services the trainer
 // process starts, a tiny policy, two published versions with an optimizer step between.
 TEST(PublishTest, SnapshotIsHashedOnceAndTheEncoderCountsTheChange) {
-  const fs::path dir = TempDir("publish");
-  TrainRunOptions options;
-  options.state_dir = (dir / "state").string();
-  options.report_dir = (dir / "report").string();
-  auto setup = PrepareRun(options);
-  ASSERT_TRUE(setup.ok()) << setup.status().ToString();
-  auto services = TrainerServices::Start(options, *setup, 0);
-  ASSERT_TRUE(services.ok()) << services.status().ToString();
+  StartedServices started;
+  ASSERT_NO_FATAL_FAILURE(StartServices("publish", &started));
+  const fs::path& dir = started.dir;
+  RunSetup* setup = &*started.setup;
+  TrainerServices* services = started.services.get();
   trainer::TrainerOptions trainer_options;
   trainer_options.config = setup->model_config;
   trainer_options.seed = 3;
   auto client = trainer::TrainingClient::Create(trainer_options);
   ASSERT_TRUE(client.ok()) << client.status().ToString();
-  (*client)->AttachPublisher(&(*services)->publisher());
+  (*client)->AttachPublisher(&services->publisher());
 
   auto v1 = (*client)->SaveWeightsForSampler(1);
   ASSERT_TRUE(v1.ok()) << v1.status().ToString();
@@ -362,19 +380,19 @@ TEST(PublishTest, SnapshotIsHashedOnceAndTheEncoderCountsTheChange) {
   EXPECT_GT(direct, 0u);
   EXPECT_EQ(v2->changed_words, direct);
   EXPECT_EQ(v2->total_words, v2->bytes / 2);  // bf16
-  EXPECT_EQ((*services)->publisher().version(), 2u);
+  EXPECT_EQ(services->publisher().version(), 2u);
 
   // PublishVersion: the same numbers, and the coordinator follows the version.
   ASSERT_TRUE((*client)->ForwardBackward({datum}, "cross_entropy").ok());
   ASSERT_TRUE((*client)->OptimStep(adam).ok());
-  auto v3 = PublishVersion(**client, (*services)->coordinator(), 3);
+  auto v3 = PublishVersion(**client, services->coordinator(), 3);
   ASSERT_TRUE(v3.ok()) << v3.status().ToString();
   EXPECT_EQ(v3->version, 3u);
   EXPECT_GT(v3->delta_density, 0.0);
   EXPECT_LT(v3->delta_density, 1.0);
   EXPECT_GT(v3->delta_bytes, 0u);
   EXPECT_EQ(v3->full_bytes, v2->bytes);
-  services->reset();
+  started.services.reset();
   fs::remove_all(dir);
 }
 
@@ -382,15 +400,11 @@ TEST(PublishTest, SnapshotIsHashedOnceAndTheEncoderCountsTheChange) {
 // while one is parsed, GET /v1/status (as every heartbeat) keeps answering at once. Before,
 // the parse ran on that thread and every other request waited for it.
 TEST(TrainerServicesTest, ALargeSubmissionDoesNotStallTheIoThread) {
-  const fs::path dir = TempDir("submit");
-  TrainRunOptions options;
-  options.state_dir = (dir / "state").string();
-  options.report_dir = (dir / "report").string();
-  auto setup = PrepareRun(options);
-  ASSERT_TRUE(setup.ok()) << setup.status().ToString();
-  auto services = TrainerServices::Start(options, *setup, 0);
-  ASSERT_TRUE(services.ok()) << services.status().ToString();
-  const transport::Endpoint endpoint{"127.0.0.1", (*services)->http_port()};
+  StartedServices started;
+  ASSERT_NO_FATAL_FAILURE(StartServices("submit", &started));
+  const fs::path& dir = started.dir;
+  TrainerServices* services = started.services.get();
+  const transport::Endpoint endpoint{"127.0.0.1", services->http_port()};
 
   std::string body = R"({"worker": "w", "claim": 1, "version": 0, "samples": [)";
   const std::string sample = "[1.5,2.5,3.5,4.5,5.5,6.5,7.5,8.5,9.5,10.5,11.5,12.5],";
@@ -406,7 +420,9 @@ TEST(TrainerServicesTest, ALargeSubmissionDoesNotStallTheIoThread) {
     auto answer = transport::HttpPost(endpoint, "/v1/rollout/submit", body,
                                       {.timeout = std::chrono::seconds(60)});
     EXPECT_TRUE(answer.ok()) << answer.status().ToString();
-    if (answer.ok()) EXPECT_NE(answer->body.find("\"accepted\":false"), std::string::npos) << answer->body.substr(0, 200);
+    if (answer.ok()) {
+      EXPECT_NE(answer->body.find("\"accepted\":false"), std::string::npos) << answer->body.substr(0, 200);
+    }
     done = true;
   });
   double worst_ms = 0;
@@ -437,7 +453,7 @@ TEST(TrainerServicesTest, ALargeSubmissionDoesNotStallTheIoThread) {
   auto after = transport::HttpGet(endpoint, "/v1/status");
   ASSERT_TRUE(after.ok()) << after.status().ToString();
   EXPECT_EQ(after->status, 200);
-  services->reset();
+  started.services.reset();
   fs::remove_all(dir);
 }
 

@@ -68,6 +68,16 @@ using flywheel::testing::RandomCheckpoint;
 using flywheel::testing::TensorSpec;
 using Clock = std::chrono::steady_clock;
 
+// Runs `fn` on `io`'s thread and waits for it.
+void RunOnIo(asio::io_context& io, const std::function<void()>& fn) {
+  std::promise<void> done;
+  asio::post(io.get_executor(), [&] {
+    fn();
+    done.set_value();
+  });
+  done.get_future().get();
+}
+
 constexpr auto kWait = std::chrono::milliseconds(20000);  // for anything a test waits on
 constexpr uint64_t kPieceBytes = 64 << 10;                // --piece-kib 64
 constexpr double kChangedFraction = 0.02;                 // words replaced per version
@@ -1559,14 +1569,7 @@ class CraftedUpstreamTest : public ::testing::Test {
   }
 
   // Runs `fn` on the io thread and waits for it.
-  void OnIo(const std::function<void()>& fn) {
-    std::promise<void> done;
-    asio::post(io_->get_executor(), [&] {
-      fn();
-      done.set_value();
-    });
-    done.get_future().get();
-  }
+  void OnIo(const std::function<void()>& fn) { RunOnIo(*io_, fn); }
 
   void Announce(std::vector<ArtifactInfo> artifacts, uint64_t head_version, Hash128 head_hash,
                 std::map<ArtifactKey, SignedManifest> signatures = {}) {
@@ -1965,14 +1968,7 @@ class FleetReportTest : public ::testing::Test {
     io_.reset();
   }
 
-  void OnIo(const std::function<void()>& fn) {
-    std::promise<void> done;
-    asio::post(io_->get_executor(), [&] {
-      fn();
-      done.set_value();
-    });
-    done.get_future().get();
-  }
+  void OnIo(const std::function<void()>& fn) { RunOnIo(*io_, fn); }
 
   // An honest node: reports report() every second, as relays and workers do.
   Upstream* Subscribe(wire::Role role, const std::string& node_id,
