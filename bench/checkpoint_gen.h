@@ -20,7 +20,7 @@
 #include <functional>
 
 #include "base/status.h"
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 
 namespace flywheel::bench {
 

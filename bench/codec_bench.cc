@@ -25,8 +25,8 @@
 #include "bench/peers.h"
 #include "bench/util.h"
 #include "delta/delta.h"
-#include "delta/hash.h"
-#include "pipeline/process.h"
+#include "checkpoint/hash.h"
+#include "ops/process.h"
 
 namespace flywheel::bench {
 namespace {
@@ -267,16 +267,16 @@ Status MeasureFlywheel(const CheckpointPair& pair, delta::Compressor compressor,
 
 // ---- peer tools --------------------------------------------------------------------
 
-// Runs `program args...` to completion (pipeline::RunToCompletion: stdin /dev/null, stdout
+// Runs `program args...` to completion (ops::RunToCompletion: stdin /dev/null, stdout
 // to `stdout_path` or captured) and returns its wall time from start to exit. A non-zero
 // exit is an error carrying the start of the tool's stderr.
 Result<double> RunTool(const std::string& program, const std::vector<std::string>& args,
                        const std::string& stdout_path) {
-  pipeline::RunOptions options;
+  ops::RunOptions options;
   options.stdout_path = stdout_path;
   options.timeout = kToolTimeout;
-  FW_ASSIGN_OR_RETURN(const pipeline::Completion done,
-                      pipeline::RunToCompletion(program, args, options));
+  FW_ASSIGN_OR_RETURN(const ops::Completion done,
+                      ops::RunToCompletion(program, args, options));
   if (done.exit_code == 0) return done.elapsed.count();
   std::string command = program;
   for (const std::string& arg : args) command += " " + arg;

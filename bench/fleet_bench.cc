@@ -33,10 +33,10 @@
 #include "bench/fleet_projection.h"
 #include "bench/peers.h"
 #include "bench/util.h"
-#include "pipeline/process.h"
+#include "ops/process.h"
 #include "delta/delta_file.h"
-#include "delta/hash.h"
-#include "delta/safetensors.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/safetensors.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"
 #include "bench/stream_bench.h"
@@ -45,9 +45,9 @@ namespace flywheel::bench {
 namespace {
 
 namespace fs = std::filesystem;
-using pipeline::FileTail;
-using pipeline::ProcessGroup;
-using pipeline::ReadWholeFile;
+using ops::FileTail;
+using ops::ProcessGroup;
+using ops::ReadWholeFile;
 using Json = nlohmann::ordered_json;
 using SteadyClock = std::chrono::steady_clock;
 constexpr double kNotMeasured = std::numeric_limits<double>::quiet_NaN();
@@ -332,7 +332,7 @@ struct Node {
 Status AwaitReady(ProcessGroup& processes, const std::string& ready_file, bool has_listen,
                   Node& node) {
   Result<nlohmann::json> awaited =
-      pipeline::AwaitReadyFile(processes, ready_file, node.name, kReadyTimeout);
+      ops::AwaitReadyFile(processes, ready_file, node.name, kReadyTimeout);
   if (!awaited.ok()) return awaited.status().WithContext("starting the fleet");
   const nlohmann::json& ready = *awaited;
   auto endpoint = [&](const char* key, transport::Endpoint& into) -> Status {
@@ -434,7 +434,7 @@ Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
     args.insert(args.begin(), role);
     args.push_back("--ready-file");
     args.push_back(ready_file(node));
-    pipeline::StartOptions start;
+    ops::StartOptions start;
     if (pin && role == "publish") {
       start.cpus = {0};
     } else if (pin) {

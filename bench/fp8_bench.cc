@@ -22,7 +22,7 @@
 #include "model/model.h"
 #include "model/model_config.h"
 #include "model/weights.h"
-#include "pipeline/process.h"
+#include "ops/process.h"
 #include "sync/version_log.h"
 #include "trainer/training_client.h"
 
@@ -323,15 +323,15 @@ Result<std::optional<uint64_t>> ZstdOfXor(const OwnedCheckpoint& base,
   }
   const std::string raw = dir + "/xor.bin", packed = dir + "/xor.bin.zst", back = dir + "/xor.out";
   FW_RETURN_IF_ERROR(WriteFileAtomically(raw, std::as_bytes(std::span(xored))));
-  pipeline::RunOptions run;
+  ops::RunOptions run;
   run.timeout = std::chrono::minutes(5);
   run.stdout_path = packed;
   FW_ASSIGN_OR_RETURN(
-      pipeline::Completion encoded,
-      pipeline::RunToCompletion(*zstd, {"-" + std::to_string(level), "-q", "-c", raw}, run));
+      ops::Completion encoded,
+      ops::RunToCompletion(*zstd, {"-" + std::to_string(level), "-q", "-c", raw}, run));
   run.stdout_path = back;
-  FW_ASSIGN_OR_RETURN(pipeline::Completion decoded,
-                      pipeline::RunToCompletion(*zstd, {"-d", "-q", "-c", packed}, run));
+  FW_ASSIGN_OR_RETURN(ops::Completion decoded,
+                      ops::RunToCompletion(*zstd, {"-d", "-q", "-c", packed}, run));
   if (encoded.exit_code != 0 || decoded.exit_code != 0)
     return Status::IOError("zstd -" + std::to_string(level) + " of the XOR failed: " + encoded.err +
                            decoded.err);

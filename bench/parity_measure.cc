@@ -7,7 +7,7 @@
 #include <random>
 #include <thread>
 
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "rollout/engine.h"
 #include "rollout/mirror.h"
 #include "trainer/training_client.h"

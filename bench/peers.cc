@@ -9,13 +9,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "pipeline/process.h"
+#include "ops/process.h"
 
 namespace flywheel::bench {
 
-using pipeline::FileTail;
-using pipeline::ProcessGroup;
-using pipeline::ReadWholeFile;
+using ops::FileTail;
+using ops::ProcessGroup;
+using ops::ReadWholeFile;
 using Json = nlohmann::ordered_json;
 
 std::optional<std::string> FindExecutable(const std::string& name) {
@@ -37,10 +37,10 @@ std::optional<std::string> FindExecutable(const std::string& name) {
 Result<double> OpensslSpeed(const std::string& algorithm) {
   const std::optional<std::string> openssl = FindExecutable("openssl");
   if (!openssl) return Status::Unavailable("openssl is not installed (apt-get install openssl)");
-  pipeline::RunOptions run;
+  ops::RunOptions run;
   run.timeout = std::chrono::milliseconds(30000);
-  FW_ASSIGN_OR_RETURN(pipeline::Completion done,
-                      pipeline::RunToCompletion(*openssl,
+  FW_ASSIGN_OR_RETURN(ops::Completion done,
+                      ops::RunToCompletion(*openssl,
                                                 {"speed", "-evp", algorithm, "-bytes", "16384",
                                                  "-seconds", "1"},
                                                 run));
@@ -103,13 +103,13 @@ bool IsListening(uint16_t port) {
 Result<double> MeasureIperf3(const std::string& iperf3, int seconds, uint64_t write_bytes,
                              const std::string& log_dir) {
   // iperf3 takes no port 0: FreePort's race is accepted (a lost race is a failed run).
-  FW_ASSIGN_OR_RETURN(const uint16_t port, pipeline::FreePort());
+  FW_ASSIGN_OR_RETURN(const uint16_t port, ops::FreePort());
   const std::string port_text = std::to_string(port);
   ProcessGroup processes(log_dir);
   FW_ASSIGN_OR_RETURN(const size_t server,
                       processes.Start("iperf3-server", iperf3, {"-s", "-1", "-p", port_text}));
   Status died = Status::Ok();
-  const Status listening = pipeline::WaitUntil(
+  const Status listening = ops::WaitUntil(
       [&] {
         if (IsListening(port)) return true;
         died = processes.CheckRunning(server);

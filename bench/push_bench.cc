@@ -10,10 +10,10 @@
 
 #include "bench/checkpoint_gen.h"
 #include "bench/util.h"
-#include "delta/hash.h"
-#include "delta/safetensors.h"
-#include "pipeline/fault_proxy.h"
-#include "pipeline/process.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/safetensors.h"
+#include "testing/fault_proxy.h"
+#include "ops/process.h"
 #include "sync/push_client.h"
 #include "transport/http.h"
 
@@ -31,7 +31,7 @@ constexpr char kReadToken[] = "bench-read-token";
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 struct Fleet {
-  std::unique_ptr<pipeline::ProcessGroup> processes;
+  std::unique_ptr<ops::ProcessGroup> processes;
   transport::Endpoint publisher_http;
   std::vector<transport::Endpoint> worker_http;
 };
@@ -44,19 +44,19 @@ Result<transport::Endpoint> ReadyEndpoint(const json& ready, const char* key) {
 }
 
 // Starts `args` and waits for its ready file; the ready document.
-Result<json> StartRole(pipeline::ProcessGroup& group, const std::string& binary,
+Result<json> StartRole(ops::ProcessGroup& group, const std::string& binary,
                        const std::string& dir, const std::string& name,
                        std::vector<std::string> args) {
   const std::string ready = dir + "/" + name + ".ready";
   args.insert(args.end(), {"--ready-file", ready, "--token-file", dir + "/read.token"});
   FW_ASSIGN_OR_RETURN(size_t index, group.Start(name, binary, args));
-  return pipeline::AwaitReadyFile(group, ready, name, 60s, index);
+  return ops::AwaitReadyFile(group, ready, name, 60s, index);
 }
 
 Result<Fleet> StartFleet(const PushBenchOptions& options, const std::string& binary,
                          const std::string& dir) {
   Fleet fleet;
-  fleet.processes = std::make_unique<pipeline::ProcessGroup>(dir + "/logs");
+  fleet.processes = std::make_unique<ops::ProcessGroup>(dir + "/logs");
   const std::string threads = std::to_string(options.threads);
   FW_ASSIGN_OR_RETURN(json publisher,
                       StartRole(*fleet.processes, binary, dir, "publisher",
@@ -180,10 +180,10 @@ Result<double> CurlPeer(const std::string& dir, const Fleet& fleet, uint16_t pro
   const std::string header = dir + "/curl.header";
   const std::string authorization = std::string("Authorization: Bearer ") + kPushToken;
   FW_RETURN_IF_ERROR(WriteFileAtomically(header, std::as_bytes(std::span(authorization))));
-  pipeline::RunOptions run;
+  ops::RunOptions run;
   run.timeout = 600s;
-  FW_ASSIGN_OR_RETURN(pipeline::Completion done,
-                      pipeline::RunToCompletion(
+  FW_ASSIGN_OR_RETURN(ops::Completion done,
+                      ops::RunToCompletion(
                           "/usr/bin/curl",
                           {"-sS", "-f", "-T", file, "-X", "PUT", "-H", "@" + header, "-H",
                            "Content-Type: application/octet-stream", "-o", "/dev/null", "-w",
@@ -220,7 +220,7 @@ Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
   }
   out << "push bench: starting publisher, relay and " << options.workers << " workers\n";
   FW_ASSIGN_OR_RETURN(Fleet fleet, StartFleet(options, binary, dir));
-  pipeline::FaultProxy proxy(fleet.publisher_http.port,
+  testing::FaultProxy proxy(fleet.publisher_http.port,
                              {.upstream_bytes_per_s = options.link_bits_per_s / 8});
   if (!proxy.ok()) return Status::IOError("push bench: the shaping proxy: " + proxy.error());
   sync::PushClientOptions client;

@@ -12,7 +12,7 @@
 #include "bench/peers.h"
 #include "bench/util.h"
 #include "delta/delta.h"
-#include "pipeline/process.h"
+#include "ops/process.h"
 #include "sync/node.h"
 #include "sync/signing.h"
 

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "bench/util.h"
-#include "delta/safetensors.h"
-#include "pipeline/process.h"
+#include "checkpoint/safetensors.h"
+#include "ops/process.h"
 
 namespace flywheel::bench {
 namespace {
@@ -41,7 +41,7 @@ Result<double> MedianMs(const std::string& program, const std::vector<std::strin
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
     if (cold) FW_RETURN_IF_ERROR(DropPageCache());
-    FW_ASSIGN_OR_RETURN(pipeline::Completion run, pipeline::RunToCompletion(program, args, {}));
+    FW_ASSIGN_OR_RETURN(ops::Completion run, ops::RunToCompletion(program, args, {}));
     if (run.exit_code != 0) {
       return Status::Internal(program + " exited with " + std::to_string(run.exit_code) + ": " +
                               run.err.substr(0, 300));
@@ -79,7 +79,7 @@ struct IdleRss {
 Result<IdleRss> MeasureIdle(const std::string& binary, const std::string& dir) {
   fs::create_directories(dir + "/drops");
   fs::create_directories(dir + "/logs");
-  pipeline::ProcessGroup group(dir + "/logs");
+  ops::ProcessGroup group(dir + "/logs");
   const auto ready = [&](const std::string& name) { return dir + "/" + name + ".ready"; };
   FW_ASSIGN_OR_RETURN(size_t publisher,
                       group.Start("publish", binary,
@@ -87,7 +87,7 @@ Result<IdleRss> MeasureIdle(const std::string& binary, const std::string& dir) {
                                    "--state-dir", dir + "/state", "--watch", dir + "/drops",
                                    "--ready-file", ready("publish")}));
   FW_ASSIGN_OR_RETURN(nlohmann::json published,
-                      pipeline::AwaitReadyFile(group, ready("publish"), "publish", std::chrono::seconds(30)));
+                      ops::AwaitReadyFile(group, ready("publish"), "publish", std::chrono::seconds(30)));
   const std::string upstream = published.value("listen", "");
   FW_ASSIGN_OR_RETURN(size_t relay,
                       group.Start("relay", binary,
@@ -98,9 +98,9 @@ Result<IdleRss> MeasureIdle(const std::string& binary, const std::string& dir) {
                                   {"worker", "--region", "eu", "--upstream", upstream, "--http",
                                    "127.0.0.1:0", "--ready-file", ready("worker")}));
   FW_RETURN_IF_ERROR(
-      pipeline::AwaitReadyFile(group, ready("relay"), "relay", std::chrono::seconds(30)).status());
+      ops::AwaitReadyFile(group, ready("relay"), "relay", std::chrono::seconds(30)).status());
   FW_RETURN_IF_ERROR(
-      pipeline::AwaitReadyFile(group, ready("worker"), "worker", std::chrono::seconds(30)).status());
+      ops::AwaitReadyFile(group, ready("worker"), "worker", std::chrono::seconds(30)).status());
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // connected and idle
   FW_RETURN_IF_ERROR(group.CheckAllRunning());
   IdleRss rss;

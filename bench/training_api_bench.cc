@@ -12,8 +12,8 @@
 #include "bench/util.h"
 #include "model/model_config.h"
 #include "pipeline/task.h"
-#include "rl/training_service.h"
-#include "rl/training_wire.h"
+#include "service/training_service.h"
+#include "service/training_wire.h"
 #include "trainer/training_client.h"
 #include "transport/http.h"
 
@@ -63,9 +63,9 @@ std::vector<trainer::Datum> DemoBatch(int64_t vocab, uint32_t seed) {
 
 class LoopbackService {
  public:
-  static Result<std::unique_ptr<LoopbackService>> Start(rl::TrainingServiceOptions options) {
+  static Result<std::unique_ptr<LoopbackService>> Start(service::TrainingServiceOptions options) {
     auto self = std::unique_ptr<LoopbackService>(new LoopbackService());
-    FW_ASSIGN_OR_RETURN(self->service_, rl::TrainingService::Create(std::move(options), nullptr));
+    FW_ASSIGN_OR_RETURN(self->service_, service::TrainingService::Create(std::move(options), nullptr));
     std::promise<Status> started;
     LoopbackService* raw = self.get();
     asio::post(self->io_, [raw, &started] {
@@ -114,7 +114,7 @@ class LoopbackService {
   Result<std::string> Batch(const std::string& id, const std::string& call, const json& header,
                             const std::vector<trainer::Datum>& datums,
                             const std::vector<std::vector<float>>& grads = {}) {
-    return Post("/v1/train/sessions/" + id + "/" + call, rl::EncodeBatch(header, datums, grads),
+    return Post("/v1/train/sessions/" + id + "/" + call, service::EncodeBatch(header, datums, grads),
                 rl::kBatchContentType);
   }
 
@@ -122,7 +122,7 @@ class LoopbackService {
   LoopbackService() = default;
   asio::io_context io_{1};
   asio::executor_work_guard<asio::io_context::executor_type> work_ = asio::make_work_guard(io_);
-  std::unique_ptr<rl::TrainingService> service_;
+  std::unique_ptr<service::TrainingService> service_;
   std::unique_ptr<transport::HttpServer> http_;
   std::thread thread_;
   transport::Endpoint endpoint_;
@@ -174,13 +174,13 @@ Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream&
       << " loss tokens), loopback HTTP\n\n";
 
   // 1. Overhead: interleaved pairs of the in-process call and the API call.
-  rl::TrainingServiceOptions full;
+  service::TrainingServiceOptions full;
   full.trainer = trainer_options;
   full.state_dir = (fs::path(work.path()) / "full").string();
   FW_ASSIGN_OR_RETURN(auto service, LoopbackService::Start(full));
   FW_ASSIGN_OR_RETURN(auto local, trainer::TrainingClient::Create(trainer_options));
   FW_ASSIGN_OR_RETURN(std::string id, service->Open("bench"));
-  const size_t body_bytes = rl::EncodeBatch(ppo, batch).size();
+  const size_t body_bytes = service::EncodeBatch(ppo, batch).size();
   std::vector<double> local_s, api_s, ratios;
   for (int round = -2; round < options.rounds; ++round) {  // two warm-up rounds
     // Alternate which goes first, so neither always runs right after the other.
@@ -213,13 +213,13 @@ Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream&
   // The API's fixed cost: a call that does no training (get_info) through the same ordering
   // and trainer thread, and the batch's encode + decode on its own.
   std::vector<double> empty_s, codec_s;
-  rl::WireLimits limits;
+  service::WireLimits limits;
   for (int round = 0; round < options.rounds; ++round) {
     Clock::time_point start = Clock::now();
     FW_RETURN_IF_ERROR(service->Call(id, "get_info", json::object()).status());
     empty_s.push_back(Since(start));
     start = Clock::now();
-    FW_ASSIGN_OR_RETURN(rl::WireBatch decoded, rl::DecodeBatch(rl::EncodeBatch(ppo, batch), limits));
+    FW_ASSIGN_OR_RETURN(service::WireBatch decoded, service::DecodeBatch(service::EncodeBatch(ppo, batch), limits));
     codec_s.push_back(Since(start));
     if (decoded.datums.size() != batch.size()) return Status::Internal("the batch did not round-trip");
   }
@@ -233,7 +233,7 @@ Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream&
     const double b = Since(start);
     start = Clock::now();
     FW_ASSIGN_OR_RETURN(std::string forward, service->Batch(id, "forward", json::object(), batch));
-    FW_ASSIGN_OR_RETURN(trainer::ForwardOutput lp, rl::DecodeForwardOutput(forward));
+    FW_ASSIGN_OR_RETURN(trainer::ForwardOutput lp, service::DecodeForwardOutput(forward));
     std::vector<std::vector<float>> grads;
     const double loss = IsLossAndGrads(batch, lp, grads);
     FW_ASSIGN_OR_RETURN(std::string fbc, service->Batch(id, "forward_backward_custom",
@@ -252,11 +252,11 @@ Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream&
   service.reset();
 
   // 3. Two LoRA sessions: one after the other, then at once.
-  rl::TrainingServiceOptions lora = full;
+  service::TrainingServiceOptions lora = full;
   lora.trainer.lora = model::LoraOptions{.rank = 8, .alpha = 16};
   auto run_lora = [&](bool together, const std::string& dir,
                       std::vector<std::string>& hashes) -> Result<double> {
-    rl::TrainingServiceOptions o = lora;
+    service::TrainingServiceOptions o = lora;
     o.state_dir = dir;
     FW_ASSIGN_OR_RETURN(auto s, LoopbackService::Start(o));
     FW_ASSIGN_OR_RETURN(std::string a, s->Open("a"));

@@ -9,7 +9,7 @@
 
 #include "delta/codec_internal.h"
 #include "delta/delta.h"
-#include "delta/parallel.h"
+#include "checkpoint/parallel.h"
 
 namespace flywheel::delta {
 

@@ -16,7 +16,7 @@
 
 #include "base/status.h"
 #include "delta/delta.h"
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 
 namespace flywheel::delta::internal {
 

@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "base/status.h"
-#include "delta/hash.h"
-#include "delta/tensor.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/tensor.h"
 
 namespace flywheel::delta {
 

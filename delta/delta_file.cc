@@ -5,8 +5,8 @@
 #include <optional>
 #include <unordered_map>
 
-#include "delta/parallel.h"
-#include "delta/safetensors.h"
+#include "checkpoint/parallel.h"
+#include "checkpoint/safetensors.h"
 
 namespace flywheel::delta {
 namespace {

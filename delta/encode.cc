@@ -16,7 +16,7 @@
 #include "delta/delta.h"
 #include "delta/entropy.h"
 #include "delta/format.h"
-#include "delta/parallel.h"
+#include "checkpoint/parallel.h"
 #include "delta/wire.h"
 #include "kernels/kernels.h"
 

@@ -8,10 +8,10 @@
 namespace flywheel::pipeline {
 namespace {
 
-using transport::ClaimAnswer;
-using transport::ClaimRequest;
-using transport::SubmitAnswer;
-using transport::SubmitRequest;
+using pipeline::ClaimAnswer;
+using pipeline::ClaimRequest;
+using pipeline::SubmitAnswer;
+using pipeline::SubmitRequest;
 
 }  // namespace
 
@@ -231,15 +231,15 @@ SubmitAnswer Coordinator::Submit(SubmitRequest request) {
 }
 
 std::string Coordinator::HandleClaim(std::string_view body) {
-  Result<ClaimRequest> request = transport::ParseClaimRequest(body);
+  Result<ClaimRequest> request = pipeline::ParseClaimRequest(body);
   if (!request.ok()) return ToJson(ClaimAnswer::Error("bad " + request.status().message()));
   return ToJson(Claim(*request));
 }
 
 std::string Coordinator::HandleSubmit(std::string_view body) {
-  Result<SubmitRequest> request = transport::ParseSubmitRequest(body);
+  Result<SubmitRequest> request = pipeline::ParseSubmitRequest(body);
   if (request.ok()) return ToJson(Submit(std::move(*request)));
-  Result<SubmitRequest> header = transport::ParseSubmitHeader(body);
+  Result<SubmitRequest> header = pipeline::ParseSubmitHeader(body);
   std::lock_guard lock(mutex_);
   if (!header.ok()) {
     ++stats_.submissions_refused;

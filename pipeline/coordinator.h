@@ -36,13 +36,13 @@
 #include "base/env.h"
 #include "base/status.h"
 #include "pipeline/task.h"
-#include "transport/rollout_protocol.h"
+#include "pipeline/rollout_protocol.h"
 
 namespace flywheel::pipeline {
 
 // One scored completion as a worker submits it (prompt and generated tokens, sampling
 // logprobs, per-token versions, MoE routing, reward).
-using Sample = transport::RolloutSample;
+using Sample = pipeline::RolloutSample;
 
 struct Group {
   uint64_t claim = 0;
@@ -94,10 +94,10 @@ class Coordinator {
   using Clock = std::chrono::steady_clock;
   Coordinator(const Task& task, CoordinatorOptions options);
 
-  transport::ClaimAnswer Claim(const transport::ClaimRequest& request);
+  pipeline::ClaimAnswer Claim(const pipeline::ClaimRequest& request);
   // Queues the group if its claim is out to this worker and the samples fit the claim and
   // the model; a group that does not fit closes its claim and returns the prompt.
-  transport::SubmitAnswer Submit(transport::SubmitRequest request);
+  pipeline::SubmitAnswer Submit(pipeline::SubmitRequest request);
   // The HTTP bodies of POST /v1/rollout/claim and /v1/rollout/submit: parsed, answered and
   // rendered. A body that does not parse is answered "error" / refused naming what was
   // wrong; a submission whose samples do not parse closes its claim as Submit does.
@@ -141,7 +141,7 @@ class Coordinator {
   Status ValidateGroup(const std::vector<Sample>& samples) const;
   // Refuses a submission; when its claim is out to that worker, closes it and requeues the
   // prompt. REQUIRES: mutex_
-  transport::SubmitAnswer RefuseAndRequeue(const transport::SubmitRequest& request,
+  pipeline::SubmitAnswer RefuseAndRequeue(const pipeline::SubmitRequest& request,
                                            const std::string& reason);
 
   const Task& task_;

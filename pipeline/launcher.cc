@@ -82,7 +82,7 @@ Result<std::unique_ptr<Fleet>> Fleet::Start(FleetOptions options) {
   }
   for (const std::string& name : fleet->order_) {
     Role& role = fleet->roles_[name];
-    FW_ASSIGN_OR_RETURN(json role_ready, AwaitReadyFile(fleet->processes_, role.ready_file, name,
+    FW_ASSIGN_OR_RETURN(json role_ready, ops::AwaitReadyFile(fleet->processes_, role.ready_file, name,
                                                         kReadyTimeout));
     role.http = role_ready.value("http", "");
   }
@@ -115,8 +115,8 @@ Status Fleet::WriteRunFiles() const {
 // The trainer, on ports fixed up front (see FreePort): the relays and workers start before
 // its ready file says where it listens, and a restarted trainer comes back at the same ports.
 Result<Fleet::TrainerReady> Fleet::StartTrainer() {
-  FW_ASSIGN_OR_RETURN(const uint16_t listen_port, FreePort());
-  FW_ASSIGN_OR_RETURN(const uint16_t http_port, FreePort());
+  FW_ASSIGN_OR_RETURN(const uint16_t listen_port, ops::FreePort());
+  FW_ASSIGN_OR_RETURN(const uint16_t http_port, ops::FreePort());
   TrainerReady ready;
   ready.publisher = "127.0.0.1:" + std::to_string(listen_port);
   trainer_http_ = "127.0.0.1:" + std::to_string(http_port);
@@ -129,7 +129,7 @@ Result<Fleet::TrainerReady> Fleet::StartTrainer() {
   order_.push_back("trainer");
   FW_RETURN_IF_ERROR(Launch("trainer", roles_["trainer"]));
   FW_ASSIGN_OR_RETURN(json document,
-                      AwaitReadyFile(processes_, trainer.ready_file, "trainer", kReadyTimeout));
+                      ops::AwaitReadyFile(processes_, trainer.ready_file, "trainer", kReadyTimeout));
   ready.model_config = document.value("model_config", "");
   ready.tokenizer = document.value("tokenizer", "");
   return ready;
@@ -145,7 +145,7 @@ Status Fleet::StartRegion(const std::string& region, const TrainerReady& trainer
   const int64_t actor_groups = std::clamp<int64_t>(
       (config.algorithm.groups_per_step + workers - 1) / workers, 1,
       std::max<int64_t>(1, config.fleet.worker_max_batch / config.algorithm.group_size));
-  FW_ASSIGN_OR_RETURN(const uint16_t relay_port, FreePort());
+  FW_ASSIGN_OR_RETURN(const uint16_t relay_port, ops::FreePort());
   const std::string relay_listen = "127.0.0.1:" + std::to_string(relay_port);
   const std::string token_file = RunFile("token");
   const std::string name = "relay-" + region;
@@ -193,7 +193,7 @@ Status Fleet::Launch(const std::string& name, Role& role) {
     args.insert(args.end(), {"--tls-cert", options_.tls.cert_file, "--tls-key", options_.tls.key_file});
     if (!options_.tls.ca_file.empty()) args.insert(args.end(), {"--tls-ca", options_.tls.ca_file});
   }
-  StartOptions start;
+  ops::StartOptions start;
   start.cpus = name == "trainer" ? options_.trainer_cpus : options_.rollout_cpus;
   FW_ASSIGN_OR_RETURN(role.index, processes_.Start(name, options_.program, args, start));
   if (name == "trainer") {
@@ -211,7 +211,7 @@ Status Fleet::Kill(const std::string& name, int signal) {
   const size_t index = it->second.index;
   if (!processes_.Signal(index, signal).ok()) return Status::Ok();  // already gone
   // Reap it, so that Running() is false at once; a signal it survives is the caller's choice.
-  (void)WaitUntil([&] { return !processes_.running(index); }, std::chrono::seconds(5),
+  (void)ops::WaitUntil([&] { return !processes_.running(index); }, std::chrono::seconds(5),
                   name + " to end after signal " + std::to_string(signal));
   return Status::Ok();
 }
@@ -221,7 +221,7 @@ Status Fleet::Restart(const std::string& name) {
   if (it == roles_.end()) return Status::NotFound("no process named " + name);
   if (processes_.running(it->second.index)) return Status::InvalidArgument(name + " still runs; kill it first");
   FW_RETURN_IF_ERROR(Launch(name, it->second));
-  FW_ASSIGN_OR_RETURN(json ready, AwaitReadyFile(processes_, it->second.ready_file, name,
+  FW_ASSIGN_OR_RETURN(json ready, ops::AwaitReadyFile(processes_, it->second.ready_file, name,
                                                  kReadyTimeout, it->second.index));
   it->second.http = ready.value("http", "");
   return Status::Ok();
@@ -233,7 +233,7 @@ bool Fleet::Running(const std::string& name) {
 }
 
 Result<json> Fleet::TrainerStatus() {
-  FW_ASSIGN_OR_RETURN(std::string token, ReadWholeFile((fs::path(options_.run_dir) / "token").string()));
+  FW_ASSIGN_OR_RETURN(std::string token, ops::ReadWholeFile((fs::path(options_.run_dir) / "token").string()));
   while (!token.empty() && (token.back() == '\n')) token.pop_back();
   return GetJson(trainer_http_, token, options_.tls);
 }
@@ -258,7 +258,7 @@ void Fleet::Echo(std::ostream& out) {
 
 Status Fleet::WaitTrainer(std::chrono::milliseconds timeout, std::ostream* out) {
   const size_t index = roles_["trainer"].index;
-  const Status finished = WaitUntil(
+  const Status finished = ops::WaitUntil(
       [&] {
         if (out) Echo(*out);
         return !processes_.running(index);

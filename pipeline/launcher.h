@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "base/status.h"
-#include "pipeline/process.h"
+#include "ops/process.h"
 #include "pipeline/run_config.h"
 #include "transport/tls.h"
 
@@ -95,7 +95,7 @@ class Fleet {
 
   FleetOptions options_;
   std::string state_dir_, report_dir_, log_dir_;
-  ProcessGroup processes_;
+  ops::ProcessGroup processes_;
   std::map<std::string, Role> roles_;
   std::vector<std::string> order_;
   std::string trainer_http_;

@@ -13,8 +13,8 @@ namespace flywheel::rollout {
 namespace {
 
 using std::chrono::milliseconds;
-using transport::ClaimAnswer;
-using transport::SubmitRequest;
+using pipeline::ClaimAnswer;
+using pipeline::SubmitRequest;
 
 // The engine's routing bytes (one or two per expert id) as the protocol's int32 ids.
 std::vector<int32_t> RoutingIds(const GenerationResult& r) {
@@ -78,7 +78,7 @@ void Actor::Run() {
 
 Result<ClaimAnswer> Actor::PostClaim(CompletionService& service) {
   const auto [version, since_us] = service.engine().serving();
-  transport::ClaimRequest request{.worker = options_.worker_id,
+  pipeline::ClaimRequest request{.worker = options_.worker_id,
                                   .incarnation = incarnation_,
                                   .version = version,
                                   .serving_since_unix_us = since_us,
@@ -90,7 +90,7 @@ Result<ClaimAnswer> Actor::PostClaim(CompletionService& service) {
     return Status::Unavailable("claim: HTTP " + std::to_string(answer->status) + ": " +
                                answer->body.substr(0, 200));
   }
-  Result<ClaimAnswer> claim = transport::ParseClaimAnswer(answer->body);
+  Result<ClaimAnswer> claim = pipeline::ParseClaimAnswer(answer->body);
   if (!claim.ok()) return Status::Unavailable("claim: " + claim.status().message());
   if (claim->kind == ClaimAnswer::Kind::kError) {
     return Status::Unavailable("claim refused: " + claim->reason);
@@ -106,7 +106,7 @@ std::vector<SubmitRequest> Actor::Sample(CompletionService& service, const Claim
   params.return_routing = service.engine().config().num_experts > 0;
   std::vector<GenerationRequest> requests;
   std::vector<SubmitRequest> submissions;
-  for (const transport::ClaimedGroup& group : claim.groups) {
+  for (const pipeline::ClaimedGroup& group : claim.groups) {
     Result<std::vector<int32_t>> prompt = tokenizer_->Encode(group.prompt);
     if (!prompt.ok()) {  // its lease lapses and the trainer hands the prompt to another worker
       spdlog::warn("actor: prompt of claim {}: {}", group.claim, prompt.status().ToString());
@@ -124,7 +124,7 @@ std::vector<SubmitRequest> Actor::Sample(CompletionService& service, const Claim
   const int64_t layers = service.engine().config().NumMoeLayers();
   const int64_t top_k = service.engine().config().num_experts_per_tok;
   size_t next = 0;
-  for (const transport::ClaimedGroup& group : claim.groups) {
+  for (const pipeline::ClaimedGroup& group : claim.groups) {
     if (next == submissions.size() || submissions[next].claim != group.claim) continue;
     SubmitRequest& submission = submissions[next];
     for (int64_t i = 0; i < claim.group_size; ++i) {
@@ -133,7 +133,7 @@ std::vector<SubmitRequest> Actor::Sample(CompletionService& service, const Claim
       if (!answer_ids.empty() && answer_ids.back() == tokenizer_->eos()) answer_ids.pop_back();
       Result<std::string> text = tokenizer_->Decode(answer_ids);
       // A completion that does not decode (a special token mid-answer) is simply wrong.
-      transport::RolloutSample sample{.prompt_tokens = std::move(r.prompt),
+      pipeline::RolloutSample sample{.prompt_tokens = std::move(r.prompt),
                                       .tokens = std::move(r.tokens),
                                       .logprobs = std::move(r.logprobs),
                                       .versions = std::move(r.versions),
@@ -155,7 +155,7 @@ Status Actor::PostSubmit(const SubmitRequest& submission) {
   const transport::HttpGetOptions http = HttpOptions();
   auto submitted = transport::HttpPost(options_.trainer, "/v1/rollout/submit", ToJson(submission), http);
   if (!submitted.ok()) return Status::Unavailable("submit: " + submitted.status().ToString());
-  Result<transport::SubmitAnswer> verdict = transport::ParseSubmitAnswer(submitted->body);
+  Result<pipeline::SubmitAnswer> verdict = pipeline::ParseSubmitAnswer(submitted->body);
   if (submitted->status == 200 && verdict.ok() && verdict->accepted) {
     ++stats_.groups_submitted;
   } else {

@@ -19,7 +19,7 @@
 #include "base/status.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"
-#include "transport/rollout_protocol.h"
+#include "pipeline/rollout_protocol.h"
 
 namespace flywheel::tokenizer {
 class Tokenizer;
@@ -65,12 +65,12 @@ class Actor {
   // then retries every half second). A generation that fails is not an error of the
   // round: its claims lapse and go to other workers.
   Result<std::chrono::milliseconds> Round(CompletionService& service);
-  Result<transport::ClaimAnswer> PostClaim(CompletionService& service);
+  Result<pipeline::ClaimAnswer> PostClaim(CompletionService& service);
   // Samples group_size completions per claimed prompt (all in one Generate call), or an
   // empty vector when generation failed.
-  std::vector<transport::SubmitRequest> Sample(CompletionService& service,
-                                               const transport::ClaimAnswer& claim);
-  Status PostSubmit(const transport::SubmitRequest& submission);
+  std::vector<pipeline::SubmitRequest> Sample(CompletionService& service,
+                                               const pipeline::ClaimAnswer& claim);
+  Status PostSubmit(const pipeline::SubmitRequest& submission);
   transport::HttpGetOptions HttpOptions() const;
 
   ActorOptions options_;

@@ -43,7 +43,7 @@
 #include <vector>
 
 #include "base/status.h"
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 #include "model/model.h"
 
 namespace flywheel::rollout {

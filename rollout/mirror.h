@@ -20,7 +20,7 @@
 
 #include "base/status.h"
 #include "delta/delta.h"
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 #include "model/fp8.h"
 #include "model/model.h"
 

@@ -13,7 +13,7 @@
 #include <string_view>
 
 #include "base/env.h"
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "rollout/actor.h"
 #include "rollout/engine.h"
 #include "rollout/mirror.h"

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "delta/hash.h"
-#include "delta/safetensors.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/safetensors.h"
 #include "tools/commands.h"
 #include "tools/progress.h"
 

@@ -12,7 +12,7 @@
 
 #include "delta/delta.h"
 #include "delta/delta_file.h"
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 #include "tools/commands.h"
 #include "tools/progress.h"
 

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "base/env.h"
-#include "pipeline/process.h"
-#include "rl/serve_trainer.h"  // declarations only: flywheel hands serve-trainer over
+#include "ops/process.h"
+#include "service/serve_trainer.h"  // declarations only: flywheel hands serve-trainer over
 #include "tools/commands.h"
 
 namespace flywheel::tools {
@@ -30,7 +30,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 struct ServeArgs {
-  rl::ServeTrainerOptions o;
+  service::ServeTrainerOptions o;
   std::string token_file, train_token_file;
   std::vector<std::string> scoped_tokens;
   std::string tls_cert, tls_key, tls_ca;
@@ -53,7 +53,7 @@ Status RunServeTrainer(ServeArgs args) {
   FW_ASSIGN_OR_RETURN(args.o.scoped_tokens, ReadScopedTokens(args.scoped_tokens));
   args.o.tls = {args.tls_cert, args.tls_key, args.tls_ca};
 #ifdef FLYWHEEL_WITH_TORCH
-  return rl::RunServeTrainer(args.o);
+  return service::RunServeTrainer(args.o);
 #else
   return TorchOnly("serve-trainer");
 #endif
@@ -80,7 +80,7 @@ Status WritePrivateFile(const std::string& path, const std::string& text) {
 
 // serve-trainer's flags as `service` passes them on.
 std::vector<std::string> ServeTrainerArgs(const ServeArgs& a) {
-  const rl::ServeTrainerOptions& o = a.o;
+  const service::ServeTrainerOptions& o = a.o;
   std::vector<std::string> out;
   auto add = [&](const std::string& flag, const std::string& value) {
     if (!value.empty()) out.insert(out.end(), {flag, value});
@@ -109,7 +109,7 @@ std::vector<std::string> ServeTrainerArgs(const ServeArgs& a) {
 
 // A relay per region (upstream: the publisher) and its workers (upstreams: the relay, then
 // the publisher); returns the workers' URLs once every one serves.
-Result<json> StartRegions(const ServeArgs& args, pipeline::ProcessGroup& processes,
+Result<json> StartRegions(const ServeArgs& args, ops::ProcessGroup& processes,
                           const fs::path& run, const std::string& program,
                           const std::string& token_file, const json& trainer_ready, json& relays,
                           std::chrono::milliseconds timeout) {
@@ -119,7 +119,7 @@ Result<json> StartRegions(const ServeArgs& args, pipeline::ProcessGroup& process
   int64_t max_sequence = args.max_sequence;
   if (max_sequence <= 0) {
     // The smaller of ours and the model's limit.
-    auto text = pipeline::ReadWholeFile(trainer_ready.value("model_config", ""));
+    auto text = ops::ReadWholeFile(trainer_ready.value("model_config", ""));
     json config = text.ok() ? json::parse(*text, nullptr, false) : json();
     const int64_t model_limit = config.is_object() ? config.value("max_position_embeddings", int64_t{1024}) : 1024;
     max_sequence = std::min<int64_t>(1024, model_limit);
@@ -129,7 +129,7 @@ Result<json> StartRegions(const ServeArgs& args, pipeline::ProcessGroup& process
   };
   std::vector<Pending> pending;
   for (const std::string& region : args.regions) {
-    auto port = pipeline::FreePort();
+    auto port = ops::FreePort();
     if (!port.ok()) return port.status();
     const std::string relay_listen = "127.0.0.1:" + std::to_string(*port);
     const std::string relay = "relay-" + region;
@@ -159,7 +159,7 @@ Result<json> StartRegions(const ServeArgs& args, pipeline::ProcessGroup& process
     }
   }
   for (const Pending& p : pending) {
-    auto ready = pipeline::AwaitReadyFile(processes, p.ready, p.name, timeout);
+    auto ready = ops::AwaitReadyFile(processes, p.ready, p.name, timeout);
     if (!ready.ok()) return ready.status();
     if (p.name.rfind("worker-", 0) == 0) workers.push_back("http://" + ready->value("http", ""));
   }
@@ -188,7 +188,7 @@ Status RunService(const ServeArgs& args) {
     }
   }
   const std::string program = SelfProgram();
-  pipeline::ProcessGroup processes(logs.string());
+  ops::ProcessGroup processes(logs.string());
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(args.ready_timeout_s * 1000));
   std::signal(SIGINT, OnServiceSignal);
   std::signal(SIGTERM, OnServiceSignal);
@@ -206,7 +206,7 @@ Status RunService(const ServeArgs& args) {
   std::cout << "service: starting serve-trainer (logs in " << logs.string() << ")" << std::endl;
   auto trainer_index = processes.Start("trainer", program, trainer_args);
   if (!trainer_index.ok()) return fail(trainer_index.status());
-  auto trainer_ready = pipeline::AwaitReadyFile(processes, (run / "trainer.ready").string(),
+  auto trainer_ready = ops::AwaitReadyFile(processes, (run / "trainer.ready").string(),
                                                 "serve-trainer", timeout);
   if (!trainer_ready.ok()) return fail(trainer_ready.status());
   const std::string publisher = trainer_ready->value("listen", "");
@@ -243,7 +243,7 @@ Status RunService(const ServeArgs& args) {
 }
 
 void AddServeTrainerFlags(CLI::App* app, ServeArgs& a) {
-  rl::ServeTrainerOptions& o = a.o;
+  service::ServeTrainerOptions& o = a.o;
   app->add_option("--model", o.model,
                   "HF model: a directory with config.json (and *.safetensors weights,\n"
                   "loaded unless --random-init), or a config.json")

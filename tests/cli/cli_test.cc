@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "delta/safetensors.h"
-#include "delta/tensor.h"
-#include "pipeline/process.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/tensor.h"
+#include "ops/process.h"
 #include "tests/delta/test_checkpoints.h"
 
 namespace flywheel {
@@ -41,9 +41,9 @@ struct CommandResult {
 // Runs FLYWHEEL_BIN with `args` through the harness; stdin is /dev/null; killed after
 // kCommandTimeout (then timed_out, with the harness's message in `err`).
 CommandResult RunFlywheel(const std::vector<std::string>& args) {
-  pipeline::RunOptions options;
+  ops::RunOptions options;
   options.timeout = kCommandTimeout;
-  Result<pipeline::Completion> completion = pipeline::RunToCompletion(FLYWHEEL_BIN, args, options);
+  Result<ops::Completion> completion = ops::RunToCompletion(FLYWHEEL_BIN, args, options);
   CommandResult result;
   if (!completion.ok()) {
     ADD_FAILURE() << completion.status().ToString();
@@ -626,7 +626,7 @@ TEST_F(CliTest, HelpMentionsEveryCommand) {
 // model-less worker stays small); `flywheel-torch` beside it does, and runs the torch
 // commands `flywheel` hands over.
 std::string Ldd(const std::string& binary) {
-  Result<pipeline::Completion> ldd = pipeline::RunToCompletion("/usr/bin/ldd", {binary}, {});
+  Result<ops::Completion> ldd = ops::RunToCompletion("/usr/bin/ldd", {binary}, {});
   if (!ldd.ok() || ldd->exit_code != 0) return "";
   return ldd->out;
 }
@@ -659,15 +659,15 @@ TEST_F(CliTest, MissingFlywheelTorchIsOneClearLine) {
   const std::string alone = Path("alone");
   fs::create_directories(alone);
   fs::copy_file(FLYWHEEL_BIN, alone + "/flywheel");
-  Result<pipeline::Completion> run =
-      pipeline::RunToCompletion(alone + "/flywheel", {"train", "--help"}, {});
+  Result<ops::Completion> run =
+      ops::RunToCompletion(alone + "/flywheel", {"train", "--help"}, {});
   ASSERT_TRUE(run.ok()) << run.status().ToString();
   EXPECT_EQ(run->exit_code, 1);
   EXPECT_NE(run->err.find("flywheel-torch"), std::string::npos) << run->err;
   EXPECT_NE(run->err.find("cannot be run"), std::string::npos) << run->err;
   EXPECT_EQ(std::count(run->err.begin(), run->err.end(), '\n'), 1) << run->err;
   // What needs no torch still runs.
-  Result<pipeline::Completion> help = pipeline::RunToCompletion(alone + "/flywheel", {"--help"}, {});
+  Result<ops::Completion> help = ops::RunToCompletion(alone + "/flywheel", {"--help"}, {});
   ASSERT_TRUE(help.ok());
   EXPECT_EQ(help->exit_code, 0);
 }
@@ -694,7 +694,7 @@ TEST_F(CliTest, PushVersionsPinAndUnpinAgainstAPublisher) {
     fs::permissions(Path(token), fs::perms::owner_read | fs::perms::owner_write);
   }
   fs::create_directories(Path("logs"));
-  pipeline::ProcessGroup group(Path("logs"));
+  ops::ProcessGroup group(Path("logs"));
   Result<size_t> publisher = group.Start(
       "publisher", FLYWHEEL_BIN,
       {"publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state-dir", Path("state"),
@@ -702,7 +702,7 @@ TEST_F(CliTest, PushVersionsPinAndUnpinAgainstAPublisher) {
        "--ready-file", Path("ready.json")});
   ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
   Result<nlohmann::json> ready =
-      pipeline::AwaitReadyFile(group, Path("ready.json"), "publisher", kCommandTimeout, *publisher);
+      ops::AwaitReadyFile(group, Path("ready.json"), "publisher", kCommandTimeout, *publisher);
   ASSERT_TRUE(ready.ok()) << ready.status().ToString();
   const std::string url = "http://" + (*ready)["http"].get<std::string>();
   const std::vector<std::string> auth = {"--token-file", Path("push.token")};

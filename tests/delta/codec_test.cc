@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "delta/delta.h"
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 #include "tests/delta/test_checkpoints.h"
 
 namespace flywheel::delta {

@@ -9,8 +9,8 @@
 
 #include "delta/delta.h"
 #include "delta/delta_file.h"
-#include "delta/hash.h"
-#include "delta/parallel.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/parallel.h"
 #include "tests/delta/test_checkpoints.h"
 
 namespace flywheel::delta {

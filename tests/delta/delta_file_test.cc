@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "tests/delta/test_checkpoints.h"
 
 namespace flywheel::delta {

@@ -1,4 +1,4 @@
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 
 #include <gtest/gtest.h>
 #include <xxhash.h>

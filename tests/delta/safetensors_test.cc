@@ -1,7 +1,7 @@
 // safetensors reading, validation and writing. Inputs for the reader are built by hand
 // (header JSON as text, raw bytes) so that the reader is never checked against the writer
 // alone.
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 
 int FuzzSafetensors(const uint8_t* data, size_t size);
 

@@ -8,7 +8,7 @@
 
 #include "delta/delta.h"
 #include "delta/format.h"
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 #include "tests/delta/test_checkpoints.h"
 
 namespace flywheel::delta {

@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "delta/delta.h"
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 
 namespace flywheel::testing {
 

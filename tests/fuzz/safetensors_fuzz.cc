@@ -10,8 +10,8 @@
 #include <span>
 #include <vector>
 
-#include "delta/safetensors.h"
-#include "delta/tensor.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/tensor.h"
 
 namespace {
 

@@ -21,23 +21,29 @@ import tempfile
 MAY_DEPEND_ON = {
     "base": [],
     "kernels": ["base"],
-    "delta": ["base", "kernels"],
+    "checkpoint": ["base"],
+    "delta": ["base", "kernels", "checkpoint"],
     "transport": ["base"],
+    "ops": ["base"],
     "tokenizer": ["base"],
     "sync": ["delta", "transport"],
     "model": ["delta", "tokenizer"],
+    "pipeline": ["transport", "ops"],
     "trainer": ["model", "sync"],
-    "rollout": ["model", "sync", "transport", "tokenizer"],
-    "pipeline": ["transport"],
+    "rollout": ["model", "sync", "transport", "tokenizer", "pipeline"],
     "rl": ["trainer", "rollout", "pipeline"],
-    "bench": ["rl", "trainer", "rollout", "pipeline", "sync", "model"],
-    "tools": ["bench", "rl", "trainer", "rollout", "pipeline", "sync", "model"],
+    "service": ["rl", "trainer", "rollout", "pipeline"],
+    # testing/ (fault proxy): for tests and benchmarks only; no production folder includes it.
+    "testing": ["transport"],
+    "bench": ["service", "rl", "trainer", "rollout", "pipeline", "sync", "model", "ops", "testing"],
+    "tools": ["bench", "service", "rl", "trainer", "rollout", "pipeline", "sync", "model", "ops"],
 }
 # Folders that may include anything (they sit above every layer).
 TOP = {"tests", "examples"}
 # Folders whose code must stay torch-free: relays, publishers and the coordinator must not
 # load libtorch.
-TORCH_FREE = {"base", "kernels", "delta", "transport", "tokenizer", "sync", "pipeline"}
+TORCH_FREE = {"base", "kernels", "checkpoint", "delta", "transport", "ops", "tokenizer", "sync",
+              "pipeline", "testing"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
 SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")

@@ -16,7 +16,7 @@
 #include <random>
 #include <set>
 
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "model/model.h"
 #include "model/weights.h"
 #include "tests/model/tiny_models.h"

@@ -7,7 +7,7 @@
 
 #include <filesystem>
 
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "tests/model/tiny_models.h"
 #include "model/weights.h"
 

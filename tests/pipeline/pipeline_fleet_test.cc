@@ -92,9 +92,9 @@ class PipelineFleetTest : public ::testing::Test {
     if (!status.contains("groups_by_worker") || !status["groups_by_worker"].is_object()) return 0;
     return status["groups_by_worker"].value(worker, uint64_t{0});
   }
-  // pipeline::WaitUntil at the pace of the trainer's status (each poll is an HTTP GET).
+  // ops::WaitUntil at the pace of the trainer's status (each poll is an HTTP GET).
   static bool WaitFor(const std::function<bool()>& predicate, std::chrono::seconds limit) {
-    return WaitUntil(predicate, limit, "a fleet condition", std::chrono::milliseconds(100)).ok();
+    return ops::WaitUntil(predicate, limit, "a fleet condition", std::chrono::milliseconds(100)).ok();
   }
   std::string Logs() { return " (logs in " + fleet_->log_dir() + ")"; }
 

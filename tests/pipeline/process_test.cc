@@ -1,7 +1,7 @@
 // The process harness (pipeline/process.h) with /bin/sh, sleep and python3 as children:
 // nothing outlives a group, a child that ignores SIGTERM is killed after the grace, ports
 // come back, one-shot commands report their output and time out with a clear error.
-#include "pipeline/process.h"
+#include "ops/process.h"
 
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace flywheel::pipeline {
+namespace flywheel::ops {
 namespace {
 
 namespace fs = std::filesystem;
@@ -335,4 +335,4 @@ TEST(WaitUntilTest, NamedErrorOnTimeout) {
 }
 
 }  // namespace
-}  // namespace flywheel::pipeline
+}  // namespace flywheel::ops

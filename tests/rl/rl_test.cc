@@ -20,7 +20,7 @@
 #include "rl/trainer_process.h"
 #include "rl/warmup.h"
 #include "transport/http.h"
-#include "transport/rollout_protocol.h"
+#include "pipeline/rollout_protocol.h"
 #include "sync/role.h"
 #include "tests/delta/test_checkpoints.h"
 #include "tests/sync/promtool.h"
@@ -411,7 +411,7 @@ TEST(TrainerServicesTest, ALargeSubmissionDoesNotStallTheIoThread) {
   while (body.size() + sample.size() + 2 < (63u << 20)) body += sample;
   body += "[1]]}";
   const auto parse_start = std::chrono::steady_clock::now();
-  EXPECT_FALSE(transport::ParseSubmitRequest(body).ok());  // parsed whole, then refused
+  EXPECT_FALSE(pipeline::ParseSubmitRequest(body).ok());  // parsed whole, then refused
   const double parse_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - parse_start).count();
 

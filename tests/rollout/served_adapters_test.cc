@@ -17,7 +17,7 @@
 #include <sstream>
 #include <thread>
 
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "model/weights.h"
 #include "rollout/worker_engine.h"
 #include "tests/model/tiny_models.h"

@@ -13,7 +13,7 @@
 
 #include "model/model.h"
 #include "model/weights.h"
-#include "pipeline/process.h"
+#include "ops/process.h"
 #include "tests/model/tiny_models.h"
 #include "transport/http.h"
 
@@ -24,10 +24,10 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using namespace std::chrono_literals;
 
-// Polls `predicate` for up to `limit` (pipeline::WaitUntil); the error names `what`.
+// Polls `predicate` for up to `limit` (ops::WaitUntil); the error names `what`.
 ::testing::AssertionResult WaitFor(const std::function<bool()>& predicate, const std::string& what,
                                    std::chrono::milliseconds limit = 30s) {
-  const Status waited = pipeline::WaitUntil(predicate, limit, what, 20ms);
+  const Status waited = ops::WaitUntil(predicate, limit, what, 20ms);
   if (waited.ok()) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << waited.ToString();
 }
@@ -59,14 +59,14 @@ TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
   const model::ModelConfig config = testing::TinyConfig({.vocab = 260});
   { std::ofstream(dir / "config.json") << config.ToJson().dump(); }
   // Logs in `dir`; the group stops both processes however the test ends.
-  pipeline::ProcessGroup processes(dir.string());
+  ops::ProcessGroup processes(dir.string());
   Result<size_t> publisher = processes.Start(
       "publisher", FLYWHEEL_BIN,
       {"publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state-dir",
        (dir / "state").string(), "--watch", (dir / "watch").string(), "--ready-file",
        (dir / "publisher.ready").string()});
   ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
-  Result<json> publisher_ready = pipeline::AwaitReadyFile(
+  Result<json> publisher_ready = ops::AwaitReadyFile(
       processes, (dir / "publisher.ready").string(), "publisher", 30s, *publisher);
   ASSERT_TRUE(publisher_ready.ok()) << publisher_ready.status().ToString();
   const std::string upstream = (*publisher_ready)["listen"];
@@ -77,7 +77,7 @@ TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
        (dir / "worker.ready").string()});
   ASSERT_TRUE(worker.ok()) << worker.status().ToString();
   Result<json> worker_ready =
-      pipeline::AwaitReadyFile(processes, (dir / "worker.ready").string(), "worker", 30s, *worker);
+      ops::AwaitReadyFile(processes, (dir / "worker.ready").string(), "worker", 30s, *worker);
   ASSERT_TRUE(worker_ready.ok()) << worker_ready.status().ToString();
   const transport::Endpoint http = Parse((*worker_ready)["http"]);
   const std::string request =

@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 #include "tests/delta/test_checkpoints.h"
 
 namespace flywheel::sync {

@@ -11,9 +11,9 @@
 // sync::Worker on one io_context.
 //
 // Every process runs with --heartbeat-ms 100 --peer-timeout-ms 1000 so that failures are
-// noticed in about a second. The processes live in a pipeline::ProcessGroup (the harness),
+// noticed in about a second. The processes live in a ops::ProcessGroup (the harness),
 // which stops and reaps them in TearDown whatever happened; every wait is a
-// pipeline::WaitUntil on the condition itself.
+// ops::WaitUntil on the condition itself.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -41,15 +41,15 @@
 #include <vector>
 
 #include "delta/delta.h"
-#include "delta/hash.h"
-#include "delta/safetensors.h"
-#include "pipeline/process.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/safetensors.h"
+#include "ops/process.h"
 #include "sync/node.h"
 #include "sync/signing.h"
 #include "sync/worker.h"
 #include "tests/delta/test_checkpoints.h"
 #include "tests/sync/promtool.h"
-#include "pipeline/fault_proxy.h"
+#include "testing/fault_proxy.h"
 #include "transport/http.h"
 #include "transport/certs.h"
 #include "transport/tls.h"
@@ -61,8 +61,8 @@ namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using json = nlohmann::json;
 using flywheel::testing::Change;
-using flywheel::pipeline::FaultProxy;
-using flywheel::pipeline::FaultProxyOptions;
+using flywheel::testing::FaultProxy;
+using flywheel::testing::FaultProxyOptions;
 using flywheel::testing::Mutate;
 using flywheel::testing::RandomCheckpoint;
 using flywheel::testing::TensorSpec;
@@ -188,7 +188,7 @@ class FleetTest : public ::testing::Test {
     dir_ = pattern;
     watch_ = dir_ / "watch";
     fs::create_directories(watch_);
-    processes_ = std::make_unique<pipeline::ProcessGroup>(dir_.string());
+    processes_ = std::make_unique<ops::ProcessGroup>(dir_.string());
     processes_->set_grace(3s);
   }
 
@@ -231,10 +231,10 @@ class FleetTest : public ::testing::Test {
 
   // Runs a one-shot `flywheel args...`; nullopt (with a failure) if it could not run or
   // timed out.
-  std::optional<pipeline::Completion> Run(const std::vector<std::string>& args) {
-    pipeline::RunOptions options;
+  std::optional<ops::Completion> Run(const std::vector<std::string>& args) {
+    ops::RunOptions options;
     options.timeout = kWait;
-    Result<pipeline::Completion> done = pipeline::RunToCompletion(FLYWHEEL_BIN, args, options);
+    Result<ops::Completion> done = ops::RunToCompletion(FLYWHEEL_BIN, args, options);
     if (!done.ok()) {
       ADD_FAILURE() << done.status().ToString();
       return std::nullopt;
@@ -287,7 +287,7 @@ class FleetTest : public ::testing::Test {
   // Waits for the node's --ready-file; false (with a failure) if it exits or times out.
   bool WaitReady(Node& node) {
     if (node.index == SIZE_MAX) return false;
-    Result<json> ready = pipeline::AwaitReadyFile(*processes_, node.ready.string(), node.name,
+    Result<json> ready = ops::AwaitReadyFile(*processes_, node.ready.string(), node.name,
                                                   kWait, node.index);
     if (!ready.ok()) {
       ADD_FAILURE() << ready.status().ToString() << "\n" << Tail(node, 20);
@@ -405,7 +405,7 @@ class FleetTest : public ::testing::Test {
                   const std::function<bool(const json&)>& holds,
                   std::chrono::milliseconds timeout = kWait) {
     json last;
-    const Status waited = pipeline::WaitUntil(
+    const Status waited = ops::WaitUntil(
         [&] {
           std::optional<json> status = GetStatus(node);
           if (!status) return false;
@@ -466,7 +466,7 @@ class FleetTest : public ::testing::Test {
 
   fs::path dir_;
   fs::path watch_;
-  std::unique_ptr<pipeline::ProcessGroup> processes_;  // after dir_ exists
+  std::unique_ptr<ops::ProcessGroup> processes_;  // after dir_ exists
   std::deque<Node> nodes_;  // stable addresses
   Lineage lineage_{FleetSpecs(), 1234};
 };
@@ -982,7 +982,7 @@ TEST_F(FleetTest, WrongOrMissingToken) {
 
 TEST_F(FleetTest, TlsMutualAuth) {
   const fs::path certs = dir_ / "certs";
-  const std::optional<pipeline::Completion> made_certs = Run({"certs", "--out", certs.string()});
+  const std::optional<ops::Completion> made_certs = Run({"certs", "--out", certs.string()});
   ASSERT_TRUE(made_certs.has_value());
   ASSERT_EQ(made_certs->exit_code, 0) << made_certs->out << made_certs->err;
   auto file = [&](const char* name) { return (certs / name).string(); };
@@ -1076,7 +1076,7 @@ TEST_F(FleetTest, TlsMutualAuth) {
 
 TEST_F(FleetTest, PublisherRestart) {
   // A fixed port (FreePort's race accepted): the restarted publisher must come back on it.
-  const Result<uint16_t> port = pipeline::FreePort();
+  const Result<uint16_t> port = ops::FreePort();
   ASSERT_TRUE(port.ok()) << port.status().ToString();
   const std::string listen = "127.0.0.1:" + std::to_string(*port);
   Node* publisher = StartPublisher("publisher", {}, listen);
@@ -1088,7 +1088,7 @@ TEST_F(FleetTest, PublisherRestart) {
 
   const int stopped = Stop(*publisher);
   EXPECT_TRUE(WIFEXITED(stopped) && WEXITSTATUS(stopped) == 0)
-      << publisher->name << " " << pipeline::DescribeWaitStatus(stopped);
+      << publisher->name << " " << ops::DescribeWaitStatus(stopped);
   // Same state directory, same port.
   Node* restarted = StartPublisher("publisher", {}, listen);
   ASSERT_NE(restarted, nullptr);
@@ -1116,7 +1116,7 @@ TEST_F(FleetTest, PublisherRestart) {
 // version it last committed or the new one, never anything else, keeps no artifact its log
 // does not name, and publishes the drop; the worker follows every time.
 TEST_F(FleetTest, PublisherKilledMidUpdateRecovers) {
-  const Result<uint16_t> port = pipeline::FreePort();
+  const Result<uint16_t> port = ops::FreePort();
   ASSERT_TRUE(port.ok()) << port.status().ToString();
   const std::string listen = "127.0.0.1:" + std::to_string(*port);
   Node* publisher = StartPublisher("publisher", {}, listen);
@@ -1186,7 +1186,7 @@ TEST_F(FleetTest, ExportDir) {
                 ? exported->metadata().at("flywheel_version")
                 : "",
             "2");
-  const std::optional<pipeline::Completion> hashed = Run({"checkpoint", "hash", v2.string()});
+  const std::optional<ops::Completion> hashed = Run({"checkpoint", "hash", v2.string()});
   ASSERT_TRUE(hashed.has_value());
   ASSERT_EQ(hashed->exit_code, 0) << hashed->out << hashed->err;
   EXPECT_NE((hashed->out + hashed->err).find(lineage_.Hex(2) + "  " + v2.string()),
@@ -1210,13 +1210,13 @@ std::string PrivateKeyOf(const fs::path& dir) { return (dir / "signing.key").str
 TEST_F(FleetTest, SignedVersionsThroughARelayAndKeyRotation) {
   const fs::path old_keys = dir_ / "keys-old", new_keys = dir_ / "keys-new";
   for (const fs::path& keys : {old_keys, new_keys}) {
-    std::optional<pipeline::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
+    std::optional<ops::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
     ASSERT_TRUE(generated);
     ASSERT_EQ(generated->exit_code, 0) << (generated->out + generated->err);
     EXPECT_NE((generated->out + generated->err).find("key id "), std::string::npos) << (generated->out + generated->err);
   }
   // Generating again refuses to overwrite.
-  std::optional<pipeline::Completion> again = Run({"keys", "generate", "--out", old_keys.string()});
+  std::optional<ops::Completion> again = Run({"keys", "generate", "--out", old_keys.string()});
   ASSERT_TRUE(again);
   EXPECT_EQ(again->exit_code, 1);
   EXPECT_NE((again->out + again->err).find("refusing to overwrite"), std::string::npos) << (again->out + again->err);
@@ -1270,7 +1270,7 @@ TEST_F(FleetTest, SignedVersionsThroughARelayAndKeyRotation) {
 
 TEST_F(FleetTest, AnUnsignedPublisherIsRefusedByNodesThatRequireSignatures) {
   const fs::path keys = dir_ / "keys";
-  std::optional<pipeline::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
+  std::optional<ops::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
   ASSERT_TRUE(generated && generated->exit_code == 0);
   Node* publisher = StartPublisher("publisher");  // no --signing-key
   ASSERT_NE(publisher, nullptr);
@@ -1297,7 +1297,7 @@ TEST_F(FleetTest, AnUnsignedPublisherIsRefusedByNodesThatRequireSignatures) {
   EXPECT_EQ(U64(behind, "head_version"), 0u) << Brief(behind);
 
   // Bad key files stop a node at startup with the reason.
-  std::optional<pipeline::Completion> missing = Run(
+  std::optional<ops::Completion> missing = Run(
       {"worker", "--region", "eu", "--upstream", relay->upstream(), "--http", "127.0.0.1:0",
        "--trust-key", (dir_ / "nope.pub").string()});
   ASSERT_TRUE(missing);
@@ -1305,7 +1305,7 @@ TEST_F(FleetTest, AnUnsignedPublisherIsRefusedByNodesThatRequireSignatures) {
   EXPECT_NE((missing->out + missing->err).find("nope.pub"), std::string::npos) << (missing->out + missing->err);
   fs::permissions(keys / "signing.key", fs::perms::group_read | fs::perms::others_read,
                   fs::perm_options::add);
-  std::optional<pipeline::Completion> open_key =
+  std::optional<ops::Completion> open_key =
       Run({"publish", "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", "--state-dir",
            (dir_ / "other.state").string(), "--watch", watch_.string(), "--signing-key",
            PrivateKeyOf(keys)});
@@ -1368,7 +1368,7 @@ TEST_F(FleetTest, ScopedTokensFromFilesPerRouteAndNeverLogged) {
   EXPECT_EQ(call("POST", "/v1/pin", tokens.at("ops")), 200);
   EXPECT_EQ(call("POST", "/v1/unpin", tokens.at("ops")), 200);
   // A bad scope is a startup error naming it.
-  std::optional<pipeline::Completion> bad = Run({"worker", "--region", "eu", "--upstream",
+  std::optional<ops::Completion> bad = Run({"worker", "--region", "eu", "--upstream",
                                                  publisher->upstream(), "--http", "127.0.0.1:0",
                                                  "--scoped-token-file", "write:" + file("ops")});
   ASSERT_TRUE(bad);
@@ -1417,7 +1417,7 @@ TEST_F(FleetTest, ExportToAFullDiskShowsInStatusAndMetrics) {
 
 TEST_F(FleetTest, EveryRolesMetricsPassPromtool) {
   const fs::path keys = dir_ / "keys";
-  std::optional<pipeline::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
+  std::optional<ops::Completion> generated = Run({"keys", "generate", "--out", keys.string()});
   ASSERT_TRUE(generated && generated->exit_code == 0);
   Node* publisher = StartPublisher("publisher", {"--signing-key", PrivateKeyOf(keys)});
   ASSERT_NE(publisher, nullptr);
@@ -1558,7 +1558,7 @@ class CraftedUpstreamTest : public ::testing::Test {
     // The posted stops close every connection. Once the io_context runs out of work it has;
     // it often keeps a timer longer than that, so it is stopped after at most 100 ms anyway.
     work_.reset();
-    (void)pipeline::WaitUntil([&] { return io_->stopped(); }, 100ms,
+    (void)ops::WaitUntil([&] { return io_->stopped(); }, 100ms,
                               "the io_context to run out of work");
     io_->stop();
     io_thread_.join();
@@ -1590,7 +1590,7 @@ class CraftedUpstreamTest : public ::testing::Test {
 
   bool WaitWorker(const std::string& what, const std::function<bool(const json&)>& holds) {
     json last;
-    const Status waited = pipeline::WaitUntil(
+    const Status waited = ops::WaitUntil(
         [&] {
           last = WorkerStatus();
           return holds(last);
@@ -1958,7 +1958,7 @@ class FleetReportTest : public ::testing::Test {
       server_->Stop();
     });
     work_.reset();
-    (void)pipeline::WaitUntil([&] { return io_->stopped(); }, 100ms,
+    (void)ops::WaitUntil([&] { return io_->stopped(); }, 100ms,
                               "the io_context to run out of work");
     io_->stop();
     io_thread_.join();
@@ -2033,7 +2033,7 @@ class FleetReportTest : public ::testing::Test {
                  const std::function<bool(const std::map<std::string, FleetNode>&)>& holds,
                  std::chrono::milliseconds timeout = kWait) {
     size_t size = 0;
-    const Status waited = pipeline::WaitUntil(
+    const Status waited = ops::WaitUntil(
         [&] {
           const auto fleet = FleetNow();
           size = fleet.size();

@@ -10,7 +10,7 @@
 #include <optional>
 #include <string>
 
-#include "pipeline/process.h"
+#include "ops/process.h"
 
 namespace flywheel::testing {
 
@@ -24,7 +24,7 @@ inline std::optional<std::string> PromtoolComplaints(const std::string& metrics_
   if (fd < 0) return "cannot create a temporary file";
   ::close(fd);
   { std::ofstream(pattern, std::ios::binary) << metrics_text; }
-  Result<pipeline::Completion> done = pipeline::RunToCompletion(
+  Result<ops::Completion> done = ops::RunToCompletion(
       "/bin/sh", {"-c", std::string(promtool) + " check metrics < '" + pattern + "'"});
   std::filesystem::remove(pattern);
   if (!done.ok()) return done.status().ToString();

@@ -20,16 +20,16 @@
 #include <thread>
 
 #include "delta/delta.h"
-#include "delta/hash.h"
-#include "delta/safetensors.h"
-#include "pipeline/process.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/safetensors.h"
+#include "ops/process.h"
 #include "sync/publisher.h"
 #include "sync/ledger.h"
 #include "sync/push_client.h"
 #include "sync/uploads.h"
 #include "sync/worker.h"
 #include "tests/delta/test_checkpoints.h"
-#include "pipeline/fault_proxy.h"
+#include "testing/fault_proxy.h"
 #include "transport/http.h"
 
 namespace flywheel::sync {
@@ -103,7 +103,7 @@ class PushTest : public ::testing::Test {
     if (worker_) worker_->Stop();
     if (publisher_) publisher_->Stop();
     work_.reset();
-    (void)pipeline::WaitUntil([&] { return io_->stopped(); }, 200ms, "the io_context to drain");
+    (void)ops::WaitUntil([&] { return io_->stopped(); }, 200ms, "the io_context to drain");
     io_->stop();
     io_thread_.join();
     worker_.reset();
@@ -179,7 +179,7 @@ class PushTest : public ::testing::Test {
   }
 
   bool WorkerServes(uint64_t version) {
-    return pipeline::WaitUntil([&] { return worker_->version() >= version; }, 20s,
+    return ops::WaitUntil([&] { return worker_->version() >= version; }, 20s,
                                "the worker to serve v" + std::to_string(version))
         .ok();
   }
@@ -282,7 +282,7 @@ TEST_F(PushTest, ClientResumesAfterAConnectionCutMidPart) {
   ASSERT_TRUE(WriteSafetensors(file.string(), v1_.view(), {}).ok());
   const uint64_t size = fs::file_size(file);
   // The cut falls inside the third part's body: parts 1 and 2 are acknowledged first.
-  pipeline::FaultProxy proxy(endpoint_.port, {.cut_upstream_after_bytes = 2 * 64 * 1024 + 30000});
+  testing::FaultProxy proxy(endpoint_.port, {.cut_upstream_after_bytes = 2 * 64 * 1024 + 30000});
   ASSERT_TRUE(proxy.ok()) << proxy.error();
   PushClientOptions options = ClientOptions();
   options.url = "http://127.0.0.1:" + std::to_string(proxy.port());
@@ -499,7 +499,7 @@ TEST_F(PushTest, AbandonedUploadExpires) {
   Answer created = Create(Serialized(v1_));
   ASSERT_EQ(created.status, 201);
   const std::string id = created.body["id"];
-  ASSERT_TRUE(pipeline::WaitUntil([&] { return fs::is_empty(dir_ / "state" / "uploads"); }, 5s,
+  ASSERT_TRUE(ops::WaitUntil([&] { return fs::is_empty(dir_ / "state" / "uploads"); }, 5s,
                                   "the upload to expire")
                   .ok());
   Answer gone = Call("GET", "/v1/uploads/" + id);
@@ -577,7 +577,7 @@ TEST_F(PushTest, LedgerSurvivesARestart) {
   publisher_.reset();
   // The state directory is free once the stopped publisher's last coroutine let go of it.
   Result<std::unique_ptr<Publisher>> restarted = Status::Unavailable("not started");
-  ASSERT_TRUE(pipeline::WaitUntil(
+  ASSERT_TRUE(ops::WaitUntil(
                   [&] {
                     restarted = Publisher::Start(io_->get_executor(), options_);
                     return restarted.ok();

@@ -12,7 +12,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 #include "sync/node.h"
 
 namespace flywheel::sync {

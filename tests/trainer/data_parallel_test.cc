@@ -12,8 +12,8 @@
 #include <iomanip>
 #include <random>
 
-#include "delta/safetensors.h"
-#include "pipeline/process.h"
+#include "checkpoint/safetensors.h"
+#include "ops/process.h"
 #include "tests/model/tiny_models.h"
 #include "trainer/training_client.h"
 #include "model/weights.h"
@@ -96,10 +96,10 @@ TEST(DataParallelChild, DISABLED_Rank) {
 
 // Starts this test binary again as rank `rank` (only DataParallelChild.DISABLED_Rank runs);
 // its output goes to <dir>/rank<rank>.out and .err.
-Result<size_t> StartRank(pipeline::ProcessGroup& processes, int rank, const std::string& init,
+Result<size_t> StartRank(ops::ProcessGroup& processes, int rank, const std::string& init,
                          const std::string& out) {
   const std::string self = fs::read_symlink("/proc/self/exe").string();
-  pipeline::StartOptions options;
+  ops::StartOptions options;
   options.env = {"FLYWHEEL_DP_RANK=" + std::to_string(rank), "FLYWHEEL_DP_INIT=" + init,
                  "FLYWHEEL_DP_OUT=" + out, "OMP_NUM_THREADS=1"};
   return processes.Start("rank" + std::to_string(rank), self,
@@ -110,7 +110,7 @@ Result<size_t> StartRank(pipeline::ProcessGroup& processes, int rank, const std:
 
 // Waits up to `limit` for a rank to exit; kills it past that. Its exit code, or -1 (with
 // the rank's output tail in the failure message).
-int Reap(pipeline::ProcessGroup& processes, size_t index, std::chrono::seconds limit) {
+int Reap(ops::ProcessGroup& processes, size_t index, std::chrono::seconds limit) {
   Result<int> exit_code = processes.WaitExitCode(index, limit);
   if (!exit_code.ok()) {
     processes.Kill(index);
@@ -119,8 +119,8 @@ int Reap(pipeline::ProcessGroup& processes, size_t index, std::chrono::seconds l
   }
   if (*exit_code != 0) {
     ADD_FAILURE() << processes.name(index) << " exited with " << *exit_code << ":\n"
-                  << pipeline::FileTail(processes.stdout_path(index), 2000) << "\n"
-                  << pipeline::FileTail(processes.stderr_path(index), 2000);
+                  << ops::FileTail(processes.stdout_path(index), 2000) << "\n"
+                  << ops::FileTail(processes.stderr_path(index), 2000);
   }
   return *exit_code;
 }
@@ -132,7 +132,7 @@ TEST(DataParallelTest, TwoProcessesMatchOneProcess) {
   fs::create_directories(dir);
   const std::string init = "file://" + (dir / "rendezvous").string();
   // The group stops both ranks however the test ends.
-  pipeline::ProcessGroup processes(dir.string());
+  ops::ProcessGroup processes(dir.string());
   const Result<size_t> rank0 = StartRank(processes, 0, init, dir.string());
   const Result<size_t> rank1 = StartRank(processes, 1, init, dir.string());
   ASSERT_TRUE(rank0.ok()) << rank0.status().ToString();

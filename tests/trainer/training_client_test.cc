@@ -11,8 +11,8 @@
 #include <random>
 #include <thread>
 
-#include "delta/hash.h"
-#include "delta/safetensors.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/safetensors.h"
 #include "sync/publisher.h"
 #include "tests/model/tiny_models.h"
 #include "tests/trainer/trainer_test_util.h"

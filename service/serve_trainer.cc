@@ -1,4 +1,4 @@
-#include "rl/serve_trainer.h"
+#include "service/serve_trainer.h"
 
 #include <spdlog/spdlog.h>
 
@@ -13,11 +13,11 @@
 #include "model/model_config.h"
 #include "pipeline/task.h"
 #include "rl/trainer_process.h"
-#include "rl/training_service.h"
+#include "service/training_service.h"
 #include "sync/publisher.h"
 #include "transport/tls.h"
 
-namespace flywheel::rl {
+namespace flywheel::service {
 namespace {
 
 namespace fs = std::filesystem;
@@ -236,8 +236,8 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
   Status status = Status::Ok();
   if (!o.ready_file.empty()) status = WriteText(o.ready_file, ready.dump() + "\n");
   if (status.ok()) {
-    InstallStopSignals();
-    while (!StopRequested()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    rl::InstallStopSignals();
+    while (!rl::StopRequested()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     spdlog::info("serve-trainer: stopping");
   }
   std::promise<void> stopped;
@@ -254,4 +254,4 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
   return status;
 }
 
-}  // namespace flywheel::rl
+}  // namespace flywheel::service

@@ -13,7 +13,7 @@
 #include <span>
 #include <string>
 
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 
 namespace flywheel {
 

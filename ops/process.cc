@@ -1,4 +1,4 @@
-#include "pipeline/process.h"
+#include "ops/process.h"
 
 #include <sched.h>
 
@@ -22,7 +22,7 @@
 
 extern char** environ;
 
-namespace flywheel::pipeline {
+namespace flywheel::ops {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -471,4 +471,4 @@ Result<nlohmann::json> AwaitReadyFile(ProcessGroup& processes, const std::string
   return ready;
 }
 
-}  // namespace flywheel::pipeline
+}  // namespace flywheel::ops

@@ -12,7 +12,7 @@
 #include "transport/http.h"
 #include "transport/tls.h"
 
-namespace flywheel::rl {
+namespace flywheel::service {
 
 struct ServeTrainerOptions {
   std::string model;           // config.json, or a directory with config.json (+ *.safetensors)
@@ -50,4 +50,4 @@ struct ServeTrainerOptions {
 
 Status RunServeTrainer(const ServeTrainerOptions& options);
 
-}  // namespace flywheel::rl
+}  // namespace flywheel::service

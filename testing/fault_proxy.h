@@ -34,7 +34,7 @@
 
 #include "transport/frame.h"
 
-namespace flywheel::pipeline {
+namespace flywheel::testing {
 
 struct FaultProxyOptions {
   uint64_t cut_after_bytes = 0;  // 0: never cut
@@ -258,4 +258,4 @@ class FaultProxy {
   std::atomic<int> connections_{0}, cuts_{0}, corrupted_{0}, corrupt_left_;
 };
 
-}  // namespace flywheel::pipeline
+}  // namespace flywheel::testing

@@ -1,4 +1,4 @@
-#include "delta/parallel.h"
+#include "checkpoint/parallel.h"
 
 #include <condition_variable>
 #include <deque>

@@ -1,4 +1,4 @@
-#include "transport/rollout_protocol.h"
+#include "pipeline/rollout_protocol.h"
 
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -6,7 +6,7 @@
 
 #include "base/json.h"
 
-namespace flywheel::transport {
+namespace flywheel::pipeline {
 namespace {
 
 using nlohmann::json;
@@ -287,4 +287,4 @@ Result<SubmitAnswer> ParseSubmitAnswer(std::string_view body) {
   return a;
 }
 
-}  // namespace flywheel::transport
+}  // namespace flywheel::pipeline

@@ -18,4 +18,4 @@ void ParallelFor(size_t count, int threads, Fn&& fn);
 
 }  // namespace flywheel
 
-#include "delta/parallel_impl.h"
+#include "checkpoint/parallel_impl.h"

@@ -29,7 +29,7 @@
 
 #include "base/status.h"
 
-namespace flywheel::transport {
+namespace flywheel::pipeline {
 
 struct ClaimRequest {
   std::string worker;       // required, non-empty
@@ -122,4 +122,4 @@ Result<SubmitAnswer> ParseSubmitAnswer(std::string_view body);
 // needs to close the claim of a submission whose samples do not parse.
 Result<SubmitRequest> ParseSubmitHeader(std::string_view body);
 
-}  // namespace flywheel::transport
+}  // namespace flywheel::pipeline

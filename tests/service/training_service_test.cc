@@ -1,7 +1,7 @@
 // The training service over loopback HTTP against the in-process training client on the same
 // data: every call and loss, the custom-loss path, two LoRA sessions at once, expiry and
 // restore after a restart, bad input, a client that leaves mid-call, and seq ordering.
-#include "rl/training_service.h"
+#include "service/training_service.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -13,14 +13,14 @@
 #include <random>
 #include <thread>
 
-#include "delta/safetensors.h"
-#include "rl/training_wire.h"
+#include "checkpoint/safetensors.h"
+#include "service/training_wire.h"
 #include "tests/model/tiny_models.h"
 #include "transport/certs.h"
 #include "transport/http.h"
 #include "transport/tls.h"
 
-namespace flywheel::rl {
+namespace flywheel::service {
 namespace {
 
 namespace fs = std::filesystem;
@@ -822,4 +822,4 @@ TEST(TrainingServiceTest, SessionsAreCappedPerTokenAndInAll) {
 }
 
 }  // namespace
-}  // namespace flywheel::rl
+}  // namespace flywheel::service

@@ -1,4 +1,4 @@
-#include "rl/training_wire.h"
+#include "service/training_wire.h"
 
 #include <cmath>
 #include <bit>
@@ -9,7 +9,7 @@
 
 #include "base/json.h"
 
-namespace flywheel::rl {
+namespace flywheel::service {
 namespace {
 
 using json = nlohmann::json;
@@ -449,4 +449,4 @@ Result<trainer::Metrics> MetricsFromJson(const json& j) {
   return m;
 }
 
-}  // namespace flywheel::rl
+}  // namespace flywheel::service

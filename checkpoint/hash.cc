@@ -1,4 +1,4 @@
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 
 #include <xxhash.h>
 // Run-time dispatch to the AVX2/AVX-512 builds of XXH3 in Debian's libxxhash.
@@ -9,7 +9,7 @@
 #include <new>
 #include <numeric>
 
-#include "delta/parallel.h"
+#include "checkpoint/parallel.h"
 
 namespace flywheel {
 

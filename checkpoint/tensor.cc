@@ -1,4 +1,4 @@
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 
 #include <array>
 #include <numeric>

@@ -47,7 +47,7 @@ namespace flywheel::sync {
 class Publisher;
 }
 
-namespace flywheel::rl {
+namespace flywheel::service {
 
 struct TrainingServiceOptions {
   trainer::TrainerOptions trainer;  // model, initial weights, seed, LoRA (sets the mode), dtype
@@ -120,4 +120,4 @@ class TrainingService {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace flywheel::rl
+}  // namespace flywheel::service

@@ -1,4 +1,4 @@
-#include "rl/training_service.h"
+#include "service/training_service.h"
 
 #include <spdlog/spdlog.h>
 
@@ -18,16 +18,16 @@
 #include <thread>
 
 #include "base/env.h"
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 #include "model/fp8.h"
 #include "model/weights.h"
-#include "rl/training_wire.h"
+#include "service/training_wire.h"
 #include "sync/publisher.h"
 #include "sync/role.h"
 #include "sync/signing.h"
 #include "transport/connection.h"
 
-namespace flywheel::rl {
+namespace flywheel::service {
 namespace {
 
 using json = nlohmann::json;
@@ -1218,4 +1218,4 @@ void TrainingService::Register(transport::HttpServer& server) {
   });
 }
 
-}  // namespace flywheel::rl
+}  // namespace flywheel::service

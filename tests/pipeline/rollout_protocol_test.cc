@@ -1,12 +1,12 @@
 // The rollout protocol's typed messages: each renders to the JSON the other side parses back
 // unchanged, and a body that is malformed is refused naming the field that was wrong.
-#include "transport/rollout_protocol.h"
+#include "pipeline/rollout_protocol.h"
 
 #include <gtest/gtest.h>
 
 #include <string>
 
-namespace flywheel::transport {
+namespace flywheel::pipeline {
 namespace {
 
 void ExpectRefused(const Status& status, const std::string& names) {
@@ -193,4 +193,4 @@ TEST(RolloutProtocolTest, SubmitAnswersRoundTrip) {
 }
 
 }  // namespace
-}  // namespace flywheel::transport
+}  // namespace flywheel::pipeline

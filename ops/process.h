@@ -31,7 +31,7 @@
 
 #include "base/status.h"
 
-namespace flywheel::pipeline {
+namespace flywheel::ops {
 
 // How often the waits below look again.
 inline constexpr std::chrono::milliseconds kPollInterval{10};
@@ -185,4 +185,4 @@ Result<nlohmann::json> AwaitReadyFile(ProcessGroup& processes, const std::string
                                       const std::string& name, std::chrono::milliseconds timeout,
                                       size_t index = SIZE_MAX);
 
-}  // namespace flywheel::pipeline
+}  // namespace flywheel::ops

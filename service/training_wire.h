@@ -19,7 +19,7 @@
 #include "base/status.h"
 #include "trainer/training_client.h"
 
-namespace flywheel::rl {
+namespace flywheel::service {
 
 inline constexpr const char* kBatchContentType = "application/x-flywheel-batch";
 
@@ -62,4 +62,4 @@ nlohmann::json ToJson(const trainer::AdamWParams& params);
 nlohmann::json ToJson(const trainer::Metrics& metrics);
 Result<trainer::Metrics> MetricsFromJson(const nlohmann::json& json);
 
-}  // namespace flywheel::rl
+}  // namespace flywheel::service

@@ -1,4 +1,4 @@
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 #include "base/json.h"
 

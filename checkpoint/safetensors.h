@@ -28,7 +28,7 @@
 
 #include "base/env.h"
 #include "base/status.h"
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 
 namespace flywheel {
 
