@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "base/status.h"
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 
 namespace flywheel::model {
 

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <set>
 
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 namespace flywheel::model {
 

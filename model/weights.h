@@ -8,7 +8,7 @@
 #include <string>
 
 #include "base/status.h"
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 #include "model/model.h"
 
 namespace flywheel::model {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "base/status.h"
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 namespace flywheel::sync {
 

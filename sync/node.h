@@ -20,7 +20,7 @@
 
 #include "base/growable_bytes.h"
 #include "base/status.h"
-#include "delta/hash.h"
+#include "checkpoint/hash.h"
 #include "sync/signing.h"
 #include "sync/version_log.h"
 #include "transport/connection.h"

@@ -11,7 +11,7 @@
 
 #include "base/env.h"
 #include "base/json.h"
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "sync/drop.h"
 #include "sync/node.h"
 #include "sync/role_status.h"

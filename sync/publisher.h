@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "base/status.h"
-#include "delta/tensor.h"
+#include "checkpoint/tensor.h"
 #include "sync/push_api.h"
 #include "sync/role.h"
 #include "sync/role_status.h"

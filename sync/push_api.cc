@@ -7,7 +7,7 @@
 #include <cmath>
 
 #include "base/json.h"
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 namespace flywheel::sync {
 

@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "delta/delta.h"
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "transport/http.h"
 #include "transport/tls.h"
 

@@ -17,8 +17,8 @@
 #include <utility>
 
 #include "delta/delta_file.h"
-#include "delta/parallel.h"
-#include "delta/safetensors.h"
+#include "checkpoint/parallel.h"
+#include "checkpoint/safetensors.h"
 
 namespace flywheel::sync {
 namespace {

@@ -38,8 +38,8 @@
 #include "base/growable_bytes.h"
 #include "base/status.h"
 #include "delta/delta.h"
-#include "delta/hash.h"
-#include "delta/tensor.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/tensor.h"
 
 namespace flywheel::sync {
 

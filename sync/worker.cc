@@ -16,7 +16,7 @@
 
 #include "delta/delta.h"
 #include "delta/format.h"
-#include "delta/safetensors.h"
+#include "checkpoint/safetensors.h"
 #include "delta/wire.h"
 #include "sync/node.h"
 #include "sync/role_status.h"

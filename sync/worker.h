@@ -20,8 +20,8 @@
 
 #include "base/status.h"
 #include "delta/delta.h"
-#include "delta/hash.h"
-#include "delta/tensor.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/tensor.h"
 #include "sync/role.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"

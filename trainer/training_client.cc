@@ -11,8 +11,8 @@
 #include <sstream>
 #include <thread>
 
-#include "delta/hash.h"
-#include "delta/safetensors.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/safetensors.h"
 #include "sync/publisher.h"
 #include "model/fp8.h"
 #include "model/weights.h"

@@ -24,8 +24,8 @@
 #include <vector>
 
 #include "base/status.h"
-#include "delta/hash.h"
-#include "delta/tensor.h"
+#include "checkpoint/hash.h"
+#include "checkpoint/tensor.h"
 #include "trainer/data_parallel.h"
 #include "trainer/losses.h"
 #include "model/model.h"
