@@ -5,7 +5,8 @@ reads as parts with names.
 
 A function is found by its body: a `{` that closes a signature (`...)`, `...) const`,
 `...) -> T`, `...) override`, a constructor's initialiser list) at any nesting level that is
-not itself inside a function. Lines are counted from the signature's first line to the
+not itself inside a function. Braces inside the signature (a default argument `= {}`, a
+lambda default, a member initialiser `a_{x}`) belong to the signature. Lines are counted from the signature's first line to the
 closing brace. Lambdas and local classes count towards the function that holds them.
 
   function_length.py [--root DIR] [--max N] [--report K] [FOLDER ...]
@@ -56,41 +57,69 @@ def strip(text):
     return "".join(out)
 
 
+# A `{` that opens a brace initialiser in a constructor's member initialiser list:
+# `Foo::Foo(int x) : a_{x}, b_{y} {` (a lone `:` after the parameter list, the brace right
+# after a member's name).
+MEMBER_INIT = re.compile(r"\)\s*(?:noexcept\s*)?:(?!:)")
+ENDS_WITH_NAME = re.compile(r"[\w>]\s*$")
+
+
 def functions(text):
-    """Yields (name, first_line, line_count) for every function body in `text`."""
+    """Yields (name, first_line, line_count) for every function body in `text`.
+
+    Outside functions, the declaration of a `{` is the text since the previous `;` or the
+    previous scope's `{` / `}`. Braces that belong to a declaration rather than end one
+    (a default argument `= {}` or a lambda inside the parentheses, a member initialiser's
+    `a_{x}`) are skipped as a unit, so the body's own `{` still sees the whole signature.
+    """
     code = strip(text)
     depth = 0
     inside = None  # (depth at which the function's body opened, name, first line)
     line = 1
-    stack = []  # the kind of each open brace: "function" / "scope"
+    stack = []  # the kind of each open brace: "function" / "scope" / "init" / "inner"
+    boundary = 0  # where the declaration being read starts (outside functions)
+    parens = 0  # open parentheses since `boundary`
     for i, c in enumerate(code):
         if c == "\n":
             line += 1
-        elif c == "{":
-            if inside is None:
-                head = code[max(0, i - 2000):i]
-                # The text since the previous ; { or } is this brace's declaration.
-                start = max(head.rfind(";"), head.rfind("{"), head.rfind("}")) + 1
-                decl = head[start:].strip()
-                if (")" in decl and "(" in decl and not NOT_A_FUNCTION.search(decl)
-                        and not re.search(r"\b(if|for|while|switch|catch)\s*\(", decl.split("(")[0] + "(")):
-                    name_match = re.search(r"([~\w:<>]+)\s*\(", decl)
-                    first = line - head[start:].strip("\n").count("\n") + (
-                        len(head[start:]) - len(head[start:].lstrip("\n")) and 0)
-                    first = line - decl.count("\n")
-                    inside = (depth, name_match.group(1) if name_match else "?", first)
-                    stack.append("function")
-                else:
-                    stack.append("scope")
-            else:
+        elif inside is not None:
+            if c == "{":
                 stack.append("inner")
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                kind = stack.pop() if stack else "scope"
+                if kind == "function" and inside[0] == depth:
+                    yield inside[1], inside[2], line - inside[2] + 1
+                    inside = None
+                    boundary, parens = i + 1, 0
+        elif c == "(":
+            parens += 1
+        elif c == ")":
+            parens = max(0, parens - 1)
+        elif c == ";" and parens == 0:
+            boundary = i + 1
+        elif c == "{":
+            decl = code[boundary:i]
+            if parens > 0 or (MEMBER_INIT.search(decl) and ENDS_WITH_NAME.search(decl)):
+                stack.append("init")
+            elif (")" in decl and "(" in decl and not NOT_A_FUNCTION.search(decl.strip())
+                  and not re.search(r"\b(if|for|while|switch|catch)\s*\(",
+                                    decl.split("(")[0] + "(")):
+                name_match = re.search(r"([~\w:<>]+)\s*\(", decl)
+                lead = len(decl) - len(decl.lstrip())
+                first = line - decl[lead:].count("\n")
+                inside = (depth, name_match.group(1) if name_match else "?", first)
+                stack.append("function")
+            else:
+                stack.append("scope")
+                boundary, parens = i + 1, 0
             depth += 1
         elif c == "}":
             depth -= 1
             kind = stack.pop() if stack else "scope"
-            if kind == "function" and inside is not None and inside[0] == depth:
-                yield inside[1], inside[2], line - inside[2] + 1
-                inside = None
+            if kind != "init":
+                boundary, parens = i + 1, 0
     return
 
 
@@ -123,10 +152,27 @@ def self_test():
         "  return Ok();\n"                  # 9
         "}\n"                               # 10: Long = lines 4..10 = 7
         "const int kTable[] = {1, 2};\n"    # 11: not a function
+        "Status WithDefault(int x,\n"       # 12
+        "                   Options o = {}) {\n"  # 13: `= {}` in the signature
+        "  Use(o);\n"                       # 14
+        "  return Ok();\n"                  # 15
+        "}\n"                               # 16: WithDefault = 12..16 = 5
+        "Foo::Foo(int x) : a_{x},\n"        # 17: member initialisers in braces
+        "                  b_{Make(x)} {\n"  # 18
+        "  Init();\n"                       # 19
+        "}\n"                               # 20: Foo::Foo = 17..20 = 4
+        "Bar::Bar() noexcept : a_{1} {\n"   # 21: nothing but `a_{1}` before the body
+        "  Init();\n"                       # 22
+        "}\n"                               # 23: Bar::Bar = 3
+        "void Run(std::function<void()> f = [] {}) {\n"  # 24: a lambda default argument
+        "  f();\n"                          # 25
+        "}\n"                               # 26: Run = 3
+        "struct Options { uint64_t n = (uint64_t{1} << 31); };\n"  # 27: not a function
         "}  // namespace a\n"
     )
-    got = {name: count for name, _, count in functions(sample)}
-    want = {"f": 1, "Long": 7}
+    got = sorted((name, first, count) for name, first, count in functions(sample))
+    want = sorted([("f", 2, 1), ("Long", 4, 7), ("WithDefault", 12, 5), ("Foo::Foo", 17, 4),
+                   ("Bar::Bar", 21, 3), ("Run", 24, 3)])
     if got != want:
         print(f"self-test FAILED: {got} != {want}")
         return 1
