@@ -50,6 +50,9 @@ def _binary_problem():
 
 
 _PROBLEM = _binary_problem()
+if _PROBLEM is not None and BINARY:
+    # Given a binary that does not work (ctest always gives one): a failure, never a skip.
+    pytest.fail(_PROBLEM, pytrace=False)
 pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
 
 
