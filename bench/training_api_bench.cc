@@ -9,6 +9,7 @@
 #include <random>
 #include <thread>
 
+#include "bench/stats.h"
 #include "bench/util.h"
 #include "model/model_config.h"
 #include "pipeline/task.h"
@@ -29,10 +30,6 @@ double Since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 // The demo's batch: 8 groups x 8 samples, BOS + 6-digit prompt + ">" then 6 answer digits +
 // EOS (15 tokens; loss on the answer), sampling logprobs near uniform, group advantages.
@@ -115,7 +112,7 @@ class LoopbackService {
                             const std::vector<trainer::Datum>& datums,
                             const std::vector<std::vector<float>>& grads = {}) {
     return Post("/v1/train/sessions/" + id + "/" + call, service::EncodeBatch(header, datums, grads),
-                rl::kBatchContentType);
+                service::kBatchContentType);
   }
 
  private:
@@ -149,95 +146,109 @@ double IsLossAndGrads(const std::vector<trainer::Datum>& data, const trainer::Fo
   return loss;
 }
 
-}  // namespace
-
-Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream& out) {
-  if (options.rounds < 1 || options.lora_steps < 1)
-    return Status::InvalidArgument("rounds and lora steps must be >= 1");
-  ScopedWorkDir work;
-  FW_RETURN_IF_ERROR(work.Prepare("", "fw-training-api", false));
-  FW_ASSIGN_OR_RETURN(auto task, pipeline::Task::Create({}));
-  const int64_t vocab = static_cast<int64_t>(task->alphabet().size()) + 2;
+// What every step measures with: the demo's model and batch, and the PPO loss.
+struct ApiBench {
+  const TrainingApiBenchOptions& options;
   trainer::TrainerOptions trainer_options;
-  trainer_options.config = model::PipelineTinyConfig(vocab, false);
-  trainer_options.seed = 1;
-  trainer_options.threads = options.threads;
-  const std::vector<trainer::Datum> batch = DemoBatch(vocab, 3);
+  int64_t vocab = 0;
+  std::vector<trainer::Datum> batch;
   int64_t loss_tokens = 0;
-  for (const auto& d : batch)
-    for (float w : d.weights) loss_tokens += w > 0;
-  const json ppo = {{"loss", "ppo"}, {"loss_config", {{"tis_cap", 2.0}}}};
+  json ppo = {{"loss", "ppo"}, {"loss_config", {{"tis_cap", 2.0}}}};
   trainer::LossConfig ppo_config;
-  ppo_config.tis_cap = 2.0;
-  out << "Training API benchmark: the demo's model (tiny preset, vocab " << vocab << ") and batch ("
-      << batch.size() << " sequences x " << batch[0].tokens.size() << " tokens, " << loss_tokens
-      << " loss tokens), loopback HTTP\n\n";
+};
 
-  // 1. Overhead: interleaved pairs of the in-process call and the API call.
-  service::TrainingServiceOptions full;
-  full.trainer = trainer_options;
-  full.state_dir = (fs::path(work.path()) / "full").string();
-  FW_ASSIGN_OR_RETURN(auto service, LoopbackService::Start(full));
-  FW_ASSIGN_OR_RETURN(auto local, trainer::TrainingClient::Create(trainer_options));
-  FW_ASSIGN_OR_RETURN(std::string id, service->Open("bench"));
-  const size_t body_bytes = service::EncodeBatch(ppo, batch).size();
-  std::vector<double> local_s, api_s, ratios;
-  for (int round = -2; round < options.rounds; ++round) {  // two warm-up rounds
-    // Alternate which goes first, so neither always runs right after the other.
+Result<ApiBench> MakeApiBench(const TrainingApiBenchOptions& options) {
+  FW_ASSIGN_OR_RETURN(auto task, pipeline::Task::Create({}));
+  ApiBench bench{options};
+  bench.vocab = static_cast<int64_t>(task->alphabet().size()) + 2;
+  bench.trainer_options.config = model::PipelineTinyConfig(bench.vocab, false);
+  bench.trainer_options.seed = 1;
+  bench.trainer_options.threads = options.threads;
+  bench.batch = DemoBatch(bench.vocab, 3);
+  for (const auto& d : bench.batch)
+    for (float w : d.weights) bench.loss_tokens += w > 0;
+  bench.ppo_config.tis_cap = 2.0;
+  return bench;
+}
+
+// Timings of each part, in seconds (ratios unitless), one entry per timed round.
+struct ApiTimes {
+  std::vector<double> local_s, api_s, ratios;       // 1. in process vs over the API
+  std::vector<double> empty_s, codec_s;             //    the API's fixed cost
+  std::vector<double> builtin_s, custom_s, custom_ratio;  // 2. custom vs built-in loss
+  double lora_sequential_s = 0, lora_together_s = 0;      // 3. two LoRA sessions
+};
+
+// One interleaved pair (which goes first alternates by round): the in-process
+// forward_backward and the same call over the API; their losses must agree.
+Status TimePair(const ApiBench& bench, trainer::TrainingClient& local, LoopbackService& service,
+                const std::string& id, int round, double& local_s, double& api_s) {
+  Result<trainer::Metrics> mine_or = Status::Internal("not run");
+  Result<std::string> answer_or = Status::Internal("not run");
+  for (int k = 0; k < 2; ++k) {
+    const Clock::time_point start = Clock::now();
+    if ((k == 0) == (round % 2 == 0)) {
+      mine_or = local.ForwardBackward(bench.batch, "ppo", bench.ppo_config);
+      local_s = Since(start);
+    } else {
+      answer_or = service.Batch(id, "forward_backward", bench.ppo, bench.batch);
+      api_s = Since(start);
+    }
+  }
+  FW_ASSIGN_OR_RETURN(trainer::Metrics mine, std::move(mine_or));
+  FW_ASSIGN_OR_RETURN(std::string answer, std::move(answer_or));
+  const double theirs = json::parse(answer)["metrics"]["loss"].get<double>();
+  if (std::abs(theirs - mine.loss) > 1e-6) {
+    return Status::Internal("the API's loss " + std::to_string(theirs) +
+                            " differs from the in-process loss " + std::to_string(mine.loss));
+  }
+  return Status::Ok();
+}
+
+// 1. Overhead: interleaved pairs (two warm-up rounds), then the API's fixed cost: a call
+// that does no training (get_info) through the same ordering and trainer thread, and the
+// batch's encode + decode on its own.
+Status MeasureOverhead(const ApiBench& bench, LoopbackService& service, const std::string& id,
+                       ApiTimes& times) {
+  FW_ASSIGN_OR_RETURN(auto local, trainer::TrainingClient::Create(bench.trainer_options));
+  for (int round = -2; round < bench.options.rounds; ++round) {
     double l = 0, a = 0;
-    Result<trainer::Metrics> mine_or = Status::Internal("not run");
-    Result<std::string> answer_or = Status::Internal("not run");
-    for (int k = 0; k < 2; ++k) {
-      const Clock::time_point start = Clock::now();
-      if ((k == 0) == (round % 2 == 0)) {
-        mine_or = local->ForwardBackward(batch, "ppo", ppo_config);
-        l = Since(start);
-      } else {
-        answer_or = service->Batch(id, "forward_backward", ppo, batch);
-        a = Since(start);
-      }
-    }
-    FW_ASSIGN_OR_RETURN(trainer::Metrics mine, std::move(mine_or));
-    FW_ASSIGN_OR_RETURN(std::string answer, std::move(answer_or));
-    const double theirs = json::parse(answer)["metrics"]["loss"].get<double>();
-    if (std::abs(theirs - mine.loss) > 1e-6) {
-      return Status::Internal("the API's loss " + std::to_string(theirs) +
-                              " differs from the in-process loss " + std::to_string(mine.loss));
-    }
+    FW_RETURN_IF_ERROR(TimePair(bench, *local, service, id, round, l, a));
     if (round < 0) continue;
-    local_s.push_back(l);
-    api_s.push_back(a);
-    ratios.push_back(a / l);
+    times.local_s.push_back(l);
+    times.api_s.push_back(a);
+    times.ratios.push_back(a / l);
   }
-  const double overhead = Median(ratios);
-  // The API's fixed cost: a call that does no training (get_info) through the same ordering
-  // and trainer thread, and the batch's encode + decode on its own.
-  std::vector<double> empty_s, codec_s;
   service::WireLimits limits;
-  for (int round = 0; round < options.rounds; ++round) {
+  for (int round = 0; round < bench.options.rounds; ++round) {
     Clock::time_point start = Clock::now();
-    FW_RETURN_IF_ERROR(service->Call(id, "get_info", json::object()).status());
-    empty_s.push_back(Since(start));
+    FW_RETURN_IF_ERROR(service.Call(id, "get_info", json::object()).status());
+    times.empty_s.push_back(Since(start));
     start = Clock::now();
-    FW_ASSIGN_OR_RETURN(service::WireBatch decoded, service::DecodeBatch(service::EncodeBatch(ppo, batch), limits));
-    codec_s.push_back(Since(start));
-    if (decoded.datums.size() != batch.size()) return Status::Internal("the batch did not round-trip");
+    FW_ASSIGN_OR_RETURN(service::WireBatch decoded,
+                        service::DecodeBatch(service::EncodeBatch(bench.ppo, bench.batch), limits));
+    times.codec_s.push_back(Since(start));
+    if (decoded.datums.size() != bench.batch.size()) return Status::Internal("the batch did not round-trip");
   }
+  return Status::Ok();
+}
 
-  // 2. Custom vs built-in, both over the API.
-  std::vector<double> builtin_s, custom_s, custom_ratio;
-  for (int round = -1; round < options.rounds; ++round) {
+// 2. Custom vs built-in, both over the API (one warm-up round); the losses must agree.
+Status MeasureCustomLoss(const ApiBench& bench, LoopbackService& service, const std::string& id,
+                         ApiTimes& times) {
+  const auto& batch = bench.batch;
+  for (int round = -1; round < bench.options.rounds; ++round) {
     Clock::time_point start = Clock::now();
-    FW_ASSIGN_OR_RETURN(std::string fb, service->Batch(id, "forward_backward",
-                                                       {{"loss", "importance_sampling"}}, batch));
+    FW_ASSIGN_OR_RETURN(std::string fb, service.Batch(id, "forward_backward",
+                                                      {{"loss", "importance_sampling"}}, batch));
     const double b = Since(start);
     start = Clock::now();
-    FW_ASSIGN_OR_RETURN(std::string forward, service->Batch(id, "forward", json::object(), batch));
+    FW_ASSIGN_OR_RETURN(std::string forward, service.Batch(id, "forward", json::object(), batch));
     FW_ASSIGN_OR_RETURN(trainer::ForwardOutput lp, service::DecodeForwardOutput(forward));
     std::vector<std::vector<float>> grads;
     const double loss = IsLossAndGrads(batch, lp, grads);
-    FW_ASSIGN_OR_RETURN(std::string fbc, service->Batch(id, "forward_backward_custom",
-                                                        {{"loss_value", loss}}, batch, grads));
+    FW_ASSIGN_OR_RETURN(std::string fbc, service.Batch(id, "forward_backward_custom",
+                                                       {{"loss_value", loss}}, batch, grads));
     const double c = Since(start);
     const double builtin_loss = json::parse(fb)["metrics"]["loss"].get<double>();
     if (std::abs(builtin_loss - loss) > 1e-6) {
@@ -245,90 +256,132 @@ Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream&
                               " differs from the built-in " + std::to_string(builtin_loss));
     }
     if (round < 0) continue;
-    builtin_s.push_back(b);
-    custom_s.push_back(c);
-    custom_ratio.push_back(c / b);
+    times.builtin_s.push_back(b);
+    times.custom_s.push_back(c);
+    times.custom_ratio.push_back(c / b);
   }
-  service.reset();
+  return Status::Ok();
+}
 
-  // 3. Two LoRA sessions: one after the other, then at once.
+// Two LoRA sessions on a fresh service in `dir`, trained one after the other or at once;
+// returns the seconds taken and appends each session's adapter hash to `hashes`.
+Result<double> RunLoraSessions(const ApiBench& bench, service::TrainingServiceOptions o,
+                               bool together, std::vector<std::string>& hashes) {
+  FW_ASSIGN_OR_RETURN(auto s, LoopbackService::Start(o));
+  FW_ASSIGN_OR_RETURN(std::string a, s->Open("a"));
+  FW_ASSIGN_OR_RETURN(std::string b, s->Open("b"));
+  const std::vector<trainer::Datum> batch_b = DemoBatch(bench.vocab, 4);
+  auto train = [&](const std::string& session, const std::vector<trainer::Datum>& data) -> Status {
+    for (int step = 0; step < bench.options.lora_steps; ++step) {
+      FW_RETURN_IF_ERROR(s->Batch(session, "forward_backward", bench.ppo, data).status());
+      FW_RETURN_IF_ERROR(s->Call(session, "optim_step", {{"adam", {{"lr", 1e-3}}}}).status());
+    }
+    return Status::Ok();
+  };
+  const Clock::time_point start = Clock::now();
+  if (together) {
+    auto other = std::async(std::launch::async, [&] { return train(b, batch_b); });
+    Status mine = train(a, bench.batch);
+    Status theirs = other.get();
+    FW_RETURN_IF_ERROR(mine);
+    FW_RETURN_IF_ERROR(theirs);
+  } else {
+    FW_RETURN_IF_ERROR(train(a, bench.batch));
+    FW_RETURN_IF_ERROR(train(b, batch_b));
+  }
+  const double seconds = Since(start);
+  for (const std::string& session : {a, b}) {
+    FW_ASSIGN_OR_RETURN(json saved, s->Call(session, "save_weights_for_sampler", json::object()));
+    hashes.push_back(saved["adapter_hash"].get<std::string>());
+  }
+  return seconds;
+}
+
+// 3. Two LoRA sessions: one after the other, then at once; the adapters must be the same.
+Status MeasureLora(const ApiBench& bench, const service::TrainingServiceOptions& full,
+                   const std::string& work_dir, ApiTimes& times) {
   service::TrainingServiceOptions lora = full;
   lora.trainer.lora = model::LoraOptions{.rank = 8, .alpha = 16};
-  auto run_lora = [&](bool together, const std::string& dir,
-                      std::vector<std::string>& hashes) -> Result<double> {
-    service::TrainingServiceOptions o = lora;
-    o.state_dir = dir;
-    FW_ASSIGN_OR_RETURN(auto s, LoopbackService::Start(o));
-    FW_ASSIGN_OR_RETURN(std::string a, s->Open("a"));
-    FW_ASSIGN_OR_RETURN(std::string b, s->Open("b"));
-    const std::vector<trainer::Datum> batch_b = DemoBatch(vocab, 4);
-    auto train = [&](const std::string& session, const std::vector<trainer::Datum>& data) -> Status {
-      for (int step = 0; step < options.lora_steps; ++step) {
-        FW_RETURN_IF_ERROR(s->Batch(session, "forward_backward", ppo, data).status());
-        FW_RETURN_IF_ERROR(s->Call(session, "optim_step", {{"adam", {{"lr", 1e-3}}}}).status());
-      }
-      return Status::Ok();
-    };
-    const Clock::time_point start = Clock::now();
-    if (together) {
-      auto other = std::async(std::launch::async, [&] { return train(b, batch_b); });
-      Status mine = train(a, batch);
-      Status theirs = other.get();
-      FW_RETURN_IF_ERROR(mine);
-      FW_RETURN_IF_ERROR(theirs);
-    } else {
-      FW_RETURN_IF_ERROR(train(a, batch));
-      FW_RETURN_IF_ERROR(train(b, batch_b));
-    }
-    const double seconds = Since(start);
-    for (const std::string& session : {a, b}) {
-      FW_ASSIGN_OR_RETURN(json saved, s->Call(session, "save_weights_for_sampler", json::object()));
-      hashes.push_back(saved["adapter_hash"].get<std::string>());
-    }
-    return seconds;
-  };
   std::vector<std::string> sequential_hashes, together_hashes;
-  FW_ASSIGN_OR_RETURN(double sequential, run_lora(false, (fs::path(work.path()) / "lora1").string(),
-                                                  sequential_hashes));
-  FW_ASSIGN_OR_RETURN(double together, run_lora(true, (fs::path(work.path()) / "lora2").string(),
-                                                together_hashes));
+  lora.state_dir = (fs::path(work_dir) / "lora1").string();
+  FW_ASSIGN_OR_RETURN(times.lora_sequential_s, RunLoraSessions(bench, lora, false, sequential_hashes));
+  lora.state_dir = (fs::path(work_dir) / "lora2").string();
+  FW_ASSIGN_OR_RETURN(times.lora_together_s, RunLoraSessions(bench, lora, true, together_hashes));
   if (sequential_hashes != together_hashes) {
     return Status::Internal("two LoRA sessions trained at once ended with other adapters than "
                             "trained one after the other");
   }
-  const double lora_tokens = 2.0 * options.lora_steps * static_cast<double>(loss_tokens);
+  return Status::Ok();
+}
 
+Table ApiTable(const ApiBench& bench, const ApiTimes& t) {
+  const double overhead = Median(t.ratios);
+  const double lora_tokens = 2.0 * bench.options.lora_steps * static_cast<double>(bench.loss_tokens);
   Table table;
   table.header = {"measure", "in-process / built-in", "over the API", "ratio", "target", "result"};
-  table.rows.push_back({"forward_backward (ppo + TIS), ms", Fixed(Median(local_s) * 1e3, 1),
-                        Fixed(Median(api_s) * 1e3, 1), Fixed(overhead, 3) + "x", "<= 1.10x",
+  table.rows.push_back({"forward_backward (ppo + TIS), ms", Fixed(Median(t.local_s) * 1e3, 1),
+                        Fixed(Median(t.api_s) * 1e3, 1), Fixed(overhead, 3) + "x", "<= 1.10x",
                         PassFail(overhead <= 1.10)});
   table.rows.push_back({"fixed cost per call: batch encode+decode; get_info round trip, ms",
-                        Fixed(Median(codec_s) * 1e3, 2), Fixed(Median(empty_s) * 1e3, 2),
-                        Fixed(Median(empty_s) / Median(local_s), 3) + "x of fb", "-", "-"});
+                        Fixed(Median(t.codec_s) * 1e3, 2), Fixed(Median(t.empty_s) * 1e3, 2),
+                        Fixed(Median(t.empty_s) / Median(t.local_s), 3) + "x of fb", "-", "-"});
   table.rows.push_back({"custom (forward + fb_custom) vs built-in fb, ms",
-                        Fixed(Median(builtin_s) * 1e3, 1), Fixed(Median(custom_s) * 1e3, 1),
-                        Fixed(Median(custom_ratio), 3) + "x", "reported", "-"});
+                        Fixed(Median(t.builtin_s) * 1e3, 1), Fixed(Median(t.custom_s) * 1e3, 1),
+                        Fixed(Median(t.custom_ratio), 3) + "x", "reported", "-"});
   table.rows.push_back({"two LoRA sessions: loss tokens/s, sequential vs at once",
-                        Fixed(lora_tokens / sequential, 0), Fixed(lora_tokens / together, 0),
-                        Fixed(sequential / together, 3) + "x", "reported", "-"});
-  out << RenderText(table) << "\nRequest body: " << body_bytes << " bytes for " << batch.size()
+                        Fixed(lora_tokens / t.lora_sequential_s, 0),
+                        Fixed(lora_tokens / t.lora_together_s, 0),
+                        Fixed(t.lora_sequential_s / t.lora_together_s, 3) + "x", "reported", "-"});
+  return table;
+}
+
+Status Report(const ApiBench& bench, const ApiTimes& times, size_t body_bytes, std::ostream& out) {
+  const TrainingApiBenchOptions& options = bench.options;
+  const Table table = ApiTable(bench, times);
+  out << RenderText(table) << "\nRequest body: " << body_bytes << " bytes for " << bench.batch.size()
       << " datums (binary batch). Ratios are medians of interleaved pairs ("
       << options.rounds << " rounds).\n";
   if (!options.markdown_out.empty()) {
     std::string section = "## Training API benchmark\n\n`flywheel bench training-api`: " +
-                          std::to_string(batch.size()) + " sequences x " +
-                          std::to_string(batch[0].tokens.size()) +
+                          std::to_string(bench.batch.size()) + " sequences x " +
+                          std::to_string(bench.batch[0].tokens.size()) +
                           " tokens, the tiny preset, loopback HTTP, medians of " +
                           std::to_string(options.rounds) + " interleaved pairs.\n\n" +
                           RenderMarkdown(table) + "\n";
     FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Training API benchmark", section));
   }
+  const double overhead = Median(times.ratios);
   if (options.check && overhead > 1.10) {
     return Status::Internal("the API costs " + Fixed(overhead, 3) +
                             "x the in-process forward_backward (target <= 1.10x)");
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status RunTrainingApiBench(const TrainingApiBenchOptions& options, std::ostream& out) {
+  if (options.rounds < 1 || options.lora_steps < 1)
+    return Status::InvalidArgument("rounds and lora steps must be >= 1");
+  ScopedWorkDir work;
+  FW_RETURN_IF_ERROR(work.Prepare("", "fw-training-api", false));
+  FW_ASSIGN_OR_RETURN(const ApiBench bench, MakeApiBench(options));
+  out << "Training API benchmark: the demo's model (tiny preset, vocab " << bench.vocab
+      << ") and batch (" << bench.batch.size() << " sequences x " << bench.batch[0].tokens.size()
+      << " tokens, " << bench.loss_tokens << " loss tokens), loopback HTTP\n\n";
+  service::TrainingServiceOptions full;
+  full.trainer = bench.trainer_options;
+  full.state_dir = (fs::path(work.path()) / "full").string();
+  ApiTimes times;
+  {
+    FW_ASSIGN_OR_RETURN(auto service, LoopbackService::Start(full));
+    FW_ASSIGN_OR_RETURN(std::string id, service->Open("bench"));
+    FW_RETURN_IF_ERROR(MeasureOverhead(bench, *service, id, times));
+    FW_RETURN_IF_ERROR(MeasureCustomLoss(bench, *service, id, times));
+  }
+  FW_RETURN_IF_ERROR(MeasureLora(bench, full, work.path(), times));
+  const size_t body_bytes = service::EncodeBatch(bench.ppo, bench.batch).size();
+  return Report(bench, times, body_bytes, out);
 }
 
 }  // namespace flywheel::bench
