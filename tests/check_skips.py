@@ -72,7 +72,7 @@ def skips(junit_text):
         if status == "disabled":
             found.append((name, name, "disabled"))
             continue
-        inner = [(name if where == name else f"{name} / {where}", reason)
+        inner = [(name if name.startswith(where) else f"{name} / {where}", reason)
                  for where, reason in gtest_skips(out)]
         inner += [(f"{name} / {m.group(1)}", m.group(2).strip())
                   for m in map(PYTEST_SKIP.match, out.splitlines()) if m]

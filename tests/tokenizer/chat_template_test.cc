@@ -1,12 +1,14 @@
 // ChatTemplate against Python jinja2 configured as transformers' apply_chat_template
 // (tests/tokenizer/render_chat_template.py): every case of the `MatchesJinja2` suite renders
 // here and there and must agree byte for byte, or both must fail. The reference runs once for
-// the whole suite; without python3-jinja2 those cases are skipped. Refusals, error messages
+// the whole suite; without python3-jinja2 those cases are skipped (and fail a CI run,
+// tests/ALLOWED_SKIPS.md); a reference that crashes fails them all. Refusals, error messages
 // and speed are checked without the reference.
 #include "tokenizer/chat_template.h"
 
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -544,8 +546,12 @@ struct ReferenceResult {
   std::string text;  // the output, or the exception
 };
 
+// jinja2 not importable is a skip (listed by tests/check_skips.py; under CI=true it fails the
+// run, tools/dev installs python3-jinja2). A reference that is there but crashes, exits
+// non-zero or answers garbage is a failure of every case: never a skip.
 struct Reference {
-  std::string unavailable;                    // why the reference cannot run; empty when it ran
+  std::string unavailable;                    // jinja2 cannot be imported: skip
+  std::string broken;                         // the reference failed: fail
   std::map<size_t, ReferenceResult> results;  // by case index
 };
 
@@ -566,7 +572,7 @@ Reference RunReference(const std::vector<Case>& cases, const std::vector<size_t>
   char path[] = "/tmp/chat_template_reference_XXXXXX";
   int fd = mkstemp(path);
   if (fd < 0) {
-    ref.unavailable = "cannot create a temporary file";
+    ref.broken = "cannot create a temporary file";
     return ref;
   }
   std::string body = request.dump();
@@ -574,7 +580,7 @@ Reference RunReference(const std::vector<Case>& cases, const std::vector<size_t>
   close(fd);
   if (!written) {
     unlink(path);
-    ref.unavailable = "cannot write the reference request";
+    ref.broken = "cannot write the reference request";
     return ref;
   }
   std::string command =
@@ -586,15 +592,23 @@ Reference RunReference(const std::vector<Case>& cases, const std::vector<size_t>
     size_t n;
     while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) output.append(buf, n);
     int status = pclose(pipe);
-    if (status != 0) ref.unavailable = "the reference exited with status " + std::to_string(status);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+      ref.unavailable = "the reference cannot import jinja2 (exit 77)";
+    } else if (status != 0) {
+      ref.broken = "the reference " + command + " failed (" +
+                   (WIFEXITED(status) ? "exit status " + std::to_string(WEXITSTATUS(status))
+                                      : "wait status " + std::to_string(status)) +
+                   "); its output: " + output.substr(0, 500);
+    }
   } else {
-    ref.unavailable = "cannot run " + command;
+    ref.broken = "cannot run " + command;
   }
   unlink(path);
-  if (!ref.unavailable.empty()) return ref;
+  if (!ref.unavailable.empty() || !ref.broken.empty()) return ref;
   ordered_json results = ordered_json::parse(output, nullptr, /*allow_exceptions=*/false);
   if (!results.is_array() || results.size() != indices.size()) {
-    ref.unavailable = "the reference answered something other than one result per case";
+    ref.broken = "the reference answered something other than one result per case: " +
+                 output.substr(0, 500);
     return ref;
   }
   for (size_t k = 0; k < indices.size(); ++k) {
@@ -632,6 +646,7 @@ TEST_P(MatchesJinja2, RendersIdentically) {
   static const std::vector<Case> cases = AllCases();
   const Case& c = cases[GetParam()];
   const Reference& ref = SharedReference();
+  if (!ref.broken.empty()) FAIL() << "the jinja2 reference failed: " << ref.broken;
   if (!ref.unavailable.empty())
     GTEST_SKIP() << "reference renderer unavailable: " << ref.unavailable;
   auto found = ref.results.find(GetParam());
