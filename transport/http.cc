@@ -17,6 +17,8 @@
 #include <string_view>
 #include <vector>
 
+#include "transport/api.h"
+
 namespace flywheel::transport {
 namespace http = beast::http;
 
@@ -63,6 +65,7 @@ struct HttpServer::Impl {
     HttpHandler handler;
     bool is_public = false;
     uint32_t scope = kScopeRead;
+    ErrorShape shape = ErrorShape::kFlywheel;
   };
 
   Impl(asio::any_io_executor executor, HttpServerOptions options)
@@ -74,6 +77,7 @@ struct HttpServer::Impl {
     HttpStreamHandler stream_handler;
     uint64_t body_limit = 0;
     uint32_t scope = kScopeRead;
+    ErrorShape shape = ErrorShape::kFlywheel;
   };
   struct ApiEntry {
     HttpApiHandler handler;
@@ -91,6 +95,11 @@ struct HttpServer::Impl {
   const ApiEntry* FindApi(std::string_view path) const;
   awaitable<Response> HandleApi(Request& request, const ApiEntry& entry, std::string peer);
   static Response ToResponse(HttpResponse result);
+  // The error shape of the route a request goes to (flywheel's when there is none).
+  ErrorShape ShapeOf(const Request& request) const;
+  // An error the server answers itself, in the shape of the request's route.
+  Response ErrorFor(const Request& request, http::status status, std::string code,
+                    std::string message) const;
   // Version, Server header, keep-alive and Content-Length, as every answer has them.
   void Finish(const Request& request, Response& response) const;
 
@@ -185,13 +194,6 @@ class LiveStream {
  private:
   Impl::Session& session_;
 };
-
-Response MakeTextResponse(http::status status, std::string body) {
-  Response response{status, 11};
-  response.set(http::field::content_type, "text/plain; charset=utf-8");
-  response.body() = std::move(body);
-  return response;
-}
 
 }  // namespace
 
@@ -356,6 +358,44 @@ enum class StreamEnd {
   kAbort,        // close the connection at once (client gone, write failed, handler threw)
 };
 
+// Runs WatchForDisconnect beside a stream route's handler (see HttpStream).
+template <typename Stream>
+void StartWatch(Impl& impl, const std::shared_ptr<StreamState<Stream>>& state) {
+  state->watching = true;
+  asio::co_spawn(impl.executor, WatchForDisconnect(state), [state](std::exception_ptr error) {
+    if (error) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        spdlog::warn("http: watching a stream failed: {}", e.what());
+      } catch (...) {
+        spdlog::warn("http: watching a stream failed");
+      }
+    }
+    state->watching = false;
+    state->watch_done.cancel();
+  });
+}
+
+// After a stream route's handler streamed: ends the chunked body (the last chunk), or says
+// why the connection closes instead.
+template <typename Stream>
+awaitable<StreamEnd> EndStream(Impl& impl, Stream& stream, const StreamState<Stream>& state,
+                               bool failed) {
+  if (failed || state.gone || impl.stopped) co_return StreamEnd::kAbort;
+  if (state.version < 11) co_return StreamEnd::kClose;  // the close ends the body
+  static constexpr std::string_view kLastChunk = "0\r\n\r\n";
+  error_code ec;
+  beast::get_lowest_layer(stream).expires_after(impl.options.timeout);
+  co_await asio::async_write(stream, asio::buffer(kLastChunk.data(), kLastChunk.size()),
+                             asio::redirect_error(use_awaitable, ec));
+  if (ec) {
+    spdlog::debug("http: cannot end a stream: {}", ec.message());
+    co_return StreamEnd::kAbort;
+  }
+  co_return state.keep_alive ? StreamEnd::kNextRequest : StreamEnd::kClose;
+}
+
 // Serves a POST to a stream route: checks access, runs the handler with an HttpStream while
 // WatchForDisconnect runs beside it, and ends the chunked body when the handler streamed.
 // REQUIRES: `entry` stays valid until this coroutine first suspends (it copies the handler).
@@ -376,20 +416,7 @@ awaitable<StreamEnd> ServeStream(Impl& impl, Stream& stream, beast::flat_buffer&
   auto state = std::make_shared<StreamState<Stream>>(impl, stream, buffer);
   state->version = request.version();
   state->keep_alive = request.keep_alive() && request.version() >= 11 && !impl.stopped;
-  state->watching = true;
-  asio::co_spawn(impl.executor, WatchForDisconnect(state), [state](std::exception_ptr error) {
-    if (error) {
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        spdlog::warn("http: watching a stream failed: {}", e.what());
-      } catch (...) {
-        spdlog::warn("http: watching a stream failed");
-      }
-    }
-    state->watching = false;
-    state->watch_done.cancel();
-  });
+  StartWatch(impl, state);
 
   const std::string target(request.target());
   std::optional<HttpResponse> result;
@@ -417,26 +444,17 @@ awaitable<StreamEnd> ServeStream(Impl& impl, Stream& stream, beast::flat_buffer&
   if (state->started) {
     if (result)
       spdlog::warn("http: stream handler for {} returned a response after streaming", target);
-    if (failed || state->gone || impl.stopped) co_return StreamEnd::kAbort;
-    if (state->version < 11) co_return StreamEnd::kClose;  // the close ends the body
-    static constexpr std::string_view kLastChunk = "0\r\n\r\n";
-    lowest.expires_after(impl.options.timeout);
-    co_await asio::async_write(stream, asio::buffer(kLastChunk.data(), kLastChunk.size()),
-                               asio::redirect_error(use_awaitable, ec));
-    if (ec) {
-      spdlog::debug("http: cannot end a stream: {}", ec.message());
-      co_return StreamEnd::kAbort;
-    }
-    co_return state->keep_alive ? StreamEnd::kNextRequest : StreamEnd::kClose;
+    awaitable<StreamEnd> end = EndStream(impl, stream, *state, failed);
+    co_return co_await std::move(end);
   }
   if (!failed && !result) {
     spdlog::warn("http: stream handler for {} neither streamed nor answered", target);
     failed = true;
   }
-  if (failed || result->status < 100 || result->status > 599) {
-    result = HttpResponse{500, "text/plain; charset=utf-8", "internal error\n"};
-  }
-  response = Impl::ToResponse(std::move(*result));
+  response = failed || result->status < 100 || result->status > 599
+                 ? impl.ErrorFor(request, http::status::internal_server_error, "internal",
+                                 "internal error")
+                 : Impl::ToResponse(std::move(*result));
   impl.Finish(request, response);
   if (state->gone) response.keep_alive(false);
   co_return StreamEnd::kRespond;
@@ -475,102 +493,130 @@ awaitable<void> RefuseAndClose(Impl& impl, Stream& stream, Response response) {
   co_await std::move(linger);
 }
 
+// What ReadRequest ended with.
+enum class ReadEnd {
+  kRequest,      // a whole request is in the parser
+  kEndOfStream,  // the client closed cleanly between requests
+  kClosed,       // refused, failed or stopping: close the connection
+};
+
+// Reads one request into `parser`: the header into a buffer that holds at most kHeaderLimit
+// bytes; access is decided from the header alone (Impl::Admit), so a client without a valid
+// token is answered 401 and the connection closed before any of its body is read; then the
+// route's body limit applies, to a Content-Length at once and to a chunked body as it
+// arrives (413). A header over its limit is 431.
+template <typename Stream>
+awaitable<ReadEnd> ReadRequest(Impl& impl, Impl::Session& session, Stream& stream,
+                               beast::flat_buffer& buffer,
+                               http::request_parser<http::string_body>& parser) {
+  beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
+  parser.header_limit(kHeaderLimit);
+  // The parser checks Content-Length against this when the header completes, before the
+  // route is known: the largest limit here, the route's own right after the header.
+  parser.body_limit(impl.MaxBodyLimit());
+  error_code ec;
+  session.idle = true;
+  session.idle_since = std::chrono::steady_clock::now();
+  // Nothing beyond a header's worth is read before the request is admitted (bytes a
+  // client pipelined earlier may already be here).
+  buffer.max_size(std::max<size_t>(kHeaderLimit, buffer.size()));
+  lowest.expires_after(impl.options.timeout);
+  co_await http::async_read_header(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+  session.idle = false;
+  if (ec == http::error::buffer_overflow) ec = http::error::header_limit;
+  std::optional<Response> refused;
+  if (!ec && !impl.stopped) refused = impl.Admit(parser.get());
+  if (!ec && !impl.stopped && !refused) {
+    buffer.max_size(std::numeric_limits<size_t>::max());
+    const uint64_t limit = impl.BodyLimit(parser.get());
+    if (parser.content_length() && *parser.content_length() > limit) {
+      ec = http::error::body_limit;
+    } else {
+      parser.body_limit(limit);  // a chunked body is checked against it as it arrives
+      lowest.expires_after(impl.options.timeout);
+      co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+    }
+  }
+  if (ec == http::error::end_of_stream) co_return ReadEnd::kEndOfStream;
+  if (ec == http::error::header_limit) {
+    refused = impl.ErrorFor(parser.get(), http::status::request_header_fields_too_large,
+                            "header_too_large",
+                            "request header too large (limit " + std::to_string(kHeaderLimit) +
+                                " bytes)");
+  } else if (ec == http::error::body_limit) {
+    refused = impl.ErrorFor(parser.get(), http::status::payload_too_large, "too_large",
+                            "request body too large (limit " +
+                                std::to_string(impl.BodyLimit(parser.get())) +
+                                " bytes for this route)");
+  }
+  if (refused) {
+    // An Admit() refusal answers a whole header; a limit's may answer a partial one, whose
+    // version is not known: those keep HTTP/1.1.
+    if (!ec) impl.Finish(parser.get(), *refused);
+    // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
+    awaitable<void> refuse = RefuseAndClose(impl, stream, std::move(*refused));
+    co_await std::move(refuse);
+    co_return ReadEnd::kClosed;
+  }
+  if (ec) {
+    // Peers cause these (disconnects, timeouts, garbage); logging them louder would let
+    // any client flood the log.
+    spdlog::debug("http: closing connection after read error: {}", ec.message());
+    co_return ReadEnd::kClosed;
+  }
+  co_return impl.stopped ? ReadEnd::kClosed : ReadEnd::kRequest;
+}
+
+// Answers one request by its route: into `response` (kRespond), or streamed (the other
+// StreamEnd values).
+template <typename Stream>
+awaitable<StreamEnd> Dispatch(Impl& impl, Impl::Session& session, Stream& stream,
+                              beast::flat_buffer& buffer, Request& request, Response& response) {
+  const std::string_view target(request.target().data(), request.target().size());
+  const std::string_view path = target.substr(0, target.find('?'));
+  auto post = impl.post_routes.find(path);
+  const bool is_post = request.method() == http::verb::post && post != impl.post_routes.end();
+  const Impl::ApiEntry* api = nullptr;
+  if (!impl.routes.count(path) && !impl.post_routes.count(path)) api = impl.FindApi(path);
+  if (is_post && post->second.stream_handler) {
+    awaitable<StreamEnd> serve = ServeStream(impl, stream, buffer, request, post->second, response);
+    co_return co_await std::move(serve);
+  }
+  if (is_post) {
+    awaitable<Response> handled = impl.HandlePost(request, post->second);
+    response = co_await std::move(handled);
+  } else if (api != nullptr) {
+    // The body moves into the handler's request (a part may be large); nothing after this
+    // reads it again.
+    std::string peer = session.peer;
+    awaitable<Response> handled = impl.HandleApi(request, *api, std::move(peer));
+    response = co_await std::move(handled);
+  } else {
+    response = impl.Handle(request);
+  }
+  co_return StreamEnd::kRespond;
+}
+
 // Serves requests on an established stream until the peer closes, an error, a timeout or
 // a request without keep-alive. Returns true when the connection ended cleanly (so a TLS
 // close_notify is worth sending).
-//
-// Per request: the header is read into a buffer that holds at most kHeaderLimit bytes;
-// access is decided from the header alone (Impl::Admit), so a client without a valid token
-// is answered 401 and the connection closed before any of its body is read; then the
-// route's body limit applies, to a Content-Length at once and to a chunked body as it
-// arrives.
 template <typename Stream>
 awaitable<bool> ServeRequests(Impl& impl, Impl::Session& session, Stream& stream) {
   beast::tcp_stream& lowest = beast::get_lowest_layer(stream);
   beast::flat_buffer buffer;
   for (int served = 0; served < kRequestsPerConnection; ++served) {
     http::request_parser<http::string_body> parser;
-    parser.header_limit(kHeaderLimit);
-    // The parser checks Content-Length against this when the header completes, before the
-    // route is known: the largest limit here, the route's own right after the header.
-    parser.body_limit(impl.MaxBodyLimit());
-    error_code ec;
-    session.idle = true;
-    session.idle_since = std::chrono::steady_clock::now();
-    // Nothing beyond a header's worth is read before the request is admitted (bytes a
-    // client pipelined earlier may already be here).
-    buffer.max_size(std::max<size_t>(kHeaderLimit, buffer.size()));
-    lowest.expires_after(impl.options.timeout);
-    co_await http::async_read_header(stream, buffer, parser,
-                                     asio::redirect_error(use_awaitable, ec));
-    session.idle = false;
-    if (ec == http::error::buffer_overflow) ec = http::error::header_limit;
-    if (!ec && !impl.stopped) {
-      if (std::optional<Response> refused = impl.Admit(parser.get())) {
-        impl.Finish(parser.get(), *refused);
-        // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
-        awaitable<void> refuse = RefuseAndClose(impl, stream, std::move(*refused));
-        co_await std::move(refuse);
-        co_return false;
-      }
-      buffer.max_size(std::numeric_limits<size_t>::max());
-      const uint64_t limit = impl.BodyLimit(parser.get());
-      if (parser.content_length() && *parser.content_length() > limit) {
-        ec = http::error::body_limit;
-      } else {
-        parser.body_limit(limit);  // a chunked body is checked against it as it arrives
-        lowest.expires_after(impl.options.timeout);
-        co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
-      }
-    }
-    if (ec == http::error::end_of_stream) co_return true;
-    if (ec == http::error::header_limit || ec == http::error::body_limit) {
-      Response too_large =
-          ec == http::error::header_limit
-              ? MakeTextResponse(http::status::request_header_fields_too_large,
-                                 "request header too large (limit " +
-                                     std::to_string(kHeaderLimit) + " bytes)\n")
-              : MakeTextResponse(http::status::payload_too_large,
-                                 "request body too large (limit " +
-                                     std::to_string(impl.BodyLimit(parser.get())) +
-                                     " bytes for this route)\n");
-      awaitable<void> refuse = RefuseAndClose(impl, stream, std::move(too_large));
-      co_await std::move(refuse);
-      co_return false;
-    }
-    if (ec) {
-      // Peers cause these (disconnects, timeouts, garbage); logging them louder would let
-      // any client flood the log.
-      spdlog::debug("http: closing connection after read error: {}", ec.message());
-      co_return false;
-    }
-    if (impl.stopped) co_return false;
+    awaitable<ReadEnd> read = ReadRequest(impl, session, stream, buffer, parser);
+    const ReadEnd got = co_await std::move(read);
+    if (got != ReadEnd::kRequest) co_return got == ReadEnd::kEndOfStream;
 
-    const Request& request = parser.get();
-    const std::string_view target(request.target().data(), request.target().size());
-    const std::string_view path = target.substr(0, target.find('?'));
-    auto post = impl.post_routes.find(path);
-    const Impl::ApiEntry* api = nullptr;
-    if (!impl.routes.count(path) && !impl.post_routes.count(path)) api = impl.FindApi(path);
     Response response;
-    if (request.method() == http::verb::post && post != impl.post_routes.end() &&
-        post->second.stream_handler) {
-      awaitable<StreamEnd> serve =
-          ServeStream(impl, stream, buffer, parser.get(), post->second, response);
-      const StreamEnd end = co_await std::move(serve);
+    awaitable<StreamEnd> dispatch = Dispatch(impl, session, stream, buffer, parser.get(), response);
+    const StreamEnd end = co_await std::move(dispatch);
+    if (end != StreamEnd::kRespond) {
       session.served = true;
       if (end == StreamEnd::kNextRequest) continue;
-      if (end != StreamEnd::kRespond) co_return end == StreamEnd::kClose;
-    } else if (request.method() == http::verb::post && post != impl.post_routes.end()) {
-      response = co_await impl.HandlePost(request, post->second);
-    } else if (api != nullptr) {
-      // The body moves into the handler's request (a part may be large); nothing below
-      // reads it again.
-      std::string peer = session.peer;
-      awaitable<Response> handled = impl.HandleApi(parser.get(), *api, std::move(peer));
-      response = co_await std::move(handled);
-    } else {
-      response = impl.Handle(request);
+      co_return end == StreamEnd::kClose;
     }
     // A refused credential ends the connection: a client cannot keep a slot by retrying
     // a wrong token on it.
@@ -578,6 +624,7 @@ awaitable<bool> ServeRequests(Impl& impl, Impl::Session& session, Stream& stream
         served + 1 == kRequestsPerConnection) {
       response.keep_alive(false);
     }
+    error_code ec;
     lowest.expires_after(impl.options.timeout);
     co_await http::async_write(stream, response, asio::redirect_error(use_awaitable, ec));
     session.served = true;
@@ -693,30 +740,37 @@ Response HttpServer::Impl::Handle(const Request& request) {
   const bool is_head = request.method() == http::verb::head;
   Response response;
   auto route = routes.find(path);
+  const std::string method(request.method_string());
   if (route == routes.end() && post_routes.count(path)) {
-    response = MakeTextResponse(http::status::method_not_allowed, "method not allowed\n");
+    response = ErrorFor(request, http::status::method_not_allowed, "method_not_allowed",
+                        method + " is not allowed on " + std::string(path) + "; use POST");
     response.set(http::field::allow, "POST");
   } else if (request.method() != http::verb::get && !is_head) {
-    response = MakeTextResponse(http::status::method_not_allowed, "method not allowed\n");
+    response = ErrorFor(request, http::status::method_not_allowed, "method_not_allowed",
+                        method + " is not allowed on " + std::string(path) + "; use GET");
     response.set(http::field::allow, "GET, HEAD");
   } else if (route == routes.end()) {
-    response = MakeTextResponse(http::status::not_found, "not found\n");
+    response = ErrorFor(request, http::status::not_found, "not_found",
+                        "no route " + std::string(path));
   } else if (std::optional<Response> denied;
              !route->second.is_public && (denied = Deny(request, route->second.scope))) {
     response = std::move(*denied);
   } else {
     HttpResponse result;
+    bool failed = false;
     try {
       result = route->second.handler(target);
     } catch (const std::exception& e) {
       spdlog::warn("http: handler for {} failed: {}", path, e.what());
-      result = {500, "text/plain; charset=utf-8", "internal error\n"};
+      failed = true;
     }
-    if (result.status < 100 || result.status > 599) {
+    if (!failed && (result.status < 100 || result.status > 599)) {
       spdlog::warn("http: handler for {} returned status {}", path, result.status);
-      result = {500, "text/plain; charset=utf-8", "internal error\n"};
+      failed = true;
     }
-    response = ToResponse(std::move(result));
+    response = failed ? ErrorFor(request, http::status::internal_server_error, "internal",
+                                 "internal error")
+                      : ToResponse(std::move(result));
   }
   Finish(request, response);
   if (is_head) response.body().clear();  // keeps the Content-Length of the GET
@@ -763,12 +817,13 @@ std::optional<Response> HttpServer::Impl::Deny(const Request& request, uint32_t 
   const uint32_t scopes = ScopesOf(request);
   if (scopes & scope) return std::nullopt;
   if (scopes == 0) {
-    Response response = MakeTextResponse(http::status::unauthorized, "unauthorized\n");
+    Response response = ErrorFor(request, http::status::unauthorized, "unauthorized",
+                                 "missing or unknown bearer token");
     response.set(http::field::www_authenticate, "Bearer");
     return response;
   }
-  return MakeTextResponse(http::status::forbidden, std::string("forbidden: this token does not grant '") +
-                                                       ScopeName(scope) + "'\n");
+  return ErrorFor(request, http::status::forbidden, "forbidden",
+                  std::string("this token does not grant '") + ScopeName(scope) + "'");
 }
 
 Credential HttpServer::Impl::CredentialOf(const Request& request) const {
@@ -813,11 +868,10 @@ awaitable<Response> HttpServer::Impl::HandleApi(Request& request, const ApiEntry
     spdlog::warn("http: handler for {} failed: {}", std::string(request.target()), e.what());
     failed = true;
   }
-  if (failed || result.status < 100 || result.status > 599) {
-    result = {500, "application/json",
-              R"({"error": {"code": "internal", "message": "internal error"}})"};
-  }
-  Response response = ToResponse(std::move(result));
+  Response response = failed || result.status < 100 || result.status > 599
+                          ? ErrorFor(request, http::status::internal_server_error, "internal",
+                                     "internal error")
+                          : ToResponse(std::move(result));
   if (response.result() == http::status::unauthorized) {
     response.set(http::field::www_authenticate, "Bearer");
   }
@@ -831,6 +885,20 @@ Response HttpServer::Impl::ToResponse(HttpResponse result) {
   if (!result.content_type.empty()) response.set(http::field::content_type, result.content_type);
   response.body() = std::move(result.body);
   return response;
+}
+
+ErrorShape HttpServer::Impl::ShapeOf(const Request& request) const {
+  const std::string_view target(request.target().data(), request.target().size());
+  const std::string_view path = target.substr(0, target.find('?'));
+  if (auto route = routes.find(path); route != routes.end()) return route->second.shape;
+  if (auto post = post_routes.find(path); post != post_routes.end()) return post->second.shape;
+  return ErrorShape::kFlywheel;
+}
+
+Response HttpServer::Impl::ErrorFor(const Request& request, http::status status, std::string code,
+                                    std::string message) const {
+  const ApiError error{static_cast<int>(status), std::move(code), std::move(message)};
+  return ToResponse(ErrorResponse(error, ShapeOf(request)));
 }
 
 void HttpServer::Impl::Finish(const Request& request, Response& response) const {
@@ -865,10 +933,10 @@ awaitable<Response> HttpServer::Impl::HandlePost(const Request& request, const P
       spdlog::warn("http: POST handler for {} failed: {}", target, e.what());
       failed = true;
     }
-    if (failed || result.status < 100 || result.status > 599) {
-      result = {500, "text/plain; charset=utf-8", "internal error\n"};
-    }
-    response = ToResponse(std::move(result));
+    response = failed || result.status < 100 || result.status > 599
+                   ? ErrorFor(request, http::status::internal_server_error, "internal",
+                              "internal error")
+                   : ToResponse(std::move(result));
   }
   Finish(request, response);
   co_return response;
@@ -925,10 +993,9 @@ std::optional<Response> HttpServer::Impl::Admit(const Request& request) const {
     const bool has_body = request.chunked() || (request.has_content_length() &&
                                                 request[http::field::content_length] != "0");
     if (has_body) {
-      Response response{http::status::unauthorized, request.version()};
-      response.set(http::field::content_type, "application/json");
+      Response response = ErrorFor(request, http::status::unauthorized, "unauthorized",
+                                   "missing or unknown bearer token");
       response.set(http::field::www_authenticate, "Bearer");
-      response.body() = R"({"error": {"code": "unauthorized", "message": "missing or unknown bearer token"}})";
       return response;
     }
   }
@@ -978,18 +1045,18 @@ Result<std::unique_ptr<HttpServer>> HttpServer::Start(asio::any_io_executor exec
 }
 
 void HttpServer::Route(const std::string& path, HttpHandler handler, bool is_public,
-                       uint32_t scope) {
-  impl_->routes[path] = Impl::RouteEntry{std::move(handler), is_public, scope};
+                       uint32_t scope, ErrorShape shape) {
+  impl_->routes[path] = Impl::RouteEntry{std::move(handler), is_public, scope, shape};
 }
 
 void HttpServer::RoutePost(const std::string& path, HttpPostHandler handler, uint64_t body_limit,
-                           uint32_t scope) {
-  impl_->post_routes[path] = Impl::PostEntry{std::move(handler), nullptr, body_limit, scope};
+                           uint32_t scope, ErrorShape shape) {
+  impl_->post_routes[path] = Impl::PostEntry{std::move(handler), nullptr, body_limit, scope, shape};
 }
 
 void HttpServer::RoutePostStream(const std::string& path, HttpStreamHandler handler,
-                                 uint64_t body_limit, uint32_t scope) {
-  impl_->post_routes[path] = Impl::PostEntry{nullptr, std::move(handler), body_limit, scope};
+                                 uint64_t body_limit, uint32_t scope, ErrorShape shape) {
+  impl_->post_routes[path] = Impl::PostEntry{nullptr, std::move(handler), body_limit, scope, shape};
 }
 
 std::string TokenIdentity(std::string_view token) {

@@ -7,7 +7,10 @@
 // "Authorization: Bearer <token>", compared in constant time; a missing or wrong token is
 // answered 401 with "WWW-Authenticate: Bearer". Tokens are scoped (Scope below): each
 // route names the scope it needs, and a known token without it is answered 403. Unknown paths are
-// 404, methods other than GET/HEAD (or POST on POST routes) 405. Every read and write has a
+// 404, methods other than GET/HEAD (or POST on POST routes) 405. Every answer the server makes
+// itself (401, 403, 404, 405, 413, 431, and 500 for a handler that throws) is JSON in the
+// route's ErrorShape (transport/api.h): {"error": {"code", "message"}} unless the route is an
+// OpenAI one. Every read and write has a
 // deadline (except the read that watches a streaming client, see HttpStream); request headers
 // are size-limited; the server serves each connection in its own coroutine and closes it after
 // an error.
@@ -48,6 +51,14 @@ struct HttpResponse {
   int status = 200;
   std::string content_type = "application/json";
   std::string body;
+};
+
+// Which error body a route's errors have, the server's own refusals included (401, 403, 405,
+// 413, 500): flywheel's one shape, or OpenAI's for the OpenAI-compatible routes. The bodies
+// and the Status -> HTTP table are in transport/api.h.
+enum class ErrorShape {
+  kFlywheel,  // {"error": {"code", "message", ...details}}
+  kOpenAi,    // {"error": {"message", "type", "param", "code"}}
 };
 
 // Produces the response for one GET of the route's path; `target` is the full request
@@ -197,18 +208,19 @@ class HttpServer {
 
   // Adds a route for an exact path. Public routes need no token; the others a token with
   // `scope`. REQUIRES: called on the server's executor (or before any request arrives).
+  // `shape`: the body of the errors the server answers for this route itself.
   void Route(const std::string& path, HttpHandler handler, bool is_public = false,
-             uint32_t scope = kScopeRead);
+             uint32_t scope = kScopeRead, ErrorShape shape = ErrorShape::kFlywheel);
   // Adds a POST route that needs a token with `scope`; bodies over `body_limit` bytes are
   // answered 413. A GET of the path is 405. REQUIRES: as Route().
   void RoutePost(const std::string& path, HttpPostHandler handler, uint64_t body_limit,
-                 uint32_t scope);
+                 uint32_t scope, ErrorShape shape = ErrorShape::kFlywheel);
   // Adds a POST route whose handler may stream its answer (HttpStream): otherwise as
   // RoutePost(), and it replaces a RoutePost() of the same path (and the other way round).
   // Stop() closes open streams: their handlers see gone() and their OnGone() callbacks run;
   // io_context::run() returns once they have returned. REQUIRES: as Route().
   void RoutePostStream(const std::string& path, HttpStreamHandler handler, uint64_t body_limit,
-                       uint32_t scope);
+                       uint32_t scope, ErrorShape shape = ErrorShape::kFlywheel);
 
   // Adds an API route: every method on `prefix` and on paths below it ("prefix/..."); the
   // longest matching prefix wins over shorter ones, and exact Route/RoutePost paths win
