@@ -159,6 +159,11 @@ class Env {
                          SteadyTime deadline) = 0;
 };
 
+// Wall-clock microseconds since the Unix epoch from Env::Default(): the process's one wall
+// clock, for code that holds no Env (timestamps in status documents, ledgers, heartbeats).
+// Code that a test must drive takes an Env* and calls its NowMicros() instead.
+inline int64_t UnixMicrosNow() { return Env::Default()->NowMicros(); }
+
 // Forwards every call to another Env. Derive from it and override the calls to intercept
 // (fault injection, counting, a different clock).
 class EnvWrapper : public Env {
