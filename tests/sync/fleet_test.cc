@@ -747,7 +747,10 @@ TEST_F(FleetTest, WorkerDecodesBeforeThePublisherHasFinishedEncoding) {
 }
 
 // A worker that joins while an update is still streaming through a slow relay serves only
-// whole, published versions at every moment it is looked at, and ends on the newest.
+// whole, published versions at every moment it is looked at, and ends on the newest. v2
+// changes half the words (an artifact of several MB, seconds on the relay's 2 MB/s link), and
+// the join is shown to land mid-stream: once the late worker is connected, the relay knows
+// the head is v2 and still has no whole v2.
 TEST_F(FleetTest, WorkerJoiningMidStreamServesOnlyWholeVersions) {
   Node* publisher = StartPublisher("publisher");
   ASSERT_NE(publisher, nullptr);
@@ -757,17 +760,31 @@ TEST_F(FleetTest, WorkerJoiningMidStreamServesOnlyWholeVersions) {
   ASSERT_NE(early, nullptr);
   ASSERT_TRUE(Publish(*publisher, 1));
   ASSERT_TRUE(WaitStatus(*early, "serving v1", Serves(1, lineage_.Hex(1))));
-  ASSERT_TRUE(Publish(*publisher, 2));
+  const OwnedCheckpoint v2 = Mutate(lineage_.At(1), 0.5, 4242, Change::kArbitrary);
+  const OwnedCheckpoint v3 = Mutate(v2, kChangedFraction, 4243, Change::kArbitrary);
+  const std::map<uint64_t, std::string> published = {
+      {1, lineage_.Hex(1)}, {2, HashOf(v2).ToHex()}, {3, HashOf(v3).ToHex()}};
+  ASSERT_TRUE(Drop(2, v2));
+  ASSERT_TRUE(WaitStatus(*publisher, "publishing v2", Serves(2, published.at(2))));
+  ASSERT_TRUE(WaitStatus(*relay, "learning of v2", [](const json& s) {
+    return U64(s, "head_version") == 2;
+  }));
   Node* late = StartWorker("worker-late", "eu", {relay->upstream()});
   ASSERT_NE(late, nullptr);
-  const std::map<uint64_t, std::string> published = {{1, lineage_.Hex(1)}, {2, lineage_.Hex(2)}};
+  ASSERT_TRUE(WaitStatus(*late, "connecting", [](const json& s) { return s.value("connected", false); }));
+  const json relay_at_join = StatusOrEmpty(*relay);  // read after the join: what it had then, or more
+  ASSERT_EQ(U64(relay_at_join, "head_version"), 2u) << Brief(relay_at_join);
+  ASSERT_LT(U64(relay_at_join, "version"), 2u)
+      << "the join did not land mid-stream: the relay had v2 whole before the late worker "
+         "connected; "
+      << Brief(relay_at_join);
   std::set<uint64_t> seen;
   const auto deadline = Clock::now() + kWait;
   while (Clock::now() < deadline) {
     const json status = StatusOrEmpty(*late);
     const uint64_t version = U64(status, "version");
     if (version != 0) {
-      ASSERT_TRUE(published.count(version)) << Brief(status);
+      ASSERT_TRUE(published.count(version) && version <= 2) << Brief(status);
       ASSERT_EQ(Str(status, "weights_hash"), published.at(version))
           << "a version served with other weights: " << Brief(status);
       seen.insert(version);
@@ -776,8 +793,8 @@ TEST_F(FleetTest, WorkerJoiningMidStreamServesOnlyWholeVersions) {
     std::this_thread::sleep_for(5ms);
   }
   EXPECT_TRUE(seen.count(2)) << "the late worker never reached v2";
-  ASSERT_TRUE(Publish(*publisher, 3));
-  ASSERT_TRUE(WaitStatus(*late, "serving v3", Serves(3, lineage_.Hex(3))));
+  ASSERT_TRUE(Drop(3, v3));
+  ASSERT_TRUE(WaitStatus(*late, "serving v3", Serves(3, published.at(3))));
 }
 
 TEST_F(FleetTest, ConnectionCutMidChunk) {
@@ -1110,11 +1127,27 @@ TEST_F(FleetTest, PublisherRestart) {
   EXPECT_EQ(U64(status, "published_total"), 1u) << Brief(status);
 }
 
+// The versions log.json names (its artifacts' target versions); empty if it cannot be read.
+std::set<uint64_t> LoggedVersions(const fs::path& state) {
+  std::ifstream log_file(state / "log.json");
+  const json log = json::parse(log_file, nullptr, /*allow_exceptions=*/false);
+  std::set<uint64_t> versions;
+  if (!log.is_object()) return versions;
+  for (const json& artifact : log.value("artifacts", json::array())) {
+    versions.insert(artifact.value("target_version", uint64_t{0}));
+  }
+  return versions;
+}
+
 // A publisher killed at any point of an update (SIGKILL 0, 12, 24 and 36 ms after the
 // drop's COMMIT, so that kills land while it validates, encodes or writes, or after it
 // committed) leaves nothing that is not whole: restarted on the same state it serves the
 // version it last committed or the new one, never anything else, keeps no artifact its log
-// does not name, and publishes the drop; the worker follows every time.
+// does not name, and publishes the drop; the worker follows every time. At least one kill
+// must land mid-update, shown by the publisher itself: its status reported the version's
+// delta streaming (encoded piece by piece) just before the kill, and the log it left does
+// not name the version. When none of the four timed kills did, more versions are dropped
+// and each killed as soon as it streams, up to version 12; none landing fails the test.
 TEST_F(FleetTest, PublisherKilledMidUpdateRecovers) {
   const Result<uint16_t> port = ops::FreePort();
   ASSERT_TRUE(port.ok()) << port.status().ToString();
@@ -1126,10 +1159,22 @@ TEST_F(FleetTest, PublisherKilledMidUpdateRecovers) {
   ASSERT_TRUE(Publish(*publisher, 1));
   ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
   const fs::path state = StateDir("publisher");
-  for (uint64_t version = 2; version <= 5; ++version) {
+  std::vector<uint64_t> killed_mid_update;
+  for (uint64_t version = 2; version <= 5 || (killed_mid_update.empty() && version <= 12);
+       ++version) {
     ASSERT_TRUE(Drop(version, lineage_.At(version)));
-    std::this_thread::sleep_for(std::chrono::milliseconds(12 * (version - 2)));
+    const auto streams = [version](const json& s) { return U64(s, "streaming_version") == version; };
+    bool streaming = false;
+    if (version <= 5) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(12 * (version - 2)));
+      streaming = streams(StatusOrEmpty(*publisher));
+    } else {
+      streaming = ops::WaitUntil([&] { return streams(StatusOrEmpty(*publisher)); }, 5s,
+                                 "v" + std::to_string(version) + " to stream", 1ms)
+                      .ok();
+    }
     KillNow(*publisher);
+    if (streaming && !LoggedVersions(state).count(version)) killed_mid_update.push_back(version);
     publisher = StartPublisher("publisher", {}, listen);
     ASSERT_NE(publisher, nullptr);
     const json status = StatusOrEmpty(*publisher);
@@ -1153,6 +1198,11 @@ TEST_F(FleetTest, PublisherKilledMidUpdateRecovers) {
     }
     EXPECT_EQ(U64(StatusOrEmpty(*worker), "artifacts_rejected"), 0u);
   }
+  ASSERT_FALSE(killed_mid_update.empty())
+      << "no kill landed mid-update (while the publisher streamed the version, before its log "
+         "named it): the test did not exercise its scenario";
+  std::printf("kills that landed mid-update: %zu (first at v%llu)\n", killed_mid_update.size(),
+              static_cast<unsigned long long>(killed_mid_update.front()));
 }
 
 TEST_F(FleetTest, ExportDir) {
@@ -2305,21 +2355,30 @@ TEST_F(SignedUpstreamTest, ForgedVersionsFromAnAuthenticatedRelayAreNeverServed)
   EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
 }
 
+// The run's own v2, validly signed, replayed after the worker served v3. As the head it is
+// ignored (no plan goes back) and renumbered it does not verify; and once the worker serves
+// nothing, so that v2 passes the plan, the signature and the byte checks, CheckFresh still
+// refuses it as a replay of the same run. A signed keyframe whose payload is damaged (what a
+// publisher's bad disk gives) gets the worker there: a failed in-place keyframe serves
+// nothing until a good one. The serving weights never hold v2.
 TEST_F(SignedUpstreamTest, AReplayedOlderSignedManifestOfTheSameRunIsRefused) {
   Lineage lineage(SmallSpecs(), 92);
-  const Hash128 h3 = HashOf(lineage.At(3));
+  const Hash128 h2 = HashOf(lineage.At(2)), h3 = HashOf(lineage.At(3));
+  const Hash128 h4 = HashOf(lineage.At(4)), h5 = HashOf(lineage.At(5));
   const std::vector<std::byte> k3_bytes = EncodedKeyframe(3, lineage.At(3));
   const ArtifactInfo k3 = Entry(ArtifactKind::kKeyframe, 0, {}, 3, h3, k3_bytes);
+  const SignedManifest k3_signed = Sign(*key_, k3, k3_bytes);
   source_.Put(k3, k3_bytes);
-  Announce({k3}, 3, h3, {{KeyOf(k3), Sign(*key_, k3, k3_bytes)}});
+  WatchWeights({{3, h3}, {5, h5}});  // never v2's weights, nor the damaged v4's
+  Announce({k3}, 3, h3, {{KeyOf(k3), k3_signed}});
   ASSERT_TRUE(WaitWorker("serving the signed v3", Serves(3, h3.ToHex())));
   // The forger replays the run's genuine v2 keyframe, and claims it is the head: the worker
   // never goes back.
-  const Hash128 h2 = HashOf(lineage.At(2));
   const std::vector<std::byte> k2_bytes = EncodedKeyframe(2, lineage.At(2));
   const ArtifactInfo k2 = Entry(ArtifactKind::kKeyframe, 0, {}, 2, h2, k2_bytes);
+  const SignedManifest k2_signed = Sign(*key_, k2, k2_bytes);
   source_.Put(k2, k2_bytes);
-  Announce({k2}, 2, h2, {{KeyOf(k2), Sign(*key_, k2, k2_bytes)}});
+  Announce({k2}, 2, h2, {{KeyOf(k2), k2_signed}});
   ASSERT_TRUE(WaitWorker("ignoring the replayed head",
                          [](const json& s) { return U64(s, "older_heads_ignored") >= 1; }));
   std::this_thread::sleep_for(300ms);  // by design: no swap within a window
@@ -2328,12 +2387,40 @@ TEST_F(SignedUpstreamTest, AReplayedOlderSignedManifestOfTheSameRunIsRefused) {
   ArtifactInfo renumbered = k2;
   renumbered.target_version = 4;
   source_.Put(renumbered, k2_bytes);
-  Announce({renumbered}, 4, h2, {{KeyOf(renumbered), Sign(*key_, k2, k2_bytes)}});
+  Announce({renumbered}, 4, h2, {{KeyOf(renumbered), k2_signed}});
   ASSERT_TRUE(WaitWorker("refusing the renumbered replay",
                          [](const json& s) { return U64(s, "signature_failures_total") >= 1; }));
   std::this_thread::sleep_for(300ms);  // by design
   EXPECT_TRUE(Serves(3, h3.ToHex())(WorkerStatus())) << Brief(WorkerStatus());
+
+  // A signed v4 keyframe with its last payload byte flipped: signed as it is, so it arrives
+  // and verifies, and fails only while it is applied in place.
+  std::vector<std::byte> k4_bytes = EncodedKeyframe(4, lineage.At(4));
+  k4_bytes.back() ^= std::byte{0x01};
+  const ArtifactInfo k4 = Entry(ArtifactKind::kKeyframe, 0, {}, 4, h4, k4_bytes);
+  source_.Put(k4, k4_bytes);
+  Announce({k3, k4}, 4, h4, {{KeyOf(k3), k3_signed}, {KeyOf(k4), Sign(*key_, k4, k4_bytes)}});
+  ASSERT_TRUE(WaitWorker("serving nothing after the damaged v4", [](const json& s) {
+    return U64(s, "artifacts_rejected") >= 1 && U64(s, "version") == 0;
+  }));
+  // Now v2 is above what the worker serves: only CheckFresh stands between it and the weights.
+  Announce({k2}, 2, h2, {{KeyOf(k2), k2_signed}});
+  ASSERT_TRUE(WaitWorker("refusing v2 as a replay of the run",
+                         [](const json& s) { return U64(s, "replays_refused_total") >= 1; }));
+  std::this_thread::sleep_for(300ms);  // by design: no swap within a window
+  json status = WorkerStatus();
+  EXPECT_EQ(U64(status, "version"), 0u) << Brief(status);
+  EXPECT_NE(Str(status, "last_signature_error").find("a replayed version"), std::string::npos)
+      << Brief(status);
+  EXPECT_EQ(U64(status, "signature_failures_total"), 1u) << Brief(status);
+  // The run goes on: its v5 is served.
+  const std::vector<std::byte> k5_bytes = EncodedKeyframe(5, lineage.At(5));
+  const ArtifactInfo k5 = Entry(ArtifactKind::kKeyframe, 0, {}, 5, h5, k5_bytes);
+  source_.Put(k5, k5_bytes);
+  Announce({k5}, 5, h5, {{KeyOf(k5), Sign(*key_, k5, k5_bytes)}});
+  ASSERT_TRUE(WaitWorker("serving the signed v5", Serves(5, h5.ToHex())));
   const std::vector<std::string> violations = StopWatching();
+  EXPECT_GT(samples_.load(), 0u);
   EXPECT_TRUE(violations.empty()) << violations.size() << " violations, first: " << violations.front();
 }
 

@@ -455,7 +455,10 @@ TEST_F(PushTest, MalformedRequestsAreClear400s) {
 
 TEST_F(PushTest, TwoClientsPushingTheSameVersionOneWins) {
   StartPublisher();
-  const std::string a = Serialized(v1_), b = Serialized(Mutate(v1_, 0.05, 9));
+  StartWorker();
+  const OwnedCheckpoint other = Mutate(v1_, 0.05, 9);
+  const std::string a = Serialized(v1_), b = Serialized(other);
+  ASSERT_NE(HashOf(v1_), HashOf(other));
   std::vector<std::string> ids;
   for (const std::string* body : {&a, &b}) {
     Answer created = Create(*body, {{"version", 2}});
@@ -472,6 +475,19 @@ TEST_F(PushTest, TwoClientsPushingTheSameVersionOneWins) {
   EXPECT_EQ(loser.status, 409);
   EXPECT_EQ(loser.code(), "version_conflict");
   EXPECT_EQ(publisher_->version(), 2u);
+  // The head holds the winner's weights, not the loser's nor a mix: in the winner's ledger
+  // row, in the publisher's status, and in the bytes a worker serves.
+  const std::string winner_hash = HashOf(x.status == 200 ? v1_ : other);
+  const Answer& winner = x.status == 200 ? x : y;
+  EXPECT_EQ(winner.body["weights_hash"], winner_hash) << winner.body.dump();
+  EXPECT_EQ(Call("GET", "/v1/status", {}, kReadToken).body["weights_hash"], winner_hash);
+  ASSERT_TRUE(WorkerServes(2));
+  std::string served;
+  worker_->WithWeights([&](uint64_t version, const CheckpointView& weights) {
+    Result<Hash128> hash = CheckpointHash(weights);
+    served = "v" + std::to_string(version) + " " + (hash.ok() ? hash->ToHex() : hash.status().ToString());
+  });
+  EXPECT_EQ(served, "v2 " + winner_hash);
 }
 
 TEST_F(PushTest, StagingDiskFullPublishesNothing) {
