@@ -1,6 +1,7 @@
 // Drives a flywheel worker's OpenAI-compatible routes with the official `openai` npm client:
 // models, completions (with top logprobs), chat (with tools and top logprobs), and both
-// streamed. Prints one JSON object of what it saw; the C++ test checks it.
+// streamed. Prints one JSON object of what it saw (counts, and the values: token ids and
+// logprobs); the C++ test checks it against the engine's own output for the same requests.
 //   node openai_client.mjs BASE_URL API_KEY MODEL
 import OpenAI from "openai";
 
@@ -17,6 +18,10 @@ const completion = await client.completions.create({
 out.completion_text = completion.choices[0].text;
 out.completion_tokens = completion.usage.completion_tokens;
 out.completion_top = completion.choices[0].logprobs.top_logprobs.map((t) => Object.keys(t).length);
+out.completion_finish = completion.choices[0].finish_reason;
+out.completion_prompt_tokens = completion.usage.prompt_tokens;
+out.completion_token_logprobs = completion.choices[0].logprobs.token_logprobs;
+out.completion_top_values = completion.choices[0].logprobs.top_logprobs.map((t) => Object.values(t));
 
 const messages = [
   { role: "system", content: "You are terse." },
@@ -29,6 +34,8 @@ out.chat_content = chat.choices[0].message.content;
 out.chat_finish = chat.choices[0].finish_reason;
 out.chat_logprobs = chat.choices[0].logprobs.content.map((c) => c.top_logprobs.length);
 out.chat_token_ids = chat.choices[0].token_ids;  // flywheel's own field rides along
+out.chat_logprob_values = chat.choices[0].logprobs.content.map((c) => c.logprob);
+out.chat_top_values = chat.choices[0].logprobs.content.map((c) => c.top_logprobs.map((t) => t.logprob));
 
 const stream = await client.chat.completions.create({
   model, messages, max_tokens: 10, seed: 4, stream: true, stream_options: { include_usage: true },
