@@ -14,7 +14,7 @@
 #include "model/model.h"
 #include "model/model_config.h"
 #include "rollout/engine.h"
-#include "rollout/serving.h"
+#include "rollout/openai_api.h"
 #include "tokenizer/hf_tokenizer.h"
 #include "transport/asio.h"
 #include "transport/http.h"

@@ -51,13 +51,13 @@ void Coordinator::ExpireLeases(Clock::time_point now) {
   }
 }
 
-ClaimAnswer Coordinator::Claim(const ClaimRequest& request) {
+Result<ClaimAnswer> Coordinator::Claim(const ClaimRequest& request) {
   const std::string& worker = request.worker;
   const std::string& incarnation = request.incarnation;
   const uint64_t version = request.version;
   const int64_t serving_since = request.serving_since_unix_us;
   if (worker.empty() || request.max_groups < 1) {
-    return ClaimAnswer::Error("bad claim request: worker must be named and max_groups >= 1");
+    return Status::InvalidArgument("bad claim request: worker must be named and max_groups >= 1");
   }
   std::lock_guard lock(mutex_);
   if (finished_) return ClaimAnswer::Done();
@@ -230,10 +230,11 @@ SubmitAnswer Coordinator::Submit(SubmitRequest request) {
   return SubmitAnswer::Accepted();
 }
 
-std::string Coordinator::HandleClaim(std::string_view body) {
+Result<std::string> Coordinator::HandleClaim(std::string_view body) {
   Result<ClaimRequest> request = pipeline::ParseClaimRequest(body);
-  if (!request.ok()) return ToJson(ClaimAnswer::Error("bad " + request.status().message()));
-  return ToJson(Claim(*request));
+  if (!request.ok()) return Status::InvalidArgument("bad " + request.status().message());
+  FW_ASSIGN_OR_RETURN(ClaimAnswer answer, Claim(*request));
+  return ToJson(answer);
 }
 
 std::string Coordinator::HandleSubmit(std::string_view body) {

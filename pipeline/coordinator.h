@@ -94,14 +94,17 @@ class Coordinator {
   using Clock = std::chrono::steady_clock;
   Coordinator(const Task& task, CoordinatorOptions options);
 
-  pipeline::ClaimAnswer Claim(const pipeline::ClaimRequest& request);
+  // InvalidArgument for a request without a worker or with max_groups < 1.
+  Result<pipeline::ClaimAnswer> Claim(const pipeline::ClaimRequest& request);
   // Queues the group if its claim is out to this worker and the samples fit the claim and
   // the model; a group that does not fit closes its claim and returns the prompt.
   pipeline::SubmitAnswer Submit(pipeline::SubmitRequest request);
   // The HTTP bodies of POST /v1/rollout/claim and /v1/rollout/submit: parsed, answered and
-  // rendered. A body that does not parse is answered "error" / refused naming what was
-  // wrong; a submission whose samples do not parse closes its claim as Submit does.
-  std::string HandleClaim(std::string_view body);
+  // rendered. A claim that does not parse is InvalidArgument naming what was wrong (the
+  // route answers it 400 in the one error shape, transport/api.h); a submission that does
+  // not parse is refused naming what was wrong, and one whose samples do not parse closes
+  // its claim as Submit does.
+  Result<std::string> HandleClaim(std::string_view body);
   std::string HandleSubmit(std::string_view body);
 
   // The trainer's version (what it trains on now); claims and admission follow it.

@@ -120,9 +120,8 @@ const char* KindName(ClaimAnswer::Kind kind) {
     case ClaimAnswer::Kind::kOk: return "ok";
     case ClaimAnswer::Kind::kWait: return "wait";
     case ClaimAnswer::Kind::kDone: return "done";
-    case ClaimAnswer::Kind::kError: return "error";
   }
-  return "error";
+  return "done";
 }
 
 }  // namespace
@@ -156,9 +155,6 @@ std::string ToJson(const ClaimAnswer& a) {
       out["reason"] = a.reason;
       break;
     case ClaimAnswer::Kind::kDone:
-      break;
-    case ClaimAnswer::Kind::kError:
-      out["reason"] = a.reason;
       break;
   }
   return out.dump();
@@ -219,11 +215,6 @@ Result<ClaimAnswer> ParseClaimAnswer(std::string_view body) {
     return a;
   }
   if (status == "done") return ClaimAnswer::Done();
-  if (status == "error") {
-    a.kind = ClaimAnswer::Kind::kError;
-    FW_RETURN_IF_ERROR(Field(answer, "reason", a.reason, false, where));
-    return a;
-  }
   if (status != "ok") return Status::InvalidArgument(where + "unknown status " + Quote(status));
   a.kind = ClaimAnswer::Kind::kOk;
   FW_RETURN_IF_ERROR(Field(answer, "trainer_version", a.trainer_version, false, where));

@@ -10,11 +10,14 @@
 //   ClaimAnswer   {"status": "ok", "trainer_version", "groups": [{"claim", "prompt",
 //                 "answer"}], "group_size", "temperature", "max_tokens"}
 //                 | {"status": "wait", "retry_ms", "reason"} | {"status": "done"}
-//                 | {"status": "error", "reason"}
 //   SubmitRequest {"worker", "incarnation", "claim", "samples": [{"prompt_tokens",
 //                 "tokens", "logprobs", "versions", "reward", "routing"?,
 //                 "routing_shape"?: [rows, layers, top_k]}]}
 //   SubmitAnswer  {"accepted": true} | {"accepted": false, "reason"}
+//
+// A claim request that does not parse is no ClaimAnswer: the trainer answers it as every
+// flywheel API answers an error, HTTP 400 {"error": {"code": "bad_request", "message"}}
+// (transport/api.h). A refused submission is an answer (accepted false, with the reason).
 //
 // The parsers check structure and types (a field missing, of the wrong type, a negative
 // version, a token id that is not an int32) and name what was wrong; whether a submission
@@ -46,8 +49,8 @@ struct ClaimedGroup {
 };
 
 struct ClaimAnswer {
-  enum class Kind { kOk, kWait, kDone, kError };
-  Kind kind = Kind::kError;
+  enum class Kind { kOk, kWait, kDone };
+  Kind kind = Kind::kOk;
   // kOk
   uint64_t trainer_version = 0;
   std::vector<ClaimedGroup> groups;
@@ -56,7 +59,7 @@ struct ClaimAnswer {
   int64_t max_tokens = 16;
   // kWait
   int64_t retry_ms = 50;
-  // kWait, kError
+  // kWait
   std::string reason;
 
   static ClaimAnswer Ok() { return Of(Kind::kOk); }
@@ -67,11 +70,6 @@ struct ClaimAnswer {
     return a;
   }
   static ClaimAnswer Done() { return Of(Kind::kDone); }
-  static ClaimAnswer Error(std::string reason) {
-    ClaimAnswer a = Of(Kind::kError);
-    a.reason = std::move(reason);
-    return a;
-  }
 
  private:
   static ClaimAnswer Of(Kind kind) {

@@ -11,6 +11,7 @@
 #include "delta/delta_file.h"
 #include "model/fp8.h"
 #include "sync/role.h"
+#include "transport/api.h"
 #include "transport/connection.h"
 #include "transport/http.h"
 
@@ -82,8 +83,10 @@ pipeline::CoordinatorOptions MakeCoordinatorOptions(const pipeline::RunConfig& c
   return c;
 }
 
-transport::awaitable<transport::HttpResponse> JsonAnswer(std::string answer) {
-  co_return transport::HttpResponse{200, "application/json", std::move(answer)};
+// A rendered JSON answer, or the error in the one shape (transport/api.h).
+transport::HttpResponse JsonAnswer(Result<std::string> answer) {
+  if (!answer.ok()) return transport::ErrorResponse(answer.status());
+  return transport::HttpResponse{200, "application/json", std::move(answer).value()};
 }
 
 }  // namespace
@@ -148,8 +151,8 @@ void TrainerServices::Impl::AddRoutes() {
   pipeline::Coordinator* coordinator_ptr = coordinator.get();
   http->RoutePost(
       "/v1/rollout/claim",
-      [coordinator_ptr](std::string, std::string body) {
-        return JsonAnswer(coordinator_ptr->HandleClaim(body));
+      [coordinator_ptr](std::string, std::string body) -> transport::awaitable<transport::HttpResponse> {
+        co_return JsonAnswer(coordinator_ptr->HandleClaim(body));
       },
       1 << 20, transport::kScopeSubmit);
   transport::asio::thread_pool* pool = &parse_pool;
@@ -160,15 +163,11 @@ void TrainerServices::Impl::AddRoutes() {
         // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
         transport::awaitable<std::optional<std::string>> call = transport::RunOn(*pool, std::move(parse));
         std::optional<std::string> answer = co_await std::move(call);
-        co_return transport::HttpResponse{200, "application/json", answer ? std::move(*answer) : "{}"};
+        if (!answer) co_return transport::ErrorResponse(Status::Unavailable("the trainer is stopping"));
+        co_return transport::HttpResponse{200, "application/json", std::move(*answer)};
       },
       64 << 20, transport::kScopeSubmit);
-  http->Route("/v1/status", [this](const std::string&) {
-    return transport::HttpResponse{200, "application/json", StatusJson().dump()};
-  });
-  http->Route("/metrics", [this](const std::string&) {
-    return transport::HttpResponse{200, "text/plain; version=0.0.4", sync::MetricsText(StatusJson())};
-  });
+  transport::AddStatusRoutes(*http, [this] { return StatusJson(); }, sync::MetricsText);
 }
 
 json TrainerServices::Impl::StatusJson() {

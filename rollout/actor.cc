@@ -6,7 +6,8 @@
 #include <random>
 
 #include "model/tokenizer.h"
-#include "rollout/serving.h"
+#include "rollout/openai_api.h"
+#include "transport/api.h"
 #include "transport/http.h"
 
 namespace flywheel::rollout {
@@ -87,14 +88,12 @@ Result<ClaimAnswer> Actor::PostClaim(CompletionService& service) {
   auto answer = transport::HttpPost(options_.trainer, "/v1/rollout/claim", ToJson(request), http);
   if (!answer.ok()) return Status::Unavailable("claim: " + answer.status().ToString());
   if (answer->status != 200) {
-    return Status::Unavailable("claim: HTTP " + std::to_string(answer->status) + ": " +
-                               answer->body.substr(0, 200));
+    // The trainer's errors are the one shape (transport/api.h): "HTTP 400 bad_request: ...".
+    return Status::Unavailable("claim refused: " +
+                               transport::DescribeErrorBody(answer->status, answer->body));
   }
   Result<ClaimAnswer> claim = pipeline::ParseClaimAnswer(answer->body);
   if (!claim.ok()) return Status::Unavailable("claim: " + claim.status().message());
-  if (claim->kind == ClaimAnswer::Kind::kError) {
-    return Status::Unavailable("claim refused: " + claim->reason);
-  }
   return claim;
 }
 
@@ -161,7 +160,8 @@ Status Actor::PostSubmit(const SubmitRequest& submission) {
   } else {
     ++stats_.groups_refused;
     spdlog::warn("actor: group of claim {} refused: {}", submission.claim,
-                 verdict.ok() ? verdict->reason : submitted->body.substr(0, 300));
+                 verdict.ok() ? verdict->reason
+                              : transport::DescribeErrorBody(submitted->status, submitted->body));
   }
   return Status::Ok();
 }

@@ -17,7 +17,7 @@
 #include "rollout/actor.h"
 #include "rollout/engine.h"
 #include "rollout/mirror.h"
-#include "rollout/serving.h"
+#include "rollout/openai_api.h"
 #include "model/fp8.h"
 #include "model/tokenizer.h"
 #include "model/weights.h"

@@ -1,7 +1,7 @@
 // The rollout engine inside `flywheel worker` (torch-free interface for tools/): built from
 // a model config, it takes the worker's first served version as its weights, follows every
 // later swap between two decode steps (WorkerOptions::on_swap), and answers the OpenAI-style
-// routes of rollout/serving.h (completions, chat completions, streaming, /v1/models,
+// routes of rollout/openai_api.h (completions, chat completions, streaming, /v1/models,
 // /tokenize, /detokenize) on the worker's HTTP server (503 until a version is served).
 //
 // bf16 (or f16) served weights are computed from an fp32 mirror patched at the words each

@@ -25,6 +25,7 @@
 #include "sync/publisher.h"
 #include "sync/role.h"
 #include "sync/signing.h"
+#include "transport/api.h"
 #include "transport/connection.h"
 
 namespace flywheel::service {
@@ -34,30 +35,20 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
-ServiceAnswer Error(int status, const std::string& code, const std::string& message) {
-  return {status, "application/json", json{{"error", {{"code", code}, {"message", message}}}}.dump()};
+using transport::HttpResponse;
+
+// The answers of the API (transport/api.h: one error shape, one Status -> HTTP table).
+HttpResponse Error(int status, std::string code, std::string message) {
+  return transport::ErrorResponse(transport::ApiError{status, std::move(code), std::move(message)});
 }
 
-ServiceAnswer Json(const json& body, int status = 200) {
-  return {status, "application/json", body.dump()};
+HttpResponse Json(const json& body, int status = 200) {
+  return transport::JsonResponse(status, body);
 }
 
-// A Status from the trainer as an answer: its code decides the HTTP status.
-ServiceAnswer FromStatus(const Status& status) {
-  switch (status.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kMismatch:
-    case StatusCode::kCorruption:
-      return Error(400, "bad_request", status.message());
-    case StatusCode::kNotFound:
-      return Error(404, "not_found", status.message());
-    case StatusCode::kResourceExhausted:
-      return Error(413, "too_large", status.message());
-    case StatusCode::kUnavailable:
-      return Error(503, "unavailable", status.message());
-    default:
-      return Error(500, "internal", status.message());
-  }
+// A Status from the trainer as an answer, by the table.
+HttpResponse FromStatus(const Status& status) {
+  return transport::ErrorResponse(status);
 }
 
 bool ValidName(const std::string& name) {
@@ -107,11 +98,11 @@ std::string IdentityOf(const transport::HttpRequest& request) {
 
 struct CallState {
   uint64_t seq = 0;
-  std::function<ServiceAnswer()> run;  // on the trainer thread, the session active
+  std::function<HttpResponse()> run;  // on the trainer thread, the session active
   bool queued = false;                 // in the ready queue (its turn came)
   bool started = false;
   bool done = false;
-  ServiceAnswer answer;
+  HttpResponse answer;
   Clock::time_point arrived = Clock::now();
 };
 
@@ -175,7 +166,7 @@ struct TrainingService::Impl {
 
   // The trainer thread.
   void Run();
-  ServiceAnswer Execute(const Job& job);
+  HttpResponse Execute(const Job& job);
   void Activate(const std::shared_ptr<Session>& session);
   void NoteClient(Session& session);
   void ExpireIdle();  // REQUIRES: mutex
@@ -183,36 +174,36 @@ struct TrainingService::Impl {
   [[nodiscard]] Status WriteSessionFile(const Session& session, bool closed, const std::string& why);
 
   // Requests (`identity`: who sends it, see IdentityOf).
-  ServiceAnswer Info(std::string_view identity);
+  HttpResponse Info(std::string_view identity);
   json SessionInfo(const Session& s);  // REQUIRES: mutex
   json SessionList(std::string_view identity);  // REQUIRES: mutex. The caller's open sessions.
-  ServiceAnswer CreateSession(const std::string& body, std::string_view identity);
-  ServiceAnswer CloseSession(const std::string& id, std::string_view identity);
-  ServiceAnswer Call(const std::string& id, const std::string& call, const std::string& body,
+  HttpResponse CreateSession(const std::string& body, std::string_view identity);
+  HttpResponse CloseSession(const std::string& id, std::string_view identity);
+  HttpResponse Call(const std::string& id, const std::string& call, const std::string& body,
                      std::string_view identity);
   // REQUIRES: mutex. 409 too_many_sessions when `identity` may open no further session.
-  std::optional<ServiceAnswer> CheckSessionCaps(std::string_view identity);
+  std::optional<HttpResponse> CheckSessionCaps(std::string_view identity);
   // What a call runs on the trainer thread (the session active), from its decoded request.
-  std::function<ServiceAnswer()> BatchRun(const std::string& call, std::shared_ptr<WireBatch> batch);
-  std::function<ServiceAnswer()> JsonRun(const std::string& call, Session* s,
+  std::function<HttpResponse()> BatchRun(const std::string& call, std::shared_ptr<WireBatch> batch);
+  std::function<HttpResponse()> JsonRun(const std::string& call, Session* s,
                                          std::shared_ptr<json> body_json);
   // REQUIRES: mutex. NotFound, with the same message as an id never seen, for another
   // identity's session.
   Result<std::shared_ptr<Session>> Find(const std::string& id, std::string_view identity);
   // Submits `run` as call `seq` (0: next) of `session` and waits for its answer.
-  ServiceAnswer SubmitAndWait(const std::shared_ptr<Session>& session, uint64_t seq,
-                              std::function<ServiceAnswer()> run);
+  HttpResponse SubmitAndWait(const std::shared_ptr<Session>& session, uint64_t seq,
+                              std::function<HttpResponse()> run);
   // REQUIRES: mutex. Records the call (or finds the one a retry repeats) and queues it when
   // its turn has come. Mismatch: an old seq whose answer is gone.
   Result<std::shared_ptr<CallState>> Enqueue(const std::shared_ptr<Session>& session, uint64_t seq,
-                                             std::function<ServiceAnswer()> run);
+                                             std::function<HttpResponse()> run);
   // Runs `run` on the trainer thread (no session) and waits.
-  ServiceAnswer RunOnTrainer(std::function<ServiceAnswer()> run);
+  HttpResponse RunOnTrainer(std::function<HttpResponse()> run);
 
   // The calls (trainer thread, session active).
-  ServiceAnswer SaveWeights(Session& s);
-  ServiceAnswer SaveState(Session& s, const json& body);
-  ServiceAnswer LoadState(Session& s, const json& body);
+  HttpResponse SaveWeights(Session& s);
+  HttpResponse SaveState(Session& s, const json& body);
+  HttpResponse LoadState(Session& s, const json& body);
   // The directory of saved state `relative` (sessions/<id>/<name>). InvalidArgument: not of
   // that form; NotFound: no such state, or session <id> is not `owner`'s (the same message).
   Result<std::string> StatePath(const std::string& relative, std::string_view owner);
@@ -246,7 +237,7 @@ void TrainingService::Impl::Run() {
     ready.pop_front();
     job.call->started = true;
     lock.unlock();
-    ServiceAnswer answer = Execute(job);
+    HttpResponse answer = Execute(job);
     lock.lock();
     job.call->answer = std::move(answer);
     job.call->done = true;
@@ -269,7 +260,7 @@ void TrainingService::Impl::Run() {
   done.notify_all();
 }
 
-ServiceAnswer TrainingService::Impl::Execute(const Job& job) {
+HttpResponse TrainingService::Impl::Execute(const Job& job) {
   try {
     if (job.session) {
       {
@@ -279,7 +270,7 @@ ServiceAnswer TrainingService::Impl::Execute(const Job& job) {
       }
       Activate(job.session);
     }
-    ServiceAnswer answer = job.call->run();
+    HttpResponse answer = job.call->run();
     if (job.session) NoteClient(*job.session);
     return answer;
   } catch (const std::exception& e) {
@@ -368,7 +359,7 @@ json TrainingService::Impl::SessionList(std::string_view identity) {
   return list;
 }
 
-std::optional<ServiceAnswer> TrainingService::Impl::CheckSessionCaps(std::string_view identity) {
+std::optional<HttpResponse> TrainingService::Impl::CheckSessionCaps(std::string_view identity) {
   const auto mine = std::count_if(sessions.begin(), sessions.end(),
                                   [&](const auto& entry) { return entry.second->owner == identity; });
   if (mine >= options.max_sessions_per_identity) {
@@ -404,7 +395,7 @@ json TrainingService::Impl::SessionInfo(const Session& s) {
           {"parameters", {{"total", parameters_total}, {"trainable", parameters_trainable}}}};
 }
 
-ServiceAnswer TrainingService::Impl::Info(std::string_view identity) {
+HttpResponse TrainingService::Impl::Info(std::string_view identity) {
   const model::ModelConfig& config = client->options().config;
   json lora_json = nullptr;
   if (lora) {
@@ -434,7 +425,7 @@ ServiceAnswer TrainingService::Impl::Info(std::string_view identity) {
                  {"max_sessions", options.max_sessions}}}});
 }
 
-ServiceAnswer TrainingService::Impl::RunOnTrainer(std::function<ServiceAnswer()> run) {
+HttpResponse TrainingService::Impl::RunOnTrainer(std::function<HttpResponse()> run) {
   auto call = std::make_shared<CallState>();
   call->run = std::move(run);
   std::unique_lock lock(mutex);
@@ -446,7 +437,7 @@ ServiceAnswer TrainingService::Impl::RunOnTrainer(std::function<ServiceAnswer()>
   return call->answer;
 }
 
-ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body, std::string_view identity) {
+HttpResponse TrainingService::Impl::CreateSession(const std::string& body, std::string_view identity) {
   json request = body.empty() ? json::object() : ParseShallowJson(body);
   if (request.is_discarded() || !request.is_object())
     return Error(400, "bad_request", "the body must be a JSON object (nested at most 16 deep)");
@@ -490,9 +481,9 @@ ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body, std:
     session->state = initial;
   }
   if (!from.empty()) {
-    ServiceAnswer loaded = RunOnTrainer([&]() -> ServiceAnswer {
+    HttpResponse loaded = RunOnTrainer([&]() -> HttpResponse {
       Activate(session);
-      ServiceAnswer answer = LoadState(*session, json{{"path", from}});
+      HttpResponse answer = LoadState(*session, json{{"path", from}});
       NoteClient(*session);
       return answer;
     });
@@ -511,7 +502,7 @@ ServiceAnswer TrainingService::Impl::CreateSession(const std::string& body, std:
   return Json(SessionInfo(*session), 201);
 }
 
-ServiceAnswer TrainingService::Impl::CloseSession(const std::string& id, std::string_view identity) {
+HttpResponse TrainingService::Impl::CloseSession(const std::string& id, std::string_view identity) {
   std::lock_guard lock(mutex);
   auto found = Find(id, identity);
   if (!found.ok()) return FromStatus(found.status());
@@ -540,7 +531,7 @@ ServiceAnswer TrainingService::Impl::CloseSession(const std::string& id, std::st
 }
 
 Result<std::shared_ptr<CallState>> TrainingService::Impl::Enqueue(
-    const std::shared_ptr<Session>& session, uint64_t seq, std::function<ServiceAnswer()> run) {
+    const std::shared_ptr<Session>& session, uint64_t seq, std::function<HttpResponse()> run) {
   Session& s = *session;
   if (seq == 0) seq = std::max(s.max_seq, s.next_seq - 1) + 1;
   if (s.seq_floating) {
@@ -598,8 +589,8 @@ Result<std::shared_ptr<CallState>> TrainingService::Impl::Enqueue(
   return call;
 }
 
-ServiceAnswer TrainingService::Impl::SubmitAndWait(const std::shared_ptr<Session>& session,
-                                                   uint64_t seq, std::function<ServiceAnswer()> run) {
+HttpResponse TrainingService::Impl::SubmitAndWait(const std::shared_ptr<Session>& session,
+                                                   uint64_t seq, std::function<HttpResponse()> run) {
   std::unique_lock lock(mutex);
   if (stopping) return Error(503, "unavailable", "the training service is stopping");
   if (session->closed) return Error(404, "not_found", "session " + session->id + " was closed");
@@ -657,12 +648,12 @@ bool IsBatchCall(const std::string& call) {
 
 }  // namespace
 
-std::function<ServiceAnswer()> TrainingService::Impl::BatchRun(const std::string& call,
+std::function<HttpResponse()> TrainingService::Impl::BatchRun(const std::string& call,
                                                              std::shared_ptr<WireBatch> batch) {
   trainer::TrainingClient* c = client.get();
-  std::function<ServiceAnswer()> run;
+  std::function<HttpResponse()> run;
   if (call == "forward") {
-    run = [c, batch]() -> ServiceAnswer {
+    run = [c, batch]() -> HttpResponse {
       for (const auto& [key, value] : batch->header.items())
         return Error(400, "bad_request", "forward: unknown header key '" + key + "'");
       auto out = c->Forward(batch->datums);
@@ -670,7 +661,7 @@ std::function<ServiceAnswer()> TrainingService::Impl::BatchRun(const std::string
       return {200, kBatchContentType, EncodeForwardOutput(*out)};
     };
   } else if (call == "forward_backward") {
-    run = [c, batch]() -> ServiceAnswer {
+    run = [c, batch]() -> HttpResponse {
       const json& h = batch->header;
       for (const auto& [key, value] : h.items()) {
         if (key != "loss" && key != "loss_config")
@@ -688,7 +679,7 @@ std::function<ServiceAnswer()> TrainingService::Impl::BatchRun(const std::string
       return Json({{"metrics", ToJson(*metrics)}});
     };
   } else {
-    run = [c, batch]() -> ServiceAnswer {
+    run = [c, batch]() -> HttpResponse {
       const json& h = batch->header;
       for (const auto& [key, value] : h.items()) {
         if (key != "loss_value")
@@ -708,12 +699,12 @@ std::function<ServiceAnswer()> TrainingService::Impl::BatchRun(const std::string
   return run;
 }
 
-std::function<ServiceAnswer()> TrainingService::Impl::JsonRun(const std::string& call, Session* s,
+std::function<HttpResponse()> TrainingService::Impl::JsonRun(const std::string& call, Session* s,
                                                             std::shared_ptr<json> body_json) {
   trainer::TrainingClient* c = client.get();
-  std::function<ServiceAnswer()> run;
+  std::function<HttpResponse()> run;
   if (call == "optim_step") {
-    run = [c, body_json]() -> ServiceAnswer {
+    run = [c, body_json]() -> HttpResponse {
       for (const auto& [key, value] : body_json->items()) {
         if (key != "adam")
           return Error(400, "bad_request", "optim_step: unknown key '" + key + "' (known: adam)");
@@ -725,7 +716,7 @@ std::function<ServiceAnswer()> TrainingService::Impl::JsonRun(const std::string&
       return Json({{"metrics", ToJson(*metrics)}});
     };
   } else if (call == "save_weights_for_sampler") {
-    run = [this, s, body_json]() -> ServiceAnswer {
+    run = [this, s, body_json]() -> HttpResponse {
       if (!body_json->empty())
         return Error(400, "bad_request", "save_weights_for_sampler takes no parameters");
       return SaveWeights(*s);
@@ -735,7 +726,7 @@ std::function<ServiceAnswer()> TrainingService::Impl::JsonRun(const std::string&
   } else if (call == "load_state") {
     run = [this, s, body_json] { return LoadState(*s, *body_json); };
   } else {  // get_info
-    run = [this, s]() -> ServiceAnswer {
+    run = [this, s]() -> HttpResponse {
       NoteClient(*s);
       std::lock_guard lock(mutex);
       return Json(SessionInfo(*s));
@@ -744,7 +735,7 @@ std::function<ServiceAnswer()> TrainingService::Impl::JsonRun(const std::string&
   return run;
 }
 
-ServiceAnswer TrainingService::Impl::Call(const std::string& id, const std::string& call,
+HttpResponse TrainingService::Impl::Call(const std::string& id, const std::string& call,
                                           const std::string& body, std::string_view identity) {
   std::shared_ptr<Session> session;
   {
@@ -835,7 +826,7 @@ Result<json> TrainingService::Impl::PublishLora(uint64_t v) {
   return out;
 }
 
-ServiceAnswer TrainingService::Impl::SaveWeights(Session& s) {
+HttpResponse TrainingService::Impl::SaveWeights(Session& s) {
   const uint64_t v = version.load() + 1;
   if (!lora) {
     auto snapshot = client->SaveWeightsForSampler(v);
@@ -909,7 +900,7 @@ Result<std::string> TrainingService::Impl::StatePath(const std::string& relative
   return path.string();
 }
 
-ServiceAnswer TrainingService::Impl::SaveState(Session& s, const json& body) {
+HttpResponse TrainingService::Impl::SaveState(Session& s, const json& body) {
   for (const auto& [key, value] : body.items()) {
     if (key != "name") return Error(400, "bad_request", "save_state: unknown key '" + key + "' (known: name)");
     if (!value.is_string()) return Error(400, "bad_request", "save_state: name must be a string");
@@ -939,7 +930,7 @@ ServiceAnswer TrainingService::Impl::SaveState(Session& s, const json& body) {
   return Json({{"path", relative}, {"step", client->step()}});
 }
 
-ServiceAnswer TrainingService::Impl::LoadState(Session& s, const json& body) {
+HttpResponse TrainingService::Impl::LoadState(Session& s, const json& body) {
   for (const auto& [key, value] : body.items()) {
     if (key != "path") return Error(400, "bad_request", "load_state: unknown key '" + key + "' (known: path)");
   }
@@ -1105,7 +1096,7 @@ Result<std::unique_ptr<TrainingService>> TrainingService::Create(TrainingService
 uint64_t TrainingService::version() const { return impl_->version.load(); }
 bool TrainingService::lora() const { return impl_->lora; }
 
-ServiceAnswer TrainingService::Handle(const std::string& method, const std::string& path,
+HttpResponse TrainingService::Handle(const std::string& method, const std::string& path,
                                       const std::string& body, std::string_view identity) {
   Impl& s = *impl_;
   const std::string prefix = "/v1/train";
@@ -1168,35 +1159,22 @@ json TrainingService::StatusJson() {
 namespace {
 
 // One request of the API routes (a coroutine on the server's executor; the work on `pool`).
-transport::awaitable<transport::HttpResponse> ServeApi(TrainingService* self,
-                                                       boost::asio::thread_pool* pool,
-                                                       transport::HttpRequest request) {
-  transport::HttpResponse response;
+transport::awaitable<HttpResponse> ServeApi(TrainingService* self, boost::asio::thread_pool* pool,
+                                            transport::HttpRequest request) {
   const bool read = request.method == "GET" || request.method == "HEAD";
   const uint32_t need = transport::kScopeTrain | (read ? uint32_t{transport::kScopeRead} : 0u);
   if ((request.scopes & need) == 0) {
     const bool anonymous = request.scopes == 0;
-    response.status = anonymous ? 401 : 403;
-    response.body = Error(response.status, anonymous ? "unauthorized" : "forbidden",
-                          anonymous ? "a bearer token with the train scope is required"
-                                    : "this token lacks the train scope")
-                        .body;
-    co_return response;
+    co_return anonymous ? Error(401, "unauthorized", "a bearer token with the train scope is required")
+                        : Error(403, "forbidden", "this token lacks the train scope");
   }
   auto work = [self, method = request.method, path = request.path,
                identity = IdentityOf(request), body = std::move(request.body)] {
     return self->Handle(method, path, body, identity);
   };
-  std::optional<ServiceAnswer> answer = co_await transport::RunOn(*pool, std::move(work));
-  if (!answer) {
-    response.status = 503;
-    response.body = Error(503, "unavailable", "the training service is stopping").body;
-    co_return response;
-  }
-  response.status = answer->status;
-  response.content_type = answer->content_type;
-  response.body = std::move(answer->body);
-  co_return response;
+  std::optional<HttpResponse> answer = co_await transport::RunOn(*pool, std::move(work));
+  if (!answer) co_return Error(503, "unavailable", "the training service is stopping");
+  co_return std::move(*answer);
 }
 
 }  // namespace
@@ -1210,12 +1188,7 @@ void TrainingService::Register(transport::HttpServer& server) {
         return ServeApi(self, pool, std::move(request));
       },
       impl_->options.max_body_bytes);
-  server.Route("/v1/status", [self](const std::string&) {
-    return transport::HttpResponse{200, "application/json", self->StatusJson().dump()};
-  });
-  server.Route("/metrics", [self](const std::string&) {
-    return transport::HttpResponse{200, "text/plain; version=0.0.4", sync::MetricsText(self->StatusJson())};
-  });
+  transport::AddStatusRoutes(server, [self] { return self->StatusJson(); }, sync::MetricsText);
 }
 
 }  // namespace flywheel::service

@@ -84,13 +84,6 @@ std::string TokenIdentity(std::string_view token);
 // the presented token's identity.
 std::string IdentityOf(const transport::HttpRequest& request);
 
-// An answer of the API.
-struct ServiceAnswer {
-  int status = 200;
-  std::string content_type = "application/json";
-  std::string body;
-};
-
 class TrainingService {
  public:
   // Builds the trainer, restores the sessions saved under state_dir and, with a publisher,
@@ -103,10 +96,11 @@ class TrainingService {
   TrainingService& operator=(const TrainingService&) = delete;
 
   // GET/POST/DELETE under /v1/train (scopes: GETs read or train, the rest train), plus
-  // GET /v1/status and /metrics. Call on the server's executor before it serves.
+  // the status routes (transport::AddStatusRoutes). Call on the server's executor before it
+  // serves. Errors are the one shape and table of transport/api.h.
   void Register(transport::HttpServer& server);
   // One request of `identity` without HTTP (blocking; what the routes run on their pool).
-  ServiceAnswer Handle(const std::string& method, const std::string& path, const std::string& body,
+  transport::HttpResponse Handle(const std::string& method, const std::string& path, const std::string& body,
                        std::string_view identity = kAnonymousIdentity);
 
   nlohmann::json StatusJson();

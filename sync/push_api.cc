@@ -8,71 +8,21 @@
 
 #include "base/json.h"
 #include "checkpoint/safetensors.h"
+#include "transport/api.h"
 
 namespace flywheel::sync {
 
+using transport::ApiError;
+using transport::ApiResult;
 using transport::Credential;
 using transport::HttpRequest;
-using transport::HttpResponse;
+using transport::Query;
 
 namespace {
 
 constexpr std::chrono::milliseconds kWaitDefault{30000};
 constexpr std::chrono::milliseconds kWaitTick{25};
 constexpr uint64_t kControlBodyLimit = 1 << 20;
-
-HttpResponse JsonResponse(int status, const nlohmann::json& body) {
-  return {status, "application/json", body.dump() + "\n"};
-}
-
-HttpResponse Error(int status, const std::string& code, const std::string& message,
-                   nlohmann::json extra = nlohmann::json::object()) {
-  extra["code"] = code;
-  extra["message"] = message;
-  return JsonResponse(status, {{"error", extra}});
-}
-
-// The value of `key` in the target's query string, if present.
-std::optional<std::string> Query(const std::string& target, std::string_view key) {
-  const size_t question = target.find('?');
-  if (question == std::string::npos) return std::nullopt;
-  std::string_view query(target);
-  query.remove_prefix(question + 1);
-  while (!query.empty()) {
-    const size_t amp = query.find('&');
-    const std::string_view pair = query.substr(0, amp);
-    const size_t equals = pair.find('=');
-    if (pair.substr(0, equals) == key) {
-      return std::string(equals == std::string_view::npos ? "" : pair.substr(equals + 1));
-    }
-    if (amp == std::string_view::npos) break;
-    query.remove_prefix(amp + 1);
-  }
-  return std::nullopt;
-}
-
-// A query parameter as a number: `fallback` when absent, an error response when malformed.
-template <typename T>
-std::variant<T, HttpResponse> QueryNumber(const std::string& target, std::string_view key,
-                                          T fallback) {
-  const std::optional<std::string> text = Query(target, key);
-  if (!text) return fallback;
-  try {
-    size_t used = 0;
-    T value;
-    if constexpr (std::is_floating_point_v<T>) {
-      value = static_cast<T>(std::stod(*text, &used));
-    } else {
-      if (text->empty() || (*text)[0] == '-') throw std::invalid_argument("negative");
-      value = static_cast<T>(std::stoull(*text, &used));
-    }
-    if (used != text->size()) throw std::invalid_argument("trailing");
-    return value;
-  } catch (const std::exception&) {
-    return Error(400, "bad_request",
-                 "query parameter '" + std::string(key) + "' is not a valid number: '" + *text + "'");
-  }
-}
 
 std::string VersionList(const std::vector<uint64_t>& versions) {
   std::string text;
@@ -143,141 +93,148 @@ struct PushApi::Impl : std::enable_shared_from_this<PushApi::Impl> {
   // GET /v1/wait requests being held (at most options.max_waiters).
   std::atomic<size_t> waiters{0};
 
-  std::optional<HttpResponse> DenyPush(const HttpRequest& request) const;
-  std::optional<HttpResponse> DenyRead(const HttpRequest& request) const;
-  std::optional<HttpResponse> DenyAdmin(const HttpRequest& request) const;
-  HttpResponse UploadFailure(const Status& status, const std::string& id) const;
+  std::optional<ApiError> DenyPush(const HttpRequest& request) const;
+  std::optional<ApiError> DenyRead(const HttpRequest& request) const;
+  std::optional<ApiError> DenyAdmin(const HttpRequest& request) const;
+  ApiError UploadFailure(const Status& status, const std::string& id) const;
   nlohmann::json PinJson() const { return ToJson(ledger->pin()); }
 
-  awaitable<HttpResponse> Uploads(HttpRequest request);
-  HttpResponse CreateUpload(const HttpRequest& request);
-  awaitable<HttpResponse> WritePart(std::string id, HttpRequest request);
-  HttpResponse CommitNow(const std::string& id, const std::string& peer);
-  HttpResponse PublishStaged(const StagedUpload& staged, const std::string& peer);
-  HttpResponse PublishDelta(const StagedUpload& staged, LedgerRow row);
-  HttpResponse Published(uint64_t version, const CheckpointView& checkpoint,
+  awaitable<ApiResult> Uploads(HttpRequest request);
+  ApiResult CreateUpload(const HttpRequest& request);
+  awaitable<ApiResult> WritePart(std::string id, HttpRequest request);
+  ApiResult CommitNow(const std::string& id, const std::string& peer);
+  ApiResult PublishStaged(const StagedUpload& staged, const std::string& peer);
+  ApiResult PublishDelta(const StagedUpload& staged, LedgerRow row);
+  ApiResult Published(uint64_t version, const CheckpointView& checkpoint,
                          const AppendOptions& known, LedgerRow row);
-  HttpResponse Versions(const HttpRequest& request) const;
-  HttpResponse ReadinessNow(const HttpRequest& request) const;
-  awaitable<HttpResponse> Wait(HttpRequest request);
-  awaitable<HttpResponse> Pin(HttpRequest request);
-  HttpResponse PinNow(uint64_t version, nlohmann::json metadata, std::string client,
+  ApiResult Versions(const HttpRequest& request) const;
+  ApiResult ReadinessNow(const HttpRequest& request) const;
+  awaitable<ApiResult> Wait(HttpRequest request);
+  awaitable<ApiResult> Pin(HttpRequest request);
+  ApiResult PinNow(uint64_t version, nlohmann::json metadata, std::string client,
                       std::string peer);
-  HttpResponse Unpin();
+  ApiResult Unpin();
 };
 
 namespace {
 
 // Null when the request's token has `scope`; else 403 `forbidden` (a known token without
 // it: `refusal` says what it cannot do) or 401 (no token, or an unknown one).
-std::optional<HttpResponse> DenyUnlessScope(const HttpRequest& request, uint32_t scope,
+std::optional<ApiError> DenyUnlessScope(const HttpRequest& request, uint32_t scope,
                                             const std::string& refusal) {
   if (request.scopes & scope) return std::nullopt;
-  if (request.scopes != 0) return Error(403, "forbidden", refusal);
-  return Error(401, "unauthorized", "missing or unknown bearer token");
+  if (request.scopes != 0) return ApiError{403, "forbidden", refusal};
+  return ApiError{401, "unauthorized", "missing or unknown bearer token"};
 }
 
 }  // namespace
 
-std::optional<HttpResponse> PushApi::Impl::DenyPush(const HttpRequest& request) const {
+std::optional<ApiError> PushApi::Impl::DenyPush(const HttpRequest& request) const {
   if (options.token.empty()) {
-    return Error(403, "push_disabled",
-                 "this publisher takes no pushes: start it with --push-token-file");
+    return ApiError{403, "push_disabled",
+                 "this publisher takes no pushes: start it with --push-token-file"};
   }
   return DenyUnlessScope(request, transport::kScopePush,
                          "this token cannot push (it lacks the 'push' scope); send the push token");
 }
 
-std::optional<HttpResponse> PushApi::Impl::DenyAdmin(const HttpRequest& request) const {
+std::optional<ApiError> PushApi::Impl::DenyAdmin(const HttpRequest& request) const {
   if (options.token.empty()) {
-    return Error(403, "push_disabled",
-                 "this publisher takes no pushes or pins: start it with --push-token-file");
+    return ApiError{403, "push_disabled",
+                 "this publisher takes no pushes or pins: start it with --push-token-file"};
   }
   return DenyUnlessScope(request, transport::kScopeAdmin,
                          "this token cannot pin or unpin (it lacks the 'admin' scope)");
 }
 
-std::optional<HttpResponse> PushApi::Impl::DenyRead(const HttpRequest& request) const {
+std::optional<ApiError> PushApi::Impl::DenyRead(const HttpRequest& request) const {
   if (!read_token_required) return std::nullopt;
   return DenyUnlessScope(request, transport::kScopeRead,
                          "this token cannot read (it lacks the 'read' scope)");
 }
 
-HttpResponse PushApi::Impl::UploadFailure(const Status& status, const std::string& id) const {
+ApiError PushApi::Impl::UploadFailure(const Status& status, const std::string& id) const {
+  // The table's status (transport/api.h), with the codes docs/PUSH_API.md lists for uploads
+  // (uploads.h says which Status each failure is).
+  ApiError error = ApiError::From(status);
   switch (status.code()) {
     case StatusCode::kInvalidArgument:
-      return Error(400, "bad_request", status.message());
-    case StatusCode::kNotFound:
-      return uploads->WasExpired(id) ? Error(410, "upload_expired", status.message())
-                                     : Error(404, "not_found", status.message());
     case StatusCode::kResourceExhausted:
-      return Error(413, "too_large", status.message());
-    case StatusCode::kUnavailable:
-      return Error(507, "insufficient_storage", status.message() + "; the upload was removed");
-    case StatusCode::kMismatch:
-      return Error(409, "committing", status.message());
+      break;
+    case StatusCode::kNotFound:
+      if (uploads->WasExpired(id)) error = ApiError{410, "upload_expired", status.message()};
+      break;
+    case StatusCode::kUnavailable:  // the staging disk is full
+      error = ApiError{507, "insufficient_storage", status.message() + "; the upload was removed"};
+      break;
+    case StatusCode::kMismatch:  // a commit of it is running
+      error.code = "committing";
+      break;
     case StatusCode::kCorruption:
-      return Error(422, "body_hash_mismatch", status.message() + "; the upload was removed");
+      error.code = "body_hash_mismatch";
+      error.message += "; the upload was removed";
+      break;
     default:
       spdlog::error("push: upload {}: {}", id, status.message());
-      return Error(500, "internal", status.message());
+      break;
   }
+  return error;
 }
 
-HttpResponse PushApi::Impl::CreateUpload(const HttpRequest& request) {
+ApiResult PushApi::Impl::CreateUpload(const HttpRequest& request) {
   // The route takes part-sized bodies (PUT); a create is a control body, parsed here on the
   // network thread, so it gets the control limit.
   Result<nlohmann::json> body =
       ParseJson(request.body, "the request body", JsonLimits{.max_bytes = kControlBodyLimit});
-  if (!body.ok()) return Error(400, "bad_request", body.status().message());
+  if (!body.ok()) return ApiError{400, "bad_request", body.status().message()};
   Result<UploadSpec> spec = ParseUploadSpec(*body);
-  if (!spec.ok()) return Error(400, "bad_request", spec.status().message());
+  if (!spec.ok()) return ApiError{400, "bad_request", spec.status().message()};
   if (pinned) {
-    return Error(409, "pinned", "the fleet is pinned; unpin before pushing",
-                 {{"pin", PinJson()}});
+    return ApiError{409, "pinned", "the fleet is pinned; unpin before pushing",
+                 {{"pin", PinJson()}}};
   }
   const uint64_t last = target->version_log().last_version();
   if (spec->version && *spec->version <= last) {
-    return Error(409, "version_conflict",
+    return ApiError{409, "version_conflict",
                  "version " + std::to_string(*spec->version) + " is not above the head v" +
                      std::to_string(last),
-                 {{"head_version", last}});
+                 {{"head_version", last}}};
   }
   if (spec->kind == UploadKind::kDelta) {
     const std::vector<uint64_t> held = target->version_log().RebuildableVersions();
     if (!std::binary_search(held.begin(), held.end(), spec->base_version)) {
-      return Error(409, "unknown_base",
+      return ApiError{409, "unknown_base",
                    "the publisher cannot rebuild base version " +
                        std::to_string(spec->base_version) + " (it holds " + VersionList(held) +
                        "); push the full checkpoint",
-                   {{"held_versions", held}});
+                   {{"held_versions", held}}};
     }
   }
   Result<UploadState> state = uploads->Create(std::move(*spec));
   if (!state.ok()) return UploadFailure(state.status(), "");
   spdlog::info("push: upload {} created ({} bytes, {})", state->id, state->spec.size,
                UploadKindName(state->spec.kind));
-  return JsonResponse(201, ToJson(*state));
+  return ApiResult(ToJson(*state), 201);
 }
 
-awaitable<HttpResponse> PushApi::Impl::WritePart(std::string id, HttpRequest request) {
-  auto offset = QueryNumber<uint64_t>(request.target, "offset", UINT64_MAX);
-  if (auto* error = std::get_if<HttpResponse>(&offset)) co_return *error;
-  if (std::get<uint64_t>(offset) == UINT64_MAX) {
-    co_return Error(400, "bad_request", "PUT of a part needs ?offset=N");
+awaitable<ApiResult> PushApi::Impl::WritePart(std::string id, HttpRequest request) {
+  const Result<uint64_t> offset = Query(request.target).Unsigned("offset", UINT64_MAX);
+  if (!offset.ok()) co_return offset.status();
+  if (*offset == UINT64_MAX) {
+    co_return ApiError{400, "bad_request", "PUT of a part needs ?offset=N"};
   }
   auto self = shared_from_this();
-  auto write = [self, id, offset = std::get<uint64_t>(offset), body = std::move(request.body)] {
+  auto write = [self, id, offset = *offset, body = std::move(request.body)] {
     return self->uploads->Write(
         id, offset, std::as_bytes(std::span(body.data(), body.size())));
   };
   std::optional<Result<UploadState>> state = co_await transport::RunOn(io, std::move(write));
-  if (!state) co_return Error(500, "internal", "the part write did not run");
+  if (!state) co_return ApiError{500, "internal", "the part write did not run"};
   if (!state->ok()) co_return UploadFailure(state->status(), id);
-  co_return JsonResponse(200, ToJson(**state));
+  co_return ApiResult(ToJson(**state));
 }
 
-awaitable<HttpResponse> PushApi::Impl::Uploads(HttpRequest request) {
+awaitable<ApiResult> PushApi::Impl::Uploads(HttpRequest request) {
   if (auto denied = DenyPush(request)) co_return *denied;
   // /v1/uploads, /v1/uploads/{id}, /v1/uploads/{id}/commit
   const std::string rest = request.path.substr(std::min<size_t>(request.path.size(), 12));
@@ -285,55 +242,55 @@ awaitable<HttpResponse> PushApi::Impl::Uploads(HttpRequest request) {
   const std::string id = rest.substr(0, slash);
   const std::string action = slash == std::string::npos ? "" : rest.substr(slash + 1);
   if (id.empty()) {
-    if (request.method != "POST") co_return Error(405, "method_not_allowed", "use POST /v1/uploads");
+    if (request.method != "POST") co_return ApiError{405, "method_not_allowed", "use POST /v1/uploads"};
     co_return CreateUpload(request);
   }
   if (action == "commit") {
-    if (request.method != "POST") co_return Error(405, "method_not_allowed", "use POST to commit");
+    if (request.method != "POST") co_return ApiError{405, "method_not_allowed", "use POST to commit"};
     auto self = shared_from_this();
     auto commit = [self, id, peer = request.peer] { return self->CommitNow(id, peer); };
-    std::optional<HttpResponse> response = co_await transport::RunOn(*cpu, std::move(commit));
-    co_return response ? std::move(*response) : Error(500, "internal", "the commit did not run");
+    std::optional<ApiResult> response = co_await transport::RunOn(*cpu, std::move(commit));
+    co_return response ? std::move(*response) : ApiError{500, "internal", "the commit did not run"};
   }
-  if (!action.empty()) co_return Error(404, "not_found", "no route " + request.path);
+  if (!action.empty()) co_return ApiError{404, "not_found", "no route " + request.path};
   if (request.method == "PUT") co_return co_await WritePart(id, std::move(request));
   if (request.method == "GET") {
     Result<UploadState> state = uploads->State(id);
-    co_return state.ok() ? JsonResponse(200, ToJson(*state)) : UploadFailure(state.status(), id);
+    co_return state.ok() ? ApiResult(ToJson(*state)) : UploadFailure(state.status(), id);
   }
   if (request.method == "DELETE") {
     Status removed = uploads->Remove(id);
     if (!removed.ok()) co_return UploadFailure(removed, id);
-    co_return JsonResponse(200, {{"id", id}, {"aborted", true}});
+    co_return ApiResult(nlohmann::json{{"id", id}, {"aborted", true}});
   }
-  co_return Error(405, "method_not_allowed", "use GET, PUT or DELETE on an upload");
+  co_return ApiError{405, "method_not_allowed", "use GET, PUT or DELETE on an upload"};
 }
 
-HttpResponse PushApi::Impl::CommitNow(const std::string& id, const std::string& peer) {
+ApiResult PushApi::Impl::CommitNow(const std::string& id, const std::string& peer) {
   if (pinned) {
     (void)uploads->Remove(id);
-    return Error(409, "pinned", "the fleet is pinned; unpin before pushing (upload removed)",
-                 {{"pin", PinJson()}});
+    return ApiError{409, "pinned", "the fleet is pinned; unpin before pushing (upload removed)",
+                 {{"pin", PinJson()}}};
   }
   Result<UploadState> state = uploads->State(id);
   if (!state.ok()) return UploadFailure(state.status(), id);
   if (!state->missing.empty()) {
     nlohmann::json missing = nlohmann::json::array();
     for (const auto& [begin, end] : state->missing) missing.push_back({begin, end});
-    return Error(422, "incomplete",
+    return ApiError{422, "incomplete",
                  "upload " + id + " is incomplete: " +
                      std::to_string(state->spec.size - state->received_bytes) +
                      " bytes are missing; send them and commit again",
-                 {{"missing", missing}});
+                 {{"missing", missing}}};
   }
   Result<StagedUpload> staged = uploads->Take(id);
   if (!staged.ok()) return UploadFailure(staged.status(), id);
-  HttpResponse response = PublishStaged(*staged, peer);
+  ApiResult response = PublishStaged(*staged, peer);
   (void)uploads->Remove(id);
   return response;
 }
 
-HttpResponse PushApi::Impl::PublishStaged(const StagedUpload& staged, const std::string& peer) {
+ApiResult PushApi::Impl::PublishStaged(const StagedUpload& staged, const std::string& peer) {
   LedgerRow row;
   row.source = VersionSource::kPush;
   row.metadata = staged.spec.metadata;
@@ -344,43 +301,43 @@ HttpResponse PushApi::Impl::PublishStaged(const StagedUpload& staged, const std:
   if (staged.spec.kind == UploadKind::kDelta) return PublishDelta(staged, std::move(row));
   Result<Checkpoint> checkpoint = Checkpoint::Open(staged.CheckpointPath());
   if (!checkpoint.ok()) {
-    return Error(422, "invalid_checkpoint",
-                 "upload " + staged.id + ": " + checkpoint.status().message());
+    return ApiError{422, "invalid_checkpoint",
+                 "upload " + staged.id + ": " + checkpoint.status().message()};
   }
   const uint64_t version = staged.spec.version.value_or(target->version_log().last_version() + 1);
   return Published(version, checkpoint->tensors(), AppendOptions{}, std::move(row));
 }
 
-HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow row) {
+ApiResult PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow row) {
   // Mapped, never read whole: the apply and the log's copy read it where it lies on disk,
   // and drop its pages as they finish with them (MappedReleaser), so a commit holds the
   // rebuilt base (the head's size) and not the delta's gigabytes, in RSS as in its own memory.
   Result<std::unique_ptr<MappedRegion>> mapped = Env::Default()->MapReadOnly(staged.CheckpointPath());
-  if (!mapped.ok()) return Error(500, "internal", mapped.status().message());
+  if (!mapped.ok()) return ApiError{500, "internal", mapped.status().message()};
   const std::span<const std::byte> bytes = (*mapped)->bytes();
   MappedReleaser releaser(**mapped);
   const BytesReadFn read = [&releaser](std::span<const std::byte> done) { releaser.Done(done); };
   Result<delta::DeltaView> view = delta::DeltaView::Parse(bytes);
   releaser.ReleaseAll();
-  if (!view.ok()) return Error(422, "invalid_delta", "upload " + staged.id + ": " + view.status().message());
+  if (!view.ok()) return ApiError{422, "invalid_delta", "upload " + staged.id + ": " + view.status().message()};
   const delta::Manifest& manifest = view->manifest();
   if (manifest.keyframe || manifest.base_version != staged.spec.base_version ||
       (staged.spec.version && manifest.target_version != *staged.spec.version)) {
-    return Error(422, "invalid_delta",
+    return ApiError{422, "invalid_delta",
                  "upload " + staged.id + ": the container goes from v" +
                      std::to_string(manifest.base_version) + " to v" +
                      std::to_string(manifest.target_version) + (manifest.keyframe ? " (a keyframe)" : "") +
-                     ", the upload declared base v" + std::to_string(staged.spec.base_version));
+                     ", the upload declared base v" + std::to_string(staged.spec.base_version)};
   }
   Result<RebuiltCheckpoint> rebuilt = target->version_log().ApplyDelta(bytes, threads, read);
   if (!rebuilt.ok()) {
     const StatusCode code = rebuilt.status().code();
     if (code == StatusCode::kNotFound || code == StatusCode::kMismatch) {
       const std::vector<uint64_t> held = target->version_log().RebuildableVersions();
-      return Error(409, "unknown_base", rebuilt.status().message() + "; push the full checkpoint",
-                   {{"held_versions", held}});
+      return ApiError{409, "unknown_base", rebuilt.status().message() + "; push the full checkpoint",
+                   {{"held_versions", held}}};
     }
-    return Error(422, "invalid_delta", "upload " + staged.id + ": " + rebuilt.status().message());
+    return ApiError{422, "invalid_delta", "upload " + staged.id + ": " + rebuilt.status().message()};
   }
   AppendOptions known;
   known.tensor_hashes = rebuilt->tensor_hashes;
@@ -393,29 +350,29 @@ HttpResponse PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow r
   return Published(manifest.target_version, rebuilt->checkpoint.view(), known, std::move(row));
 }
 
-HttpResponse PushApi::Impl::Published(uint64_t version, const CheckpointView& checkpoint,
+ApiResult PushApi::Impl::Published(uint64_t version, const CheckpointView& checkpoint,
                                       const AppendOptions& known, LedgerRow row) {
   const uint64_t last = target->version_log().last_version();
   if (version <= last) {
-    return Error(409, "version_conflict",
+    return ApiError{409, "version_conflict",
                  "version " + std::to_string(version) + " is not above the head v" +
                      std::to_string(last) + " (another push committed first)",
-                 {{"head_version", last}});
+                 {{"head_version", last}}};
   }
   Result<LedgerRow> published = target->Publish(version, checkpoint, known, std::move(row));
   if (!published.ok()) {
     if (published.status().code() == StatusCode::kInvalidArgument) {
-      return Error(422, "invalid_checkpoint", published.status().message());
+      return ApiError{422, "invalid_checkpoint", published.status().message()};
     }
-    return Error(500, "internal", published.status().message());
+    return ApiError{500, "internal", published.status().message()};
   }
-  return JsonResponse(200, ToJson(*published));
+  return ApiResult(ToJson(*published));
 }
 
-HttpResponse PushApi::Impl::Versions(const HttpRequest& request) const {
+ApiResult PushApi::Impl::Versions(const HttpRequest& request) const {
   if (auto denied = DenyRead(request)) return *denied;
   if (request.method != "GET" && request.method != "HEAD") {
-    return Error(405, "method_not_allowed", "use GET");
+    return ApiError{405, "method_not_allowed", "use GET"};
   }
   const std::vector<uint64_t> held = target->version_log().RebuildableVersions();
   auto row_json = [&](const LedgerRow& row) {
@@ -428,65 +385,65 @@ HttpResponse PushApi::Impl::Versions(const HttpRequest& request) const {
     uint64_t version = 0;
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), version);
     if (ec != std::errc() || end != text.data() + text.size()) {
-      return Error(400, "bad_request", "'" + text + "' is not a version number");
+      return ApiError{400, "bad_request", "'" + text + "' is not a version number"};
     }
     const std::optional<LedgerRow> row = ledger->Row(version);
-    if (!row) return Error(404, "not_found", "the ledger has no version " + text);
-    return JsonResponse(200, row_json(*row));
+    if (!row) return ApiError{404, "not_found", "the ledger has no version " + text};
+    return ApiResult(row_json(*row));
   }
   nlohmann::json rows = nlohmann::json::array();
   for (const LedgerRow& row : ledger->Rows()) rows.push_back(row_json(row));
-  return JsonResponse(200, {{"head_version", target->version_log().head_version()},
+  return ApiResult(nlohmann::json{{"head_version", target->version_log().head_version()},
                             {"pin", PinJson()},
                             {"pin_events", ledger->EventsJson()},
                             {"versions", rows}});
 }
 
-HttpResponse PushApi::Impl::ReadinessNow(const HttpRequest& request) const {
+ApiResult PushApi::Impl::ReadinessNow(const HttpRequest& request) const {
   if (auto denied = DenyRead(request)) return *denied;
   const uint64_t head = target->version_log().head_version();
-  auto version = QueryNumber<uint64_t>(request.target, "version", head);
-  if (auto* error = std::get_if<HttpResponse>(&version)) return *error;
-  nlohmann::json json = ToJson(ReadinessOf(target->Fleet(), std::get<uint64_t>(version)));
+  const Result<uint64_t> version = Query(request.target).Unsigned("version", head);
+  if (!version.ok()) return version.status();
+  nlohmann::json json = ToJson(ReadinessOf(target->Fleet(), *version));
   json["head_version"] = head;
-  return JsonResponse(200, json);
+  return ApiResult(json);
 }
 
-awaitable<HttpResponse> PushApi::Impl::Wait(HttpRequest request) {
+awaitable<ApiResult> PushApi::Impl::Wait(HttpRequest request) {
   if (auto denied = DenyRead(request)) co_return *denied;
   const uint64_t head = target->version_log().head_version();
-  auto version = QueryNumber<uint64_t>(request.target, "version", head);
-  auto fraction = QueryNumber<double>(request.target, "fraction", 1.0);
-  auto timeout_ms = QueryNumber<uint64_t>(request.target, "timeout_ms", kWaitDefault.count());
-  auto min_workers = QueryNumber<uint64_t>(request.target, "min_workers", 1);
-  for (auto* error : {std::get_if<HttpResponse>(&version), std::get_if<HttpResponse>(&timeout_ms),
-                      std::get_if<HttpResponse>(&min_workers)}) {
-    if (error) co_return *error;
+  const Query query(request.target);
+  const Result<uint64_t> version = query.Unsigned("version", head);
+  const Result<double> fraction = query.Number("fraction", 1.0);
+  const Result<uint64_t> timeout_ms = query.Unsigned("timeout_ms", kWaitDefault.count());
+  const Result<uint64_t> min_workers = query.Unsigned("min_workers", 1);
+  for (const Status* status : {&version.status(), &timeout_ms.status(), &min_workers.status(),
+                               &fraction.status()}) {
+    if (!status->ok()) co_return *status;
   }
-  if (auto* error = std::get_if<HttpResponse>(&fraction)) co_return *error;
-  const double wanted = std::get<double>(fraction);
+  const double wanted = *fraction;
   if (!(wanted >= 0.0 && wanted <= 1.0)) {
-    co_return Error(400, "bad_request", "fraction must be in [0, 1]");
+    co_return ApiError{400, "bad_request", "fraction must be in [0, 1]"};
   }
   // Each waiter holds a connection slot: at most max_waiters, each for at most max_wait.
   if (waiters.fetch_add(1) >= options.max_waiters) {
     --waiters;
-    co_return Error(503, "too_many_waiters",
+    co_return ApiError{503, "too_many_waiters",
                     std::to_string(options.max_waiters) +
-                        " long-polls are waiting already; retry, or poll GET /v1/readiness");
+                        " long-polls are waiting already; retry, or poll GET /v1/readiness"};
   }
   struct Leave {
     std::atomic<size_t>& count;
     ~Leave() { --count; }
   } leave{waiters};
   const std::chrono::milliseconds granted =
-      std::min(options.max_wait, std::chrono::milliseconds(std::get<uint64_t>(timeout_ms)));
+      std::min(options.max_wait, std::chrono::milliseconds(*timeout_ms));
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + granted;
   for (;;) {
-    const Readiness readiness = ReadinessOf(target->Fleet(), std::get<uint64_t>(version));
+    const Readiness readiness = ReadinessOf(target->Fleet(), *version);
     const uint64_t needed = std::max<uint64_t>(
-        std::get<uint64_t>(min_workers),
+        *min_workers,
         static_cast<uint64_t>(std::ceil(wanted * static_cast<double>(readiness.workers) - 1e-9)));
     const bool ready = readiness.serving >= needed;
     const auto now = std::chrono::steady_clock::now();
@@ -497,51 +454,51 @@ awaitable<HttpResponse> PushApi::Impl::Wait(HttpRequest request) {
       json["needed"] = needed;
       json["timeout_ms"] = granted.count();
       json["waited_ms"] = std::chrono::duration<double, std::milli>(now - start).count();
-      co_return JsonResponse(200, json);
+      co_return ApiResult(json);
     }
     co_await transport::SleepFor(kWaitTick);
   }
 }
 
-awaitable<HttpResponse> PushApi::Impl::Pin(HttpRequest request) {
+awaitable<ApiResult> PushApi::Impl::Pin(HttpRequest request) {
   if (auto denied = DenyAdmin(request)) co_return *denied;
-  if (request.method != "POST") co_return Error(405, "method_not_allowed", "use POST");
+  if (request.method != "POST") co_return ApiError{405, "method_not_allowed", "use POST"};
   if (request.path == "/v1/unpin") {
     auto self = shared_from_this();
     auto unpin = [self] { return self->Unpin(); };
-    std::optional<HttpResponse> response = co_await transport::RunOn(*cpu, std::move(unpin));
-    co_return response ? std::move(*response) : Error(500, "internal", "the unpin did not run");
+    std::optional<ApiResult> response = co_await transport::RunOn(*cpu, std::move(unpin));
+    co_return response ? std::move(*response) : ApiError{500, "internal", "the unpin did not run"};
   }
   Result<nlohmann::json> parsed =
       ParseJson(request.body, "the request body", JsonLimits{.max_bytes = kControlBodyLimit});
-  if (!parsed.ok()) co_return Error(400, "bad_request", parsed.status().message());
+  if (!parsed.ok()) co_return ApiError{400, "bad_request", parsed.status().message()};
   const nlohmann::json& body = *parsed;
   if (!body.is_object() || !body.contains("version") || !body["version"].is_number_unsigned()) {
-    co_return Error(400, "bad_request", "the body must be {\"version\": N, \"metadata\": {...}}");
+    co_return ApiError{400, "bad_request", "the body must be {\"version\": N, \"metadata\": {...}}"};
   }
   nlohmann::json metadata = body.value("metadata", nlohmann::json::object());
-  if (!metadata.is_object()) co_return Error(400, "bad_request", "'metadata' must be an object");
+  if (!metadata.is_object()) co_return ApiError{400, "bad_request", "'metadata' must be an object"};
   const nlohmann::json client_json = body.value("client", nlohmann::json(""));
   if (!client_json.is_string() || client_json.get<std::string>().size() > 256) {
-    co_return Error(400, "bad_request", "'client' must be a string of at most 256 bytes");
+    co_return ApiError{400, "bad_request", "'client' must be a string of at most 256 bytes"};
   }
   const std::string client = client_json.get<std::string>();
   auto self = shared_from_this();
   auto pin = [self, version = body["version"].get<uint64_t>(), metadata, client,
               peer = request.peer] { return self->PinNow(version, metadata, client, peer); };
-  std::optional<HttpResponse> response = co_await transport::RunOn(*cpu, std::move(pin));
-  co_return response ? std::move(*response) : Error(500, "internal", "the pin did not run");
+  std::optional<ApiResult> response = co_await transport::RunOn(*cpu, std::move(pin));
+  co_return response ? std::move(*response) : ApiError{500, "internal", "the pin did not run"};
 }
 
-HttpResponse PushApi::Impl::PinNow(uint64_t version, nlohmann::json metadata, std::string client,
+ApiResult PushApi::Impl::PinNow(uint64_t version, nlohmann::json metadata, std::string client,
                                    std::string peer) {
   Result<RebuiltCheckpoint> rebuilt = target->version_log().Rebuild(version);
   if (!rebuilt.ok()) {
     if (!ledger->Row(version) && version > target->version_log().last_version()) {
-      return Error(404, "not_found", "no version " + std::to_string(version) + " was published");
+      return ApiError{404, "not_found", "no version " + std::to_string(version) + " was published"};
     }
-    return Error(409, "unknown_base", rebuilt.status().message(),
-                 {{"held_versions", target->version_log().RebuildableVersions()}});
+    return ApiError{409, "unknown_base", rebuilt.status().message(),
+                 {{"held_versions", target->version_log().RebuildableVersions()}}};
   }
   LedgerRow row;
   row.source = VersionSource::kPin;
@@ -554,21 +511,21 @@ HttpResponse PushApi::Impl::PinNow(uint64_t version, nlohmann::json metadata, st
   known.checkpoint_hash = rebuilt->hash;
   const uint64_t as = target->version_log().last_version() + 1;
   Result<LedgerRow> published = target->Publish(as, rebuilt->checkpoint.view(), known, std::move(row));
-  if (!published.ok()) return Error(500, "internal", published.status().message());
+  if (!published.ok()) return ApiError{500, "internal", published.status().message()};
   Status saved = ledger->SetPin(PinState{version, as, Env::Default()->NowMicros() / 1000});
-  if (!saved.ok()) return Error(500, "internal", saved.message());
+  if (!saved.ok()) return ApiError{500, "internal", saved.message()};
   pinned = true;
   spdlog::info("push: pinned the fleet to v{}'s weights, published as v{}", version, as);
-  return JsonResponse(200, ToJson(*published));
+  return ApiResult(ToJson(*published));
 }
 
-HttpResponse PushApi::Impl::Unpin() {
+ApiResult PushApi::Impl::Unpin() {
   const std::optional<PinState> before = ledger->pin();
   Status saved = ledger->SetPin(std::nullopt);
-  if (!saved.ok()) return Error(500, "internal", saved.message());
+  if (!saved.ok()) return ApiError{500, "internal", saved.message()};
   pinned = false;
   if (before) spdlog::info("push: unpinned (was pinned to v{})", before->pinned_to);
-  return JsonResponse(200, {{"pin", nullptr},
+  return ApiResult(nlohmann::json{{"pin", nullptr},
                             {"was", ToJson(before)},
                             {"head_version", target->version_log().head_version()}});
 }
@@ -587,25 +544,29 @@ PushApi::~PushApi() {
 }
 
 void PushApi::Register(transport::HttpServer& http) {
+  using transport::JsonApiHandler;
   auto impl = impl_;
   const uint64_t part_limit = impl->options.max_part_bytes;
   http.RouteApi(
-      "/v1/uploads", [impl](HttpRequest request) { return impl->Uploads(std::move(request)); },
+      "/v1/uploads",
+      JsonApiHandler([impl](HttpRequest request) { return impl->Uploads(std::move(request)); }),
       std::max<uint64_t>(part_limit, kControlBodyLimit),
       // Only a part (PUT) is large; creating or committing an upload takes a small body.
       [part_limit](std::string_view method, std::string_view) -> uint64_t {
         return method == "PUT" ? std::max<uint64_t>(part_limit, kControlBodyLimit) : kControlBodyLimit;
       });
-  http.RouteApi("/v1/versions", [impl](HttpRequest request) -> awaitable<HttpResponse> {
-    co_return impl->Versions(request);
-  });
-  http.RouteApi("/v1/readiness", [impl](HttpRequest request) -> awaitable<HttpResponse> {
-    co_return impl->ReadinessNow(request);
-  });
-  http.RouteApi("/v1/wait", [impl](HttpRequest request) { return impl->Wait(std::move(request)); });
+  http.RouteApi("/v1/versions", JsonApiHandler([impl](HttpRequest request) -> awaitable<ApiResult> {
+                  co_return impl->Versions(request);
+                }));
+  http.RouteApi("/v1/readiness", JsonApiHandler([impl](HttpRequest request) -> awaitable<ApiResult> {
+                  co_return impl->ReadinessNow(request);
+                }));
+  http.RouteApi("/v1/wait",
+                JsonApiHandler([impl](HttpRequest request) { return impl->Wait(std::move(request)); }));
   for (const char* path : {"/v1/pin", "/v1/unpin"}) {
-    http.RouteApi(path, [impl](HttpRequest request) { return impl->Pin(std::move(request)); },
-                  kControlBodyLimit);
+    http.RouteApi(
+        path, JsonApiHandler([impl](HttpRequest request) { return impl->Pin(std::move(request)); }),
+        kControlBodyLimit);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "base/env.h"
+#include "transport/api.h"
 
 namespace flywheel::sync {
 
@@ -162,18 +163,7 @@ Result<std::unique_ptr<transport::HttpServer>> StartStatusServer(
   http_options.tls = std::move(tls);
   FW_ASSIGN_OR_RETURN(auto server,
                       transport::HttpServer::Start(executor, options.http, http_options));
-  server->Route(
-      "/healthz",
-      [](const std::string&) {
-        return transport::HttpResponse{200, "text/plain", "ok\n"};
-      },
-      /*is_public=*/true);
-  server->Route("/v1/status", [status](const std::string&) {
-    return transport::HttpResponse{200, "application/json", status().dump(2) + "\n"};
-  });
-  server->Route("/metrics", [status](const std::string&) {
-    return transport::HttpResponse{200, "text/plain; version=0.0.4", MetricsText(status())};
-  });
+  transport::AddStatusRoutes(*server, std::move(status), MetricsText);
   return server;
 }
 

@@ -13,9 +13,10 @@ from . import rl
 from ._version import __version__
 from ._wire import WireError
 from .client import DEFAULT_PART_SIZE, Client
-from .errors import (ApiError, BadRequest, BodyHashMismatch, ConnectionFailed, DeltaError,
-                     Expired, FlywheelError, Forbidden, Incomplete, InsufficientStorage,
-                     InternalError, InvalidCheckpoint, InvalidDelta, NameTaken, NotFound,
+from .errors import (ApiError, BadRequest, BodyHashMismatch, Conflict, ConnectionFailed,
+                     DeltaError, Expired, FlywheelError, Forbidden, Incomplete,
+                     InsufficientStorage, InternalError, InvalidCheckpoint, InvalidContent,
+                     InvalidDelta, MethodNotAllowed, NameTaken, NotFound,
                      Pinned, PushDisabled, SeqReplayed, SeqTimeout, SessionConflict,
                      StaleSample, TooLarge, TooManySessions, Unauthorized, Unavailable,
                      UnknownBase, VersionConflict, WaitTimeout)
@@ -34,6 +35,6 @@ __all__ = [
     "UnknownBase", "Pinned", "Expired", "TooLarge", "Incomplete", "BodyHashMismatch",
     "InvalidCheckpoint", "InvalidDelta", "InsufficientStorage",
     "SeqTimeout", "SessionConflict", "SeqReplayed", "NameTaken", "TooManySessions",
-    "InternalError", "Unavailable",
+    "MethodNotAllowed", "Conflict", "InvalidContent", "InternalError", "Unavailable",
     "SafetensorsError", "checkpoint_files", "write_state_dict",
 ]

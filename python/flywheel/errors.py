@@ -1,12 +1,14 @@
 """The exceptions of the flywheel client.
 
-Every error answer of the publisher and of the training service is JSON,
-``{"error": {"code", "message", ...}}`` (docs/PUSH_API.md and docs/TRAINING_API.md,
-"Errors"). :func:`api_error` turns one into the :class:`ApiError` subclass registered for
-its ``code`` (falling back on the HTTP status), carrying the status, code, message and every
-extra field (``head_version``, ``held_versions``, ``pin``, ``missing``) in
-:attr:`ApiError.details`. The rollout workers' OpenAI-style errors,
-``{"error": {"message", "type"}}``, carry no code: their ``type`` stands in for it.
+Every error answer of flywheel's APIs (the publisher, the training service, the HTTP
+servers' own 401/403/404/405/413) is JSON, ``{"error": {"code", "message", ...}}``, with
+the status of one Status -> HTTP table (docs/ARCHITECTURE.md, "The HTTP API kit";
+docs/PUSH_API.md and docs/TRAINING_API.md, "Errors"). :func:`api_error` turns one into the
+:class:`ApiError` subclass registered for its ``code`` (falling back on the HTTP status),
+carrying the status, code, message and every extra field (``head_version``,
+``held_versions``, ``pin``, ``missing``) in :attr:`ApiError.details`. The rollout workers'
+OpenAI-style errors, ``{"error": {"message", "type", "param", "code"}}``, carry the same
+codes; where an OpenAI-style server sends none (null), the ``type`` stands in for it.
 """
 
 from __future__ import annotations
@@ -165,6 +167,20 @@ class TooManySessions(ApiError):
     server (``--max-sessions``) already holds as many open sessions as it may; close one."""
 
 
+class MethodNotAllowed(ApiError):
+    """405 ``method_not_allowed``: the route does not take this method."""
+
+
+class Conflict(ApiError):
+    """409 ``conflict``: well-formed, but does not fit the server's state (another base,
+    other shapes, a stale version)."""
+
+
+class InvalidContent(ApiError):
+    """422 ``invalid_content``: the sent bytes violate their format (a checksum, a
+    structure); sending them again will not help."""
+
+
 class InternalError(ApiError):
     """500 ``internal``: the server failed (the message says how)."""
 
@@ -194,13 +210,18 @@ _BY_CODE = {
     "seq_replayed": SeqReplayed,
     "name_taken": NameTaken,
     "too_many_sessions": TooManySessions,
+    "method_not_allowed": MethodNotAllowed,
+    "conflict": Conflict,
+    "invalid_content": InvalidContent,
     "internal": InternalError,
+    "io_error": InternalError,
     "unavailable": Unavailable,
 }
 
 _BY_STATUS = {400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound,
-              410: Expired, 413: TooLarge, 500: InternalError,
-              503: Unavailable, 507: InsufficientStorage}
+              405: MethodNotAllowed, 409: Conflict, 410: Expired, 413: TooLarge,
+              422: InvalidContent, 500: InternalError, 503: Unavailable,
+              507: InsufficientStorage}
 
 
 def api_error(status: int, body: bytes, url: str) -> ApiError:
@@ -210,8 +231,8 @@ def api_error(status: int, body: bytes, url: str) -> ApiError:
     try:
         document = json.loads(body.decode("utf-8"))
         error = document["error"]
-        # The workers' OpenAI-style errors have a "type" where flywheel's have a "code".
-        code = str(error["code"] if "code" in error else error["type"])
+        # OpenAI-style errors may carry a null code; their "type" stands in for it then.
+        code = str(error.get("code") or error["type"])
         message = str(error.get("message", ""))
         details = {k: v for k, v in error.items() if k not in ("code", "message")}
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):

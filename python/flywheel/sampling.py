@@ -4,7 +4,7 @@
     for s in sampler.sample(prompt_ids, n=8, max_tokens=7, min_version=12):
         s.tokens, s.logprobs, s.policy_versions, s.finish_reason
 
-A client of the workers' OpenAI-style ``POST /v1/completions`` (rollout/serving.h) with a
+A client of the workers' OpenAI-style ``POST /v1/completions`` (rollout/openai_api.h) with a
 token-id prompt, reading flywheel's fields of each choice: ``token_ids``, the
 ``logprobs.token_logprobs``, ``policy_versions`` (the version that sampled each token) and,
 with ``return_routing``, ``routing`` (MoE). Requests go round-robin over the workers; a

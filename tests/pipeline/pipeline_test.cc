@@ -18,7 +18,9 @@ using nlohmann::json;
 
 // The coordinator as the trainer's HTTP routes drive it: JSON bodies in and out.
 json ClaimJson(Coordinator& c, const json& request) {
-  return json::parse(c.HandleClaim(request.dump()));
+  Result<std::string> answer = c.HandleClaim(request.dump());
+  EXPECT_TRUE(answer.ok()) << answer.status().ToString();
+  return answer.ok() ? json::parse(*answer) : json();
 }
 json SubmitJson(Coordinator& c, const json& request) {
   return json::parse(c.HandleSubmit(request.dump()));
@@ -294,8 +296,14 @@ TEST_F(CoordinatorTest, MalformedSubmissionsAreRefusedAndThePromptReturns) {
   for (json broken : {json{{"claim", "x"}}, json::array(), json{{"worker", "w1"}, {"claim", 1}}}) {
     EXPECT_FALSE(SubmitJson(*c, broken)["accepted"].get<bool>()) << broken.dump();
   }
-  EXPECT_EQ(ClaimJson(*c, json::array())["status"], "error");
-  EXPECT_EQ(ClaimJson(*c, {{"worker", ""}, {"version", 1}})["status"], "error");
+  // A claim that does not parse is an error (HTTP 400 in the one error shape), no answer.
+  for (json broken : {json::array(), json{{"worker", ""}, {"version", 1}}}) {
+    Result<std::string> answer = c->HandleClaim(broken.dump());
+    ASSERT_FALSE(answer.ok()) << broken.dump();
+    EXPECT_EQ(answer.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(answer.status().message().find("bad claim request"), std::string::npos)
+        << answer.status().message();
+  }
 }
 
 TEST_F(CoordinatorTest, OverlongSamplesAndBadRoutingAreRefused) {

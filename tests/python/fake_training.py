@@ -1,5 +1,5 @@
 """In-process fakes of the training service (docs/TRAINING_API.md) and of a rollout
-worker's completions API (rollout/serving.h), for the Python client's tests.
+worker's completions API (rollout/openai_api.h), for the Python client's tests.
 
 FakeTrainer keeps the contract's session and ordering rules (calls run in ``seq`` order, a
 repeated seq gets the kept answer, an old one ``seq_replayed``, a gap ``seq_timeout``

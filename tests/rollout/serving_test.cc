@@ -1,7 +1,7 @@
 // The completions API over real HTTP on loopback: text and token prompts, n samples,
 // logprobs, versions and routing in the answer, the same tokens as the in-process path,
 // and 4xx answers for bad requests while the worker keeps serving.
-#include "rollout/serving.h"
+#include "rollout/openai_api.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -1,6 +1,7 @@
-// The serving side of a rollout worker: a thread that drives the engine, the same requests
-// in-process (the RL loop) and over HTTP in the form users already script against (OpenAI's
-// completions and chat completions, as vLLM and SGLang serve them).
+// The OpenAI API of a rollout worker: the requests of the RL loop in-process and over HTTP
+// in the form users already script against (OpenAI's completions and chat completions, as
+// vLLM and SGLang serve them), on the request scheduler (rollout/scheduler.h) that drives
+// the engine.
 //
 // POST /v1/completions, JSON:
 //   prompt          string (tokenized with the tokenizer's special tokens, e.g. Llama's BOS)
@@ -33,31 +34,28 @@
 // `routing`; chat answers also `prompt_token_ids`. Streamed chunks carry the token ids and
 // versions of the tokens they add.
 //
-// Errors: 400 {"error":{"message","type":"invalid_request_error"}} for bad JSON, bad
-// parameters, or a prompt plus max_tokens over the context (max_model_len); 404 for an
-// unknown adapter; 503 once stopping. A client that leaves (mid-stream or while waiting)
-// frees its requests' cache slots at once. A bad request never disturbs the others.
+// Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
+// status and code of transport/api.h's table (ErrorShape::kOpenAi), the server's own
+// refusals (401, 403, 405, 413) included: 400 invalid_request_error for bad JSON, bad
+// parameters, or a prompt plus max_tokens over the context (max_model_len); 404
+// not_found_error for an unknown adapter; 503 server_error once stopping or before the
+// first version. A client that leaves (mid-stream or while waiting) frees its requests'
+// cache slots at once. A bad request never disturbs the others.
 #pragma once
 
-#include <condition_variable>
 #include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "base/status.h"
 #include "model/tokenizer.h"
 #include "rollout/engine.h"
+#include "rollout/scheduler.h"
 #include "tokenizer/chat_template.h"
 #include "transport/http.h"
 
 namespace flywheel::rollout {
-
-// {"error":{"message","type"}} with `status`, as the completions API answers errors.
-transport::HttpResponse JsonError(int status, const std::string& message);
 
 struct ServingOptions {
   int64_t max_n = 16;
@@ -82,7 +80,7 @@ class CompletionService {
  public:
   CompletionService(std::shared_ptr<Engine> engine, std::shared_ptr<const model::Tokenizer> tokenizer,
                     ServingOptions options = {});
-  // Stops the driver; requests still waiting fail with Unavailable.
+  // Stops the scheduler; requests still waiting fail with Unavailable.
   ~CompletionService();
 
   // In-process: submits every request (all or none: a bad one fails the call), waits for
@@ -112,18 +110,11 @@ class CompletionService {
 
   // One HTTP request's generations and what they produced (internal, shared with the
   // request's handler).
-  struct Job;
+  using Job = RequestScheduler::Job;
   struct Call;
 
  private:
-  void Drive();
-  // Submits the job's requests (all or none); their events and results go to the job.
-  Status Submit(const std::shared_ptr<Job>& job, std::vector<GenerationRequest> requests);
-  // Drops the job's unfinished requests (done with, or a client that left: then whoever
-  // waits on the job wakes up).
-  void Cancel(const std::shared_ptr<Job>& job, bool client_left = false);
-  // Drops these engine requests (their routes go at once, the engine's between two steps).
-  void CancelIds(const std::vector<uint64_t>& ids);
+  // Parses a request, renders and tokenizes its prompt, and submits its choices.
   Result<std::shared_ptr<Call>> Prepare(bool chat, const std::string& body);
   transport::HttpResponse Answer(bool chat, const std::string& body);
   template <typename Fn>
@@ -133,13 +124,8 @@ class CompletionService {
   std::shared_ptr<const model::Tokenizer> tokenizer_;
   ServingOptions options_;
   int64_t max_model_len_ = 0;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  bool stopping_ = false;                                         // GUARDED_BY(mutex_)
-  std::map<uint64_t, std::pair<std::shared_ptr<Job>, size_t>> routes_;  // GUARDED_BY(mutex_)
-  std::vector<uint64_t> cancels_;                                 // GUARDED_BY(mutex_)
+  std::unique_ptr<RequestScheduler> scheduler_;
   std::unique_ptr<boost::asio::thread_pool> http_pool_;
-  std::thread driver_;
 };
 
 }  // namespace flywheel::rollout

@@ -1,4 +1,4 @@
-#include "rollout/serving.h"
+#include "rollout/openai_api.h"
 
 #include <algorithm>
 #include <atomic>
@@ -8,9 +8,12 @@
 #include <optional>
 #include <random>
 
+#include "base/env.h"
+#include "base/hex.h"
 #include "base/json.h"
 #include "tokenizer/incremental.h"
 #include "tokenizer/unicode.h"
+#include "transport/api.h"
 #include "transport/connection.h"
 
 namespace flywheel::rollout {
@@ -24,31 +27,19 @@ std::string Dump(const ojson& j) { return j.dump(-1, ' ', false, ojson::error_ha
 
 }  // namespace
 
-transport::HttpResponse JsonError(int status, const std::string& message) {
-  json body = {{"error",
-                {{"message", message},
-                 {"type", status == 404 ? "not_found_error" : "invalid_request_error"}}}};
-  return {status, "application/json", body.dump(-1, ' ', false, json::error_handler_t::replace)};
-}
-
 namespace {
 
-int HttpStatusFor(const Status& status) {
-  switch (status.code()) {
-    case StatusCode::kNotFound:
-      return 404;
-    case StatusCode::kUnavailable:
-      return 503;
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kMismatch:
-      return 400;
-    default:
-      return 500;
-  }
+// Every error of these routes: OpenAI's shape, by the table of transport/api.h.
+transport::HttpResponse ErrorFor(const Status& status) {
+  return transport::ErrorResponse(status, transport::ErrorShape::kOpenAi);
 }
 
-transport::HttpResponse ErrorFor(const Status& status) {
-  return JsonError(HttpStatusFor(status), status.message());
+transport::HttpResponse BadRequest(std::string message) {
+  return ErrorFor(Status::InvalidArgument(std::move(message)));
+}
+
+transport::HttpResponse Unavailable(std::string message) {
+  return ErrorFor(Status::Unavailable(std::move(message)));
 }
 
 // Reads an optional field of a JSON type; a wrong type is InvalidArgument naming it.
@@ -73,19 +64,12 @@ Status Field(const ojson& request, const char* key, T& out) {
   return Status::Ok();
 }
 
-int64_t NowSeconds() {
-  return std::chrono::duration_cast<std::chrono::seconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
+int64_t NowSeconds() { return UnixMicrosNow() / 1000000; }
 
 std::string RandomId(const char* prefix) {
   static std::atomic<uint64_t> counter{0};
   static const uint64_t salt = std::random_device{}();
-  char buffer[48];
-  std::snprintf(buffer, sizeof(buffer), "%s%016llx", prefix,
-                static_cast<unsigned long long>(salt * 0x9E3779B97F4A7C15ULL + counter++));
-  return buffer;
+  return prefix + Hex64(salt * 0x9E3779B97F4A7C15ULL + counter++);
 }
 
 // The text of one token alone and its bytes (for logprobs).
@@ -104,19 +88,7 @@ std::pair<std::string, std::vector<int>> TokenBytes(const model::Tokenizer& toke
 
 }  // namespace
 
-// --- the driver and its jobs --------------------------------------------------------------
-
-struct CompletionService::Job {
-  std::mutex m;
-  std::condition_variable cv;
-  bool want_events = true;
-  std::vector<uint64_t> ids;                          // engine ids, by choice
-  std::deque<std::pair<size_t, TokenEvent>> events;   // GUARDED_BY(m): (choice, event)
-  std::vector<std::optional<GenerationResult>> results;  // GUARDED_BY(m)
-  bool news = false;     // GUARDED_BY(m): a result arrived
-  bool aborted = false;  // GUARDED_BY(m): the service stopped
-  bool gone = false;     // GUARDED_BY(m): the client left
-};
+// --- the service ---------------------------------------------------------------------------
 
 CompletionService::CompletionService(std::shared_ptr<Engine> engine,
                                      std::shared_ptr<const model::Tokenizer> tokenizer,
@@ -126,139 +98,17 @@ CompletionService::CompletionService(std::shared_ptr<Engine> engine,
   if (options_.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options_.max_model_len);
   http_pool_ = std::make_unique<boost::asio::thread_pool>(
       static_cast<size_t>(std::max(1, options_.http_threads)));
-  driver_ = std::thread([this] { Drive(); });
+  scheduler_ = std::make_unique<RequestScheduler>(engine_, options_.step_guard);
 }
 
 CompletionService::~CompletionService() {
-  {
-    std::lock_guard lock(mutex_);
-    stopping_ = true;
-  }
-  wake_.notify_all();
-  driver_.join();
-  {
-    std::lock_guard lock(mutex_);
-    for (auto& [id, route] : routes_) {
-      std::lock_guard job_lock(route.first->m);
-      route.first->aborted = true;
-      route.first->cv.notify_all();
-    }
-    routes_.clear();
-  }
+  scheduler_->Stop();  // wakes the pool's waiters (their jobs are aborted); Submits fail
   http_pool_->join();
-}
-
-void CompletionService::Drive() {
-  for (;;) {
-    std::vector<uint64_t> cancels;
-    {
-      std::unique_lock lock(mutex_);
-      wake_.wait(lock, [&] { return stopping_ || !routes_.empty() || !cancels_.empty(); });
-      if (stopping_) return;
-      cancels.swap(cancels_);
-    }
-    for (uint64_t id : cancels) engine_->Cancel(id);
-    {
-      std::lock_guard lock(mutex_);
-      if (routes_.empty()) continue;
-    }
-    std::vector<TokenEvent> events;
-    std::vector<GenerationResult> finished;
-    if (options_.step_guard) {
-      options_.step_guard([&] { finished = engine_->Step(&events); });
-    } else {
-      finished = engine_->Step(&events);
-    }
-    if (events.empty() && finished.empty()) continue;
-    std::lock_guard lock(mutex_);
-    std::vector<std::shared_ptr<Job>> touched;  // owned: a finished route may hold the last reference
-    for (TokenEvent& e : events) {
-      auto it = routes_.find(e.id);
-      if (it == routes_.end() || !it->second.first->want_events) continue;
-      Job& job = *it->second.first;
-      std::lock_guard job_lock(job.m);
-      job.events.emplace_back(it->second.second, std::move(e));
-      touched.push_back(it->second.first);
-    }
-    for (GenerationResult& r : finished) {
-      auto it = routes_.find(r.id);
-      if (it == routes_.end()) continue;
-      Job& job = *it->second.first;
-      {
-        std::lock_guard job_lock(job.m);
-        job.results[it->second.second] = std::move(r);
-        job.news = true;
-      }
-      touched.push_back(it->second.first);
-      routes_.erase(it);
-    }
-    std::sort(touched.begin(), touched.end());
-    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
-    for (const auto& job : touched) job->cv.notify_all();
-  }
-}
-
-Status CompletionService::Submit(const std::shared_ptr<Job>& job,
-                                 std::vector<GenerationRequest> requests) {
-  {
-    std::lock_guard lock(mutex_);
-    if (stopping_) return Status::Unavailable("the rollout worker is stopping");
-    // Validate all first, so a bad request submits nothing.
-    for (const auto& r : requests) FW_RETURN_IF_ERROR(engine_->Validate(r));
-    job->results.resize(requests.size());
-    for (size_t i = 0; i < requests.size(); ++i) {
-      auto id = engine_->Submit(std::move(requests[i]));
-      if (!id.ok()) {
-        // All or none: what went in already comes out again.
-        for (uint64_t submitted : job->ids) {
-          routes_.erase(submitted);
-          cancels_.push_back(submitted);
-        }
-        wake_.notify_all();
-        return id.status();
-      }
-      job->ids.push_back(*id);
-      routes_[*id] = {job, i};
-    }
-  }
-  wake_.notify_all();
-  return Status::Ok();
-}
-
-void CompletionService::CancelIds(const std::vector<uint64_t>& ids) {
-  {
-    std::lock_guard lock(mutex_);
-    for (uint64_t id : ids) {
-      if (routes_.erase(id) > 0) cancels_.push_back(id);
-    }
-  }
-  wake_.notify_all();
-}
-
-void CompletionService::Cancel(const std::shared_ptr<Job>& job, bool client_left) {
-  CancelIds(job->ids);
-  if (!client_left) return;
-  std::lock_guard job_lock(job->m);
-  job->gone = true;
-  job->cv.notify_all();
 }
 
 Result<std::vector<GenerationResult>> CompletionService::Generate(
     std::vector<GenerationRequest> requests) {
-  auto job = std::make_shared<Job>();
-  job->want_events = false;
-  const size_t n = requests.size();
-  FW_RETURN_IF_ERROR(Submit(job, std::move(requests)));
-  std::unique_lock lock(job->m);
-  job->cv.wait(lock, [&] {
-    return job->aborted ||
-           std::all_of(job->results.begin(), job->results.end(), [](const auto& r) { return r.has_value(); });
-  });
-  if (job->aborted) return Status::Unavailable("the rollout worker stopped");
-  std::vector<GenerationResult> out;
-  out.reserve(n);
-  for (auto& r : job->results) out.push_back(std::move(*r));
-  return out;
+  return scheduler_->Generate(std::move(requests));
 }
 
 // --- one HTTP request ---------------------------------------------------------------------
@@ -459,150 +309,135 @@ Status FlattenContent(ojson& message, size_t index) {
 
 }  // namespace
 
-Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool chat,
-                                                                           const std::string& body) {
-  FW_ASSIGN_OR_RETURN(ojson request, ParseJson<ojson>(body, "the body"));
-  if (!request.is_object()) return Status::InvalidArgument("the body is not a JSON object");
-  auto call = std::make_shared<Call>();
-  call->chat = chat;
-  call->created = NowSeconds();
-  call->id = RandomId(chat ? "chatcmpl-" : "cmpl-");
-  const model::Tokenizer& tok = *tokenizer_;
+// The steps of CompletionService::Prepare, each reading one part of a request.
+namespace {
 
-  // The prompt.
-  if (chat) {
-    if (!options_.chat_template)
-      return Status::InvalidArgument(
-          options_.chat_template_error.empty()
-              ? "this worker has no chat template (its tokenizer_config.json has no "
-                "chat_template); use /v1/completions"
-              : "this worker's chat template is not supported (" + options_.chat_template_error +
-                    "); use /v1/completions");
-    auto m = request.find("messages");
-    if (m == request.end() || !m->is_array() || m->empty())
-      return Status::InvalidArgument("'messages' must be a non-empty list");
-    ojson messages = *m;
-    for (size_t i = 0; i < messages.size(); ++i) {
-      if (!messages[i].is_object() || !messages[i].contains("role") || !messages[i]["role"].is_string())
-        return Status::InvalidArgument("messages[" + std::to_string(i) + "] needs a string 'role'");
-      FW_RETURN_IF_ERROR(FlattenContent(messages[i], i));
-    }
-    ojson context = ojson::object();
-    if (auto k = request.find("chat_template_kwargs"); k != request.end() && !k->is_null()) {
-      if (!k->is_object()) return Status::InvalidArgument("'chat_template_kwargs' must be an object");
-      for (auto it = k->begin(); it != k->end(); ++it) context[it.key()] = it.value();
-    }
-    context["messages"] = messages;
-    bool add_generation_prompt = true;
-    FW_RETURN_IF_ERROR(Field(request, "add_generation_prompt", add_generation_prompt));
-    context["add_generation_prompt"] = add_generation_prompt;
-    context["bos_token"] = options_.bos_token;
-    context["eos_token"] = options_.eos_token;
-    std::string tool_choice = "auto";
-    if (auto tc = request.find("tool_choice"); tc != request.end() && tc->is_string())
-      tool_choice = tc->get<std::string>();
-    if (auto t = request.find("tools"); t != request.end() && !t->is_null() && tool_choice != "none") {
-      if (!t->is_array()) return Status::InvalidArgument("'tools' must be a list");
-      context["tools"] = *t;
-      call->parse_tools = !t->empty();
-    }
-    auto rendered = options_.chat_template->Render(context);
-    if (!rendered.ok())
-      return Status::InvalidArgument("the chat template failed: " + rendered.status().message());
-    FW_ASSIGN_OR_RETURN(call->prompt, tok.Encode(*rendered));
-  } else {
-    auto p = request.find("prompt");
-    if (p == request.end()) return Status::InvalidArgument("'prompt' is required");
-    if (p->is_string()) {
-      auto ids = tok.EncodePrompt(p->get<std::string>());
-      if (!ids.ok()) return Status::InvalidArgument("prompt: " + ids.status().message());
-      call->prompt = std::move(*ids);
-    } else if (p->is_array() && !p->empty() &&
-               std::all_of(p->begin(), p->end(), [](const ojson& v) { return v.is_number_integer(); })) {
-      for (const ojson& v : *p) {
-        const int64_t id = v.get<int64_t>();
-        if (id < INT32_MIN || id > INT32_MAX)
-          return Status::InvalidArgument("prompt token " + std::to_string(id) + " is out of range");
-        call->prompt.push_back(static_cast<int32_t>(id));
-      }
-    } else {
-      return Status::InvalidArgument("'prompt' must be a string or a non-empty array of token ids");
-    }
-  }
-  const int64_t prompt_tokens = static_cast<int64_t>(call->prompt.size());
-  if (prompt_tokens >= max_model_len_)
-    return Status::InvalidArgument("the prompt has " + std::to_string(prompt_tokens) +
-                                   " tokens; this worker's context (max_model_len) is " +
-                                   std::to_string(max_model_len_) + " tokens");
+using Call = CompletionService::Call;
 
-  // Sampling.
-  GenerationRequest base;
-  base.prompt = call->prompt;
-  int64_t n = 1, seed = -1;
-  bool ignore_eos = false;
-  FW_RETURN_IF_ERROR(Field(request, "temperature", base.params.temperature));
-  FW_RETURN_IF_ERROR(Field(request, "top_p", base.params.top_p));
-  FW_RETURN_IF_ERROR(Field(request, "top_k", base.params.top_k));
-  if (base.params.top_k < 0) base.params.top_k = 0;  // vLLM spells "off" as -1
-  FW_RETURN_IF_ERROR(Field(request, "n", n));
-  FW_RETURN_IF_ERROR(Field(request, "stream", call->stream));
-  FW_RETURN_IF_ERROR(Field(request, "ignore_eos", ignore_eos));
-  FW_RETURN_IF_ERROR(Field(request, "return_routing", base.params.return_routing));
-  call->return_routing = base.params.return_routing;
-  FW_RETURN_IF_ERROR(Field(request, "adapter", base.adapter));
-  FW_RETURN_IF_ERROR(Field(request, "seed", seed));
-  std::string model;
-  FW_RETURN_IF_ERROR(Field(request, "model", model));
-  // A model name other than the served one names an adapter; one that is not loaded is a
-  // 404 (as vLLM answers), never silently the base model: an RL client that asks for a
-  // session's adapter must not get samples of another policy.
-  if (base.adapter.empty() && !model.empty() && model != options_.model_name) base.adapter = model;
-  call->model = base.adapter.empty() ? options_.model_name : base.adapter;
-  if (auto so = request.find("stream_options"); so != request.end() && !so->is_null()) {
-    if (!so->is_object()) return Status::InvalidArgument("'stream_options' must be an object");
-    FW_RETURN_IF_ERROR(Field(*so, "include_usage", call->include_usage));
+// A chat request's prompt: its messages (and tools) through the chat template, tokenized.
+Status ChatPrompt(const ojson& request, const ServingOptions& options, const model::Tokenizer& tok,
+                  Call& call) {
+  if (!options.chat_template)
+    return Status::InvalidArgument(
+        options.chat_template_error.empty()
+            ? "this worker has no chat template (its tokenizer_config.json has no "
+              "chat_template); use /v1/completions"
+            : "this worker's chat template is not supported (" + options.chat_template_error +
+                  "); use /v1/completions");
+  auto m = request.find("messages");
+  if (m == request.end() || !m->is_array() || m->empty())
+    return Status::InvalidArgument("'messages' must be a non-empty list");
+  ojson messages = *m;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (!messages[i].is_object() || !messages[i].contains("role") || !messages[i]["role"].is_string())
+      return Status::InvalidArgument("messages[" + std::to_string(i) + "] needs a string 'role'");
+    FW_RETURN_IF_ERROR(FlattenContent(messages[i], i));
   }
-  // max_tokens: chat defaults to what the context has left, completions to 16 (OpenAI's).
+  ojson context = ojson::object();
+  if (auto k = request.find("chat_template_kwargs"); k != request.end() && !k->is_null()) {
+    if (!k->is_object()) return Status::InvalidArgument("'chat_template_kwargs' must be an object");
+    for (auto it = k->begin(); it != k->end(); ++it) context[it.key()] = it.value();
+  }
+  context["messages"] = messages;
+  bool add_generation_prompt = true;
+  FW_RETURN_IF_ERROR(Field(request, "add_generation_prompt", add_generation_prompt));
+  context["add_generation_prompt"] = add_generation_prompt;
+  context["bos_token"] = options.bos_token;
+  context["eos_token"] = options.eos_token;
+  std::string tool_choice = "auto";
+  if (auto tc = request.find("tool_choice"); tc != request.end() && tc->is_string())
+    tool_choice = tc->get<std::string>();
+  if (auto t = request.find("tools"); t != request.end() && !t->is_null() && tool_choice != "none") {
+    if (!t->is_array()) return Status::InvalidArgument("'tools' must be a list");
+    context["tools"] = *t;
+    call.parse_tools = !t->empty();
+  }
+  auto rendered = options.chat_template->Render(context);
+  if (!rendered.ok())
+    return Status::InvalidArgument("the chat template failed: " + rendered.status().message());
+  FW_ASSIGN_OR_RETURN(call.prompt, tok.Encode(*rendered));
+  return Status::Ok();
+}
+
+// A completions request's prompt: a string (tokenized with the special tokens) or token ids.
+Status CompletionPrompt(const ojson& request, const model::Tokenizer& tok, Call& call) {
+  auto p = request.find("prompt");
+  if (p == request.end()) return Status::InvalidArgument("'prompt' is required");
+  if (p->is_string()) {
+    auto ids = tok.EncodePrompt(p->get<std::string>());
+    if (!ids.ok()) return Status::InvalidArgument("prompt: " + ids.status().message());
+    call.prompt = std::move(*ids);
+    return Status::Ok();
+  }
+  if (!p->is_array() || p->empty() ||
+      !std::all_of(p->begin(), p->end(), [](const ojson& v) { return v.is_number_integer(); })) {
+    return Status::InvalidArgument("'prompt' must be a string or a non-empty array of token ids");
+  }
+  for (const ojson& v : *p) {
+    const int64_t id = v.get<int64_t>();
+    if (id < INT32_MIN || id > INT32_MAX)
+      return Status::InvalidArgument("prompt token " + std::to_string(id) + " is out of range");
+    call.prompt.push_back(static_cast<int32_t>(id));
+  }
+  return Status::Ok();
+}
+
+// max_tokens: chat defaults to what the context has left, completions to 16 (OpenAI's); a
+// prompt plus max_tokens over the context is refused.
+Status MaxTokens(const ojson& request, bool chat, int64_t max_model_len, int64_t prompt_tokens,
+                 SamplingParams& params) {
   int64_t max_tokens = -1;
   FW_RETURN_IF_ERROR(Field(request, "max_tokens", max_tokens));
   if (chat) FW_RETURN_IF_ERROR(Field(request, "max_completion_tokens", max_tokens));
-  if (max_tokens == -1) max_tokens = chat ? max_model_len_ - prompt_tokens : std::min<int64_t>(16, max_model_len_ - prompt_tokens);
+  const int64_t left = max_model_len - prompt_tokens;
+  if (max_tokens == -1) max_tokens = chat ? left : std::min<int64_t>(16, left);
   if (max_tokens < 1) return Status::InvalidArgument("max_tokens must be >= 1, got " + std::to_string(max_tokens));
-  if (max_tokens > max_model_len_ - prompt_tokens)
+  if (max_tokens > left)
     return Status::InvalidArgument("this worker's context (max_model_len) is " +
-                                   std::to_string(max_model_len_) + " tokens, but the prompt has " +
+                                   std::to_string(max_model_len) + " tokens, but the prompt has " +
                                    std::to_string(prompt_tokens) + " and max_tokens asks for " +
                                    std::to_string(max_tokens) + " more");
-  base.params.max_tokens = max_tokens;
-  // logprobs: chat has logprobs (bool) + top_logprobs; completions logprobs: k (or bool).
+  params.max_tokens = max_tokens;
+  return Status::Ok();
+}
+
+// logprobs: chat has logprobs (bool) + top_logprobs; completions logprobs: k (or bool).
+Status Logprobs(const ojson& request, Call& call, SamplingParams& params) {
   int64_t top = 0;
   FW_RETURN_IF_ERROR(Field(request, "top_logprobs", top));
   if (auto l = request.find("logprobs"); l != request.end() && !l->is_null()) {
     if (l->is_boolean()) {
-      if (l->get<bool>()) call->top_logprobs = top;
-    } else if (l->is_number_integer() && !chat) {
-      call->top_logprobs = std::max<int64_t>(l->get<int64_t>(), top);
+      if (l->get<bool>()) call.top_logprobs = top;
+    } else if (l->is_number_integer() && !call.chat) {
+      call.top_logprobs = std::max<int64_t>(l->get<int64_t>(), top);
     } else {
-      return Status::InvalidArgument(chat ? "'logprobs' must be true or false (top_logprobs gives k)"
-                                          : "'logprobs' must be an integer k in [0, 20] or a boolean");
+      return Status::InvalidArgument(call.chat
+                                         ? "'logprobs' must be true or false (top_logprobs gives k)"
+                                         : "'logprobs' must be an integer k in [0, 20] or a boolean");
     }
   }
-  if (chat && top > 0 && call->top_logprobs < 0)
+  if (call.chat && top > 0 && call.top_logprobs < 0)
     return Status::InvalidArgument("'top_logprobs' needs 'logprobs': true");
-  if (call->top_logprobs > kMaxTopLogprobs || top < 0 || top > kMaxTopLogprobs)
+  if (call.top_logprobs > kMaxTopLogprobs || top < 0 || top > kMaxTopLogprobs)
     return Status::InvalidArgument("top_logprobs must be in [0, " + std::to_string(kMaxTopLogprobs) + "]");
-  base.params.top_logprobs = std::max<int64_t>(call->top_logprobs, 0);
-  // Stops: strings (any length) and token ids.
+  params.top_logprobs = std::max<int64_t>(call.top_logprobs, 0);
+  return Status::Ok();
+}
+
+// Stops: strings (any length) and token ids ("stop", "stop_token_ids"), and the tokenizer's
+// end tokens unless ignore_eos.
+Status Stops(const ojson& request, const model::Tokenizer& tok, bool ignore_eos, Call& call,
+             SamplingParams& params) {
   if (auto s = request.find("stop"); s != request.end() && !s->is_null()) {
     const ojson list = s->is_array() ? *s : ojson::array({*s});
     for (const ojson& v : list) {
       if (v.is_number_integer()) {
         if (v.get<int64_t>() < 0 || v.get<int64_t>() >= tok.vocab_size())
           return Status::InvalidArgument("stop token " + v.dump() + " is outside the vocabulary");
-        base.params.stop_tokens.push_back(v.get<int32_t>());
+        params.stop_tokens.push_back(v.get<int32_t>());
       } else if (v.is_string() && !v.get<std::string>().empty()) {
-        call->stop_strings.push_back(v.get<std::string>());
-        call->max_stop = std::max(call->max_stop, call->stop_strings.back().size());
+        call.stop_strings.push_back(v.get<std::string>());
+        call.max_stop = std::max(call.max_stop, call.stop_strings.back().size());
       } else {
         return Status::InvalidArgument("'stop' entries must be non-empty strings or token ids, got " + v.dump());
       }
@@ -613,16 +448,72 @@ Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool
     for (const ojson& v : *s) {
       if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= tok.vocab_size())
         return Status::InvalidArgument("'stop_token_ids' must be token ids in the vocabulary, got " + v.dump());
-      base.params.stop_tokens.push_back(v.get<int32_t>());
+      params.stop_tokens.push_back(v.get<int32_t>());
     }
   }
-  if (!ignore_eos) {
-    for (int32_t t : tok.StopTokens()) {
-      if (t >= 0 && std::find(base.params.stop_tokens.begin(), base.params.stop_tokens.end(), t) ==
-                        base.params.stop_tokens.end())
-        base.params.stop_tokens.push_back(t);
-    }
+  if (ignore_eos) return Status::Ok();
+  for (int32_t t : tok.StopTokens()) {
+    if (t >= 0 && std::find(params.stop_tokens.begin(), params.stop_tokens.end(), t) ==
+                      params.stop_tokens.end())
+      params.stop_tokens.push_back(t);
   }
+  return Status::Ok();
+}
+
+// Sampling, the adapter (or model) and streaming options; `n` and `seed` for the choices.
+Status Sampling(const ojson& request, const std::string& served_model, Call& call,
+                GenerationRequest& base, int64_t& n, int64_t& seed, bool& ignore_eos) {
+  FW_RETURN_IF_ERROR(Field(request, "temperature", base.params.temperature));
+  FW_RETURN_IF_ERROR(Field(request, "top_p", base.params.top_p));
+  FW_RETURN_IF_ERROR(Field(request, "top_k", base.params.top_k));
+  if (base.params.top_k < 0) base.params.top_k = 0;  // vLLM spells "off" as -1
+  FW_RETURN_IF_ERROR(Field(request, "n", n));
+  FW_RETURN_IF_ERROR(Field(request, "stream", call.stream));
+  FW_RETURN_IF_ERROR(Field(request, "ignore_eos", ignore_eos));
+  FW_RETURN_IF_ERROR(Field(request, "return_routing", base.params.return_routing));
+  call.return_routing = base.params.return_routing;
+  FW_RETURN_IF_ERROR(Field(request, "adapter", base.adapter));
+  FW_RETURN_IF_ERROR(Field(request, "seed", seed));
+  std::string model;
+  FW_RETURN_IF_ERROR(Field(request, "model", model));
+  // A model name other than the served one names an adapter; one that is not loaded is a
+  // 404 (as vLLM answers), never silently the base model: an RL client that asks for a
+  // session's adapter must not get samples of another policy.
+  if (base.adapter.empty() && !model.empty() && model != served_model) base.adapter = model;
+  call.model = base.adapter.empty() ? served_model : base.adapter;
+  if (auto so = request.find("stream_options"); so != request.end() && !so->is_null()) {
+    if (!so->is_object()) return Status::InvalidArgument("'stream_options' must be an object");
+    FW_RETURN_IF_ERROR(Field(*so, "include_usage", call.include_usage));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool chat,
+                                                                           const std::string& body) {
+  FW_ASSIGN_OR_RETURN(ojson request, ParseJson<ojson>(body, "the body"));
+  if (!request.is_object()) return Status::InvalidArgument("the body is not a JSON object");
+  auto call = std::make_shared<Call>();
+  call->chat = chat;
+  call->created = NowSeconds();
+  call->id = RandomId(chat ? "chatcmpl-" : "cmpl-");
+  const model::Tokenizer& tok = *tokenizer_;
+  FW_RETURN_IF_ERROR(chat ? ChatPrompt(request, options_, tok, *call)
+                          : CompletionPrompt(request, tok, *call));
+  const int64_t prompt_tokens = static_cast<int64_t>(call->prompt.size());
+  if (prompt_tokens >= max_model_len_)
+    return Status::InvalidArgument("the prompt has " + std::to_string(prompt_tokens) +
+                                   " tokens; this worker's context (max_model_len) is " +
+                                   std::to_string(max_model_len_) + " tokens");
+  GenerationRequest base;
+  base.prompt = call->prompt;
+  int64_t n = 1, seed = -1;
+  bool ignore_eos = false;
+  FW_RETURN_IF_ERROR(Sampling(request, options_.model_name, *call, base, n, seed, ignore_eos));
+  FW_RETURN_IF_ERROR(MaxTokens(request, chat, max_model_len_, prompt_tokens, base.params));
+  FW_RETURN_IF_ERROR(Logprobs(request, *call, base.params));
+  FW_RETURN_IF_ERROR(Stops(request, tok, ignore_eos, *call, base.params));
   if (n < 1 || n > options_.max_n)
     return Status::InvalidArgument("'n' must be in [1, " + std::to_string(options_.max_n) + "], got " +
                                    std::to_string(n));
@@ -634,7 +525,7 @@ Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool
     call->choices.emplace_back(tok);
   }
   call->job = std::make_shared<Job>();
-  FW_RETURN_IF_ERROR(Submit(call->job, std::move(requests)));
+  FW_RETURN_IF_ERROR(scheduler_->Submit(call->job, std::move(requests)));
   return call;
 }
 
@@ -810,14 +701,14 @@ transport::HttpResponse CompletionService::Answer(bool chat, const std::string& 
   Call& call = **prepared;
   std::string sse;
   for (std::vector<uint64_t> cancel;; cancel.clear()) {
-    if (!WaitForNews(call, cancel)) return JsonError(503, "the rollout worker stopped");
-    if (!cancel.empty()) CancelIds(cancel);  // ended on a stop string: the rest is not needed
+    if (!WaitForNews(call, cancel)) return Unavailable("the rollout worker stopped");
+    if (!cancel.empty()) scheduler_->CancelIds(cancel);  // ended on a stop string: the rest is not needed
     if (call.stream) {
       bool ended = false;
       sse += NextEvents(call, *tokenizer_, engine_->config(), ended);
       if (ended) return {200, "text/event-stream", sse};
     } else if (call.AllDone()) {
-      Cancel(call.job);
+      scheduler_->Cancel(call.job);
       return {200, "application/json", Dump(WholeAnswer(call, *tokenizer_, engine_->config()))};
     }
   }
@@ -852,7 +743,7 @@ transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::
   std::optional<Result<std::shared_ptr<Call>>> prepared =
       co_await transport::RunOn(*http_pool_, std::move(prepare));
   if (!prepared) {
-    answer = JsonError(503, "the rollout worker is stopping");
+    answer = Unavailable("the rollout worker is stopping");
     co_return answer;
   }
   if (!prepared->ok()) {
@@ -862,7 +753,7 @@ transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::
   std::shared_ptr<Call> call = **prepared;
   // Ends the job's engine requests from a pool thread: the service's lock, which that
   // takes, is held by a Submit while the engine steps, and this runs on the network thread.
-  auto drop = [this, call] { boost::asio::post(*http_pool_, [this, call] { Cancel(call->job); }); };
+  auto drop = [this, call] { boost::asio::post(*http_pool_, [this, call] { scheduler_->Cancel(call->job); }); };
   // A client that leaves frees its requests' slots at once.
   // Marks the job at once (its waiter wakes); the engine requests are dropped on the pool,
   // since that takes the service's lock, which a Submit holds while the engine steps.
@@ -872,14 +763,14 @@ transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::
       call->job->gone = true;
     }
     call->job->cv.notify_all();
-    boost::asio::post(*http_pool_, [this, call] { Cancel(call->job); });
+    boost::asio::post(*http_pool_, [this, call] { scheduler_->Cancel(call->job); });
   });
   for (;;) {
     auto wait = [this, call] {
       HandlerStep s;
       std::vector<uint64_t> cancel;
       s.alive = WaitForNews(*call, cancel);
-      if (!cancel.empty()) CancelIds(cancel);  // ended on a stop string
+      if (!cancel.empty()) scheduler_->CancelIds(cancel);  // ended on a stop string
       if (!s.alive) return s;
       if (call->stream) {
         s.sse = NextEvents(*call, *tokenizer_, engine_->config(), s.ended);
@@ -896,7 +787,7 @@ transport::awaitable<std::optional<transport::HttpResponse>> CompletionService::
     }
     if (!step || !step->alive || client_left) {
       drop();
-      if (!client_left && !stream.gone()) answer = JsonError(503, "the rollout worker stopped");
+      if (!client_left && !stream.gone()) answer = Unavailable("the rollout worker stopped");
       co_return answer;
     }
     if (!call->stream) {
@@ -927,21 +818,21 @@ transport::HttpResponse CompletionService::Tokenize(const std::string& body) {
   Result<ojson> parsed = ParseJson<ojson>(body, "the body");
   if (!parsed.ok()) return ErrorFor(parsed.status());
   ojson request = std::move(parsed).value();
-  if (!request.is_object()) return JsonError(400, "the body is not a JSON object");
+  if (!request.is_object()) return BadRequest("the body is not a JSON object");
   bool return_strs = false;
   Status s = Field(request, "return_token_strs", return_strs);
   if (!s.ok()) return ErrorFor(s);
   std::vector<int32_t> ids;
   if (request.contains("messages")) {
-    if (!options_.chat_template) return JsonError(400, "this worker has no chat template");
+    if (!options_.chat_template) return BadRequest("this worker has no chat template");
     ojson messages = request["messages"];
-    if (!messages.is_array()) return JsonError(400, "'messages' must be a list");
+    if (!messages.is_array()) return BadRequest("'messages' must be a list");
     for (size_t i = 0; i < messages.size(); ++i) {
       Status f = FlattenContent(messages[i], i);
       if (!f.ok()) return ErrorFor(f);
     }
     ojson context = request.value("chat_template_kwargs", ojson::object());
-    if (!context.is_object()) return JsonError(400, "'chat_template_kwargs' must be an object");
+    if (!context.is_object()) return BadRequest("'chat_template_kwargs' must be an object");
     context["messages"] = messages;
     bool add_generation_prompt = true, add_special = false;
     Status f = Field(request, "add_generation_prompt", add_generation_prompt);
@@ -952,13 +843,13 @@ transport::HttpResponse CompletionService::Tokenize(const std::string& body) {
     context["eos_token"] = options_.eos_token;
     if (request.contains("tools") && !request["tools"].is_null()) context["tools"] = request["tools"];
     auto rendered = options_.chat_template->Render(context);
-    if (!rendered.ok()) return JsonError(400, "the chat template failed: " + rendered.status().message());
+    if (!rendered.ok()) return BadRequest("the chat template failed: " + rendered.status().message());
     auto encoded = add_special ? tokenizer_->EncodePrompt(*rendered) : tokenizer_->Encode(*rendered);
     if (!encoded.ok()) return ErrorFor(encoded.status());
     ids = std::move(*encoded);
   } else {
     auto p = request.find("prompt");
-    if (p == request.end() || !p->is_string()) return JsonError(400, "'prompt' (a string) or 'messages' is required");
+    if (p == request.end() || !p->is_string()) return BadRequest("'prompt' (a string) or 'messages' is required");
     bool add_special = true;
     s = Field(request, "add_special_tokens", add_special);
     if (!s.ok()) return ErrorFor(s);
@@ -982,16 +873,16 @@ transport::HttpResponse CompletionService::Detokenize(const std::string& body) {
   Result<ojson> parsed = ParseJson<ojson>(body, "the body");
   if (!parsed.ok()) return ErrorFor(parsed.status());
   ojson request = std::move(parsed).value();
-  if (!request.is_object()) return JsonError(400, "the body is not a JSON object");
+  if (!request.is_object()) return BadRequest("the body is not a JSON object");
   auto t = request.find("tokens");
   if (t == request.end() || !t->is_array() ||
       !std::all_of(t->begin(), t->end(), [](const ojson& v) { return v.is_number_integer(); }))
-    return JsonError(400, "'tokens' must be a list of token ids");
+    return BadRequest("'tokens' must be a list of token ids");
   std::vector<int32_t> ids;
   for (const ojson& v : *t) {
     const int64_t id = v.get<int64_t>();
     if (id < 0 || id >= tokenizer_->vocab_size())
-      return JsonError(400, "token " + std::to_string(id) + " is outside the vocabulary [0, " +
+      return BadRequest("token " + std::to_string(id) + " is outside the vocabulary [0, " +
                                 std::to_string(tokenizer_->vocab_size()) + ")");
     ids.push_back(static_cast<int32_t>(id));
   }
@@ -1033,7 +924,7 @@ transport::HttpResponse CompletionService::Models() {
 template <typename Fn>
 transport::awaitable<transport::HttpResponse> CompletionService::OnPool(Fn fn) {
   std::optional<transport::HttpResponse> pooled = co_await transport::RunOn(*http_pool_, std::move(fn));
-  transport::HttpResponse answer = pooled ? std::move(*pooled) : JsonError(503, "the rollout worker is stopping");
+  transport::HttpResponse answer = pooled ? std::move(*pooled) : Unavailable("the rollout worker is stopping");
   co_return answer;
 }
 
@@ -1046,7 +937,7 @@ void CompletionService::Register(transport::HttpServer& server) {
 void CompletionService::RegisterRoutes(transport::HttpServer& server,
                                        std::function<std::shared_ptr<CompletionService>()> get) {
   using transport::HttpResponse;
-  const auto not_yet = [] { return JsonError(503, "this worker serves no policy version yet"); };
+  const auto not_yet = [] { return Unavailable("this worker serves no policy version yet"); };
   for (bool chat : {false, true}) {
     server.RoutePostStream(
         chat ? "/v1/chat/completions" : "/v1/completions",
@@ -1063,7 +954,7 @@ void CompletionService::RegisterRoutes(transport::HttpServer& server,
           answer = co_await std::move(handled);
           co_return answer;
         },
-        4 << 20, transport::kScopeSample);
+        4 << 20, transport::kScopeSample, transport::ErrorShape::kOpenAi);
   }
   for (bool tokenize : {true, false}) {
     server.RoutePost(
@@ -1082,7 +973,7 @@ void CompletionService::RegisterRoutes(transport::HttpServer& server,
           answer = co_await std::move(pooled);
           co_return answer;
         },
-        4 << 20, transport::kScopeSample);
+        4 << 20, transport::kScopeSample, transport::ErrorShape::kOpenAi);
   }
   server.Route(
       "/v1/models",
@@ -1090,7 +981,7 @@ void CompletionService::RegisterRoutes(transport::HttpServer& server,
         std::shared_ptr<CompletionService> service = get();
         return service ? service->Models() : not_yet();
       },
-      false, transport::kScopeRead);
+      false, transport::kScopeRead, transport::ErrorShape::kOpenAi);
 }
 
 }  // namespace flywheel::rollout
