@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "bench/util.h"
+#include "checkpoint/parallel.h"
 
 namespace flywheel::bench {
 uint64_t StreamState(uint64_t seed, uint64_t step, uint64_t block) {
@@ -205,7 +206,7 @@ class AdamWSimulation {
   void CastToBf16(std::vector<uint16_t>& out) const {
     out.resize(words_);
     const uint64_t blocks = (words_ + kBlockWords - 1) / kBlockWords;
-    ParallelForBlocks(blocks, options_.threads, [&](uint64_t block) {
+    ParallelFor(blocks, options_.threads, [&](uint64_t block) {
       const uint64_t begin = block * kBlockWords;
       const uint64_t end = std::min<uint64_t>(begin + kBlockWords, words_);
       for (uint64_t i = begin; i < end; ++i) out[i] = FloatToBf16(master_[i]);
@@ -216,7 +217,7 @@ class AdamWSimulation {
   template <typename Fn>
   void ForEachBlock(uint64_t step, const Fn& fn) {
     const uint64_t blocks = (words_ + kBlockWords - 1) / kBlockWords;
-    ParallelForBlocks(blocks, options_.threads, [&](uint64_t block) {
+    ParallelFor(blocks, options_.threads, [&](uint64_t block) {
       Xoshiro256Plus rng = StreamFor(options_.seed, step, block);
       const uint64_t begin = block * kBlockWords;
       fn(begin, std::min(begin + kBlockWords, words_), rng);

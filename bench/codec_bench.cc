@@ -759,6 +759,90 @@ Status ValidateOptions(const CodecBenchOptions& options) {
   return Status::Ok();
 }
 
+// The flywheel rows of a group (zstd and lz4), each checked by a round trip; a failed one
+// is kept with its status in `failures`.
+void MeasureFlywheelRows(const CheckpointPair& pair, const CodecBenchOptions& options, Group& group,
+                         std::vector<Status>& failures) {
+  const size_t thread_columns = options.threads.size();
+  std::vector<Hash128> base_hashes;
+  for (const TensorView& tensor : pair.BaseView()) base_hashes.push_back(TensorHash(tensor));
+  for (delta::Compressor compressor : {delta::Compressor::kZstd, delta::Compressor::kLz4}) {
+    Row row = EmptyRow(compressor == delta::Compressor::kZstd ? kFlywheelZstdRow : kFlywheelLz4Row,
+                       thread_columns);
+    std::cerr << "[codec bench]   " << row.label << " ..." << std::flush;
+    const Clock::time_point flywheel_start = Clock::now();
+    Status status = MeasureFlywheel(pair, compressor, options, group, base_hashes, row);
+    std::cerr << " " << Fixed(SecondsSince(flywheel_start), 1) << " s\n";
+    row.round_trip = status.ok() ? RoundTrip::kOk : RoundTrip::kFail;
+    if (!status.ok()) {
+      std::cerr << "[codec bench] FAILED: " << status.ToString() << "\n";
+      failures.push_back(status);
+    }
+    group.rows.push_back(std::move(row));
+  }
+}
+
+// One learning rate: a generated checkpoint pair, then every row of its table.
+Result<Group> MeasureGroup(const CodecBenchOptions& options, double learning_rate,
+                           const std::string& work_dir, std::vector<Status>& failures) {
+  const size_t thread_columns = options.threads.size();
+  GeneratorOptions generator;
+  generator.checkpoint_bytes = options.checkpoint_bytes;
+  generator.adamw.learning_rate = learning_rate;
+  generator.adam_steps = options.adam_steps;
+  generator.seed = options.seed;
+  generator.threads = 2;
+  std::cerr << "[codec bench] lr " << LearningRateText(learning_rate) << ": generating "
+            << Fixed(options.checkpoint_bytes / 1e6, 1) << " MB checkpoint pair ...";
+  const Clock::time_point start = Clock::now();
+  FW_ASSIGN_OR_RETURN(const CheckpointPair pair, GenerateCheckpointPair(generator));
+  std::cerr << " " << Fixed(SecondsSince(start), 1) << " s\n";
+  Group group;
+  group.learning_rate = learning_rate;
+  group.tensor_count = pair.tensors.size();
+  group.checkpoint_bytes = pair.bytes();
+  ComputeFloor(pair, group);
+  group.rows.push_back(EmptyRow(kFullRow, thread_columns));
+  group.rows.back().bytes = static_cast<double>(group.checkpoint_bytes);
+  if (options.run_peers) MeasurePeers(pair, work_dir, thread_columns, group, failures);
+  MeasureFlywheelRows(pair, options, group, failures);
+  group.rows.push_back(EmptyRow(kFloorRow, thread_columns));
+  group.rows.back().bytes = group.floor_bits() * group.changed_words / 8;
+  return group;
+}
+
+// A group's table, skipped peers, ratios and targets: as text to `out`, as Markdown appended
+// to `markdown`.
+void ReportGroup(const Group& group, const CodecBenchOptions& options, std::ostream& out,
+                 std::string& markdown) {
+  const Summary summary = Summarise(group, options);
+  out << GroupTitle(group, options) << "\n" << RenderText(MakeTable(group, options, false));
+  for (const std::string& line : group.skipped) out << "  skipped " << line << "\n";
+  out << "  ratios:\n";
+  for (const std::string& line : summary.ratios) out << "    " << line << "\n";
+  out << "  targets:\n";
+  for (const std::string& line : summary.targets) out << "    " << line << "\n";
+  out << "\n" << std::flush;
+  markdown += "\n## " + GroupTitle(group, options) + "\n\n" +
+              RenderMarkdown(MakeTable(group, options, true)) + "\n";
+  for (const std::string& line : group.skipped) markdown += "- skipped " + line + "\n";
+  for (const std::string& line : summary.ratios) markdown += "- " + line + "\n";
+  markdown += "\nTargets:\n\n";
+  for (const std::string& line : summary.targets) markdown += "- " + line + "\n";
+}
+
+// Writes `markdown` to `path`, keeping the other benchmarks' sections that follow the codec's.
+Status WriteCodecMarkdown(const std::string& path, std::string markdown) {
+  std::ifstream existing(path, std::ios::binary);
+  const std::string previous((std::istreambuf_iterator<char>(existing)),
+                             std::istreambuf_iterator<char>());
+  const size_t kept =
+      std::min({previous.find("\n## Fleet benchmark"), previous.find("\n## Trainer benchmark"),
+                previous.find("\n## Rollout benchmark"), previous.find("\n## Parity benchmark")});
+  if (kept != std::string::npos) markdown += previous.substr(kept);
+  return WriteFile(path, std::as_bytes(std::span(markdown)));
+}
+
 }  // namespace
 
 Status RunCodecBench(const CodecBenchOptions& options, std::ostream& out) {
@@ -770,86 +854,21 @@ Status RunCodecBench(const CodecBenchOptions& options, std::ostream& out) {
                                         /*keep=*/!options.work_dir.empty()));
   }
   const TransformerShape shape = ShapeForBytes(options.checkpoint_bytes);
-  const size_t thread_columns = options.threads.size();
   const std::string preamble = Preamble(options, shape);
   out << preamble << "\n" << std::flush;
-
   std::vector<Group> groups;
   std::vector<Status> failures;
   std::string markdown = "# flywheel codec benchmark\n\n```\n" + preamble + "```\n";
   for (double learning_rate : options.learning_rates) {
-    GeneratorOptions generator;
-    generator.checkpoint_bytes = options.checkpoint_bytes;
-    generator.adamw.learning_rate = learning_rate;
-    generator.adam_steps = options.adam_steps;
-    generator.seed = options.seed;
-    generator.threads = 2;
-    std::cerr << "[codec bench] lr " << LearningRateText(learning_rate) << ": generating "
-              << Fixed(options.checkpoint_bytes / 1e6, 1) << " MB checkpoint pair ...";
-    const Clock::time_point start = Clock::now();
-    FW_ASSIGN_OR_RETURN(const CheckpointPair pair, GenerateCheckpointPair(generator));
-    std::cerr << " " << Fixed(SecondsSince(start), 1) << " s\n";
-
-    Group group;
-    group.learning_rate = learning_rate;
-    group.tensor_count = pair.tensors.size();
-    group.checkpoint_bytes = pair.bytes();
-    ComputeFloor(pair, group);
-    group.rows.push_back(EmptyRow(kFullRow, thread_columns));
-    group.rows.back().bytes = static_cast<double>(group.checkpoint_bytes);
-
-    if (options.run_peers) MeasurePeers(pair, work_dir.path(), thread_columns, group, failures);
-
-    std::vector<Hash128> base_hashes;
-    for (const TensorView& tensor : pair.BaseView()) base_hashes.push_back(TensorHash(tensor));
-    for (delta::Compressor compressor : {delta::Compressor::kZstd, delta::Compressor::kLz4}) {
-      Row row =
-          EmptyRow(compressor == delta::Compressor::kZstd ? kFlywheelZstdRow : kFlywheelLz4Row,
-                   thread_columns);
-      std::cerr << "[codec bench]   " << row.label << " ..." << std::flush;
-      const Clock::time_point flywheel_start = Clock::now();
-      Status status = MeasureFlywheel(pair, compressor, options, group, base_hashes, row);
-      std::cerr << " " << Fixed(SecondsSince(flywheel_start), 1) << " s\n";
-      row.round_trip = status.ok() ? RoundTrip::kOk : RoundTrip::kFail;
-      if (!status.ok()) {
-        std::cerr << "[codec bench] FAILED: " << status.ToString() << "\n";
-        failures.push_back(status);
-      }
-      group.rows.push_back(std::move(row));
-    }
-    group.rows.push_back(EmptyRow(kFloorRow, thread_columns));
-    group.rows.back().bytes = group.floor_bits() * group.changed_words / 8;
-
-    const Summary summary = Summarise(group, options);
-    out << GroupTitle(group, options) << "\n" << RenderText(MakeTable(group, options, false));
-    for (const std::string& line : group.skipped) out << "  skipped " << line << "\n";
-    out << "  ratios:\n";
-    for (const std::string& line : summary.ratios) out << "    " << line << "\n";
-    out << "  targets:\n";
-    for (const std::string& line : summary.targets) out << "    " << line << "\n";
-    out << "\n" << std::flush;
-
-    markdown += "\n## " + GroupTitle(group, options) + "\n\n" +
-                RenderMarkdown(MakeTable(group, options, true)) + "\n";
-    for (const std::string& line : group.skipped) markdown += "- skipped " + line + "\n";
-    for (const std::string& line : summary.ratios) markdown += "- " + line + "\n";
-    markdown += "\nTargets:\n\n";
-    for (const std::string& line : summary.targets) markdown += "- " + line + "\n";
+    FW_ASSIGN_OR_RETURN(Group group,
+                        MeasureGroup(options, learning_rate, work_dir.path(), failures));
+    ReportGroup(group, options, out, markdown);
     groups.push_back(std::move(group));
   }
   out << Legend(options) << "\n";
   markdown += "\n" + Legend(options) + "\n";
-
   if (!options.markdown_out.empty()) {
-    // The fleet and trainer benchmarks keep their own sections after the codec's.
-    std::ifstream existing(options.markdown_out, std::ios::binary);
-    const std::string previous((std::istreambuf_iterator<char>(existing)),
-                               std::istreambuf_iterator<char>());
-    const size_t kept =
-        std::min({previous.find("\n## Fleet benchmark"), previous.find("\n## Trainer benchmark"),
-                  previous.find("\n## Rollout benchmark"), previous.find("\n## Parity benchmark")});
-    if (kept != std::string::npos) markdown += previous.substr(kept);
-    FW_RETURN_IF_ERROR(WriteFile(options.markdown_out, std::as_bytes(std::span(markdown))));
+    FW_RETURN_IF_ERROR(WriteCodecMarkdown(options.markdown_out, std::move(markdown)));
   }
   if (!options.json_out.empty()) {
     const std::string json = RenderJson(groups, options, shape, failures.empty());

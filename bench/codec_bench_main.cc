@@ -66,89 +66,112 @@ int BadFlag(const std::string& message) {
   return 2;
 }
 
+// The value of the flag at argv[i]: inline (--flag=value) or the next argument (consumed).
+struct FlagValue {
+  int argc;
+  char** argv;
+  int& i;
+  std::optional<std::string> inline_value;
+
+  std::optional<std::string> Text() {
+    if (inline_value) return inline_value;
+    if (i + 1 < argc) return std::string(argv[++i]);
+    return std::nullopt;
+  }
+  std::optional<long long> PositiveInteger(long long max) {
+    const std::optional<std::string> text = Text();
+    if (!text) return std::nullopt;
+    const std::optional<long long> number = ParseInteger(*text);
+    if (!number || *number < 1 || *number > max) return std::nullopt;
+    return number;
+  }
+};
+
+using Options = flywheel::bench::CodecBenchOptions;
+
+// --lr and --threads: comma-separated lists. An error message, or nullopt.
+std::optional<std::string> ApplyListFlag(const std::string& flag, FlagValue& value,
+                                         Options& options, bool& learning_rates_given) {
+  const std::optional<std::string> text = value.Text();
+  if (!text) return flag + " needs a value";
+  if (flag == "--lr") {
+    if (!learning_rates_given) options.learning_rates.clear();
+    learning_rates_given = true;
+    for (const std::string& part : SplitCommas(*text)) {
+      const std::optional<double> lr = ParseDouble(part);
+      if (!lr || *lr <= 0) return "--lr: '" + part + "' is not a positive number";
+      options.learning_rates.push_back(*lr);
+    }
+    return std::nullopt;
+  }
+  options.threads.clear();
+  for (const std::string& part : SplitCommas(*text)) {
+    const std::optional<long long> threads = ParseInteger(part);
+    if (!threads || *threads < 1 || *threads > 256) {
+      return "--threads: '" + part + "' is not a thread count in [1, 256]";
+    }
+    options.threads.push_back(static_cast<int>(*threads));
+  }
+  return std::nullopt;
+}
+
+// Every flag but --help. An error message, or nullopt.
+std::optional<std::string> ApplyFlag(const std::string& flag, FlagValue& value, Options& options,
+                                     bool& learning_rates_given) {
+  if (flag == "--no-peers") {
+    if (value.inline_value) return "--no-peers takes no value";
+    options.run_peers = false;
+  } else if (flag == "--size-mb") {
+    const auto mib = value.PositiveInteger(1 << 20);
+    if (!mib) return "--size-mb needs a whole number of MiB >= 1";
+    options.checkpoint_bytes = static_cast<uint64_t>(*mib) << 20;
+  } else if (flag == "--lr" || flag == "--threads") {
+    return ApplyListFlag(flag, value, options, learning_rates_given);
+  } else if (flag == "--steps") {
+    const auto steps = value.PositiveInteger(1000000);
+    if (!steps) return "--steps needs a whole number >= 1";
+    options.adam_steps = static_cast<int>(*steps);
+  } else if (flag == "--reps") {
+    const auto reps = value.PositiveInteger(1000);
+    if (!reps) return "--reps needs a whole number in [1, 1000]";
+    options.repetitions = static_cast<int>(*reps);
+  } else if (flag == "--seed") {
+    const std::optional<std::string> text = value.Text();
+    const std::optional<long long> seed = text ? ParseInteger(*text) : std::nullopt;
+    if (!seed || *seed < 0) return "--seed needs a whole number >= 0";
+    options.seed = static_cast<uint64_t>(*seed);
+  } else if (flag == "--work-dir" || flag == "--markdown" || flag == "--json") {
+    const std::optional<std::string> text = value.Text();
+    if (!text || text->empty()) return flag + " needs a path";
+    (flag == "--work-dir"   ? options.work_dir
+     : flag == "--markdown" ? options.markdown_out
+                            : options.json_out) = *text;
+  } else {
+    return "unknown flag '" + std::string(value.argv[value.i]) + "'";
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  flywheel::bench::CodecBenchOptions options;
+  Options options;
   bool learning_rates_given = false;
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
-    std::optional<std::string> inline_value;
+    FlagValue value{argc, argv, i, std::nullopt};
     if (const size_t equals = flag.find('=');
         flag.rfind("--", 0) == 0 && equals != std::string::npos) {
-      inline_value = flag.substr(equals + 1);
+      value.inline_value = flag.substr(equals + 1);
       flag.resize(equals);
     }
-    auto value = [&]() -> std::optional<std::string> {
-      if (inline_value) return inline_value;
-      if (i + 1 < argc) return std::string(argv[++i]);
-      return std::nullopt;
-    };
-    auto positive_integer = [&](long long max) -> std::optional<long long> {
-      const std::optional<std::string> text = value();
-      if (!text) return std::nullopt;
-      const std::optional<long long> number = ParseInteger(*text);
-      if (!number || *number < 1 || *number > max) return std::nullopt;
-      return number;
-    };
-
     if (flag == "--help" || flag == "-h") {
       std::cout << kUsage;
       return 0;
-    } else if (flag == "--no-peers") {
-      options.run_peers = false;
-    } else if (flag == "--size-mb") {
-      const auto mib = positive_integer(1 << 20);
-      if (!mib) return BadFlag("--size-mb needs a whole number of MiB >= 1");
-      options.checkpoint_bytes = static_cast<uint64_t>(*mib) << 20;
-    } else if (flag == "--lr") {
-      const std::optional<std::string> text = value();
-      if (!text) return BadFlag("--lr needs a value");
-      if (!learning_rates_given) options.learning_rates.clear();
-      learning_rates_given = true;
-      for (const std::string& part : SplitCommas(*text)) {
-        const std::optional<double> lr = ParseDouble(part);
-        if (!lr || *lr <= 0) return BadFlag("--lr: '" + part + "' is not a positive number");
-        options.learning_rates.push_back(*lr);
-      }
-    } else if (flag == "--steps") {
-      const auto steps = positive_integer(1000000);
-      if (!steps) return BadFlag("--steps needs a whole number >= 1");
-      options.adam_steps = static_cast<int>(*steps);
-    } else if (flag == "--threads") {
-      const std::optional<std::string> text = value();
-      if (!text) return BadFlag("--threads needs a value");
-      options.threads.clear();
-      for (const std::string& part : SplitCommas(*text)) {
-        const std::optional<long long> threads = ParseInteger(part);
-        if (!threads || *threads < 1 || *threads > 256) {
-          return BadFlag("--threads: '" + part + "' is not a thread count in [1, 256]");
-        }
-        options.threads.push_back(static_cast<int>(*threads));
-      }
-    } else if (flag == "--reps") {
-      const auto reps = positive_integer(1000);
-      if (!reps) return BadFlag("--reps needs a whole number in [1, 1000]");
-      options.repetitions = static_cast<int>(*reps);
-    } else if (flag == "--seed") {
-      const std::optional<std::string> text = value();
-      const std::optional<long long> seed = text ? ParseInteger(*text) : std::nullopt;
-      if (!seed || *seed < 0) return BadFlag("--seed needs a whole number >= 0");
-      options.seed = static_cast<uint64_t>(*seed);
-    } else if (flag == "--work-dir" || flag == "--markdown" || flag == "--json") {
-      const std::optional<std::string> text = value();
-      if (!text || text->empty()) return BadFlag(flag + " needs a path");
-      (flag == "--work-dir"   ? options.work_dir
-       : flag == "--markdown" ? options.markdown_out
-                              : options.json_out) = *text;
-    } else {
-      return BadFlag("unknown flag '" + std::string(argv[i]) + "'");
     }
-    if (inline_value && (flag == "--no-peers")) {
-      return BadFlag("--no-peers takes no value");
-    }
+    if (const auto error = ApplyFlag(flag, value, options, learning_rates_given))
+      return BadFlag(*error);
   }
-
   const flywheel::Status status = flywheel::bench::RunCodecBench(options, std::cout);
   if (!status.ok()) {
     std::cerr << "codec_bench: " << status.ToString() << "\n";

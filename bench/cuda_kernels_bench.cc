@@ -32,7 +32,9 @@
 #include <vector>
 
 #include "base/status.h"
+#include "bench/stats.h"
 #include "bench/util.h"
+#include "checkpoint/parallel.h"
 #include "kernels/cuda.h"
 #include "kernels/kernels.h"
 
@@ -106,7 +108,7 @@ Checkpoints Generate(uint64_t elements, double fraction) {
   out.target.resize(elements);
   std::vector<std::vector<uint32_t>> planted(blocks);
   const int threads = std::max(1u, std::thread::hardware_concurrency());
-  ParallelForBlocks(blocks, threads, [&](uint64_t block) {
+  ParallelFor(blocks, threads, [&](uint64_t block) {
     uint64_t state = 0x5EED0000ull + block;
     const uint64_t begin = block * kBlock;
     const uint64_t end = std::min(elements, begin + kBlock);
@@ -156,11 +158,8 @@ Result<Timing> Time(int warmup, int runs, const Fn& fn) {
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   FW_RETURN_IF_ERROR(status);
-  std::sort(times.begin(), times.end());
-  const size_t middle = times.size() / 2;
-  const double median =
-      times.size() % 2 == 1 ? times[middle] : (times[middle - 1] + times[middle]) / 2;
-  return Timing{median, times.front(), times.back()};
+  const Spread spread = Summarize(std::move(times));
+  return Timing{spread.median, spread.min, spread.max};
 }
 
 struct Row {
@@ -217,6 +216,114 @@ Status ChecksumsMatchScalar(const std::vector<uint16_t>& data, uint64_t chunk_by
   return Status::Ok();
 }
 
+// The benchmark's device memory: base and target, a destination, the scan's output and
+// scratch, the planted positions and values, and the checksums.
+struct DeviceData {
+  uint64_t n = 0, bytes = 0, changed = 0, capacity = 0;
+  size_t scratch_bytes = 0;
+  cuda::DeviceBuffer base, target, dst, found, scratch, planted, values, sums;
+};
+
+Result<DeviceData> Upload(const Checkpoints& data) {
+  DeviceData d;
+  d.n = data.base.size();
+  d.bytes = d.n * sizeof(uint16_t);
+  d.changed = data.planted.size();
+  d.capacity = std::min<uint64_t>(d.n, 2 * d.changed + 1024);
+  d.scratch_bytes = cuda::CompareCompactScratchBytes(d.n);
+  FW_ASSIGN_OR_RETURN(d.base, cuda::DeviceBuffer::Allocate(d.bytes));
+  FW_ASSIGN_OR_RETURN(d.target, cuda::DeviceBuffer::Allocate(d.bytes));
+  FW_ASSIGN_OR_RETURN(d.dst, cuda::DeviceBuffer::Allocate(d.bytes));
+  FW_ASSIGN_OR_RETURN(d.found, cuda::DeviceBuffer::Allocate(d.capacity * sizeof(uint32_t)));
+  FW_ASSIGN_OR_RETURN(d.scratch, cuda::DeviceBuffer::Allocate(d.scratch_bytes));
+  FW_ASSIGN_OR_RETURN(d.planted, cuda::DeviceBuffer::Allocate(d.changed * sizeof(uint32_t)));
+  FW_ASSIGN_OR_RETURN(d.values, cuda::DeviceBuffer::Allocate(d.changed * sizeof(uint16_t)));
+  const uint64_t max_chunks = (d.bytes + (64 << 10) - 1) / (64 << 10);
+  FW_ASSIGN_OR_RETURN(d.sums, cuda::DeviceBuffer::Allocate(max_chunks * sizeof(uint64_t)));
+  FW_RETURN_IF_ERROR(d.base.CopyFromHost(data.base.data(), d.bytes));
+  FW_RETURN_IF_ERROR(d.target.CopyFromHost(data.target.data(), d.bytes));
+  std::vector<uint16_t> values(d.changed);
+  kernels::GatherScalar(data.target.data(), sizeof(uint16_t), data.planted.data(), values.data(),
+                        d.changed);
+  FW_RETURN_IF_ERROR(d.planted.CopyFromHost(data.planted.data(), d.changed * sizeof(uint32_t)));
+  FW_RETURN_IF_ERROR(d.values.CopyFromHost(values.data(), d.changed * sizeof(uint16_t)));
+  return d;
+}
+
+// Scan: compare + compact; it must find exactly the planted changes.
+Status MeasureScan(const Options& options, const Checkpoints& data, DeviceData& d,
+                   std::vector<Row>* rows, std::vector<Check>* checks) {
+  size_t found = 0;
+  Row scan{"scan: CompareCompactOnDevice", 2 * d.bytes + d.changed * sizeof(uint32_t), {}};
+  FW_ASSIGN_OR_RETURN(scan.timing, Time(options.warmup, options.runs, [&]() -> Status {
+                        FW_ASSIGN_OR_RETURN(found, cuda::CompareCompactOnDevice(
+                                                       d.base.data(), d.target.data(), d.n, 2,
+                                                       d.found.As<uint32_t>(), d.capacity,
+                                                       d.scratch.data(), d.scratch_bytes));
+                        return Status::Ok();
+                      }));
+  rows->push_back(scan);
+  std::vector<uint32_t> positions(found);
+  FW_RETURN_IF_ERROR(d.found.CopyToHost(positions.data(), found * sizeof(uint32_t)));
+  checks->push_back({"scan found the " + Grouped(d.changed) + " planted changes, in order (found " +
+                         Grouped(found) + ")",
+                     positions == data.planted});
+  return Status::Ok();
+}
+
+// Apply: scatter the changed values into a copy of base; it must reproduce the target.
+Status MeasureApply(const Options& options, const Checkpoints& data, DeviceData& d,
+                    std::vector<Row>* rows, std::vector<Check>* checks,
+                    std::vector<std::string>* notes) {
+  FW_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpy(d.dst.data(), d.base.data(), d.bytes, cudaMemcpyDeviceToDevice), "reset dst"));
+  Row apply{
+      "apply: ScatterApplyOnDevice", d.changed * (sizeof(uint32_t) + 2 * sizeof(uint16_t)), {}};
+  FW_ASSIGN_OR_RETURN(apply.timing, Time(options.warmup, options.runs, [&]() -> Status {
+                        return cuda::ScatterApplyOnDevice(d.dst.data(), d.n, 2,
+                                                          d.planted.As<uint32_t>(), d.values.data(),
+                                                          d.changed);
+                      }));
+  rows->push_back(apply);
+  std::vector<uint16_t> applied(d.n);
+  FW_RETURN_IF_ERROR(d.dst.CopyToHost(applied.data(), d.bytes));
+  checks->push_back({"apply reproduced the target bit for bit (" +
+                         Fixed(static_cast<double>(d.bytes) / 1e9, 2) + " GB compared on the host)",
+                     std::memcmp(applied.data(), data.target.data(), d.bytes) == 0});
+  const uint64_t sectors = SectorsTouched(data.planted);
+  notes->push_back(
+      "apply writes " + Grouped(d.changed * 2) + " bytes of changed elements into " +
+      Grouped(sectors) + " distinct 32-byte sectors (" +
+      Fixed(static_cast<double>(sectors * 32) / 1e6, 1) +
+      " MB): the memory system moves whole sectors, so its GB/s counts " +
+      Fixed(static_cast<double>(sectors * 32) / static_cast<double>(d.changed * 2), 1) +
+      "x fewer bytes than DRAM writes");
+  return Status::Ok();
+}
+
+// Checksums at the codec's default chunk (4 MiB) and at 64 KiB, checked against the scalar.
+Status MeasureChecksums(const Options& options, const Checkpoints& data, DeviceData& d,
+                        std::vector<Row>* rows, std::vector<Check>* checks) {
+  for (uint64_t chunk_bytes : {uint64_t{4} << 20, uint64_t{64} << 10}) {
+    const uint64_t chunks = (d.bytes + chunk_bytes - 1) / chunk_bytes;
+    Row row{"checksums: ChunkChecksumsOnDevice, " + std::to_string(chunk_bytes >> 10) +
+                " KiB chunks (" + Grouped(chunks) + ")",
+            d.bytes + chunks * sizeof(uint64_t),
+            {}};
+    FW_ASSIGN_OR_RETURN(row.timing, Time(options.warmup, options.runs, [&]() -> Status {
+                          return cuda::ChunkChecksumsOnDevice(d.target.data(), d.bytes, chunk_bytes,
+                                                              d.sums.As<uint64_t>());
+                        }));
+    rows->push_back(row);
+    bool pass = false;
+    FW_RETURN_IF_ERROR(ChecksumsMatchScalar(data.target, chunk_bytes, d.sums, &pass));
+    checks->push_back({"checksums (" + std::to_string(chunk_bytes >> 10) +
+                           " KiB chunks) equal ChunkChecksumsScalar on 8 sampled chunks",
+                       pass});
+  }
+  return Status::Ok();
+}
+
 // Runs every measurement and check; wrong results land in `checks`, errors in the Status.
 Status Run(const Options& options, std::vector<Row>* rows, std::vector<Check>* checks,
            std::vector<std::string>* notes) {
@@ -230,99 +337,18 @@ Status Run(const Options& options, std::vector<Row>* rows, std::vector<Check>* c
   notes->push_back(Grouped(n) + " bf16 elements (" + Fixed(static_cast<double>(bytes) / 1e9, 2) +
                    " GB), " + Grouped(changed) + " changed (" +
                    Fixed(100.0 * static_cast<double>(changed) / static_cast<double>(n), 3) + "%)");
-
-  const uint64_t capacity = std::min<uint64_t>(n, 2 * changed + 1024);
-  const size_t scratch_bytes = cuda::CompareCompactScratchBytes(n);
-  FW_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_base, cuda::DeviceBuffer::Allocate(bytes));
-  FW_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_target, cuda::DeviceBuffer::Allocate(bytes));
-  FW_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_dst, cuda::DeviceBuffer::Allocate(bytes));
-  FW_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_found,
-                      cuda::DeviceBuffer::Allocate(capacity * sizeof(uint32_t)));
-  FW_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_scratch, cuda::DeviceBuffer::Allocate(scratch_bytes));
-  FW_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_planted,
-                      cuda::DeviceBuffer::Allocate(changed * sizeof(uint32_t)));
-  FW_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_values,
-                      cuda::DeviceBuffer::Allocate(changed * sizeof(uint16_t)));
-  const uint64_t max_chunks = (bytes + (64 << 10) - 1) / (64 << 10);
-  FW_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_sums,
-                      cuda::DeviceBuffer::Allocate(max_chunks * sizeof(uint64_t)));
-  FW_RETURN_IF_ERROR(d_base.CopyFromHost(data.base.data(), bytes));
-  FW_RETURN_IF_ERROR(d_target.CopyFromHost(data.target.data(), bytes));
-  std::vector<uint16_t> values(changed);
-  kernels::GatherScalar(data.target.data(), sizeof(uint16_t), data.planted.data(), values.data(),
-                        changed);
-  FW_RETURN_IF_ERROR(d_planted.CopyFromHost(data.planted.data(), changed * sizeof(uint32_t)));
-  FW_RETURN_IF_ERROR(d_values.CopyFromHost(values.data(), changed * sizeof(uint16_t)));
-
+  FW_ASSIGN_OR_RETURN(DeviceData d, Upload(data));
   // The floor: a device-to-device copy of the same bytes, counting reads and writes.
   Row floor_row{"floor: cudaMemcpy device to device", 2 * bytes, {}};
   FW_ASSIGN_OR_RETURN(
       floor_row.timing, Time(options.warmup, options.runs, [&]() -> Status {
-        return CudaStatus(cudaMemcpy(d_dst.data(), d_base.data(), bytes, cudaMemcpyDeviceToDevice),
+        return CudaStatus(cudaMemcpy(d.dst.data(), d.base.data(), bytes, cudaMemcpyDeviceToDevice),
                           "cudaMemcpy(device to device)");
       }));
   rows->push_back(floor_row);
-
-  // Scan: compare + compact.
-  size_t found = 0;
-  Row scan{"scan: CompareCompactOnDevice", 2 * bytes + changed * sizeof(uint32_t), {}};
-  FW_ASSIGN_OR_RETURN(scan.timing, Time(options.warmup, options.runs, [&]() -> Status {
-                        FW_ASSIGN_OR_RETURN(
-                            found, cuda::CompareCompactOnDevice(d_base.data(), d_target.data(), n,
-                                                                2, d_found.As<uint32_t>(), capacity,
-                                                                d_scratch.data(), scratch_bytes));
-                        return Status::Ok();
-                      }));
-  rows->push_back(scan);
-  std::vector<uint32_t> positions(found);
-  FW_RETURN_IF_ERROR(d_found.CopyToHost(positions.data(), found * sizeof(uint32_t)));
-  checks->push_back({"scan found the " + Grouped(changed) + " planted changes, in order (found " +
-                         Grouped(found) + ")",
-                     positions == data.planted});
-
-  // Apply: scatter the changed values into a copy of base.
-  FW_RETURN_IF_ERROR(CudaStatus(
-      cudaMemcpy(d_dst.data(), d_base.data(), bytes, cudaMemcpyDeviceToDevice), "reset dst"));
-  Row apply{"apply: ScatterApplyOnDevice", changed * (sizeof(uint32_t) + 2 * sizeof(uint16_t)), {}};
-  FW_ASSIGN_OR_RETURN(apply.timing, Time(options.warmup, options.runs, [&]() -> Status {
-                        return cuda::ScatterApplyOnDevice(
-                            d_dst.data(), n, 2, d_planted.As<uint32_t>(), d_values.data(), changed);
-                      }));
-  rows->push_back(apply);
-  {
-    std::vector<uint16_t> applied(n);
-    FW_RETURN_IF_ERROR(d_dst.CopyToHost(applied.data(), bytes));
-    checks->push_back({"apply reproduced the target bit for bit (" +
-                           Fixed(static_cast<double>(bytes) / 1e9, 2) + " GB compared on the host)",
-                       std::memcmp(applied.data(), data.target.data(), bytes) == 0});
-  }
-  const uint64_t sectors = SectorsTouched(data.planted);
-  notes->push_back("apply writes " + Grouped(changed * 2) + " bytes of changed elements into " +
-                   Grouped(sectors) + " distinct 32-byte sectors (" +
-                   Fixed(static_cast<double>(sectors * 32) / 1e6, 1) +
-                   " MB): the memory system moves whole sectors, so its GB/s counts " +
-                   Fixed(static_cast<double>(sectors * 32) / static_cast<double>(changed * 2), 1) +
-                   "x fewer bytes than DRAM writes");
-
-  // Checksums at the codec's default chunk (4 MiB) and at 64 KiB.
-  for (uint64_t chunk_bytes : {uint64_t{4} << 20, uint64_t{64} << 10}) {
-    const uint64_t chunks = (bytes + chunk_bytes - 1) / chunk_bytes;
-    Row row{"checksums: ChunkChecksumsOnDevice, " + std::to_string(chunk_bytes >> 10) +
-                " KiB chunks (" + Grouped(chunks) + ")",
-            bytes + chunks * sizeof(uint64_t),
-            {}};
-    FW_ASSIGN_OR_RETURN(row.timing, Time(options.warmup, options.runs, [&]() -> Status {
-                          return cuda::ChunkChecksumsOnDevice(d_target.data(), bytes, chunk_bytes,
-                                                              d_sums.As<uint64_t>());
-                        }));
-    rows->push_back(row);
-    bool pass = false;
-    FW_RETURN_IF_ERROR(ChecksumsMatchScalar(data.target, chunk_bytes, d_sums, &pass));
-    checks->push_back({"checksums (" + std::to_string(chunk_bytes >> 10) +
-                           " KiB chunks) equal ChunkChecksumsScalar on 8 sampled chunks",
-                       pass});
-  }
-  return Status::Ok();
+  FW_RETURN_IF_ERROR(MeasureScan(options, data, d, rows, checks));
+  FW_RETURN_IF_ERROR(MeasureApply(options, data, d, rows, checks, notes));
+  return MeasureChecksums(options, data, d, rows, checks);
 }
 
 int Main(int argc, char** argv) {

@@ -1,7 +1,5 @@
 #include "bench/fleet_bench.h"
 
-#include "sync/signing.h"
-
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/statfs.h>
@@ -32,14 +30,17 @@
 #include "bench/checkpoint_gen.h"
 #include "bench/fleet_projection.h"
 #include "bench/peers.h"
+#include "bench/stats.h"
+#include "bench/stream_bench.h"
 #include "bench/util.h"
-#include "ops/process.h"
-#include "delta/delta_file.h"
 #include "checkpoint/hash.h"
+#include "checkpoint/parallel.h"
 #include "checkpoint/safetensors.h"
+#include "delta/delta_file.h"
+#include "ops/process.h"
+#include "sync/signing.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"
-#include "bench/stream_bench.h"
 
 namespace flywheel::bench {
 namespace {
@@ -68,13 +69,6 @@ double SecondsSince(SteadyClock::time_point start) {
   return std::chrono::duration<double>(SteadyClock::now() - start).count();
 }
 
-int64_t UnixMicrosNow() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
-
 std::string Megabytes(double bytes) {
   return Fixed(bytes / 1e6, bytes < 1e7 ? 3 : 1);
 }
@@ -93,14 +87,6 @@ std::string NumberText(double value) {
   }
   return out;
 }
-
-double Median(std::vector<double> values) {
-  if (values.empty()) return kNotMeasured;
-  std::sort(values.begin(), values.end());
-  const size_t mid = values.size() / 2;
-  return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
-}
-
 
 // MemAvailable from /proc/meminfo in bytes, or nullopt where there is none.
 std::optional<uint64_t> MemAvailableBytes() {
@@ -171,7 +157,7 @@ class CheckpointSequence {
   template <typename Fn>
   void ForEachBlock(uint64_t step, const Fn& fn) {
     const uint64_t blocks = (words_ + kBlockWords - 1) / kBlockWords;
-    ParallelForBlocks(blocks, threads_, [&](uint64_t block) {
+    ParallelFor(blocks, threads_, [&](uint64_t block) {
       uint64_t state = StreamState(seed_, step, block);
       const uint64_t begin = block * kBlockWords;
       fn(begin, std::min(begin + kBlockWords, words_), state);
@@ -408,6 +394,8 @@ bool IsDelta(const std::string& strategy) {
   return strategy == kDeltaRelay || strategy == kDeltaRelaySigned || strategy == kDeltaRelayBuffered;
 }
 
+constexpr const char* kLoopbackAny = "127.0.0.1:0";
+
 std::vector<std::string> RegionNames(int regions) {
   static const char* const kNames[] = {"us", "eu", "ap", "sa", "af", "me"};
   std::vector<std::string> names;
@@ -417,24 +405,25 @@ std::vector<std::string> RegionNames(int regions) {
   return names;
 }
 
-// Starts the publisher, then the relays, then the workers (each tier all at once, the next
-// when every one of them wrote its ready file).
-Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
-                  const std::string& strategy, const std::string& strategy_dir,
-                  const std::string& watch_dir, Fleet& fleet) {
-  const std::string ready_dir = strategy_dir + "/ready";
-  std::error_code error;
-  fs::create_directories(ready_dir, error);
-  if (error) return Status::IOError("cannot create " + ready_dir + ": " + error.message());
-  const std::string loopback_any = "127.0.0.1:0";
-  auto ready_file = [&](const Node& node) { return ready_dir + "/" + node.name + ".json"; };
-  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
-  const bool pin = options.pin && cpus >= 2;
-  auto launch = [&](Node& node, const std::string& role, std::vector<std::string> args) -> Status {
+// Starts one strategy's processes, each writing its ready file into `ready_dir`; with
+// --pin the publisher gets CPU 0 and everything else the other CPUs.
+struct FleetLauncher {
+  const FleetBenchOptions& options;
+  const std::string& flywheel;
+  const std::string& strategy;
+  std::string ready_dir;
+  Fleet& fleet;
+  int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  std::vector<std::string> trust{};  // relays' and workers' --trust-key
+
+  std::string ReadyFile(const Node& node) const { return ready_dir + "/" + node.name + ".json"; }
+
+  Status Launch(Node& node, const std::string& role, std::vector<std::string> args) {
     args.insert(args.begin(), role);
     args.push_back("--ready-file");
-    args.push_back(ready_file(node));
+    args.push_back(ReadyFile(node));
     ops::StartOptions start;
+    const bool pin = options.pin && cpus >= 2;
     if (pin && role == "publish") {
       start.cpus = {0};
     } else if (pin) {
@@ -443,68 +432,88 @@ Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
     FW_ASSIGN_OR_RETURN(node.process,
                         fleet.processes.Start(strategy + "-" + node.name, flywheel, args, start));
     return Status::Ok();
-  };
-
-  fleet.publisher.name = "publisher";
-  fleet.publisher.region = kHomeRegion;
-  std::vector<std::string> publisher_args = {
-      "--listen",         loopback_any,
-      "--http",           loopback_any,
-      "--state-dir",      strategy_dir + "/publisher",
-      "--watch",          watch_dir,
-      "--region",         kHomeRegion,
-      "--wan-rate",       std::to_string(options.wan_bytes_per_second),
-      "--wan-latency-ms", std::to_string(options.wan_latency_ms)};
-  std::vector<std::string> trust;  // relays' and workers' --trust-key
-  if (strategy == kDeltaRelaySigned) {
-    FW_ASSIGN_OR_RETURN(sync::KeyFiles keys, sync::GenerateSigningKeys(strategy_dir + "/keys"));
-    publisher_args.insert(publisher_args.end(), {"--signing-key", keys.private_key});
-    trust = {"--trust-key", keys.public_key};
   }
-  if (strategy == kDeltaRelayBuffered) publisher_args.push_back("--buffered-deltas");
-  if (!IsDelta(strategy)) {
-    publisher_args.push_back("--no-deltas");
-  } else if (options.keyframe_every > 0) {
-    publisher_args.push_back("--keyframe-every");
-    publisher_args.push_back(std::to_string(options.keyframe_every));
-  }
-  FW_RETURN_IF_ERROR(launch(fleet.publisher, "publish", publisher_args));
-  FW_RETURN_IF_ERROR(
-      AwaitReady(fleet.processes, ready_file(fleet.publisher), true, fleet.publisher));
-  const std::string publisher_address = fleet.publisher.listen.ToString();
 
-  const std::vector<std::string> regions = RegionNames(options.regions);
-  if (UsesRelays(strategy)) {
+  // The publisher (signing when the strategy signs, so that `trust` names its key).
+  Status StartPublisher(const std::string& strategy_dir, const std::string& watch_dir) {
+    fleet.publisher.name = "publisher";
+    fleet.publisher.region = kHomeRegion;
+    std::vector<std::string> args = {
+        "--listen",         kLoopbackAny,
+        "--http",           kLoopbackAny,
+        "--state-dir",      strategy_dir + "/publisher",
+        "--watch",          watch_dir,
+        "--region",         kHomeRegion,
+        "--wan-rate",       std::to_string(options.wan_bytes_per_second),
+        "--wan-latency-ms", std::to_string(options.wan_latency_ms)};
+    if (strategy == kDeltaRelaySigned) {
+      FW_ASSIGN_OR_RETURN(sync::KeyFiles keys, sync::GenerateSigningKeys(strategy_dir + "/keys"));
+      args.insert(args.end(), {"--signing-key", keys.private_key});
+      trust = {"--trust-key", keys.public_key};
+    }
+    if (strategy == kDeltaRelayBuffered) args.push_back("--buffered-deltas");
+    if (!IsDelta(strategy)) {
+      args.push_back("--no-deltas");
+    } else if (options.keyframe_every > 0) {
+      args.push_back("--keyframe-every");
+      args.push_back(std::to_string(options.keyframe_every));
+    }
+    FW_RETURN_IF_ERROR(Launch(fleet.publisher, "publish", args));
+    return AwaitReady(fleet.processes, ReadyFile(fleet.publisher), true, fleet.publisher);
+  }
+
+  Status StartRelays(const std::vector<std::string>& regions) {
     for (const std::string& region : regions) {
       Node& relay = fleet.relays.emplace_back();
       relay.name = "relay-" + region;
       relay.region = region;
-      std::vector<std::string> relay_args = {"--region", region, "--upstream", publisher_address,
-                                             "--listen", loopback_any, "--http", loopback_any};
-      relay_args.insert(relay_args.end(), trust.begin(), trust.end());
-      FW_RETURN_IF_ERROR(launch(relay, "relay", relay_args));
+      std::vector<std::string> args = {
+          "--region", region,       "--upstream", fleet.publisher.listen.ToString(),
+          "--listen", kLoopbackAny, "--http",     kLoopbackAny};
+      args.insert(args.end(), trust.begin(), trust.end());
+      FW_RETURN_IF_ERROR(Launch(relay, "relay", args));
     }
     for (Node& relay : fleet.relays) {
-      FW_RETURN_IF_ERROR(AwaitReady(fleet.processes, ready_file(relay), true, relay));
+      FW_RETURN_IF_ERROR(AwaitReady(fleet.processes, ReadyFile(relay), true, relay));
     }
+    return Status::Ok();
   }
-  for (size_t r = 0; r < regions.size(); ++r) {
-    const std::string upstream =
-        UsesRelays(strategy) ? fleet.relays[r].listen.ToString() : publisher_address;
-    for (int i = 1; i <= options.workers_per_region; ++i) {
-      Node& worker = fleet.workers.emplace_back();
-      worker.name = "worker-" + regions[r] + "-" + std::to_string(i);
-      worker.region = regions[r];
-      std::vector<std::string> worker_args = {"--region", regions[r], "--upstream", upstream,
-                                              "--http", loopback_any};
-      worker_args.insert(worker_args.end(), trust.begin(), trust.end());
-      FW_RETURN_IF_ERROR(launch(worker, "worker", worker_args));
+
+  // Each region's workers, from its relay or (no relays) from the publisher.
+  Status StartWorkers(const std::vector<std::string>& regions) {
+    for (size_t r = 0; r < regions.size(); ++r) {
+      const std::string upstream = UsesRelays(strategy) ? fleet.relays[r].listen.ToString()
+                                                        : fleet.publisher.listen.ToString();
+      for (int i = 1; i <= options.workers_per_region; ++i) {
+        Node& worker = fleet.workers.emplace_back();
+        worker.name = "worker-" + regions[r] + "-" + std::to_string(i);
+        worker.region = regions[r];
+        std::vector<std::string> args = {"--region", regions[r], "--upstream",
+                                         upstream,   "--http",   kLoopbackAny};
+        args.insert(args.end(), trust.begin(), trust.end());
+        FW_RETURN_IF_ERROR(Launch(worker, "worker", args));
+      }
     }
+    for (Node& worker : fleet.workers) {
+      FW_RETURN_IF_ERROR(AwaitReady(fleet.processes, ReadyFile(worker), false, worker));
+    }
+    return Status::Ok();
   }
-  for (Node& worker : fleet.workers) {
-    FW_RETURN_IF_ERROR(AwaitReady(fleet.processes, ready_file(worker), false, worker));
-  }
-  return Status::Ok();
+};
+
+// Starts the publisher, then the relays, then the workers (each tier all at once, the next
+// when every one of them wrote its ready file).
+Status StartFleet(const FleetBenchOptions& options, const std::string& flywheel,
+                  const std::string& strategy, const std::string& strategy_dir,
+                  const std::string& watch_dir, Fleet& fleet) {
+  FleetLauncher launcher{options, flywheel, strategy, strategy_dir + "/ready", fleet};
+  std::error_code error;
+  fs::create_directories(launcher.ready_dir, error);
+  if (error) return Status::IOError("cannot create " + launcher.ready_dir + ": " + error.message());
+  FW_RETURN_IF_ERROR(launcher.StartPublisher(strategy_dir, watch_dir));
+  const std::vector<std::string> regions = RegionNames(options.regions);
+  if (UsesRelays(strategy)) FW_RETURN_IF_ERROR(launcher.StartRelays(regions));
+  return launcher.StartWorkers(regions);
 }
 
 // ---- measuring one update --------------------------------------------------------------
@@ -642,7 +651,7 @@ struct StrategyResult {
     for (const UpdateResult& update : updates) values.push_back(update.seconds);
     return values;
   }
-  double median_seconds() const { return Median(Seconds()); }
+  double median_seconds() const { return Median(Seconds(), kNotMeasured); }
   double max_seconds() const {
     const std::vector<double> values = Seconds();
     return values.empty() ? kNotMeasured : *std::max_element(values.begin(), values.end());
@@ -821,11 +830,11 @@ StageFigures MeasureStages(const FleetBenchOptions& options, const std::vector<S
     }
   }
   figures.measured = true;
-  figures.publish_seconds = Median(publish);
-  figures.wan_seconds = Median(wan);
-  figures.apply_seconds = Median(apply);
+  figures.publish_seconds = Median(publish, kNotMeasured);
+  figures.wan_seconds = Median(wan, kNotMeasured);
+  figures.apply_seconds = Median(apply, kNotMeasured);
   figures.sync_seconds = delta->median_seconds();
-  figures.bits_per_changed_word = Median(bits);
+  figures.bits_per_changed_word = Median(bits, kNotMeasured);
   return figures;
 }
 
@@ -1131,8 +1140,7 @@ Result<std::string> ResolveFlywheel(const FleetBenchOptions& options) {
   std::error_code error;
   std::string path = options.flywheel_binary;
   if (path.empty()) {
-    path = fs::read_symlink("/proc/self/exe", error).string();
-    if (error) return Status::IOError("cannot resolve /proc/self/exe: " + error.message());
+    FW_ASSIGN_OR_RETURN(path, ops::ExecutablePath());
   } else {
     path = fs::absolute(path, error).string();
   }
@@ -1141,6 +1149,74 @@ Result<std::string> ResolveFlywheel(const FleetBenchOptions& options) {
                             " is not executable: " + std::strerror(errno));
   }
   return path;
+}
+
+// The report: its tables in order (each with its title), the projection's assumptions,
+// the checks and the notes; printed as text and as Markdown alike.
+struct FleetReport {
+  std::vector<std::pair<std::string, Table>> sections;
+  std::vector<std::string> projection_lines, checks, notes;
+};
+
+FleetReport MakeReport(const FleetBenchOptions& options, const StagedSequence& staged,
+                       const std::vector<StrategyResult>& results,
+                       const LoopbackStreamReport& stream) {
+  FleetReport report;
+  report.checks = Checks(results);
+  if (options.stream_seconds > 0) {
+    for (const std::string& line : LoopbackStreamChecks(stream)) report.checks.push_back(line);
+  }
+  const StageFigures stages = MeasureStages(options, results);
+  for (const std::string& line : StageChecks(options, stages, staged))
+    report.checks.push_back(line);
+  report.sections = {{"Per update", UpdatesTable(results, staged)},
+                     {"Per strategy", SummaryTable(results)}};
+  if (stages.measured)
+    report.sections.push_back({"Stages, each on its own", StagesTable(stages, staged)});
+  if (options.stream_seconds > 0) {
+    report.sections.push_back(
+        {"Loopback stream (" + LoopbackStreamSetup(stream) + ")", LoopbackStreamTable(stream)});
+  }
+  if (const auto projected = ProjectFromRun(stages, staged, stream)) {
+    report.sections.push_back({"Projection: the seeds' case from this run's rates",
+                               ProjectionTable(projected->first, ProjectionAssumptions{})});
+    report.projection_lines = ProjectionAssumptionLines(projected->second, ProjectionAssumptions{});
+  } else {
+    report.projection_lines.push_back(
+        "projection: n/a (needs delta-relay and the loopback TLS stream, --stream-seconds > 0)");
+  }
+  for (const StrategyResult& result : results) {
+    for (const std::string& note : result.notes) report.notes.push_back(result.name + ": " + note);
+  }
+  return report;
+}
+
+void PrintReport(const FleetReport& report, std::ostream& out) {
+  for (const auto& [title, table] : report.sections)
+    out << "\n" << title << ":\n" << RenderText(table);
+  out << "\nprojection assumptions:\n";
+  for (const std::string& line : report.projection_lines) out << "  " << line << "\n";
+  out << "\nchecks:\n";
+  for (const std::string& line : report.checks) out << "  " << line << "\n";
+  for (const std::string& note : report.notes) out << "  note: " << note << "\n";
+  out << "\n";
+  for (const std::string& line : Legend()) out << line << "\n";
+  out << std::flush;
+}
+
+std::string MarkdownReport(const FleetReport& report, const std::string& preamble) {
+  std::string section = "## Fleet benchmark\n\n```\n" + preamble + "```\n";
+  for (const auto& [title, table] : report.sections) {
+    section += "\n### " + title + "\n\n" + RenderMarkdown(table);
+  }
+  section += "\n### Projection assumptions\n\n";
+  for (const std::string& line : report.projection_lines) section += "- " + line + "\n";
+  section += "\n### Checks\n\n";
+  for (const std::string& line : report.checks) section += "- " + line + "\n";
+  for (const std::string& note : report.notes) section += "- note: " + note + "\n";
+  section += "\n";
+  for (const std::string& line : Legend()) section += "- " + line + "\n";
+  return section;
 }
 
 }  // namespace
@@ -1157,13 +1233,11 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
   fs::create_directories(log_dir, error);
   if (error) return Status::IOError("cannot create " + log_dir + ": " + error.message());
   const SteadyClock::time_point run_start = SteadyClock::now();
-
   FW_ASSIGN_OR_RETURN(const StagedSequence staged,
                       StageVersions(options, static_cast<uint64_t>(options.updates) + 1,
                                     work_dir.path() + "/staged"));
   const std::string preamble = Preamble(options, staged);
   out << preamble << "\n" << std::flush;
-
   std::vector<StrategyResult> results;
   for (const std::string& strategy : options.strategies) {
     FW_ASSIGN_OR_RETURN(StrategyResult result, RunStrategy(options, flywheel, strategy, staged,
@@ -1171,7 +1245,6 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
     results.push_back(std::move(result));
   }
   if (!options.keep) fs::remove_all(work_dir.path() + "/staged", error);
-
   std::vector<Status> failures;
   LoopbackStreamReport stream;
   if (options.stream_seconds > 0) {
@@ -1180,61 +1253,16 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
     stream_options.log_dir = log_dir;
     stream = MeasureLoopbackStreams(stream_options, failures);
   }
-
-  std::vector<std::string> checks = Checks(results);
-  if (options.stream_seconds > 0) {
-    for (const std::string& line : LoopbackStreamChecks(stream)) checks.push_back(line);
-  }
-  const StageFigures stages = MeasureStages(options, results);
-  for (const std::string& line : StageChecks(options, stages, staged)) checks.push_back(line);
-  // The report's tables in order, each with its title; text and Markdown alike.
-  std::vector<std::pair<std::string, Table>> sections = {
-      {"Per update", UpdatesTable(results, staged)}, {"Per strategy", SummaryTable(results)}};
-  if (stages.measured) sections.push_back({"Stages, each on its own", StagesTable(stages, staged)});
-  if (options.stream_seconds > 0) {
-    sections.push_back({"Loopback stream (" + LoopbackStreamSetup(stream) + ")",
-                        LoopbackStreamTable(stream)});
-  }
-  std::vector<std::string> projection_lines;
-  if (const auto projected = ProjectFromRun(stages, staged, stream)) {
-    sections.push_back({"Projection: the seeds' case from this run's rates",
-                        ProjectionTable(projected->first, ProjectionAssumptions{})});
-    projection_lines = ProjectionAssumptionLines(projected->second, ProjectionAssumptions{});
-  } else {
-    projection_lines.push_back(
-        "projection: n/a (needs delta-relay and the loopback TLS stream, --stream-seconds > 0)");
-  }
-  std::vector<std::string> notes;
-  for (const StrategyResult& result : results) {
-    for (const std::string& note : result.notes) notes.push_back(result.name + ": " + note);
-  }
-  for (const auto& [title, table] : sections) out << "\n" << title << ":\n" << RenderText(table);
-  out << "\nprojection assumptions:\n";
-  for (const std::string& line : projection_lines) out << "  " << line << "\n";
-  out << "\nchecks:\n";
-  for (const std::string& line : checks) out << "  " << line << "\n";
-  for (const std::string& note : notes) out << "  note: " << note << "\n";
-  out << "\n";
-  for (const std::string& line : Legend()) out << line << "\n";
-  out << std::flush;
-
+  const FleetReport report = MakeReport(options, staged, results, stream);
+  PrintReport(report, out);
   if (!options.markdown_out.empty()) {
-    std::string section = "## Fleet benchmark\n\n```\n" + preamble + "```\n";
-    for (const auto& [title, table] : sections) {
-      section += "\n### " + title + "\n\n" + RenderMarkdown(table);
-    }
-    section += "\n### Projection assumptions\n\n";
-    for (const std::string& line : projection_lines) section += "- " + line + "\n";
-    section += "\n### Checks\n\n";
-    for (const std::string& line : checks) section += "- " + line + "\n";
-    for (const std::string& note : notes) section += "- note: " + note + "\n";
-    section += "\n";
-    for (const std::string& line : Legend()) section += "- " + line + "\n";
-    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Fleet benchmark", section));
+    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Fleet benchmark",
+                                            MarkdownReport(report, preamble)));
   }
   if (!options.json_out.empty()) {
     const std::string json =
-        ResultsJson(options, staged, results, stream, checks, failures.empty()).dump(2) + "\n";
+        ResultsJson(options, staged, results, stream, report.checks, failures.empty()).dump(2) +
+        "\n";
     FW_RETURN_IF_ERROR(
         delta::WriteFileAtomically(options.json_out, std::as_bytes(std::span(json))));
   }

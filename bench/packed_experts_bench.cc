@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "bench/stats.h"
 #include "bench/util.h"
 #include "model/packed.h"
 #include "trainer/training_client.h"
@@ -23,11 +24,6 @@ using trainer::TrainingClient;
 constexpr double kMemoryTarget = 0.3;  // packed / bf16
 constexpr double kTimeTarget = 1.2;    // packed / unpacked step time
 constexpr int64_t kVocab = 512;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 model::ModelConfig MoeConfig(const PackedExpertsBenchOptions& o) {
   model::ModelConfig c;

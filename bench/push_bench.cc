@@ -196,68 +196,57 @@ Result<double> CurlPeer(const std::string& dir, const Fleet& fleet, uint16_t pro
   return std::stod(done.out);
 }
 
-}  // namespace
-
-Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
-  if (options.workers < 1 || options.steps < 1) {
-    return Status::InvalidArgument("push bench: --workers and --steps must be >= 1");
-  }
-  std::error_code error;
-  std::string binary = options.flywheel_binary.empty()
-                           ? fs::read_symlink("/proc/self/exe", error).string()
-                           : options.flywheel_binary;
-  if (error) return Status::IOError("cannot resolve /proc/self/exe: " + error.message());
-  ScopedWorkDir work;
-  FW_RETURN_IF_ERROR(work.Prepare(options.work_dir, "flywheel-push-bench", options.keep));
-  const std::string dir = work.path();
+// The work dir's logs/, watch/ and the two token files (private: the roles refuse a token
+// file that others can read).
+Status PrepareWorkDir(const std::string& dir) {
   fs::create_directories(dir + "/logs");
   fs::create_directories(dir + "/watch");
   for (const auto& [name, token] : {std::pair{"push.token", kPushToken}, {"read.token", kReadToken}}) {
     const std::string text = token;
     FW_RETURN_IF_ERROR(WriteFileAtomically(dir + "/" + name, std::as_bytes(std::span(text))));
-    // A token file must be private: the roles refuse one that others can read.
     fs::permissions(dir + "/" + name, fs::perms::owner_read | fs::perms::owner_write);
   }
-  out << "push bench: starting publisher, relay and " << options.workers << " workers\n";
-  FW_ASSIGN_OR_RETURN(Fleet fleet, StartFleet(options, binary, dir));
-  testing::FaultProxy proxy(fleet.publisher_http.port,
-                             {.upstream_bytes_per_s = options.link_bits_per_s / 8});
-  if (!proxy.ok()) return Status::IOError("push bench: the shaping proxy: " + proxy.error());
-  sync::PushClientOptions client;
-  client.url = "http://127.0.0.1:" + std::to_string(proxy.port());
-  client.token = kPushToken;
-  client.cache_dir = dir + "/cache";
-  client.threads = options.threads;
-  client.timeout = 600s;
+  return Status::Ok();
+}
 
-  std::vector<PushRow> rows;
+// The fraction of the bf16 words that differ between two checkpoints' bytes.
+double ChangedFraction(const std::vector<std::byte>& previous,
+                       const std::vector<std::byte>& bytes) {
+  uint64_t changed = 0;
+  const auto* a = reinterpret_cast<const uint16_t*>(previous.data());
+  const auto* b = reinterpret_cast<const uint16_t*>(bytes.data());
+  for (size_t i = 0; i < bytes.size() / 2; ++i) changed += a[i] != b[i];
+  return static_cast<double>(changed) / static_cast<double>(bytes.size() / 2);
+}
+
+// The pushes and drops of one run, step by step.
+struct PushRun {
+  const PushBenchOptions& options;
+  const Fleet& fleet;
+  const sync::PushClientOptions& client;
+  const std::string& dir;
+  uint16_t proxy_port;
+  std::ostream& out;
+  std::vector<PushRow> rows{};
   double curl_s = 0;
-  std::vector<std::byte> previous;  // the last pushed version's bytes, for the density
-  GeneratorOptions generate;
-  generate.checkpoint_bytes = options.checkpoint_bytes;
-  generate.threads = options.threads;
-  out << "push bench: " << 1 + 2 * options.steps << " AdamW steps of a "
-      << Grouped(options.checkpoint_bytes) << "-byte model: v1 pushed in full, then a delta push "
-      << "and a drop (the fleet's own sync, the baseline) in turn\n" << std::flush;
-  auto each = [&](int step, const CheckpointView& view) -> Status {
+  std::vector<std::byte> previous{};  // the last pushed version's bytes, for the density
+
+  // Odd steps after the first: the baseline, the same kind of step as a drop.
+  Status Drop(uint64_t version, const CheckpointView& view) {
+    FW_ASSIGN_OR_RETURN(rows.back().drop_s, DropOne(options, fleet, dir, view, version));
+    out << "push bench: v" << version << " drop served by all workers after "
+        << Fixed(rows.back().drop_s, 2) << " s\n"
+        << std::flush;
+    return Status::Ok();
+  }
+
+  Status Step(int step, const CheckpointView& view) {
     const uint64_t version = static_cast<uint64_t>(step);
-    if (step > 1 && step % 2 == 1) {  // the baseline: the same kind of step as a drop
-      FW_ASSIGN_OR_RETURN(rows.back().drop_s, DropOne(options, fleet, dir, view, version));
-      out << "push bench: v" << version << " drop served by all workers after "
-          << Fixed(rows.back().drop_s, 2) << " s\n" << std::flush;
-      return Status::Ok();
-    }
+    if (step > 1 && step % 2 == 1) return Drop(version, view);
     // Words changed since the last push: what the client's delta (from its cache) holds.
-    double density = 0;
     std::vector<std::byte> bytes;
     for (const TensorView& t : view) bytes.insert(bytes.end(), t.data.begin(), t.data.end());
-    if (!previous.empty()) {
-      uint64_t changed = 0;
-      const auto* a = reinterpret_cast<const uint16_t*>(previous.data());
-      const auto* b = reinterpret_cast<const uint16_t*>(bytes.data());
-      for (size_t i = 0; i < bytes.size() / 2; ++i) changed += a[i] != b[i];
-      density = static_cast<double>(changed) / static_cast<double>(bytes.size() / 2);
-    }
+    const double density = previous.empty() ? 0 : ChangedFraction(previous, bytes);
     previous = std::move(bytes);
     const std::string file = dir + "/v" + std::to_string(version) + ".safetensors";
     FW_RETURN_IF_ERROR(WriteSafetensors(file, view, {}));
@@ -268,20 +257,20 @@ Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
         << "workers after " << Fixed(row.total_s(), 2) << " s\n" << std::flush;
     rows.push_back(row);
     if (step == 1) {
-      FW_ASSIGN_OR_RETURN(curl_s, CurlPeer(dir, fleet, proxy.port(), file));
+      FW_ASSIGN_OR_RETURN(curl_s, CurlPeer(dir, fleet, proxy_port, file));
     }
     std::error_code ignored;
     fs::remove(file, ignored);
     return Status::Ok();
-  };
-  FW_RETURN_IF_ERROR(GenerateCheckpointSequence(generate, 1 + 2 * options.steps, each));
+  }
+};
 
-  Table table{{"push", "kind", "words changed since the last push", "uploaded", "of checkpoint", "encode s",
-               "transfer s", "wire floor s", "commit s", "then all serving s", "push→all serving s",
-               "drop→all serving s", "target s"},
+// One row per push and the curl peer's; `missed` lists each delta push over its targets.
+Table PushTable(const std::vector<PushRow>& rows, double curl_s, std::string& missed) {
+  Table table{{"push", "kind", "words changed since the last push", "uploaded", "of checkpoint",
+               "encode s", "transfer s", "wire floor s", "commit s", "then all serving s",
+               "push→all serving s", "drop→all serving s", "target s"},
               {}};
-  bool met = true;
-  std::string missed;
   for (const PushRow& row : rows) {
     const bool delta = row.kind == "delta";
     const double target = 1.3 * row.wire_s + row.drop_s;
@@ -295,11 +284,9 @@ Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
                           delta ? Fixed(row.drop_s, 2) : "-", delta ? Fixed(target, 2) : "-"});
     if (!delta) continue;
     if (row.uploaded_bytes * 40 > row.checkpoint_bytes) {
-      met = false;
       missed += " v" + std::to_string(row.version) + " uploaded more than 1/40;";
     }
     if (row.total_s() > target) {
-      met = false;
       missed += " v" + std::to_string(row.version) + " push→serving " + Fixed(row.total_s(), 2) +
                 " s > target " + Fixed(target, 2) + " s;";
     }
@@ -307,11 +294,18 @@ Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
   table.rows.push_back({"curl -T (peer, full v1)", "full", "-", Grouped(rows[0].checkpoint_bytes),
                         "1/1.0", "-", Fixed(curl_s, 2), Fixed(rows[0].wire_s, 2), "-", "-", "-", "-",
                         "-"});
+  return table;
+}
+
+Status ReportPushes(const PushBenchOptions& options, const PushRun& run, std::ostream& out) {
+  std::string missed;
+  const Table table = PushTable(run.rows, run.curl_s, missed);
+  const PushRow& full = run.rows[0];
   out << "\n" << RenderText(table);
   out << "\nLink " << Fixed(options.link_bits_per_s / 1e9, 2) << " Gbit/s (client -> publisher), "
       << options.workers << " workers behind one relay; the full v1 transfer (parts, resumable) "
-      << Fixed(rows[0].upload_s - rows[0].commit_s, 2) << " s vs curl -T of the file "
-      << Fixed(curl_s, 2) << " s (" << Fixed((rows[0].upload_s - rows[0].commit_s) / curl_s, 2)
+      << Fixed(full.upload_s - full.commit_s, 2) << " s vs curl -T of the file "
+      << Fixed(run.curl_s, 2) << " s (" << Fixed((full.upload_s - full.commit_s) / run.curl_s, 2)
       << "x).\n";
   if (!options.markdown_out.empty()) {
     FW_RETURN_IF_ERROR(WriteMarkdownSection(
@@ -324,9 +318,49 @@ Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
             " workers; `curl -T` of the full file over the same link is the peer.\n\n" +
             RenderMarkdown(table) + "\n"));
   }
-  (void)fleet.processes->StopAll();
-  if (options.check && !met) return Status::Internal("push bench: targets missed:" + missed);
+  (void)run.fleet.processes->StopAll();
+  if (options.check && !missed.empty())
+    return Status::Internal("push bench: targets missed:" + missed);
   return Status::Ok();
+}
+
+}  // namespace
+
+Status RunPushBench(const PushBenchOptions& options, std::ostream& out) {
+  if (options.workers < 1 || options.steps < 1) {
+    return Status::InvalidArgument("push bench: --workers and --steps must be >= 1");
+  }
+  std::string binary = options.flywheel_binary;
+  if (binary.empty()) {
+    FW_ASSIGN_OR_RETURN(binary, ops::ExecutablePath());
+  }
+  ScopedWorkDir work;
+  FW_RETURN_IF_ERROR(work.Prepare(options.work_dir, "flywheel-push-bench", options.keep));
+  const std::string dir = work.path();
+  FW_RETURN_IF_ERROR(PrepareWorkDir(dir));
+  out << "push bench: starting publisher, relay and " << options.workers << " workers\n";
+  FW_ASSIGN_OR_RETURN(Fleet fleet, StartFleet(options, binary, dir));
+  testing::FaultProxy proxy(fleet.publisher_http.port,
+                            {.upstream_bytes_per_s = options.link_bits_per_s / 8});
+  if (!proxy.ok()) return Status::IOError("push bench: the shaping proxy: " + proxy.error());
+  sync::PushClientOptions client;
+  client.url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  client.token = kPushToken;
+  client.cache_dir = dir + "/cache";
+  client.threads = options.threads;
+  client.timeout = 600s;
+  GeneratorOptions generate;
+  generate.checkpoint_bytes = options.checkpoint_bytes;
+  generate.threads = options.threads;
+  out << "push bench: " << 1 + 2 * options.steps << " AdamW steps of a "
+      << Grouped(options.checkpoint_bytes) << "-byte model: v1 pushed in full, then a delta push "
+      << "and a drop (the fleet's own sync, the baseline) in turn\n"
+      << std::flush;
+  PushRun run{options, fleet, client, dir, proxy.port(), out};
+  FW_RETURN_IF_ERROR(GenerateCheckpointSequence(
+      generate, 1 + 2 * options.steps,
+      [&](int step, const CheckpointView& view) { return run.Step(step, view); }));
+  return ReportPushes(options, run, out);
 }
 
 }  // namespace flywheel::bench

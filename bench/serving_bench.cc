@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/stats.h"
 #include "bench/util.h"
 #include "model/model.h"
 #include "model/model_config.h"
@@ -25,11 +26,6 @@ namespace {
 
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 double Since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -75,6 +71,73 @@ Result<StreamRun> Streamed(uint16_t port, const std::string& body) {
   return run;
 }
 
+// The timed rounds: the same request whole and streamed; medians come from these.
+struct ServingTimes {
+  std::vector<double> first, streamed_total, whole_total;
+  bool same = true;  // the streamed text and ids equal the whole answer's, every round
+  size_t chunks = 0;
+};
+
+// Round -1 warms up; every round asks for the whole answer, then for the stream.
+Status TimeRounds(const ServingBenchOptions& options, uint16_t port, const std::string& body,
+                  ServingTimes& t) {
+  json streamed_body = json::parse(body);
+  streamed_body["stream"] = true;
+  for (int r = -1; r < options.rounds; ++r) {
+    const auto start = Clock::now();
+    auto whole = transport::HttpPost({"127.0.0.1", port}, "/v1/completions", body,
+                                     {.timeout = std::chrono::seconds(600)});
+    const double whole_s = Since(start);
+    if (!whole.ok() || whole->status != 200) {
+      return whole.ok() ? Status::Internal("the whole answer failed: " + whole->body)
+                        : whole.status();
+    }
+    FW_ASSIGN_OR_RETURN(StreamRun run, Streamed(port, streamed_body.dump()));
+    json answer = json::parse(whole->body);
+    t.same = t.same && run.text == answer["choices"][0]["text"].get<std::string>() &&
+             run.ids == answer["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+    if (r < 0) continue;
+    t.first.push_back(run.first_token_s);
+    t.streamed_total.push_back(run.total_s);
+    t.whole_total.push_back(whole_s);
+    t.chunks = run.chunks;
+  }
+  return Status::Ok();
+}
+
+// The report's text (a Markdown table and the checks); `targets_met` says whether the first
+// token and the streamed end came within their targets.
+std::string ServingReport(const ServingBenchOptions& options, int64_t parameters,
+                          const std::string& tokenizer_name, const ServingTimes& t,
+                          bool& targets_met) {
+  const double ttft = Median(t.first), st = Median(t.streamed_total), wt = Median(t.whole_total);
+  std::ostringstream report;
+  char line[512];
+  std::snprintf(line, sizeof(line),
+                "model: demo dense (%.1fM parameters, fp32, random weights), tokenizer: %s; "
+                "%d threads\nrequest: %lld prompt tokens, %lld new tokens, one request at a "
+                "time over loopback HTTP; medians of %d rounds\n\n",
+                static_cast<double>(parameters) / 1e6, tokenizer_name.c_str(),
+                torch::get_num_threads(), static_cast<long long>(options.prompt_tokens),
+                static_cast<long long>(options.max_tokens), options.rounds);
+  report << line;
+  report << "| answer | first token (s) | last token (s) | vs whole answer |\n|---|---|---|---|\n";
+  std::snprintf(line, sizeof(line),
+                "| streamed (%zu chunks) | %.3f | %.3f | first token at %.3fx, end at %.2fx |\n",
+                t.chunks, ttft, st, ttft / wt, st / wt);
+  report << line;
+  std::snprintf(line, sizeof(line), "| whole (stream: false) | %.3f | %.3f | 1.00x |\n", wt, wt);
+  report << line;
+  const bool fast_first = ttft <= 0.25 * wt, cheap = st <= 1.15 * wt;
+  std::snprintf(line, sizeof(line),
+                "\nchecks: streamed text and ids equal the whole answer: %s; first token within "
+                "0.25x the whole answer: %s; streamed end within 1.15x: %s\n",
+                t.same ? "yes" : "NO", fast_first ? "yes" : "NO", cheap ? "yes" : "NO");
+  report << line;
+  targets_met = fast_first && cheap;
+  return report.str();
+}
+
 }  // namespace
 
 Status RunServingBench(const ServingBenchOptions& options, std::ostream& out) {
@@ -100,83 +163,29 @@ Status RunServingBench(const ServingBenchOptions& options, std::ostream& out) {
   FW_ASSIGN_OR_RETURN(auto server, transport::HttpServer::Start(io.get_executor(), {"127.0.0.1", 0}, {}));
   service.Register(*server);
   std::thread thread([&] { io.run(); });
-  auto stop = [&] {
-    boost::asio::post(io, [&] { server->Stop(); });
-    guard.reset();
-    thread.join();
-  };
-
   std::mt19937_64 rng(7);
   std::vector<int32_t> prompt;
   const int64_t prompt_vocab = std::min<int64_t>(tok->vocab_size(), 256);
   for (int64_t i = 0; i < options.prompt_tokens; ++i) prompt.push_back(static_cast<int32_t>(rng() % prompt_vocab));
   const std::string body = json{{"prompt", prompt}, {"max_tokens", options.max_tokens}, {"seed", 3},
                                 {"temperature", 1.0}, {"ignore_eos", true}}.dump();
-  json streamed_body = json::parse(body);
-  streamed_body["stream"] = true;
-
-  std::vector<double> first, streamed_total, whole_total;
-  bool same = true;
-  size_t chunks = 0;
-  Status failed = Status::Ok();
-  for (int r = -1; r < options.rounds && failed.ok(); ++r) {  // round -1 warms up
-    const auto start = Clock::now();
-    auto whole = transport::HttpPost({"127.0.0.1", server->port()}, "/v1/completions", body,
-                                     {.timeout = std::chrono::seconds(600)});
-    const double whole_s = Since(start);
-    if (!whole.ok() || whole->status != 200) {
-      failed = whole.ok() ? Status::Internal("the whole answer failed: " + whole->body) : whole.status();
-      break;
-    }
-    auto run = Streamed(server->port(), streamed_body.dump());
-    if (!run.ok()) {
-      failed = run.status();
-      break;
-    }
-    json answer = json::parse(whole->body);
-    same = same && run->text == answer["choices"][0]["text"].get<std::string>() &&
-           run->ids == answer["choices"][0]["token_ids"].get<std::vector<int32_t>>();
-    if (r < 0) continue;
-    first.push_back(run->first_token_s);
-    streamed_total.push_back(run->total_s);
-    whole_total.push_back(whole_s);
-    chunks = run->chunks;
-  }
-  stop();
+  ServingTimes times;
+  const Status failed = TimeRounds(options, server->port(), body, times);
+  boost::asio::post(io, [&] { server->Stop(); });
+  guard.reset();
+  thread.join();
   FW_RETURN_IF_ERROR(failed);
-
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
-  const double ttft = Median(first), st = Median(streamed_total), wt = Median(whole_total);
-  std::ostringstream report;
-  char line[512];
-  std::snprintf(line, sizeof(line),
-                "model: demo dense (%.1fM parameters, fp32, random weights), tokenizer: %s; "
-                "%d threads\nrequest: %lld prompt tokens, %lld new tokens, one request at a "
-                "time over loopback HTTP; medians of %d rounds\n\n",
-                static_cast<double>(parameters) / 1e6, tokenizer_name.c_str(),
-                torch::get_num_threads(), static_cast<long long>(options.prompt_tokens),
-                static_cast<long long>(options.max_tokens), options.rounds);
-  report << line;
-  report << "| answer | first token (s) | last token (s) | vs whole answer |\n|---|---|---|---|\n";
-  std::snprintf(line, sizeof(line), "| streamed (%zu chunks) | %.3f | %.3f | first token at %.3fx, end at %.2fx |\n",
-                chunks, ttft, st, ttft / wt, st / wt);
-  report << line;
-  std::snprintf(line, sizeof(line), "| whole (stream: false) | %.3f | %.3f | 1.00x |\n", wt, wt);
-  report << line;
-  const bool fast_first = ttft <= 0.25 * wt, cheap = st <= 1.15 * wt;
-  std::snprintf(line, sizeof(line),
-                "\nchecks: streamed text and ids equal the whole answer: %s; first token within "
-                "0.25x the whole answer: %s; streamed end within 1.15x: %s\n",
-                same ? "yes" : "NO", fast_first ? "yes" : "NO", cheap ? "yes" : "NO");
-  report << line;
-  out << report.str();
+  bool targets_met = false;
+  const std::string report = ServingReport(options, parameters, tokenizer_name, times, targets_met);
+  out << report;
   if (!options.markdown_out.empty()) {
     FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Serving benchmark",
-                                            "## Serving benchmark\n\n" + report.str()));
+                                            "## Serving benchmark\n\n" + report));
   }
-  if (!same) return Status::Mismatch("the streamed answer differs from the whole answer");
-  if (options.check && !(fast_first && cheap)) return Status::Mismatch("a serving target was missed");
+  if (!times.same) return Status::Mismatch("the streamed answer differs from the whole answer");
+  if (options.check && !targets_met) return Status::Mismatch("a serving target was missed");
   return Status::Ok();
 }
 

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/stats.h"
 #include "bench/util.h"
 #include "checkpoint/safetensors.h"
 #include "ops/process.h"
@@ -48,8 +49,7 @@ Result<double> MedianMs(const std::string& program, const std::vector<std::strin
     }
     ms.push_back(run.elapsed.count() * 1000);
   }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return Median(std::move(ms));
 }
 
 // VmRSS of a process, in MB.
@@ -118,9 +118,8 @@ Status RunStartupBench(const StartupBenchOptions& options, std::ostream& out) {
   if (options.reps < 1) return Status::InvalidArgument("reps must be >= 1");
   std::string flywheel = options.flywheel_binary;
   if (flywheel.empty()) {
-    std::error_code ec;
-    flywheel = (fs::read_symlink("/proc/self/exe", ec).parent_path() / "flywheel").string();
-    if (ec) return Status::IOError("cannot resolve /proc/self/exe: " + ec.message());
+    FW_ASSIGN_OR_RETURN(const std::string self, ops::ExecutablePath());
+    flywheel = (fs::path(self).parent_path() / "flywheel").string();
   }
   const std::string torch = (fs::path(flywheel).parent_path() / "flywheel-torch").string();
   for (const std::string& binary : {flywheel, torch}) {

@@ -17,7 +17,7 @@
 namespace flywheel::bench {
 
 struct StartupBenchOptions {
-  std::string flywheel_binary;  // empty: this executable's flywheel (see /proc/self/exe)
+  std::string flywheel_binary;  // empty: the flywheel beside this executable (ops::ExecutablePath)
   int reps = 10;                // runs per command (median reported)
   std::string markdown_out;     // write the table as the '## Startup benchmark' section
   bool check = true;            // fail when a target is missed

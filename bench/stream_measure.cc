@@ -57,6 +57,53 @@ awaitable<void> ReceiveAll(std::shared_ptr<Connection> connection, std::shared_p
   }
 }
 
+// The dialling side: its streams, what they queued, and the first error.
+struct Sent {
+  std::vector<std::shared_ptr<Connection>> connections;
+  int open = 0;
+  uint64_t wire_bytes = 0;
+  Status status = Status::Ok();
+  std::string cipher;
+  std::promise<void> done;
+};
+
+// One stream: dial, send `frames` frames of `payload`, record what went out.
+awaitable<void> SendStream(DialOptions dial, std::shared_ptr<std::vector<std::byte>> payload,
+                           uint64_t frames, std::shared_ptr<Sent> sent) {
+  wire::Hello hello;
+  hello.set_role(wire::CLIENT);
+  hello.set_channel(wire::DATA);
+  auto connection = co_await Dial(dial, hello);
+  Status status = connection.status();
+  if (connection.ok()) {
+    sent->connections.push_back(*connection);
+    sent->cipher = (*connection)->tls_cipher();
+    status = co_await SendAll(*connection, payload, frames);
+    sent->wire_bytes += (*connection)->bytes_out();
+  }
+  if (!status.ok() && sent->status.ok()) sent->status = status;
+  if (--sent->open == 0) sent->done.set_value();
+}
+
+// Server and client TLS contexts from fresh test certificates (removed again: the contexts
+// hold what they need).
+Status MakeBenchTls(std::shared_ptr<asio::ssl::context>& server_tls,
+                    std::shared_ptr<asio::ssl::context>& client_tls) {
+  const std::string cert_dir = (std::filesystem::temp_directory_path() /
+                                ("flywheel-stream-bench-" + std::to_string(getpid())))
+                                   .string();
+  FW_RETURN_IF_ERROR(WriteTestCertificates(cert_dir, {}));
+  FW_ASSIGN_OR_RETURN(
+      server_tls, MakeServerTlsContext(
+                      {cert_dir + "/server.crt", cert_dir + "/server.key", cert_dir + "/ca.crt"}));
+  FW_ASSIGN_OR_RETURN(
+      client_tls, MakeClientTlsContext(
+                      {cert_dir + "/client.crt", cert_dir + "/client.key", cert_dir + "/ca.crt"}));
+  std::error_code ec;
+  std::filesystem::remove_all(cert_dir, ec);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<StreamBenchResult> MeasureLoopbackStream(const StreamBenchOptions& options) {
@@ -64,21 +111,7 @@ Result<StreamBenchResult> MeasureLoopbackStream(const StreamBenchOptions& option
     return Status::InvalidArgument("stream bench needs bytes >= frame_bytes > 0");
   }
   std::shared_ptr<asio::ssl::context> server_tls, client_tls;
-  std::string cert_dir;
-  if (options.tls) {
-    cert_dir = (std::filesystem::temp_directory_path() /
-                ("flywheel-stream-bench-" + std::to_string(getpid())))
-                   .string();
-    FW_RETURN_IF_ERROR(WriteTestCertificates(cert_dir, {}));
-    FW_ASSIGN_OR_RETURN(server_tls, MakeServerTlsContext({cert_dir + "/server.crt",
-                                                          cert_dir + "/server.key",
-                                                          cert_dir + "/ca.crt"}));
-    FW_ASSIGN_OR_RETURN(client_tls, MakeClientTlsContext({cert_dir + "/client.crt",
-                                                          cert_dir + "/client.key",
-                                                          cert_dir + "/ca.crt"}));
-    std::error_code ec;
-    std::filesystem::remove_all(cert_dir, ec);  // the contexts hold what they need
-  }
+  if (options.tls) FW_RETURN_IF_ERROR(MakeBenchTls(server_tls, client_tls));
   const int streams = std::max(options.streams, 1);
   const uint64_t frames = std::max<uint64_t>(options.bytes / options.frame_bytes / streams, 1);
   const uint64_t total = frames * options.frame_bytes * streams;
@@ -105,37 +138,11 @@ Result<StreamBenchResult> MeasureLoopbackStream(const StreamBenchOptions& option
   dial.endpoint = Endpoint{"127.0.0.1", listener->port()};
   dial.tls = client_tls;
   auto payload = std::make_shared<std::vector<std::byte>>(options.frame_bytes, std::byte{0x5a});
-  // The dialling side: its streams, what they queued, and the first error.
-  struct Sent {
-    std::vector<std::shared_ptr<Connection>> connections;
-    int open = 0;
-    uint64_t wire_bytes = 0;
-    Status status = Status::Ok();
-    std::string cipher;
-    std::promise<void> done;
-  };
   auto sent = std::make_shared<Sent>();
   sent->open = streams;
   auto sent_future = sent->done.get_future();
   for (int i = 0; i < streams; ++i) {
-    asio::co_spawn(
-        client_io,
-        [dial, payload, frames, sent]() -> awaitable<void> {
-          wire::Hello hello;
-          hello.set_role(wire::CLIENT);
-          hello.set_channel(wire::DATA);
-          auto connection = co_await Dial(dial, hello);
-          Status status = connection.status();
-          if (connection.ok()) {
-            sent->connections.push_back(*connection);
-            sent->cipher = (*connection)->tls_cipher();
-            status = co_await SendAll(*connection, payload, frames);
-            sent->wire_bytes += (*connection)->bytes_out();
-          }
-          if (!status.ok() && sent->status.ok()) sent->status = status;
-          if (--sent->open == 0) sent->done.set_value();
-        },
-        asio::detached);
+    asio::co_spawn(client_io, SendStream(dial, payload, frames, sent), asio::detached);
   }
   auto client_guard = asio::make_work_guard(client_io);
   std::thread client_thread([&] { client_io.run(); });
@@ -147,9 +154,8 @@ Result<StreamBenchResult> MeasureLoopbackStream(const StreamBenchOptions& option
   });
   asio::post(server_io, [&listener, receipt] {
     listener->Stop();
-    for (auto& connection : receipt->connections) {
+    for (auto& connection : receipt->connections)
       connection->Close(Status::Unavailable("bench done"));
-    }
   });
   client_guard.reset();
   server_guard.reset();

@@ -12,6 +12,7 @@
 #include <sstream>
 #include <vector>
 
+#include "base/env.h"
 #include "bench/peers.h"
 #include "bench/util.h"
 #include "tokenizer/hf_tokenizer.h"
@@ -153,6 +154,53 @@ Result<PeerRun> RunReference(const TokenizerBenchOptions& options, const std::st
   return run;
 }
 
+// Our encoder against the reference: the cells of our row ("ratio", "parity"), the
+// reference's row, and whether the ids were compared and are equal.
+struct PeerComparison {
+  std::string ratio = "-", parity = "not compared", peer_row;
+  bool compared = false, parity_ok = true;
+};
+
+PeerComparison CompareWithReference(const TokenizerBenchOptions& options, const std::string& text,
+                                    const std::vector<int32_t>& ids, double ours, double mb) {
+  PeerComparison c;
+  std::string json_path = options.tokenizer, config_path;
+  if (fs::is_directory(json_path)) json_path = (fs::path(json_path) / "tokenizer.json").string();
+  const fs::path config = fs::path(json_path).parent_path() / "tokenizer_config.json";
+  if (fs::exists(config)) config_path = config.string();
+  const std::string text_path = (fs::temp_directory_path() /
+                                 ("flywheel-tokenizer-bench-" + std::to_string(getpid()) + ".txt"))
+                                    .string();
+  const Status written = WriteFileAtomically(text_path, std::as_bytes(std::span(text)));
+  const Result<PeerRun> peer =
+      written.ok()
+          ? RunReference(options, fs::absolute(json_path).string(),
+                         config_path.empty() ? "" : fs::absolute(config_path).string(), text_path)
+          : Result<PeerRun>(written);
+  std::error_code ignored;
+  fs::remove(text_path, ignored);
+  if (!peer.ok()) {
+    c.peer_row = "| reference: " + peer.status().message() + " | - | - | - |\n";
+    return c;
+  }
+  const double theirs = mb / peer->seconds;
+  size_t same = 0;
+  for (size_t i = 0; i < std::min(ids.size(), peer->ids.size()); ++i)
+    same += ids[i] == peer->ids[i];
+  c.parity_ok = peer->ids == ids;
+  c.compared = true;
+  char cell[128];
+  std::snprintf(cell, sizeof(cell), "%.1fx", ours / theirs);
+  c.ratio = cell;
+  std::snprintf(cell, sizeof(cell), "%s (%zu of %zu)", c.parity_ok ? "all" : "NO", same,
+                std::max(ids.size(), peer->ids.size()));
+  c.parity = cell;
+  std::snprintf(cell, sizeof(cell),
+                "| @huggingface/tokenizers 0.2.0 (node, JS) | %.1f | 1.0x | reference |\n", theirs);
+  c.peer_row = cell;
+  return c;
+}
+
 }  // namespace
 
 Status RunTokenizerBench(const TokenizerBenchOptions& options, std::ostream& out) {
@@ -162,7 +210,6 @@ Status RunTokenizerBench(const TokenizerBenchOptions& options, std::ostream& out
   const double load_s = SecondsSince(load_start);
   const std::string text = MixedLanguageText(static_cast<size_t>(options.megabytes * 1e6));
   const double mb = static_cast<double>(text.size()) / 1e6;
-
   // Warm-up (the word cache fills as it would in a serving process), then the best of
   // `rounds` on one thread.
   FW_ASSIGN_OR_RETURN(std::vector<int32_t> ids, tok->Encode(text.substr(0, 200000)));
@@ -176,7 +223,8 @@ Status RunTokenizerBench(const TokenizerBenchOptions& options, std::ostream& out
   // Decoding back gives the text again (NFC: the generated text is already normalized).
   FW_ASSIGN_OR_RETURN(std::string back, tok->Decode(ids, /*skip_special_tokens=*/false));
   const bool round_trip = back == text;
-
+  const PeerComparison peer =
+      options.reference ? CompareWithReference(options, text, ids, ours, mb) : PeerComparison{};
   std::ostringstream report;
   char line[512];
   std::snprintf(line, sizeof(line), "tokenizer: %s\n%s; loaded in %.2f s\n", options.tokenizer.c_str(),
@@ -188,54 +236,17 @@ Status RunTokenizerBench(const TokenizerBenchOptions& options, std::ostream& out
                 mb, ids.size(), static_cast<double>(text.size()) / static_cast<double>(ids.size()));
   report << line;
   report << "| encoder (one thread) | MB/s | vs reference | ids equal |\n|---|---|---|---|\n";
-  std::snprintf(line, sizeof(line), "| flywheel (C++) | %.1f | %s | %s |\n", ours, "%RATIO%", "%PARITY%");
-  std::string our_row = line;
-
-  bool parity_ok = true, compared = false;
-  std::string peer_row;
-  if (options.reference) {
-    std::string json_path = options.tokenizer, config_path;
-    if (fs::is_directory(json_path)) json_path = (fs::path(json_path) / "tokenizer.json").string();
-    const fs::path config = fs::path(json_path).parent_path() / "tokenizer_config.json";
-    if (fs::exists(config)) config_path = config.string();
-    const std::string text_path = (fs::temp_directory_path() /
-                                   ("flywheel-tokenizer-bench-" + std::to_string(getpid()) + ".txt"))
-                                      .string();
-    std::ofstream(text_path, std::ios::binary) << text;
-    auto peer = RunReference(options, fs::absolute(json_path).string(),
-                             config_path.empty() ? "" : fs::absolute(config_path).string(), text_path);
-    fs::remove(text_path);
-    if (peer.ok()) {
-      const double theirs = mb / peer->seconds;
-      size_t same = 0;
-      for (size_t i = 0; i < std::min(ids.size(), peer->ids.size()); ++i) same += ids[i] == peer->ids[i];
-      parity_ok = peer->ids == ids;
-      compared = true;
-      char ratio[64], parity[96];
-      std::snprintf(ratio, sizeof(ratio), "%.1fx", ours / theirs);
-      std::snprintf(parity, sizeof(parity), "%s (%zu of %zu)", parity_ok ? "all" : "NO", same,
-                    std::max(ids.size(), peer->ids.size()));
-      our_row.replace(our_row.find("%RATIO%"), 7, ratio);
-      our_row.replace(our_row.find("%PARITY%"), 8, parity);
-      std::snprintf(line, sizeof(line), "| @huggingface/tokenizers 0.2.0 (node, JS) | %.1f | 1.0x | reference |\n",
-                    theirs);
-      peer_row = line;
-    } else {
-      our_row.replace(our_row.find("%RATIO%"), 7, "-");
-      our_row.replace(our_row.find("%PARITY%"), 8, "not compared");
-      peer_row = "| reference: " + peer.status().message() + " | - | - | - |\n";
-    }
-  } else {
-    our_row.replace(our_row.find("%RATIO%"), 7, "-");
-    our_row.replace(our_row.find("%PARITY%"), 8, "not compared");
-  }
-  report << our_row << peer_row;
+  std::snprintf(line, sizeof(line), "| flywheel (C++) | %.1f | %s | %s |\n", ours,
+                peer.ratio.c_str(), peer.parity.c_str());
+  report << line << peer.peer_row;
   const bool speed_ok = ours >= options.min_mb_per_s;
   std::snprintf(line, sizeof(line),
                 "\nchecks: %.1f MB/s >= %.0f: %s; ids equal to the reference: %s; decode round "
                 "trip: %s\n",
                 ours, options.min_mb_per_s, speed_ok ? "yes" : "NO",
-                !compared ? "not compared" : parity_ok ? "yes" : "NO",
+                !peer.compared   ? "not compared"
+                : peer.parity_ok ? "yes"
+                                 : "NO",
                 round_trip ? "yes" : "NO");
   report << line;
   out << report.str();
@@ -244,7 +255,7 @@ Status RunTokenizerBench(const TokenizerBenchOptions& options, std::ostream& out
                                             "## Tokenizer benchmark\n\n" + report.str()));
   }
   if (!round_trip) return Status::Mismatch("decoding the encoded text did not give it back");
-  if (!parity_ok) return Status::Mismatch("token ids differ from the reference");
+  if (!peer.parity_ok) return Status::Mismatch("token ids differ from the reference");
   if (options.check && !speed_ok) return Status::Mismatch("encode throughput is under the target");
   return Status::Ok();
 }

@@ -200,19 +200,6 @@ Result<std::vector<SparsityRow>> Sparsity(const TrainerBenchOptions& options,
   return rows;
 }
 
-}  // namespace
-
-Spread Summarize(const std::vector<double>& seconds) {
-  if (seconds.empty()) return {};
-  std::vector<double> sorted = seconds;
-  std::sort(sorted.begin(), sorted.end());
-  const size_t n = sorted.size();
-  const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-  return {.min = sorted.front(), .median = median, .max = sorted.back()};
-}
-
-namespace {
-
 double MedianRatio(const std::vector<double>& numerators, const std::vector<double>& denominators) {
   std::vector<double> ratios;
   for (size_t i = 0; i < numerators.size() && i < denominators.size(); ++i) {

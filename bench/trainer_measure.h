@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "bench/stats.h"
 #include "model/model_config.h"
 
 namespace flywheel::trainer {
@@ -40,12 +41,9 @@ struct TrainerBenchOptions {
   int threads = 0;  // TrainerOptions::threads (trainer/training_client.h ConfigureCpuThreads)
 };
 
-// Seconds of the timed repetitions of one kind of call.
-struct Spread {
-  double min = 0, median = 0, max = 0;
-  double spread() const { return median > 0 ? (max - min) / median : 0; }  // (max-min)/median
-};
-Spread Summarize(const std::vector<double>& seconds);
+// Seconds of the timed repetitions of one kind of call (bench/stats.h).
+using bench::Spread;
+using bench::Summarize;
 
 // Fused vs custom forward_backward on one client, one batch (RL-shaped: the first quarter
 // of each sequence a prompt with weight 0, PPO clip 0.2/0.28, token-mean), measured in one

@@ -1,5 +1,5 @@
-// Small pieces the benchmarks share: result tables (aligned text and Markdown) and a
-// block-parallel loop for generating and hashing checkpoints.
+// Small pieces the benchmarks share: result tables (aligned text and Markdown) and scratch
+// directories. Statistics are in bench/stats.h; the parallel loop is checkpoint/parallel.h's.
 #pragma once
 
 #include <algorithm>
@@ -139,21 +139,6 @@ inline std::string RenderMarkdown(const Table& table) {
   out += "\n";
   for (const auto& row : table.rows) out += line(row);
   return out;
-}
-
-// Runs fn(block) for block in [0, blocks) on up to `threads` threads.
-template <typename Fn>
-void ParallelForBlocks(uint64_t blocks, int threads, const Fn& fn) {
-  std::atomic<uint64_t> next{0};
-  auto worker = [&] {
-    for (uint64_t block = next++; block < blocks; block = next++) fn(block);
-  };
-  const int extra = std::max(0, std::min<int>(threads, static_cast<int>(blocks)) - 1);
-  std::vector<std::thread> pool;
-  pool.reserve(extra);
-  for (int i = 0; i < extra; ++i) pool.emplace_back(worker);
-  worker();
-  for (std::thread& thread : pool) thread.join();
 }
 
 }  // namespace flywheel::bench

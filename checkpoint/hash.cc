@@ -9,38 +9,23 @@
 #include <new>
 #include <numeric>
 
+#include "base/hex.h"
 #include "checkpoint/parallel.h"
 
 namespace flywheel {
 
-std::string Hash128::ToHex() const {
-  static const char kDigits[] = "0123456789abcdef";
-  std::string out(32, '0');
-  for (int i = 0; i < 16; ++i) {
-    out[15 - i] = kDigits[(high >> (4 * i)) & 0xf];
-    out[31 - i] = kDigits[(low >> (4 * i)) & 0xf];
-  }
-  return out;
-}
+std::string Hash128::ToHex() const { return Hex64(high) + Hex64(low); }
 
 Result<Hash128> Hash128::FromHex(std::string_view hex) {
   if (hex.size() != 32) {
     return Status::InvalidArgument("hash must be 32 hex digits, got " + std::to_string(hex.size()) +
                                    " characters");
   }
-  Hash128 h;
-  for (int i = 0; i < 32; ++i) {
-    char c = hex[i];
-    int v = (c >= '0' && c <= '9')   ? c - '0'
-            : (c >= 'a' && c <= 'f') ? c - 'a' + 10
-            : (c >= 'A' && c <= 'F') ? c - 'A' + 10
-                                     : -1;
-    if (v < 0)
-      return Status::InvalidArgument("hash has a non-hex character '" + std::string(1, c) + "'");
-    uint64_t& half = i < 16 ? h.high : h.low;
-    half = (half << 4) | static_cast<uint64_t>(v);
-  }
-  return h;
+  Result<uint64_t> high = HexDecode64(hex.substr(0, 16));
+  Result<uint64_t> low = HexDecode64(hex.substr(16));
+  if (!high.ok()) return high.status().WithContext("hash");
+  if (!low.ok()) return low.status().WithContext("hash (low half)");
+  return Hash128{*low, *high};
 }
 
 Hash128 HashBytes(std::span<const std::byte> bytes) {

@@ -149,6 +149,13 @@ Result<std::string> ReadWholeFile(const std::string& path) {
   return text.str();
 }
 
+Result<std::string> ExecutablePath() {
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (error) return Status::IOError("cannot resolve /proc/self/exe: " + error.message());
+  return self.string();
+}
+
 Result<uint16_t> FreePort() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return Status::IOError(std::string("socket: ") + std::strerror(errno));

@@ -40,6 +40,11 @@ inline constexpr std::chrono::milliseconds kPollInterval{10};
 std::string FileTail(const std::string& path, size_t limit);
 Result<std::string> ReadWholeFile(const std::string& path);
 
+// This executable's absolute path (/proc/self/exe resolved): how flywheel finds itself, and
+// flywheel-torch beside it, to run as a child. IOError naming /proc/self/exe when it cannot
+// be resolved.
+Result<std::string> ExecutablePath();
+
 // A TCP port on 127.0.0.1 that was free when this returned (bound to port 0, read back,
 // closed). Nothing reserves it: until the caller's child binds it, another process, or
 // the kernel handing the same ephemeral port to someone else's connect(), can take it, and

@@ -12,6 +12,7 @@
 #include <random>
 #include <sstream>
 
+#include "base/env.h"
 #include "pipeline/launcher.h"
 #include "pipeline/task.h"
 
@@ -79,7 +80,7 @@ RunConfig DemoConfig() {
 }
 
 std::string DefaultRunDir(const std::string& what) {
-  const std::time_t now = std::time(nullptr);
+  const std::time_t now = static_cast<std::time_t>(UnixMicrosNow() / 1000000);
   std::tm local{};
   localtime_r(&now, &local);
   std::ostringstream name;

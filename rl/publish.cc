@@ -1,6 +1,6 @@
 #include "rl/publish.h"
 
-#include "sync/role.h"
+#include "base/env.h"
 
 namespace flywheel::rl {
 
@@ -10,7 +10,7 @@ double DeltaDensity(uint64_t changed_words, uint64_t total_words) {
 
 Result<PublishedVersion> PublishVersion(trainer::TrainingClient& client,
                                         pipeline::Coordinator& coordinator, uint64_t version) {
-  coordinator.NotePublished(version, static_cast<int64_t>(sync::UnixMicrosNow()));
+  coordinator.NotePublished(version, UnixMicrosNow());
   // The snapshot (and its copy of the weights) ends with this function.
   FW_ASSIGN_OR_RETURN(trainer::SamplerSnapshot snapshot, client.SaveWeightsForSampler(version));
   coordinator.SetVersion(version);

@@ -10,7 +10,7 @@
 
 #include "delta/delta_file.h"
 #include "model/fp8.h"
-#include "sync/role.h"
+#include "ops/metrics.h"
 #include "transport/api.h"
 #include "transport/connection.h"
 #include "transport/http.h"
@@ -167,7 +167,7 @@ void TrainerServices::Impl::AddRoutes() {
         co_return transport::HttpResponse{200, "application/json", std::move(*answer)};
       },
       64 << 20, transport::kScopeSubmit);
-  transport::AddStatusRoutes(*http, [this] { return StatusJson(); }, sync::MetricsText);
+  transport::AddStatusRoutes(*http, [this] { return StatusJson(); }, ops::MetricsText);
 }
 
 json TrainerServices::Impl::StatusJson() {

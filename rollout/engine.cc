@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
-#include "sync/role.h"
+#include "base/env.h"
 #include "model/weights.h"
 
 namespace flywheel::rollout {
@@ -102,7 +102,7 @@ Engine::Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions opti
                uint64_t version)
     : model_(std::move(model)), options_(options), version_(version) {
   cache_ = model_->NewCache(options_.max_batch, options_.max_sequence);
-  serving_since_us_ = static_cast<int64_t>(sync::UnixMicrosNow());
+  serving_since_us_ = UnixMicrosNow();
   multi_lora_ = std::make_shared<model::MultiLora>();
   model_->AttachMultiLora(multi_lora_);
 }
@@ -408,7 +408,7 @@ Status Engine::Swap(uint64_t version, const std::function<Status()>& patch) {
   Status patched = patch();
   if (patched.ok()) {
     version_ = version;
-    serving_since_us_ = static_cast<int64_t>(sync::UnixMicrosNow());
+    serving_since_us_ = UnixMicrosNow();
     swaps_.fetch_add(1);
   }
   last_swap_pause_ms_.store(

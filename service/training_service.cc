@@ -21,6 +21,7 @@
 #include "checkpoint/hash.h"
 #include "model/fp8.h"
 #include "model/weights.h"
+#include "ops/metrics.h"
 #include "service/training_wire.h"
 #include "sync/publisher.h"
 #include "sync/role.h"
@@ -1188,7 +1189,7 @@ void TrainingService::Register(transport::HttpServer& server) {
         return ServeApi(self, pool, std::move(request));
       },
       impl_->options.max_body_bytes);
-  transport::AddStatusRoutes(server, [self] { return self->StatusJson(); }, sync::MetricsText);
+  transport::AddStatusRoutes(server, [self] { return self->StatusJson(); }, ops::MetricsText);
 }
 
 }  // namespace flywheel::service

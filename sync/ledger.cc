@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <ctime>
 
+#include "base/hex.h"
 #include "base/json.h"
 
 namespace flywheel::sync {
@@ -104,12 +105,6 @@ namespace {
 constexpr int kLogFormat = 2;
 // One record: a row carries at most the 1 MiB of metadata a push may send, and more.
 constexpr size_t kMaxRecordBytes = size_t{16} << 20;
-
-std::string Hex64(uint64_t value) {
-  char text[17];
-  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
-  return text;
-}
 
 // A record as the log holds it: checksum, space, JSON, newline.
 std::string RecordLine(const nlohmann::json& record) {

@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "base/env.h"
+#include "base/hex.h"
 #include "base/json.h"
 #include "checkpoint/safetensors.h"
 #include "sync/drop.h"
@@ -112,26 +113,6 @@ namespace {
 
 const char* kSignaturesFile = "signatures.json";
 
-std::string Hex(const std::string& bytes) {
-  return HexOf(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
-}
-
-std::optional<std::string> Unhex(const std::string& hex) {
-  if (hex.size() % 2 != 0) return std::nullopt;
-  std::string out(hex.size() / 2, '\0');
-  for (size_t i = 0; i < out.size(); ++i) {
-    auto digit = [](char c) -> int {
-      if (c >= '0' && c <= '9') return c - '0';
-      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-      return -1;
-    };
-    const int high = digit(hex[2 * i]), low = digit(hex[2 * i + 1]);
-    if (high < 0 || low < 0) return std::nullopt;
-    out[i] = static_cast<char>(high * 16 + low);
-  }
-  return out;
-}
-
 }  // namespace
 
 void Publisher::Impl::LoadSignatures() {
@@ -156,9 +137,9 @@ void Publisher::Impl::LoadSignatures() {
     const ArtifactKey key{entry.value("kind", "") == "keyframe" ? ArtifactKind::kKeyframe : ArtifactKind::kDelta,
                           entry.value("version", uint64_t{0})};
     auto info = in_log.find(key);
-    std::optional<std::string> manifest = Unhex(entry.value("manifest", ""));
-    std::optional<std::string> signature = Unhex(entry.value("signature", ""));
-    if (info == in_log.end() || !manifest || !signature) continue;
+    Result<std::string> manifest = HexDecode(entry.value("manifest", ""), HexCase::kLower);
+    Result<std::string> signature = HexDecode(entry.value("signature", ""), HexCase::kLower);
+    if (info == in_log.end() || !manifest.ok() || !signature.ok()) continue;
     SignedManifest candidate{*manifest, *signature};
     // Kept only if this key signed it for exactly this artifact (a rotated key re-signs).
     if (VerifyManifest(own, candidate, info->second).ok()) signed_artifacts[key] = candidate;
@@ -194,8 +175,8 @@ Status Publisher::Impl::SignArtifacts() {
     for (const auto& [key, signed_manifest] : next) {
       document["artifacts"].push_back({{"kind", ArtifactKindName(key.kind)},
                                        {"version", key.target_version},
-                                       {"manifest", Hex(signed_manifest.manifest)},
-                                       {"signature", Hex(signed_manifest.signature)}});
+                                       {"manifest", HexEncode(signed_manifest.manifest)},
+                                       {"signature", HexEncode(signed_manifest.signature)}});
     }
     const std::string text = document.dump(1) + "\n";
     FW_RETURN_IF_ERROR(WriteFileAtomically(options.log.dir + "/" + kSignaturesFile,
@@ -576,13 +557,8 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor execut
                                         options.push.token));
   FW_RETURN_IF_ERROR(impl->StartPush());
   if (!options.watch_dir.empty()) asio::co_spawn(executor, impl->WatchLoop(), asio::detached);
-  if (!options.common.ready_file.empty()) {
-    FW_RETURN_IF_ERROR(WriteReadyFile(
-        options.common.ready_file,
-        {{"listen", transport::Endpoint{options.listen.host, impl->server->port()}.ToString()},
-         {"http", transport::Endpoint{options.common.http.host, impl->http->port()}.ToString()},
-         {"node_id", impl->identity.node_id}}));
-  }
+  FW_RETURN_IF_ERROR(WriteRoleReadyFile(options.common, impl->identity, impl->http->port(),
+                                        transport::Endpoint{options.listen.host, impl->server->port()}));
   spdlog::info("publisher {} listening on port {}, HTTP on port {}, watching {}",
                impl->identity.node_id, impl->server->port(), impl->http->port(),
                options.watch_dir.empty() ? "(nothing)" : options.watch_dir);

@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "base/hex.h"
 #include "delta/delta.h"
 #include "checkpoint/safetensors.h"
 #include "transport/http.h"
@@ -165,9 +166,7 @@ struct Body {
     const uint64_t value = XXH3_64bits_digest(state);
     XXH3_freeState(state);
     if (!status.ok()) return status;
-    char text[17];
-    std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
-    return std::string(text);
+    return Hex64(value);
   }
 };
 
@@ -204,13 +203,7 @@ std::string Sha256Hex(const std::string& text) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
   EVP_Digest(text.data(), text.size(), digest, &length, EVP_sha256(), nullptr);
-  std::string hex;
-  char byte[3];
-  for (unsigned int i = 0; i < length; ++i) {
-    std::snprintf(byte, sizeof(byte), "%02x", digest[i]);
-    hex += byte;
-  }
-  return hex;
+  return HexEncode(std::span<const uint8_t>(digest, length));
 }
 
 std::string DefaultClientName() {

@@ -45,6 +45,8 @@ struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
   uint64_t fetch_failures = 0;
 
   void OnCatalog(Catalog received);
+  // What this relay reports upstream: itself and the fleet below it.
+  wire::Report MakeReport();
   void Enqueue(const ArtifactKey& key, bool urgent);
   awaitable<void> FetchLoop();
   awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
@@ -230,6 +232,23 @@ RelayStatus Relay::Impl::CurrentStatus() const {
   return s;
 }
 
+wire::Report Relay::Impl::MakeReport() {
+  wire::Report report;
+  wire::NodeState* self = report.add_nodes();
+  self->set_node_id(identity.node_id);
+  self->set_region(identity.region);
+  self->set_role(wire::RELAY);
+  const ArtifactInfo* newest = NewestComplete();
+  self->set_version(newest ? newest->target_version : 0);
+  self->set_bytes_in(links.bytes_in());
+  self->set_bytes_out(links.bytes_out());
+  self->set_upstream(upstream->current());
+  // Upstream::ReportLoop bounds it (BoundReport): what does not fit is counted.
+  for (const FleetNode& node : server->Fleet()) *report.add_nodes() = node.state;
+  report.set_omitted_nodes(server->fleet_nodes_omitted());
+  return report;
+}
+
 Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, RelayOptions options) {
   if (options.upstreams.empty()) return Status::InvalidArgument("a relay needs an --upstream");
   if (options.common.region.empty()) return Status::InvalidArgument("a relay needs a --region");
@@ -252,39 +271,10 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
   Impl* raw = impl.get();
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
                                                     [raw] { return ToJson(raw->CurrentStatus()); }));
-  asio::co_spawn(
-      executor,
-      [impl]() -> awaitable<void> {
-        std::function<void(Catalog)> on_catalog = [raw = impl.get()](Catalog catalog) {
-          raw->OnCatalog(std::move(catalog));
-        };
-        std::function<wire::Report()> make_report = [raw = impl.get()] {
-              wire::Report report;
-              wire::NodeState* self = report.add_nodes();
-              self->set_node_id(raw->identity.node_id);
-              self->set_region(raw->identity.region);
-              self->set_role(wire::RELAY);
-              const ArtifactInfo* newest = raw->NewestComplete();
-              self->set_version(newest ? newest->target_version : 0);
-              self->set_bytes_in(raw->links.bytes_in());
-              self->set_bytes_out(raw->links.bytes_out());
-              self->set_upstream(raw->upstream->current());
-              // Upstream::ReportLoop bounds it (BoundReport): what does not fit is counted.
-              for (const FleetNode& node : raw->server->Fleet()) *report.add_nodes() = node.state;
-              report.set_omitted_nodes(raw->server->fleet_nodes_omitted());
-              return report;
-            };
-        co_await impl->upstream->RunControl(on_catalog, make_report);
-      },
-      asio::detached);
+  SpawnControlChannel(executor, impl);
   asio::co_spawn(executor, impl->FetchLoop(), asio::detached);
-  if (!options.common.ready_file.empty()) {
-    FW_RETURN_IF_ERROR(WriteReadyFile(
-        options.common.ready_file,
-        {{"listen", transport::Endpoint{options.listen.host, impl->server->port()}.ToString()},
-         {"http", transport::Endpoint{options.common.http.host, impl->http->port()}.ToString()},
-         {"node_id", impl->identity.node_id}}));
-  }
+  FW_RETURN_IF_ERROR(WriteRoleReadyFile(options.common, impl->identity, impl->http->port(),
+                                        transport::Endpoint{options.listen.host, impl->server->port()}));
   spdlog::info("relay {} (region {}) listening on port {}, HTTP on port {}", impl->identity.node_id,
                impl->identity.region, impl->server->port(), impl->http->port());
   return std::unique_ptr<Relay>(new Relay(std::move(impl)));

@@ -1,156 +1,10 @@
 #include "sync/role.h"
 
-#include <unistd.h>
-
-#include <cstdio>
-#include <fstream>
-
-#include "base/env.h"
+#include "ops/metrics.h"
+#include "ops/ready_file.h"
 #include "transport/api.h"
 
 namespace flywheel::sync {
-
-
-namespace {
-
-// How a /v1/status key becomes a Prometheus metric: its name (flywheel_ prefix added),
-// whether it is a counter, its help text, and the factor to base units (seconds).
-struct MetricSpec {
-  const char* key;
-  const char* name;
-  bool counter;
-  const char* help;
-  double scale = 1;
-};
-
-// Every number the roles report (sync/role_status.h, rl::TrainerStatus). Names follow the
-// Prometheus conventions: counters end in _total, units are suffixes in base units.
-const MetricSpec kMetrics[] = {
-    {"version", "version", false, "Version served (publisher: its head)"},
-    {"head_version", "head_version", false, "Newest version announced upstream"},
-    {"staleness", "staleness_versions", false, "Versions behind the head"},
-    {"max_staleness", "max_staleness_versions", false, "Staleness bound announced (0: none)"},
-    {"bytes_in", "received_bytes_total", true, "Bytes received on all links"},
-    {"bytes_out", "sent_bytes_total", true, "Bytes sent on all links"},
-    {"wan_bytes_in", "wan_received_bytes_total", true, "Bytes received on shaped (WAN) links"},
-    {"wan_bytes_out", "wan_sent_bytes_total", true, "Bytes sent on shaped (WAN) links"},
-    {"last_swap_ms", "last_swap_seconds", false, "Head announced to new version served, last swap", 1e-3},
-    {"swap_unix_us", "swap_timestamp_seconds", false, "When the served version began serving (Unix time)", 1e-6},
-    {"last_version", "last_version", false, "Highest version ever published"},
-    {"artifacts_retained", "artifacts_retained", false, "Artifacts in the version log"},
-    {"log_bytes", "log_bytes", false, "Bytes of the artifacts in the version log"},
-    {"join_bytes", "join_bytes", false, "Bytes a worker joining at the head fetches (keyframe + deltas)"},
-    {"last_publish_ms", "last_publish_seconds", false, "Time to validate, encode and write the last version", 1e-3},
-    {"last_first_piece_ms", "last_first_piece_seconds", false, "Time to the first servable piece of the last delta (streamed encode)", 1e-3},
-    {"streaming_version", "streaming_version", false, "Version being encoded and streamed now (0: none)"},
-    {"last_artifact_bytes", "last_artifact_bytes", false, "Bytes of the last version's artifacts"},
-    {"published_total", "published_total", true, "Versions published"},
-    {"drops_rejected", "drops_rejected_total", true, "Drops rejected (malformed or replayed)"},
-    {"pieces_served", "pieces_served_total", true, "Pieces served to downstream nodes"},
-    {"last_sign_ms", "last_sign_seconds", false, "Time to hash and sign the last version's artifacts", 1e-3},
-    {"connected", "connected", false, "1 if the control channel upstream is up"},
-    {"cache_bytes", "cache_bytes", false, "Bytes of artifacts cached"},
-    {"piece_requests", "piece_requests_total", true, "Pieces requested upstream"},
-    {"pieces_verified", "pieces_verified_total", true, "Pieces received that matched their hash"},
-    {"pieces_rejected", "pieces_rejected_total", true, "Pieces received that did not match their hash (refetched)"},
-    {"piece_bytes", "piece_received_bytes_total", true, "Piece payload bytes received"},
-    {"fetch_failures", "fetch_failures_total", true, "Artifact fetches that failed"},
-    {"stale", "stale", false, "1 if further behind the head than max_staleness"},
-    {"last_apply_ms", "last_apply_seconds", false, "Time to apply and verify the last artifact", 1e-3},
-    {"last_apply_chunks_early", "last_apply_chunks_early", false, "Chunks of the last delta decoded while it was still arriving"},
-    {"arriving_chunks_decoded", "arriving_chunks_decoded", false, "Chunks of the delta arriving now decoded so far"},
-    {"last_swap_pause_ms", "last_swap_pause_seconds", false, "Time the serving engine paused for the last swap", 1e-3},
-    {"swaps_total", "swaps_total", true, "Versions swapped in"},
-    {"exports_total", "exports_total", true, "Versions exported to --export-dir"},
-    {"export_failures_total", "export_failures_total", true, "Exports to --export-dir that failed"},
-    {"artifacts_rejected", "artifacts_rejected_total", true, "Artifacts that did not apply (wrong base, corrupt)"},
-    {"swaps_refused", "swaps_refused_total", true, "Versions the serving engine refused"},
-    {"older_heads_ignored", "older_heads_ignored_total", true, "Catalogs announcing an older head than served"},
-    {"trusted_keys", "trusted_keys", false, "Publisher keys trusted (0: signatures not checked)"},
-    {"signature_failures_total", "signature_failures_total", true, "Artifacts refused: unsigned, wrongly signed or forged"},
-    {"replays_refused_total", "replays_refused_total", true, "Validly signed versions refused as replays"},
-    // The trainer (rl::TrainerStatus).
-    {"step", "step", false, "Optimizer steps taken"},
-    {"accuracy", "accuracy_ratio", false, "Held-out accuracy at the last evaluation"},
-    {"mean_reward", "mean_reward", false, "Mean reward of the last step's samples"},
-    {"resumed", "resumed", false, "1 if this run resumed from saved state"},
-    {"claims", "claims_total", true, "Groups handed out to workers"},
-    {"groups_accepted", "groups_accepted_total", true, "Groups submitted and queued"},
-    {"groups_trained", "groups_trained_total", true, "Groups taken into training batches"},
-    {"samples_dropped_stale", "samples_dropped_stale_total", true, "Samples dropped as too stale"},
-    {"leases_expired", "leases_expired_total", true, "Claims whose lease lapsed"},
-    {"submissions_refused", "submissions_refused_total", true, "Late, repeated or malformed submissions"},
-    {"queued_groups", "queued_groups", false, "Groups waiting to be trained"},
-};
-
-std::string Label(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '\\' || c == '"') out += '\\';
-    if (c == '\n') {
-      out += "\\n";
-      continue;
-    }
-    out += c;
-  }
-  return out;
-}
-
-// A status key with no entry above: the same conventions by rule.
-MetricSpec SpecByRule(const std::string& key, std::string* name, std::string* help) {
-  MetricSpec spec{key.c_str(), nullptr, false, nullptr};
-  std::string base = key;
-  if (base.ends_with("_ms")) {
-    base = base.substr(0, base.size() - 3) + "_seconds";
-    spec.scale = 1e-3;
-  } else if (base.ends_with("_us")) {
-    base = base.substr(0, base.size() - 3) + "_seconds";
-    spec.scale = 1e-6;
-  }
-  spec.counter = base.ends_with("_total");
-  *name = base;
-  *help = key + " from /v1/status";
-  return spec;
-}
-
-}  // namespace
-
-std::string MetricsText(const nlohmann::json& status) {
-  const std::string labels = "{role=\"" + Label(status.value("role", "")) + "\",region=\"" +
-                             Label(status.value("region", "")) + "\",node=\"" +
-                             Label(status.value("node_id", "")) + "\"}";
-  std::string text;
-  for (const auto& [key, value] : status.items()) {
-    double number = 0;
-    if (value.is_boolean()) {
-      number = value.get<bool>() ? 1 : 0;
-    } else if (value.is_number()) {
-      number = value.get<double>();
-    } else {
-      continue;
-    }
-    std::string suffix, help;
-    MetricSpec spec{};
-    const MetricSpec* known = nullptr;
-    for (const MetricSpec& candidate : kMetrics) {
-      if (key == candidate.key) known = &candidate;
-    }
-    if (known != nullptr) {
-      spec = *known;
-      suffix = spec.name;
-      help = spec.help;
-    } else {
-      spec = SpecByRule(key, &suffix, &help);
-    }
-    const std::string name = "flywheel_" + suffix;
-    text += "# HELP " + name + " " + help + "\n";
-    text += "# TYPE " + name + (spec.counter ? " counter\n" : " gauge\n");
-    char number_text[64];
-    std::snprintf(number_text, sizeof number_text, "%.17g", number * spec.scale);
-    text += name + labels + " " + number_text + "\n";
-  }
-  return text;
-}
 
 Result<std::unique_ptr<transport::HttpServer>> StartStatusServer(
     asio::any_io_executor executor, const CommonOptions& options,
@@ -163,23 +17,17 @@ Result<std::unique_ptr<transport::HttpServer>> StartStatusServer(
   http_options.tls = std::move(tls);
   FW_ASSIGN_OR_RETURN(auto server,
                       transport::HttpServer::Start(executor, options.http, http_options));
-  transport::AddStatusRoutes(*server, std::move(status), MetricsText);
+  transport::AddStatusRoutes(*server, std::move(status), ops::MetricsText);
   return server;
 }
 
-Status WriteReadyFile(const std::string& path, const nlohmann::json& document) {
-  const std::string temp = path + ".tmp." + std::to_string(getpid());
-  {
-    std::ofstream out(temp, std::ios::trunc);
-    out << document.dump() << "\n";
-    out.close();
-    if (!out) return Status::IOError("cannot write ready file " + temp);
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    std::remove(temp.c_str());
-    return Status::IOError("cannot rename " + temp + " to " + path);
-  }
-  return Status::Ok();
+Status WriteRoleReadyFile(const CommonOptions& common, const NodeIdentity& identity,
+                          uint16_t http_port, std::optional<transport::Endpoint> listen) {
+  if (common.ready_file.empty()) return Status::Ok();
+  nlohmann::json ready = {{"http", transport::Endpoint{common.http.host, http_port}.ToString()},
+                          {"node_id", identity.node_id}};
+  if (listen) ready["listen"] = listen->ToString();
+  return ops::WriteReadyFile(common.ready_file, ready);
 }
 
 Result<TlsContexts> MakeTlsContexts(const transport::TlsOptions& tls, bool need_server,
@@ -228,10 +76,6 @@ ServerOptions MakeServerOptions(const CommonOptions& common, transport::Endpoint
   server.listener.token = common.token;
   server.listener.connection = common.connection;
   return server;
-}
-
-uint64_t UnixMicrosNow() {
-  return static_cast<uint64_t>(Env::Default()->NowMicros());
 }
 
 }  // namespace flywheel::sync

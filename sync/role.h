@@ -1,12 +1,15 @@
-// What every role process has besides its data plane: flags shared by publish, relay and
-// worker, the HTTP endpoints (/v1/status JSON, /metrics Prometheus text, /healthz), the
-// --ready-file, and TLS contexts built from the flags.
+// What the sync roles (publish, relay, worker) share besides their data plane: the flags'
+// options, the HTTP endpoints (/v1/status JSON, /metrics, /healthz), TLS contexts built
+// from the flags, and how a role's options become its server and upstream options. The
+// process plumbing every flywheel process shares lives in ops/: the Prometheus text
+// (ops/metrics.h) and the --ready-file (ops/ready_file.h); the wall clock is base/env.h's.
 #pragma once
 
 #include <nlohmann/json.hpp>
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,19 +47,34 @@ struct CommonOptions {
 };
 
 // The HTTP side of a role: /healthz (public), /v1/status (status() as JSON) and /metrics
-// (every number and boolean at the top level of status(), as flywheel_<name> gauges
-// labelled with role, region and node). `write_token` is HttpServerOptions::write_token
+// (ops::MetricsText of status()). `write_token` is HttpServerOptions::write_token
 // (the publisher's push token; empty elsewhere).
 Result<std::unique_ptr<transport::HttpServer>> StartStatusServer(
     asio::any_io_executor executor, const CommonOptions& options,
     std::shared_ptr<asio::ssl::context> tls, std::function<nlohmann::json()> status,
     std::string write_token = {});
 
-// Prometheus text for a status document (see StartStatusServer).
-std::string MetricsText(const nlohmann::json& status);
+// Runs the control channel upstream of a relay or worker (`owner`, kept alive meanwhile):
+// catalogs go to owner->OnCatalog, the reports sent up come from owner->MakeReport().
+template <typename Owner>
+void SpawnControlChannel(asio::any_io_executor executor, std::shared_ptr<Owner> owner) {
+  asio::co_spawn(
+      executor,
+      [owner]() -> awaitable<void> {
+        std::function<void(Catalog)> on_catalog = [raw = owner.get()](Catalog catalog) {
+          raw->OnCatalog(std::move(catalog));
+        };
+        std::function<wire::Report()> make_report = [raw = owner.get()] { return raw->MakeReport(); };
+        co_await owner->upstream->RunControl(on_catalog, make_report);
+      },
+      asio::detached);
+}
 
-// Writes `document` to `path` atomically (temporary file, rename).
-Status WriteReadyFile(const std::string& path, const nlohmann::json& document);
+// Writes the role's --ready-file (ops::WriteReadyFile) when the flags name one: its HTTP
+// endpoint, its node id and, for a role that serves peers (publisher, relay), the endpoint
+// it listens on.
+Status WriteRoleReadyFile(const CommonOptions& common, const NodeIdentity& identity,
+                          uint16_t http_port, std::optional<transport::Endpoint> listen);
 
 // Server and client TLS contexts from the flags; both null when TLS is off.
 struct TlsContexts {
@@ -81,9 +99,5 @@ UpstreamOptions MakeUpstreamOptions(const CommonOptions& common,
 // context and the flags' token and connection options.
 ServerOptions MakeServerOptions(const CommonOptions& common, transport::Endpoint listen,
                                 NodeIdentity identity, std::shared_ptr<asio::ssl::context> tls);
-
-// Wall-clock microseconds since the Unix epoch: Env::Default()->NowMicros(), for the
-// callers that predate the Env. Code that tests must drive takes an Env* instead.
-uint64_t UnixMicrosNow();
 
 }  // namespace flywheel::sync

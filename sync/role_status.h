@@ -1,6 +1,6 @@
 // What each role reports at GET /v1/status and /metrics, typed. A role fills its status
 // struct; ToJson renders any of them (the fields every role shares once, in RoleStatus,
-// then the role's own), and MetricsText (sync/role.h) turns the top-level numbers and
+// then the role's own), and ops::MetricsText (ops/metrics.h) turns the top-level numbers and
 // booleans of that document into Prometheus samples. So the keys a fleet view, a test or
 // a dashboard reads are defined here, once, and cannot drift between the roles.
 #pragma once

@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "base/env.h"
+#include "base/hex.h"
 #include "sync/node.h"
 #include "transport/flywheel.pb.h"
 
@@ -49,7 +50,7 @@ Result<std::string> RawPublic(EVP_PKEY* key) {
 Result<std::string> KeyIdOf(EVP_PKEY* key) {
   FW_ASSIGN_OR_RETURN(std::string raw, RawPublic(key));
   const Sha256 digest = Sha256Of(std::as_bytes(std::span(raw.data(), raw.size())));
-  return HexOf(std::span(digest.data(), 8));
+  return HexEncode(std::span<const uint8_t>(digest.data(), 8));
 }
 
 Result<std::string> ReadSmallFile(const std::string& path, const std::string& what) {
@@ -141,24 +142,13 @@ Sha256 Sha256Of(std::span<const std::byte> bytes) {
   return digest;
 }
 
-std::string HexOf(std::span<const uint8_t> bytes) {
-  static const char* kDigits = "0123456789abcdef";
-  std::string out;
-  out.reserve(bytes.size() * 2);
-  for (uint8_t b : bytes) {
-    out += kDigits[b >> 4];
-    out += kDigits[b & 15];
-  }
-  return out;
-}
-
 std::string NewRunId() {
   unsigned char bytes[8];
   if (RAND_bytes(bytes, sizeof bytes) != 1) {
     std::random_device device;
     for (auto& b : bytes) b = static_cast<unsigned char>(device());
   }
-  return HexOf(std::span<const uint8_t>(bytes, sizeof bytes));
+  return HexEncode(std::span<const uint8_t>(bytes, sizeof bytes));
 }
 
 Result<KeyFiles> GenerateSigningKeys(const std::string& dir, Env* env) {

@@ -44,7 +44,6 @@ inline constexpr const char* kManifestDomain = "flywheel.artifact.v1";
 
 using Sha256 = std::array<uint8_t, 32>;
 Sha256 Sha256Of(std::span<const std::byte> bytes);
-std::string HexOf(std::span<const uint8_t> bytes);
 
 // A key pair on disk. Generate refuses to overwrite either file.
 struct KeyFiles {

@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <random>
 
+#include "base/hex.h"
+
 namespace flywheel::sync {
 namespace {
 
@@ -17,24 +19,6 @@ constexpr uint64_t kMaxFiles = 4096;
 constexpr size_t kHashBufferBytes = 8 << 20;
 // Open uploads at most: empty ones take no quota, but each holds a directory.
 constexpr size_t kMaxOpenUploads = 1024;
-
-std::string Hex(const unsigned char* bytes, size_t size) {
-  static const char* kDigits = "0123456789abcdef";
-  std::string text;
-  for (size_t i = 0; i < size; ++i) {
-    text += kDigits[bytes[i] >> 4];
-    text += kDigits[bytes[i] & 15];
-  }
-  return text;
-}
-
-bool IsLowerHex(const std::string& text, size_t length) {
-  if (text.size() != length) return false;
-  for (char c : text) {
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
-  }
-  return true;
-}
 
 bool PlainFileName(const std::string& name) {
   return !name.empty() && name.size() <= 255 && name[0] != '.' &&
@@ -49,7 +33,7 @@ std::string NewUploadId() {
     unsigned char bytes[4] = {static_cast<unsigned char>(word), static_cast<unsigned char>(word >> 8),
                               static_cast<unsigned char>(word >> 16),
                               static_cast<unsigned char>(word >> 24)};
-    id += Hex(bytes, 4);
+    id += HexEncode(std::span<const uint8_t>(bytes, 4));
   }
   return id;
 }
@@ -117,7 +101,7 @@ Result<UploadDigest> ParseDigest(const nlohmann::json& body) {
     return Status::InvalidArgument("digest algorithm '" + digest.algorithm +
                                    "' is not supported (xxh3_64 or sha256)");
   }
-  if (!IsLowerHex(digest.value, length)) {
+  if (digest.value.size() != length || !IsHex(digest.value, HexCase::kLower)) {
     return Status::InvalidArgument("digest value must be " + std::to_string(length) +
                                    " lowercase hex digits");
   }
@@ -157,17 +141,14 @@ Result<std::string> BodyDigest(const StagedUpload& staged) {
   }
   std::string digest;
   if (xxh) {
-    const uint64_t value = XXH3_64bits_digest(xxh);
-    unsigned char bytes[8];
-    for (int i = 0; i < 8; ++i) bytes[i] = static_cast<unsigned char>(value >> (56 - 8 * i));
-    digest = Hex(bytes, 8);
+    digest = Hex64(XXH3_64bits_digest(xxh));
     XXH3_freeState(xxh);
   }
   if (md) {
     unsigned char bytes[EVP_MAX_MD_SIZE];
     unsigned int length = 0;
     EVP_DigestFinal_ex(md, bytes, &length);
-    digest = Hex(bytes, length);
+    digest = HexEncode(std::span<const uint8_t>(bytes, length));
     EVP_MD_CTX_free(md);
   }
   if (!status.ok()) return status;

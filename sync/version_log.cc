@@ -16,6 +16,8 @@
 #include <set>
 #include <utility>
 
+#include "base/env.h"
+#include "base/hex.h"
 #include "delta/delta_file.h"
 #include "checkpoint/parallel.h"
 #include "checkpoint/safetensors.h"
@@ -115,18 +117,12 @@ std::vector<ArtifactInfo> ApplyRetention(const std::vector<ArtifactInfo>& artifa
   return kept;
 }
 
-std::string PieceHashHex(uint64_t hash) {
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash));
-  return hex;
-}
-
 Json LogToJson(const std::vector<ArtifactInfo>& artifacts, uint64_t last_version,
                uint64_t head_version, const Hash128& head_hash, uint64_t keyframe_every) {
   Json artifact_list = Json::array();
   for (const ArtifactInfo& a : artifacts) {
     Json pieces = Json::array();
-    for (uint64_t h : a.piece_hashes) pieces.push_back(PieceHashHex(h));
+    for (uint64_t h : a.piece_hashes) pieces.push_back(Hex64(h));
     artifact_list.push_back({
         {"kind", ArtifactKindName(a.kind)},
         {"base_version", a.base_version},
@@ -188,15 +184,8 @@ Result<Hash128> HashField(const Json& object, const char* field, const std::stri
 Result<uint64_t> PieceHash(const Json& value, const std::string& where) {
   if (value.is_number_unsigned()) return value.get<uint64_t>();
   if (value.is_string()) {
-    const std::string& hex = value.get_ref<const std::string&>();
-    uint64_t hash = 0;
-    bool valid = !hex.empty() && hex.size() <= 16;
-    for (char c : hex) {
-      int digit = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-      if (digit < 0) valid = false;
-      hash = hash << 4 | static_cast<uint64_t>(digit & 15);
-    }
-    if (valid) return hash;
+    Result<uint64_t> hash = HexDecode64(value.get_ref<const std::string&>(), HexCase::kLower);
+    if (hash.ok()) return *hash;
   }
   return Status::Corruption(where +
                             " is neither 1-16 lowercase hex digits nor an unsigned integer");
@@ -925,7 +914,7 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
                    : streamed                  ? sink.bytes()
                                                : std::span<const std::byte>(*delta_bytes);
     }
-    result.encoded_at = std::chrono::system_clock::now();
+    result.encoded_at = std::chrono::system_clock::time_point(std::chrono::microseconds(UnixMicrosNow()));
     if (hash_in_encode) {
       const std::string context =
           "version log " + s.dir + ": delta of version " + std::to_string(version);
@@ -948,7 +937,7 @@ Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& 
   if (!result.keyframe_reason.empty()) {
     encode.base_tensor_hashes = {};
     Result<std::vector<std::byte>> keyframe = delta::EncodeKeyframe(checkpoint, encode);
-    result.encoded_at = std::chrono::system_clock::now();
+    result.encoded_at = std::chrono::system_clock::time_point(std::chrono::microseconds(UnixMicrosNow()));
     Status st = write_artifact(ArtifactKind::kKeyframe, keyframe.status(),
                                keyframe.ok() ? std::span<const std::byte>(*keyframe)
                                              : std::span<const std::byte>());

@@ -14,6 +14,7 @@
 #include <shared_mutex>
 #include <unordered_map>
 
+#include "base/env.h"
 #include "delta/delta.h"
 #include "delta/format.h"
 #include "checkpoint/safetensors.h"
@@ -175,6 +176,8 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   flywheel::Status Export(uint64_t serving_version);
   WorkerStatus CurrentStatus() const;
   void OnCatalog(Catalog received);
+  // What this worker reports upstream: its version, hash and traffic.
+  wire::Report MakeReport();
 };
 
 void Worker::Impl::OnCatalog(Catalog received) {
@@ -774,6 +777,21 @@ WorkerStatus Worker::Impl::CurrentStatus() const {
   return s;
 }
 
+wire::Report Worker::Impl::MakeReport() {
+  wire::Report report;
+  wire::NodeState* node = report.add_nodes();
+  node->set_node_id(identity.node_id);
+  node->set_region(identity.region);
+  node->set_role(wire::WORKER);
+  const Served served = ServedNow();
+  node->set_version(served.version);
+  node->set_weights_hash(HashBytesOf(served.hash));
+  node->set_bytes_in(links.bytes_in());
+  node->set_bytes_out(links.bytes_out());
+  node->set_upstream(upstream->current());
+  return report;
+}
+
 Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
                                               WorkerOptions options) {
   if (options.upstreams.empty()) return Status::InvalidArgument("a worker needs an --upstream");
@@ -793,37 +811,10 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
                                                     [raw] { return ToJson(raw->CurrentStatus()); }));
   if (options.configure_http) options.configure_http(*impl->http);
-  asio::co_spawn(
-      executor,
-      [impl]() -> awaitable<void> {
-        std::function<void(Catalog)> on_catalog = [raw = impl.get()](Catalog catalog) {
-          raw->OnCatalog(std::move(catalog));
-        };
-        std::function<wire::Report()> make_report = [raw = impl.get()] {
-          wire::Report report;
-          wire::NodeState* node = report.add_nodes();
-          node->set_node_id(raw->identity.node_id);
-          node->set_region(raw->identity.region);
-          node->set_role(wire::WORKER);
-          const Impl::Served served = raw->ServedNow();
-          node->set_version(served.version);
-          node->set_weights_hash(HashBytesOf(served.hash));
-          node->set_bytes_in(raw->links.bytes_in());
-          node->set_bytes_out(raw->links.bytes_out());
-          node->set_upstream(raw->upstream->current());
-          return report;
-        };
-        co_await impl->upstream->RunControl(on_catalog, make_report);
-      },
-      asio::detached);
+  SpawnControlChannel(executor, impl);
   asio::co_spawn(executor, impl->UpdateLoop(), asio::detached);
-  if (!options.common.ready_file.empty()) {
-    const std::string host = options.common.http.host;
-    FW_RETURN_IF_ERROR(
-        WriteReadyFile(options.common.ready_file,
-                       {{"http", transport::Endpoint{host, impl->http->port()}.ToString()},
-                        {"node_id", impl->identity.node_id}}));
-  }
+  FW_RETURN_IF_ERROR(WriteRoleReadyFile(options.common, impl->identity, impl->http->port(),
+                                        std::nullopt));
   spdlog::info("worker {} (region {}) serving HTTP on port {}", impl->identity.node_id,
                impl->identity.region, impl->http->port());
   return std::unique_ptr<Worker>(new Worker(std::move(impl)));

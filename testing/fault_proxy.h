@@ -6,7 +6,7 @@
 //   a cut in the middle of whatever frame was passing. It happens once.
 // - cut_upstream_after_bytes: the same for the node -> upstream byte stream.
 // - upstream_bytes_per_s: the node -> upstream direction of all connections together is
-//   shaped to this rate (one token bucket, 50 ms of burst): an upload link.
+//   shaped to this rate (one transport::TokenBucket, 50 ms of burst): an upload link.
 // - corrupt_pieces: downstream frames are parsed (transport/frame.h) and one payload byte
 //   of each of the first N Piece frames is flipped; everything else passes unchanged.
 // Blocking sockets, two threads per connection; the destructor shuts every socket down and
@@ -26,6 +26,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "transport/frame.h"
+#include "transport/shaper.h"
 
 namespace flywheel::testing {
 
@@ -49,6 +51,10 @@ class FaultProxy {
  public:
   FaultProxy(uint16_t target_port, FaultProxyOptions options)
       : target_port_(target_port), options_(options), corrupt_left_(options.corrupt_pieces) {
+    if (options.upstream_bytes_per_s > 0) {
+      upstream_bucket_ = std::make_unique<transport::TokenBucket>(
+          options.upstream_bytes_per_s, static_cast<uint64_t>(options.upstream_bytes_per_s * 0.05));
+    }
     listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in address = Loopback(0);
     if (listen_fd_ < 0 ||
@@ -148,20 +154,8 @@ class FaultProxy {
 
   // Waits until `bytes` more may pass the upstream token bucket.
   void Shape(size_t bytes) {
-    const double rate = options_.upstream_bytes_per_s;
-    if (rate <= 0) return;
-    using Clock = std::chrono::steady_clock;
-    Clock::time_point send_at;
-    {
-      std::lock_guard lock(bucket_mutex_);
-      const auto now = Clock::now();
-      const auto burst = std::chrono::duration_cast<Clock::duration>(std::chrono::milliseconds(50));
-      if (next_free_ < now - burst) next_free_ = now - burst;
-      next_free_ += std::chrono::duration_cast<Clock::duration>(
-          std::chrono::duration<double>(static_cast<double>(bytes) / rate));
-      send_at = next_free_;
-    }
-    std::this_thread::sleep_until(send_at);
+    if (upstream_bucket_ == nullptr) return;
+    std::this_thread::sleep_until(upstream_bucket_->Reserve(bytes, transport::Clock::now()));
   }
 
   // node -> upstream: forwarded as is, but for cut_upstream_after_bytes and shaping.
@@ -253,8 +247,7 @@ class FaultProxy {
   std::vector<std::thread> threads_;  // GUARDED_BY(mutex_) while the accept loop runs
   std::atomic<uint64_t> downstream_bytes_{0};
   std::atomic<uint64_t> upstream_bytes_{0};
-  std::mutex bucket_mutex_;
-  std::chrono::steady_clock::time_point next_free_{};  // GUARDED_BY(bucket_mutex_)
+  std::unique_ptr<transport::TokenBucket> upstream_bucket_;  // null: upstream not shaped
   std::atomic<int> connections_{0}, cuts_{0}, corrupted_{0}, corrupt_left_;
 };
 

@@ -9,6 +9,7 @@
 #include <ctime>
 #include <optional>
 
+#include "base/env.h"
 #include "tokenizer/jinja_ast.h"
 #include "tokenizer/jinja_value.h"
 
@@ -1716,7 +1717,7 @@ class Renderer {
       case GlobalId::kStrftimeNow: {
         FW_ASSIGN_OR_RETURN(auto a, Bind(args, {"format"}, "strftime_now"));
         FW_ASSIGN_OR_RETURN(std::string format, StringArg(a[0], "strftime_now() format"));
-        std::time_t now = std::time(nullptr);
+        std::time_t now = static_cast<std::time_t>(UnixMicrosNow() / 1000000);
         std::tm local{};
         localtime_r(&now, &local);
         std::string out(256 + format.size() * 8, '\0');

@@ -249,6 +249,7 @@ void AddTrainerCommand(CLI::App& bench_app, Action& action) {
       "\nExamples:\n"
       "  flywheel bench trainer --sequences 4 --length 128 --no-moe\n"
       "  flywheel bench trainer --markdown docs/BENCHMARKS.md");
+  MarkTorchOnly(trainer);
   trainer->callback([options, &action] {
     action = [options]() -> Status {
 #ifdef FLYWHEEL_WITH_TORCH
@@ -301,6 +302,7 @@ void AddRolloutCommand(CLI::App& bench_app, Action& action) {
       ->add_option("--markdown", options->markdown_out,
                    "Write the tables as the '## Rollout benchmark' section of this Markdown file")
       ->type_name("PATH");
+  MarkTorchOnly(rollout);
   rollout->callback([options, &action] {
     action = [options]() -> Status {
 #ifdef FLYWHEEL_WITH_TORCH
@@ -338,6 +340,7 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
   serving->add_option("--markdown", options->markdown_out,
                       "Write the report as the '## Serving benchmark' section of this Markdown file")
       ->type_name("PATH");
+  MarkTorchOnly(serving);
   serving->callback([options, &action] {
     action = [options]() -> Status {
 #ifdef FLYWHEEL_WITH_TORCH
@@ -370,6 +373,7 @@ void AddTrainingApiBenchCommand(CLI::App& bench_app, Action& action) {
   api->add_option("--markdown", options->markdown_out,
                   "Write the report as the '## Training API benchmark' section of this Markdown file")
       ->type_name("PATH");
+  MarkTorchOnly(api);
   api->callback([options, &action] {
     action = [options]() -> Status {
 #ifdef FLYWHEEL_WITH_TORCH
@@ -416,6 +420,7 @@ void AddPackedExpertsBenchCommand(CLI::App& bench_app, Action& action) {
                      "Write the report as the '## Packed experts benchmark' section of this "
                      "Markdown file")
       ->type_name("PATH");
+  MarkTorchOnly(packed);
   packed->callback([o, &action] {
     action = [o]() -> Status {
 #ifdef FLYWHEEL_WITH_TORCH
@@ -521,6 +526,7 @@ void AddFp8BenchCommand(CLI::App& bench_app, Action& action) {
       "\nExamples:\n"
       "  flywheel bench fp8 --small\n"
       "  flywheel bench fp8 --markdown docs/BENCHMARKS.md");
+  MarkTorchOnly(fp8);
   fp8->callback([args, &action] {
     action = [args]() -> Status {
 #ifdef FLYWHEEL_WITH_TORCH
@@ -565,6 +571,7 @@ void AddParityCommand(CLI::App& bench_app, Action& action) {
       ->add_option("--markdown", options->markdown_out,
                    "Write the table as the '## Parity benchmark' section of this Markdown file")
       ->type_name("PATH");
+  MarkTorchOnly(parity);
   parity->callback([options, &action] {
     action = [options]() -> Status {
 #ifdef FLYWHEEL_WITH_TORCH

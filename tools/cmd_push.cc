@@ -15,7 +15,9 @@ namespace flywheel::tools {
 namespace {
 
 struct PushArgs {
-  std::string url, token, token_file, ca_file, cert_file, key_file, cache_dir, client;
+  std::string url, cache_dir, client;
+  TokenFlags tokens;
+  transport::TlsOptions tls;  // --ca, --tls-cert, --tls-key
   std::string checkpoint;
   uint64_t version = 0;
   std::vector<std::string> meta;
@@ -30,13 +32,10 @@ struct PushArgs {
 Result<sync::PushClientOptions> ClientOptions(const PushArgs& args) {
   sync::PushClientOptions options;
   options.url = args.url;
-  options.token = args.token;
-  if (!args.token_file.empty()) {
-    FW_ASSIGN_OR_RETURN(options.token, ReadTokenFile(args.token_file, "--token-file"));
-  }
-  options.ca_file = args.ca_file;
-  options.cert_file = args.cert_file;
-  options.key_file = args.key_file;
+  FW_ASSIGN_OR_RETURN(options.token, ResolveToken(args.tokens, TokenFallback::kNone));
+  options.ca_file = args.tls.ca_file;
+  options.cert_file = args.tls.cert_file;
+  options.key_file = args.tls.key_file;
   options.cache_dir = args.cache_dir;
   options.client = args.client;
   options.use_delta = !args.no_delta;
@@ -170,18 +169,11 @@ void AddConnectionOptions(CLI::App* app, PushArgs& args, const char* flag) {
   app->add_option(flag, args.url, "The publisher's HTTP address (http://HOST:PORT or https://...)")
       ->type_name("URL")
       ->required();
-  app->add_option("--token", args.token, "Bearer token (the push token; reads accept it too)")
-      ->type_name("T");
-  app->add_option("--token-file", args.token_file, "Read the token from this file")
-      ->type_name("F")
-      ->excludes("--token");
-  app->add_option("--ca", args.ca_file, "CA file to verify an https:// publisher against")
+  AddTokenFlags(app, args.tokens, "Bearer token (the push token; reads accept it too)");
+  app->add_option("--ca", args.tls.ca_file, "CA file to verify an https:// publisher against")
       ->type_name("F");
-  app->add_option("--tls-cert", args.cert_file,
-                  "Client certificate (PEM) for a publisher that requires one (its --tls-ca)")
-      ->type_name("F");
-  app->add_option("--tls-key", args.key_file, "The client certificate's private key (PEM)")
-      ->type_name("F");
+  AddTlsFlags(app, args.tls,
+              "Client certificate (PEM) for a publisher that requires one (its --tls-ca)", "");
   app->add_flag("--json", args.json, "Print JSON instead of text");
 }
 

@@ -31,9 +31,9 @@ struct RlArgs {
   std::string markdown;
   // train
   std::string state, listen = "127.0.0.1:0", http = "127.0.0.1:0", publisher_http = "127.0.0.1:0";
-  std::string token, token_file, ready_file;
-  std::vector<std::string> scoped_tokens;
-  std::string tls_cert, tls_key, tls_ca, signing_key;
+  TokenFlags tokens;
+  transport::TlsOptions tls;
+  std::string ready_file, signing_key;
   bool quiet = false;
   bool resume = false;
   bool no_pinned = false;
@@ -50,12 +50,6 @@ Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig c
   return config;
 }
 
-std::string SelfPath() {
-  std::error_code ec;
-  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? "flywheel" : self.string();
-}
-
 void WarnLine(const std::string& line) { spdlog::warn("{}", line); }
 
 Status RunDemo(const RlArgs& args) {
@@ -70,7 +64,7 @@ Status RunDemo(const RlArgs& args) {
   } else {
     FW_ASSIGN_OR_RETURN(options.config, LoadConfig(args, pipeline::DemoConfig()));
   }
-  options.program = SelfPath();
+  options.program = SelfProgram();
   options.run_dir = args.run_dir;
   options.report_dir = args.report;
   options.resume = args.resume;
@@ -89,14 +83,9 @@ Status RunTrain(const RlArgs& args) {
   options.http = args.http;
   options.publisher_http = args.publisher_http;
   options.ready_file = args.ready_file;
-  options.token = args.token;
-  if (!args.token_file.empty()) {
-    FW_ASSIGN_OR_RETURN(options.token, ReadTokenFile(args.token_file, "--token-file"));
-  } else if (options.token.empty()) {
-    if (const char* from_env = std::getenv("FLYWHEEL_TOKEN"); from_env != nullptr) options.token = from_env;
-  }
-  FW_ASSIGN_OR_RETURN(options.scoped_tokens, ReadScopedTokens(args.scoped_tokens));
-  options.tls = {args.tls_cert, args.tls_key, args.tls_ca};
+  FW_ASSIGN_OR_RETURN(options.token, ResolveToken(args.tokens, TokenFallback::kEnvironment));
+  FW_ASSIGN_OR_RETURN(options.scoped_tokens, ReadScopedTokens(args.tokens.scoped));
+  options.tls = args.tls;
   options.signing_key = args.signing_key;
   options.quiet = args.quiet;
 #ifdef FLYWHEEL_WITH_TORCH
@@ -109,7 +98,7 @@ Status RunTrain(const RlArgs& args) {
 Status RunPipelineBench(const RlArgs& args) {
   bench::PipelineBenchOptions options;
   FW_ASSIGN_OR_RETURN(options.config, LoadConfig(args, pipeline::DemoConfig()));
-  options.program = SelfPath();
+  options.program = SelfProgram();
   options.run_dir = args.run_dir;
   options.markdown = args.markdown;
   options.quiet = args.quiet;
@@ -188,28 +177,21 @@ void AddRlCommands(CLI::App& app, Action& action) {
   train->add_option("--publisher-http", args->publisher_http, "The publisher's status endpoint")
       ->type_name("HOST:PORT")
       ->capture_default_str();
-  train->add_option("--token", args->token, "Bearer token for peers and HTTP clients")->type_name("T");
-  train->add_option("--token-file", args->token_file, "Read the token from this file")
-      ->type_name("F")
-      ->excludes("--token");
-  train->add_option("--scoped-token-file", args->scoped_tokens,
-                    "A further HTTP token with its own scopes, SCOPES:FILE (read, submit, ...;\n"
-                    "see `flywheel publish --help`); repeatable")
-      ->type_name("SCOPES:F");
-  train->add_option("--tls-cert", args->tls_cert,
-                    "TLS certificate chain (PEM): TLS 1.3 on the coordinator and the publisher")
-      ->type_name("F");
-  train->add_option("--tls-key", args->tls_key, "TLS private key (PEM)")->type_name("F");
-  train->add_option("--tls-ca", args->tls_ca,
-                    "CA that clients (workers claiming and submitting, relays) must present a\n"
-                    "certificate from (mutual authentication)")
-      ->type_name("F");
+  AddTokenFlags(train, args->tokens, "Bearer token for peers and HTTP clients");
+  AddScopedTokenFlag(train, args->tokens,
+                     "A further HTTP token with its own scopes, SCOPES:FILE (read, submit, ...;\n"
+                     "see `flywheel publish --help`); repeatable");
+  AddTlsFlags(train, args->tls,
+              "TLS certificate chain (PEM): TLS 1.3 on the coordinator and the publisher",
+              "CA that clients (workers claiming and submitting, relays) must present a\n"
+              "certificate from (mutual authentication)");
   train->add_option("--signing-key", args->signing_key,
                     "Sign every published version (Ed25519, from `flywheel keys generate`)")
       ->type_name("F");
   train->add_option("--ready-file", args->ready_file, "Write the bound endpoints here (JSON)")
       ->type_name("F");
   train->add_flag("--quiet", args->quiet, "No per-step lines");
+  MarkTorchOnly(train);
   train->callback([args, &action] { action = [args] { return RunTrain(*args); }; });
 }
 
@@ -228,6 +210,7 @@ void AddPipelineBenchCommand(CLI::App& bench_app, Action& action) {
       ->type_name("PATH");
   pipeline->add_flag("--quiet", args->quiet, "No per-step lines");
   pipeline->add_flag("--no-pinned", args->no_pinned, "Skip the runs with pinned roles");
+  MarkTorchOnly(pipeline);
   pipeline->callback([args, &action] { action = [args] { return RunPipelineBench(*args); }; });
 }
 

@@ -31,9 +31,8 @@ using json = nlohmann::json;
 
 struct ServeArgs {
   service::ServeTrainerOptions o;
-  std::string token_file, train_token_file;
-  std::vector<std::string> scoped_tokens;
-  std::string tls_cert, tls_key, tls_ca;
+  TokenFlags tokens;  // --token-file, --scoped-token-file
+  std::string train_token_file;
   // service
   std::string run_dir;
   std::vector<std::string> regions = {"local"};
@@ -44,14 +43,11 @@ struct ServeArgs {
 };
 
 Status RunServeTrainer(ServeArgs args) {
-  if (!args.token_file.empty()) {
-    FW_ASSIGN_OR_RETURN(args.o.token, ReadTokenFile(args.token_file, "--token-file"));
-  }
+  FW_ASSIGN_OR_RETURN(args.o.token, ResolveToken(args.tokens, TokenFallback::kNone));
   if (!args.train_token_file.empty()) {
     FW_ASSIGN_OR_RETURN(args.o.train_token, ReadTokenFile(args.train_token_file, "--train-token-file"));
   }
-  FW_ASSIGN_OR_RETURN(args.o.scoped_tokens, ReadScopedTokens(args.scoped_tokens));
-  args.o.tls = {args.tls_cert, args.tls_key, args.tls_ca};
+  FW_ASSIGN_OR_RETURN(args.o.scoped_tokens, ReadScopedTokens(args.tokens.scoped));
 #ifdef FLYWHEEL_WITH_TORCH
   return service::RunServeTrainer(args.o);
 #else
@@ -61,12 +57,6 @@ Status RunServeTrainer(ServeArgs args) {
 
 std::atomic<bool> g_service_stop{false};
 extern "C" void OnServiceSignal(int) { g_service_stop = true; }
-
-std::string SelfProgram() {
-  std::error_code ec;
-  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  return ec ? "flywheel" : self.string();
-}
 
 Status WritePrivateFile(const std::string& path, const std::string& text) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
@@ -177,7 +167,7 @@ Status RunService(const ServeArgs& args) {
   if (ec) return Status::IOError("cannot create " + logs.string() + ": " + ec.message());
   fs::remove(run / "service.json", ec);
   // One token for the fleet and the training API (a local, single-user setup).
-  std::string token_file = args.token_file;
+  std::string token_file = args.tokens.token_file;
   if (token_file.empty()) {
     token_file = (run / "token").string();
     if (!fs::exists(token_file)) {
@@ -299,14 +289,6 @@ void AddServeTrainerFlags(CLI::App* app, ServeArgs& a) {
       ->capture_default_str();
 }
 
-void AddTlsFlags(CLI::App* app, ServeArgs& a) {
-  app->add_option("--tls-cert", a.tls_cert, "TLS certificate chain (PEM): TLS 1.3 on every port")
-      ->type_name("F");
-  app->add_option("--tls-key", a.tls_key, "TLS private key (PEM)")->type_name("F");
-  app->add_option("--tls-ca", a.tls_ca, "Clients must present a certificate from this CA")
-      ->type_name("F");
-}
-
 }  // namespace
 
 void AddServeCommands(CLI::App& app, Action& action) {
@@ -334,17 +316,16 @@ void AddServeCommands(CLI::App& app, Action& action) {
   serve->add_option("--publisher-http", args->o.publisher_http, "The publisher's status endpoint")
       ->type_name("HOST:PORT")
       ->capture_default_str();
-  serve->add_option("--token-file", args->token_file,
-                    "The fleet's token (relays and workers subscribing)")
-      ->type_name("F");
+  AddTokenFileFlag(serve, args->tokens, "The fleet's token (relays and workers subscribing)");
   serve->add_option("--train-token-file", args->train_token_file,
                     "The training API's token (scopes train and read). Without any token the\n"
                     "API is open: bind it to loopback")
       ->type_name("F");
-  serve->add_option("--scoped-token-file", args->scoped_tokens,
-                    "A further token with its own scopes, SCOPES:FILE (train, read, ...); repeatable")
-      ->type_name("SCOPES:F");
-  AddTlsFlags(serve, *args);
+  AddScopedTokenFlag(
+      serve, args->tokens,
+      "A further token with its own scopes, SCOPES:FILE (train, read, ...); repeatable");
+  AddTlsFlags(serve, args->o.tls, "TLS certificate chain (PEM): TLS 1.3 on every port",
+              "Clients must present a certificate from this CA");
   serve->add_option("--signing-key", args->o.signing_key, "Sign every published version (Ed25519)")
       ->type_name("F");
   serve->add_option("--ready-file", args->o.ready_file, "Write the bound endpoints here (JSON)")
@@ -354,6 +335,7 @@ void AddServeCommands(CLI::App& app, Action& action) {
       "  flywheel serve-trainer --state /tmp/st --http 127.0.0.1:8100\n"
       "  flywheel serve-trainer --state st --model Qwen3-0.6B/ --lora-rank 16 --train-token-file t\n"
       "See also `flywheel service`, which starts it with a relay and workers.");
+  MarkTorchOnly(serve);
   serve->callback([args, &action] { action = [args] { return RunServeTrainer(*args); }; });
 
   CLI::App* service = app.add_subcommand(
@@ -374,9 +356,8 @@ void AddServeCommands(CLI::App& app, Action& action) {
                       "Each worker's longest sequence (default: the smaller of 1024 and the\n"
                       "model's max_position_embeddings)")
       ->type_name("N");
-  service->add_option("--token-file", args->token_file,
-                      "The token for everything (default: a new one in <run-dir>/token)")
-      ->type_name("F");
+  AddTokenFileFlag(service, args->tokens,
+                   "The token for everything (default: a new one in <run-dir>/token)");
   service->add_option("--ready-timeout", args->ready_timeout_s, "Seconds for each process to start")
       ->capture_default_str();
   service->footer(

@@ -29,9 +29,8 @@ struct CommonArgs {
   std::string region;
   std::string node_id;
   std::string http;
-  std::string token;
-  std::string token_file;
-  std::string tls_cert, tls_key, tls_ca;
+  TokenFlags tokens;
+  transport::TlsOptions tls;
   std::string ready_file;
   double wan_rate = 0;
   double wan_latency_ms = 0;
@@ -39,7 +38,6 @@ struct CommonArgs {
   int heartbeat_ms = 1000;
   int peer_timeout_ms = 5000;
   std::vector<std::string> trust_keys;
-  std::vector<std::string> scoped_tokens;
 };
 
 struct SyncArgs {
@@ -83,28 +81,18 @@ void AddCommonOptions(CLI::App* app, CommonArgs& args, bool region_required) {
                   "Where to serve GET /v1/status, /metrics and /healthz (port 0: any free port)")
       ->type_name("HOST:PORT")
       ->required();
-  app->add_option("--token", args.token,
-                  "Bearer token required of peers and HTTP clients (all routes but /healthz)\n"
-                  "and presented upstream")
-      ->type_name("T");
-  app->add_option("--token-file", args.token_file,
-                  "Read the token from this file (keeps it out of the process list)")
-      ->type_name("F")
-      ->excludes("--token");
-  app->add_option("--scoped-token-file", args.scoped_tokens,
-                  "A further HTTP token with its own scopes, SCOPES:FILE; scopes are read,\n"
-                  "sample, submit, push, admin (e.g. read:dashboard.token gives a dashboard\n"
-                  "status and metrics only). Repeatable. --token grants read, sample and\n"
-                  "submit; the publisher's push token read, push and admin (admin only if no\n"
-                  "scoped token has it). A token without a route's scope gets 403")
-      ->type_name("SCOPES:F");
-  app->add_option("--tls-cert", args.tls_cert, "TLS certificate chain (PEM); turns TLS 1.3 on")
-      ->type_name("F");
-  app->add_option("--tls-key", args.tls_key, "TLS private key (PEM)")->type_name("F");
-  app->add_option("--tls-ca", args.tls_ca,
-                  "CA bundle that peers are verified against; a server with it requires\n"
-                  "client certificates (mutual authentication)")
-      ->type_name("F");
+  AddTokenFlags(app, args.tokens,
+                "Bearer token required of peers and HTTP clients (all routes but /healthz)\n"
+                "and presented upstream");
+  AddScopedTokenFlag(app, args.tokens,
+                     "A further HTTP token with its own scopes, SCOPES:FILE; scopes are read,\n"
+                     "sample, submit, push, admin (e.g. read:dashboard.token gives a dashboard\n"
+                     "status and metrics only). Repeatable. --token grants read, sample and\n"
+                     "submit; the publisher's push token read, push and admin (admin only if no\n"
+                     "scoped token has it). A token without a route's scope gets 403");
+  AddTlsFlags(app, args.tls, "TLS certificate chain (PEM); turns TLS 1.3 on",
+              "CA bundle that peers are verified against; a server with it requires\n"
+              "client certificates (mutual authentication)");
   app->add_option("--ready-file", args.ready_file,
                   "Write {\"listen\":..., \"http\":...} here once the ports are bound")
       ->type_name("F");
@@ -135,14 +123,9 @@ Result<sync::CommonOptions> MakeCommon(const CommonArgs& args) {
   common.region = args.region;
   common.node_id = args.node_id;
   FW_ASSIGN_OR_RETURN(common.http, transport::ParseEndpoint(args.http));
-  common.token = args.token;
-  if (!args.token_file.empty()) {
-    FW_ASSIGN_OR_RETURN(common.token, ReadTokenFile(args.token_file, "--token-file"));
-  } else if (common.token.empty()) {
-    if (const char* from_env = std::getenv("FLYWHEEL_TOKEN"); from_env != nullptr) common.token = from_env;
-  }
-  FW_ASSIGN_OR_RETURN(common.scoped_tokens, ReadScopedTokens(args.scoped_tokens));
-  common.tls = {args.tls_cert, args.tls_key, args.tls_ca};
+  FW_ASSIGN_OR_RETURN(common.token, ResolveToken(args.tokens, TokenFallback::kEnvironment));
+  FW_ASSIGN_OR_RETURN(common.scoped_tokens, ReadScopedTokens(args.tokens.scoped));
+  common.tls = args.tls;
   common.ready_file = args.ready_file;
   common.wan_rate = args.wan_rate;
   common.wan_latency_ms = args.wan_latency_ms;
@@ -507,6 +490,7 @@ void AddWorker(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
       "\nExample:\n"
       "  flywheel worker --region eu --upstream relay-eu:7100 --upstream trainer.example:7000 \\\n"
       "      --http 0.0.0.0:7280 --export-dir /dev/shm/policy");
+  MarkTorchOnly(worker, "--model");
   worker->callback([args, &action] { action = [args] { return RunWorker(*args); }; });
 }
 

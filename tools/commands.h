@@ -13,7 +13,7 @@
 #include <string>
 
 #include "base/status.h"
-#include "transport/http.h"
+#include "tools/common_flags.h"
 
 namespace CLI {
 class App;
@@ -31,19 +31,23 @@ inline constexpr int kExitUsage = 2;    // the command line itself was wrong
 
 // Two executables are built from these sources. `flywheel-torch` (FLYWHEEL_WITH_TORCH)
 // links libtorch and runs every command. `flywheel` does not: it starts in milliseconds and
-// runs every command that needs no tensor math itself; before parsing, main() hands a
-// command that needs libtorch (NeedsTorch) over to the flywheel-torch beside it (execv,
-// same arguments). Both register the same commands, so `flywheel --help` lists them all.
+// runs every command that needs no tensor math itself. Both register the same commands, so
+// `flywheel --help` lists them all; a command that needs libtorch says so where it is
+// registered (MarkTorchOnly), and before parsing, main() hands such a command over to the
+// flywheel-torch beside it (execv, same arguments).
 #ifdef FLYWHEEL_WITH_TORCH
 inline constexpr bool kWithTorch = true;
 #else
 inline constexpr bool kWithTorch = false;
 #endif
 
-// Whether the command line names a command that needs libtorch: `train`, `serve-trainer`,
-// `bench trainer`,
-// `bench rollout`, `bench parity`, `bench pipeline`, and `worker` with --model.
-bool NeedsTorch(int argc, char** argv);
+// Marks `command` as one that needs libtorch: always, or, with `when_option`, only when that
+// option is on the command line (`worker --model`). Its action in `flywheel` is TorchOnly.
+void MarkTorchOnly(CLI::App* command, const std::string& when_option = "");
+
+// Whether the command line names a command of `app` (the whole table, registered) that
+// MarkTorchOnly marked.
+bool NeedsTorch(const CLI::App& app, int argc, char** argv);
 
 // What a torch command's action returns in `flywheel` (main() hands those over before
 // parsing, so it only shows if the hand-over was bypassed).
@@ -52,15 +56,9 @@ Status TorchOnly(const std::string& command);
 // `--threads` default: every core the machine reports (at least 1).
 int DefaultThreads();
 
-// The first line of a token file, trailing whitespace removed; NotFound / InvalidArgument
-// (empty, or open to group or others: CheckPrivateFile in base/env.h) name `flag` and the
-// path, never the token.
-Result<std::string> ReadTokenFile(const std::string& path, const std::string& flag);
-
-// --scoped-token-file SCOPES:FILE entries ("read:/etc/fw/dashboard.token",
-// "read,submit:rollout.token"): each file's token with those scopes (transport/http.h).
-// Errors name the flag and the file, never a token.
-Result<std::vector<transport::ScopedToken>> ReadScopedTokens(const std::vector<std::string>& specs);
+// This executable's path (ops::ExecutablePath), for starting it again as a child process;
+// "flywheel" (found on PATH) when it cannot be resolved.
+std::string SelfProgram();
 
 // `<what>: <status>`, keeping the status code's name: "cannot apply d.fwd: corruption: ...".
 inline Status Failed(const std::string& what, const Status& status) {

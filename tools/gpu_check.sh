@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs the CUDA kernels' tests and benchmark on a machine that has nvcc, g++
 # and a GPU but none of the project's other dependencies (no CMake configure): only
-# kernels/, the two kernels test files and bench/cuda_kernels_bench.cc, with GoogleTest
+# kernels/, checkpoint/parallel.cc, the two kernels test files and
+# bench/cuda_kernels_bench.cc, with GoogleTest
 # and xxhash.h taken from a dependency folder.
 #
 #   tools/gpu_check.sh            # from the repository root
@@ -73,6 +74,8 @@ compile kernels_avx2 g++ "${CXXFLAGS[@]}" -mavx2 -mbmi -mbmi2 -mpopcnt -c kernel
   -o "$BUILD/kernels_avx2.o"
 compile checksum g++ "${CXXFLAGS[@]}" -mavx2 -c kernels/checksum.cc -o "$BUILD/checksum.o"
 compile checksum_scalar g++ "${CXXFLAGS[@]}" -c kernels/checksum_scalar.cc -o "$BUILD/checksum_scalar.o"
+# The benchmark's parallel loop (checkpoint/parallel.h) for generating its checkpoints.
+compile parallel g++ "${CXXFLAGS[@]}" -c checkpoint/parallel.cc -o "$BUILD/parallel.o"
 # kernels_test.cc calls libxxhash's XXH3 as a reference; the header alone provides it inline.
 compile kernels_test g++ "${CXXFLAGS[@]}" -DXXH_INLINE_ALL -c tests/kernels/kernels_test.cc \
   -o "$BUILD/kernels_test.o"
@@ -100,7 +103,8 @@ KERNEL_OBJS=("$BUILD"/kernels.o "$BUILD"/kernels_avx2.o "$BUILD"/checksum.o
 LINK=(-cudart static -Xcompiler -pthread)
 "$NVCC" -o "$BUILD/kernels_test" "$BUILD"/kernels_test.o "$BUILD"/cuda_kernels_test.o \
   "${KERNEL_OBJS[@]}" "$BUILD"/gtest-all.o "$BUILD"/gtest_main.o "${LINK[@]}"
-"$NVCC" -o "$BUILD/cuda_kernels_bench" "$BUILD"/cuda_kernels_bench.o "${KERNEL_OBJS[@]}" "${LINK[@]}"
+"$NVCC" -o "$BUILD/cuda_kernels_bench" "$BUILD"/cuda_kernels_bench.o "$BUILD"/parallel.o \
+  "${KERNEL_OBJS[@]}" "${LINK[@]}"
 echo "built in $(($(date +%s) - start)) s"
 
 echo "== tests"

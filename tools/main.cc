@@ -4,26 +4,26 @@
 // and the one-line error contract are in tools/commands.h.
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
 #include <new>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
-#include <string_view>
-#include <filesystem>
-#include <cerrno>
-#include <cstring>
-#include <unistd.h>
 
-#include "base/env.h"
+#include "ops/process.h"
 #include "tools/commands.h"
 
 #ifndef FLYWHEEL_VERSION
@@ -32,21 +32,43 @@
 
 namespace flywheel::tools {
 
-bool NeedsTorch(int argc, char** argv) {
-  std::vector<std::string_view> words;  // the command words, options left out
-  bool model = false;
+namespace {
+
+// The commands marked by MarkTorchOnly, with the option that makes each one need libtorch
+// ("" for always). Filled while the command table is built, read once before parsing.
+std::vector<std::pair<const CLI::App*, std::string>>& TorchMarks() {
+  static std::vector<std::pair<const CLI::App*, std::string>> marks;
+  return marks;
+}
+
+bool HasOption(int argc, char** argv, const std::string& option) {
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
-    if (arg == "--model" || arg.starts_with("--model=")) model = true;
-    if (!arg.empty() && arg[0] != '-' && words.size() < 2) words.push_back(arg);
+    if (arg == option || arg.starts_with(option + "=")) return true;
   }
-  if (words.empty()) return false;
-  if (words[0] == "train" || words[0] == "serve-trainer") return true;
-  if (words[0] == "worker") return model;
-  if (words[0] == "bench" && words.size() > 1) {
-    return words[1] == "trainer" || words[1] == "rollout" || words[1] == "parity" ||
-           words[1] == "pipeline" || words[1] == "serving" || words[1] == "training-api" ||
-           words[1] == "packed-experts" || words[1] == "fp8";
+  return false;
+}
+
+}  // namespace
+
+void MarkTorchOnly(CLI::App* command, const std::string& when_option) {
+  TorchMarks().emplace_back(command, when_option);
+}
+
+bool NeedsTorch(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* command = &app;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view word = argv[i];
+    if (word.empty() || word[0] == '-') continue;
+    const auto named = command->get_subcommands(
+        [&](const CLI::App* sub) { return sub->check_name(std::string(word)); });
+    if (named.empty()) continue;  // an option's value
+    command = named.front();
+    for (const auto& [marked, when_option] : TorchMarks()) {
+      if (marked == command && (when_option.empty() || HasOption(argc, argv, when_option))) {
+        return true;
+      }
+    }
   }
   return false;
 }
@@ -59,31 +81,9 @@ int DefaultThreads() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-Result<std::string> ReadTokenFile(const std::string& path, const std::string& flag) {
-  FW_RETURN_IF_ERROR(CheckPrivateFile(path, flag));
-  std::ifstream in(path);
-  if (!in) return Status::NotFound("cannot read " + flag + " " + path);
-  std::string token;
-  std::getline(in, token);
-  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
-  if (token.empty()) return Status::InvalidArgument(flag + " " + path + " is empty");
-  return token;
-}
-
-Result<std::vector<transport::ScopedToken>> ReadScopedTokens(const std::vector<std::string>& specs) {
-  std::vector<transport::ScopedToken> tokens;
-  for (const std::string& spec : specs) {
-    const size_t colon = spec.find(':');
-    if (colon == std::string::npos || colon == 0 || colon + 1 == spec.size()) {
-      return Status::InvalidArgument("--scoped-token-file '" + spec +
-                                     "' is not SCOPES:FILE (e.g. read:/etc/flywheel/dashboard.token)");
-    }
-    Result<uint32_t> scopes = transport::ParseScopes(spec.substr(0, colon));
-    if (!scopes.ok()) return scopes.status().WithContext("--scoped-token-file " + spec);
-    FW_ASSIGN_OR_RETURN(std::string token, ReadTokenFile(spec.substr(colon + 1), "--scoped-token-file"));
-    tokens.push_back({std::move(token), *scopes});
-  }
-  return tokens;
+std::string SelfProgram() {
+  Result<std::string> self = ops::ExecutablePath();
+  return self.ok() ? *self : "flywheel";
 }
 
 namespace {
@@ -154,10 +154,10 @@ void SetUpLogging(bool verbose) {
 // `flywheel` runs a torch command by replacing itself with the flywheel-torch beside it;
 // returns only when that is impossible (it then says why, in one line).
 int HandOverToTorch(char** argv) {
-  std::error_code ec;
-  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  Result<std::string> self = ops::ExecutablePath();
   const std::string torch =
-      ((ec ? std::filesystem::path(argv[0]) : self).parent_path() / "flywheel-torch").string();
+      (std::filesystem::path(self.ok() ? *self : argv[0]).parent_path() / "flywheel-torch")
+          .string();
   ::execv(torch.c_str(), argv);
   const int error = errno;
   std::cerr << "flywheel: this command needs libtorch, which `flywheel` does not load; it runs "
@@ -167,7 +167,6 @@ int HandOverToTorch(char** argv) {
 }
 
 int Run(int argc, char** argv) {
-  if (!kWithTorch && NeedsTorch(argc, argv)) return HandOverToTorch(argv);
   CLI::App app(kDescription, "flywheel");
   app.set_version_flag("--version", std::string("flywheel ") + FLYWHEEL_VERSION,
                        "Print the version and exit");
@@ -189,6 +188,7 @@ int Run(int argc, char** argv) {
   AddCertsCommands(app, action);
   // After the subcommands, which would inherit it otherwise; they have their own.
   app.footer(kFooter);
+  if (!kWithTorch && NeedsTorch(app, argc, argv)) return HandOverToTorch(argv);
 
   try {
     app.parse(argc, argv);

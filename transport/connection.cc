@@ -2,6 +2,8 @@
 
 #include "transport/tls_stream.h"
 
+#include "base/env.h"
+
 #include <spdlog/spdlog.h>
 
 #include <array>
@@ -309,10 +311,7 @@ awaitable<void> Connection::HeartbeatLoop() {
     if (closed_ || close_after_flush_) co_return;
     if (Clock::now() - last_tx_ < options_.heartbeat || !outbound_.empty()) continue;
     wire::Header header;
-    header.mutable_heartbeat()->set_unix_ms(
-        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                  std::chrono::system_clock::now().time_since_epoch())
-                                  .count()));
+    header.mutable_heartbeat()->set_unix_ms(static_cast<uint64_t>(UnixMicrosNow() / 1000));
     // Unshaped and outside the queue limit: it carries no data and must not wait.
     Frame frame = MakeFrame(std::move(header));
     const size_t bytes = frame.wire_bytes();

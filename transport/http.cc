@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "base/hex.h"
 #include "transport/api.h"
 
 namespace flywheel::transport {
@@ -1062,13 +1063,7 @@ void HttpServer::RoutePostStream(const std::string& path, HttpStreamHandler hand
 std::string TokenIdentity(std::string_view token) {
   unsigned char digest[SHA256_DIGEST_LENGTH];
   SHA256(reinterpret_cast<const unsigned char*>(token.data()), token.size(), digest);
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string identity = "token:";
-  for (int i = 0; i < 8; ++i) {
-    identity += kHex[digest[i] >> 4];
-    identity += kHex[digest[i] & 15];
-  }
-  return identity;
+  return "token:" + HexEncode(std::span<const uint8_t>(digest, 8));
 }
 
 const char* ScopeName(uint32_t scope) {

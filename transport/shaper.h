@@ -18,6 +18,8 @@ namespace flywheel::transport {
 
 using Clock = std::chrono::steady_clock;
 
+// flywheel's one token bucket: WAN link shaping here, and the upload links that
+// testing/fault_proxy.h emulates. Thread-safe.
 class TokenBucket {
  public:
   // `rate` bytes per second (> 0); up to `burst` bytes pass at once after an idle period.

@@ -672,6 +672,37 @@ TEST_F(CliTest, MissingFlywheelTorchIsOneClearLine) {
   EXPECT_EQ(help->exit_code, 0);
 }
 
+// The torch commands are the ones their registration marks (MarkTorchOnly in
+// tools/commands.h), not a list kept beside them: with no flywheel-torch to hand over to,
+// each of them fails naming it, and the torch-free commands beside them still run.
+TEST_F(CliTest, EveryTorchCommandAndOnlyThoseAreHandedOver) {
+  const std::string alone = Path("alone-each");
+  fs::create_directories(alone);
+  fs::copy_file(FLYWHEEL_BIN, alone + "/flywheel");
+  const std::vector<std::vector<std::string>> torch = {
+      {"train", "--help"},           {"serve-trainer", "--help"},
+      {"worker", "--help", "--model", "m.json"},
+      {"bench", "trainer", "--help"}, {"bench", "rollout", "--help"},
+      {"bench", "parity", "--help"},  {"bench", "pipeline", "--help"},
+      {"bench", "serving", "--help"}, {"bench", "training-api", "--help"},
+      {"bench", "packed-experts", "--help"}, {"-v", "bench", "fp8", "--help"}};
+  for (const auto& args : torch) {
+    Result<ops::Completion> run = ops::RunToCompletion(alone + "/flywheel", args, {});
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    EXPECT_EQ(run->exit_code, 1) << args[0] << " " << args[1] << ": " << run->out;
+    EXPECT_NE(run->err.find("flywheel-torch"), std::string::npos) << args[0] << " " << args[1];
+  }
+  const std::vector<std::vector<std::string>> torch_free = {
+      {"worker", "--help"}, {"bench", "--help"},   {"bench", "codec", "--help"},
+      {"bench", "fleet", "--help"}, {"service", "--help"}, {"demo", "--help"},
+      {"publish", "--help"}, {"push", "--help"}};
+  for (const auto& args : torch_free) {
+    Result<ops::Completion> run = ops::RunToCompletion(alone + "/flywheel", args, {});
+    ASSERT_TRUE(run.ok()) << run.status().ToString();
+    EXPECT_EQ(run->exit_code, 0) << args[0] << " " << args[1] << ": " << run->err;
+  }
+}
+
 TEST_F(CliTest, BenchStartupMeetsItsTargets) {
   // flywheel's --help and a 1 MB hash within 50 ms, its idle relay and worker within 40 MB,
   // flywheel-torch measured beside it (the benchmark fails otherwise).

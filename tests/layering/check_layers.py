@@ -26,7 +26,7 @@ MAY_DEPEND_ON = {
     "transport": ["base"],
     "ops": ["base"],
     "tokenizer": ["base"],
-    "sync": ["delta", "transport"],
+    "sync": ["delta", "transport", "ops"],
     "model": ["delta", "tokenizer"],
     "pipeline": ["transport", "ops"],
     "trainer": ["model", "sync"],

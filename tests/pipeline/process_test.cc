@@ -249,6 +249,19 @@ TEST_F(ProcessTest, PortsOfAGroupsServersAreFreeAfterItIsDestroyed) {
   for (uint16_t port : ports) EXPECT_TRUE(Bindable(port)) << "port " << port << " leaked";
 }
 
+// The one way flywheel finds itself: this test program, as an absolute path that runs it.
+TEST(ExecutablePathTest, IsThisProgram) {
+  Result<std::string> self = ExecutablePath();
+  ASSERT_TRUE(self.ok()) << self.status().ToString();
+  EXPECT_TRUE(fs::path(*self).is_absolute()) << *self;
+  EXPECT_EQ(fs::path(*self).filename(), "pipeline_test");
+  EXPECT_TRUE(fs::equivalent(*self, "/proc/self/exe"));
+  Result<Completion> listed =
+      RunToCompletion(*self, {"--gtest_list_tests", "--gtest_filter=ExecutablePathTest.*"}, {});
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  EXPECT_NE(listed->out.find("IsThisProgram"), std::string::npos) << listed->out;
+}
+
 TEST(RunToCompletionTest, CapturesExitCodeStdoutAndStderr) {
   Result<Completion> done =
       RunToCompletion("/bin/sh", {"-c", "printf 'to out'; printf 'to err' >&2; exit 7"});

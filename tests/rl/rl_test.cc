@@ -21,7 +21,7 @@
 #include "rl/warmup.h"
 #include "transport/http.h"
 #include "pipeline/rollout_protocol.h"
-#include "sync/role.h"
+#include "ops/metrics.h"
 #include "tests/delta/test_checkpoints.h"
 #include "tests/sync/promtool.h"
 
@@ -482,7 +482,7 @@ TEST(TrainerStatusTest, ReportsProgressAfterTheFirstStepAndTheCoordinatorsCounte
   EXPECT_EQ(after["groups_by_worker"]["w1"], 2u);
   EXPECT_EQ(after["queued_groups"], 1u);
   // GET /metrics renders the same document by the Prometheus conventions.
-  const std::string metrics = sync::MetricsText(after);
+  const std::string metrics = ops::MetricsText(after);
   EXPECT_NE(metrics.find("flywheel_claims_total{role=\"trainer\""), std::string::npos) << metrics;
   std::optional<std::string> complaints = flywheel::testing::PromtoolComplaints(metrics);
   if (!complaints) GTEST_SKIP() << "promtool is not installed (apt install prometheus)";

@@ -8,7 +8,7 @@
 #include <set>
 #include <string>
 
-#include "sync/role.h"
+#include "ops/metrics.h"
 
 namespace flywheel::sync {
 namespace {
@@ -102,7 +102,7 @@ TEST(RoleStatusTest, MetricsAreTheDocumentsNumbersWithEscapedLabels) {
   WorkerStatus s{.common = Common("worker"), .connected = true};
   s.swaps_total = 4;
   s.common.last_swap_ms = 1500;
-  const std::string text = MetricsText(ToJson(s));
+  const std::string text = ops::MetricsText(ToJson(s));
   const std::string labels = "{role=\"worker\",region=\"eu \\\"west\\\"\",node=\"n1\"}";
   // Counters end in _total, units are base-unit suffixes, and every metric has help.
   EXPECT_NE(text.find("# TYPE flywheel_received_bytes_total counter\nflywheel_received_bytes_total" +
@@ -129,7 +129,7 @@ TEST(RoleStatusTest, EveryRolesMetricsPassPromtool) {
   worker.export_failures = 1;
   worker.signatures.signature_failures = 2;
   for (const nlohmann::json& document : {ToJson(publisher), ToJson(relay), ToJson(worker)}) {
-    const std::string text = MetricsText(document);
+    const std::string text = ops::MetricsText(document);
     std::optional<std::string> complaints = flywheel::testing::PromtoolComplaints(text);
     if (!complaints) GTEST_SKIP() << "promtool is not installed (apt install prometheus)";
     EXPECT_EQ(*complaints, "") << document["role"] << ":\n" << text;
