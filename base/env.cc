@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -44,9 +45,33 @@ Result<std::pair<std::string, std::string>> SplitPath(const std::string& path) {
   return std::make_pair(std::move(dir), std::move(name));
 }
 
-std::string DirOf(const std::string& path) {
-  auto parts = SplitPath(path);
-  return parts.ok() ? parts->first : std::string(".");
+// pwrite(2) of all of `bytes` at `offset` (short writes and EINTR retried).
+Status PwriteAll(int fd, const std::string& path, uint64_t offset,
+                 std::span<const std::byte> bytes) {
+  if (fd < 0) return Status::IOError(path + ": write at an offset: the file is not open");
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const size_t chunk = std::min<size_t>(bytes.size() - done, size_t{1} << 30);
+    const ssize_t written =
+        ::pwrite(fd, bytes.data() + done, chunk, static_cast<off_t>(offset + done));
+    if (written < 0) {
+      const int error = errno;
+      if (error == EINTR) continue;
+      return ErrnoStatus("write at offset " + std::to_string(offset + done), path, error);
+    }
+    if (written == 0) return ErrnoStatus("write", path, EIO);
+    done += static_cast<size_t>(written);
+  }
+  return Status::Ok();
+}
+
+Status FallocateAll(int fd, const std::string& path, uint64_t size) {
+  if (fd < 0) return Status::IOError(path + ": allocate: the file is not open");
+  if (size == 0) return Status::Ok();
+  // posix_fallocate returns the error instead of setting errno.
+  const int error = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (error != 0) return ErrnoStatus("allocate " + std::to_string(size) + " bytes", path, error);
+  return Status::Ok();
 }
 
 class PosixWritableFile final : public WritableFile {
@@ -73,6 +98,11 @@ class PosixWritableFile final : public WritableFile {
     }
     return Status::Ok();
   }
+
+  Status WriteAt(uint64_t offset, std::span<const std::byte> bytes) override {
+    return PwriteAll(fd_, path_, offset, bytes);
+  }
+  Status Allocate(uint64_t size) override { return FallocateAll(fd_, path_, size); }
 
   Status Sync() override {
     if (::fsync(fd_) != 0) return ErrnoStatus("fsync", path_, errno);
@@ -135,6 +165,27 @@ class ScopedFd {
   int fd_;
 };
 
+class PosixFileLock final : public Env::FileLock {
+ public:
+  explicit PosixFileLock(int fd) : fd_(fd) {}
+  ~PosixFileLock() override { ::close(fd_); }  // closing releases the flock
+
+ private:
+  int fd_;
+};
+
+int OpenFlags(Env::OpenMode mode) {
+  switch (mode) {
+    case Env::OpenMode::kCreateNew:
+      return O_WRONLY | O_CREAT | O_EXCL;
+    case Env::OpenMode::kTruncate:
+      return O_WRONLY | O_CREAT | O_TRUNC;
+    case Env::OpenMode::kExisting:
+      return O_WRONLY;
+  }
+  return O_WRONLY;
+}
+
 // Opens `path` read-only and checks that it is a regular file; returns its size.
 Result<size_t> OpenRegular(const std::string& path, int& fd_out) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -186,7 +237,8 @@ class PosixEnv final : public Env {
     return std::unique_ptr<MappedRegion>(new PosixMappedRegion(map, *size));
   }
 
-  Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path) override {
+  Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path,
+                                                    std::optional<uint32_t> permissions) override {
     FW_ASSIGN_OR_RETURN(auto parts, SplitPath(path));
     static std::mutex generator_mutex;
     static std::mt19937_64 generator{std::random_device{}()};
@@ -203,7 +255,15 @@ class PosixEnv final : public Env {
       std::snprintf(suffix, sizeof(suffix), "%08x", static_cast<uint32_t>(random));
       std::string temp = prefix + suffix;
       const int fd = ::open(temp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-      if (fd >= 0) return std::unique_ptr<WritableFile>(new PosixWritableFile(std::move(temp), fd));
+      if (fd >= 0) {
+        auto file = std::make_unique<PosixWritableFile>(std::move(temp), fd);
+        if (permissions && ::fchmod(fd, *permissions & 07777) != 0) {
+          const int error = errno;
+          (void)::unlink(file->path().c_str());
+          return ErrnoStatus("chmod", file->path(), error);
+        }
+        return std::unique_ptr<WritableFile>(std::move(file));
+      }
       const int error = errno;
       if (error != EEXIST) return ErrnoStatus("create temporary file", parts.first, error);
     }
@@ -214,6 +274,17 @@ class PosixEnv final : public Env {
     const int fd = ::open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0) return ErrnoStatus("open for appending", path, errno);
     return std::unique_ptr<WritableFile>(new PosixWritableFile(path, fd));
+  }
+
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path, OpenMode mode,
+                                                        uint32_t permissions) override {
+    const int fd = ::open(path.c_str(), OpenFlags(mode) | O_CLOEXEC, permissions & 07777);
+    if (fd < 0) return ErrnoStatus("open for writing", path, errno);
+    auto file = std::make_unique<PosixWritableFile>(path, fd);
+    if (mode == OpenMode::kCreateNew && ::fchmod(fd, permissions & 07777) != 0) {
+      return ErrnoStatus("chmod", path, errno);
+    }
+    return std::unique_ptr<WritableFile>(std::move(file));
   }
 
   Result<uint32_t> FileMode(const std::string& path) override {
@@ -258,6 +329,39 @@ class PosixEnv final : public Env {
     ScopedFd closer(fd);
     if (::fsync(fd) != 0) return ErrnoStatus("fsync directory", dir, errno);
     return Status::Ok();
+  }
+
+  Status CreateDirs(const std::string& dir) override {
+    if (dir.empty()) return Status::InvalidArgument("create directory: empty path");
+    if (IsDirectory(dir)) return Status::Ok();
+    const std::string parent = DirName(dir);
+    if (parent != dir) FW_RETURN_IF_ERROR(CreateDirs(parent));
+    if (::mkdir(dir.c_str(), 0755) != 0) {
+      const int error = errno;
+      if (error != EEXIST || !IsDirectory(dir)) return ErrnoStatus("create directory", dir, error);
+      return Status::Ok();  // another thread or process made it meanwhile
+    }
+    return SyncDir(parent);
+  }
+
+  bool IsDirectory(const std::string& path) override {
+    struct stat info;
+    return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+  }
+
+  Result<std::unique_ptr<FileLock>> LockFile(const std::string& path) override {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoStatus("open lock file", path, errno);
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      ::close(fd);
+      if (error == EWOULDBLOCK) {
+        return Status::Unavailable(path + ": locked by another holder (another process, or "
+                                          "another object in this one)");
+      }
+      return ErrnoStatus("lock", path, error);
+    }
+    return std::unique_ptr<FileLock>(new PosixFileLock(fd));
   }
 
   Result<std::vector<std::string>> ListDir(const std::string& dir) override {
@@ -346,8 +450,9 @@ void ManualClock::WaitUntil(std::condition_variable& cv, std::unique_lock<std::m
 // ---------------------------------------------------------------------------------------
 // AtomicFile
 
-Result<AtomicFile> AtomicFile::Create(const std::string& path, Env* env) {
-  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env->NewTempFile(path));
+Result<AtomicFile> AtomicFile::Create(const std::string& path, Env* env,
+                                      std::optional<uint32_t> permissions) {
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env->NewTempFile(path, permissions));
   AtomicFile atomic;
   atomic.env_ = env;
   atomic.path_ = path;
@@ -389,14 +494,37 @@ Status AtomicFile::Commit() {
     return status;
   }
   file_.reset();  // renamed: nothing left to remove
-  return env_->SyncDir(DirOf(path_));
+  return env_->SyncDir(DirName(path_));
 }
 
-Status WriteFileAtomically(const std::string& path, std::span<const std::byte> bytes, Env* env) {
-  FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, env));
+Status WriteFileAtomically(const std::string& path, std::span<const std::byte> bytes, Env* env,
+                           std::optional<uint32_t> permissions) {
+  FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, env, permissions));
   FW_RETURN_IF_ERROR(file.Append(bytes));
   return file.Commit();
 }
+
+Status RemoveFileDurably(const std::string& path, Env* env) {
+  Status removed = env->RemoveFile(path);
+  if (removed.code() == StatusCode::kNotFound) return Status::Ok();
+  FW_RETURN_IF_ERROR(removed);
+  return env->SyncDir(DirName(path));
+}
+
+std::string DirName(const std::string& path) {
+  const size_t slash = path.find_last_not_of('/') == std::string::npos
+                           ? std::string::npos
+                           : path.rfind('/', path.find_last_not_of('/'));
+  if (slash == std::string::npos) return path.starts_with('/') ? "/" : ".";
+  const size_t end = path.find_last_not_of('/', slash);
+  return end == std::string::npos ? "/" : path.substr(0, end + 1);
+}
+
+Status WritableFile::WriteAt(uint64_t offset, std::span<const std::byte> bytes) {
+  return PwriteAll(fd(), path(), offset, bytes);
+}
+
+Status WritableFile::Allocate(uint64_t size) { return FallocateAll(fd(), path(), size); }
 
 void MappedReleaser::Done(std::span<const std::byte> bytes) {
   const uint64_t before = done_bytes_.fetch_add(bytes.size());

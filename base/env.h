@@ -1,7 +1,8 @@
 // Env: flywheel's one seam to the outside world, in the manner of leveldb's Env. Files
-// (whole-file reads, read-only mappings, temporary files, renames, directory listings)
-// and clocks (wall-clock micros, a monotonic clock, sleeping and timed waits) go through
-// an Env, so that:
+// (whole-file reads, read-only mappings, new, temporary and append-only files, positioned
+// writes, renames, removals, directories and their fsync, lock files, listings) and clocks
+// (wall-clock micros, a monotonic clock, sleeping and timed waits) go through an Env, so
+// that:
 //
 //   * errno becomes a Status in one place (ErrnoStatus below), with one message shape:
 //     "<path>: <what>: <strerror>";
@@ -10,6 +11,17 @@
 //   * tests inject faults by wrapping an Env (EnvWrapper) and fail, say, the third write
 //     or the rename, without copying the code under test;
 //   * tests drive time (ManualClock) instead of sleeping until a lease or deadline lapses.
+//
+// Durability. Every piece of state flywheel acknowledges (a version in the version log, a
+// ledger row, a saved trainer state, signatures, the push cache) is written through an
+// Env, and is on stable storage before it is acknowledged: a file's bytes once
+// WritableFile::Sync returned, a name (a created, renamed or removed file) once the
+// directory holding it was synced (SyncDir). AtomicFile does both in the right order; a
+// log appends, Syncs, and syncs its directory once when it creates the file; CreateDirs
+// syncs the parent of each directory it creates. tests/base/power_cut_env.h drops
+// everything not yet synced, the way a power cut does, to check that no code path
+// acknowledges too early. Nothing outside base/ writes durable state any other way
+// (tests/layering/durable_writes.py).
 //
 // Thread safety: every Env method may be called from any thread. Env::Default() lives for
 // the whole process and is never deleted. A WritableFile or MappedRegion is used by one
@@ -23,6 +35,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -40,14 +53,21 @@ Status ErrnoStatus(std::string_view what, const std::string& path, int err);
 
 using SteadyTime = std::chrono::steady_clock::time_point;
 
-// A file open for writing, created by Env::NewTempFile. The destructor closes the file
-// (ignoring errors) but never removes it: AtomicFile does that.
+// A file open for writing (Env::NewTempFile, NewAppendableFile, NewWritableFile). The
+// destructor closes the file (ignoring errors) but never removes it: AtomicFile does that.
 class WritableFile {
  public:
   virtual ~WritableFile() = default;
 
   // Appends all of `bytes` (short writes and EINTR are retried).
   virtual Status Append(std::span<const std::byte> bytes) = 0;
+  // Writes all of `bytes` at `offset` (pwrite(2): the append position does not move; not
+  // for files opened for appending). The default writes through fd(); IOError without one.
+  virtual Status WriteAt(uint64_t offset, std::span<const std::byte> bytes);
+  // Reserves the first `size` bytes on disk (posix_fallocate), so that a full disk fails
+  // here and not at a later write: ResourceExhausted when the disk is full. The default
+  // allocates through fd(); IOError without one.
+  virtual Status Allocate(uint64_t size);
   // fsync: the data is on stable storage when this returns OK.
   virtual Status Sync() = 0;
   // Closes the descriptor; reports what close(2) reports. Nothing may be called after.
@@ -120,13 +140,24 @@ class Env {
   // place (every writer here renames a new file over the old one).
   virtual Result<std::unique_ptr<MappedRegion>> MapReadOnly(const std::string& path) = 0;
   // Creates a new, empty file in the directory of `path`, named
-  // ".<name>.tmp-<pid>-<random>" (exclusive create, mode 0666 & ~umask), for writing
-  // `path` atomically. InvalidArgument when `path` names no file.
-  virtual Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path) = 0;
+  // ".<name>.tmp-<pid>-<random>" (exclusive create, mode 0666 & ~umask, or exactly
+  // `permissions` when given), for writing `path` atomically. InvalidArgument when `path`
+  // names no file.
+  virtual Result<std::unique_ptr<WritableFile>> NewTempFile(
+      const std::string& path, std::optional<uint32_t> permissions = std::nullopt) = 0;
   // Opens `path` for appending, creating it (mode 0600) when missing; writes go to its
   // end. For append-only logs: Append, then Sync before acknowledging. A file created here
   // survives a crash only once its directory is synced too (SyncDir).
   virtual Result<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) = 0;
+  // Opens `path` for writing at the start (Append) or anywhere (WriteAt). kCreateNew:
+  // creates it, IOError ("File exists") when something is there already; kTruncate:
+  // creates it or empties it; kExisting: opens it as it is, NotFound when missing. A file
+  // this creates gets `permissions` exactly (fchmod, whatever the umask). As with any new
+  // name, the file survives a crash only once its directory is synced too.
+  enum class OpenMode { kCreateNew, kTruncate, kExisting };
+  virtual Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                                OpenMode mode,
+                                                                uint32_t permissions = 0644) = 0;
   // The permission bits (st_mode & 07777) of `path`, following symlinks. NotFound when
   // there is nothing there.
   virtual Result<uint32_t> FileMode(const std::string& path) = 0;
@@ -138,8 +169,22 @@ class Env {
   virtual Status RemoveFile(const std::string& path) = 0;
   // Removes `path` and everything under it; OK when there is nothing there.
   virtual Status RemoveAll(const std::string& path) = 0;
-  // fsyncs the directory itself, so that a rename into it survives a crash.
+  // fsyncs the directory itself, so that a rename into it (or out of it), a file created
+  // or removed in it, survives a crash.
   virtual Status SyncDir(const std::string& dir) = 0;
+  // Creates `dir` and any missing parents (mode 0755 & ~umask), syncing the parent of each
+  // directory it creates, so they survive a crash once this returns. OK when `dir` is a
+  // directory already; IOError when something else is there.
+  virtual Status CreateDirs(const std::string& dir) = 0;
+  virtual bool IsDirectory(const std::string& path) = 0;
+  // Creates `path` if missing and takes an exclusive flock(2) on it, held until the
+  // returned object is destroyed (or the process exits). Unavailable when another holder
+  // (this process or another) has it. For "one writer per state directory".
+  class FileLock {
+   public:
+    virtual ~FileLock() = default;
+  };
+  virtual Result<std::unique_ptr<FileLock>> LockFile(const std::string& path) = 0;
   // The names in `dir` (no "." or ".."), sorted.
   virtual Result<std::vector<std::string>> ListDir(const std::string& dir) = 0;
   virtual bool FileExists(const std::string& path) = 0;
@@ -178,11 +223,16 @@ class EnvWrapper : public Env {
   Result<std::unique_ptr<MappedRegion>> MapReadOnly(const std::string& path) override {
     return target_->MapReadOnly(path);
   }
-  Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path) override {
-    return target_->NewTempFile(path);
+  Result<std::unique_ptr<WritableFile>> NewTempFile(
+      const std::string& path, std::optional<uint32_t> permissions = std::nullopt) override {
+    return target_->NewTempFile(path, permissions);
   }
   Result<std::unique_ptr<WritableFile>> NewAppendableFile(const std::string& path) override {
     return target_->NewAppendableFile(path);
+  }
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path, OpenMode mode,
+                                                        uint32_t permissions) override {
+    return target_->NewWritableFile(path, mode, permissions);
   }
   Result<uint32_t> FileMode(const std::string& path) override { return target_->FileMode(path); }
   Result<std::string> MakeTempDir(const std::string& prefix) override {
@@ -194,6 +244,11 @@ class EnvWrapper : public Env {
   Status RemoveFile(const std::string& path) override { return target_->RemoveFile(path); }
   Status RemoveAll(const std::string& path) override { return target_->RemoveAll(path); }
   Status SyncDir(const std::string& dir) override { return target_->SyncDir(dir); }
+  Status CreateDirs(const std::string& dir) override { return target_->CreateDirs(dir); }
+  bool IsDirectory(const std::string& path) override { return target_->IsDirectory(path); }
+  Result<std::unique_ptr<FileLock>> LockFile(const std::string& path) override {
+    return target_->LockFile(path);
+  }
   Result<std::vector<std::string>> ListDir(const std::string& dir) override {
     return target_->ListDir(dir);
   }
@@ -242,14 +297,18 @@ class ManualClock : public EnvWrapper {
   std::chrono::microseconds elapsed_{0};  // GUARDED_BY(mutex_)
 };
 
-// Writes a file atomically: the bytes go to a temporary file beside `path`
+// Writes a file atomically and durably: the bytes go to a temporary file beside `path`
 // (Env::NewTempFile), which Commit() fsyncs, closes, renames over `path`, and then fsyncs
-// the directory. Until Commit() succeeds `path` is untouched; a failed or abandoned
-// AtomicFile removes its temporary file. Move-only.
+// the directory; Commit() returns OK only once the new contents and the name are both on
+// stable storage (a power cut after it returns leaves the new file, one before it either
+// the old file or the new one, whole). Until Commit() succeeds `path` is untouched; a
+// failed or abandoned AtomicFile removes its temporary file. Move-only.
 class AtomicFile {
  public:
   AtomicFile() = default;  // holds nothing; Commit() fails
-  static Result<AtomicFile> Create(const std::string& path, Env* env = Env::Default());
+  // `permissions`: the new file's mode exactly (a key: 0600); default 0666 & ~umask.
+  static Result<AtomicFile> Create(const std::string& path, Env* env = Env::Default(),
+                                   std::optional<uint32_t> permissions = std::nullopt);
   AtomicFile(AtomicFile&& other) noexcept;
   AtomicFile& operator=(AtomicFile&& other) noexcept;
   AtomicFile(const AtomicFile&) = delete;
@@ -278,7 +337,15 @@ class AtomicFile {
 
 // AtomicFile::Create, Append, Commit.
 Status WriteFileAtomically(const std::string& path, std::span<const std::byte> bytes,
-                           Env* env = Env::Default());
+                           Env* env = Env::Default(),
+                           std::optional<uint32_t> permissions = std::nullopt);
+
+// Removes the file at `path` and syncs its directory, so that the removal survives a
+// crash. OK when there was nothing there.
+Status RemoveFileDurably(const std::string& path, Env* env = Env::Default());
+
+// The directory part of `path` ("." when it has none, "/" for a file at the root).
+std::string DirName(const std::string& path);
 
 // Checks that the file at `path` holds a secret only its owner can read (a bearer token),
 // as ssh checks a private key: InvalidArgument when group or others have any access

@@ -5,7 +5,6 @@
 #include <csignal>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -91,16 +90,15 @@ std::string DefaultRunDir(const std::string& what) {
 Status WriteSftDataset(const RunConfig& config, const std::string& path, size_t count) {
   FW_ASSIGN_OR_RETURN(std::unique_ptr<Task> task, Task::Create(config.task));
   std::mt19937_64 rng(static_cast<uint64_t>(config.run.seed) + 99);
-  std::ofstream out(path, std::ios::trunc);
+  std::string text;
   for (size_t i = 0; i < count; ++i) {
     const Problem problem = task->Sample(rng, /*held_out=*/false);
     const json line = {{"messages",
                         {{{"role", "user"}, {"content", problem.prompt}},
                          {{"role", "assistant"}, {"content", problem.answer}, {"weight", 1}}}}};
-    out << line.dump() << "\n";
+    text += line.dump() + "\n";
   }
-  if (!out) return Status::IOError("cannot write " + path);
-  return Status::Ok();
+  return WriteFileAtomically(path, std::as_bytes(std::span(text.data(), text.size())));
 }
 
 Status RunFleetToEnd(const FleetRunOptions& run, std::ostream& out) {

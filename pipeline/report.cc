@@ -2,11 +2,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "base/env.h"
 #include "pipeline/launcher.h"
 #include "pipeline/run_record.h"
 
@@ -58,9 +58,11 @@ std::string WritePlots(const fs::path& dir) {
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) {
     return "no plots: gnuplot is not installed (apt-get install gnuplot-nox)";
   }
-  {
-    std::ofstream script(dir / "plots.gp", std::ios::trunc);
-    script << kPlots;
+  const std::string_view script = kPlots;
+  if (Status written = WriteFileAtomically((dir / "plots.gp").string(),
+                                           std::as_bytes(std::span(script.data(), script.size())));
+      !written.ok()) {
+    return "no plots: " + written.message();
   }
   const std::string command = "cd '" + dir.string() + "' && gnuplot plots.gp > plots.log 2>&1";
   return std::system(command.c_str()) == 0

@@ -169,7 +169,8 @@ Status Publisher::Impl::SignArtifacts() {
     changed = true;
   }
   changed = changed || next.size() != current.size();
-  if (changed || !std::filesystem::exists(options.log.dir + "/" + kSignaturesFile)) {
+  Env* const env = options.log.env != nullptr ? options.log.env : Env::Default();
+  if (changed || !env->FileExists(options.log.dir + "/" + kSignaturesFile)) {
     nlohmann::json document = {{"run_id", run_id}, {"key_id", signing_key->key_id()},
                                {"artifacts", nlohmann::json::array()}};
     for (const auto& [key, signed_manifest] : next) {
@@ -179,8 +180,9 @@ Status Publisher::Impl::SignArtifacts() {
                                        {"signature", HexEncode(signed_manifest.signature)}});
     }
     const std::string text = document.dump(1) + "\n";
+    // Atomic and synced through the version log's Env, like the artifacts it signs.
     FW_RETURN_IF_ERROR(WriteFileAtomically(options.log.dir + "/" + kSignaturesFile,
-                                           std::as_bytes(std::span(text.data(), text.size()))));
+                                           std::as_bytes(std::span(text.data(), text.size())), env));
   }
   std::lock_guard lock(signing_mutex);
   signed_artifacts = std::move(next);

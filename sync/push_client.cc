@@ -218,8 +218,8 @@ struct Cached {
   uint64_t version = 0;
 };
 
-Cached ReadCache(const std::string& dir, const std::string& url) {
-  Result<std::vector<std::byte>> text = Env::Default()->ReadFile(dir + "/last.json");
+Cached ReadCache(Env* env, const std::string& dir, const std::string& url) {
+  Result<std::vector<std::byte>> text = env->ReadFile(dir + "/last.json");
   if (!text.ok()) return {};
   const nlohmann::json last = nlohmann::json::parse(
       reinterpret_cast<const char*>(text->data()),
@@ -228,40 +228,70 @@ Cached ReadCache(const std::string& dir, const std::string& url) {
       !last.contains("version") || !last["version"].is_number_unsigned()) {
     return {};
   }
-  std::error_code ec;
   for (const char* name : {"model.safetensors", "checkpoint"}) {
-    if (fs::exists(fs::path(dir) / name, ec)) {
-      return {(fs::path(dir) / name).string(), last["version"].get<uint64_t>()};
+    if (env->FileExists(dir + "/" + name)) {
+      return {dir + "/" + name, last["version"].get<uint64_t>()};
     }
   }
   return {};
 }
 
-// Replaces the cache with `checkpoint` as `version` (copied first, renamed into place).
-Status WriteCache(const std::string& dir, const std::string& url, const std::string& checkpoint,
-                  const nlohmann::json& row) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return Status::IOError("cannot create push cache " + dir + ": " + ec.message());
-  const bool directory = fs::is_directory(checkpoint, ec) &&
-                         !fs::exists(fs::path(checkpoint) / "model.safetensors", ec);
-  const fs::path source = directory || !fs::is_directory(checkpoint, ec)
-                              ? fs::path(checkpoint)
-                              : fs::path(checkpoint) / "model.safetensors";
+// Copies the regular file `from` to `to` (created or emptied) and syncs it.
+Status CopyFileSynced(Env* env, const std::string& from, const std::string& to) {
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<MappedRegion> source, env->MapReadOnly(from));
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                      env->NewWritableFile(to, Env::OpenMode::kTruncate));
+  FW_RETURN_IF_ERROR(file->Append(source->bytes()));
+  FW_RETURN_IF_ERROR(file->Sync());
+  return file->Close();
+}
+
+// Copies the directory `from` to the new directory `to`, recursively, every file and
+// directory synced.
+Status CopyTreeSynced(Env* env, const std::string& from, const std::string& to) {
+  FW_RETURN_IF_ERROR(env->CreateDirs(to));
+  FW_ASSIGN_OR_RETURN(std::vector<std::string> names, env->ListDir(from));
+  for (const std::string& name : names) {
+    const std::string source = from + "/" + name, target = to + "/" + name;
+    FW_RETURN_IF_ERROR(env->IsDirectory(source) ? CopyTreeSynced(env, source, target)
+                                                : CopyFileSynced(env, source, target));
+  }
+  return env->SyncDir(to);
+}
+
+// Replaces the cache with `checkpoint` as `version`. last.json goes first, durably: a crash
+// part-way then leaves no cache (the next push sends the full checkpoint) rather than a
+// last.json naming weights the cache no longer holds. The checkpoint is copied beside the
+// old one, every file synced, renamed into place; last.json is written last (atomically).
+Status WriteCache(Env* env, const std::string& dir, const std::string& url,
+                  const std::string& checkpoint, const nlohmann::json& row) {
+  const std::string context = "push cache " + dir;
+  FW_RETURN_IF_ERROR(env->CreateDirs(dir).WithContext(context));
+  FW_RETURN_IF_ERROR(RemoveFileDurably(dir + "/last.json", env).WithContext(context));
+  const bool directory = env->IsDirectory(checkpoint) &&
+                         !env->FileExists(checkpoint + "/model.safetensors");
+  const std::string source = directory || !env->IsDirectory(checkpoint)
+                                 ? checkpoint
+                                 : checkpoint + "/model.safetensors";
   const std::string name = directory ? "checkpoint" : "model.safetensors";
-  const fs::path temp = fs::path(dir) / (".incoming-" + std::to_string(::getpid()));
-  fs::remove_all(temp, ec);
-  fs::copy(source, temp, directory ? fs::copy_options::recursive : fs::copy_options::none, ec);
-  if (ec) return Status::IOError("cannot copy " + source.string() + " into the push cache: " + ec.message());
-  fs::remove_all(fs::path(dir) / "checkpoint", ec);
-  fs::remove_all(fs::path(dir) / "model.safetensors", ec);
-  fs::rename(temp, fs::path(dir) / name, ec);
-  if (ec) return Status::IOError("cannot update the push cache " + dir + ": " + ec.message());
+  const std::string temp = dir + "/.incoming-" + std::to_string(::getpid());
+  FW_RETURN_IF_ERROR(env->RemoveAll(temp).WithContext(context));
+  Status copied = directory ? CopyTreeSynced(env, source, temp) : CopyFileSynced(env, source, temp);
+  if (!copied.ok()) {
+    (void)env->RemoveAll(temp);
+    return copied.WithContext("cannot copy " + source + " into the " + context);
+  }
+  FW_RETURN_IF_ERROR(env->RemoveAll(dir + "/checkpoint").WithContext(context));
+  FW_RETURN_IF_ERROR(env->RemoveAll(dir + "/model.safetensors").WithContext(context));
+  FW_RETURN_IF_ERROR(env->RenameFile(temp, dir + "/" + name).WithContext(context));
+  FW_RETURN_IF_ERROR(env->SyncDir(dir).WithContext(context));
   const std::string last = nlohmann::json{{"url", url},
                                           {"version", row.value("version", uint64_t{0})},
                                           {"weights_hash", row.value("weights_hash", std::string())}}
                                .dump();
-  return WriteFileAtomically(dir + "/last.json", std::as_bytes(std::span(last.data(), last.size())));
+  return WriteFileAtomically(dir + "/last.json", std::as_bytes(std::span(last.data(), last.size())),
+                             env)
+      .WithContext(context);
 }
 
 // Encodes the delta from the cached checkpoint to `checkpoint`; nullopt when there is no
@@ -445,7 +475,8 @@ Result<PushOutcome> Push(const PushClientOptions& options, const PushRequest& re
   Uploader uploader(options, target, progress, &outcome);
 
   std::optional<Answer> answer;
-  const Cached cached = options.use_delta ? ReadCache(cache_dir, options.url) : Cached{};
+  Env* const env = options.env != nullptr ? options.env : Env::Default();
+  const Cached cached = options.use_delta ? ReadCache(env, cache_dir, options.url) : Cached{};
   if (!cached.checkpoint.empty()) {
     uint64_t version = request.version.value_or(0);
     if (!request.version) {
@@ -487,7 +518,7 @@ Result<PushOutcome> Push(const PushClientOptions& options, const PushRequest& re
   if (answer->status != 200) return AnswerError("push " + request.checkpoint, *answer);
   outcome.row = answer->body;
   if (options.use_delta) {
-    FW_RETURN_IF_ERROR(WriteCache(cache_dir, options.url, request.checkpoint, outcome.row));
+    FW_RETURN_IF_ERROR(WriteCache(env, cache_dir, options.url, request.checkpoint, outcome.row));
   }
   return outcome;
 }

@@ -10,6 +10,11 @@
 // when the publisher no longer holds that base (409 unknown_base) or the layout differs,
 // it uploads the full checkpoint. Uploads resume after a broken connection from the
 // publisher's record of the bytes it has (no byte it acknowledged is sent again).
+//
+// The cache is written through an Env (PushClientOptions::env), durably and in an order a
+// crash cannot turn into a lie: last.json is removed first, the checkpoint copied and
+// synced and renamed into place, last.json written last (atomically). A crash part-way
+// leaves no cache, and the next push sends the full checkpoint.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -19,6 +24,7 @@
 #include <optional>
 #include <string>
 
+#include "base/env.h"
 #include "base/status.h"
 
 namespace flywheel::sync {
@@ -36,6 +42,7 @@ struct PushClientOptions {
   int retries = 8;      // attempts per part and per request after a broken connection
   std::string client;   // recorded in the ledger as who pushed (default: user@host)
   int threads = 1;      // delta encode threads
+  Env* env = nullptr;   // the cache's files; null: Env::Default()
 };
 
 struct PushRequest {

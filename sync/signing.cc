@@ -60,33 +60,20 @@ Result<std::string> ReadSmallFile(const std::string& path, const std::string& wh
   return std::string(reinterpret_cast<const char*>(bytes->data()), bytes->size());
 }
 
-// Writes `text` to a new file `path` with `mode`; refuses an existing file.
-Status WriteNewFile(const std::string& path, const std::string& text, mode_t mode) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
-  if (fd < 0) {
-    if (errno == EEXIST) {
-      return Status::InvalidArgument(path + " exists; refusing to overwrite a key (move it away first)");
-    }
-    return ErrnoStatus("create", path, errno);
+// Writes `text` to a new file `path` with exactly `mode` (whatever the umask), synced;
+// refuses an existing file. The directory is synced by the caller once both halves are
+// written.
+Status WriteNewFile(Env* env, const std::string& path, const std::string& text, uint32_t mode) {
+  if (env->FileExists(path)) {
+    return Status::InvalidArgument(path + " exists; refusing to overwrite a key (move it away first)");
   }
-  ::fchmod(fd, mode);  // whatever the umask
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(path.c_str());
-      return ErrnoStatus("write", path, err);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(path.c_str());
-    return ErrnoStatus("sync", path, err);
-  }
-  return Status::Ok();
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                      env->NewWritableFile(path, Env::OpenMode::kCreateNew, mode));
+  Status status = file->Append(std::as_bytes(std::span(text.data(), text.size())));
+  if (status.ok()) status = file->Sync();
+  if (status.ok()) status = file->Close();
+  if (!status.ok()) (void)env->RemoveFile(path);
+  return status;
 }
 
 // Parses an Ed25519 key from PEM text: the private half (PKCS#8) or the public one (SPKI).
@@ -152,24 +139,24 @@ std::string NewRunId() {
 }
 
 Result<KeyFiles> GenerateSigningKeys(const std::string& dir, Env* env) {
-  (void)env;
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return Status::IOError(dir + ": cannot create the key directory: " + ec.message());
+  FW_RETURN_IF_ERROR(env->CreateDirs(dir).WithContext("the key directory"));
   EVP_PKEY* raw = EVP_PKEY_Q_keygen(nullptr, nullptr, "ED25519");
   if (raw == nullptr) return Status::Internal("cannot generate an Ed25519 key: " + OpenSslError());
   std::shared_ptr<void> key = Own(raw);
   KeyFiles files;
   files.private_key = (std::filesystem::path(dir) / "signing.key").string();
   files.public_key = (std::filesystem::path(dir) / "signing.pub").string();
-  if (std::filesystem::exists(files.private_key) || std::filesystem::exists(files.public_key)) {
+  if (env->FileExists(files.private_key) || env->FileExists(files.public_key)) {
     return Status::InvalidArgument(dir + " already holds signing.key or signing.pub; refusing to overwrite a key");
   }
   FW_ASSIGN_OR_RETURN(std::string private_pem, Pem(raw, true));
   FW_ASSIGN_OR_RETURN(std::string public_pem, Pem(raw, false));
-  FW_RETURN_IF_ERROR(WriteNewFile(files.private_key, private_pem, 0600));
-  if (Status written = WriteNewFile(files.public_key, public_pem, 0644); !written.ok()) {
-    ::unlink(files.private_key.c_str());
+  FW_RETURN_IF_ERROR(WriteNewFile(env, files.private_key, private_pem, 0600));
+  Status written = WriteNewFile(env, files.public_key, public_pem, 0644);
+  if (written.ok()) written = env->SyncDir(DirName(files.private_key));
+  if (!written.ok()) {
+    (void)env->RemoveFile(files.private_key);
+    (void)env->RemoveFile(files.public_key);
     return written;
   }
   FW_ASSIGN_OR_RETURN(files.key_id, KeyIdOf(raw));

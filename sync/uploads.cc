@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <random>
 
 #include "base/hex.h"
@@ -155,40 +154,30 @@ Result<std::string> BodyDigest(const StagedUpload& staged) {
   return digest;
 }
 
-// Writes `bytes` at `offset` of one file; Unavailable when the disk is full.
-Status WriteAt(const std::string& path, uint64_t offset, std::span<const std::byte> bytes) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus("cannot open", path, errno);
-  Status status;
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t wrote = ::pwrite(fd, bytes.data() + done, bytes.size() - done,
-                                   static_cast<off_t>(offset + done));
-    if (wrote < 0 && errno == EINTR) continue;
-    if (wrote <= 0) {
-      const int err = wrote < 0 ? errno : EIO;
-      status = err == ENOSPC || err == EDQUOT
-                   ? Status::Unavailable("the staging disk is full: cannot write " + path)
-                   : ErrnoStatus("cannot write", path, err);
-      break;
-    }
-    done += static_cast<size_t>(wrote);
-  }
-  ::close(fd);
-  return status;
+// A full staging disk is Unavailable (the upload is removed); other errors stay as they are.
+Status DiskFullIsUnavailable(Status status, const std::string& what) {
+  if (status.code() != StatusCode::kResourceExhausted) return status;
+  return Status::Unavailable("the staging disk is full: " + what + ": " + status.message());
+}
+
+// Writes `bytes` at `offset` of one file. Staged bytes are not synced: uploads do not
+// survive a restart, and the commit copies them into the version log, which syncs its own.
+Status WriteAt(Env* env, const std::string& path, uint64_t offset, std::span<const std::byte> bytes) {
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                      env->NewWritableFile(path, Env::OpenMode::kExisting));
+  Status status = file->WriteAt(offset, bytes);
+  if (status.ok()) status = file->Close();
+  return DiskFullIsUnavailable(std::move(status), "cannot write " + path);
 }
 
 // Creates `path` with `size` bytes allocated; Unavailable when the disk is full.
-Status Allocate(const std::string& path, uint64_t size) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return ErrnoStatus("cannot create", path, errno);
-  const int err = size == 0 ? 0 : ::posix_fallocate(fd, 0, static_cast<off_t>(size));
-  ::close(fd);
-  if (err == ENOSPC || err == EDQUOT) {
-    return Status::Unavailable("the staging disk is full: cannot allocate " +
-                               std::to_string(size) + " bytes for " + path);
-  }
-  if (err != 0) return ErrnoStatus("cannot allocate", path, err);
-  return Status::Ok();
+Status Allocate(Env* env, const std::string& path, uint64_t size) {
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
+                      env->NewWritableFile(path, Env::OpenMode::kCreateNew, 0600));
+  Status status = file->Allocate(size);
+  if (status.ok()) status = file->Close();
+  return DiskFullIsUnavailable(std::move(status),
+                               "cannot allocate " + std::to_string(size) + " bytes for " + path);
 }
 
 }  // namespace
@@ -262,9 +251,7 @@ Result<std::unique_ptr<UploadStore>> UploadStore::Open(UploadStoreOptions option
   if (options.max_part_bytes == 0 || options.max_upload_bytes == 0) {
     return Status::InvalidArgument("uploads: size limits must be positive");
   }
-  std::error_code ec;
-  std::filesystem::create_directories(options.dir, ec);
-  if (ec) return Status::IOError("cannot create staging directory " + options.dir + ": " + ec.message());
+  FW_RETURN_IF_ERROR(env->CreateDirs(options.dir).WithContext("uploads: staging directory"));
   // Emptied, not removed: the directory may be a mount point.
   FW_ASSIGN_OR_RETURN(std::vector<std::string> leftovers, env->ListDir(options.dir));
   for (const std::string& name : leftovers) FW_RETURN_IF_ERROR(env->RemoveAll(options.dir + "/" + name));
@@ -346,13 +333,10 @@ Result<UploadState> UploadStore::Create(UploadSpec spec) {
     }
     uploads_.emplace(id, upload);
   }
-  Status allocated;
-  std::error_code ec;
-  std::filesystem::create_directory(upload->dir, ec);
-  if (ec) allocated = Status::IOError("cannot create " + upload->dir + ": " + ec.message());
+  Status allocated = env_->CreateDirs(upload->dir);
   for (const UploadFile& file : upload->spec.files) {
     if (!allocated.ok()) break;
-    allocated = Allocate(upload->dir + "/" + file.name, file.size);
+    allocated = Allocate(env_, upload->dir + "/" + file.name, file.size);
   }
   std::lock_guard lock(mu_);
   --upload->busy;
@@ -366,14 +350,14 @@ Result<UploadState> UploadStore::Create(UploadSpec spec) {
 namespace {
 
 // Writes the body bytes [offset, offset + bytes.size()) into the upload's files.
-Status WriteBody(const std::string& dir, const std::vector<UploadFile>& files, uint64_t offset,
-                 std::span<const std::byte> bytes) {
+Status WriteBody(Env* env, const std::string& dir, const std::vector<UploadFile>& files,
+                 uint64_t offset, std::span<const std::byte> bytes) {
   uint64_t file_begin = 0;
   for (const UploadFile& file : files) {
     const uint64_t begin = std::max(offset, file_begin);
     const uint64_t end = std::min<uint64_t>(offset + bytes.size(), file_begin + file.size);
     if (begin < end) {
-      FW_RETURN_IF_ERROR(WriteAt(dir + "/" + file.name, begin - file_begin,
+      FW_RETURN_IF_ERROR(WriteAt(env, dir + "/" + file.name, begin - file_begin,
                                  bytes.subspan(begin - offset, end - begin)));
     }
     file_begin += file.size;
@@ -407,7 +391,7 @@ Result<UploadState> UploadStore::Write(const std::string& id, uint64_t offset,
   // Outside the lock: a 64 MiB part to a slow disk holds up no other upload. spec and dir
   // never change after Create; the bytes land inside the space Create allocated (and
   // counted against the quota), so the quota holds while this runs.
-  const Status wrote = WriteBody(upload->dir, upload->spec.files, offset, bytes);
+  const Status wrote = WriteBody(env_, upload->dir, upload->spec.files, offset, bytes);
   std::lock_guard lock(mu_);
   --upload->busy;
   auto current = uploads_.find(id);

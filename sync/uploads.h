@@ -6,6 +6,9 @@
 //   <dir>/<id>/<file name>   one file per declared file (a delta upload has one, "delta"),
 //                            allocated at Create (fallocate), written in place by parts
 // Open removes whatever an earlier process left there: uploads do not survive a restart.
+// Every file operation goes through the Env given to Open; staged bytes are not fsynced
+// (a restart discards them anyway, and the commit copies them into the version log, which
+// syncs what it acknowledges).
 //
 // Quotas: the declared size of one upload is at most max_upload_bytes, the declared sizes
 // of all staged uploads at most quota_bytes (ResourceExhausted, before anything is

@@ -1,9 +1,6 @@
 #include "sync/version_log.h"
 
-#include <fcntl.h>
 #include <spdlog/spdlog.h>
-#include <sys/file.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -32,10 +29,6 @@ constexpr uint64_t kLogFormat = 1;
 constexpr const char* kLogFileName = "log.json";
 constexpr const char* kLockFileName = "LOCK";
 constexpr const char* kArtifactsDirName = "artifacts";
-
-std::string Errno(const std::string& what, const std::string& path) {
-  return what + " " + path + ": " + std::strerror(errno);
-}
 
 // The only name an artifact may have: log.json is checked against it, so a tampered log
 // cannot make Open read or delete anything outside artifacts/.
@@ -143,10 +136,10 @@ Json LogToJson(const std::vector<ArtifactInfo>& artifacts, uint64_t last_version
               {"artifacts", std::move(artifact_list)}};
 }
 
-Status WriteLog(const std::string& path, const Json& log) {
+Status WriteLog(Env* env, const std::string& path, const Json& log) {
   const std::string text = log.dump(1) + "\n";
-  return delta::WriteFileAtomically(path,
-                                    std::as_bytes(std::span<const char>(text.data(), text.size())));
+  return WriteFileAtomically(path, std::as_bytes(std::span<const char>(text.data(), text.size())),
+                             env);
 }
 
 // Field readers for log.json; `where` names the object ("log.json artifacts[2]").
@@ -318,13 +311,11 @@ Result<LogRecord> ParseLog(std::string_view text, const std::string& path, const
 
 // Maps an artifact and checks it against its record: size and every piece hash. Mapped,
 // not read, so that rebuilding the head never holds a second copy of a keyframe.
-Result<MappedFile> MapArtifact(const ArtifactInfo& info) {
-  std::error_code ec;
-  if (!fs::exists(info.path, ec)) {
-    return Status::NotFound("artifact " + info.path + " named in log.json is missing" +
-                            (ec ? " (" + ec.message() + ")" : std::string()));
+Result<MappedFile> MapArtifact(Env* env, const ArtifactInfo& info) {
+  if (!env->FileExists(info.path)) {
+    return Status::NotFound("artifact " + info.path + " named in log.json is missing");
   }
-  FW_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(info.path));
+  FW_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(info.path, env));
   const std::span<const std::byte> bytes = file.bytes();
   if (bytes.size() != info.size_bytes) {
     return Status::Corruption("artifact " + info.path + " is " + std::to_string(bytes.size()) +
@@ -350,12 +341,13 @@ struct RebuiltHead {
 
 // Decodes `chain` (a keyframe, then deltas each from the previous one's version) into one
 // checkpoint, checking every artifact's manifest against its record.
-Result<RebuiltHead> DecodeChain(const std::vector<const ArtifactInfo*>& chain, int threads) {
+Result<RebuiltHead> DecodeChain(Env* env, const std::vector<const ArtifactInfo*>& chain,
+                                int threads) {
   RebuiltHead head;
   uint64_t version = 0;
   Hash128 hash;
   for (const ArtifactInfo* info : chain) {
-    FW_ASSIGN_OR_RETURN(MappedFile file, MapArtifact(*info));
+    FW_ASSIGN_OR_RETURN(MappedFile file, MapArtifact(env, *info));
     auto parsed = delta::DeltaView::Parse(file.bytes());
     if (!parsed.ok()) return parsed.status().WithContext("artifact " + info->path);
     const delta::DeltaView& view = *parsed;
@@ -424,17 +416,17 @@ std::vector<const ArtifactInfo*> ChainTo(const std::vector<ArtifactInfo>& artifa
 // Every artifact is verified piece by piece; the latest keyframe and the deltas after it
 // are decoded into the head, which must come out with the recorded hash.
 // REQUIRES: record.artifacts holds a keyframe (ParseLog checks it).
-Result<RebuiltHead> VerifyAndRebuildHead(const LogRecord& record, const std::string& log_path,
-                                         int threads) {
+Result<RebuiltHead> VerifyAndRebuildHead(Env* env, const LogRecord& record,
+                                         const std::string& log_path, int threads) {
   const ArtifactInfo& keyframe = *LatestKeyframe(record.artifacts);
   std::vector<const ArtifactInfo*> chain;
   for (const ArtifactInfo& info : record.artifacts) {
-    FW_RETURN_IF_ERROR(MapArtifact(info).status());
+    FW_RETURN_IF_ERROR(MapArtifact(env, info).status());
     if (info.target_version < keyframe.target_version) continue;
     if (info.target_version == keyframe.target_version && &info != &keyframe) continue;
     chain.push_back(&info);
   }
-  FW_ASSIGN_OR_RETURN(RebuiltHead head, DecodeChain(chain, threads));
+  FW_ASSIGN_OR_RETURN(RebuiltHead head, DecodeChain(env, chain, threads));
   const uint64_t version = chain.back()->target_version;
   FW_ASSIGN_OR_RETURN(Hash128 rebuilt,
                       CheckpointHashFromTensorHashes(head.checkpoint.view(), head.tensor_hashes));
@@ -476,31 +468,25 @@ Status CheckGivenDelta(std::span<const std::byte> container, uint64_t base, uint
 
 // Anything in artifacts/ that log.json does not name, and any temporary log.json, is a
 // leftover of an interrupted Append (or of the retention after a committed one).
-Status RemoveLeftovers(const std::string& dir, const std::vector<ArtifactInfo>& artifacts) {
+Status RemoveLeftovers(Env* env, const std::string& dir, const std::vector<ArtifactInfo>& artifacts) {
   std::set<std::string> named;
   for (const ArtifactInfo& info : artifacts) {
     named.insert(ArtifactFileName(info.kind, info.target_version));
   }
   const std::string log_temp_prefix = std::string(".") + kLogFileName + ".tmp-";
-  std::vector<fs::path> leftovers;
-  std::error_code ec;
-  const fs::path artifacts_dir = fs::path(dir) / kArtifactsDirName;
-  for (auto it = fs::directory_iterator(artifacts_dir, ec); !ec && it != fs::directory_iterator();
-       it.increment(ec)) {
-    if (!named.count(it->path().filename().string())) leftovers.push_back(it->path());
+  const std::string artifacts_dir = dir + "/" + kArtifactsDirName;
+  std::vector<std::string> leftovers;
+  FW_ASSIGN_OR_RETURN(std::vector<std::string> files, env->ListDir(artifacts_dir));
+  for (const std::string& name : files) {
+    if (!named.count(name)) leftovers.push_back(artifacts_dir + "/" + name);
   }
-  if (ec) return Status::IOError("cannot list " + artifacts_dir.string() + ": " + ec.message());
-  for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
-       it.increment(ec)) {
-    if (it->path().filename().string().starts_with(log_temp_prefix)) {
-      leftovers.push_back(it->path());
-    }
+  FW_ASSIGN_OR_RETURN(std::vector<std::string> top, env->ListDir(dir));
+  for (const std::string& name : top) {
+    if (name.starts_with(log_temp_prefix)) leftovers.push_back(dir + "/" + name);
   }
-  if (ec) return Status::IOError("cannot list " + dir + ": " + ec.message());
-  for (const fs::path& path : leftovers) {
-    fs::remove_all(path, ec);
-    if (ec) return Status::IOError("cannot remove leftover " + path.string() + ": " + ec.message());
-    spdlog::info("version log: removed leftover {}", path.string());
+  for (const std::string& path : leftovers) {
+    FW_RETURN_IF_ERROR(env->RemoveAll(path).WithContext("cannot remove a leftover"));
+    spdlog::info("version log: removed leftover {}", path);
   }
   return Status::Ok();
 }
@@ -588,11 +574,11 @@ namespace {
 // Writes `bytes` to `path` atomically (nothing is left there on failure) one piece at a
 // time, hashing each piece as it is written: PieceHashes(bytes, piece_bytes) in the same
 // pass. Each piece is then reported to `read` (optional).
-Result<std::vector<uint64_t>> WriteHashedPieces(const std::string& path,
+Result<std::vector<uint64_t>> WriteHashedPieces(Env* env, const std::string& path,
                                                 std::span<const std::byte> bytes,
                                                 uint64_t piece_bytes, const BytesReadFn& read) {
   if (piece_bytes == 0) piece_bytes = std::max<uint64_t>(bytes.size(), 1);
-  FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path));
+  FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, env));
   std::vector<uint64_t> hashes;
   hashes.reserve(bytes.size() / piece_bytes + 1);
   for (uint64_t offset = 0; offset < bytes.size(); offset += piece_bytes) {
@@ -610,9 +596,10 @@ Result<std::vector<uint64_t>> WriteHashedPieces(const std::string& path,
 
 struct VersionLog::State {
   VersionLogOptions options;
-  std::string dir;  // absolute
+  Env* env = nullptr;  // options.env, or Env::Default()
+  std::string dir;     // absolute
   std::string log_path;
-  int lock_fd = -1;
+  std::unique_ptr<Env::FileLock> lock;
 
   std::mutex append_mu;  // held for a whole Append
 
@@ -627,34 +614,46 @@ struct VersionLog::State {
   // The head's bytes are touched only by Open and Append (under append_mu): readers
   // never see them, so they are not under mu and a large copy does not block readers.
   OwnedCheckpoint head;  // GUARDED_BY(append_mu)
-
-  ~State() {
-    if (lock_fd >= 0) ::close(lock_fd);
-  }
 };
 
 VersionLog::VersionLog(std::unique_ptr<State> state) : state_(std::move(state)) {}
 VersionLog::~VersionLog() = default;
 
-Result<std::unique_ptr<VersionLog>> VersionLog::Open(const VersionLogOptions& options) {
+namespace {
+
+Status CheckOptions(const VersionLogOptions& options) {
   if (options.dir.empty()) return Status::InvalidArgument("version log: no state directory given");
+  const std::string log = "version log " + options.dir;
   if (!(options.keyframe_cost >= 0)) {
-    return Status::InvalidArgument("version log " + options.dir + ": keyframe_cost must be >= 0");
+    return Status::InvalidArgument(log + ": keyframe_cost must be >= 0");
   }
   if (options.keyframe_every == 0) {
-    return Status::InvalidArgument("version log " + options.dir + ": keyframe_every must be >= 1");
+    return Status::InvalidArgument(log + ": keyframe_every must be >= 1");
   }
-  if (options.piece_bytes == 0) {
-    return Status::InvalidArgument("version log " + options.dir + ": piece_bytes must be >= 1");
-  }
+  if (options.piece_bytes == 0) return Status::InvalidArgument(log + ": piece_bytes must be >= 1");
   if (options.threads < 1 || options.threads > delta::kMaxThreads) {
-    return Status::InvalidArgument("version log " + options.dir + ": threads " +
-                                   std::to_string(options.threads) + " not in [1, " +
-                                   std::to_string(delta::kMaxThreads) + "]");
+    return Status::InvalidArgument(log + ": threads " + std::to_string(options.threads) +
+                                   " not in [1, " + std::to_string(delta::kMaxThreads) + "]");
   }
+  return Status::Ok();
+}
 
+// The record log.json holds; an empty one when there is no log.json (a new directory).
+Result<LogRecord> ReadLog(Env* env, const std::string& log_path, const std::string& dir) {
+  if (!env->FileExists(log_path)) return LogRecord{};
+  FW_ASSIGN_OR_RETURN(std::vector<std::byte> text, delta::ReadDeltaFile(log_path, env));
+  return ParseLog(std::string_view(reinterpret_cast<const char*>(text.data()), text.size()),
+                  log_path, dir);
+}
+
+}  // namespace
+
+Result<std::unique_ptr<VersionLog>> VersionLog::Open(const VersionLogOptions& options) {
+  FW_RETURN_IF_ERROR(CheckOptions(options));
   auto state = std::make_unique<State>();
   state->options = options;
+  state->env = options.env != nullptr ? options.env : Env::Default();
+  Env* const env = state->env;
   std::error_code ec;
   const fs::path dir = fs::absolute(options.dir, ec).lexically_normal();
   if (ec) return Status::IOError("version log " + options.dir + ": " + ec.message());
@@ -663,38 +662,24 @@ Result<std::unique_ptr<VersionLog>> VersionLog::Open(const VersionLogOptions& op
     state->dir.pop_back();
   }
   state->log_path = state->dir + "/" + kLogFileName;
-  const std::string artifacts_dir = state->dir + "/" + kArtifactsDirName;
-  fs::create_directories(artifacts_dir, ec);
-  if (ec) return Status::IOError("cannot create " + artifacts_dir + ": " + ec.message());
-
+  FW_RETURN_IF_ERROR(env->CreateDirs(state->dir + "/" + kArtifactsDirName));
   const std::string lock_path = state->dir + "/" + kLockFileName;
-  state->lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (state->lock_fd < 0) return Status::IOError(Errno("cannot open", lock_path));
-  if (::flock(state->lock_fd, LOCK_EX | LOCK_NB) != 0) {
-    if (errno == EWOULDBLOCK) {
-      return Status::Unavailable("state directory " + state->dir +
-                                 " is in use: another version log holds " + lock_path);
-    }
-    return Status::IOError(Errno("cannot lock", lock_path));
+  Result<std::unique_ptr<Env::FileLock>> lock = env->LockFile(lock_path);
+  if (lock.status().code() == StatusCode::kUnavailable) {
+    return Status::Unavailable("state directory " + state->dir +
+                               " is in use: another version log holds " + lock_path);
   }
+  FW_RETURN_IF_ERROR(lock.status());
+  state->lock = std::move(*lock);
 
-  LogRecord record;
-  if (fs::exists(state->log_path, ec)) {
-    FW_ASSIGN_OR_RETURN(std::vector<std::byte> text, delta::ReadDeltaFile(state->log_path));
-    FW_ASSIGN_OR_RETURN(
-        record, ParseLog(std::string_view(reinterpret_cast<const char*>(text.data()), text.size()),
-                         state->log_path, state->dir));
-  } else if (ec) {
-    return Status::IOError("cannot stat " + state->log_path + ": " + ec.message());
-  }
-
+  FW_ASSIGN_OR_RETURN(LogRecord record, ReadLog(env, state->log_path, state->dir));
   if (!record.artifacts.empty()) {
     FW_ASSIGN_OR_RETURN(RebuiltHead head,
-                        VerifyAndRebuildHead(record, state->log_path, options.threads));
+                        VerifyAndRebuildHead(env, record, state->log_path, options.threads));
     state->head = std::move(head.checkpoint);
     state->head_tensor_hashes = std::move(head.tensor_hashes);
   }
-  FW_RETURN_IF_ERROR(RemoveLeftovers(state->dir, record.artifacts));
+  FW_RETURN_IF_ERROR(RemoveLeftovers(env, state->dir, record.artifacts));
 
   state->artifacts = std::move(record.artifacts);
   state->last_version = record.last_version;
@@ -768,240 +753,298 @@ class PieceStreamSink : public delta::StreamSink {
 
 }  // namespace
 
-Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& checkpoint,
-                                        const AppendOptions& given) {
-  State& s = *state_;
-  std::lock_guard append_lock(s.append_mu);
-  const VersionLogOptions& options = s.options;
-  // Only Append writes these and append_mu is held: no need for mu to read them.
-  const bool has_head = !s.artifacts.empty();
-  if (version == 0) {
-    return Status::InvalidArgument("version log " + s.dir + ": version 0 cannot be published");
-  }
-  if (version <= s.last_version) {
-    return Status::InvalidArgument("version log " + s.dir + ": version " + std::to_string(version) +
-                                   " is not above the last published version " +
-                                   std::to_string(s.last_version) +
-                                   " (versions only move forward)");
+// One Append, in named steps: Check, ChooseArtifacts, HashUpFront, EncodeDelta, the
+// artifacts' writes, CommitLog (log.json: the commit point), Install. Until CommitLog
+// succeeds nothing changes, on disk (the artifacts written are removed again) or in memory.
+// REQUIRES: append_mu held for the whole run.
+class VersionLog::AppendRun {
+ public:
+  AppendRun(State& state, uint64_t version, const CheckpointView& checkpoint,
+            const AppendOptions& given)
+      : s_(state), options_(state.options), version_(version), checkpoint_(checkpoint),
+        given_(given) {}
+
+  Result<AppendResult> Run() {
+    FW_RETURN_IF_ERROR(Check());
+    ChooseArtifacts();
+    FW_RETURN_IF_ERROR(HashUpFront());
+    // Allocated before anything is written, so that running out of memory cannot strand a
+    // committed log.json with a stale head.
+    if (!same_layout_) {
+      FW_ASSIGN_OR_RETURN(fresh_head_, CopyCheckpoint(checkpoint_));
+    }
+    encode_.base_version = s_.head_version;
+    encode_.target_version = version_;
+    encode_.compressor = options_.compressor;
+    encode_.threads = options_.threads;
+    encode_.target_tensor_hashes = tensor_hashes_;
+    // The delta first: whether a keyframe is due by cost depends on its size.
+    if (write_delta_) FW_RETURN_IF_ERROR(EncodeDelta());
+    if (!result_.keyframe_reason.empty()) FW_RETURN_IF_ERROR(WriteKeyframe());
+    if (write_delta_) FW_RETURN_IF_ERROR(WriteDelta());
+    FW_RETURN_IF_ERROR(CommitLog());
+    Install();
+    result_.artifacts = std::move(written_);
+    return std::move(result_);
   }
 
-  // The head is updated by copying into its buffers, so sizes must be what dtype and
-  // shape say before anything else looks at the bytes.
-  for (const TensorView& t : checkpoint) {
-    auto size = TensorByteSize(t.dtype, t.shape);
-    if (!size.ok() || *size != t.data.size()) {
-      return Status::InvalidArgument(
-          "version log " + s.dir + ": version " + std::to_string(version) + ": tensor '" + t.name +
-          "' holds " + std::to_string(t.data.size()) + " bytes, its dtype and shape " +
-          (size.ok() ? "need " + std::to_string(*size)
-                     : "are invalid (" + size.status().message() + ")"));
-    }
+ private:
+  std::string Context(const std::string& what) const {
+    return "version log " + s_.dir + ": " + what + " of version " + std::to_string(version_);
   }
-  const bool same_layout = has_head && SameLayout(s.head.view(), checkpoint);
-  const bool write_delta = same_layout && options.deltas;
-  AppendResult result;
-  if (!has_head) {
-    result.keyframe_reason = "first";
-  } else if (!same_layout) {
-    result.keyframe_reason = "layout";
-  } else if (!options.deltas) {
-    result.keyframe_reason = "no-deltas";
-  } else if (VersionsSinceKeyframe(s.artifacts) + 1 >= options.keyframe_every) {
-    result.keyframe_reason = "every";
-  }
-  // Without given hashes, the delta's encoder hashes the checkpoint in its compare pass
-  // (one read of the checkpoint instead of two); else they are given or computed here.
-  const bool hash_in_encode =
-      given.tensor_hashes.empty() && write_delta && given.encoded_delta.empty();
-  std::vector<Hash128> tensor_hashes;
-  Result<Hash128> checkpoint_hash = Hash128{};
-  auto settle_hashes = [&]() -> Status {
-    checkpoint_hash = CheckpointHashFromTensorHashes(checkpoint, tensor_hashes);
-    if (!checkpoint_hash.ok()) {
-      return checkpoint_hash.status().WithContext("version log " + s.dir + ": version " +
-                                                  std::to_string(version));
+
+  // Versions only move forward; the head is updated by copying into its buffers, so sizes
+  // must be what dtype and shape say before anything else looks at the bytes.
+  Status Check() const {
+    const std::string log = "version log " + s_.dir;
+    if (version_ == 0) return Status::InvalidArgument(log + ": version 0 cannot be published");
+    if (version_ <= s_.last_version) {
+      return Status::InvalidArgument(log + ": version " + std::to_string(version_) +
+                                     " is not above the last published version " +
+                                     std::to_string(s_.last_version) +
+                                     " (versions only move forward)");
     }
-    if (given.checkpoint_hash && *given.checkpoint_hash != *checkpoint_hash) {
-      return Status::InvalidArgument(
-          "version log " + s.dir + ": version " + std::to_string(version) +
-          ": the given checkpoint hash " + given.checkpoint_hash->ToHex() +
-          " is not the one of the given tensor hashes (" + checkpoint_hash->ToHex() + ")");
+    for (const TensorView& t : checkpoint_) {
+      auto size = TensorByteSize(t.dtype, t.shape);
+      if (!size.ok() || *size != t.data.size()) {
+        return Status::InvalidArgument(
+            log + ": version " + std::to_string(version_) + ": tensor '" + t.name + "' holds " +
+            std::to_string(t.data.size()) + " bytes, its dtype and shape " +
+            (size.ok() ? "need " + std::to_string(*size)
+                       : "are invalid (" + size.status().message() + ")"));
+      }
     }
     return Status::Ok();
-  };
-  if (!hash_in_encode) {
-    FW_ASSIGN_OR_RETURN(tensor_hashes,
-                        GivenOrComputedHashes(checkpoint, given, options.threads, &result));
-    FW_RETURN_IF_ERROR(settle_hashes());
-  }
-  // Allocated before anything is written, so that running out of memory cannot strand a
-  // committed log.json with a stale head.
-  OwnedCheckpoint fresh_head;
-  if (!same_layout) {
-    FW_ASSIGN_OR_RETURN(fresh_head, CopyCheckpoint(checkpoint));
   }
 
-  delta::EncodeOptions encode;
-  encode.base_version = s.head_version;
-  encode.target_version = version;
-  encode.compressor = options.compressor;
-  encode.threads = options.threads;
-  encode.target_tensor_hashes = tensor_hashes;
+  // A delta when the layout is the head's and deltas are on; a keyframe when one is due by
+  // count or layout (EncodeDelta may add "cost"). Who hashes the checkpoint: without given
+  // hashes, the delta's encoder in its compare pass (one read of the checkpoint, not two).
+  void ChooseArtifacts() {
+    // Only Append writes these and append_mu is held: no need for mu to read them.
+    const bool has_head = !s_.artifacts.empty();
+    same_layout_ = has_head && SameLayout(s_.head.view(), checkpoint_);
+    write_delta_ = same_layout_ && options_.deltas;
+    if (!has_head) {
+      result_.keyframe_reason = "first";
+    } else if (!same_layout_) {
+      result_.keyframe_reason = "layout";
+    } else if (!options_.deltas) {
+      result_.keyframe_reason = "no-deltas";
+    } else if (VersionsSinceKeyframe(s_.artifacts) + 1 >= options_.keyframe_every) {
+      result_.keyframe_reason = "every";
+    }
+    hash_in_encode_ = given_.tensor_hashes.empty() && write_delta_ && given_.encoded_delta.empty();
+    streamed_ = given_.encoded_delta.empty() && options_.stream_deltas;
+  }
 
-  std::vector<ArtifactInfo> written;
-  auto remove_written = [&] {
-    for (const ArtifactInfo& info : written) ::unlink(info.path.c_str());
-  };
-  // `piece_hashes`: the bytes' PieceHashes when already known (a streamed delta's).
-  // `read`: told of the bytes as they are written (a given delta's encoded_delta_read).
-  auto write_artifact =
-      [&](ArtifactKind kind, const Status& encoded, std::span<const std::byte> bytes,
-          std::vector<uint64_t> piece_hashes = {}, const BytesReadFn& read = {}) -> Status {
-    const std::string context = "version log " + s.dir + ": " + ArtifactKindName(kind) +
-                                " of version " + std::to_string(version);
+  // The checkpoint hash of tensor_hashes_, checked against a given one.
+  Status SettleHashes() {
+    Result<Hash128> hash = CheckpointHashFromTensorHashes(checkpoint_, tensor_hashes_);
+    if (!hash.ok()) {
+      return hash.status().WithContext("version log " + s_.dir + ": version " +
+                                       std::to_string(version_));
+    }
+    checkpoint_hash_ = *hash;
+    if (given_.checkpoint_hash && *given_.checkpoint_hash != checkpoint_hash_) {
+      return Status::InvalidArgument(
+          "version log " + s_.dir + ": version " + std::to_string(version_) +
+          ": the given checkpoint hash " + given_.checkpoint_hash->ToHex() +
+          " is not the one of the given tensor hashes (" + checkpoint_hash_.ToHex() + ")");
+    }
+    return Status::Ok();
+  }
+
+  Status HashUpFront() {
+    if (hash_in_encode_) return Status::Ok();
+    FW_ASSIGN_OR_RETURN(tensor_hashes_,
+                        GivenOrComputedHashes(checkpoint_, given_, options_.threads, &result_));
+    return SettleHashes();
+  }
+
+  // Encodes the delta from the head in memory (format 1), streams it into the sink (whose
+  // pieces AppendOptions::on_stream may serve meanwhile), or checks a given one. A failed
+  // encode is kept in delta_bytes_ and reported by WriteDelta, unless its hashes are needed.
+  Status EncodeDelta() {
+    encode_.base_tensor_hashes = s_.head_tensor_hashes;
+    ArtifactInfo entry;
+    entry.kind = ArtifactKind::kDelta;
+    entry.base_version = s_.head_version;
+    entry.base_hash = s_.head_hash;
+    entry.target_version = version_;
+    entry.piece_bytes = options_.piece_bytes;
+    sink_ = std::make_unique<PieceStreamSink>(std::move(entry), given_);
+    if (!given_.encoded_delta.empty()) {
+      Status checked = CheckGivenDelta(given_.encoded_delta, s_.head_version, version_);
+      if (!checked.ok()) delta_bytes_ = checked;
+      if (given_.encoded_delta_read) given_.encoded_delta_read(given_.encoded_delta);
+    } else if (streamed_) {
+      Status encoded = delta::EncodeStreamed(s_.head.view(), checkpoint_, encode_, *sink_);
+      if (!encoded.ok()) delta_bytes_ = encoded;
+    } else {
+      delta_bytes_ = delta::Encode(s_.head.view(), checkpoint_, encode_);
+    }
+    if (delta_bytes_.ok()) {
+      delta_span_ = !given_.encoded_delta.empty() ? given_.encoded_delta
+                    : streamed_                  ? sink_->bytes()
+                                                 : std::span<const std::byte>(*delta_bytes_);
+    }
+    result_.encoded_at = std::chrono::system_clock::now();
+    if (hash_in_encode_) {
+      if (!delta_bytes_.ok()) return delta_bytes_.status().WithContext(Context("delta"));
+      Result<std::vector<Hash128>> hashes = TargetTensorHashes(delta_span_);
+      if (!hashes.ok()) return hashes.status().WithContext(Context("delta"));
+      tensor_hashes_ = std::move(*hashes);
+      result_.tensors_hashed = checkpoint_.size();
+      FW_RETURN_IF_ERROR(SettleHashes());
+      encode_.target_tensor_hashes = tensor_hashes_;  // for a keyframe of the same version
+    }
+    const ArtifactInfo* keyframe = LatestKeyframe(s_.artifacts);
+    if (result_.keyframe_reason.empty() && delta_bytes_.ok() && options_.keyframe_cost > 0 &&
+        keyframe != nullptr &&
+        static_cast<double>(DeltaBytesSinceKeyframe(s_.artifacts) + delta_span_.size()) >
+            options_.keyframe_cost * static_cast<double>(keyframe->size_bytes)) {
+      result_.keyframe_reason = "cost";
+    }
+    return Status::Ok();
+  }
+
+  // Writes one artifact atomically (synced) and adds it to written_. `piece_hashes`: the
+  // bytes' PieceHashes when already known (a streamed delta's); `read`: told of the bytes
+  // as they are written (a given delta's encoded_delta_read).
+  Status WriteArtifact(ArtifactKind kind, const Status& encoded, std::span<const std::byte> bytes,
+                       std::vector<uint64_t> piece_hashes = {}, const BytesReadFn& read = {}) {
+    const std::string context = Context(ArtifactKindName(kind));
     if (!encoded.ok()) return encoded.WithContext(context);
     ArtifactInfo info;
     info.kind = kind;
-    info.target_version = version;
-    info.target_hash = *checkpoint_hash;
+    info.target_version = version_;
+    info.target_hash = checkpoint_hash_;
     if (kind == ArtifactKind::kDelta) {
-      info.base_version = s.head_version;
-      info.base_hash = s.head_hash;
+      info.base_version = s_.head_version;
+      info.base_hash = s_.head_hash;
     }
     info.size_bytes = bytes.size();
-    info.piece_bytes = options.piece_bytes;
-    info.path = s.dir + "/" + RelativeArtifactPath(info);
+    info.piece_bytes = options_.piece_bytes;
+    info.path = s_.dir + "/" + RelativeArtifactPath(info);
     if (piece_hashes.empty()) {
       Result<std::vector<uint64_t>> hashed =
-          WriteHashedPieces(info.path, bytes, options.piece_bytes, read);
+          WriteHashedPieces(s_.env, info.path, bytes, options_.piece_bytes, read);
       if (!hashed.ok()) return hashed.status().WithContext(context);
       info.piece_hashes = std::move(*hashed);
     } else {
       info.piece_hashes = std::move(piece_hashes);
-      FW_RETURN_IF_ERROR(delta::WriteFileAtomically(info.path, bytes).WithContext(context));
+      FW_RETURN_IF_ERROR(WriteFileAtomically(info.path, bytes, s_.env).WithContext(context));
     }
-    written.push_back(std::move(info));
+    written_.push_back(std::move(info));
     return Status::Ok();
-  };
+  }
 
-  // The delta first: whether a keyframe is due by cost depends on its size. Its bytes are
-  // encoded in memory (format 1, or a given delta) or streamed into the sink.
-  Result<std::vector<std::byte>> delta_bytes = std::vector<std::byte>{};
-  ArtifactInfo streaming_entry;
-  streaming_entry.kind = ArtifactKind::kDelta;
-  streaming_entry.base_version = s.head_version;
-  streaming_entry.base_hash = s.head_hash;
-  streaming_entry.target_version = version;
-  streaming_entry.piece_bytes = options.piece_bytes;
-  PieceStreamSink sink(streaming_entry, given);
-  const bool streamed = given.encoded_delta.empty() && options.stream_deltas;
-  std::span<const std::byte> delta_span;
-  if (write_delta) {
-    encode.base_tensor_hashes = s.head_tensor_hashes;
-    if (!given.encoded_delta.empty()) {
-      if (Status checked = CheckGivenDelta(given.encoded_delta, s.head_version, version); !checked.ok()) {
-        delta_bytes = checked;
-      }
-      if (given.encoded_delta_read) given.encoded_delta_read(given.encoded_delta);
-    } else if (streamed) {
-      Status encoded = delta::EncodeStreamed(s.head.view(), checkpoint, encode, sink);
-      if (!encoded.ok()) delta_bytes = encoded;
-    } else {
-      delta_bytes = delta::Encode(s.head.view(), checkpoint, encode);
-    }
-    if (delta_bytes.ok()) {
-      delta_span = !given.encoded_delta.empty() ? given.encoded_delta
-                   : streamed                  ? sink.bytes()
-                                               : std::span<const std::byte>(*delta_bytes);
-    }
-    result.encoded_at = std::chrono::system_clock::time_point(std::chrono::microseconds(UnixMicrosNow()));
-    if (hash_in_encode) {
-      const std::string context =
-          "version log " + s.dir + ": delta of version " + std::to_string(version);
-      if (!delta_bytes.ok()) return delta_bytes.status().WithContext(context);
-      Result<std::vector<Hash128>> hashes = TargetTensorHashes(delta_span);
-      if (!hashes.ok()) return hashes.status().WithContext(context);
-      tensor_hashes = std::move(*hashes);
-      result.tensors_hashed = checkpoint.size();
-      FW_RETURN_IF_ERROR(settle_hashes());
-      encode.target_tensor_hashes = tensor_hashes;  // for a keyframe of the same version
-    }
-    const ArtifactInfo* keyframe = LatestKeyframe(s.artifacts);
-    if (result.keyframe_reason.empty() && delta_bytes.ok() && options.keyframe_cost > 0 &&
-        keyframe != nullptr &&
-        static_cast<double>(DeltaBytesSinceKeyframe(s.artifacts) + delta_span.size()) >
-            options.keyframe_cost * static_cast<double>(keyframe->size_bytes)) {
-      result.keyframe_reason = "cost";
-    }
+  Status WriteKeyframe() {
+    encode_.base_tensor_hashes = {};
+    Result<std::vector<std::byte>> keyframe = delta::EncodeKeyframe(checkpoint_, encode_);
+    result_.encoded_at = std::chrono::system_clock::now();
+    return WriteArtifact(ArtifactKind::kKeyframe, keyframe.status(),
+                         keyframe.ok() ? std::span<const std::byte>(*keyframe)
+                                       : std::span<const std::byte>());
   }
-  if (!result.keyframe_reason.empty()) {
-    encode.base_tensor_hashes = {};
-    Result<std::vector<std::byte>> keyframe = delta::EncodeKeyframe(checkpoint, encode);
-    result.encoded_at = std::chrono::system_clock::time_point(std::chrono::microseconds(UnixMicrosNow()));
-    Status st = write_artifact(ArtifactKind::kKeyframe, keyframe.status(),
-                               keyframe.ok() ? std::span<const std::byte>(*keyframe)
-                                             : std::span<const std::byte>());
-    if (!st.ok()) return st;
-  }
-  if (write_delta) {
-    const bool given_delta = !given.encoded_delta.empty();
-    Status st = write_artifact(
-        ArtifactKind::kDelta, delta_bytes.status(), delta_span,
-        streamed && delta_bytes.ok() ? sink.AllPieceHashes() : std::vector<uint64_t>{},
-        given_delta ? given.encoded_delta_read : BytesReadFn{});
+
+  Status WriteDelta() {
+    const bool given_delta = !given_.encoded_delta.empty();
+    Status st = WriteArtifact(
+        ArtifactKind::kDelta, delta_bytes_.status(), delta_span_,
+        streamed_ && delta_bytes_.ok() ? sink_->AllPieceHashes() : std::vector<uint64_t>{},
+        given_delta ? given_.encoded_delta_read : BytesReadFn{});
     if (st.ok()) {
-      st = CountChangedWords(delta_span, &result)
-               .WithContext("version log " + s.dir + ": delta of version " + std::to_string(version));
-      if (given_delta && given.encoded_delta_read) given.encoded_delta_read(delta_span);
+      st = CountChangedWords(delta_span_, &result_).WithContext(Context("delta"));
+      if (given_delta && given_.encoded_delta_read) given_.encoded_delta_read(delta_span_);
     }
-    if (!st.ok()) {
-      remove_written();
-      return st;
+    if (!st.ok()) RemoveWritten();
+    return st;
+  }
+
+  // Not synced: a file left behind (a crash meanwhile) is removed by the next Open.
+  void RemoveWritten() {
+    for (const ArtifactInfo& info : written_) (void)s_.env->RemoveFile(info.path);
+  }
+
+  // Replaces log.json (atomically, synced): the version is published once this returns.
+  Status CommitLog() {
+    std::vector<ArtifactInfo> all = s_.artifacts;
+    all.insert(all.end(), written_.begin(), written_.end());
+    std::sort(all.begin(), all.end(), ArtifactOrder);
+    kept_ = ApplyRetention(all, options_.retain);
+    Status committed =
+        WriteLog(s_.env, s_.log_path,
+                 LogToJson(kept_, version_, version_, checkpoint_hash_, options_.keyframe_every));
+    if (!committed.ok()) {
+      RemoveWritten();
+      return committed.WithContext("version log " + s_.dir + ": version " +
+                                   std::to_string(version_));
+    }
+    return Status::Ok();
+  }
+
+  // Committed: from here on nothing may fail. A dropped artifact that cannot be deleted is
+  // only logged (the next Open removes it).
+  void Install() {
+    if (same_layout_) {
+      for (size_t i = 0; i < checkpoint_.size(); ++i) {
+        std::copy(checkpoint_[i].data.begin(), checkpoint_[i].data.end(),
+                  s_.head.tensors[i].data.begin());
+      }
+    } else {
+      s_.head = std::move(fresh_head_);
+    }
+    std::vector<ArtifactInfo> dropped;
+    {
+      std::lock_guard lock(s_.mu);
+      std::set<std::string> kept_paths;
+      for (const ArtifactInfo& info : kept_) kept_paths.insert(info.path);
+      for (const ArtifactInfo& info : s_.artifacts) {
+        if (!kept_paths.count(info.path)) dropped.push_back(info);
+      }
+      s_.artifacts = std::move(kept_);
+      s_.last_version = version_;
+      s_.head_version = version_;
+      s_.head_hash = checkpoint_hash_;
+      s_.head_tensor_hashes = std::move(tensor_hashes_);
+    }
+    for (const ArtifactInfo& info : dropped) {
+      Status removed = s_.env->RemoveFile(info.path);
+      if (!removed.ok() && removed.code() != StatusCode::kNotFound) {
+        spdlog::warn("version log: cannot remove an artifact dropped by retention: {}",
+                     removed.message());
+      }
     }
   }
 
-  std::vector<ArtifactInfo> all = s.artifacts;
-  all.insert(all.end(), written.begin(), written.end());
-  std::sort(all.begin(), all.end(), ArtifactOrder);
-  std::vector<ArtifactInfo> kept = ApplyRetention(all, options.retain);
-  Status committed = WriteLog(
-      s.log_path, LogToJson(kept, version, version, *checkpoint_hash, options.keyframe_every));
-  if (!committed.ok()) {
-    remove_written();
-    return committed.WithContext("version log " + s.dir + ": version " + std::to_string(version));
-  }
+  State& s_;
+  const VersionLogOptions& options_;
+  const uint64_t version_;
+  const CheckpointView& checkpoint_;
+  const AppendOptions& given_;
+  AppendResult result_;
+  bool same_layout_ = false;
+  bool write_delta_ = false;
+  bool hash_in_encode_ = false;
+  bool streamed_ = false;
+  std::vector<Hash128> tensor_hashes_;
+  Hash128 checkpoint_hash_;
+  OwnedCheckpoint fresh_head_;
+  delta::EncodeOptions encode_;
+  Result<std::vector<std::byte>> delta_bytes_ = std::vector<std::byte>{};
+  std::unique_ptr<PieceStreamSink> sink_;
+  std::span<const std::byte> delta_span_;
+  std::vector<ArtifactInfo> written_;
+  std::vector<ArtifactInfo> kept_;
+};
 
-  // Committed: from here on nothing may fail.
-  if (same_layout) {
-    for (size_t i = 0; i < checkpoint.size(); ++i) {
-      std::copy(checkpoint[i].data.begin(), checkpoint[i].data.end(),
-                s.head.tensors[i].data.begin());
-    }
-  } else {
-    s.head = std::move(fresh_head);
-  }
-  std::vector<ArtifactInfo> dropped;
-  {
-    std::lock_guard lock(s.mu);
-    std::set<std::string> kept_paths;
-    for (const ArtifactInfo& info : kept) kept_paths.insert(info.path);
-    for (const ArtifactInfo& info : s.artifacts) {
-      if (!kept_paths.count(info.path)) dropped.push_back(info);
-    }
-    s.artifacts = std::move(kept);
-    s.last_version = version;
-    s.head_version = version;
-    s.head_hash = *checkpoint_hash;
-    s.head_tensor_hashes = std::move(tensor_hashes);
-  }
-  for (const ArtifactInfo& info : dropped) {
-    if (::unlink(info.path.c_str()) != 0 && errno != ENOENT) {
-      spdlog::warn("version log: cannot remove {} dropped by retention: {}", info.path,
-                   std::strerror(errno));
-    }
-  }
-  result.artifacts = std::move(written);
-  return result;
+Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& checkpoint,
+                                        const AppendOptions& given) {
+  std::lock_guard append_lock(state_->append_mu);
+  AppendRun run(*state_, version, checkpoint, given);
+  return run.Run();
 }
 
 std::vector<ArtifactInfo> VersionLog::Artifacts() const {
@@ -1061,7 +1104,7 @@ Result<RebuiltCheckpoint> VersionLog::RebuildLocked(uint64_t version) const {
                             " can no longer be rebuilt (it can rebuild: " +
                             VersionList(Rebuildable(s.artifacts)) + ")");
   }
-  FW_ASSIGN_OR_RETURN(RebuiltHead rebuilt, DecodeChain(chain, s.options.threads));
+  FW_ASSIGN_OR_RETURN(RebuiltHead rebuilt, DecodeChain(s.env, chain, s.options.threads));
   FW_ASSIGN_OR_RETURN(out.hash, CheckpointHashFromTensorHashes(rebuilt.checkpoint.view(),
                                                                rebuilt.tensor_hashes));
   if (out.hash != chain.back()->target_hash) {

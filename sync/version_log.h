@@ -9,7 +9,11 @@
 //   artifacts/v<20 digits>.delta      delta containers from the previous head version
 // Artifacts are written atomically first, then log.json is replaced atomically; files
 // that log.json does not name are leftovers of an interrupted append and are removed on
-// Open. The head checkpoint is not stored separately: Open rebuilds it from the latest
+// Open. Every write goes through VersionLogOptions::env and is durable before Append
+// returns: each artifact is fsynced and renamed into artifacts/, which is then fsynced,
+// before log.json is (AtomicFile), so a power cut at any point leaves either the previous
+// version or the new one, never a log.json naming an artifact that is not whole (the
+// crash-consistency test, tests/sync/crash_consistency_test.cc, cuts at every step). The head checkpoint is not stored separately: Open rebuilds it from the latest
 // keyframe and the deltas after it and checks it against the recorded head hash.
 //
 // log.json (format 1), written through a temporary file, fsync and rename:
@@ -35,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "base/env.h"
 #include "base/growable_bytes.h"
 #include "base/status.h"
 #include "delta/delta.h"
@@ -91,6 +96,8 @@ struct VersionLogOptions {
   bool stream_deltas = true;
   delta::Compressor compressor = delta::Compressor::kZstd;
   int threads = 1;  // encode/decode/hash threads, in [1, delta::kMaxThreads]
+  // Every file the log reads and writes goes through this Env (null: Env::Default()).
+  Env* env = nullptr;
 };
 
 // Told of bytes of a caller's container that the version log has read for the last time
@@ -220,6 +227,7 @@ class VersionLog {
 
  private:
   struct State;
+  class AppendRun;  // one Append's steps
   explicit VersionLog(std::unique_ptr<State> state);
   Result<RebuiltCheckpoint> RebuildLocked(uint64_t version) const;  // REQUIRES: append_mu held
   std::unique_ptr<State> state_;

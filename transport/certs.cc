@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "base/env.h"
 #include "transport/tls.h"
 
 namespace flywheel::transport {
@@ -191,49 +192,22 @@ Result<std::string> KeyPem(EVP_PKEY* key) {
   return BioContents(bio.get());
 }
 
-// Writes to a temporary file beside `path`, then renames it over `path`, so a reader never
-// sees a partial file and a failure leaves any previous file untouched.
-Status WriteFileAtomically(const std::string& path, const std::string& contents, mode_t mode) {
-  std::string temp = path + ".tmp.XXXXXX";
-  int fd = ::mkstemp(temp.data());  // created with mode 0600
-  if (fd < 0) return Status::IOError("cannot create " + temp + ": " + std::strerror(errno));
-  auto fail = [&](const std::string& what) {
-    Status status = Status::IOError("cannot " + what + " " + temp + ": " + std::strerror(errno));
-    ::close(fd);
-    ::unlink(temp.c_str());
-    return status;
-  };
-  if (::fchmod(fd, mode) != 0) return fail("chmod");
-  size_t written = 0;
-  while (written < contents.size()) {
-    ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return fail("write");
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) return fail("sync");
-  if (::close(fd) != 0) {
-    Status status = Status::IOError("cannot close " + temp + ": " + std::strerror(errno));
-    ::unlink(temp.c_str());
-    return status;
-  }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    Status status =
-        Status::IOError("cannot rename " + temp + " to " + path + ": " + std::strerror(errno));
-    ::unlink(temp.c_str());
-    return status;
-  }
-  return Status::Ok();
+// Writes through the Env's one atomic write (temporary file, fsync, rename, directory
+// fsync), so a reader never sees a partial file and a failure leaves any previous file
+// untouched; `mode` is the file's mode exactly (0600 for a private key).
+Status WritePem(const std::string& path, const std::string& contents, uint32_t mode) {
+  return WriteFileAtomically(path, std::as_bytes(std::span(contents.data(), contents.size())),
+                             Env::Default(), mode);
 }
 
 Status WriteCert(const std::string& dir, const char* name, X509* cert) {
   FW_ASSIGN_OR_RETURN(std::string pem, CertPem(cert));
-  return WriteFileAtomically(dir + "/" + name, pem, 0644);
+  return WritePem(dir + "/" + name, pem, 0644);
 }
 
 Status WriteKey(const std::string& dir, const char* name, EVP_PKEY* key) {
   FW_ASSIGN_OR_RETURN(std::string pem, KeyPem(key));
-  return WriteFileAtomically(dir + "/" + name, pem, 0600);
+  return WritePem(dir + "/" + name, pem, 0600);
 }
 
 }  // namespace

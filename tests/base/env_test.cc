@@ -40,7 +40,8 @@ class FaultInjectionEnv : public EnvWrapper {
     return Status::IOError(path + ": " + what + ": injected fault");
   }
 
-  Result<std::unique_ptr<WritableFile>> NewTempFile(const std::string& path) override;
+  Result<std::unique_ptr<WritableFile>> NewTempFile(
+      const std::string& path, std::optional<uint32_t> permissions = std::nullopt) override;
   Status RenameFile(const std::string& from, const std::string& to) override {
     FW_RETURN_IF_ERROR(Step("rename", from));
     return EnvWrapper::RenameFile(from, to);
@@ -82,9 +83,10 @@ class FaultyFile : public WritableFile {
   std::unique_ptr<WritableFile> file_;
 };
 
-Result<std::unique_ptr<WritableFile>> FaultInjectionEnv::NewTempFile(const std::string& path) {
+Result<std::unique_ptr<WritableFile>> FaultInjectionEnv::NewTempFile(
+    const std::string& path, std::optional<uint32_t> permissions) {
   FW_RETURN_IF_ERROR(Step("create temporary file", path));
-  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, EnvWrapper::NewTempFile(path));
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, EnvWrapper::NewTempFile(path, permissions));
   return std::unique_ptr<WritableFile>(new FaultyFile(this, std::move(file)));
 }
 
