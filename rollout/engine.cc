@@ -59,6 +59,45 @@ std::vector<std::vector<int64_t>> TopTokens(const torch::Tensor& logits,
   return out;
 }
 
+// Draws the next token from `scaled` (logits / temperature; log_normaliser: their
+// log-sum-exp): the most likely at temperature 0, else from the top_k, top_p nucleus.
+int64_t DrawToken(const SamplingParams& p, const std::vector<double>& scaled,
+                  double log_normaliser, std::mt19937_64& rng) {
+  const int64_t vocab = static_cast<int64_t>(scaled.size());
+  if (p.temperature == 0) return std::max_element(scaled.begin(), scaled.end()) - scaled.begin();
+  std::vector<int64_t> order(vocab);
+  std::iota(order.begin(), order.end(), 0);
+  // Highest probability first; ties by token id, so the order never depends on the sort.
+  auto by_prob = [&](int64_t a, int64_t b) {
+    return scaled[a] > scaled[b] || (scaled[a] == scaled[b] && a < b);
+  };
+  int64_t keep = vocab;
+  if (p.top_k > 0 && p.top_k < vocab) {
+    keep = p.top_k;
+    std::partial_sort(order.begin(), order.begin() + keep, order.end(), by_prob);
+  } else if (p.top_p < 1) {
+    std::sort(order.begin(), order.end(), by_prob);
+  }
+  std::vector<double> probs(keep);
+  double kept = 0;
+  for (int64_t i = 0; i < keep; ++i) kept += probs[i] = std::exp(scaled[order[i]] - log_normaliser);
+  if (p.top_p < 1) {
+    if (p.top_k == 0 || p.top_k >= vocab) std::sort(order.begin(), order.begin() + keep, by_prob);
+    double cumulative = 0;
+    int64_t nucleus = 0;
+    while (nucleus < keep && cumulative < p.top_p * kept) cumulative += probs[nucleus++];
+    keep = std::max<int64_t>(nucleus, 1);
+    kept = cumulative > 0 ? cumulative : probs[0];
+  }
+  const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng) * kept;
+  double cumulative = 0;
+  for (int64_t i = 0; i < keep; ++i) {
+    cumulative += probs[i];
+    if (u < cumulative) return order[i];
+  }
+  return order[keep - 1];
+}
+
 }  // namespace
 
 Status SamplingParams::Validate(int64_t vocab) const {
@@ -193,46 +232,7 @@ bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in,
   // The one expression for every reported logprob, sampled and top alike.
   auto logprob = [&](int64_t t) { return static_cast<float>(scaled[t] - log_normaliser); };
 
-  int64_t token = 0;
-  if (p.temperature == 0) {
-    token = std::max_element(scaled.begin(), scaled.end()) - scaled.begin();
-  } else {
-    std::vector<int64_t> order(vocab);
-    std::iota(order.begin(), order.end(), 0);
-    // Highest probability first; ties by token id, so the order never depends on the sort.
-    auto by_prob = [&](int64_t a, int64_t b) {
-      return scaled[a] > scaled[b] || (scaled[a] == scaled[b] && a < b);
-    };
-    int64_t keep = vocab;
-    if (p.top_k > 0 && p.top_k < vocab) {
-      keep = p.top_k;
-      std::partial_sort(order.begin(), order.begin() + keep, order.end(), by_prob);
-    } else if (p.top_p < 1) {
-      std::sort(order.begin(), order.end(), by_prob);
-    }
-    std::vector<double> probs(keep);
-    double kept = 0;
-    for (int64_t i = 0; i < keep; ++i)
-      kept += probs[i] = std::exp(scaled[order[i]] - log_normaliser);
-    if (p.top_p < 1) {
-      if (p.top_k == 0 || p.top_k >= vocab) std::sort(order.begin(), order.begin() + keep, by_prob);
-      double cumulative = 0;
-      int64_t nucleus = 0;
-      while (nucleus < keep && cumulative < p.top_p * kept) cumulative += probs[nucleus++];
-      keep = std::max<int64_t>(nucleus, 1);
-      kept = cumulative > 0 ? cumulative : probs[0];
-    }
-    const double u = std::uniform_real_distribution<double>(0.0, 1.0)(sequence.rng) * kept;
-    double cumulative = 0;
-    token = order[keep - 1];
-    for (int64_t i = 0; i < keep; ++i) {
-      cumulative += probs[i];
-      if (u < cumulative) {
-        token = order[i];
-        break;
-      }
-    }
-  }
+  const int64_t token = DrawToken(p, scaled, log_normaliser, sequence.rng);
   GenerationResult& r = sequence.result;
   r.tokens.push_back(static_cast<int32_t>(token));
   r.logprobs.push_back(logprob(token));

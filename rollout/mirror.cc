@@ -160,40 +160,54 @@ Status LoadMirrorOrRestore(model::TransformerImpl& model, const CheckpointView& 
   return loaded;
 }
 
-Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointView& weights,
-                                const std::vector<delta::ChangedWords>& changes,
-                                int64_t fp8_block) {
-  auto params = model.named_parameters();
-  MirrorStats stats;
-  std::vector<torch::Tensor*> by_index(weights.size(), nullptr);
-  std::unordered_map<std::string, size_t> by_name;
-  for (size_t i = 0; i < weights.size(); ++i) by_name.emplace(weights[i].name, i);
+namespace {
+
+// Which parameter mirrors each serving tensor: by index (null: none), and for FP8 weights
+// their scale tensors and dequantization state.
+struct MirrorMap {
+  std::vector<torch::Tensor*> by_index;
   // FP8 weights by their index, and their scale tensors' index -> the weight's index.
   std::map<size_t, Fp8Weight> fp8;
   std::unordered_map<size_t, size_t> weight_of_scale;
+};
+
+// Pairs every serving tensor with its parameter and checks the pair (CheckServing,
+// CheckFp8Serving); counts the tensors without one.
+Result<MirrorMap> MapParameters(torch::OrderedDict<std::string, torch::Tensor>& params,
+                                const CheckpointView& weights, int64_t fp8_block,
+                                MirrorStats* stats) {
+  MirrorMap map;
+  map.by_index.assign(weights.size(), nullptr);
+  std::unordered_map<std::string, size_t> by_name;
+  for (size_t i = 0; i < weights.size(); ++i) by_name.emplace(weights[i].name, i);
   for (size_t i = 0; i < weights.size(); ++i) {
     torch::Tensor* p = params.find(weights[i].name);
     if (!p) continue;
     if (weights[i].dtype == DType::kF8_E4M3) {
       Fp8Weight w;
       FW_RETURN_IF_ERROR(CheckFp8Serving(weights, i, *p, by_name, fp8_block, w));
-      weight_of_scale[w.scale_index] = i;
-      fp8.emplace(i, std::move(w));
+      map.weight_of_scale[w.scale_index] = i;
+      map.fp8.emplace(i, std::move(w));
     } else {
       FW_RETURN_IF_ERROR(CheckServing(weights[i], *p));
     }
-    by_index[i] = p;
+    map.by_index[i] = p;
   }
   for (size_t i = 0; i < weights.size(); ++i) {
-    if (!by_index[i] && !weight_of_scale.contains(i)) ++stats.tensors_ignored;
+    if (!map.by_index[i] && !map.weight_of_scale.contains(i)) ++stats->tensors_ignored;
   }
-  // Everything is checked before the first word is written, so an error leaves the mirror
-  // as it was (the worker then keeps serving the version before).
+  return map;
+}
+
+// Checks every change against its tensor's size, and fills the fp32 scales of each FP8
+// weight a change touches (its bytes or its scales), all finite.
+Status CheckChanges(const CheckpointView& weights, const std::vector<delta::ChangedWords>& changes,
+                    MirrorMap& map) {
   for (const delta::ChangedWords& c : changes) {
     if (c.state_index >= weights.size())
       return Status::Internal("swap change names tensor index out of range");
     const TensorView& t = weights[c.state_index];
-    const bool mirrored = by_index[c.state_index] || weight_of_scale.contains(c.state_index);
+    const bool mirrored = map.by_index[c.state_index] || map.weight_of_scale.contains(c.state_index);
     const uint64_t words = t.data.size() / DTypeWordBytes(t.dtype);
     const uint64_t last =
         c.all ? c.word_begin + c.word_count
@@ -201,13 +215,12 @@ Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointV
     if (mirrored && (c.word_begin + c.word_count > words || last > words)) {
       return Status::Internal("swap change of " + t.name + " runs past the tensor");
     }
-    // The FP8 weight this change touches (its bytes or its scales) needs its scales in fp32.
     size_t weight = c.state_index;
-    if (auto s = weight_of_scale.find(c.state_index); s != weight_of_scale.end()) {
+    if (auto s = map.weight_of_scale.find(c.state_index); s != map.weight_of_scale.end()) {
       weight = s->second;
     }
-    auto w = fp8.find(weight);
-    if (w == fp8.end() || !w->second.scales.empty()) continue;
+    auto w = map.fp8.find(weight);
+    if (w == map.fp8.end() || !w->second.scales.empty()) continue;
     w->second.scales = ScalesToFloat(weights[w->second.scale_index]);
     for (const float scale : w->second.scales) {
       if (!std::isfinite(scale)) {
@@ -216,12 +229,18 @@ Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointV
       }
     }
   }
-  torch::NoGradGuard no_grad;
+  return Status::Ok();
+}
+
+// Writes the changed words into the mirror; a changed scale word only marks its block
+// (RedequantizeBlocks).
+void WriteChanges(const CheckpointView& weights, const std::vector<delta::ChangedWords>& changes,
+                  MirrorMap& map, int64_t fp8_block, MirrorStats* stats) {
   for (const delta::ChangedWords& c : changes) {
     const TensorView& src = weights[c.state_index];
-    if (auto s = weight_of_scale.find(c.state_index); s != weight_of_scale.end()) {
-      // A scale word is a whole block: collected, then re-dequantized once below.
-      std::vector<int64_t>& blocks = fp8.at(s->second).changed_blocks;
+    if (auto s = map.weight_of_scale.find(c.state_index); s != map.weight_of_scale.end()) {
+      // A scale word is a whole block: collected, then re-dequantized once.
+      std::vector<int64_t>& blocks = map.fp8.at(s->second).changed_blocks;
       if (c.all) {
         for (uint64_t b = 0; b < c.word_count; ++b) blocks.push_back(c.word_begin + b);
       } else {
@@ -229,11 +248,10 @@ Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointV
       }
       continue;
     }
-    torch::Tensor* p = by_index[c.state_index];
+    torch::Tensor* p = map.by_index[c.state_index];
     if (!p) continue;
-    const uint64_t written = c.all ? c.word_count : c.positions.size();
-    stats.words_patched += written;
-    if (auto w = fp8.find(c.state_index); w != fp8.end()) {
+    stats->words_patched += c.all ? c.word_count : c.positions.size();
+    if (auto w = map.fp8.find(c.state_index); w != map.fp8.end()) {
       DequantizeChanged(src, w->second, c, fp8_block);
       continue;
     }
@@ -247,7 +265,12 @@ Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointV
           c.positions.size());
     }
   }
-  for (auto& [index, w] : fp8) {
+}
+
+// Re-dequantizes every FP8 block whose scale changed.
+void RedequantizeBlocks(const CheckpointView& weights, MirrorMap& map, int64_t fp8_block,
+                        MirrorStats* stats) {
+  for (auto& [index, w] : map.fp8) {
     if (w.changed_blocks.empty()) continue;
     model::DequantizeBlocks(reinterpret_cast<const uint8_t*>(weights[index].data.data()),
                             w.scales.data(), w.rows, w.cols, fp8_block, w.changed_blocks,
@@ -255,10 +278,26 @@ Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointV
     const int64_t block_cols = (w.cols + fp8_block - 1) / fp8_block;
     for (const int64_t b : w.changed_blocks) {
       const int64_t r0 = (b / block_cols) * fp8_block, c0 = (b % block_cols) * fp8_block;
-      stats.words_patched += static_cast<uint64_t>(std::min(fp8_block, w.rows - r0) *
-                                                   std::min(fp8_block, w.cols - c0));
+      stats->words_patched += static_cast<uint64_t>(std::min(fp8_block, w.rows - r0) *
+                                                    std::min(fp8_block, w.cols - c0));
     }
   }
+}
+
+}  // namespace
+
+Result<MirrorStats> PatchMirror(model::TransformerImpl& model, const CheckpointView& weights,
+                                const std::vector<delta::ChangedWords>& changes,
+                                int64_t fp8_block) {
+  auto params = model.named_parameters();  // the map points into it
+  MirrorStats stats;
+  FW_ASSIGN_OR_RETURN(MirrorMap map, MapParameters(params, weights, fp8_block, &stats));
+  // Everything is checked before the first word is written, so an error leaves the mirror
+  // as it was (the worker then keeps serving the version before).
+  FW_RETURN_IF_ERROR(CheckChanges(weights, changes, map));
+  torch::NoGradGuard no_grad;
+  WriteChanges(weights, changes, map, fp8_block, &stats);
+  RedequantizeBlocks(weights, map, fp8_block, &stats);
   return stats;
 }
 

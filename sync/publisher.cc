@@ -14,7 +14,7 @@
 #include "base/json.h"
 #include "checkpoint/safetensors.h"
 #include "sync/drop.h"
-#include "sync/node.h"
+#include "sync/server.h"
 #include "sync/role_status.h"
 
 namespace flywheel::sync {

@@ -17,7 +17,7 @@
 
 #include "base/status.h"
 #include "sync/ledger.h"
-#include "sync/node.h"
+#include "sync/server.h"
 #include "sync/uploads.h"
 #include "sync/version_log.h"
 #include "transport/http.h"

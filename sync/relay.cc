@@ -5,9 +5,11 @@
 #include <deque>
 #include <map>
 
-#include "sync/node.h"
+#include "sync/catalog_verifier.h"
 #include "sync/role_status.h"
+#include "sync/server.h"
 #include "sync/sha256_stream.h"
+#include "sync/upstream.h"
 
 namespace flywheel::sync {
 

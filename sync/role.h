@@ -14,7 +14,9 @@
 #include <vector>
 
 #include "base/status.h"
-#include "sync/node.h"
+#include "sync/identity.h"
+#include "sync/server.h"
+#include "sync/upstream.h"
 #include "transport/connection.h"
 #include "transport/http.h"
 #include "transport/tls.h"

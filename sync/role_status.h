@@ -12,7 +12,8 @@
 #include <utility>
 #include <vector>
 
-#include "sync/node.h"
+#include "sync/link_registry.h"
+#include "sync/upstream.h"
 
 namespace flywheel::sync {
 

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "sync/node.h"
+#include "sync/upstream.h"
 #include "sync/signing.h"
 
 namespace flywheel::sync {

@@ -15,7 +15,7 @@
 
 #include "base/env.h"
 #include "base/hex.h"
-#include "sync/node.h"
+#include "sync/catalog.h"
 #include "transport/flywheel.pb.h"
 
 namespace flywheel::sync {

@@ -19,9 +19,10 @@
 #include "delta/format.h"
 #include "checkpoint/safetensors.h"
 #include "delta/wire.h"
-#include "sync/node.h"
+#include "sync/catalog_verifier.h"
 #include "sync/role_status.h"
 #include "sync/sha256_stream.h"
+#include "sync/upstream.h"
 
 namespace flywheel::sync {
 
@@ -170,9 +171,25 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   }
 
   awaitable<void> UpdateLoop();
+  // One artifact of a plan: fetched, checked and applied; false when the plan stops here
+  // (fetch failed, signature or freshness refused, apply refused): replan.
+  awaitable<bool> Update(const ArtifactInfo& info);
+  // With trusted keys: the manifest was verified with the catalog; now the bytes must be
+  // the ones signed, and the version newer than the one served. The verified facts, or
+  // the refusal (counted as a replay, or as forged bytes whose download is dropped).
+  Result<ManifestFacts> CheckSigned(const ArtifactInfo& info, const Transfer& transfer);
+  // Counts and logs the swap to the version now served (returned).
+  uint64_t RecordSwap(const ArtifactKey& key, Clock::time_point fetch_start, double fetch_ms,
+                      Clock::time_point apply_start, const EarlyDecoder* early);
+  awaitable<void> ExportServing(uint64_t serving);  // to options.export_dir, on the CPU pool
   std::vector<ArtifactInfo> Plan();
   Status Apply(const ArtifactInfo& info, std::span<const std::byte> bytes,
                delta::PreparedChunks* prepared = nullptr);
+  // The steps of Apply. REQUIRES (ApplyKeyframeInPlace): weights_mutex held exclusively
+  // and the weights in the keyframe's layout.
+  flywheel::Status ApplyDelta(const std::string& what, const delta::DeltaView& view, int threads,
+                              delta::PreparedChunks* prepared);
+  flywheel::Status ApplyKeyframeInPlace(const delta::DeltaView& view, int threads);
   flywheel::Status Export(uint64_t serving_version);
   WorkerStatus CurrentStatus() const;
   void OnCatalog(Catalog received);
@@ -450,65 +467,12 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
     return flywheel::Status::Corruption(what + " does not match its catalog entry");
   }
   const int threads = std::max(1, options.common.threads);
-  if (!manifest.keyframe) {
-    std::unique_lock lock(weights_mutex);
-    if (version.load() != manifest.base_version || hash != manifest.base_hash) {
-      return flywheel::Status::Mismatch(what + " applies to v" +
-                                        std::to_string(manifest.base_version) + " (" +
-                                        manifest.base_hash.ToHex() + ") but this worker serves v" +
-                                        std::to_string(version.load()) + " (" + hash.ToHex() + ")");
-    }
-    delta::ApplyOptions apply;
-    apply.threads = threads;
-    apply.prepared = prepared;
-    apply.state_tensor_hashes = tensor_hashes;
-    apply.report_changes = static_cast<bool>(options.on_swap);
-    if (options.on_swap) {
-      // The engine takes the version while the undo records still exist, so its refusal
-      // restores the base.
-      apply.before_commit = [&](const delta::ApplyStats& applied) {
-        return NotifySwap(manifest.target_version, weights.view(), &applied.changes, false);
-      };
-    }
-    MutableCheckpointView state = weights.mutable_view();
-    FW_ASSIGN_OR_RETURN(delta::ApplyStats stats, delta::ApplyInPlace(state, view, apply));
-    tensor_hashes = std::move(stats.tensor_hashes);
-    hash = manifest.target_hash;
-    version.store(manifest.target_version);
-    PublishServed();
-    return flywheel::Status::Ok();
-  }
+  if (!manifest.keyframe) return ApplyDelta(what, view, threads, prepared);
   // A keyframe: in place when the layout is the same (no second copy of the weights).
   {
     std::unique_lock lock(weights_mutex);
     if (version.load() != 0 && SameLayout(weights, manifest)) {
-      delta::ApplyOptions apply;
-      apply.threads = threads;
-      // Without an engine the undo log (a whole copy) is not kept: a failed keyframe leaves
-      // nothing served until a good one. With an engine that may refuse the version it is.
-      apply.restore_on_failure = static_cast<bool>(options.on_swap);
-      apply.report_changes = static_cast<bool>(options.on_swap);
-      if (options.on_swap) {
-        apply.before_commit = [&](const delta::ApplyStats& applied) {
-          return NotifySwap(manifest.target_version, weights.view(), &applied.changes, false);
-        };
-      }
-      MutableCheckpointView state = weights.mutable_view();
-      Result<delta::ApplyStats> stats = delta::ApplyInPlace(state, view, apply);
-      if (!stats.ok() && apply.restore_on_failure) return stats.status();  // the old version stays
-      if (!stats.ok()) {
-        // The weights are partly overwritten: serve nothing until a good keyframe.
-        version.store(0);
-        hash = Hash128{};
-        tensor_hashes.clear();
-        PublishServed();
-        return stats.status();
-      }
-      tensor_hashes = std::move(stats->tensor_hashes);
-      hash = manifest.target_hash;
-      version.store(manifest.target_version);
-      PublishServed();
-      return flywheel::Status::Ok();
+      return ApplyKeyframeInPlace(view, threads);
     }
   }
   FW_ASSIGN_OR_RETURN(OwnedCheckpoint decoded, delta::DecodeKeyframe(view, threads));
@@ -523,6 +487,68 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
   }
   weights = std::move(decoded);  // the tensors' buffers move, so views of them stay valid
   tensor_hashes = std::move(hashes);
+  hash = manifest.target_hash;
+  version.store(manifest.target_version);
+  PublishServed();
+  return flywheel::Status::Ok();
+}
+
+flywheel::Status Worker::Impl::ApplyDelta(const std::string& what, const delta::DeltaView& view,
+                                          int threads, delta::PreparedChunks* prepared) {
+  const delta::Manifest& manifest = view.manifest();
+  std::unique_lock lock(weights_mutex);
+  if (version.load() != manifest.base_version || hash != manifest.base_hash) {
+    return flywheel::Status::Mismatch(what + " applies to v" +
+                                      std::to_string(manifest.base_version) + " (" +
+                                      manifest.base_hash.ToHex() + ") but this worker serves v" +
+                                      std::to_string(version.load()) + " (" + hash.ToHex() + ")");
+  }
+  delta::ApplyOptions apply;
+  apply.threads = threads;
+  apply.prepared = prepared;
+  apply.state_tensor_hashes = tensor_hashes;
+  apply.report_changes = static_cast<bool>(options.on_swap);
+  if (options.on_swap) {
+    // The engine takes the version while the undo records still exist, so its refusal
+    // restores the base.
+    apply.before_commit = [&](const delta::ApplyStats& applied) {
+      return NotifySwap(manifest.target_version, weights.view(), &applied.changes, false);
+    };
+  }
+  MutableCheckpointView state = weights.mutable_view();
+  FW_ASSIGN_OR_RETURN(delta::ApplyStats stats, delta::ApplyInPlace(state, view, apply));
+  tensor_hashes = std::move(stats.tensor_hashes);
+  hash = manifest.target_hash;
+  version.store(manifest.target_version);
+  PublishServed();
+  return flywheel::Status::Ok();
+}
+
+flywheel::Status Worker::Impl::ApplyKeyframeInPlace(const delta::DeltaView& view, int threads) {
+  const delta::Manifest& manifest = view.manifest();
+  delta::ApplyOptions apply;
+  apply.threads = threads;
+  // Without an engine the undo log (a whole copy) is not kept: a failed keyframe leaves
+  // nothing served until a good one. With an engine that may refuse the version it is.
+  apply.restore_on_failure = static_cast<bool>(options.on_swap);
+  apply.report_changes = static_cast<bool>(options.on_swap);
+  if (options.on_swap) {
+    apply.before_commit = [&](const delta::ApplyStats& applied) {
+      return NotifySwap(manifest.target_version, weights.view(), &applied.changes, false);
+    };
+  }
+  MutableCheckpointView state = weights.mutable_view();
+  Result<delta::ApplyStats> stats = delta::ApplyInPlace(state, view, apply);
+  if (!stats.ok() && apply.restore_on_failure) return stats.status();  // the old version stays
+  if (!stats.ok()) {
+    // The weights are partly overwritten: serve nothing until a good keyframe.
+    version.store(0);
+    hash = Hash128{};
+    tensor_hashes.clear();
+    PublishServed();
+    return stats.status();
+  }
+  tensor_hashes = std::move(stats->tensor_hashes);
   hash = manifest.target_hash;
   version.store(manifest.target_version);
   PublishServed();
@@ -634,107 +660,127 @@ awaitable<void> Worker::Impl::UpdateLoop() {
     }
     for (const ArtifactInfo& info : plan) {
       if (stopped) co_return;
-      const ArtifactKey key = KeyOf(info);
-      Transfer transfer = Prepare(info);
-      Download& download = *transfer.download;
-      PrefixSha256* hasher = transfer.hasher;
-      std::shared_ptr<EarlyDecoder> early = transfer.early;
-      std::function<void(uint32_t)> on_piece = [transfer](uint32_t) {
-        if (transfer.hasher) transfer.hasher->Advance(*transfer.download);
-        if (transfer.early) transfer.early->Advance(*transfer.download);
-      };
-      const auto fetch_start = Clock::now();
-      flywheel::Status fetched = co_await upstream->Fetch(download, on_piece);
-      if (!fetched.ok()) {
-        last_error = "fetching " + Describe(key) + ": " + fetched.message();
-        spdlog::warn("{}", last_error);
-        if (fetched.code() == StatusCode::kNotFound) {
-          // Gone upstream (retention, or a relay restart): replan from the next catalog.
-          Forget(key);
-        }
-        co_await transport::SleepFor(200ms);
-        break;
-      }
-      const auto fetch_ms =
-          std::chrono::duration<double, std::milli>(Clock::now() - fetch_start).count();
-      const auto apply_start = Clock::now();
-      auto bytes = download.bytes;
-      auto task = std::make_shared<ArtifactInfo>(info);
-      std::optional<ManifestFacts> facts;
-      if (verifier->enabled()) {
-        // Signed versions: the manifest was verified with the catalog; now the bytes must
-        // be the ones signed, and the version must be newer than the one served.
-        const ManifestFacts* known = verifier->FactsOf(key);
-        flywheel::Status trusted =
-            known ? CheckFresh(served_facts, *known)
-                  : flywheel::Status::Mismatch(Describe(key) + " is no longer in a verified catalog");
-        if (trusted.ok()) {
-          facts = *known;
-          // Most of the hash was computed while the pieces arrived; the tail is left.
-          trusted = hasher->Check(download, *facts);
-          if (!trusted.ok()) {
-            Forget(key);
-            verifier->CountForged(trusted.message());
-          }
-        } else if (known) {
-          verifier->CountReplay(trusted.message());
-          rejected[{key, info.target_hash.ToHex()}] = true;
-        }
-        if (!trusted.ok()) {
-          last_error = "refused " + Describe(key) + ": " + trusted.message();
-          spdlog::error("{} (still serving v{})", last_error, version.load());
-          // Forged bytes are not the artifact's fault: fetch it again, after a pause (the
-          // upstream may fail over to an honest one meanwhile).
-          co_await transport::SleepFor(1s);
-          break;
-        }
-      }
-      delta::PreparedChunks* prepared = early ? early->Close() : nullptr;
-      AheadPriority(0);  // a chunk being decoded ahead now must not hold the apply up
-      auto apply = [this, task, bytes, prepared] { return Apply(*task, bytes->bytes(), prepared); };
-      flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
-      last_apply_chunks_early = early ? early->decoded() : 0;
-      last_early_decode_unix_us = early ? early->first_decode_unix_us() : 0;
-      arriving.reset();
-      Forget(key);
-      if (!applied.ok()) {
-        ++artifacts_rejected;
-        rejected[{key, info.target_hash.ToHex()}] = true;
-        last_error = "rejected " + Describe(key) + ": " + applied.message();
-        spdlog::error("{}", last_error);
-        break;  // replan: a keyframe path avoids the rejected artifact
-      }
-      if (facts) served_facts = *facts;
-      const auto now = Clock::now();
-      last_apply_ms = std::chrono::duration<double, std::milli>(now - apply_start).count();
-      const uint64_t serving = version.load();
-      auto seen = head_seen.find(serving);
-      last_swap_ms = std::chrono::duration<double, std::milli>(
-                         now - (seen != head_seen.end() ? seen->second : fetch_start))
-                         .count();
-      ++swaps;
-      upstream->ReportNow();  // readiness (GET /v1/wait on the publisher) learns it now
-      last_error.clear();
-      spdlog::info("serving v{} ({}; fetched in {:.0f} ms, applied in {:.0f} ms, {} chunk(s) "
-                   "decoded and {} tensor(s) verified while arriving)",
-                   serving, Describe(key), fetch_ms, last_apply_ms, last_apply_chunks_early,
-                   early ? early->verified() : 0);
-      head_seen.erase(head_seen.begin(), head_seen.upper_bound(serving));
-      if (!options.export_dir.empty()) {
-        auto export_weights = [this, serving] { return Export(serving); };
-        flywheel::Status exported = (co_await transport::RunOn(cpu, export_weights)).value();
-        if (exported.ok()) {
-          ++exports;
-        } else {
-          // Serving goes on; the failure shows in /v1/status and /metrics until an export
-          // succeeds.
-          ++export_failures;
-          last_error = "exporting v" + std::to_string(serving) + ": " + exported.message();
-          spdlog::error("{}", last_error);
-        }
-      }
+      const bool swapped = co_await Update(info);
+      if (!swapped) break;  // replan from the next catalog
     }
   }
+}
+
+awaitable<bool> Worker::Impl::Update(const ArtifactInfo& info) {
+  const ArtifactKey key = KeyOf(info);
+  Transfer transfer = Prepare(info);
+  Download& download = *transfer.download;
+  std::shared_ptr<EarlyDecoder> early = transfer.early;
+  std::function<void(uint32_t)> on_piece = [transfer](uint32_t) {
+    if (transfer.hasher) transfer.hasher->Advance(*transfer.download);
+    if (transfer.early) transfer.early->Advance(*transfer.download);
+  };
+  const auto fetch_start = Clock::now();
+  flywheel::Status fetched = co_await upstream->Fetch(download, on_piece);
+  if (!fetched.ok()) {
+    last_error = "fetching " + Describe(key) + ": " + fetched.message();
+    spdlog::warn("{}", last_error);
+    if (fetched.code() == StatusCode::kNotFound) {
+      // Gone upstream (retention, or a relay restart): replan from the next catalog.
+      Forget(key);
+    }
+    co_await transport::SleepFor(200ms);
+    co_return false;
+  }
+  const auto fetch_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - fetch_start).count();
+  const auto apply_start = Clock::now();
+  auto bytes = download.bytes;
+  auto task = std::make_shared<ArtifactInfo>(info);
+  std::optional<ManifestFacts> facts;
+  if (verifier->enabled()) {
+    Result<ManifestFacts> trusted = CheckSigned(info, transfer);
+    if (!trusted.ok()) {
+      last_error = "refused " + Describe(key) + ": " + trusted.status().message();
+      spdlog::error("{} (still serving v{})", last_error, version.load());
+      // Forged bytes are not the artifact's fault: fetch it again, after a pause (the
+      // upstream may fail over to an honest one meanwhile).
+      co_await transport::SleepFor(1s);
+      co_return false;
+    }
+    facts = std::move(*trusted);
+  }
+  delta::PreparedChunks* prepared = early ? early->Close() : nullptr;
+  AheadPriority(0);  // a chunk being decoded ahead now must not hold the apply up
+  auto apply = [this, task, bytes, prepared] { return Apply(*task, bytes->bytes(), prepared); };
+  flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
+  last_apply_chunks_early = early ? early->decoded() : 0;
+  last_early_decode_unix_us = early ? early->first_decode_unix_us() : 0;
+  arriving.reset();
+  Forget(key);
+  if (!applied.ok()) {
+    ++artifacts_rejected;
+    rejected[{key, info.target_hash.ToHex()}] = true;
+    last_error = "rejected " + Describe(key) + ": " + applied.message();
+    spdlog::error("{}", last_error);
+    co_return false;  // replan: a keyframe path avoids the rejected artifact
+  }
+  if (facts) served_facts = *facts;
+  const uint64_t serving = RecordSwap(key, fetch_start, fetch_ms, apply_start, early.get());
+  if (!options.export_dir.empty()) co_await ExportServing(serving);
+  co_return true;
+}
+
+Result<ManifestFacts> Worker::Impl::CheckSigned(const ArtifactInfo& info,
+                                                const Transfer& transfer) {
+  const ArtifactKey key = KeyOf(info);
+  const ManifestFacts* known = verifier->FactsOf(key);
+  if (known == nullptr) {
+    return flywheel::Status::Mismatch(Describe(key) + " is no longer in a verified catalog");
+  }
+  if (flywheel::Status fresh = CheckFresh(served_facts, *known); !fresh.ok()) {
+    verifier->CountReplay(fresh.message());
+    rejected[{key, info.target_hash.ToHex()}] = true;
+    return fresh;
+  }
+  ManifestFacts facts = *known;
+  // Most of the hash was computed while the pieces arrived; the tail is left.
+  if (flywheel::Status same = transfer.hasher->Check(*transfer.download, facts); !same.ok()) {
+    Forget(key);
+    verifier->CountForged(same.message());
+    return same;
+  }
+  return facts;
+}
+
+uint64_t Worker::Impl::RecordSwap(const ArtifactKey& key, Clock::time_point fetch_start,
+                                  double fetch_ms, Clock::time_point apply_start,
+                                  const EarlyDecoder* early) {
+  const auto now = Clock::now();
+  last_apply_ms = std::chrono::duration<double, std::milli>(now - apply_start).count();
+  const uint64_t serving = version.load();
+  auto seen = head_seen.find(serving);
+  last_swap_ms = std::chrono::duration<double, std::milli>(
+                     now - (seen != head_seen.end() ? seen->second : fetch_start))
+                     .count();
+  ++swaps;
+  upstream->ReportNow();  // readiness (GET /v1/wait on the publisher) learns it now
+  last_error.clear();
+  spdlog::info("serving v{} ({}; fetched in {:.0f} ms, applied in {:.0f} ms, {} chunk(s) "
+               "decoded and {} tensor(s) verified while arriving)",
+               serving, Describe(key), fetch_ms, last_apply_ms, last_apply_chunks_early,
+               early ? early->verified() : 0);
+  head_seen.erase(head_seen.begin(), head_seen.upper_bound(serving));
+  return serving;
+}
+
+awaitable<void> Worker::Impl::ExportServing(uint64_t serving) {
+  auto export_weights = [this, serving] { return Export(serving); };
+  flywheel::Status exported = (co_await transport::RunOn(cpu, export_weights)).value();
+  if (exported.ok()) {
+    ++exports;
+    co_return;
+  }
+  // Serving goes on; the failure shows in /v1/status and /metrics until an export
+  // succeeds.
+  ++export_failures;
+  last_error = "exporting v" + std::to_string(serving) + ": " + exported.message();
+  spdlog::error("{}", last_error);
 }
 
 WorkerStatus Worker::Impl::CurrentStatus() const {

@@ -1,6 +1,8 @@
 #include "trainer/losses.h"
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <numeric>
 
 namespace flywheel::trainer {
@@ -125,10 +127,11 @@ bool NeedsRefLogprobs(LossName name, const LossConfig& config) {
   return name == LossName::kDpo || config.kl_coef > 0;
 }
 
-Result<LossResult> ComputeLoss(LossName name, const LossConfig& config, const LossBatch& batch) {
-  FW_RETURN_IF_ERROR(config.Validate());
+namespace {
+
+// Every tensor `name` (with `config`) needs is there, in the shape of the logprobs.
+Status CheckBatch(LossName name, const LossConfig& config, const LossBatch& batch) {
   const torch::Tensor& lp = batch.logprobs;
-  const torch::Tensor& w = batch.weights;
   auto require = [&](const torch::Tensor& t, const char* what) -> Status {
     if (!t.defined()) {
       return Status::InvalidArgument(std::string("loss ") + LossNameString(name) + " needs " +
@@ -141,118 +144,175 @@ Result<LossResult> ComputeLoss(LossName name, const LossConfig& config, const Lo
     }
     return Status::Ok();
   };
-  FW_RETURN_IF_ERROR(require(w, "weights"));
+  FW_RETURN_IF_ERROR(require(batch.weights, "weights"));
   if (NeedsSamplingLogprobs(name, config))
     FW_RETURN_IF_ERROR(require(batch.sampling_logprobs, "sampling logprobs"));
   if (NeedsAdvantages(name)) FW_RETURN_IF_ERROR(require(batch.advantages, "advantages"));
   if (NeedsRefLogprobs(name, config))
     FW_RETURN_IF_ERROR(require(batch.ref_logprobs, "reference logprobs"));
+  return Status::Ok();
+}
 
+Result<torch::Tensor> DpoLoss(const LossConfig& config, const LossBatch& batch) {
+  const torch::Tensor& lp = batch.logprobs;
+  const torch::Tensor& w = batch.weights;
+  if (lp.size(0) % 2 != 0) {
+    return Status::InvalidArgument("loss dpo needs datums in (chosen, rejected) pairs; got " +
+                                   std::to_string(lp.size(0)) + " datums");
+  }
+  torch::Tensor policy = RowSum(lp * w), reference = RowSum(batch.ref_logprobs * w);
+  torch::Tensor margin = (policy - reference).view({-1, 2});
+  torch::Tensor logits = (margin.select(1, 0) - margin.select(1, 1)) * config.dpo_beta;
+  return -torch::log_sigmoid(logits).mean();
+}
+
+// What the per-token policy losses read.
+struct PolicyTerms {
+  const LossConfig& config;
+  const torch::Tensor& lp;    // [B, T] logprobs under the current policy
+  const torch::Tensor& adv;   // advantages (undefined for cross entropy)
+  const torch::Tensor& mask;  // loss tokens (weight > 0)
+  torch::Tensor log_ratio;    // lp - sampling logprobs, when given
+  torch::Tensor ratio;        // exp(log_ratio)
+};
+
+// Share of loss tokens whose ratio `r` lies outside [lo, hi].
+double ClippedShare(const PolicyTerms& in, const torch::Tensor& r, double lo, double hi) {
+  torch::NoGradGuard no_grad;
+  return MaskedMean((r.lt(lo) | r.gt(hi)).to(in.lp.scalar_type()), in.mask);
+}
+
+torch::Tensor CrossEntropyTokens(const PolicyTerms& in, LossResult*) {
+  return -in.lp;
+}
+
+torch::Tensor ImportanceSamplingTokens(const PolicyTerms& in, LossResult*) {
+  return -in.ratio * in.adv;
+}
+
+torch::Tensor PpoTokens(const PolicyTerms& in, LossResult* result) {
+  const double lo = 1 - in.config.clip_low, hi = 1 + in.config.clip_high;
+  torch::Tensor unclipped = -in.ratio * in.adv;
+  torch::Tensor clipped = -in.ratio.clamp(lo, hi) * in.adv;
+  torch::Tensor per_token = torch::max(unclipped, clipped);
+  if (in.config.dual_clip > 0) {
+    torch::Tensor capped = torch::min(per_token, -in.adv * in.config.dual_clip);
+    per_token = torch::where(in.adv.lt(0), capped, per_token);
+  }
+  result->clip_fraction = ClippedShare(in, in.ratio, lo, hi);
+  return per_token;
+}
+
+torch::Tensor CispoTokens(const PolicyTerms& in, LossResult* result) {
+  const LossConfig& config = in.config;
+  torch::Tensor weight = in.ratio.detach().clamp(config.cispo_low, config.cispo_high);
+  result->clip_fraction = ClippedShare(in, in.ratio, config.cispo_low, config.cispo_high);
+  return -weight * in.adv * in.lp;
+}
+
+torch::Tensor DroTokens(const PolicyTerms& in, LossResult*) {
+  return -(in.lp * in.adv - 0.5 * in.config.dro_beta * in.log_ratio.pow(2));
+}
+
+// The ratio is the sequence's (the mean log ratio of its loss tokens), clipped per sequence.
+torch::Tensor GspoTokens(const PolicyTerms& in, LossResult* result) {
+  const torch::Tensor& lp = in.lp;
+  const double lo = 1 - in.config.clip_low, hi = 1 + in.config.clip_high;
+  torch::Tensor seq_log_ratio = RowSum(in.log_ratio * in.mask) / RowSum(in.mask).clamp_min(1);
+  torch::Tensor token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + lp - lp.detach();
+  torch::Tensor s = token_log_ratio.exp();
+  torch::Tensor per_token = torch::max(-s * in.adv, -s.clamp(lo, hi) * in.adv);
+  {
+    torch::NoGradGuard no_grad;
+    torch::Tensor seq_ratio = seq_log_ratio.exp();
+    torch::Tensor has_tokens = RowSum(in.mask).gt(0).to(lp.scalar_type());
+    torch::Tensor out = (seq_ratio.lt(lo) | seq_ratio.gt(hi)).to(lp.scalar_type());
+    const double seqs = has_tokens.sum().item<double>();
+    result->clip_fraction = seqs > 0 ? (out * has_tokens).sum().item<double>() / seqs : 0.0;
+  }
+  return per_token;
+}
+
+// The per-token loss of each policy loss (all but DPO, a loss over sequence pairs).
+using PerTokenLoss = torch::Tensor (*)(const PolicyTerms&, LossResult*);
+struct PolicyLoss {
+  LossName name;
+  PerTokenLoss per_token;
+};
+constexpr PolicyLoss kPolicyLosses[] = {
+    {LossName::kCrossEntropy, CrossEntropyTokens},
+    {LossName::kImportanceSampling, ImportanceSamplingTokens},
+    {LossName::kPpo, PpoTokens},
+    {LossName::kCispo, CispoTokens},
+    {LossName::kDro, DroTokens},
+    {LossName::kGspo, GspoTokens},
+};
+
+// Truncated importance sampling: weights the per-token loss by min(ratio, tis_cap).
+torch::Tensor ApplyTis(const torch::Tensor& per_token, const LossConfig& config,
+                       const LossBatch& batch, const torch::Tensor& mask, LossResult* result) {
+  const torch::Tensor& lp = batch.logprobs;
+  torch::Tensor tis = (lp.detach() - batch.sampling_logprobs).exp();
+  {
+    torch::NoGradGuard no_grad;
+    result->tis_truncated = MaskedMean(tis.gt(config.tis_cap).to(lp.scalar_type()), mask);
+  }
+  return per_token * tis.clamp_max(config.tis_cap);
+}
+
+// The per-token KL to the reference policy by the configured estimator.
+torch::Tensor ReferenceKl(const LossConfig& config, const LossBatch& batch,
+                          const torch::Tensor& mask, LossResult* result) {
+  torch::Tensor d = batch.ref_logprobs - batch.logprobs;
+  torch::Tensor kl;
+  switch (config.kl_estimator) {
+    case KlEstimator::kK1:
+      kl = -d;
+      break;
+    case KlEstimator::kK2:
+      kl = 0.5 * d.pow(2);
+      break;
+    case KlEstimator::kK3:
+      kl = d.exp() - d - 1;
+      break;
+  }
+  result->kl_reference = MaskedMean(kl.detach(), mask);
+  return kl;
+}
+
+}  // namespace
+
+Result<LossResult> ComputeLoss(LossName name, const LossConfig& config, const LossBatch& batch) {
+  FW_RETURN_IF_ERROR(config.Validate());
+  FW_RETURN_IF_ERROR(CheckBatch(name, config, batch));
+  const torch::Tensor& lp = batch.logprobs;
   LossResult result;
-  const torch::Tensor mask = w.gt(0).to(lp.scalar_type());
+  const torch::Tensor mask = batch.weights.gt(0).to(lp.scalar_type());
   if (batch.sampling_logprobs.defined()) {
     torch::NoGradGuard no_grad;
     const torch::Tensor delta = batch.sampling_logprobs - lp.detach();
     result.kl_sampler_k3 = MaskedMean(delta.exp() - delta - 1, mask);
   }
-
   if (name == LossName::kDpo) {
-    if (lp.size(0) % 2 != 0) {
-      return Status::InvalidArgument("loss dpo needs datums in (chosen, rejected) pairs; got " +
-                                     std::to_string(lp.size(0)) + " datums");
-    }
-    torch::Tensor policy = RowSum(lp * w), reference = RowSum(batch.ref_logprobs * w);
-    torch::Tensor margin = (policy - reference).view({-1, 2});
-    torch::Tensor logits = (margin.select(1, 0) - margin.select(1, 1)) * config.dpo_beta;
-    result.loss = -torch::log_sigmoid(logits).mean();
+    FW_ASSIGN_OR_RETURN(result.loss, DpoLoss(config, batch));
     return result;
   }
-
-  torch::Tensor per_token;
-  const torch::Tensor& adv = batch.advantages;
-  torch::Tensor log_ratio, ratio;
+  const PolicyLoss* loss = std::find_if(std::begin(kPolicyLosses), std::end(kPolicyLosses),
+                                        [name](const PolicyLoss& l) { return l.name == name; });
+  if (loss == std::end(kPolicyLosses)) {
+    return Status::InvalidArgument(std::string("loss ") + LossNameString(name) + " is not known");
+  }
+  PolicyTerms terms{config, lp, batch.advantages, mask, {}, {}};
   if (batch.sampling_logprobs.defined()) {
-    log_ratio = lp - batch.sampling_logprobs;
-    ratio = log_ratio.exp();
+    terms.log_ratio = lp - batch.sampling_logprobs;
+    terms.ratio = terms.log_ratio.exp();
   }
-  auto clipped_share = [&](const torch::Tensor& r, double lo, double hi) {
-    torch::NoGradGuard no_grad;
-    return MaskedMean((r.lt(lo) | r.gt(hi)).to(lp.scalar_type()), mask);
-  };
-  switch (name) {
-    case LossName::kCrossEntropy:
-      per_token = -lp;
-      break;
-    case LossName::kImportanceSampling:
-      per_token = -ratio * adv;
-      break;
-    case LossName::kPpo: {
-      const double lo = 1 - config.clip_low, hi = 1 + config.clip_high;
-      torch::Tensor unclipped = -ratio * adv;
-      torch::Tensor clipped = -ratio.clamp(lo, hi) * adv;
-      per_token = torch::max(unclipped, clipped);
-      if (config.dual_clip > 0) {
-        torch::Tensor capped = torch::min(per_token, -adv * config.dual_clip);
-        per_token = torch::where(adv.lt(0), capped, per_token);
-      }
-      result.clip_fraction = clipped_share(ratio, lo, hi);
-      break;
-    }
-    case LossName::kCispo: {
-      torch::Tensor weight = ratio.detach().clamp(config.cispo_low, config.cispo_high);
-      per_token = -weight * adv * lp;
-      result.clip_fraction = clipped_share(ratio, config.cispo_low, config.cispo_high);
-      break;
-    }
-    case LossName::kDro:
-      per_token = -(lp * adv - 0.5 * config.dro_beta * log_ratio.pow(2));
-      break;
-    case LossName::kGspo: {
-      const double lo = 1 - config.clip_low, hi = 1 + config.clip_high;
-      torch::Tensor seq_log_ratio = RowSum(log_ratio * mask) / RowSum(mask).clamp_min(1);  // [B]
-      torch::Tensor token_log_ratio = seq_log_ratio.detach().unsqueeze(1) + lp - lp.detach();
-      torch::Tensor s = token_log_ratio.exp();
-      per_token = torch::max(-s * adv, -s.clamp(lo, hi) * adv);
-      {
-        torch::NoGradGuard no_grad;
-        torch::Tensor seq_ratio = seq_log_ratio.exp();
-        torch::Tensor has_tokens = RowSum(mask).gt(0).to(lp.scalar_type());
-        torch::Tensor out = (seq_ratio.lt(lo) | seq_ratio.gt(hi)).to(lp.scalar_type());
-        const double seqs = has_tokens.sum().item<double>();
-        result.clip_fraction = seqs > 0 ? (out * has_tokens).sum().item<double>() / seqs : 0.0;
-      }
-      break;
-    }
-    case LossName::kDpo:
-      break;  // handled above
-  }
-
-  if (config.tis_cap > 0) {
-    torch::Tensor tis = (lp.detach() - batch.sampling_logprobs).exp();
-    {
-      torch::NoGradGuard no_grad;
-      result.tis_truncated = MaskedMean(tis.gt(config.tis_cap).to(lp.scalar_type()), mask);
-    }
-    per_token = per_token * tis.clamp_max(config.tis_cap);
-  }
+  torch::Tensor per_token = loss->per_token(terms, &result);
+  if (config.tis_cap > 0) per_token = ApplyTis(per_token, config, batch, mask, &result);
   if (config.kl_coef > 0) {
-    torch::Tensor d = batch.ref_logprobs - lp;
-    torch::Tensor kl;
-    switch (config.kl_estimator) {
-      case KlEstimator::kK1:
-        kl = -d;
-        break;
-      case KlEstimator::kK2:
-        kl = 0.5 * d.pow(2);
-        break;
-      case KlEstimator::kK3:
-        kl = d.exp() - d - 1;
-        break;
-    }
-    result.kl_reference = MaskedMean(kl.detach(), mask);
-    per_token = per_token + config.kl_coef * kl;
+    per_token = per_token + config.kl_coef * ReferenceKl(config, batch, mask, &result);
   }
-  result.loss = Aggregate(per_token, w, config);
+  result.loss = Aggregate(per_token, batch.weights, config);
   return result;
 }
 

@@ -13,7 +13,7 @@
 #include <fstream>
 
 #include "checkpoint/hash.h"
-#include "sync/node.h"
+#include "sync/catalog_verifier.h"
 
 namespace flywheel::sync {
 namespace {
