@@ -1,6 +1,6 @@
 // The parsed form of a chat template (tokenizer/chat_template.h): the lexer and parser follow
 // jinja2 3.1's (lexer.py, parser.py) with trim_blocks and lstrip_blocks on, and refuse every
-// construct the interpreter (tokenizer/chat_template.cc) does not implement, by name.
+// construct the interpreter (tokenizer/jinja_render.cc) does not implement, by name.
 //
 // Private to flywheel_tokenizer.
 #pragma once
