@@ -559,12 +559,6 @@ class Lexer {
   }
 
   Status Unescape(const std::string& raw, std::string* out) const {
-    auto hex_value = [](char c) -> int {
-      if (IsDigit(c)) return c - '0';
-      c = static_cast<char>(c | 0x20);
-      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-      return -1;
-    };
     size_t i = 0;
     while (i < raw.size()) {
       char c = raw[i];
@@ -575,103 +569,96 @@ class Lexer {
       }
       char e = raw[i + 1];
       i += 2;
-      switch (e) {
-        case '\n':
-          break;  // line continuation
-        case '\\':
-          out->push_back('\\');
-          break;
-        case '\'':
-          out->push_back('\'');
-          break;
-        case '"':
-          out->push_back('"');
-          break;
-        case 'a':
-          out->push_back('\a');
-          break;
-        case 'b':
-          out->push_back('\b');
-          break;
-        case 'f':
-          out->push_back('\f');
-          break;
-        case 'n':
-          out->push_back('\n');
-          break;
-        case 'r':
-          out->push_back('\r');
-          break;
-        case 't':
-          out->push_back('\t');
-          break;
-        case 'v':
-          out->push_back('\v');
-          break;
-        case 'x':
-        case 'u':
-        case 'U': {
-          int width = e == 'x' ? 2 : e == 'u' ? 4 : 8;
-          uint32_t v = 0;
-          for (int k = 0; k < width; ++k) {
-            int h = i + static_cast<size_t>(k) < raw.size()
-                        ? hex_value(raw[i + static_cast<size_t>(k)])
-                        : -1;
-            if (h < 0) {
-              return SyntaxError(line_,
-                                 std::string("truncated \\") + e + " escape in a string literal");
-            }
-            v = v * 16 + static_cast<uint32_t>(h);
-          }
-          if (v > 0x10ffff)
-            return SyntaxError(line_, "illegal Unicode character in a string literal");
-          i += static_cast<size_t>(width);
-          pystr::AppendCodePoint(v, out);
-          break;
-        }
-        case 'N':
-          return SyntaxError(line_, "\\N{...} escapes in string literals are not supported");
-        default:
-          if (e >= '0' && e <= '7') {
-            uint32_t v = static_cast<uint32_t>(e - '0');
-            for (int k = 0; k < 2 && i < raw.size() && raw[i] >= '0' && raw[i] <= '7'; ++k) {
-              v = v * 8 + static_cast<uint32_t>(raw[i++] - '0');
-            }
-            pystr::AppendCodePoint(v, out);
-          } else if (static_cast<unsigned char>(e) >= 0x80) {
-            // Python first writes the character as \xNN / \uNNNN / \UNNNNNNNN and the
-            // backslash before it escapes that escape's backslash.
-            size_t start = i - 1;
-            size_t len = 1;
-            while (start + len < raw.size() &&
-                   (static_cast<unsigned char>(raw[start + len]) & 0xc0) == 0x80)
-              ++len;
-            std::u32string cp = pystr::Decode(std::string_view(raw).substr(start, len));
-            char32_t v = cp.empty() ? 0 : cp[0];
-            char buf[16];
-            if (v <= 0xff) {
-              std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(v));
-            } else if (v <= 0xffff) {
-              std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(v));
-            } else {
-              std::snprintf(buf, sizeof buf, "\\U%08x", static_cast<unsigned>(v));
-            }
-            *out += buf;
-            i = start + len;
-          } else {
-            out->push_back('\\');
-            out->push_back(e);
-          }
-      }
+      FW_RETURN_IF_ERROR(UnescapeOne(raw, e, &i, out));
     }
     return Status::Ok();
+  }
+
+  // The escape `\e` whose text goes on at raw[*i]: appends its value and moves *i past it.
+  Status UnescapeOne(const std::string& raw, char e, size_t* i, std::string* out) const {
+    static constexpr std::pair<char, char> kSimpleEscapes[] = {
+        {'\\', '\\'}, {'\'', '\''}, {'"', '"'},  {'a', '\a'}, {'b', '\b'},
+        {'f', '\f'},  {'n', '\n'},  {'r', '\r'}, {'t', '\t'}, {'v', '\v'}};
+    if (e == '\n') return Status::Ok();  // line continuation
+    for (const auto& [name, value] : kSimpleEscapes) {
+      if (e == name) {
+        out->push_back(value);
+        return Status::Ok();
+      }
+    }
+    if (e == 'x' || e == 'u' || e == 'U') return UnescapeHex(raw, e, i, out);
+    if (e == 'N') return SyntaxError(line_, "\\N{...} escapes in string literals are not supported");
+    if (e >= '0' && e <= '7') {
+      // Up to three octal digits, `e` the first.
+      uint32_t v = static_cast<uint32_t>(e - '0');
+      for (int k = 0; k < 2 && *i < raw.size() && raw[*i] >= '0' && raw[*i] <= '7'; ++k) {
+        v = v * 8 + static_cast<uint32_t>(raw[(*i)++] - '0');
+      }
+      pystr::AppendCodePoint(v, out);
+      return Status::Ok();
+    }
+    if (static_cast<unsigned char>(e) >= 0x80) {
+      ReescapeNonAscii(raw, i, out);
+      return Status::Ok();
+    }
+    out->push_back('\\');  // not an escape: Python keeps the backslash
+    out->push_back(e);
+    return Status::Ok();
+  }
+
+  static int HexDigitValue(char c) {
+    if (IsDigit(c)) return c - '0';
+    c = static_cast<char>(c | 0x20);
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  }
+
+  // \xNN, \uNNNN, \UNNNNNNNN (`e` the letter; the digits at raw[*i]).
+  Status UnescapeHex(const std::string& raw, char e, size_t* i, std::string* out) const {
+    int width = e == 'x' ? 2 : e == 'u' ? 4 : 8;
+    uint32_t v = 0;
+    for (int k = 0; k < width; ++k) {
+      size_t at = *i + static_cast<size_t>(k);
+      int h = at < raw.size() ? HexDigitValue(raw[at]) : -1;
+      if (h < 0) {
+        return SyntaxError(line_, std::string("truncated \\") + e + " escape in a string literal");
+      }
+      v = v * 16 + static_cast<uint32_t>(h);
+    }
+    if (v > 0x10ffff) return SyntaxError(line_, "illegal Unicode character in a string literal");
+    *i += static_cast<size_t>(width);
+    pystr::AppendCodePoint(v, out);
+    return Status::Ok();
+  }
+
+  // A backslash before a non-ASCII character (whose first byte is raw[*i - 1]): Python first
+  // writes the character as \xNN / \uNNNN / \UNNNNNNNN and the backslash escapes that escape's
+  // backslash, so the text is the escape itself.
+  static void ReescapeNonAscii(const std::string& raw, size_t* i, std::string* out) {
+    size_t start = *i - 1;
+    size_t len = 1;
+    while (start + len < raw.size() &&
+           (static_cast<unsigned char>(raw[start + len]) & 0xc0) == 0x80)
+      ++len;
+    std::u32string cp = pystr::Decode(std::string_view(raw).substr(start, len));
+    char32_t v = cp.empty() ? 0 : cp[0];
+    char buf[16];
+    if (v <= 0xff) {
+      std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(v));
+    } else if (v <= 0xffff) {
+      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(v));
+    } else {
+      std::snprintf(buf, sizeof buf, "\\U%08x", static_cast<unsigned>(v));
+    }
+    *out += buf;
+    *i = start + len;
   }
 
   // The expression tokens of a `{% %}` or `{{ }}` tag, and its end.
   Status LexTag(bool block) {
     int start_line = line_;
     Emit(block ? Token::Type::kBlockBegin : Token::Type::kVariableBegin);
-    std::vector<char> balance;
+    std::vector<char> balance;  // the closing brackets still expected, innermost last
     const std::string& s = source_;
     while (pos_ < s.size()) {
       if (balance.empty()) {
@@ -683,78 +670,95 @@ class Lexer {
           return Status::Ok();
         }
       }
-      if (size_t len = SpaceAt(pos_); len != 0) {
+      if (SpaceAt(pos_) != 0) {
         AdvanceTo(SkipSpaces(pos_));
         continue;
       }
       char c = s[pos_];
       if (IsDigit(c)) {
-        size_t end = MatchFloat();
-        Token t;
-        t.line = line_;
-        if (end != std::string::npos) {
-          std::string text;
-          for (size_t i = pos_; i < end; ++i) {
-            if (s[i] != '_') text += s[i];
-          }
-          t.type = Token::Type::kFloat;
-          t.number = std::strtod(text.c_str(), nullptr);
-        } else {
-          FW_ASSIGN_OR_RETURN(end, MatchInteger(&t.integer));
-          t.type = Token::Type::kInteger;
-        }
-        tokens_.push_back(std::move(t));
-        AdvanceTo(end);
-        continue;
-      }
-      if (IsNameStart(c)) {
+        FW_RETURN_IF_ERROR(LexNumber());
+      } else if (IsNameStart(c)) {
         size_t end = pos_ + 1;
         while (end < s.size() && IsNameChar(s[end])) ++end;
         Emit(Token::Type::kName, s.substr(pos_, end - pos_));
         AdvanceTo(end);
-        continue;
+      } else if (c == '\'' || c == '"') {
+        FW_RETURN_IF_ERROR(LexString());
+      } else {
+        FW_RETURN_IF_ERROR(LexOperator(&balance));
       }
-      if (c == '\'' || c == '"') {
-        Token t;
-        t.type = Token::Type::kString;
-        t.line = line_;
-        FW_ASSIGN_OR_RETURN(size_t end, MatchString(&t.text));
-        if (end == std::string::npos) {
-          return SyntaxError(line_, std::string("unterminated string literal starting with ") + c);
-        }
-        tokens_.push_back(std::move(t));
-        AdvanceTo(end);
-        continue;
-      }
-      static constexpr std::string_view kTwoChar[] = {"//", "**", "==", "!=", ">=", "<="};
-      std::string op;
-      for (std::string_view two : kTwoChar) {
-        if (s.compare(pos_, 2, two) == 0) op = two;
-      }
-      if (op.empty() &&
-          std::string_view("+-/*%~[](){}><=.:|,;").find(c) != std::string_view::npos) {
-        op = std::string(1, c);
-      }
-      if (op.empty()) {
-        if (static_cast<unsigned char>(c) >= 0x80) {
-          return SyntaxError(line_, "unexpected character in a tag (identifiers must be ASCII)");
-        }
-        return SyntaxError(line_, std::string("unexpected character '") + c + "' in a tag");
-      }
-      if (op == "{" || op == "(" || op == "[") {
-        balance.push_back(op == "{" ? '}' : op == "(" ? ')' : ']');
-      } else if (op == "}" || op == ")" || op == "]") {
-        if (balance.empty()) return SyntaxError(line_, "unexpected '" + op + "'");
-        if (balance.back() != op[0]) {
-          return SyntaxError(line_, "unexpected '" + op + "', expected '" + balance.back() + "'");
-        }
-        balance.pop_back();
-      }
-      Emit(Token::Type::kOperator, op);
-      AdvanceTo(pos_ + op.size());
     }
     return SyntaxError(start_line, std::string("unterminated '") + (block ? "{%" : "{{") +
                                        "': the template ends inside it");
+  }
+
+  // A float or integer literal at pos_ (`_` between digits allowed).
+  Status LexNumber() {
+    const std::string& s = source_;
+    size_t end = MatchFloat();
+    Token t;
+    t.line = line_;
+    if (end != std::string::npos) {
+      std::string text;
+      for (size_t i = pos_; i < end; ++i) {
+        if (s[i] != '_') text += s[i];
+      }
+      t.type = Token::Type::kFloat;
+      t.number = std::strtod(text.c_str(), nullptr);
+    } else {
+      FW_ASSIGN_OR_RETURN(end, MatchInteger(&t.integer));
+      t.type = Token::Type::kInteger;
+    }
+    tokens_.push_back(std::move(t));
+    AdvanceTo(end);
+    return Status::Ok();
+  }
+
+  // A string literal at pos_.
+  Status LexString() {
+    char quote = source_[pos_];
+    Token t;
+    t.type = Token::Type::kString;
+    t.line = line_;
+    FW_ASSIGN_OR_RETURN(size_t end, MatchString(&t.text));
+    if (end == std::string::npos) {
+      return SyntaxError(line_, std::string("unterminated string literal starting with ") + quote);
+    }
+    tokens_.push_back(std::move(t));
+    AdvanceTo(end);
+    return Status::Ok();
+  }
+
+  // An operator at pos_; brackets must pair up (`balance`: the closers still expected).
+  Status LexOperator(std::vector<char>* balance) {
+    const std::string& s = source_;
+    char c = s[pos_];
+    static constexpr std::string_view kTwoChar[] = {"//", "**", "==", "!=", ">=", "<="};
+    std::string op;
+    for (std::string_view two : kTwoChar) {
+      if (s.compare(pos_, 2, two) == 0) op = two;
+    }
+    if (op.empty() && std::string_view("+-/*%~[](){}><=.:|,;").find(c) != std::string_view::npos) {
+      op = std::string(1, c);
+    }
+    if (op.empty()) {
+      if (static_cast<unsigned char>(c) >= 0x80) {
+        return SyntaxError(line_, "unexpected character in a tag (identifiers must be ASCII)");
+      }
+      return SyntaxError(line_, std::string("unexpected character '") + c + "' in a tag");
+    }
+    if (op == "{" || op == "(" || op == "[") {
+      balance->push_back(op == "{" ? '}' : op == "(" ? ')' : ']');
+    } else if (op == "}" || op == ")" || op == "]") {
+      if (balance->empty()) return SyntaxError(line_, "unexpected '" + op + "'");
+      if (balance->back() != op[0]) {
+        return SyntaxError(line_, "unexpected '" + op + "', expected '" + balance->back() + "'");
+      }
+      balance->pop_back();
+    }
+    Emit(Token::Type::kOperator, op);
+    AdvanceTo(pos_ + op.size());
+    return Status::Ok();
   }
 
   std::string source_;
