@@ -446,6 +446,198 @@ Result<std::string> ComponentType(const json& j, const std::string& where, const
   return type;
 }
 
+// One entry of model.merges: "a b" or ["a", "b"].
+Result<std::pair<std::string, std::string>> MergePair(const json& merge, uint32_t rank) {
+  if (merge.is_string()) {
+    const std::string s = merge.get<std::string>();
+    const size_t space = s.find(' ');
+    if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
+      return Status::InvalidArgument("tokenizer.json: merge " + std::to_string(rank) + " '" + s +
+                                     "' is not two tokens separated by one space");
+    return std::pair{s.substr(0, space), s.substr(space + 1)};
+  }
+  if (merge.is_array() && merge.size() == 2 && merge[0].is_string() && merge[1].is_string())
+    return std::pair{merge[0].get<std::string>(), merge[1].get<std::string>()};
+  return Status::InvalidArgument("tokenizer.json: merge " + std::to_string(rank) + " " +
+                                 merge.dump() + " is neither \"a b\" nor [\"a\", \"b\"]");
+}
+
+// --- reading pre-tokenizer steps --------------------------------------------------------
+
+// A Split pre-tokenizer: a regex flywheel knows (behavior Isolated) or a literal string.
+Status LoadSplitStep(const json& j, const std::string& where, PreTokenizerStep& step) {
+  FW_ASSIGN_OR_RETURN(bool invert, BoolField(j, "invert", where, false));
+  if (invert)
+    return Status::InvalidArgument("tokenizer.json: " + where + ": Split with invert is not supported");
+  FW_ASSIGN_OR_RETURN(std::string behavior, StringField(j, "behavior", where, "Isolated"));
+  if (behavior == "Isolated") {
+    step.behavior = SplitBehavior::kIsolated;
+  } else if (behavior == "Removed") {
+    step.behavior = SplitBehavior::kRemoved;
+  } else if (behavior == "MergedWithPrevious") {
+    step.behavior = SplitBehavior::kMergedWithPrevious;
+  } else if (behavior == "MergedWithNext") {
+    step.behavior = SplitBehavior::kMergedWithNext;
+  } else {
+    return Status::InvalidArgument("tokenizer.json: " + where + ": Split behavior '" + behavior +
+                                   "' is not supported");
+  }
+  auto p = j.find("pattern");
+  if (p != j.end() && p->is_object() && p->contains("Regex") && (*p)["Regex"].is_string()) {
+    const std::string regex = (*p)["Regex"].get<std::string>();
+    step.kind = PreTokenizerStep::kRegexSplit;
+    if (regex == kQwen2Regex) {
+      step.pattern = SplitPattern::kQwen2;
+    } else if (regex == kLlama3Regex) {
+      step.pattern = SplitPattern::kLlama3;
+    } else if (regex == kGpt2Regex) {
+      step.pattern = SplitPattern::kGpt2;
+    } else {
+      return Status::InvalidArgument(
+          "tokenizer.json: " + where + ": the split regex " + json(regex).dump() +
+          " is not one flywheel knows (it runs Qwen2/Qwen3's, Llama-3's and GPT-2's patterns)");
+    }
+    if (step.behavior != SplitBehavior::kIsolated)
+      return Status::InvalidArgument("tokenizer.json: " + where +
+                                     ": a regex Split must have behavior Isolated");
+  } else if (p != j.end() && p->is_object() && p->contains("String") &&
+             (*p)["String"].is_string() && !(*p)["String"].get<std::string>().empty()) {
+    step.kind = PreTokenizerStep::kStringSplit;
+    step.text = (*p)["String"].get<std::string>();
+  } else {
+    return Status::InvalidArgument("tokenizer.json: " + where +
+                                   ": Split needs a pattern {\"Regex\": ...} or {\"String\": ...}");
+  }
+  return Status::Ok();
+}
+
+// A Metaspace pre-tokenizer: the replacement, split, and prepend_scheme (or the older
+// add_prefix_space).
+Status LoadMetaspaceStep(const json& j, const std::string& where, PreTokenizerStep& step) {
+  step.kind = PreTokenizerStep::kMetaspace;
+  FW_ASSIGN_OR_RETURN(step.text, StringField(j, "replacement", where, "\xE2\x96\x81"));
+  FW_ASSIGN_OR_RETURN(step.split, BoolField(j, "split", where, true));
+  FW_ASSIGN_OR_RETURN(std::string scheme, StringField(j, "prepend_scheme", where));
+  if (scheme.empty()) {
+    FW_ASSIGN_OR_RETURN(bool add, BoolField(j, "add_prefix_space", where, true));
+    step.prepend = add ? PreTokenizerStep::kAlways : PreTokenizerStep::kNever;
+  } else if (scheme == "always") {
+    step.prepend = PreTokenizerStep::kAlways;
+  } else if (scheme == "first") {
+    step.prepend = PreTokenizerStep::kFirst;
+  } else if (scheme == "never") {
+    step.prepend = PreTokenizerStep::kNever;
+  } else {
+    return Status::InvalidArgument("tokenizer.json: " + where + ": Metaspace prepend_scheme '" +
+                                   scheme + "' is not always, first or never");
+  }
+  return Status::Ok();
+}
+
+// --- the pre-tokenizer steps: each splits (or rewrites) one piece, appending to `out` ------
+
+// The matches of a split pattern, in order (they cover the whole piece).
+void SplitByPattern(const Piece& p, SplitPattern pattern, CodePoints& cps, std::vector<Piece>& out) {
+  cps.Assign(p.text);
+  for (size_t i = 0; i < cps.size();) {
+    const size_t end = MatchAt(cps, i, pattern);
+    out.push_back({p.text.substr(cps.offset[i], cps.offset[end] - cps.offset[i]), p.at_origin && i == 0});
+    i = end;
+  }
+}
+
+// Split on a literal string, with the tokenizers library's SplitDelimiterBehavior.
+void SplitByString(const Piece& p, const PreTokenizerStep& step, std::vector<Piece>& out) {
+  std::vector<std::pair<size_t, size_t>> parts;  // [begin, end) of text and matches, alternating
+  size_t from = 0;
+  for (size_t at; (at = p.text.find(step.text, from)) != std::string::npos; from = at + step.text.size()) {
+    parts.push_back({from, at});
+    parts.push_back({at, at + step.text.size()});
+  }
+  parts.push_back({from, p.text.size()});
+  std::string carry;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const bool match = k % 2 == 1;
+    std::string s = p.text.substr(parts[k].first, parts[k].second - parts[k].first);
+    switch (step.behavior) {
+      case SplitBehavior::kIsolated:
+        if (!s.empty()) out.push_back({std::move(s), p.at_origin && parts[k].first == 0});
+        break;
+      case SplitBehavior::kRemoved:
+        if (!match && !s.empty()) out.push_back({std::move(s), p.at_origin && parts[k].first == 0});
+        break;
+      case SplitBehavior::kMergedWithPrevious:
+        carry += s;
+        if (match || k + 1 == parts.size()) {
+          if (!carry.empty()) out.push_back({std::move(carry), false});
+          carry.clear();
+        }
+        break;
+      case SplitBehavior::kMergedWithNext:
+        if (match && !carry.empty()) {
+          out.push_back({std::move(carry), false});
+          carry.clear();
+        }
+        carry += s;
+        if (k + 1 == parts.size() && !carry.empty()) out.push_back({std::move(carry), false});
+        break;
+    }
+  }
+}
+
+// Metaspace: spaces become the replacement, prepended per the scheme; with `split`, each piece
+// starts at a replacement (MergedWithNext).
+void ApplyMetaspace(const Piece& p, const PreTokenizerStep& step, std::vector<Piece>& out) {
+  std::string s;
+  s.reserve(p.text.size() + 3);
+  for (char c : p.text) {
+    if (c == ' ')
+      s += step.text;
+    else
+      s.push_back(c);
+  }
+  const bool prepend = step.prepend == PreTokenizerStep::kAlways ||
+                       (step.prepend == PreTokenizerStep::kFirst && p.at_origin);
+  if (prepend && s.compare(0, step.text.size(), step.text) != 0) s.insert(0, step.text);
+  if (!step.split) {
+    out.push_back({std::move(s), p.at_origin});
+    return;
+  }
+  size_t begin = 0;
+  for (size_t at = s.find(step.text, 1); at != std::string::npos; at = s.find(step.text, at + step.text.size())) {
+    if (at > begin) out.push_back({s.substr(begin, at - begin), p.at_origin && begin == 0});
+    begin = at;
+  }
+  out.push_back({s.substr(begin), p.at_origin && begin == 0});
+}
+
+// Digits: runs of numeric code points (Rust's char::is_numeric: Nd, Nl, No), as the library
+// splits them; each digit alone with `individual_digits`.
+void SplitDigits(const Piece& p, const PreTokenizerStep& step, std::vector<Piece>& out) {
+  size_t begin = 0, i = 0;
+  auto digit_length = [&](size_t k) -> size_t {
+    size_t len;
+    bool valid;
+    const char32_t c = unicode::DecodeAt(p.text, k, len, valid);
+    return valid && (unicode::ClassOf(c) & unicode::kNumber) ? len : 0;
+  };
+  while (i < p.text.size()) {
+    size_t len = digit_length(i);
+    if (len == 0) {
+      ++i;
+      continue;
+    }
+    if (i > begin) out.push_back({p.text.substr(begin, i - begin), p.at_origin && begin == 0});
+    size_t j = i + len;
+    if (!step.individual_digits)
+      while (j < p.text.size() && (len = digit_length(j)) > 0) j += len;
+    out.push_back({p.text.substr(i, j - i), p.at_origin && i == 0});
+    begin = i = j;
+  }
+  if (begin < p.text.size()) out.push_back({p.text.substr(begin), p.at_origin && begin == 0});
+}
+
+
 }  // namespace
 
 struct HfTokenizer::Impl {
@@ -488,12 +680,18 @@ struct HfTokenizer::Impl {
   static constexpr size_t kCacheWordBytes = 128;
 
   Status LoadModel(const json& model);
+  Status LoadVocab(const json& model);
+  Status LoadMerges(const json& model);
   Status LoadNormalizer(const json& j, const std::string& where);
   Status LoadPreTokenizer(const json& j, const std::string& where);
   Status LoadDecoder(const json& j, const std::string& where);
   Status LoadPostProcessor(const json& j, const std::string& where);
   Status LoadAdded(const json& list);
   Result<int32_t> SpecialId(const std::string& content, const std::string& where) const;
+  Status BuildByteTables();
+  Status LoadConfig(std::string_view config_json);
+  Status LoadGenerationConfig(std::string_view generation_json);
+  void Describe();
 
   Result<std::string> Normalized(std::string_view text) const;
   void PreTokenize(std::string text, bool at_origin, std::vector<Piece>& out) const;
@@ -525,6 +723,29 @@ Status HfTokenizer::Impl::LoadModel(const json& model) {
   FW_ASSIGN_OR_RETURN(ignore_merges, BoolField(model, "ignore_merges", "model", false));
   FW_ASSIGN_OR_RETURN(byte_fallback, BoolField(model, "byte_fallback", "model", false));
   FW_ASSIGN_OR_RETURN(fuse_unk, BoolField(model, "fuse_unk", "model", false));
+  FW_RETURN_IF_ERROR(LoadVocab(model));
+  FW_ASSIGN_OR_RETURN(std::string unk_token, StringField(model, "unk_token", "model"));
+  if (!unk_token.empty()) {
+    auto u = vocab.find(unk_token);
+    if (u == vocab.end())
+      return Status::InvalidArgument("tokenizer.json: unk_token '" + unk_token +
+                                     "' is not in the vocabulary");
+    unk = u->second;
+  }
+  FW_RETURN_IF_ERROR(LoadMerges(model));
+  if (byte_fallback) {
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof(name), "<0x%02X>", b);
+      auto it = vocab.find(name);
+      byte_fallback_ids[b] = it == vocab.end() ? -1 : it->second;
+    }
+  }
+  return Status::Ok();
+}
+
+// model.vocab: token -> id, ids in [0, 2^24), each id once.
+Status HfTokenizer::Impl::LoadVocab(const json& model) {
   auto v = model.find("vocab");
   if (v == model.end() || !v->is_object())
     return Status::InvalidArgument("tokenizer.json: model.vocab must be an object of token -> id");
@@ -545,35 +766,19 @@ Status HfTokenizer::Impl::LoadModel(const json& model) {
     id_to_token[id] = it.key();
     vocab.emplace(it.key(), static_cast<int32_t>(id));
   }
-  FW_ASSIGN_OR_RETURN(std::string unk_token, StringField(model, "unk_token", "model"));
-  if (!unk_token.empty()) {
-    auto u = vocab.find(unk_token);
-    if (u == vocab.end())
-      return Status::InvalidArgument("tokenizer.json: unk_token '" + unk_token +
-                                     "' is not in the vocabulary");
-    unk = u->second;
-  }
+  return Status::Ok();
+}
+
+// model.merges, ranked in order: "a b" or ["a", "b"], a, b and ab all in the vocabulary.
+Status HfTokenizer::Impl::LoadMerges(const json& model) {
   auto m = model.find("merges");
   if (m == model.end() || !m->is_array())
     return Status::InvalidArgument("tokenizer.json: model.merges must be a list");
   merges.Reserve(m->size());
   uint32_t rank = 0;
   for (const json& merge : *m) {
-    std::string a, b;
-    if (merge.is_string()) {
-      const std::string s = merge.get<std::string>();
-      const size_t space = s.find(' ');
-      if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
-        return Status::InvalidArgument("tokenizer.json: merge " + std::to_string(rank) + " '" + s +
-                                       "' is not two tokens separated by one space");
-      a = s.substr(0, space), b = s.substr(space + 1);
-    } else if (merge.is_array() && merge.size() == 2 && merge[0].is_string() &&
-               merge[1].is_string()) {
-      a = merge[0].get<std::string>(), b = merge[1].get<std::string>();
-    } else {
-      return Status::InvalidArgument("tokenizer.json: merge " + std::to_string(rank) + " " +
-                                     merge.dump() + " is neither \"a b\" nor [\"a\", \"b\"]");
-    }
+    FW_ASSIGN_OR_RETURN(auto pair, MergePair(merge, rank));
+    const auto& [a, b] = pair;
     auto ia = vocab.find(a), ib = vocab.find(b), im = vocab.find(a + b);
     for (auto [it, name] : {std::pair{ia, &a}, std::pair{ib, &b}}) {
       if (it == vocab.end())
@@ -587,14 +792,6 @@ Status HfTokenizer::Impl::LoadModel(const json& model) {
                                      "', which is not in the vocabulary");
     merges.Insert(ia->second, ib->second, rank, im->second);
     ++rank;
-  }
-  if (byte_fallback) {
-    for (int b = 0; b < 256; ++b) {
-      char name[8];
-      std::snprintf(name, sizeof(name), "<0x%02X>", b);
-      auto it = vocab.find(name);
-      byte_fallback_ids[b] = it == vocab.end() ? -1 : it->second;
-    }
   }
   return Status::Ok();
 }
@@ -645,66 +842,9 @@ Status HfTokenizer::Impl::LoadPreTokenizer(const json& j, const std::string& whe
     FW_ASSIGN_OR_RETURN(step.use_regex, BoolField(j, "use_regex", where, true));
     byte_level = true;
   } else if (type == "Split") {
-    FW_ASSIGN_OR_RETURN(bool invert, BoolField(j, "invert", where, false));
-    if (invert)
-      return Status::InvalidArgument("tokenizer.json: " + where + ": Split with invert is not supported");
-    FW_ASSIGN_OR_RETURN(std::string behavior, StringField(j, "behavior", where, "Isolated"));
-    if (behavior == "Isolated") {
-      step.behavior = SplitBehavior::kIsolated;
-    } else if (behavior == "Removed") {
-      step.behavior = SplitBehavior::kRemoved;
-    } else if (behavior == "MergedWithPrevious") {
-      step.behavior = SplitBehavior::kMergedWithPrevious;
-    } else if (behavior == "MergedWithNext") {
-      step.behavior = SplitBehavior::kMergedWithNext;
-    } else {
-      return Status::InvalidArgument("tokenizer.json: " + where + ": Split behavior '" + behavior +
-                                     "' is not supported");
-    }
-    auto p = j.find("pattern");
-    if (p != j.end() && p->is_object() && p->contains("Regex") && (*p)["Regex"].is_string()) {
-      const std::string regex = (*p)["Regex"].get<std::string>();
-      step.kind = PreTokenizerStep::kRegexSplit;
-      if (regex == kQwen2Regex) {
-        step.pattern = SplitPattern::kQwen2;
-      } else if (regex == kLlama3Regex) {
-        step.pattern = SplitPattern::kLlama3;
-      } else if (regex == kGpt2Regex) {
-        step.pattern = SplitPattern::kGpt2;
-      } else {
-        return Status::InvalidArgument(
-            "tokenizer.json: " + where + ": the split regex " + json(regex).dump() +
-            " is not one flywheel knows (it runs Qwen2/Qwen3's, Llama-3's and GPT-2's patterns)");
-      }
-      if (step.behavior != SplitBehavior::kIsolated)
-        return Status::InvalidArgument("tokenizer.json: " + where +
-                                       ": a regex Split must have behavior Isolated");
-    } else if (p != j.end() && p->is_object() && p->contains("String") &&
-               (*p)["String"].is_string() && !(*p)["String"].get<std::string>().empty()) {
-      step.kind = PreTokenizerStep::kStringSplit;
-      step.text = (*p)["String"].get<std::string>();
-    } else {
-      return Status::InvalidArgument("tokenizer.json: " + where +
-                                     ": Split needs a pattern {\"Regex\": ...} or {\"String\": ...}");
-    }
+    FW_RETURN_IF_ERROR(LoadSplitStep(j, where, step));
   } else if (type == "Metaspace") {
-    step.kind = PreTokenizerStep::kMetaspace;
-    FW_ASSIGN_OR_RETURN(step.text, StringField(j, "replacement", where, "\xE2\x96\x81"));
-    FW_ASSIGN_OR_RETURN(step.split, BoolField(j, "split", where, true));
-    FW_ASSIGN_OR_RETURN(std::string scheme, StringField(j, "prepend_scheme", where));
-    if (scheme.empty()) {
-      FW_ASSIGN_OR_RETURN(bool add, BoolField(j, "add_prefix_space", where, true));
-      step.prepend = add ? PreTokenizerStep::kAlways : PreTokenizerStep::kNever;
-    } else if (scheme == "always") {
-      step.prepend = PreTokenizerStep::kAlways;
-    } else if (scheme == "first") {
-      step.prepend = PreTokenizerStep::kFirst;
-    } else if (scheme == "never") {
-      step.prepend = PreTokenizerStep::kNever;
-    } else {
-      return Status::InvalidArgument("tokenizer.json: " + where + ": Metaspace prepend_scheme '" +
-                                     scheme + "' is not always, first or never");
-    }
+    FW_RETURN_IF_ERROR(LoadMetaspaceStep(j, where, step));
   } else if (type == "Digits") {
     step.kind = PreTokenizerStep::kDigits;
     FW_ASSIGN_OR_RETURN(step.individual_digits, BoolField(j, "individual_digits", where, false));
@@ -894,121 +1034,31 @@ void HfTokenizer::Impl::PreTokenize(std::string text, bool at_origin, std::vecto
   pieces.push_back({std::move(text), at_origin});
   std::vector<Piece> next;
   CodePoints cps;
-  auto split_regex = [&](const Piece& p, SplitPattern pattern) {
-    cps.Assign(p.text);
-    for (size_t i = 0; i < cps.size();) {
-      const size_t end = MatchAt(cps, i, pattern);
-      next.push_back({p.text.substr(cps.offset[i], cps.offset[end] - cps.offset[i]),
-                      p.at_origin && i == 0});
-      i = end;
-    }
-  };
   for (const PreTokenizerStep& step : pre_tokenizer) {
     next.clear();
     for (Piece& p : pieces) {
       if (p.text.empty()) continue;
       switch (step.kind) {
         case PreTokenizerStep::kRegexSplit:
-          split_regex(p, step.pattern);
+          SplitByPattern(p, step.pattern, cps, next);
           break;
         case PreTokenizerStep::kByteLevel:
           if (step.add_prefix_space && p.text[0] != ' ') p.text.insert(0, " ");
           if (step.use_regex) {
-            split_regex(p, SplitPattern::kGpt2);
+            SplitByPattern(p, SplitPattern::kGpt2, cps, next);
           } else {
             next.push_back(std::move(p));
           }
           break;
-        case PreTokenizerStep::kStringSplit: {
-          std::vector<std::pair<size_t, size_t>> parts;  // [begin, end) of text and matches
-          size_t from = 0;
-          for (size_t at; (at = p.text.find(step.text, from)) != std::string::npos;
-               from = at + step.text.size()) {
-            parts.push_back({from, at});
-            parts.push_back({at, at + step.text.size()});
-          }
-          parts.push_back({from, p.text.size()});
-          std::string carry;
-          for (size_t k = 0; k < parts.size(); ++k) {
-            const bool match = k % 2 == 1;
-            std::string s = p.text.substr(parts[k].first, parts[k].second - parts[k].first);
-            switch (step.behavior) {
-              case SplitBehavior::kIsolated:
-                if (!s.empty()) next.push_back({std::move(s), p.at_origin && parts[k].first == 0});
-                break;
-              case SplitBehavior::kRemoved:
-                if (!match && !s.empty()) next.push_back({std::move(s), p.at_origin && parts[k].first == 0});
-                break;
-              case SplitBehavior::kMergedWithPrevious:
-                carry += s;
-                if (match || k + 1 == parts.size()) {
-                  if (!carry.empty()) next.push_back({std::move(carry), false});
-                  carry.clear();
-                }
-                break;
-              case SplitBehavior::kMergedWithNext:
-                if (match && !carry.empty()) {
-                  next.push_back({std::move(carry), false});
-                  carry.clear();
-                }
-                carry += s;
-                if (k + 1 == parts.size() && !carry.empty()) next.push_back({std::move(carry), false});
-                break;
-            }
-          }
+        case PreTokenizerStep::kStringSplit:
+          SplitByString(p, step, next);
           break;
-        }
-        case PreTokenizerStep::kMetaspace: {
-          std::string s;
-          s.reserve(p.text.size() + 3);
-          for (char c : p.text) {
-            if (c == ' ')
-              s += step.text;
-            else
-              s.push_back(c);
-          }
-          const bool prepend = step.prepend == PreTokenizerStep::kAlways ||
-                               (step.prepend == PreTokenizerStep::kFirst && p.at_origin);
-          if (prepend && s.compare(0, step.text.size(), step.text) != 0) s.insert(0, step.text);
-          if (!step.split) {
-            next.push_back({std::move(s), p.at_origin});
-            break;
-          }
-          // Each piece starts at a replacement character (MergedWithNext).
-          size_t begin = 0;
-          for (size_t at = s.find(step.text, 1); at != std::string::npos;
-               at = s.find(step.text, at + step.text.size())) {
-            if (at > begin) next.push_back({s.substr(begin, at - begin), p.at_origin && begin == 0});
-            begin = at;
-          }
-          next.push_back({s.substr(begin), p.at_origin && begin == 0});
+        case PreTokenizerStep::kMetaspace:
+          ApplyMetaspace(p, step, next);
           break;
-        }
-        case PreTokenizerStep::kDigits: {
-          // Numeric code points (Rust's char::is_numeric: Nd, Nl, No), as the library splits.
-          size_t begin = 0, i = 0;
-          auto digit_length = [&](size_t k) -> size_t {
-            size_t len;
-            bool valid;
-            const char32_t c = unicode::DecodeAt(p.text, k, len, valid);
-            return valid && (unicode::ClassOf(c) & unicode::kNumber) ? len : 0;
-          };
-          while (i < p.text.size()) {
-            size_t len = digit_length(i);
-            if (len == 0) {
-              ++i;
-              continue;
-            }
-            if (i > begin) next.push_back({p.text.substr(begin, i - begin), p.at_origin && begin == 0});
-            size_t j = i + len;
-            if (!step.individual_digits)
-              while (j < p.text.size() && (len = digit_length(j)) > 0) j += len;
-            next.push_back({p.text.substr(i, j - i), p.at_origin && i == 0});
-            begin = i = j;
-          }
-          if (begin < p.text.size()) next.push_back({p.text.substr(begin), p.at_origin && begin == 0});
+        case PreTokenizerStep::kDigits:
+          SplitDigits(p, step, next);
           break;
-        }
       }
     }
     pieces.swap(next);
@@ -1272,112 +1322,132 @@ Result<std::unique_ptr<HfTokenizer>> HfTokenizer::FromJson(std::string_view toke
   FW_RETURN_IF_ERROR(impl->LoadDecoder(root.value("decoder", json()), "decoder"));
   FW_RETURN_IF_ERROR(impl->LoadAdded(root.value("added_tokens", json())));
   FW_RETURN_IF_ERROR(impl->LoadPostProcessor(root.value("post_processor", json()), "post_processor"));
-  Impl& t = *impl;
-  if (t.byte_level) {
+  FW_RETURN_IF_ERROR(impl->BuildByteTables());
+  FW_RETURN_IF_ERROR(impl->LoadConfig(config_json));
+  FW_RETURN_IF_ERROR(impl->LoadGenerationConfig(generation_json));
+  impl->Describe();
+  return std::unique_ptr<HfTokenizer>(new HfTokenizer(std::move(impl)));
+}
+
+// The byte <-> character tables of byte-level models (and of a ByteLevel decoder), the check
+// that ids have no gaps, and each token's bytes for the byte-level decoder.
+Status HfTokenizer::Impl::BuildByteTables() {
+  if (byte_level) {
     for (int b = 0; b < 256; ++b) {
-      t.char_to_byte[t.byte_to_char[b]] = static_cast<uint8_t>(b);
+      char_to_byte[byte_to_char[b]] = static_cast<uint8_t>(b);
       std::string name;
-      unicode::AppendUtf8(t.byte_to_char[b], name);
-      auto it = t.vocab.find(name);
-      t.byte_ids[b] = it == t.vocab.end() ? -1 : it->second;
-      if (t.byte_ids[b] < 0 && t.unk < 0)
+      unicode::AppendUtf8(byte_to_char[b], name);
+      auto it = vocab.find(name);
+      byte_ids[b] = it == vocab.end() ? -1 : it->second;
+      if (byte_ids[b] < 0 && unk < 0)
         return Status::InvalidArgument("tokenizer.json: a byte-level vocabulary without byte 0x" +
                                        std::string(1, "0123456789ABCDEF"[b >> 4]) +
                                        std::string(1, "0123456789ABCDEF"[b & 15]) +
                                        " and without an unk_token");
     }
   } else {
-    for (const DecoderStep& step : t.decoder) {
+    for (const DecoderStep& step : decoder) {
       if (step.kind == DecoderStep::kByteLevel) {
-        for (int b = 0; b < 256; ++b) t.char_to_byte[t.byte_to_char[b]] = static_cast<uint8_t>(b);
+        for (int b = 0; b < 256; ++b) char_to_byte[byte_to_char[b]] = static_cast<uint8_t>(b);
       }
     }
   }
-  t.vocab_size = static_cast<int64_t>(t.id_to_token.size());
-  for (size_t id = 0; id < t.id_to_token.size(); ++id) {
-    if (t.id_to_token[id].empty())
+  vocab_size = static_cast<int64_t>(id_to_token.size());
+  for (size_t id = 0; id < id_to_token.size(); ++id) {
+    if (id_to_token[id].empty())
       return Status::InvalidArgument("tokenizer.json: no token has id " + std::to_string(id) +
                                      " (ids must run from 0 without gaps)");
   }
-  if (t.byte_level && t.decoder.size() == 1 && t.decoder[0].kind == DecoderStep::kByteLevel) {
-    t.decoded_bytes.resize(t.id_to_token.size());
-    for (size_t id = 0; id < t.id_to_token.size(); ++id)
-      t.decoded_bytes[id] = ByteLevelBytes(t.id_to_token[id], t.char_to_byte).value_or(t.id_to_token[id]);
+  if (byte_level && decoder.size() == 1 && decoder[0].kind == DecoderStep::kByteLevel) {
+    decoded_bytes.resize(id_to_token.size());
+    for (size_t id = 0; id < id_to_token.size(); ++id)
+      decoded_bytes[id] = ByteLevelBytes(id_to_token[id], char_to_byte).value_or(id_to_token[id]);
   }
+  return Status::Ok();
+}
 
-  // tokenizer_config.json and generation_config.json.
+// tokenizer_config.json: bos / eos (guessed from the vocabulary when absent), the chat
+// template, model_max_length; eos is the first stop token.
+Status HfTokenizer::Impl::LoadConfig(std::string_view config_json) {
   json config = json::object();
   if (!config_json.empty()) {
     FW_ASSIGN_OR_RETURN(config, ParseJson(config_json, "tokenizer_config.json"));
     if (!config.is_object()) return Status::InvalidArgument("tokenizer_config.json is not an object");
   }
-  t.bos_token = TokenContent(config, "bos_token");
-  t.eos_token = TokenContent(config, "eos_token");
+  bos_token = TokenContent(config, "bos_token");
+  eos_token = TokenContent(config, "eos_token");
   auto guess = [&](std::string& name, std::initializer_list<const char*> names) {
     if (!name.empty()) return;
     for (const char* n : names) {
-      if (t.added_by_content.count(n) || t.vocab.count(n)) {
+      if (added_by_content.count(n) || vocab.count(n)) {
         name = n;
         return;
       }
     }
   };
-  guess(t.bos_token, {"<s>", "<|begin_of_text|>"});
-  guess(t.eos_token, {"</s>", "<|endoftext|>", "<|end_of_text|>"});
-  if (!t.bos_token.empty()) {
-    FW_ASSIGN_OR_RETURN(t.bos, t.SpecialId(t.bos_token, "tokenizer_config.json bos_token"));
+  guess(bos_token, {"<s>", "<|begin_of_text|>"});
+  guess(eos_token, {"</s>", "<|endoftext|>", "<|end_of_text|>"});
+  if (!bos_token.empty()) {
+    FW_ASSIGN_OR_RETURN(bos, SpecialId(bos_token, "tokenizer_config.json bos_token"));
   }
-  if (!t.eos_token.empty()) {
-    FW_ASSIGN_OR_RETURN(t.eos, t.SpecialId(t.eos_token, "tokenizer_config.json eos_token"));
+  if (!eos_token.empty()) {
+    FW_ASSIGN_OR_RETURN(eos, SpecialId(eos_token, "tokenizer_config.json eos_token"));
   }
   if (auto it = config.find("chat_template"); it != config.end()) {
     if (it->is_string()) {
-      t.chat_template = it->get<std::string>();
+      chat_template = it->get<std::string>();
     } else if (it->is_array()) {
       for (const json& named : *it) {
         if (named.value("name", "") == "default" && named.contains("template") &&
             named["template"].is_string())
-          t.chat_template = named["template"].get<std::string>();
+          chat_template = named["template"].get<std::string>();
       }
     }
   }
   if (auto it = config.find("model_max_length"); it != config.end() && it->is_number()) {
     const double v = it->get<double>();
-    if (v > 0 && v < 1e12) t.model_max_length = static_cast<int64_t>(v);
+    if (v > 0 && v < 1e12) model_max_length = static_cast<int64_t>(v);
   }
-  if (t.eos >= 0) t.stop_tokens.push_back(t.eos);
-  if (!generation_json.empty()) {
-    FW_ASSIGN_OR_RETURN(json generation, ParseJson(generation_json, "generation_config.json"));
-    const json e = generation.is_object() ? generation.value("eos_token_id", json()) : json();
-    for (const json& id : e.is_array() ? e : json::array({e})) {
-      if (!id.is_number_integer()) continue;
-      const int32_t v = id.get<int32_t>();
-      if (v < 0 || v >= t.vocab_size)
-        return Status::InvalidArgument("generation_config.json: eos_token_id " +
-                                       std::to_string(v) + " is outside the vocabulary");
-      if (std::find(t.stop_tokens.begin(), t.stop_tokens.end(), v) == t.stop_tokens.end())
-        t.stop_tokens.push_back(v);
-    }
-  }
+  if (eos >= 0) stop_tokens.push_back(eos);
+  return Status::Ok();
+}
 
+// generation_config.json: its eos_token_id (one or a list) are stop tokens too.
+Status HfTokenizer::Impl::LoadGenerationConfig(std::string_view generation_json) {
+  if (generation_json.empty()) return Status::Ok();
+  FW_ASSIGN_OR_RETURN(json generation, ParseJson(generation_json, "generation_config.json"));
+  const json e = generation.is_object() ? generation.value("eos_token_id", json()) : json();
+  for (const json& id : e.is_array() ? e : json::array({e})) {
+    if (!id.is_number_integer()) continue;
+    const int32_t v = id.get<int32_t>();
+    if (v < 0 || v >= vocab_size)
+      return Status::InvalidArgument("generation_config.json: eos_token_id " + std::to_string(v) +
+                                     " is outside the vocabulary");
+    if (std::find(stop_tokens.begin(), stop_tokens.end(), v) == stop_tokens.end())
+      stop_tokens.push_back(v);
+  }
+  return Status::Ok();
+}
+
+// One line for logs: model, size, byte handling, split pattern, normalizers.
+void HfTokenizer::Impl::Describe() {
   std::string split = "none";
-  for (const PreTokenizerStep& step : t.pre_tokenizer) {
+  for (const PreTokenizerStep& step : pre_tokenizer) {
     if (step.kind == PreTokenizerStep::kRegexSplit) split = PatternName(step.pattern);
     if (step.kind == PreTokenizerStep::kByteLevel && step.use_regex) split = "gpt2";
     if (step.kind == PreTokenizerStep::kMetaspace) split = "metaspace";
   }
   std::string norm;
-  for (const NormalizerStep& step : t.normalizer) {
+  for (const NormalizerStep& step : normalizer) {
     if (!norm.empty()) norm += "+";
     norm += step.kind == NormalizerStep::kForm      ? "normal form"
             : step.kind == NormalizerStep::kPrepend ? "prepend"
                                                     : "replace";
   }
-  t.description = "BPE, " + std::to_string(t.vocab_size) + " tokens (" +
-                  std::to_string(t.added.size()) + " added), " +
-                  (t.byte_level ? "byte-level" : t.byte_fallback ? "byte fallback" : "characters") +
-                  ", split: " + split + (norm.empty() ? "" : ", normalizer: " + norm);
-  return std::unique_ptr<HfTokenizer>(new HfTokenizer(std::move(impl)));
+  description = "BPE, " + std::to_string(vocab_size) + " tokens (" +
+                std::to_string(added.size()) + " added), " +
+                (byte_level ? "byte-level" : byte_fallback ? "byte fallback" : "characters") +
+                ", split: " + split + (norm.empty() ? "" : ", normalizer: " + norm);
 }
 
 Result<std::vector<int32_t>> HfTokenizer::Encode(std::string_view text) const {
