@@ -48,7 +48,16 @@ struct StreamReader::State {
     error = status;
     return status;
   }
+  Status Truncated(const std::string& where) {
+    return Fail(Status::Corruption("delta prologue truncated or malformed in " + where));
+  }
+  // The prologue (format.h) once `in` holds it whole; nothing until then.
   Status ParsePrologue(std::span<const uint8_t> in);
+  // The fixed header at p[0..40): its flags and the prologue's size.
+  Status ParseHeader(const uint8_t* p, uint64_t* flags, uint64_t* prologue_bytes);
+  Status ParseMetadata(wire::Reader& r);
+  Status ParseTensors(wire::Reader& r);
+  Status ParseTensorEntry(wire::Reader& r, uint64_t i, TensorEntry* t);
   // Parses the record at `pos` if `in` holds it whole; false in *done when it does not.
   Status ParseRecord(std::span<const uint8_t> in, bool* done);
   Status ParseChunkRecord(std::span<const uint8_t> in, bool* done);
@@ -79,8 +88,42 @@ const std::vector<uint32_t>& StreamReader::finished_tensors() const {
 }
 
 Status StreamReader::State::ParsePrologue(std::span<const uint8_t> in) {
-  const uint8_t* p = in.data();
   if (in.size() < format::kStreamedHeaderBytes) return Status::Ok();
+  uint64_t flags = 0;
+  uint64_t prologue_bytes = 0;
+  FW_RETURN_IF_ERROR(ParseHeader(in.data(), &flags, &prologue_bytes));
+  if (in.size() - format::kStreamedHeaderBytes < prologue_bytes) return Status::Ok();
+  const std::span<const uint8_t> prologue = in.subspan(format::kStreamedHeaderBytes, prologue_bytes);
+  if (ChecksumMismatch(wire::LoadFixed(in.data() + 24, 8), prologue)) {
+    return Fail(Status::Corruption("streamed delta prologue checksum mismatch"));
+  }
+  m.keyframe = flags & format::kFlagKeyframe;
+  wire::Reader r(prologue);
+  m.base_version = r.Varint();
+  m.target_version = r.Varint();
+  m.base_hash = GetHash(r);
+  if (r.failed()) return Truncated("the version fields");
+  if (m.keyframe && m.base_hash != Hash128{}) return Fail(Status::Corruption("keyframe names a base hash"));
+  FW_RETURN_IF_ERROR(ParseMetadata(r));
+  FW_RETURN_IF_ERROR(ParseTensors(r));
+  max_chunks = r.Varint();
+  if (r.failed()) return Truncated("the chunk bound");
+  if (max_chunks > limits.max_chunks) {
+    return Fail(Status::ResourceExhausted("delta declares up to " + std::to_string(max_chunks) +
+                                          " chunks, limit " + std::to_string(limits.max_chunks)));
+  }
+  if (r.remaining() != 0) {
+    return Fail(Status::Corruption("delta prologue has " + std::to_string(r.remaining()) +
+                                   " trailing bytes"));
+  }
+  has_prologue = true;
+  finished.assign(m.tensors.size(), 0);
+  pos = format::kStreamedHeaderBytes + prologue_bytes;
+  return Status::Ok();
+}
+
+Status StreamReader::State::ParseHeader(const uint8_t* p, uint64_t* flags,
+                                        uint64_t* prologue_bytes) {
   if (std::memcmp(p, format::kMagic, 8) != 0) {
     return Fail(Status::Corruption("not a flywheel delta (bad magic at byte 0)"));
   }
@@ -90,34 +133,23 @@ Status StreamReader::State::ParsePrologue(std::span<const uint8_t> in) {
   if (ChecksumMismatch(wire::LoadFixed(p + 32, 8), {p, 32})) {
     return Fail(Status::Corruption("streamed delta header checksum mismatch (bytes 0..39)"));
   }
-  const uint64_t flags = wire::LoadFixed(p + 10, 2);
-  if ((flags & ~uint64_t{format::kFlagKeyframe}) != 0) {
-    return Fail(Status::Corruption("delta header has unknown flags " + std::to_string(flags)));
+  *flags = wire::LoadFixed(p + 10, 2);
+  if ((*flags & ~uint64_t{format::kFlagKeyframe}) != 0) {
+    return Fail(Status::Corruption("delta header has unknown flags " + std::to_string(*flags)));
   }
   if (wire::LoadFixed(p + 12, 4) != 0) {
     return Fail(Status::Corruption("delta header's reserved field is not zero"));
   }
-  const uint64_t prologue_bytes = wire::LoadFixed(p + 16, 8);
-  if (prologue_bytes > limits.max_manifest_bytes) {
-    return Fail(Status::ResourceExhausted("delta prologue of " + std::to_string(prologue_bytes) +
+  *prologue_bytes = wire::LoadFixed(p + 16, 8);
+  if (*prologue_bytes > limits.max_manifest_bytes) {
+    return Fail(Status::ResourceExhausted("delta prologue of " + std::to_string(*prologue_bytes) +
                                           " bytes exceeds the limit of " +
                                           std::to_string(limits.max_manifest_bytes)));
   }
-  if (in.size() - format::kStreamedHeaderBytes < prologue_bytes) return Status::Ok();
-  const std::span<const uint8_t> prologue = in.subspan(format::kStreamedHeaderBytes, prologue_bytes);
-  if (ChecksumMismatch(wire::LoadFixed(p + 24, 8), prologue)) {
-    return Fail(Status::Corruption("streamed delta prologue checksum mismatch"));
-  }
-  m.keyframe = flags & format::kFlagKeyframe;
-  wire::Reader r(prologue);
-  auto truncated = [&](const std::string& where) {
-    return Fail(Status::Corruption("delta prologue truncated or malformed in " + where));
-  };
-  m.base_version = r.Varint();
-  m.target_version = r.Varint();
-  m.base_hash = GetHash(r);
-  if (r.failed()) return truncated("the version fields");
-  if (m.keyframe && m.base_hash != Hash128{}) return Fail(Status::Corruption("keyframe names a base hash"));
+  return Status::Ok();
+}
+
+Status StreamReader::State::ParseMetadata(wire::Reader& r) {
   const uint64_t metadata_count = r.Varint();
   uint64_t metadata_bytes = 0;
   for (uint64_t i = 0; i < metadata_count && !r.failed(); ++i) {
@@ -136,9 +168,13 @@ Status StreamReader::State::ParsePrologue(std::span<const uint8_t> in) {
       return Fail(Status::Corruption("delta metadata has a duplicate key"));
     }
   }
-  if (r.failed()) return truncated("the metadata");
+  if (r.failed()) return Truncated("the metadata");
+  return Status::Ok();
+}
+
+Status StreamReader::State::ParseTensors(wire::Reader& r) {
   const uint64_t tensor_count = r.Varint();
-  if (r.failed()) return truncated("the tensor count");
+  if (r.failed()) return Truncated("the tensor count");
   if (tensor_count > limits.max_tensors) {
     return Fail(Status::ResourceExhausted("delta declares " + std::to_string(tensor_count) +
                                           " tensors, limit " + std::to_string(limits.max_tensors)));
@@ -147,38 +183,7 @@ Status StreamReader::State::ParsePrologue(std::span<const uint8_t> in) {
   uint64_t total_bytes = 0;
   for (uint64_t i = 0; i < tensor_count; ++i) {
     TensorEntry t;
-    const uint64_t name_len = r.Varint();
-    if (name_len == 0 || name_len > limits.max_name_bytes) {
-      return Fail(Status::Corruption("delta tensor " + std::to_string(i) + " has a name of " +
-                                     std::to_string(name_len) + " bytes"));
-    }
-    auto name = r.Bytes(name_len);
-    const uint8_t dtype = r.U8();
-    const uint64_t rank = r.Varint();
-    if (r.failed()) return truncated("tensor " + std::to_string(i));
-    t.name.assign(name.begin(), name.end());
-    if (dtype >= kNumDTypes) {
-      return Fail(Status::Corruption("delta tensor " + Quote(t.name) + " has unknown dtype " +
-                                     std::to_string(dtype)));
-    }
-    t.dtype = static_cast<DType>(dtype);
-    if (rank > format::kMaxRank) {
-      return Fail(Status::Corruption("delta tensor " + Quote(t.name) + " has rank " + std::to_string(rank)));
-    }
-    for (uint64_t d = 0; d < rank; ++d) {
-      const uint64_t dim = r.Varint();
-      if (dim > (uint64_t{1} << 62)) {
-        return Fail(Status::Corruption("delta tensor " + Quote(t.name) + " has a huge dimension"));
-      }
-      t.shape.push_back(static_cast<int64_t>(dim));
-    }
-    t.base_hash = GetHash(r);
-    if (r.failed()) return truncated("tensor " + Quote(t.name));
-    auto bytes = TensorByteSize(t.dtype, t.shape);
-    if (!bytes.ok()) {
-      return Fail(Status::Corruption("delta tensor " + Quote(t.name) + ": " + bytes.status().message()));
-    }
-    t.byte_size = *bytes;
+    FW_RETURN_IF_ERROR(ParseTensorEntry(r, i, &t));
     if (t.byte_size > limits.max_total_bytes - total_bytes) {
       return Fail(Status::ResourceExhausted("delta tensors declare more than " +
                                             std::to_string(limits.max_total_bytes) +
@@ -194,19 +199,42 @@ Status StreamReader::State::ParsePrologue(std::span<const uint8_t> in) {
     words.push_back(t.byte_size / DTypeWordBytes(t.dtype));
     m.tensors.push_back(std::move(t));
   }
-  max_chunks = r.Varint();
-  if (r.failed()) return truncated("the chunk bound");
-  if (max_chunks > limits.max_chunks) {
-    return Fail(Status::ResourceExhausted("delta declares up to " + std::to_string(max_chunks) +
-                                          " chunks, limit " + std::to_string(limits.max_chunks)));
+  return Status::Ok();
+}
+
+Status StreamReader::State::ParseTensorEntry(wire::Reader& r, uint64_t i, TensorEntry* t) {
+  const uint64_t name_len = r.Varint();
+  if (name_len == 0 || name_len > limits.max_name_bytes) {
+    return Fail(Status::Corruption("delta tensor " + std::to_string(i) + " has a name of " +
+                                   std::to_string(name_len) + " bytes"));
   }
-  if (r.remaining() != 0) {
-    return Fail(Status::Corruption("delta prologue has " + std::to_string(r.remaining()) +
-                                   " trailing bytes"));
+  auto name = r.Bytes(name_len);
+  const uint8_t dtype = r.U8();
+  const uint64_t rank = r.Varint();
+  if (r.failed()) return Truncated("tensor " + std::to_string(i));
+  t->name.assign(name.begin(), name.end());
+  if (dtype >= kNumDTypes) {
+    return Fail(Status::Corruption("delta tensor " + Quote(t->name) + " has unknown dtype " +
+                                   std::to_string(dtype)));
   }
-  has_prologue = true;
-  finished.assign(m.tensors.size(), 0);
-  pos = format::kStreamedHeaderBytes + prologue_bytes;
+  t->dtype = static_cast<DType>(dtype);
+  if (rank > format::kMaxRank) {
+    return Fail(Status::Corruption("delta tensor " + Quote(t->name) + " has rank " + std::to_string(rank)));
+  }
+  for (uint64_t d = 0; d < rank; ++d) {
+    const uint64_t dim = r.Varint();
+    if (dim > (uint64_t{1} << 62)) {
+      return Fail(Status::Corruption("delta tensor " + Quote(t->name) + " has a huge dimension"));
+    }
+    t->shape.push_back(static_cast<int64_t>(dim));
+  }
+  t->base_hash = GetHash(r);
+  if (r.failed()) return Truncated("tensor " + Quote(t->name));
+  auto bytes = TensorByteSize(t->dtype, t->shape);
+  if (!bytes.ok()) {
+    return Fail(Status::Corruption("delta tensor " + Quote(t->name) + ": " + bytes.status().message()));
+  }
+  t->byte_size = *bytes;
   return Status::Ok();
 }
 
