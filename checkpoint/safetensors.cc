@@ -173,10 +173,8 @@ struct ParsedEntry {
   uint64_t end = 0;
 };
 
-// Validates one tensor entry of the header (everything but its place in the data section).
-Result<ParsedEntry> ParseTensorEntry(const std::string& name, const Json& entry,
-                                     const std::string& source) {
-  const std::string where = source + ": tensor '" + name + "'";
+// An entry holds exactly the fields dtype, shape and data_offsets.
+Status CheckEntryFields(const Json& entry, const std::string& where) {
   if (!entry.is_object()) {
     return Status::Corruption(where + ": entry is a JSON " + JsonTypeName(entry) +
                               ", not an object");
@@ -191,27 +189,29 @@ Result<ParsedEntry> ParseTensorEntry(const std::string& name, const Json& entry,
       return Status::Corruption(where + ": missing field '" + field + "'");
     }
   }
+  return Status::Ok();
+}
 
-  ParsedEntry parsed;
-  parsed.view.name = name;
-
-  const Json& dtype = entry["dtype"];
+Result<DType> ParseEntryDType(const Json& dtype, const std::string& where) {
   if (!dtype.is_string()) {
     return Status::Corruption(where + ": dtype is a JSON " + JsonTypeName(dtype) +
                               ", not a string");
   }
-  const std::optional<DType> parsed_dtype = ParseDType(dtype.get_ref<const std::string&>());
-  if (!parsed_dtype) {
+  const std::optional<DType> parsed = ParseDType(dtype.get_ref<const std::string&>());
+  if (!parsed) {
     return Status::Corruption(where + ": unknown dtype '" + dtype.get<std::string>() + "'");
   }
-  parsed.view.dtype = *parsed_dtype;
+  return *parsed;
+}
 
-  const Json& shape = entry["shape"];
+// A shape: an array of integers in [0, 2^63).
+Result<std::vector<int64_t>> ParseEntryShape(const Json& shape, const std::string& where) {
   if (!shape.is_array()) {
     return Status::Corruption(where + ": shape is a JSON " + JsonTypeName(shape) +
                               ", not an array");
   }
-  parsed.view.shape.reserve(shape.size());
+  std::vector<int64_t> dims;
+  dims.reserve(shape.size());
   for (const Json& dim : shape) {
     if (dim.is_number_integer() && !dim.is_number_unsigned() && dim.get<int64_t>() < 0) {
       return Status::Corruption(where + ": negative dimension " +
@@ -228,10 +228,13 @@ Result<ParsedEntry> ParseTensorEntry(const std::string& name, const Json& entry,
       return Status::Corruption(where + ": dimension " + std::to_string(*value) + " in shape " +
                                 JsonForMessage(shape) + " exceeds 2^63-1");
     }
-    parsed.view.shape.push_back(static_cast<int64_t>(*value));
+    dims.push_back(static_cast<int64_t>(*value));
   }
+  return dims;
+}
 
-  const Json& offsets = entry["data_offsets"];
+// data_offsets: [begin, end], begin <= end, into parsed->begin and parsed->end.
+Status ParseEntryOffsets(const Json& offsets, const std::string& where, ParsedEntry* parsed) {
   std::optional<uint64_t> begin;
   std::optional<uint64_t> end;
   if (offsets.is_array() && offsets.size() == 2) {
@@ -246,14 +249,28 @@ Result<ParsedEntry> ParseTensorEntry(const std::string& name, const Json& entry,
     return Status::Corruption(where + ": data_offsets " + OffsetsString(*begin, *end) +
                               " end before they begin");
   }
-  parsed.begin = *begin;
-  parsed.end = *end;
+  parsed->begin = *begin;
+  parsed->end = *end;
+  return Status::Ok();
+}
 
+// Validates one tensor entry of the header (everything but its place in the data section).
+Result<ParsedEntry> ParseTensorEntry(const std::string& name, const Json& entry,
+                                     const std::string& source) {
+  const std::string where = source + ": tensor '" + name + "'";
+  FW_RETURN_IF_ERROR(CheckEntryFields(entry, where));
+  ParsedEntry parsed;
+  parsed.view.name = name;
+  FW_ASSIGN_OR_RETURN(parsed.view.dtype, ParseEntryDType(entry["dtype"], where));
+  FW_ASSIGN_OR_RETURN(parsed.view.shape, ParseEntryShape(entry["shape"], where));
+  FW_RETURN_IF_ERROR(ParseEntryOffsets(entry["data_offsets"], where, &parsed));
+  const uint64_t begin = parsed.begin;
+  const uint64_t end = parsed.end;
   const Result<uint64_t> byte_size = TensorByteSize(parsed.view.dtype, parsed.view.shape);
   if (!byte_size.ok()) return Status::Corruption(where + ": " + byte_size.status().message());
-  if (*end - *begin != *byte_size) {
-    return Status::Corruption(where + ": data_offsets " + OffsetsString(*begin, *end) + " span " +
-                              std::to_string(*end - *begin) + " bytes but " +
+  if (end - begin != *byte_size) {
+    return Status::Corruption(where + ": data_offsets " + OffsetsString(begin, end) + " span " +
+                              std::to_string(end - begin) + " bytes but " +
                               DTypeName(parsed.view.dtype) + " " + ShapeString(parsed.view.shape) +
                               " needs " + std::to_string(*byte_size));
   }
@@ -403,8 +420,10 @@ MappedFile::~MappedFile() = default;
 // ---------------------------------------------------------------------------------------
 // Reading
 
-Result<SafetensorsImage> ParseSafetensors(std::span<const std::byte> bytes,
-                                          const std::string& source) {
+namespace {
+
+// The header's JSON text: bytes [8, 8 + N) where N is the little-endian u64 at byte 0.
+Result<std::string_view> HeaderText(std::span<const std::byte> bytes, const std::string& source) {
   if (bytes.size() < kLengthPrefixBytes) {
     return Status::Corruption(source + ": file is " + std::to_string(bytes.size()) +
                               " bytes, shorter than the 8-byte header length");
@@ -421,39 +440,14 @@ Result<SafetensorsImage> ParseSafetensors(std::span<const std::byte> bytes,
                               " extends beyond the file (" + std::to_string(bytes.size()) +
                               " bytes)");
   }
-  const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + kLengthPrefixBytes,
-                              header_bytes);
-  FW_ASSIGN_OR_RETURN(const Json header, ParseJsonStrict(text, source + ": header"));
-  if (!header.is_object()) {
-    return Status::Corruption(source + ": header is a JSON " + JsonTypeName(header) +
-                              ", not an object");
-  }
-  // The spec requires the first byte to be '{' (no leading whitespace).
-  if (text.front() != '{') {
-    return Status::Corruption(source + ": header does not start with '{'");
-  }
+  return std::string_view(reinterpret_cast<const char*>(bytes.data()) + kLengthPrefixBytes,
+                          header_bytes);
+}
 
-  SafetensorsImage image;
-  image.header_bytes = header_bytes;
-  const std::span<const std::byte> data = bytes.subspan(kLengthPrefixBytes + header_bytes);
-
-  std::vector<ParsedEntry> entries;
-  entries.reserve(header.size());
-  for (const auto& [name, value] : header.items()) {
-    if (name == kMetadataKey) {
-      FW_ASSIGN_OR_RETURN(image.metadata, ParseMetadata(value, source));
-      continue;
-    }
-    FW_ASSIGN_OR_RETURN(ParsedEntry entry, ParseTensorEntry(name, value, source));
-    entries.push_back(std::move(entry));
-  }
-
-  // Sorted by offsets the tensors must tile the data section exactly. Ties (empty tensors
-  // at one offset) stay in name order, the order nlohmann::json iterates an object in.
-  std::stable_sort(entries.begin(), entries.end(),
-                   [](const ParsedEntry& left, const ParsedEntry& right) {
-                     return std::tie(left.begin, left.end) < std::tie(right.begin, right.end);
-                   });
+// Sorted by offsets the tensors must tile the data section exactly: no gap, no overlap,
+// nothing after the last. REQUIRES: `entries` sorted by (begin, end).
+Status CheckTiling(const std::vector<ParsedEntry>& entries, uint64_t data_size,
+                   const std::string& source) {
   uint64_t expected_begin = 0;
   const ParsedEntry* previous = nullptr;
   for (const ParsedEntry& entry : entries) {
@@ -461,9 +455,9 @@ Result<SafetensorsImage> ParseSafetensors(std::span<const std::byte> bytes,
       return source + ": tensor '" + entry.view.name + "': data_offsets " +
              OffsetsString(entry.begin, entry.end);
     };
-    if (entry.end > data.size()) {
+    if (entry.end > data_size) {
       return Status::Corruption(where() + " extend beyond the end of the file (data section is " +
-                                std::to_string(data.size()) + " bytes)");
+                                std::to_string(data_size) + " bytes)");
     }
     if (entry.begin != expected_begin) {
       if (previous == nullptr) {
@@ -481,16 +475,56 @@ Result<SafetensorsImage> ParseSafetensors(std::span<const std::byte> bytes,
     expected_begin = entry.end;
     previous = &entry;
   }
-  if (expected_begin != data.size()) {
+  if (expected_begin != data_size) {
     if (previous == nullptr) {
-      return Status::Corruption(source + ": data section has " + std::to_string(data.size()) +
+      return Status::Corruption(source + ": data section has " + std::to_string(data_size) +
                                 " bytes but the header lists no tensors");
     }
-    return Status::Corruption(source + ": " + std::to_string(data.size() - expected_begin) +
+    return Status::Corruption(source + ": " + std::to_string(data_size - expected_begin) +
                               " trailing bytes after the last tensor '" + previous->view.name +
                               "' (ends at " + std::to_string(expected_begin) + " of " +
-                              std::to_string(data.size()) + ")");
+                              std::to_string(data_size) + ")");
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<SafetensorsImage> ParseSafetensors(std::span<const std::byte> bytes,
+                                          const std::string& source) {
+  FW_ASSIGN_OR_RETURN(const std::string_view text, HeaderText(bytes, source));
+  FW_ASSIGN_OR_RETURN(const Json header, ParseJsonStrict(text, source + ": header"));
+  if (!header.is_object()) {
+    return Status::Corruption(source + ": header is a JSON " + JsonTypeName(header) +
+                              ", not an object");
+  }
+  // The spec requires the first byte to be '{' (no leading whitespace).
+  if (text.front() != '{') {
+    return Status::Corruption(source + ": header does not start with '{'");
+  }
+
+  SafetensorsImage image;
+  image.header_bytes = text.size();
+  const std::span<const std::byte> data = bytes.subspan(kLengthPrefixBytes + text.size());
+
+  std::vector<ParsedEntry> entries;
+  entries.reserve(header.size());
+  for (const auto& [name, value] : header.items()) {
+    if (name == kMetadataKey) {
+      FW_ASSIGN_OR_RETURN(image.metadata, ParseMetadata(value, source));
+      continue;
+    }
+    FW_ASSIGN_OR_RETURN(ParsedEntry entry, ParseTensorEntry(name, value, source));
+    entries.push_back(std::move(entry));
+  }
+
+  // Ties (empty tensors at one offset) stay in name order, the order nlohmann::json iterates
+  // an object in.
+  std::stable_sort(entries.begin(), entries.end(),
+                   [](const ParsedEntry& left, const ParsedEntry& right) {
+                     return std::tie(left.begin, left.end) < std::tie(right.begin, right.end);
+                   });
+  FW_RETURN_IF_ERROR(CheckTiling(entries, data.size(), source));
 
   image.tensors.reserve(entries.size());
   for (ParsedEntry& entry : entries) {
@@ -517,32 +551,36 @@ const std::map<std::string, std::string>& Checkpoint::metadata() const {
   return files_.empty() ? kEmpty : files_.front()->metadata();
 }
 
-Result<Checkpoint> Checkpoint::Open(const std::string& path) {
-  std::string index_path;
-  std::string single_path;
+namespace {
+
+// What a checkpoint path names: an index of shards, or one safetensors file.
+struct CheckpointPaths {
+  std::string index;
+  std::string single;
+};
+
+Result<CheckpointPaths> ResolveCheckpointPaths(const std::string& path) {
+  CheckpointPaths paths;
   if (IsDirectory(path)) {
     if (Exists(JoinPath(path, kIndexFileName))) {
-      index_path = JoinPath(path, kIndexFileName);
+      paths.index = JoinPath(path, kIndexFileName);
     } else if (Exists(JoinPath(path, kSingleFileName))) {
-      single_path = JoinPath(path, kSingleFileName);
+      paths.single = JoinPath(path, kSingleFileName);
     } else {
       return Status::NotFound(path + ": directory holds neither " + std::string(kIndexFileName) +
                               " nor " + kSingleFileName);
     }
   } else if (std::string_view(path).ends_with(".json")) {
-    index_path = path;
+    paths.index = path;
   } else {
-    single_path = path;
+    paths.single = path;
   }
+  return paths;
+}
 
-  Checkpoint checkpoint;
-  if (!single_path.empty()) {
-    FW_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(single_path));
-    checkpoint.files_.push_back(std::make_unique<SafetensorsFile>(std::move(file)));
-    checkpoint.tensors_ = checkpoint.files_.front()->tensors();
-    return checkpoint;
-  }
-
+// The index's weight_map (tensor -> shard) into *weight_map; returns each shard's tensors.
+Result<std::map<std::string, std::set<std::string>>> ReadWeightMap(
+    const std::string& index_path, std::map<std::string, std::string>* weight_map) {
   FW_ASSIGN_OR_RETURN(MappedFile index_file, MappedFile::Open(index_path));
   const std::string_view index_text(reinterpret_cast<const char*>(index_file.bytes().data()),
                                     index_file.bytes().size());
@@ -554,7 +592,6 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
   if (!index.contains("weight_map") || !index["weight_map"].is_object()) {
     return Status::Corruption(index_path + ": missing 'weight_map' object");
   }
-  // Shard name -> tensors the index assigns to it.
   std::map<std::string, std::set<std::string>> shards;
   for (const auto& [tensor, shard] : index["weight_map"].items()) {
     if (!shard.is_string()) {
@@ -564,36 +601,61 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
     const std::string& shard_name = shard.get_ref<const std::string&>();
     FW_RETURN_IF_ERROR(CheckShardName(shard_name, index_path + ": tensor '" + tensor + "'"));
     shards[shard_name].insert(tensor);
-    checkpoint.weight_map_.emplace(tensor, shard_name);
+    weight_map->emplace(tensor, shard_name);
   }
+  return shards;
+}
 
+// A shard holds exactly the tensors the weight_map assigns to it (`expected`).
+Status CheckShard(const SafetensorsFile& file, const std::string& shard_name,
+                  const std::set<std::string>& expected,
+                  const std::map<std::string, std::string>& weight_map,
+                  const std::string& index_path) {
+  for (const TensorView& tensor : file.tensors()) {
+    const auto mapped = weight_map.find(tensor.name);
+    if (mapped == weight_map.end()) {
+      return Status::Corruption(index_path + ": tensor '" + tensor.name + "' of shard '" +
+                                shard_name + "' is not in the weight_map");
+    }
+    if (mapped->second != shard_name) {
+      return Status::Corruption(index_path + ": tensor '" + tensor.name + "' appears in shard '" +
+                                shard_name + "' but the weight_map assigns it to '" +
+                                mapped->second + "'");
+    }
+  }
+  if (file.tensors().size() != expected.size()) {
+    std::set<std::string_view> present;
+    for (const TensorView& tensor : file.tensors()) present.insert(tensor.name);
+    for (const std::string& tensor : expected) {
+      if (!present.contains(tensor)) {
+        return Status::Corruption(index_path + ": tensor '" + tensor + "' is mapped to shard '" +
+                                  shard_name + "' but that shard does not hold it");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<Checkpoint> Checkpoint::Open(const std::string& path) {
+  FW_ASSIGN_OR_RETURN(const CheckpointPaths paths, ResolveCheckpointPaths(path));
+  Checkpoint checkpoint;
+  if (!paths.single.empty()) {
+    FW_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(paths.single));
+    checkpoint.files_.push_back(std::make_unique<SafetensorsFile>(std::move(file)));
+    checkpoint.tensors_ = checkpoint.files_.front()->tensors();
+    return checkpoint;
+  }
+  const std::string& index_path = paths.index;
+  FW_ASSIGN_OR_RETURN(const auto shards, ReadWeightMap(index_path, &checkpoint.weight_map_));
   const std::string dir = std::filesystem::path(index_path).parent_path().string();
   for (const auto& [shard_name, expected] : shards) {
     const std::string shard_path = JoinPath(dir, shard_name);
     Result<SafetensorsFile> file = SafetensorsFile::Open(shard_path);
     if (!file.ok()) return file.status().WithContext(index_path);
-    for (const TensorView& tensor : file->tensors()) {
-      const auto mapped = checkpoint.weight_map_.find(tensor.name);
-      if (mapped == checkpoint.weight_map_.end()) {
-        return Status::Corruption(index_path + ": tensor '" + tensor.name + "' of shard '" +
-                                  shard_name + "' is not in the weight_map");
-      }
-      if (mapped->second != shard_name) {
-        return Status::Corruption(index_path + ": tensor '" + tensor.name + "' appears in shard '" +
-                                  shard_name + "' but the weight_map assigns it to '" +
-                                  mapped->second + "'");
-      }
-    }
-    if (file->tensors().size() != expected.size()) {
-      std::set<std::string_view> present;
-      for (const TensorView& tensor : file->tensors()) present.insert(tensor.name);
-      for (const std::string& tensor : expected) {
-        if (!present.contains(tensor)) {
-          return Status::Corruption(index_path + ": tensor '" + tensor + "' is mapped to shard '" +
-                                    shard_name + "' but that shard does not hold it");
-        }
-      }
-    }
+    FW_RETURN_IF_ERROR(
+        CheckShard(*file, shard_name, expected, checkpoint.weight_map_, index_path));
     checkpoint.files_.push_back(std::make_unique<SafetensorsFile>(std::move(file).value()));
     const auto& shard_tensors = checkpoint.files_.back()->tensors();
     checkpoint.tensors_.insert(checkpoint.tensors_.end(), shard_tensors.begin(),
