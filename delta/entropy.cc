@@ -100,61 +100,79 @@ void RiceEncode(std::span<const uint32_t> gaps, int k, std::vector<uint8_t>* out
   w.Flush();
 }
 
-Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uint64_t limit,
-                           uint32_t* positions) {
-  if (k < 0 || k > kMaxRiceK) return Corrupt("Rice parameter " + std::to_string(k) + " > 31");
-  int64_t position = -1;
-  const uint64_t low_mask = (uint64_t{1} << k) - 1;
-  auto past_limit = [&](size_t i) {
-    return Corrupt("index stream: change " + std::to_string(i) + " at word " +
-                   std::to_string(position) + " is past the chunk's " + std::to_string(limit) +
-                   " words");
-  };
-  // Fast loop: while 8 bytes can be loaded at the current bit position, decode plain
-  // (unescaped) codes straight from an unaligned load, keeping all state in registers.
+namespace {
+
+// Where a Rice decode stands: changes decoded, the bit position, the last change's word.
+struct RiceCursor {
   size_t i = 0;
   uint64_t bit = 0;
+  int64_t position = -1;
+};
+
+Status PastLimit(size_t i, int64_t position, uint64_t limit) {
+  return Corrupt("index stream: change " + std::to_string(i) + " at word " +
+                 std::to_string(position) + " is past the chunk's " + std::to_string(limit) +
+                 " words");
+}
+
+// Fast loop: while 8 bytes can be loaded at the current bit position, decode plain
+// (unescaped) codes straight from an unaligned load, keeping all state in registers. Stops
+// at the first escape, near the end or at malformed input, which RiceDecodeCareful takes.
+// REQUIRES: k <= 24.
+inline Status RiceDecodeFast(std::span<const uint8_t> in, int k, size_t count, uint64_t limit,
+                             uint32_t* positions, RiceCursor* cursor) {
+  const uint64_t low_mask = (uint64_t{1} << k) - 1;
+  size_t i = 0;
+  uint64_t bit = 0;
+  int64_t position = -1;
   const uint8_t* data = in.data();
   const uint64_t fast_end = in.size() >= 8 ? (in.size() - 8) * 8 : 0;
-  if (k <= 24) {
-    while (i < count && bit < fast_end) {
-      uint64_t bits;
-      std::memcpy(&bits, data + (bit >> 3), 8);
-      bits >>= bit & 7;
-      const int valid = 64 - static_cast<int>(bit & 7);  // >= 57
-      int used = 0;
-      bool careful = false;
-      // Decode every code that lies wholly inside this window.
-      while (i < count) {
-        const int q = bits ? __builtin_ctzll(bits) : 64;
-        const int length = q + 1 + k;
-        if (length > valid - used) {
-          careful = used == 0;  // not even a fresh window holds it: escape or corruption
-          break;
-        }
-        if (q >= kRiceEscapeQuotient) {
-          careful = true;
-          break;
-        }
-        const uint64_t gap = (static_cast<uint64_t>(q) << k) | ((bits >> (q + 1)) & low_mask);
-        bits >>= length;
-        used += length;
-        position += static_cast<int64_t>(gap) + 1;
-        if (static_cast<uint64_t>(position) >= limit) return past_limit(i);
-        positions[i++] = static_cast<uint32_t>(position);
+  while (i < count && bit < fast_end) {
+    uint64_t bits;
+    std::memcpy(&bits, data + (bit >> 3), 8);
+    bits >>= bit & 7;
+    const int valid = 64 - static_cast<int>(bit & 7);  // >= 57
+    int used = 0;
+    bool careful = false;
+    // Decode every code that lies wholly inside this window.
+    while (i < count) {
+      const int q = bits ? __builtin_ctzll(bits) : 64;
+      const int length = q + 1 + k;
+      if (length > valid - used) {
+        careful = used == 0;  // not even a fresh window holds it: escape or corruption
+        break;
       }
-      bit += static_cast<uint64_t>(used);
-      if (careful) break;
+      if (q >= kRiceEscapeQuotient) {
+        careful = true;
+        break;
+      }
+      const uint64_t gap = (static_cast<uint64_t>(q) << k) | ((bits >> (q + 1)) & low_mask);
+      bits >>= length;
+      used += length;
+      position += static_cast<int64_t>(gap) + 1;
+      if (static_cast<uint64_t>(position) >= limit) return PastLimit(i, position, limit);
+      positions[i++] = static_cast<uint32_t>(position);
     }
+    bit += static_cast<uint64_t>(used);
+    if (careful) break;
   }
-  // Careful loop for the rest: escapes, the last bytes, malformed input.
+  *cursor = {i, bit, position};
+  return Status::Ok();
+}
+
+// Careful loop from `cursor` to the end: escapes, the last bytes, malformed input; then the
+// stream must end exactly.
+Status RiceDecodeCareful(std::span<const uint8_t> in, int k, size_t count, uint64_t limit,
+                         uint32_t* positions, RiceCursor cursor) {
+  const uint64_t low_mask = (uint64_t{1} << k) - 1;
+  int64_t position = cursor.position;
   BitReader r(in);
-  for (uint64_t skip = bit; skip > 0;) {
+  for (uint64_t skip = cursor.bit; skip > 0;) {
     const int step = static_cast<int>(std::min<uint64_t>(skip, 48));
     r.Skip(step);
     skip -= step;
   }
-  for (; i < count; ++i) {
+  for (size_t i = cursor.i; i < count; ++i) {
     uint64_t bits = r.Peek();
     int q = bits ? __builtin_ctzll(bits) : 64;
     uint64_t gap;
@@ -175,12 +193,22 @@ Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uin
       return Corrupt("index stream: run of more than 31 zero bits at change " + std::to_string(i));
     }
     position += static_cast<int64_t>(gap) + 1;
-    if (static_cast<uint64_t>(position) >= limit) return past_limit(i);
+    if (static_cast<uint64_t>(position) >= limit) return PastLimit(i, position, limit);
     positions[i] = static_cast<uint32_t>(position);
   }
   if (r.overrun()) return Corrupt("index stream is truncated");
   if (!r.AtEnd()) return Corrupt("index stream has bytes after its last change");
   return Status::Ok();
+}
+
+}  // namespace
+
+Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uint64_t limit,
+                           uint32_t* positions) {
+  if (k < 0 || k > kMaxRiceK) return Corrupt("Rice parameter " + std::to_string(k) + " > 31");
+  RiceCursor cursor;
+  if (k <= 24) FW_RETURN_IF_ERROR(RiceDecodeFast(in, k, count, limit, positions, &cursor));
+  return RiceDecodeCareful(in, k, count, limit, positions, cursor);
 }
 
 // ---- value symbols ------------------------------------------------------------------
@@ -221,13 +249,20 @@ void PutExtraBits(BitWriter& extra, uint64_t z) {
   extra.PutWide(z & ((~uint64_t{0}) >> (65 - length)), length - 1);
 }
 
-}  // namespace
+// Per symbol: start, frequency, and a reciprocal so that x / freq is a multiply:
+// floor(x / f) == (x * ceil(2^43 / f)) >> 43 for every x < 2^31 and f <= 2^12.
+struct EncSymbol {
+  uint32_t freq = 0;
+  uint32_t start = 0;
+  uint64_t reciprocal = 0;
+  uint32_t x_max = 0;
+};
 
-void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
-  // One pass for symbols and their histogram. Four partial histograms: runs of the same
-  // symbol (mostly +-1 ulp) would otherwise serialise on one counter.
-  thread_local std::vector<uint8_t> symbols;
-  symbols.resize(z.size());
+// The symbol of each value into `symbols` and their histogram into `counts`, in one pass;
+// returns the OR of all symbols (>= 16: some value carries extra bits). Four partial
+// histograms: runs of the same symbol (mostly +-1 ulp) would otherwise serialise on one
+// counter.
+uint8_t ValueSymbols(std::span<const uint64_t> z, uint8_t* symbols, uint64_t* counts) {
   uint32_t partial[4][kNumValueSymbols] = {};
   uint8_t symbol_or = 0;
   size_t i = 0;
@@ -245,20 +280,16 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
     ++partial[0][sym];
     symbol_or |= sym;
   }
-  uint64_t counts[kNumValueSymbols];
   for (int sym = 0; sym < kNumValueSymbols; ++sym) {
     counts[sym] = uint64_t{partial[0][sym]} + partial[1][sym] + partial[2][sym] + partial[3][sym];
   }
-  const bool any_extra = symbol_or >= 16;
-  std::vector<uint32_t> freq = NormalizeFrequencies(counts);
-  // Per symbol: start, frequency, and a reciprocal so that x / freq is a multiply:
-  // floor(x / f) == (x * ceil(2^43 / f)) >> 43 for every x < 2^31 and f <= 2^12.
-  struct EncSymbol {
-    uint32_t freq = 0;
-    uint32_t start = 0;
-    uint64_t reciprocal = 0;
-    uint32_t x_max = 0;
-  } enc[kNumValueSymbols];
+  return symbol_or;
+}
+
+// The frequency table into `out` (the number of symbols used, then each one's symbol and
+// frequency), and the encoder's constants of each symbol into `enc`.
+void PutFrequencyTable(const std::vector<uint32_t>& freq, EncSymbol* enc,
+                       std::vector<uint8_t>* out) {
   uint32_t start = 0;
   int used = 0;
   for (int sym = 0; sym < kNumValueSymbols; ++sym) {
@@ -275,11 +306,15 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
     wire::PutU8(out, static_cast<uint8_t>(sym));
     wire::PutVarint(out, freq[sym]);
   }
-  // Two interleaved states (value i uses state i & 1). rANS runs backwards: bytes come
-  // out in reverse decoding order and are flipped at the end.
+}
+
+// The rANS stream of `symbols`: its length, the two final states, then its bytes. Two
+// interleaved states (value i uses state i & 1). rANS runs backwards: bytes come out in
+// reverse decoding order and are flipped at the end.
+void PutRans(std::span<const uint8_t> symbols, const EncSymbol* enc, std::vector<uint8_t>* out) {
   // A step emits at most two bytes (x < 2^31, x_max >= 2^19), written backwards.
   thread_local std::vector<uint8_t> buffer;
-  buffer.resize(2 * z.size() + 16);
+  buffer.resize(2 * symbols.size() + 16);
   uint8_t* const buffer_end = buffer.data() + buffer.size();
   uint8_t* ptr = buffer_end;
   uint32_t x0 = kRansLow, x1 = kRansLow;
@@ -293,18 +328,31 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
         static_cast<uint32_t>((static_cast<unsigned __int128>(state) * e.reciprocal) >> 43);
     state = (q << kRansScaleBits) + (state - q * e.freq) + e.start;
   };
-  i = z.size();
+  size_t i = symbols.size();
   if (i & 1) --i, put(x0, symbols[i]);
   while (i > 0) {
     put(x1, symbols[i - 1]);
     put(x0, symbols[i - 2]);
     i -= 2;
   }
-  const uint32_t x[2] = {x0, x1};
   wire::PutVarint(out, static_cast<uint64_t>(buffer_end - ptr) + 8);
-  wire::PutFixed(out, x[0], 4);
-  wire::PutFixed(out, x[1], 4);
+  wire::PutFixed(out, x0, 4);
+  wire::PutFixed(out, x1, 4);
   out->insert(out->end(), ptr, buffer_end);
+}
+
+}  // namespace
+
+void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
+  thread_local std::vector<uint8_t> symbols;
+  symbols.resize(z.size());
+  uint64_t counts[kNumValueSymbols];
+  const uint8_t symbol_or = ValueSymbols(z, symbols.data(), counts);
+  const bool any_extra = symbol_or >= 16;
+  std::vector<uint32_t> freq = NormalizeFrequencies(counts);
+  EncSymbol enc[kNumValueSymbols];
+  PutFrequencyTable(freq, enc, out);
+  PutRans({symbols.data(), z.size()}, enc, out);
   if (any_extra) {
     BitWriter extra(out, 63 * static_cast<uint64_t>(z.size()));
     for (uint64_t v : z) PutExtraBits(extra, v);
@@ -343,20 +391,22 @@ uint64_t EstimateValuesBytes(std::span<const uint64_t> z) {
   return std::min(rans, (gamma_bits + 7) / 8);
 }
 
-Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
-  wire::Reader r(in);
+namespace {
+
+// One table entry per rANS slot, so a decoding step is a single load:
+// x' = freq * (x >> 12) + (slot - start).
+struct Slot {
+  uint16_t freq;
+  uint16_t bias;
+  uint8_t symbol;
+};
+
+// The frequency table at `r` into `slots` (kRansScale of them).
+Status ReadFrequencyTable(wire::Reader& r, Slot* slots) {
   int used = r.U8();
   if (r.failed() || used < 1 || used > kNumValueSymbols) {
     return Corrupt("value stream: bad symbol count " + std::to_string(used));
   }
-  // One table entry per slot, so a decoding step is a single load:
-  // x' = freq * (x >> 12) + (slot - start).
-  struct Slot {
-    uint16_t freq;
-    uint16_t bias;
-    uint8_t symbol;
-  };
-  thread_local Slot slots[kRansScale];
   uint32_t start = 0;
   int previous = -1;
   for (int i = 0; i < used; ++i) {
@@ -374,17 +424,17 @@ Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
     previous = sym;
   }
   if (start != kRansScale) return Corrupt("value stream: frequencies do not sum to 4096");
-  uint64_t rans_bytes = r.Varint();
-  if (r.failed() || rans_bytes < 8 || rans_bytes > r.remaining()) {
-    return Corrupt("value stream: rANS length out of bounds");
-  }
-  std::span<const uint8_t> rans = r.Bytes(rans_bytes);
-  std::span<const uint8_t> extra_bytes = r.Rest();
+  return Status::Ok();
+}
+
+// The `count` symbols of the rANS stream `rans` (its two initial states first), each plus
+// one into z; the OR of all symbols into *symbol_or.
+Status RansDecode(std::span<const uint8_t> rans, const Slot* table, size_t count, uint64_t* z,
+                  uint8_t* symbol_or_out) {
   uint32_t x0 = static_cast<uint32_t>(wire::LoadFixed(rans.data(), 4));
   uint32_t x1 = static_cast<uint32_t>(wire::LoadFixed(rans.data() + 4, 4));
   const uint8_t* p = rans.data() + 8;
   const uint8_t* const end = rans.data() + rans.size();
-  const Slot* table = slots;
   bool malformed = false;
   uint8_t symbol_or = 0;
   // One decoding step; a valid state needs at most two renormalisation bytes
@@ -420,21 +470,46 @@ Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
   if (x0 != kRansLow || x1 != kRansLow || p != end) {
     return Corrupt("value stream: rANS final state does not check out");
   }
-  const bool any_extra = symbol_or >= 16;
-  if (any_extra) {
-    // Symbols >= 16 carry L - 1 extra bits: rebuild their values from the extra stream.
-    BitReader extra(extra_bytes);
-    for (size_t i = 0; i < count; ++i) {
-      if (z[i] <= 16) continue;
-      const int length = static_cast<int>(z[i]) - 1 - 16 + 5;
-      z[i] = (uint64_t{1} << (length - 1)) | extra.GetWide(length - 1);
-    }
-    if (extra.overrun()) return Corrupt("value stream: extra bits truncated");
-    if (!extra.AtEnd()) return Corrupt("value stream: bytes after the extra bits");
-  } else if (!extra_bytes.empty()) {
-    return Corrupt("value stream: extra bits present but no value needs them");
-  }
+  *symbol_or_out = symbol_or;
   return Status::Ok();
+}
+
+// Symbols >= 16 carry L - 1 extra bits: rebuilds their values from the extra stream, which
+// must hold exactly those bits (and be empty when no symbol needs any).
+Status ReadExtraBits(std::span<const uint8_t> extra_bytes, bool any_extra, size_t count,
+                     uint64_t* z) {
+  if (!any_extra) {
+    if (!extra_bytes.empty()) {
+      return Corrupt("value stream: extra bits present but no value needs them");
+    }
+    return Status::Ok();
+  }
+  BitReader extra(extra_bytes);
+  for (size_t i = 0; i < count; ++i) {
+    if (z[i] <= 16) continue;
+    const int length = static_cast<int>(z[i]) - 1 - 16 + 5;
+    z[i] = (uint64_t{1} << (length - 1)) | extra.GetWide(length - 1);
+  }
+  if (extra.overrun()) return Corrupt("value stream: extra bits truncated");
+  if (!extra.AtEnd()) return Corrupt("value stream: bytes after the extra bits");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
+  wire::Reader r(in);
+  thread_local Slot slots[kRansScale];
+  FW_RETURN_IF_ERROR(ReadFrequencyTable(r, slots));
+  uint64_t rans_bytes = r.Varint();
+  if (r.failed() || rans_bytes < 8 || rans_bytes > r.remaining()) {
+    return Corrupt("value stream: rANS length out of bounds");
+  }
+  std::span<const uint8_t> rans = r.Bytes(rans_bytes);
+  std::span<const uint8_t> extra_bytes = r.Rest();
+  uint8_t symbol_or = 0;
+  FW_RETURN_IF_ERROR(RansDecode(rans, slots, count, z, &symbol_or));
+  return ReadExtraBits(extra_bytes, symbol_or >= 16, count, z);
 }
 
 Status DecodeValuesGamma(std::span<const uint8_t> in, size_t count, uint64_t* z) {
