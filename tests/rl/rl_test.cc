@@ -19,6 +19,7 @@
 #include "rl/run_report.h"
 #include "rl/trainer_process.h"
 #include "rl/warmup.h"
+#include "transport/api.h"
 #include "transport/http.h"
 #include "pipeline/rollout_protocol.h"
 #include "ops/metrics.h"
@@ -449,6 +450,14 @@ TEST(TrainerServicesTest, ALargeSubmissionDoesNotStallTheIoThread) {
     ASSERT_TRUE(answer.ok()) << path << ": " << answer.status().ToString();
     EXPECT_NE(answer->body.find("nested deeper than 64 levels"), std::string::npos)
         << path << ": " << answer->body.substr(0, 300);
+    if (std::string_view(path) == "/v1/rollout/claim") {
+      // A claim that does not parse is an error in flywheel's one shape (transport/api.h).
+      EXPECT_EQ(answer->status, 400);
+      const std::optional<transport::ApiError> error =
+          transport::ParseErrorBody(answer->status, answer->body);
+      ASSERT_TRUE(error.has_value()) << answer->body.substr(0, 300);
+      EXPECT_EQ(error->code, "bad_request");
+    }
   }
   auto after = transport::HttpGet(endpoint, "/v1/status");
   ASSERT_TRUE(after.ok()) << after.status().ToString();
