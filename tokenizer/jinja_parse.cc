@@ -587,7 +587,8 @@ class Lexer {
       }
     }
     if (e == 'x' || e == 'u' || e == 'U') return UnescapeHex(raw, e, i, out);
-    if (e == 'N') return SyntaxError(line_, "\\N{...} escapes in string literals are not supported");
+    if (e == 'N')
+      return SyntaxError(line_, "\\N{...} escapes in string literals are not supported");
     if (e >= '0' && e <= '7') {
       // Up to three octal digits, `e` the first.
       uint32_t v = static_cast<uint32_t>(e - '0');

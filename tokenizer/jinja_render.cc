@@ -493,8 +493,8 @@ Result<std::string> PercentNumber(const PercentSpec& spec) {
   if (!arg.is_number() || (arg.is_float() && needs_int)) {
     if (arg.is_undefined()) return Error(arg.undefined_message());
     return Error(std::string("%") + conversion +
-                 " format: " + (needs_int ? "an integer" : "a real number") +
-                 " is required, not " + TypeName(arg));
+                 " format: " + (needs_int ? "an integer" : "a real number") + " is required, not " +
+                 TypeName(arg));
   }
   std::string format = "%" + spec.flags;
   if (spec.precision) format += "." + std::to_string(*spec.precision);
@@ -555,8 +555,7 @@ Status PadPercentPiece(const PercentSpec& spec, std::string* piece) {
                   spec.conversion != 'a' && spec.conversion != 'c';
   if (zero_pad) {
     size_t sign =
-        !piece->empty() && ((*piece)[0] == '-' || (*piece)[0] == '+' || (*piece)[0] == ' ') ? 1
-                                                                                          : 0;
+        !piece->empty() && ((*piece)[0] == '-' || (*piece)[0] == '+' || (*piece)[0] == ' ') ? 1 : 0;
     piece->insert(sign, std::string(pad, '0'));
   } else {
     *piece = left ? *piece + std::string(pad, ' ') : std::string(pad, ' ') + *piece;
@@ -807,8 +806,8 @@ Result<bool> CompareValues(CompareOp op, const Value& a, const Value& b) {
   if (!c.ok()) {
     if (a.is_undefined() || b.is_undefined()) return c.status();
     return Error(std::string("'") + kSymbols[static_cast<int>(op)] +
-                 "' not supported between instances of '" + TypeName(a) + "' and '" +
-                 TypeName(b) + "'");
+                 "' not supported between instances of '" + TypeName(a) + "' and '" + TypeName(b) +
+                 "'");
   }
   switch (op) {
     case CompareOp::kLt:
@@ -875,8 +874,7 @@ std::optional<Value> LoopAttribute(const Value& obj, std::string_view name) {
 
 // Python's getattr(obj, name): a method of a builtin type, a namespace or loop attribute.
 // Empty when `obj` has no such attribute. `flags`: BuiltinAttributeFlags(name).
-std::optional<Value> PythonAttribute(const Value& obj, std::string_view name,
-                                            uint8_t flags) {
+std::optional<Value> PythonAttribute(const Value& obj, std::string_view name, uint8_t flags) {
   switch (obj.kind()) {
     case Value::Kind::kString:
     case Value::Kind::kTuple:
@@ -929,8 +927,7 @@ Result<Value> GetItem(const Value& obj, const Value& key) {
         const ValueList& items = obj.as_list();
         int64_t i = key.integer();
         if (i < 0) i += static_cast<int64_t>(items.size());
-        if (i >= 0 && i < static_cast<int64_t>(items.size()))
-          return items[static_cast<size_t>(i)];
+        if (i >= 0 && i < static_cast<int64_t>(items.size())) return items[static_cast<size_t>(i)];
       }
       break;
     case Value::Kind::kString:
@@ -967,8 +964,7 @@ const std::string kDot = ".";
 
 // jinja2's make_attrgetter: "a.b.0" looks up a, then b, then item 0. A `fallback` (map's
 // default) replaces an undefined result after each step.
-Result<Value> GetPath(Value item, const Value& attribute,
-                             const Value* fallback = nullptr) {
+Result<Value> GetPath(Value item, const Value& attribute, const Value* fallback = nullptr) {
   auto step = [&](const Value& key) -> Status {
     FW_ASSIGN_OR_RETURN(item, GetItem(item, key));
     if (fallback != nullptr && item.is_undefined()) item = *fallback;
@@ -1112,8 +1108,8 @@ Result<bool> ComparisonTest(const TestCall& call) {
   FW_ASSIGN_OR_RETURN(Value other, call.OneArg());
   static constexpr CompareOp kOps[] = {CompareOp::kEq, CompareOp::kNe, CompareOp::kGt,
                                        CompareOp::kGe, CompareOp::kLt, CompareOp::kLe};
-  return CompareValues(kOps[static_cast<int>(call.id) - static_cast<int>(TestId::kEq)],
-                       call.value, other);
+  return CompareValues(kOps[static_cast<int>(call.id) - static_cast<int>(TestId::kEq)], call.value,
+                       other);
 }
 
 struct TestEntry {
@@ -1532,8 +1528,7 @@ Result<Value> CallGlobal(GlobalId id, Args args) {
       ValueList out;
       for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
         if (out.size() >= 100000) {
-          return Error(
-              "Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+          return Error("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
         }
         out.push_back(Value::Int(i));
         if (__builtin_add_overflow(i, step, &i)) break;
@@ -1579,8 +1574,7 @@ Result<Value> CallGlobal(GlobalId id, Args args) {
       std::tm local{};
       localtime_r(&now, &local);
       std::string out(256 + format.size() * 8, '\0');
-      size_t n =
-          format.empty() ? 0 : std::strftime(out.data(), out.size(), format.c_str(), &local);
+      size_t n = format.empty() ? 0 : std::strftime(out.data(), out.size(), format.c_str(), &local);
       out.resize(n);
       return Value::String(std::move(out));
     }
@@ -1609,7 +1603,6 @@ Result<Value> ApplyFilterByName(const Value& name, const Value& input, Args args
   return ApplyFilter(*id, name.as_string(), input, std::move(args));
 }
 
-
 Value IgnoreCase(const Value& v) {
   return v.is_string() ? Value::String(pystr::Lower(v.as_string())) : v;
 }
@@ -1617,7 +1610,7 @@ Value IgnoreCase(const Value& v) {
 // The sort / unique / min / max key: item (or its attribute path), lower-cased when
 // `case_sensitive` is false.
 Result<Value> SortKey(const Value& item, const std::optional<Value>& attribute,
-                             bool case_sensitive) {
+                      bool case_sensitive) {
   Value key = item;
   if (attribute && !attribute->is_none()) {
     FW_ASSIGN_OR_RETURN(key, GetPath(item, *attribute));
@@ -1670,8 +1663,7 @@ Result<Value> IndentFilter(FilterCall& call) {
       indention = a[0]->as_string();
     } else {
       FW_ASSIGN_OR_RETURN(int64_t width, IntArg(*a[0], "indent() width"));
-      if (width > kMaxRepeat)
-        return Status::ResourceExhausted("indent() width larger than 64 MiB");
+      if (width > kMaxRepeat) return Status::ResourceExhausted("indent() width larger than 64 MiB");
       indention.assign(static_cast<size_t>(std::max<int64_t>(width, 0)), ' ');
     }
   }
@@ -1738,8 +1730,8 @@ Result<Value> TojsonFilter(FilterCall& call) {
   const Value& input = call.input;
   const Args& args = call.args;
   // transformers: tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
-  FW_ASSIGN_OR_RETURN(
-      auto a, Bind(args, {"ensure_ascii", "indent", "separators", "sort_keys"}, "tojson"));
+  FW_ASSIGN_OR_RETURN(auto a,
+                      Bind(args, {"ensure_ascii", "indent", "separators", "sort_keys"}, "tojson"));
   JsonOptions options;
   options.ensure_ascii = a[0] && Truthy(*a[0]);
   if (a[1] && !a[1]->is_none()) {
@@ -1909,11 +1901,10 @@ Result<Value> DictsortFilter(FilterCall& call) {
   for (const auto& [k, v] : input.as_dict().items()) {
     items.push_back(Value::Tuple({Value::String(k), v}));
   }
-  FW_RETURN_IF_ERROR(
-      SortBy(&items, a[2] && Truthy(*a[2]), [&](const Value& item) -> Result<Value> {
-        const Value& key = item.as_list()[static_cast<size_t>(position)];
-        return case_sensitive ? key : IgnoreCase(key);
-      }));
+  FW_RETURN_IF_ERROR(SortBy(&items, a[2] && Truthy(*a[2]), [&](const Value& item) -> Result<Value> {
+    const Value& key = item.as_list()[static_cast<size_t>(position)];
+    return case_sensitive ? key : IgnoreCase(key);
+  }));
   return Value::List(std::move(items));
 }
 
@@ -2095,16 +2086,15 @@ Result<Value> SortFilter(FilterCall& call) {
   } else if (a[2] && !a[2]->is_none()) {
     attributes.push_back(*a[2]);
   }
-  FW_RETURN_IF_ERROR(
-      SortBy(&out, a[0] && Truthy(*a[0]), [&](const Value& item) -> Result<Value> {
-        if (attributes.empty()) return case_sensitive ? item : IgnoreCase(item);
-        ValueList keys;
-        for (const Value& attribute : attributes) {
-          FW_ASSIGN_OR_RETURN(Value key, SortKey(item, attribute, case_sensitive));
-          keys.push_back(std::move(key));
-        }
-        return Value::List(std::move(keys));
-      }));
+  FW_RETURN_IF_ERROR(SortBy(&out, a[0] && Truthy(*a[0]), [&](const Value& item) -> Result<Value> {
+    if (attributes.empty()) return case_sensitive ? item : IgnoreCase(item);
+    ValueList keys;
+    for (const Value& attribute : attributes) {
+      FW_ASSIGN_OR_RETURN(Value key, SortKey(item, attribute, case_sensitive));
+      keys.push_back(std::move(key));
+    }
+    return Value::List(std::move(keys));
+  }));
   return Value::List(std::move(out));
 }
 
