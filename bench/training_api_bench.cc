@@ -15,6 +15,7 @@
 #include "pipeline/task.h"
 #include "service/training_service.h"
 #include "service/training_wire.h"
+#include "testing/local_http_server.h"
 #include "trainer/training_client.h"
 #include "transport/http.h"
 
@@ -62,33 +63,18 @@ class LoopbackService {
  public:
   static Result<std::unique_ptr<LoopbackService>> Start(service::TrainingServiceOptions options) {
     auto self = std::unique_ptr<LoopbackService>(new LoopbackService());
-    FW_ASSIGN_OR_RETURN(self->service_, service::TrainingService::Create(std::move(options), nullptr));
-    std::promise<Status> started;
-    LoopbackService* raw = self.get();
-    asio::post(self->io_, [raw, &started] {
-      auto server = transport::HttpServer::Start(raw->io_.get_executor(),
-                                                 transport::Endpoint{"127.0.0.1", 0}, {});
-      if (!server.ok()) return started.set_value(server.status());
-      raw->http_ = std::move(*server);
-      raw->service_->Register(*raw->http_);
-      started.set_value(Status::Ok());
-    });
-    self->thread_ = std::thread([raw] { raw->io_.run(); });
-    FW_RETURN_IF_ERROR(started.get_future().get());
-    self->endpoint_ = transport::Endpoint{"127.0.0.1", self->http_->port()};
+    FW_ASSIGN_OR_RETURN(self->service_,
+                        service::TrainingService::Create(std::move(options), nullptr));
+    service::TrainingService* service = self->service_.get();
+    FW_ASSIGN_OR_RETURN(self->http_, testing::LocalHttpServer::Start([service](
+                                         transport::HttpServer& http) { service->Register(http); }));
+    self->endpoint_ = self->http_->endpoint();
     return self;
   }
+  // The server stops before the service goes; the io thread after both.
   ~LoopbackService() {
-    std::promise<void> stopped;
-    asio::post(io_, [&] {
-      if (http_) http_->Stop();
-      stopped.set_value();
-    });
-    stopped.get_future().wait();
+    if (http_) http_->Stop();
     service_.reset();
-    work_.reset();
-    io_.stop();
-    if (thread_.joinable()) thread_.join();
   }
   // POST; the body of a 2xx answer, else the error.
   Result<std::string> Post(const std::string& target, const std::string& body,
@@ -117,11 +103,8 @@ class LoopbackService {
 
  private:
   LoopbackService() = default;
-  asio::io_context io_{1};
-  asio::executor_work_guard<asio::io_context::executor_type> work_ = asio::make_work_guard(io_);
+  std::unique_ptr<testing::LocalHttpServer> http_;  // declared first: destroyed last
   std::unique_ptr<service::TrainingService> service_;
-  std::unique_ptr<transport::HttpServer> http_;
-  std::thread thread_;
   transport::Endpoint endpoint_;
 };
 

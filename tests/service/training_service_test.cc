@@ -15,6 +15,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "service/training_wire.h"
+#include "testing/local_http_server.h"
 #include "tests/model/tiny_models.h"
 #include "transport/certs.h"
 #include "transport/http.h"
@@ -76,31 +77,17 @@ class Server {
     EXPECT_TRUE(service.ok()) << service.status().ToString();
     if (!service.ok()) return;
     service_ = std::move(*service);
-    std::promise<Status> started;
-    asio::post(io_, [&] {
-      auto server = transport::HttpServer::Start(io_.get_executor(),
-                                                 transport::Endpoint{"127.0.0.1", 0}, http);
-      if (!server.ok()) return started.set_value(server.status());
-      http_ = std::move(*server);
-      service_->Register(*http_);
-      started.set_value(Status::Ok());
-    });
-    thread_ = std::thread([this] { io_.run(); });
-    Status status = started.get_future().get();
-    EXPECT_TRUE(status.ok()) << status.ToString();
-    endpoint_ = transport::Endpoint{"127.0.0.1", http_ ? http_->port() : uint16_t{0}};
+    auto server = flywheel::testing::LocalHttpServer::Start(
+        [this](transport::HttpServer& routes) { service_->Register(routes); }, http);
+    EXPECT_TRUE(server.ok()) << server.status().ToString();
+    if (!server.ok()) return;
+    http_ = std::move(*server);
+    endpoint_ = http_->endpoint();
   }
+  // The server stops before the service goes; the io thread after both.
   ~Server() {
-    std::promise<void> stopped;
-    asio::post(io_, [&] {
-      if (http_) http_->Stop();
-      stopped.set_value();
-    });
-    stopped.get_future().wait();
+    if (http_) http_->Stop();
     service_.reset();
-    work_.reset();
-    io_.stop();
-    thread_.join();
   }
 
   struct Answer {
@@ -137,11 +124,8 @@ class Server {
   const transport::Endpoint& endpoint() const { return endpoint_; }
 
  private:
-  asio::io_context io_{1};
-  asio::executor_work_guard<asio::io_context::executor_type> work_ = asio::make_work_guard(io_);
+  std::unique_ptr<flywheel::testing::LocalHttpServer> http_;  // declared first: destroyed last
   std::unique_ptr<TrainingService> service_;
-  std::unique_ptr<transport::HttpServer> http_;
-  std::thread thread_;
   transport::Endpoint endpoint_;
 };
 
