@@ -6,14 +6,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 #include <thread>
 
 #include "checkpoint/hash.h"
 #include "checkpoint/safetensors.h"
-#include "sync/publisher.h"
 #include "model/fp8.h"
 #include "model/weights.h"
 
@@ -63,13 +60,6 @@ Status FillRow(const std::vector<float>& values, size_t index, const char* field
     acc[row][t] = values[t];
   }
   return Status::Ok();
-}
-
-std::string ReadFile(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 // Looked up at run time: the OpenBLAS symbols are not part of the BLAS interface libtorch
@@ -191,6 +181,89 @@ Result<std::unique_ptr<TrainingClient>> TrainingClient::Create(TrainerOptions op
   return client;
 }
 
+namespace {
+
+// Copies datum `index`'s routing (T x MoE layers x top-k, token-major) into `replay`
+// [layers, B, T, k] at row `row`, checking its size and every expert id.
+Status FillRouting(const Datum& d, size_t index, const model::ModelConfig& config,
+                   torch::Tensor& replay, int64_t row) {
+  const int64_t length = d.tokens.size();
+  const int64_t moe_layers = config.NumMoeLayers(), top_k = config.num_experts_per_tok;
+  if (static_cast<int64_t>(d.routing.size()) != length * moe_layers * top_k) {
+    return Status::InvalidArgument(
+        DatumField(index, "routing") + " has " + std::to_string(d.routing.size()) +
+        " entries, expected tokens x MoE layers x top-k = " +
+        std::to_string(length * moe_layers * top_k) +
+        (d.routing.empty() ? " (every datum of a batch or none carries routing)" : ""));
+  }
+  auto r = replay.accessor<int64_t, 4>();
+  for (int64_t t = 0; t < length; ++t) {
+    for (int64_t l = 0; l < moe_layers; ++l) {
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int32_t e = d.routing[(t * moe_layers + l) * top_k + k];
+        if (e < 0 || e >= config.num_experts) {
+          return Status::InvalidArgument(DatumField(index, "routing") + " names expert " +
+                                         std::to_string(e) + " at position " +
+                                         std::to_string(t) + ", the model has " +
+                                         std::to_string(config.num_experts));
+        }
+        r[l][row][t][k] = e;
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status TrainingClient::FillBatchRow(const Datum& d, size_t i, const model::ModelConfig& config,
+                                    Batch& batch, torch::Tensor& replay) {
+  const int64_t length = d.tokens.size(), row = static_cast<int64_t>(i);
+  batch.lengths.push_back(length);
+  if (static_cast<int64_t>(d.target_tokens.size()) != length) {
+    return Status::InvalidArgument(DatumField(i, "target_tokens") + " has " +
+                                   std::to_string(d.target_tokens.size()) +
+                                   " entries, tokens has " + std::to_string(length));
+  }
+  auto tokens = batch.tokens.accessor<int64_t, 2>();
+  auto targets = batch.targets.accessor<int64_t, 2>();
+  auto valid = batch.valid.accessor<bool, 2>();
+  for (int64_t t = 0; t < length; ++t) {
+    for (int32_t id : {d.tokens[t], d.target_tokens[t]}) {
+      if (id < 0 || id >= config.vocab_size) {
+        return Status::InvalidArgument(DatumField(i, "token id ") + std::to_string(id) +
+                                       " at position " + std::to_string(t) +
+                                       " is outside the vocabulary [0, " +
+                                       std::to_string(config.vocab_size) + ")");
+      }
+    }
+    tokens[row][t] = d.tokens[t];
+    targets[row][t] = d.target_tokens[t];
+    valid[row][t] = true;
+  }
+  if (d.weights.empty()) {
+    batch.weights[row].narrow(0, 0, length).fill_(1.0f);
+  } else {
+    FW_RETURN_IF_ERROR(FillRow(d.weights, i, "weights", length, batch.weights, row));
+    if (std::any_of(d.weights.begin(), d.weights.end(), [](float w) { return w < 0; })) {
+      return Status::InvalidArgument(DatumField(i, "weights") + " has a negative entry");
+    }
+  }
+  if (batch.sampling.defined())
+    FW_RETURN_IF_ERROR(FillRow(d.logprobs, i, "logprobs", length, batch.sampling, row));
+  if (batch.advantages.defined())
+    FW_RETURN_IF_ERROR(FillRow(d.advantages, i, "advantages", length, batch.advantages, row));
+  if (batch.ref.defined())
+    FW_RETURN_IF_ERROR(FillRow(d.ref_logprobs, i, "ref_logprobs", length, batch.ref, row));
+  if (!d.policy_versions.empty() && static_cast<int64_t>(d.policy_versions.size()) != length) {
+    return Status::InvalidArgument(DatumField(i, "policy_versions") + " has " +
+                                   std::to_string(d.policy_versions.size()) +
+                                   " entries, tokens has " + std::to_string(length));
+  }
+  if (replay.defined()) FW_RETURN_IF_ERROR(FillRouting(d, i, config, replay, row));
+  return Status::Ok();
+}
+
 Result<TrainingClient::Batch> TrainingClient::MakeBatch(const std::vector<Datum>& datums,
                                                         bool need_sampling, bool need_advantages,
                                                         bool need_ref) const {
@@ -224,74 +297,8 @@ Result<TrainingClient::Batch> TrainingClient::MakeBatch(const std::vector<Datum>
   if (need_ref) batch.ref = torch::zeros({b, t_max});
   torch::Tensor replay =
       any_routing ? torch::zeros({moe_layers, b, t_max, top_k}, torch::kLong) : torch::Tensor();
-  auto tokens = batch.tokens.accessor<int64_t, 2>();
-  auto targets = batch.targets.accessor<int64_t, 2>();
-  auto valid = batch.valid.accessor<bool, 2>();
   for (size_t i = 0; i < datums.size(); ++i) {
-    const Datum& d = datums[i];
-    const int64_t length = d.tokens.size(), row = static_cast<int64_t>(i);
-    batch.lengths.push_back(length);
-    if (static_cast<int64_t>(d.target_tokens.size()) != length) {
-      return Status::InvalidArgument(DatumField(i, "target_tokens") + " has " +
-                                     std::to_string(d.target_tokens.size()) +
-                                     " entries, tokens has " + std::to_string(length));
-    }
-    for (int64_t t = 0; t < length; ++t) {
-      for (int32_t id : {d.tokens[t], d.target_tokens[t]}) {
-        if (id < 0 || id >= config.vocab_size) {
-          return Status::InvalidArgument(DatumField(i, "token id ") + std::to_string(id) +
-                                         " at position " + std::to_string(t) +
-                                         " is outside the vocabulary [0, " +
-                                         std::to_string(config.vocab_size) + ")");
-        }
-      }
-      tokens[row][t] = d.tokens[t];
-      targets[row][t] = d.target_tokens[t];
-      valid[row][t] = true;
-    }
-    if (d.weights.empty()) {
-      batch.weights[row].narrow(0, 0, length).fill_(1.0f);
-    } else {
-      FW_RETURN_IF_ERROR(FillRow(d.weights, i, "weights", length, batch.weights, row));
-      if (std::any_of(d.weights.begin(), d.weights.end(), [](float w) { return w < 0; })) {
-        return Status::InvalidArgument(DatumField(i, "weights") + " has a negative entry");
-      }
-    }
-    if (need_sampling)
-      FW_RETURN_IF_ERROR(FillRow(d.logprobs, i, "logprobs", length, batch.sampling, row));
-    if (need_advantages)
-      FW_RETURN_IF_ERROR(FillRow(d.advantages, i, "advantages", length, batch.advantages, row));
-    if (need_ref)
-      FW_RETURN_IF_ERROR(FillRow(d.ref_logprobs, i, "ref_logprobs", length, batch.ref, row));
-    if (!d.policy_versions.empty() && static_cast<int64_t>(d.policy_versions.size()) != length) {
-      return Status::InvalidArgument(DatumField(i, "policy_versions") + " has " +
-                                     std::to_string(d.policy_versions.size()) +
-                                     " entries, tokens has " + std::to_string(length));
-    }
-    if (any_routing) {
-      if (static_cast<int64_t>(d.routing.size()) != length * moe_layers * top_k) {
-        return Status::InvalidArgument(
-            DatumField(i, "routing") + " has " + std::to_string(d.routing.size()) +
-            " entries, expected tokens x MoE layers x top-k = " +
-            std::to_string(length * moe_layers * top_k) +
-            (d.routing.empty() ? " (every datum of a batch or none carries routing)" : ""));
-      }
-      auto r = replay.accessor<int64_t, 4>();
-      for (int64_t t = 0; t < length; ++t) {
-        for (int64_t l = 0; l < moe_layers; ++l) {
-          for (int64_t k = 0; k < top_k; ++k) {
-            const int32_t e = d.routing[(t * moe_layers + l) * top_k + k];
-            if (e < 0 || e >= config.num_experts) {
-              return Status::InvalidArgument(DatumField(i, "routing") + " names expert " +
-                                             std::to_string(e) + " at position " +
-                                             std::to_string(t) + ", the model has " +
-                                             std::to_string(config.num_experts));
-            }
-            r[l][row][t][k] = e;
-          }
-        }
-      }
-    }
+    FW_RETURN_IF_ERROR(FillBatchRow(datums[i], i, config, batch, replay));
   }
   if (any_routing) {
     for (int64_t l = 0; l < moe_layers; ++l) batch.replay.push_back(replay[l]);
@@ -530,38 +537,41 @@ int64_t TrainingClient::trainable_count() const {
   return n;
 }
 
+Status TrainingClient::ReduceAcrossRanks() {
+  // One reduction: every gradient (zeros where this rank has none), a has-gradient flag
+  // per parameter, and the normaliser and token count.
+  std::vector<torch::Tensor> buffers;
+  torch::Tensor flags = torch::zeros({static_cast<int64_t>(trainable_.size())}, torch::kDouble);
+  for (size_t i = 0; i < trainable_.size(); ++i) {
+    torch::Tensor& p = trainable_[i].second;
+    if (p.grad().defined()) {
+      flags[i] = 1.0;
+    } else {
+      p.mutable_grad() = torch::zeros_like(p);
+    }
+    buffers.push_back(p.mutable_grad());
+  }
+  torch::Tensor counters =
+      torch::tensor({pending_norm_, static_cast<double>(pending_tokens_)}, torch::kDouble);
+  buffers.push_back(flags);
+  buffers.push_back(counters);
+  FW_RETURN_IF_ERROR(data_parallel_->AllReduceSum(buffers));
+  for (size_t i = 0; i < trainable_.size(); ++i) {
+    if (flags[i].item<double>() == 0) trainable_[i].second.mutable_grad() = torch::Tensor();
+  }
+  pending_norm_ = counters[0].item<double>();
+  pending_tokens_ = static_cast<int64_t>(counters[1].item<double>());
+  if (!have_pending_) {
+    pending_since_ = std::chrono::steady_clock::now();
+    have_pending_ = pending_norm_ > 0;
+  }
+  return Status::Ok();
+}
+
 Result<Metrics> TrainingClient::OptimStep(const AdamWParams& params) {
   FW_RETURN_IF_ERROR(params.Validate());
   torch::NoGradGuard no_grad;
-  if (data_parallel_) {
-    // One reduction: every gradient (zeros where this rank has none), a has-gradient flag
-    // per parameter, and the normaliser and token count.
-    std::vector<torch::Tensor> buffers;
-    torch::Tensor flags = torch::zeros({static_cast<int64_t>(trainable_.size())}, torch::kDouble);
-    for (size_t i = 0; i < trainable_.size(); ++i) {
-      torch::Tensor& p = trainable_[i].second;
-      if (p.grad().defined()) {
-        flags[i] = 1.0;
-      } else {
-        p.mutable_grad() = torch::zeros_like(p);
-      }
-      buffers.push_back(p.mutable_grad());
-    }
-    torch::Tensor counters =
-        torch::tensor({pending_norm_, static_cast<double>(pending_tokens_)}, torch::kDouble);
-    buffers.push_back(flags);
-    buffers.push_back(counters);
-    FW_RETURN_IF_ERROR(data_parallel_->AllReduceSum(buffers));
-    for (size_t i = 0; i < trainable_.size(); ++i) {
-      if (flags[i].item<double>() == 0) trainable_[i].second.mutable_grad() = torch::Tensor();
-    }
-    pending_norm_ = counters[0].item<double>();
-    pending_tokens_ = static_cast<int64_t>(counters[1].item<double>());
-    if (!have_pending_) {
-      pending_since_ = std::chrono::steady_clock::now();
-      have_pending_ = pending_norm_ > 0;
-    }
-  }
+  if (data_parallel_) FW_RETURN_IF_ERROR(ReduceAcrossRanks());
   if (!have_pending_ || pending_norm_ <= 0) {
     return Status::InvalidArgument(
         "optim_step: no gradients accumulated since the last step "
@@ -647,11 +657,11 @@ Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) 
   }
   FW_ASSIGN_OR_RETURN(Hash128 hash, CheckpointHashFromTensorHashes(view, snapshot.tensor_hashes));
   snapshot.weights_hash = hash.ToHex();
-  if (publisher_) {
+  if (publish_) {
     sync::AppendOptions known;
     known.tensor_hashes = snapshot.tensor_hashes;
     known.checkpoint_hash = hash;
-    FW_ASSIGN_OR_RETURN(sync::AppendResult published, publisher_->Publish(version, view, known));
+    FW_ASSIGN_OR_RETURN(sync::AppendResult published, publish_(version, view, known));
     for (const sync::ArtifactInfo& info : published.artifacts) {
       (info.kind == sync::ArtifactKind::kDelta ? snapshot.published_delta_bytes
                                                : snapshot.published_keyframe_bytes) += info.size_bytes;
@@ -664,28 +674,110 @@ Result<SamplerSnapshot> TrainingClient::SaveWeightsForSampler(uint64_t version) 
   return snapshot;
 }
 
-Status TrainingClient::SaveState(const std::string& dir, bool include_frozen) {
-  if (have_pending_) {
-    return Status::InvalidArgument(
-        "save_state: gradients are pending (forward_backward without optim_step); "
-        "step first so nothing is lost");
-  }
-  const fs::path target = fs::absolute(dir);
-  const fs::path temp = target.string() + ".tmp." + std::to_string(::getpid());
-  std::error_code ec;
-  fs::remove_all(temp, ec);
-  fs::create_directories(temp, ec);
-  if (ec)
-    return Status::IOError("save_state: cannot create " + temp.string() + ": " + ec.message());
-  // A failed save leaves no half-written directory behind (after the rename it is gone).
-  struct RemoveTemp {
-    fs::path path;
-    ~RemoveTemp() {
-      std::error_code ignored;
-      fs::remove_all(path, ignored);
-    }
-  } remove_temp{temp};
+namespace {
 
+constexpr const char* kStateMeta = "trainer.json";
+constexpr const char* kStateFiles[] = {"weights.safetensors", "optimizer.safetensors"};
+
+// `dir` made absolute, without a trailing '/': the name <dir>.tmp.<pid> and <dir>.old hang on.
+std::string StatePath(const std::string& dir) {
+  std::string path = fs::absolute(dir).lexically_normal().string();
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+
+// Writes `tensors` as a safetensors file through `env`, atomically and synced, and returns
+// their checkpoint hash (recorded in trainer.json; LoadState checks the file against it).
+Result<Hash128> WriteStateTensors(Env* env, const std::string& path, const CheckpointView& tensors) {
+  std::vector<Hash128> hashes;
+  for (const TensorView& t : tensors) hashes.push_back(TensorHash(t));
+  FW_ASSIGN_OR_RETURN(Hash128 hash, CheckpointHashFromTensorHashes(tensors, hashes));
+  FW_ASSIGN_OR_RETURN(std::vector<std::byte> header, SafetensorsHeader(tensors, {}));
+  FW_ASSIGN_OR_RETURN(AtomicFile file, AtomicFile::Create(path, env));
+  FW_RETURN_IF_ERROR(file.Append(header));
+  for (const TensorView& t : tensors) FW_RETURN_IF_ERROR(file.Append(t.data));
+  FW_RETURN_IF_ERROR(file.Commit());
+  return hash;
+}
+
+// Swaps the complete state in `temp` in for `target`: the old one is renamed aside and the
+// new one into place, the directory synced after each rename (so a crash between them
+// leaves <target>.old whole, which LoadState reads), then the old one is removed.
+Status SwapInState(Env* env, const std::string& temp, const std::string& target) {
+  const std::string old = target + ".old";
+  const std::string parent = DirName(target);
+  if (env->FileExists(target)) {
+    FW_RETURN_IF_ERROR(env->RemoveAll(old));  // a leftover: `target` is the state now
+    FW_RETURN_IF_ERROR(env->RenameFile(target, old));
+    FW_RETURN_IF_ERROR(env->SyncDir(parent));
+  }
+  if (Status renamed = env->RenameFile(temp, target); !renamed.ok()) {
+    if (env->FileExists(old)) (void)env->RenameFile(old, target);
+    return renamed;
+  }
+  FW_RETURN_IF_ERROR(env->SyncDir(parent));
+  // Not synced: an old state that comes back after a crash is removed by the next save.
+  (void)env->RemoveAll(old);
+  return Status::Ok();
+}
+
+// Checks trainer.json against this trainer's settings; reads the step, the last sampler
+// version and the recorded file hashes (absent in states saved before they were recorded).
+Status CheckStateMeta(const TrainerOptions& options, const nlohmann::json& state,
+                      const std::string& dir, const std::string& meta_path, uint64_t* step,
+                      uint64_t* version, std::map<std::string, std::string>* file_hashes) {
+  // Every field is read up front; a field of the wrong type is a corrupt state, not a throw.
+  try {
+    if (state.value("format", 0) != kStateFormat) {
+      return Status::InvalidArgument("load_state: " + meta_path + " has an unknown format");
+    }
+    if (state.value("config", nlohmann::json()) != options.config.ToJson()) {
+      return Status::Mismatch("load_state: " + dir + " was saved from a different model config");
+    }
+    const bool saved_lora = state.contains("lora") && !state["lora"].is_null();
+    if (saved_lora != options.lora.has_value() ||
+        (saved_lora &&
+         (state["lora"].value("rank", 0) != options.lora->rank ||
+          state["lora"].value("alpha", 0.0) != options.lora->alpha ||
+          state["lora"].value("targets", std::vector<std::string>{}) != options.lora->targets))) {
+      return Status::Mismatch("load_state: " + dir + " was saved with different LoRA settings");
+    }
+    // The adapters were trained against the base as packed; another packing is another base.
+    if (state.value("packed_experts", nlohmann::json(nullptr)) != PackedExpertsJson(options)) {
+      return Status::Mismatch("load_state: " + dir + " was saved with packed experts " +
+                              state.value("packed_experts", nlohmann::json(nullptr)).dump() +
+                              ", this trainer has " + PackedExpertsJson(options).dump());
+    }
+    *step = state.value("step", uint64_t{0});
+    *version = state.value("last_sampler_version", uint64_t{0});
+    *file_hashes = state.value("files", std::map<std::string, std::string>{});
+  } catch (const nlohmann::json::exception& e) {
+    return Status::Corruption("load_state: " + meta_path + ": " + e.what());
+  }
+  return Status::Ok();
+}
+
+// Opens one tensor file of a state and checks it against the hash trainer.json recorded.
+Result<SafetensorsFile> OpenStateTensors(const std::string& root, const std::string& name,
+                                         const std::map<std::string, std::string>& hashes) {
+  const std::string path = root + "/" + name;
+  FW_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(path));
+  auto recorded = hashes.find(name);
+  if (recorded == hashes.end()) return file;
+  std::vector<Hash128> tensor_hashes;
+  for (const TensorView& t : file.tensors()) tensor_hashes.push_back(TensorHash(t));
+  FW_ASSIGN_OR_RETURN(Hash128 hash, CheckpointHashFromTensorHashes(file.tensors(), tensor_hashes));
+  if (hash.ToHex() != recorded->second) {
+    return Status::Corruption("load_state: " + path + " has hash " + hash.ToHex() + ", " +
+                              kStateMeta + " records " + recorded->second +
+                              ": the file is damaged or from another save; not loaded");
+  }
+  return file;
+}
+
+}  // namespace
+
+Status TrainingClient::WriteStateFiles(const std::string& dir, bool include_frozen) const {
   OwnedCheckpoint weights, moments;
   for (auto& item : model_->named_parameters()) {
     if (!include_frozen && !item.value().requires_grad()) continue;
@@ -700,9 +792,10 @@ Status TrainingClient::SaveState(const std::string& dir, bool include_frozen) {
     moments.tensors.push_back(std::move(m));
     moments.tensors.push_back(std::move(v));
   }
-  FW_RETURN_IF_ERROR(WriteSafetensors((temp / "weights.safetensors").string(), weights.view(), {}));
-  FW_RETURN_IF_ERROR(
-      WriteSafetensors((temp / "optimizer.safetensors").string(), moments.view(), {}));
+  FW_ASSIGN_OR_RETURN(Hash128 weights_hash,
+                      WriteStateTensors(env(), dir + "/" + kStateFiles[0], weights.view()));
+  FW_ASSIGN_OR_RETURN(Hash128 moments_hash,
+                      WriteStateTensors(env(), dir + "/" + kStateFiles[1], moments.view()));
   nlohmann::json state = {
       {"format", kStateFormat},
       {"step", step_},
@@ -713,74 +806,55 @@ Status TrainingClient::SaveState(const std::string& dir, bool include_frozen) {
                                               {"targets", options_.lora->targets}}
                              : nlohmann::json(nullptr)},
       {"packed_experts", PackedExpertsJson(options_)},
+      {"files", {{kStateFiles[0], weights_hash.ToHex()}, {kStateFiles[1], moments_hash.ToHex()}}},
   };
-  {
-    std::ofstream out(temp / "trainer.json");
-    out << state.dump(2) << "\n";
-    if (!out)
-      return Status::IOError("save_state: cannot write " + (temp / "trainer.json").string());
+  const std::string text = state.dump(2) + "\n";
+  return WriteFileAtomically(dir + "/" + kStateMeta,
+                             std::as_bytes(std::span(text.data(), text.size())), env());
+}
+
+Status TrainingClient::SaveState(const std::string& dir, bool include_frozen) {
+  if (have_pending_) {
+    return Status::InvalidArgument(
+        "save_state: gradients are pending (forward_backward without optim_step); "
+        "step first so nothing is lost");
   }
+  Env* const env = this->env();
+  const std::string target = StatePath(dir);
+  const std::string temp = target + ".tmp." + std::to_string(::getpid());
+  FW_RETURN_IF_ERROR(env->RemoveAll(temp).WithContext("save_state"));
+  FW_RETURN_IF_ERROR(env->CreateDirs(temp).WithContext("save_state"));
   // Swap in: the old state stays whole until the new one is complete.
-  const fs::path old = target.string() + ".old." + std::to_string(::getpid());
-  fs::remove_all(old, ec);
-  if (fs::exists(target)) {
-    fs::rename(target, old, ec);
-    if (ec)
-      return Status::IOError("save_state: cannot move aside " + target.string() + ": " +
-                             ec.message());
+  Status saved = WriteStateFiles(temp, include_frozen);
+  if (saved.ok()) saved = SwapInState(env, temp, target);
+  if (!saved.ok()) {
+    (void)env->RemoveAll(temp);  // a failed save leaves no half-written directory behind
+    return saved.WithContext("save_state " + target);
   }
-  fs::rename(temp, target, ec);
-  if (ec) {
-    std::error_code restore;
-    if (fs::exists(old)) fs::rename(old, target, restore);
-    return Status::IOError("save_state: cannot rename " + temp.string() + " to " + target.string() +
-                           ": " + ec.message());
-  }
-  fs::remove_all(old, ec);
   return Status::Ok();
 }
 
 Status TrainingClient::LoadState(const std::string& dir, bool include_frozen) {
-  const fs::path root = dir;
-  const fs::path meta_path = root / "trainer.json";
-  if (!fs::exists(meta_path))
-    return Status::NotFound("load_state: " + meta_path.string() + " does not exist");
-  nlohmann::json state = nlohmann::json::parse(ReadFile(meta_path), nullptr, false);
+  Env* const env = this->env();
+  std::string root = StatePath(dir);
+  // A save that crashed between its two renames left the previous state as <dir>.old.
+  if (!env->FileExists(root) && env->FileExists(root + ".old/" + kStateMeta)) root += ".old";
+  const std::string meta_path = root + "/" + kStateMeta;
+  if (!env->FileExists(meta_path))
+    return Status::NotFound("load_state: " + (fs::path(dir) / kStateMeta).string() + " does not exist");
+  Result<std::vector<std::byte>> text = env->ReadFile(meta_path);
+  if (!text.ok()) return text.status().WithContext("load_state");
+  nlohmann::json state = nlohmann::json::parse(reinterpret_cast<const char*>(text->data()),
+                                               reinterpret_cast<const char*>(text->data()) + text->size(),
+                                               nullptr, false);
   if (state.is_discarded() || !state.is_object())
-    return Status::Corruption("load_state: " + meta_path.string() + " is not JSON");
-  // Every field is read up front; a field of the wrong type is a corrupt state, not a throw.
+    return Status::Corruption("load_state: " + meta_path + " is not JSON");
   uint64_t saved_step = 0, saved_version = 0;
-  try {
-    if (state.value("format", 0) != kStateFormat) {
-      return Status::InvalidArgument("load_state: " + meta_path.string() +
-                                     " has an unknown format");
-    }
-    if (state.value("config", nlohmann::json()) != options_.config.ToJson()) {
-      return Status::Mismatch("load_state: " + dir + " was saved from a different model config");
-    }
-    const bool saved_lora = state.contains("lora") && !state["lora"].is_null();
-    if (saved_lora != options_.lora.has_value() ||
-        (saved_lora &&
-         (state["lora"].value("rank", 0) != options_.lora->rank ||
-          state["lora"].value("alpha", 0.0) != options_.lora->alpha ||
-          state["lora"].value("targets", std::vector<std::string>{}) != options_.lora->targets))) {
-      return Status::Mismatch("load_state: " + dir + " was saved with different LoRA settings");
-    }
-    // The adapters were trained against the base as packed; another packing is another base.
-    if (state.value("packed_experts", nlohmann::json(nullptr)) != PackedExpertsJson(options_)) {
-      return Status::Mismatch("load_state: " + dir + " was saved with packed experts " +
-                              state.value("packed_experts", nlohmann::json(nullptr)).dump() +
-                              ", this trainer has " + PackedExpertsJson(options_).dump());
-    }
-    saved_step = state.value("step", uint64_t{0});
-    saved_version = state.value("last_sampler_version", uint64_t{0});
-  } catch (const nlohmann::json::exception& e) {
-    return Status::Corruption("load_state: " + meta_path.string() + ": " + e.what());
-  }
-  FW_ASSIGN_OR_RETURN(SafetensorsFile weights,
-                      SafetensorsFile::Open((root / "weights.safetensors").string()));
-  FW_ASSIGN_OR_RETURN(SafetensorsFile moments,
-                      SafetensorsFile::Open((root / "optimizer.safetensors").string()));
+  std::map<std::string, std::string> file_hashes;
+  FW_RETURN_IF_ERROR(CheckStateMeta(options_, state, dir, meta_path, &saved_step, &saved_version,
+                                    &file_hashes));
+  FW_ASSIGN_OR_RETURN(SafetensorsFile weights, OpenStateTensors(root, kStateFiles[0], file_hashes));
+  FW_ASSIGN_OR_RETURN(SafetensorsFile moments, OpenStateTensors(root, kStateFiles[1], file_hashes));
   std::map<std::string, const TensorView*> by_name;
   for (const TensorView& t : weights.tensors()) by_name[t.name] = &t;
   for (const TensorView& t : moments.tensors()) by_name[t.name] = &t;

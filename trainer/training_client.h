@@ -23,16 +23,14 @@
 #include <string_view>
 #include <vector>
 
+#include "base/env.h"
 #include "base/status.h"
 #include "checkpoint/hash.h"
 #include "checkpoint/tensor.h"
 #include "trainer/data_parallel.h"
 #include "trainer/losses.h"
 #include "model/model.h"
-
-namespace flywheel::sync {
-class Publisher;
-}
+#include "sync/version_log.h"
 
 namespace flywheel::trainer {
 
@@ -131,7 +129,16 @@ struct TrainerOptions {
   // Set: join a c10d/Gloo group (trainer/data_parallel.h). Rank 0's initial weights are
   // broadcast; every rank must call optim_step together; only rank 0 should publish.
   std::optional<DataParallelOptions> data_parallel;
+  // Saved states are written and read through this Env (null: Env::Default()).
+  Env* env = nullptr;
 };
+
+// Where SaveWeightsForSampler hands a snapshot to be published as `version`, with what is
+// known of it (its tensor hashes and checkpoint hash: not hashed again). The trainer knows
+// no publisher: whoever runs it wires one in (the RL run and the training service attach
+// their in-process sync::Publisher, whose Publish has this shape).
+using SnapshotPublisher = std::function<Result<sync::AppendResult>(
+    uint64_t version, const CheckpointView& weights, const sync::AppendOptions& known)>;
 
 // A CPU trainer has two thread pools: torch's OpenMP intra-op pool (element-wise ops,
 // softmax, reductions) and the pthread pool of OpenBLAS, the BLAS Debian's libtorch runs
@@ -206,10 +213,25 @@ class TrainingClient {
   // Casts the weights (LoRA: only the adapters) to the serving dtype, hashes them and, when
   // a publisher is attached, publishes them as `version` (must exceed the last one).
   Result<SamplerSnapshot> SaveWeightsForSampler(uint64_t version);
-  void AttachPublisher(sync::Publisher* publisher) { publisher_ = publisher; }
+  void AttachPublisher(SnapshotPublisher publish) { publish_ = std::move(publish); }
+  // Any object with sync::Publisher's Publish(version, weights, known): the caller, which
+  // includes the publisher, is where the two are wired together.
+  template <typename Publisher>
+  void AttachPublisher(Publisher* publisher) {
+    AttachPublisher([publisher](uint64_t version, const CheckpointView& weights,
+                                const sync::AppendOptions& known) {
+      return publisher->Publish(version, weights, known);
+    });
+  }
 
   // Weights (fp32), optimizer moments, step and pending accumulation, so a run resumes
-  // bit-exactly. `dir` is replaced atomically (written beside it, then renamed).
+  // bit-exactly. `dir` is replaced atomically and durably, through TrainerOptions::env:
+  // the new state is written beside it (<dir>.tmp.<pid>, every file synced), the old one
+  // renamed to <dir>.old, the new one renamed to `dir`, the directory synced; OK means the
+  // new state survives a power cut. A crash part-way leaves `dir` whole (old or new) or, if
+  // it struck between the two renames, no `dir` and a whole <dir>.old, which LoadState then
+  // reads. trainer.json records the checkpoint hash of each tensor file; LoadState refuses
+  // (Corruption) a file that does not match it, so a damaged save is never loaded.
   // With include_frozen false only the trained parameters are written and read (LoRA: the
   // adapters; the frozen base is left as it is): a state of one LoRA session on a shared base.
   Status SaveState(const std::string& dir, bool include_frozen = true);
@@ -234,6 +256,14 @@ class TrainingClient {
   explicit TrainingClient(TrainerOptions options);
   Result<Batch> MakeBatch(const std::vector<Datum>& datums, bool need_sampling,
                           bool need_advantages, bool need_ref) const;
+  // Checks datum `index` and copies it into its row of `batch` (routing into `replay`).
+  static Status FillBatchRow(const Datum& datum, size_t index, const model::ModelConfig& config,
+                             Batch& batch, torch::Tensor& replay);
+  // Data parallel: sums gradients, normalisers and token counts over the ranks.
+  Status ReduceAcrossRanks();
+  // SaveState's files (weights, optimizer, trainer.json) in the new directory `dir`.
+  Status WriteStateFiles(const std::string& dir, bool include_frozen) const;
+  Env* env() const { return options_.env != nullptr ? options_.env : Env::Default(); }
   // Token logprobs [B, T] of the batch's targets, and the MoE outputs. With `positions`
   // ([B, T] bool), the LM head runs only there (the vocabulary projection is the largest
   // matmul of a small model); elsewhere the result holds `filler` (or 0), without gradient.
@@ -257,7 +287,7 @@ class TrainingClient {
   std::chrono::steady_clock::time_point pending_since_{};
   bool have_pending_ = false;
   uint64_t last_version_ = 0;
-  sync::Publisher* publisher_ = nullptr;
+  SnapshotPublisher publish_;
   std::unique_ptr<DataParallel> data_parallel_;
 };
 

@@ -27,23 +27,33 @@ MAY_DEPEND_ON = {
     "ops": ["base"],
     "tokenizer": ["base"],
     "sync": ["delta", "transport", "ops"],
+    # push/: the push product (API, uploads, client), an extension of sync/'s publisher.
+    "push": ["sync"],
     "model": ["delta", "tokenizer"],
     "pipeline": ["transport", "ops"],
     "trainer": ["model", "sync"],
     "rollout": ["model", "sync", "transport", "tokenizer", "pipeline"],
-    "rl": ["trainer", "rollout", "pipeline"],
+    "rl": ["trainer", "rollout", "pipeline", "push"],
     "service": ["rl", "trainer", "rollout", "pipeline"],
     # testing/ (fault proxy): for tests and benchmarks only; no production folder includes it.
     "testing": ["transport"],
-    "bench": ["service", "rl", "trainer", "rollout", "pipeline", "sync", "model", "ops", "testing"],
-    "tools": ["bench", "service", "rl", "trainer", "rollout", "pipeline", "sync", "model", "ops"],
+    "bench": ["service", "rl", "trainer", "rollout", "pipeline", "push", "sync", "model", "ops",
+              "testing"],
+    "tools": ["bench", "service", "rl", "trainer", "rollout", "pipeline", "push", "sync", "model",
+              "ops"],
+}
+# Headers a folder may not include although its layer could: the trainer keeps sync/ for
+# the version vocabulary (sync/version_log.h) but knows no publisher; the RL run and the
+# training service wire a publisher into it (TrainingClient::AttachPublisher).
+FORBIDDEN_HEADERS = {
+    "trainer": {"sync/publisher.h"},
 }
 # Folders that may include anything (they sit above every layer).
 TOP = {"tests", "examples"}
 # Folders whose code must stay torch-free: relays, publishers and the coordinator must not
 # load libtorch.
 TORCH_FREE = {"base", "kernels", "checkpoint", "delta", "transport", "ops", "tokenizer", "sync",
-              "pipeline", "testing"}
+              "push", "pipeline", "testing"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
 SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")
@@ -88,6 +98,10 @@ def check(root):
                                 problems.append(f"{rel}:{number}: {folder}/ must stay torch-free "
                                                 f"but includes <{target}>")
                             continue
+                        if target in FORBIDDEN_HEADERS.get(folder, ()):
+                            problems.append(f"{rel}:{number}: {folder}/ must not include "
+                                            f"\"{target}\" (FORBIDDEN_HEADERS)")
+                            continue
                         top = target.split("/", 1)[0]
                         if "/" not in target or top not in known:
                             continue  # a generated or same-folder header
@@ -99,10 +113,12 @@ def check(root):
 
 
 def self_test():
-    """The checker must flag an upward include, a sideways one and torch below model/."""
+    """The checker must flag an upward include, a sideways one, a forbidden header and torch
+    below model/."""
     cases = {
         "delta/bad.cc": '#include "sync/node.h"\n',         # up
         "trainer/bad.cc": '#include "rollout/engine.h"\n',  # sideways
+        "trainer/publishes.cc": '#include "sync/publisher.h"\n',  # a forbidden header
         "sync/bad.h": "#include <torch/torch.h>\n",         # torch below model/
         "rollout/good.cc": '#include "model/model.h"\n#include "delta/delta.h"\n',
         "tests/any.cc": '#include "rl/rl_loop.h"\n',
@@ -114,7 +130,7 @@ def self_test():
                 f.write(text)
         problems = check(root)
     flagged = {p.split(":", 1)[0] for p in problems}
-    expected = {"delta/bad.cc", "trainer/bad.cc", "sync/bad.h"}
+    expected = {"delta/bad.cc", "trainer/bad.cc", "trainer/publishes.cc", "sync/bad.h"}
     if flagged != expected:
         print(f"self-test FAILED: flagged {sorted(flagged)}, expected {sorted(expected)}")
         return 1
