@@ -889,7 +889,8 @@ class VersionLog::AppendRun {
                     : streamed_                  ? sink_->bytes()
                                                  : std::span<const std::byte>(*delta_bytes_);
     }
-    result_.encoded_at = std::chrono::system_clock::now();
+    result_.encoded_at =
+        std::chrono::system_clock::time_point(std::chrono::microseconds(UnixMicrosNow()));
     if (hash_in_encode_) {
       if (!delta_bytes_.ok()) return delta_bytes_.status().WithContext(Context("delta"));
       Result<std::vector<Hash128>> hashes = TargetTensorHashes(delta_span_);
@@ -943,7 +944,8 @@ class VersionLog::AppendRun {
   Status WriteKeyframe() {
     encode_.base_tensor_hashes = {};
     Result<std::vector<std::byte>> keyframe = delta::EncodeKeyframe(checkpoint_, encode_);
-    result_.encoded_at = std::chrono::system_clock::now();
+    result_.encoded_at =
+        std::chrono::system_clock::time_point(std::chrono::microseconds(UnixMicrosNow()));
     return WriteArtifact(ArtifactKind::kKeyframe, keyframe.status(),
                          keyframe.ok() ? std::span<const std::byte>(*keyframe)
                                        : std::span<const std::byte>());
