@@ -109,6 +109,7 @@ def check(root):
                     problems.append(f"{rel}:{number}: {what}: write through base/env.h "
                                     f"(WriteFileAtomically, AtomicFile, NewAppendableFile + "
                                     f"Sync, RenameFile + SyncDir, RemoveFileDurably)")
+                    break  # one report per line
     return problems
 
 
