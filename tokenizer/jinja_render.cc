@@ -724,11 +724,14 @@ Result<Value> Power(const Operands& o) {
   double x = o.a.number();
   double y = o.b.number();
   if (o.ints && o.b.integer() >= 0) {
-    int64_t result = 1;
-    int64_t base = o.a.integer();
-    for (int64_t e = o.b.integer(); e > 0; --e) {
+    const int64_t base = o.a.integer();
+    const int64_t exponent = o.b.integer();
+    if (base == 0) return Value::Int(exponent == 0 ? 1 : 0);
+    if (base == 1) return Value::Int(1);
+    if (base == -1) return Value::Int(exponent % 2 == 0 ? 1 : -1);
+    int64_t result = 1;  // |base| >= 2 overflows within 63 steps
+    for (int64_t e = exponent; e > 0; --e) {
       if (__builtin_mul_overflow(result, base, &result)) return o.Overflow();
-      if (result == 0 || result == 1) break;
     }
     return Value::Int(result);
   }

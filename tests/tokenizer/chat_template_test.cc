@@ -126,7 +126,8 @@ std::vector<Case> LanguageCases() {
        "{{ '%+d %x %o %e' % (5, 255, 8, 12345.678) }}|{{ '%s' % none }}",
        "{}"},
       {"NegativeConstantPowerQuirk",
-       "{{ -2 ** 2 }} {{ -2 ** two }} {{ (-2) ** two }} {{ -x ** 2 }}", R"({"two": 2, "x": 3})"},
+       "{{ -2 ** 2 }} {{ -2 ** two }} {{ (-2) ** two }} {{ -x ** 2 }} {{ (-1) ** 3 }} {{ (-1) ** 4 }} "
+       "{{ (-2) ** 3 }} {{ 0 ** 0 }} {{ 0 ** 5 }} {{ 1 ** 99 }}", R"({"two": 2, "x": 3})"},
       {"FilterBindsTighterThanOperators",
        "{{ -1|abs }} {{ 'a' ~ 'b'|upper }} {{ [1, 2, 3]|length * 2 }} {{ 'x' + 'y'|upper }}", "{}"},
 
