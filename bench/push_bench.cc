@@ -14,7 +14,7 @@
 #include "checkpoint/safetensors.h"
 #include "testing/fault_proxy.h"
 #include "ops/process.h"
-#include "sync/push_client.h"
+#include "push/push_client.h"
 #include "transport/http.h"
 
 namespace flywheel::bench {

@@ -4,7 +4,7 @@
 // model-less workers), puts a TCP proxy that shapes the client -> publisher direction to
 // the upload link rate (token bucket; this machine has no netem) in front of the
 // publisher's HTTP port, and then, all through that proxy:
-//   1. pushes v1 in full (sync/push_client.h) and waits until every worker serves it;
+//   1. pushes v1 in full (push/push_client.h) and waits until every worker serves it;
 //   2. uploads the same file with `curl -T` (the peer: one PUT of the whole file into an
 //      upload, which is then aborted) — the same bytes over the same shaped link;
 //   3. runs further AdamW steps of one simulation (bench/checkpoint_gen.h: RL-like bf16

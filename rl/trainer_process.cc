@@ -11,6 +11,7 @@
 #include "delta/delta_file.h"
 #include "model/fp8.h"
 #include "ops/metrics.h"
+#include "push/push_api.h"
 #include "transport/api.h"
 #include "transport/connection.h"
 #include "transport/http.h"
@@ -62,6 +63,8 @@ Result<sync::PublisherOptions> MakePublisherOptions(const TrainRunOptions& optio
   publisher.log.keyframe_every = static_cast<uint64_t>(config.fleet.keyframe_every);
   publisher.log.retain = 2 * static_cast<uint64_t>(config.fleet.keyframe_every);
   publisher.max_staleness = static_cast<uint64_t>(config.pipeline.max_staleness);
+  // The ledger, readiness and wait routes; push routes answer 403 (no push token).
+  sync::EnablePushApi(publisher, sync::PushOptions{});
   return publisher;
 }
 

@@ -12,6 +12,7 @@
 #include "model/packed.h"
 #include "model/model_config.h"
 #include "pipeline/task.h"
+#include "push/push_api.h"
 #include "rl/trainer_process.h"
 #include "service/training_service.h"
 #include "sync/publisher.h"
@@ -157,6 +158,8 @@ Result<sync::PublisherOptions> PublisherOptionsFor(const ServeTrainerOptions& o)
   if (o.keyframe_every < 1) return Status::InvalidArgument("--keyframe-every must be >= 1");
   publisher_options.log.keyframe_every = static_cast<uint64_t>(o.keyframe_every);
   publisher_options.log.retain = 2 * static_cast<uint64_t>(o.keyframe_every);
+  // The ledger, readiness and wait routes; push routes answer 403 (no push token).
+  sync::EnablePushApi(publisher_options, sync::PushOptions{});
   return publisher_options;
 }
 

@@ -34,7 +34,7 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   std::unique_ptr<Server> server;
   std::unique_ptr<transport::HttpServer> http;
   std::unique_ptr<Ledger> ledger;
-  std::unique_ptr<PushApi> push;
+  std::unique_ptr<PublisherExtension> extension;  // options.extension's, if any
   std::atomic<bool> stopped{false};
   std::map<std::string, transport::LinkShaping> region_shaping;
 
@@ -86,7 +86,7 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   Result<AppendResult> Append(uint64_t version, const CheckpointView& checkpoint,
                               const AppendOptions& known, LedgerRow* row,
                               std::optional<Clock::time_point> started = std::nullopt);
-  // PublishTarget, for the push API.
+  // PublishTarget, for an extension (the push API).
   const VersionLog& version_log() const override { return *log; }
   Result<LedgerRow> Publish(uint64_t version, const CheckpointView& checkpoint,
                             const AppendOptions& known, LedgerRow row) override;
@@ -99,8 +99,8 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   void OnStream(const ArtifactInfo& partial, std::shared_ptr<const GrowableBytes> bytes);
   awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
   PublisherStatus CurrentStatus() const;
-  // Opens the ledger and the staging area and adds the push API's routes.
-  Status StartPush();
+  // Opens the ledger and starts options.extension, if any.
+  Status StartExtension();
   // Signs every artifact of the log that has no valid signature yet and rewrites
   // signatures.json (pruned to the log's artifacts). REQUIRES: publish_mutex held, or
   // before the publisher serves.
@@ -190,25 +190,22 @@ Status Publisher::Impl::SignArtifacts() {
   return Status::Ok();
 }
 
-Status Publisher::Impl::StartPush() {
+Status Publisher::Impl::StartExtension() {
   FW_ASSIGN_OR_RETURN(ledger, Ledger::Open(options.log.dir + "/ledger.log"));
-  PushOptions& push_options = options.push;
-  UploadStoreOptions staging;
-  staging.dir = push_options.staging_dir.empty() ? options.log.dir + "/uploads"
-                                                 : push_options.staging_dir;
-  staging.quota_bytes = push_options.staging_quota_bytes;
-  staging.max_upload_bytes = push_options.max_upload_bytes;
-  staging.max_part_bytes = push_options.max_part_bytes;
-  staging.expiry = push_options.upload_expiry;
-  FW_ASSIGN_OR_RETURN(std::unique_ptr<UploadStore> uploads, UploadStore::Open(staging));
+  if (!options.extension) return Status::Ok();
   // Any token configured (the fleet's, the push token, or only scoped ones) makes every
   // read need a token with the read scope.
-  const bool read_token_required = !options.common.token.empty() || !push_options.token.empty() ||
+  const bool read_token_required = !options.common.token.empty() || !options.push_token.empty() ||
                                    !options.common.scoped_tokens.empty();
-  push = std::make_unique<PushApi>(executor, push_options, this, ledger.get(), std::move(uploads),
-                                   &cpu, options.common.threads, read_token_required);
-  push->Register(*http);
-  asio::co_spawn(executor, push->ExpiryLoop(), asio::detached);
+  const PublisherContext context{.executor = executor,
+                                 .target = this,
+                                 .ledger = ledger.get(),
+                                 .http = http.get(),
+                                 .cpu = &cpu,
+                                 .threads = options.common.threads,
+                                 .state_dir = options.log.dir,
+                                 .read_token_required = read_token_required};
+  FW_ASSIGN_OR_RETURN(extension, options.extension(context));
   return Status::Ok();
 }
 
@@ -295,7 +292,7 @@ std::pair<uint64_t, int64_t> CommitStamp(const Drop& drop) {
 }  // namespace
 
 void Publisher::Impl::ScanDropsOnce() {
-  if (push && push->pinned()) return;  // drops wait in the directory until unpin
+  if (extension && extension->pinned()) return;  // drops wait in the directory until unpin
   Result<std::vector<Drop>> drops = ScanDrops(options.watch_dir, 0);
   if (!drops.ok()) {
     spdlog::warn("cannot scan {}: {}", options.watch_dir, drops.status().message());
@@ -556,8 +553,8 @@ Result<std::unique_ptr<Publisher>> Publisher::Start(asio::any_io_executor execut
   FW_ASSIGN_OR_RETURN(impl->http,
                       StartStatusServer(executor, options.common, tls.server,
                                         [raw] { return ToJson(raw->CurrentStatus()); },
-                                        options.push.token));
-  FW_RETURN_IF_ERROR(impl->StartPush());
+                                        options.push_token));
+  FW_RETURN_IF_ERROR(impl->StartExtension());
   if (!options.watch_dir.empty()) asio::co_spawn(executor, impl->WatchLoop(), asio::detached);
   FW_RETURN_IF_ERROR(WriteRoleReadyFile(options.common, impl->identity, impl->http->port(),
                                         transport::Endpoint{options.listen.host, impl->server->port()}));
@@ -576,7 +573,7 @@ void Publisher::Stop() {
   auto impl = impl_;
   impl->stopped = true;
   asio::post(impl->executor, [impl] {
-    if (impl->push) impl->push->Stop();
+    if (impl->extension) impl->extension->Stop();
     impl->server->Stop();
     if (impl->http) impl->http->Stop();
   });

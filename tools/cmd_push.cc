@@ -1,5 +1,5 @@
 // `flywheel push`, `flywheel versions`, `flywheel pin`, `flywheel unpin`: thin commands over
-// a publisher's push API (sync/push_client.h, docs/PUSH_API.md).
+// a publisher's push API (push/push_client.h, docs/PUSH_API.md).
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <iostream>
@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "sync/push_client.h"
+#include "push/push_client.h"
 #include "tools/commands.h"
 #include "tools/progress.h"
 

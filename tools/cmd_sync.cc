@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "push/push_api.h"
 #ifdef FLYWHEEL_WITH_TORCH
 #include "rollout/worker_engine.h"
 #endif
@@ -180,24 +181,26 @@ Status RunPublish(const SyncArgs& args) {
   options.watch_dir = args.watch_dir;
   options.poll = std::chrono::milliseconds(args.poll_ms);
   options.max_staleness = args.max_staleness;
-  options.push.token = args.push_token;
+  sync::PushOptions push;  // the push API (push/push_api.h)
+  push.token = args.push_token;
   if (!args.push_token_file.empty()) {
-    FW_ASSIGN_OR_RETURN(options.push.token, ReadTokenFile(args.push_token_file, "--push-token-file"));
+    FW_ASSIGN_OR_RETURN(push.token, ReadTokenFile(args.push_token_file, "--push-token-file"));
   }
-  if (options.watch_dir.empty() && options.push.token.empty()) {
+  if (options.watch_dir.empty() && push.token.empty()) {
     return Status::InvalidArgument(
         "publish: nothing to publish from: give --watch DIR, --push-token-file F, or both");
   }
-  if (!options.push.token.empty() && options.push.token == options.common.token) {
+  if (!push.token.empty() && push.token == options.common.token) {
     return Status::InvalidArgument("publish: the push token must differ from the read token");
   }
   options.signing_key = args.signing_key;
-  options.push.staging_dir = args.staging_dir;
-  options.push.max_upload_bytes = args.max_upload_mib << 20;
-  options.push.staging_quota_bytes = args.staging_quota_mib << 20;
-  options.push.max_part_bytes = args.max_part_mib << 20;
-  options.push.upload_expiry =
+  push.staging_dir = args.staging_dir;
+  push.max_upload_bytes = args.max_upload_mib << 20;
+  push.staging_quota_bytes = args.staging_quota_mib << 20;
+  push.max_part_bytes = args.max_part_mib << 20;
+  push.upload_expiry =
       std::chrono::milliseconds(static_cast<int64_t>(args.upload_expiry_s * 1000));
+  sync::EnablePushApi(options, std::move(push));
   asio::io_context io(1);
   Result<std::unique_ptr<sync::Publisher>> publisher =
       sync::Publisher::Start(io.get_executor(), options);

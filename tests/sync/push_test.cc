@@ -1,7 +1,7 @@
 // The publisher's push API (docs/PUSH_API.md) over real HTTP on 127.0.0.1: an in-process
 // sync::Publisher (and, where the fleet matters, an in-process model-less sync::Worker) on
 // one io_context thread; requests come from transport::HttpCall and from the push client
-// (sync/push_client.h) on the test thread. Connection cuts come from a proxy outside the
+// (push/push_client.h) on the test thread. Connection cuts come from a proxy outside the
 // code under test (pipeline/fault_proxy.h); a full staging disk is a real 1 MiB tmpfs.
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -25,8 +25,9 @@
 #include "ops/process.h"
 #include "sync/publisher.h"
 #include "sync/ledger.h"
-#include "sync/push_client.h"
-#include "sync/uploads.h"
+#include "push/push_api.h"
+#include "push/push_client.h"
+#include "push/uploads.h"
 #include "sync/worker.h"
 #include "tests/delta/test_checkpoints.h"
 #include "testing/fault_proxy.h"
@@ -95,8 +96,8 @@ class PushTest : public ::testing::Test {
     options_.common.connection.idle_timeout = 1000ms;
     options_.listen = {"127.0.0.1", 0};
     options_.log.dir = (dir_ / "state").string();
-    options_.push.token = kPushToken;
-    options_.push.max_part_bytes = 1 << 20;
+    push_.token = kPushToken;
+    push_.max_part_bytes = 1 << 20;
   }
 
   void TearDown() override {
@@ -114,8 +115,15 @@ class PushTest : public ::testing::Test {
     fs::remove_all(dir_, ignored);
   }
 
+  // options_ with the push API (push_) installed, as `flywheel publish` does.
+  PublisherOptions WithPush() const {
+    PublisherOptions options = options_;
+    EnablePushApi(options, push_);
+    return options;
+  }
+
   void StartPublisher() {
-    Result<std::unique_ptr<Publisher>> started = Publisher::Start(io_->get_executor(), options_);
+    Result<std::unique_ptr<Publisher>> started = Publisher::Start(io_->get_executor(), WithPush());
     ASSERT_TRUE(started.ok()) << started.status().ToString();
     publisher_ = std::move(*started);
     endpoint_ = {"127.0.0.1", publisher_->http_port()};
@@ -189,6 +197,7 @@ class PushTest : public ::testing::Test {
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
   std::thread io_thread_;
   PublisherOptions options_;
+  PushOptions push_;  // installed on options_ by WithPush()
   std::unique_ptr<Publisher> publisher_;
   std::unique_ptr<Worker> worker_;
   transport::Endpoint endpoint_;
@@ -345,7 +354,7 @@ TEST_F(PushTest, AnAdminTokenTakesPinAwayFromThePushTokenAndADashboardOnlyReads)
 }
 
 TEST_F(PushTest, NoPushTokenMeansNoPushes) {
-  options_.push.token.clear();
+  push_.token.clear();
   StartPublisher();
   Answer answer = Call("POST", "/v1/uploads", "{}", kReadToken);
   EXPECT_EQ(answer.status, 403);
@@ -432,7 +441,7 @@ TEST_F(PushTest, OlderOrEqualVersionIs409) {
 }
 
 TEST_F(PushTest, OversizedUploadIs413) {
-  options_.push.max_upload_bytes = 1000;
+  push_.max_upload_bytes = 1000;
   StartPublisher();
   Answer refused = Create(Serialized(v1_));
   EXPECT_EQ(refused.status, 413);
@@ -497,7 +506,7 @@ TEST_F(PushTest, StagingDiskFullPublishesNothing) {
     GTEST_SKIP() << "cannot mount a tmpfs (needs root): " << std::strerror(errno);
   }
   mounted_ = staging.string();
-  options_.push.staging_dir = staging.string();
+  push_.staging_dir = staging.string();
   StartPublisher();
   ASSERT_EQ(PushWhole(Serialized(v1_)).status, 200);  // ~0.5 MB fits
   const std::string big = Serialized(RandomCheckpoint({{"w", DType::kBF16, {1024, 1024}}}, 2));
@@ -510,7 +519,7 @@ TEST_F(PushTest, StagingDiskFullPublishesNothing) {
 }
 
 TEST_F(PushTest, AbandonedUploadExpires) {
-  options_.push.upload_expiry = 200ms;
+  push_.upload_expiry = 200ms;
   StartPublisher();
   Answer created = Create(Serialized(v1_));
   ASSERT_EQ(created.status, 201);
@@ -595,7 +604,7 @@ TEST_F(PushTest, LedgerSurvivesARestart) {
   Result<std::unique_ptr<Publisher>> restarted = Status::Unavailable("not started");
   ASSERT_TRUE(ops::WaitUntil(
                   [&] {
-                    restarted = Publisher::Start(io_->get_executor(), options_);
+                    restarted = Publisher::Start(io_->get_executor(), WithPush());
                     return restarted.ok();
                   },
                   5s, "the publisher to restart on its state directory")
@@ -616,7 +625,7 @@ TEST_F(PushTest, LedgerSurvivesARestart) {
 std::string Nested(size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
 
 TEST_F(PushTest, DeepJsonInAnUploadOrPinIsAClear400AndTheServerServesOn) {
-  options_.push.max_part_bytes = 4 << 20;  // the route takes 4 MiB parts
+  push_.max_part_bytes = 4 << 20;  // the route takes 4 MiB parts
   StartPublisher();
   // A create is a control body: 1 MiB at most, whatever the parts may be; refused (413, by
   // the HTTP server) before it is read.
@@ -668,7 +677,7 @@ class LargeDeltaPushTest : public PushTest {
   void Run(uint64_t mib) {
     options_.log.keyframe_every = 1000;  // the keyframe encode is the log's cost, not the commit's
     options_.log.keyframe_cost = 0;
-    options_.push.max_part_bytes = 64 << 20;
+    push_.max_part_bytes = 64 << 20;
     options_.common.threads = 2;
     StartPublisher();
     // Tensors of 16 MiB of bf16: a realistic layer size.
@@ -693,8 +702,8 @@ class LargeDeltaPushTest : public PushTest {
     Answer created = Create(delta, {{"kind", "delta"}, {"base_version", 1}});
     ASSERT_EQ(created.status, 201) << created.body.dump();
     const std::string id = created.body["id"];
-    for (size_t offset = 0; offset < delta.size(); offset += options_.push.max_part_bytes) {
-      ASSERT_EQ(Put(id, offset, delta.substr(offset, options_.push.max_part_bytes)).status, 200);
+    for (size_t offset = 0; offset < delta.size(); offset += push_.max_part_bytes) {
+      ASSERT_EQ(Put(id, offset, delta.substr(offset, push_.max_part_bytes)).status, 200);
     }
     const uint64_t delta_bytes = delta.size();
     delta = std::string();
@@ -987,7 +996,7 @@ TEST(UploadStoreTest, ASmallPartIsWrittenWhileA64MiBPartIsInFlight) {
 
 TEST_F(PushTest, WaitNeedsAReadTokenWhenOnlyScopedTokensAreConfigured) {
   options_.common.token.clear();
-  options_.push.token.clear();
+  push_.token.clear();
   options_.common.scoped_tokens = {{"dashboard-token", transport::kScopeRead},
                                    {"sampler-token", transport::kScopeSample}};
   options_.watch_dir = (dir_ / "drops").string();

@@ -1,4 +1,4 @@
-#include "sync/push_api.h"
+#include "push/push_api.h"
 
 #include <spdlog/spdlog.h>
 
@@ -581,6 +581,26 @@ awaitable<void> PushApi::ExpiryLoop() {
 }
 
 void PushApi::Stop() { impl_->stopped = true; }
+
+void EnablePushApi(PublisherOptions& publisher, PushOptions push) {
+  publisher.push_token = push.token;
+  publisher.extension =
+      [push = std::move(push)](const PublisherContext& context) -> Result<std::unique_ptr<PublisherExtension>> {
+    UploadStoreOptions staging;
+    staging.dir = push.staging_dir.empty() ? context.state_dir + "/uploads" : push.staging_dir;
+    staging.quota_bytes = push.staging_quota_bytes;
+    staging.max_upload_bytes = push.max_upload_bytes;
+    staging.max_part_bytes = push.max_part_bytes;
+    staging.expiry = push.upload_expiry;
+    FW_ASSIGN_OR_RETURN(std::unique_ptr<UploadStore> uploads, UploadStore::Open(staging));
+    auto api = std::make_unique<PushApi>(context.executor, push, context.target, context.ledger,
+                                         std::move(uploads), context.cpu, context.threads,
+                                         context.read_token_required);
+    api->Register(*context.http);
+    asio::co_spawn(context.executor, api->ExpiryLoop(), asio::detached);
+    return std::unique_ptr<PublisherExtension>(std::move(api));
+  };
+}
 
 bool PushApi::pinned() const { return impl_->pinned; }
 

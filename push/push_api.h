@@ -1,5 +1,8 @@
 // The publisher's push API (docs/PUSH_API.md): resumable uploads, the version ledger,
 // readiness and its long-poll, pin and unpin, as routes on the publisher's HTTP server.
+// It is an extension of the publisher (sync/publisher.h: PublisherExtension), installed by
+// EnablePushApi; the publisher itself knows nothing of it. (Still in namespace
+// flywheel::sync, like the publisher it extends.)
 //
 // Routes run on the publisher's network thread; part writes go to an I/O pool and
 // commits and pins (hash, validate, apply, encode) to the publisher's CPU pool, so the
@@ -17,8 +20,9 @@
 
 #include "base/status.h"
 #include "sync/ledger.h"
+#include "sync/publisher.h"
 #include "sync/server.h"
-#include "sync/uploads.h"
+#include "push/uploads.h"
 #include "sync/version_log.h"
 #include "transport/http.h"
 
@@ -37,19 +41,6 @@ struct PushOptions {
   size_t max_waiters = 32;
 };
 
-// What the push API needs from the publisher that owns it.
-class PublishTarget {
- public:
-  virtual ~PublishTarget() = default;
-  virtual const VersionLog& version_log() const = 0;
-  // Appends `checkpoint` as `version` to the log, records `row` (its version, hash, sizes and
-  // time filled in) in the ledger and announces it. Thread-safe; blocks while encoding.
-  virtual Result<LedgerRow> Publish(uint64_t version, const CheckpointView& checkpoint,
-                                    const AppendOptions& known, LedgerRow row) = 0;
-  // The nodes below the publisher. REQUIRES: called on the network thread.
-  virtual std::vector<FleetNode> Fleet() const = 0;
-};
-
 // Readiness of the fleet for a version (GET /v1/readiness).
 struct Readiness {
   uint64_t version = 0;
@@ -60,27 +51,33 @@ struct Readiness {
 Readiness ReadinessOf(const std::vector<FleetNode>& fleet, uint64_t version);
 nlohmann::json ToJson(const Readiness& readiness);
 
-class PushApi {
+class PushApi : public PublisherExtension {
  public:
   // REQUIRES: target, ledger and cpu outlive the PushApi; `read_token_required` says
   // whether reads need a token (the publisher has a read token or a push token).
   PushApi(asio::any_io_executor executor, PushOptions options, PublishTarget* target,
           Ledger* ledger, std::unique_ptr<UploadStore> uploads, asio::thread_pool* cpu,
           int threads, bool read_token_required);
-  ~PushApi();
+  ~PushApi() override;
 
   // Adds the routes. REQUIRES: on the server's executor, before requests arrive.
   void Register(transport::HttpServer& http);
   // Removes idle uploads every second until Stop().
   awaitable<void> ExpiryLoop();
-  void Stop();
+  void Stop() override;
   // Whether the fleet is pinned (drops wait while it is).
-  bool pinned() const;
+  bool pinned() const override;
 
   struct Impl;
 
  private:
   std::shared_ptr<Impl> impl_;
 };
+
+// Installs the push API on a publisher: `publisher.push_token` and `publisher.extension`,
+// which opens the staging area (push.staging_dir, or <state-dir>/uploads), adds the routes
+// and starts the expiry of idle uploads. Without a push token the read routes (versions,
+// readiness, wait) still serve and the push routes answer 403.
+void EnablePushApi(PublisherOptions& publisher, PushOptions push);
 
 }  // namespace flywheel::sync

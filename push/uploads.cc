@@ -1,4 +1,4 @@
-#include "sync/uploads.h"
+#include "push/uploads.h"
 
 #include <fcntl.h>
 #include <openssl/evp.h>

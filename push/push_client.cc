@@ -1,4 +1,4 @@
-#include "sync/push_client.h"
+#include "push/push_client.h"
 
 #include <fcntl.h>
 #include <openssl/evp.h>
