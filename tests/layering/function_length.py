@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Function length in the top layers: no function body in rl/, pipeline/ or tools/ may be
-longer than --max lines (default 80), so that the code that wires the system together
-reads as parts with names.
+"""Function length in production code: no function body in any folder the build compiles
+(the root CMakeLists.txt's add_subdirectory folders, tests/ excepted) may be longer than
+--max lines (default 80), so that the code reads as parts with names. The one exception is
+a data table named in function_length_allowlist.txt beside this script, with its reason.
 
 A function is found by its body: a `{` that closes a signature (`...)`, `...) const`,
 `...) -> T`, `...) override`, a constructor's initialiser list) at any nesting level that is
@@ -9,7 +10,7 @@ not itself inside a function. Braces inside the signature (a default argument `=
 lambda default, a member initialiser `a_{x}`) belong to the signature. Lines are counted from the signature's first line to the
 closing brace. Lambdas and local classes count towards the function that holds them.
 
-  function_length.py [--root DIR] [--max N] [--report K] [FOLDER ...]
+  function_length.py [--root DIR] [--max N] [--report K] [--allowlist FILE] [FOLDER ...]
   function_length.py --self-test
 """
 
@@ -19,7 +20,9 @@ import re
 import sys
 import tempfile
 
-FOLDERS = ["rl", "pipeline", "tools"]
+# Folders that hold no production code, though the build may enter them.
+NOT_PRODUCTION = {"tests"}
+ALLOWLIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "function_length_allowlist.txt")
 SUFFIXES = (".cc", ".h")
 NOT_A_FUNCTION = re.compile(r"^\s*(namespace|struct|class|union|enum|extern)\b|=\s*$|\[\]\s*$")
 
@@ -180,28 +183,108 @@ def self_test():
     return 0
 
 
+def production_folders(root):
+    """Every folder the root CMakeLists.txt adds (add_subdirectory), tests/ excepted: a new
+    module is measured from the day it joins the build, without a list to keep by hand."""
+    with open(os.path.join(root, "CMakeLists.txt"), encoding="utf-8") as f:
+        text = f.read()
+    folders = re.findall(r"^\s*add_subdirectory\(\s*([\w/.-]+)", text, re.MULTILINE)
+    return [folder for folder in dict.fromkeys(folders) if folder not in NOT_PRODUCTION]
+
+
+def read_allowlist(path):
+    """{(path, function): reason} from an allowlist file; a line without a reason is an error."""
+    allowed = {}
+    if not os.path.exists(path):
+        return allowed
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            entry, _, reason = line.partition("#")
+            entry, reason = entry.strip(), reason.strip()
+            if not entry:
+                continue
+            where, sep, function = entry.rpartition(":")
+            if not sep or not where or not function or not reason:
+                raise ValueError(f"{path}:{number}: want 'path:function  # reason', got {line.strip()!r}")
+            allowed[(where, function)] = reason
+    return allowed
+
+
+def check(found, limit, allowed):
+    """The functions over `limit` not allowed, and the allowlist entries that match no
+    function over the limit (stale: the table was split or shrank)."""
+    over = [f for f in found if f[0] > limit and (f[1], f[3]) not in allowed]
+    matched = {(f[1], f[3]) for f in found if f[0] > limit}
+    stale = sorted(key for key in allowed if key not in matched)
+    return over, stale
+
+
+def allowlist_self_test():
+    """The allowlist lets through exactly the functions it names, and fails on stale entries."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "allow.txt")
+        with open(path, "w") as f:
+            f.write("# comment\n\nkernels/table.cc:kTable  # a 300-entry lookup table\n"
+                    "gone.cc:Old  # split since\n")
+        allowed = read_allowlist(path)
+        found = [(120, "kernels/table.cc", 1, "kTable"), (90, "sync/x.cc", 5, "Long"),
+                 (10, "gone.cc", 1, "Old")]
+        over, stale = check(found, 80, allowed)
+        if [f[3] for f in over] != ["Long"] or stale != [("gone.cc", "Old")]:
+            print(f"allowlist self-test FAILED: over {over}, stale {stale}")
+            return 1
+        with open(path, "w") as f:
+            f.write("kernels/table.cc:kTable\n")  # no reason
+        try:
+            read_allowlist(path)
+            print("allowlist self-test FAILED: an entry without a reason was accepted")
+            return 1
+        except ValueError:
+            pass
+        with open(os.path.join(tmp, "CMakeLists.txt"), "w") as f:
+            f.write("add_subdirectory(base)\nadd_subdirectory(sync)\nif(X)\n  add_subdirectory(tests)\nendif()\n")
+        if production_folders(tmp) != ["base", "sync"]:
+            print(f"allowlist self-test FAILED: production folders {production_folders(tmp)}")
+            return 1
+    print("self-test: allowlist and production folders as expected")
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "..", ".."))
     parser.add_argument("--max", type=int, default=80)
     parser.add_argument("--report", type=int, default=5, help="print the K longest")
+    parser.add_argument("--allowlist", default=ALLOWLIST)
     parser.add_argument("--self-test", action="store_true")
-    parser.add_argument("folders", nargs="*", default=FOLDERS)
+    parser.add_argument("folders", nargs="*", help="default: every production folder")
     args = parser.parse_args()
     if args.self_test:
-        return self_test()
-    found = measure(os.path.abspath(args.root), args.folders)
-    for count, rel, first, fn in found[:args.report]:
-        print(f"{count:5d} lines  {rel}:{first}  {fn}")
-    over = [f for f in found if f[0] > args.max]
-    if over:
-        print(f"{len(over)} function(s) in {', '.join(args.folders)} are longer than {args.max} lines")
+        return self_test() or allowlist_self_test()
+    root = os.path.abspath(args.root)
+    folders = args.folders or production_folders(root)
+    missing = [folder for folder in folders if not os.path.isdir(os.path.join(root, folder))]
+    if missing:
+        print(f"no such folder under {root}: {', '.join(missing)}")
         return 1
-    print(f"longest function in {', '.join(args.folders)}: {found[0][0] if found else 0} lines "
-          f"(limit {args.max})")
+    allowed = read_allowlist(args.allowlist)
+    found = measure(root, folders)
+    for count, rel, first, fn in found[:args.report]:
+        note = "  (allowlisted: " + allowed[(rel, fn)] + ")" if (rel, fn) in allowed else ""
+        print(f"{count:5d} lines  {rel}:{first}  {fn}{note}")
+    over, stale = check(found, args.max, allowed)
+    for count, rel, first, fn in over[args.report:]:
+        print(f"{count:5d} lines  {rel}:{first}  {fn}")
+    for rel, fn in stale:
+        print(f"stale allowlist entry {rel}:{fn}: not over {args.max} lines (delete it)")
+    if over or stale:
+        if over:
+            print(f"{len(over)} function(s) in {', '.join(folders)} are longer than {args.max} lines")
+        return 1
+    print(f"longest function in {', '.join(folders)}: {found[0][0] if found else 0} lines "
+          f"(limit {args.max}, {len(allowed)} allowlisted)")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
