@@ -1,10 +1,12 @@
 // The official `openai` npm client against a worker's routes, with Qwen3's real tokenizer
 // and chat template on a tiny random model of Qwen3's vocabulary: what users' agentic RL
 // frameworks do. Installs the client from the npm registry; skipped with the reason when
-// node or the registry is not reachable.
+// node or the registry is not reachable. Checks the counts and shapes the client sees, and
+// the values (token ids, logprobs, text) against the engine's own output for the same requests.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -92,6 +94,74 @@ TEST(OpenAiClientTest, CompletionsChatStreamingAndTopLogprobs) {
   // The tools went into the prompt through the template.
   EXPECT_GT(r["tools_prompt_tokens"].get<int>(), r["plain_prompt_tokens"].get<int>() + 30);
   EXPECT_EQ(r["wrong_key"], 401);
+
+  // The values, against the engine's own output for the same requests (the same prompt
+  // tokens, seed and sampling; seeded requests draw from their own generator): token for
+  // token and logprob for logprob, as the client received them.
+  auto reference = Engine::Create(model, {.max_batch = 4, .max_sequence = 1024}, 3);
+  ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+  GenerationRequest completion;
+  auto completion_prompt = shared_tok->EncodePrompt("The capital of France is");
+  ASSERT_TRUE(completion_prompt.ok());
+  completion.prompt = *completion_prompt;
+  completion.params = {.seed = 3, .max_tokens = 8, .stop_tokens = shared_tok->StopTokens(), .top_logprobs = 3};
+  nlohmann::ordered_json context = {
+      {"messages", {{{"role", "system"}, {"content", "You are terse."}},
+                    {{"role", "user"}, {"content", "Say hi in French."}}}},
+      {"add_generation_prompt", true},
+      {"bos_token", options.bos_token},
+      {"eos_token", options.eos_token}};
+  auto rendered = options.chat_template->Render(context);
+  ASSERT_TRUE(rendered.ok()) << rendered.status().ToString();
+  auto chat_prompt = shared_tok->Encode(*rendered);
+  ASSERT_TRUE(chat_prompt.ok());
+  GenerationRequest chat_request;
+  chat_request.prompt = *chat_prompt;
+  chat_request.params = {.seed = 4, .max_tokens = 10, .stop_tokens = shared_tok->StopTokens(), .top_logprobs = 2};
+  auto generated = (*reference)->Generate({completion, chat_request});
+  ASSERT_TRUE(generated.ok()) << generated.status().ToString();
+  const GenerationResult& want_completion = (*generated)[0];
+  const GenerationResult& want_chat = (*generated)[1];
+  auto floats = [](const json& values) {
+    std::vector<float> out;
+    for (const json& v : values) out.push_back(v.get<float>());
+    return out;
+  };
+
+  EXPECT_EQ(r["completion_prompt_tokens"].get<size_t>(), completion.prompt.size());
+  EXPECT_EQ(r["completion_tokens"].get<size_t>(), want_completion.tokens.size());
+  EXPECT_EQ(r["completion_finish"], want_completion.finish_reason);
+  EXPECT_EQ(floats(r["completion_token_logprobs"]), want_completion.logprobs);
+  ASSERT_EQ(r["completion_top_values"].size(), want_completion.top_logprobs.size());
+  for (size_t i = 0; i < want_completion.top_logprobs.size(); ++i) {
+    // A token -> logprob map: alternatives with the same text are merged, and JavaScript
+    // reorders keys that look like integers. Every value is one of the engine's, the best too.
+    std::vector<float> engine_values;
+    for (const TokenLogprob& t : want_completion.top_logprobs[i]) engine_values.push_back(t.logprob);
+    const std::vector<float> got = floats(r["completion_top_values"][i]);
+    for (float v : got) {
+      EXPECT_TRUE(std::find(engine_values.begin(), engine_values.end(), v) != engine_values.end())
+          << "token " << i << ": logprob " << v << " is not among the engine's top logprobs";
+    }
+    ASSERT_FALSE(got.empty());
+    EXPECT_EQ(*std::max_element(got.begin(), got.end()), engine_values.front()) << i;
+  }
+  if (std::none_of(want_completion.tokens.begin(), want_completion.tokens.end(),
+                   [&](int32_t t) { return shared_tok->IsSpecial(t); })) {
+    auto text = shared_tok->Decode(want_completion.tokens);
+    ASSERT_TRUE(text.ok());
+    EXPECT_EQ(r["completion_text"], *text);
+  }
+  EXPECT_EQ(r["plain_prompt_tokens"].get<size_t>(), chat_request.prompt.size());
+  EXPECT_EQ(r["chat_token_ids"].get<std::vector<int32_t>>(), want_chat.tokens);
+  EXPECT_EQ(r["chat_finish"], want_chat.finish_reason);
+  EXPECT_EQ(floats(r["chat_logprob_values"]), want_chat.logprobs);
+  ASSERT_EQ(r["chat_top_values"].size(), want_chat.top_logprobs.size());
+  for (size_t i = 0; i < want_chat.top_logprobs.size(); ++i) {
+    std::vector<float> engine_values;
+    for (const TokenLogprob& t : want_chat.top_logprobs[i]) engine_values.push_back(t.logprob);
+    EXPECT_EQ(floats(r["chat_top_values"][i]), engine_values) << i;
+  }
 }
 
 }  // namespace
