@@ -11,11 +11,12 @@ fails the check with the file, the line and the arrow.
   check_layers.py --self-test    check that the checker catches what it must
 """
 
-import argparse
 import os
 import re
 import sys
 import tempfile
+
+import cscan
 
 # folder -> the folders it may include directly (transitive closure taken below).
 MAY_DEPEND_ON = {
@@ -139,21 +140,9 @@ def self_test():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "..", ".."))
-    parser.add_argument("--self-test", action="store_true")
-    args = parser.parse_args()
-    if args.self_test:
-        return self_test()
-    problems = check(os.path.abspath(args.root))
-    for p in problems:
-        print(p)
-    if problems:
-        print(f"{len(problems)} include(s) point up a layer")
-        return 1
-    print("layering: no include points up a layer")
-    return 0
+    return cscan.main(__doc__, check, self_test,
+                      lambda count: f"{count} include(s) point up a layer",
+                      "layering: no include points up a layer")
 
 
 if __name__ == "__main__":

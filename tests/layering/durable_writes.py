@@ -21,11 +21,12 @@ Flagged, outside comments and string literals:
   durable_writes.py --self-test    plant each forbidden call and check that it is flagged
 """
 
-import argparse
 import os
 import re
 import sys
 import tempfile
+
+import cscan
 
 SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh", ".cpp", ".hpp")
 # Not production code, or not ours.
@@ -45,38 +46,8 @@ FORBIDDEN = [
 
 def strip(text):
     """Blanks out comments and string literals (keeping line structure), except that the
-    mode string of an fopen call stays visible."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
-            i = j
-        elif text.startswith('R"', i) and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
-            m = re.match(r'R"([^(]*)\(', text[i:])
-            end = text.find(")" + m.group(1) + '"', i) if m else -1
-            j = n if end < 0 else end + len(m.group(1)) + 2
-            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
-            i = j
-        elif text[i] in "\"'":
-            quote, j = text[i], i + 1
-            while j < n and text[j] != quote and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            literal = text[i:j + 1]
-            # Mode strings ("w", "ab", "r+") stay: the fopen pattern needs them.
-            keep = quote == '"' and re.fullmatch(r'"[rwa]\+?b?\+?"', literal)
-            out.append(literal if keep else quote + " " * max(0, j - i - 1) + quote)
-            i = j + 1
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
+    mode string of an fopen call ("w", "ab", "r+") stays visible: the fopen pattern needs it."""
+    return cscan.strip(text, keep_literal=lambda literal: re.fullmatch(r'"[rwa]\+?b?\+?"', literal))
 
 
 def production_files(root):
@@ -155,21 +126,9 @@ def self_test():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "..", ".."))
-    parser.add_argument("--self-test", action="store_true")
-    args = parser.parse_args()
-    if args.self_test:
-        return self_test()
-    problems = check(os.path.abspath(args.root))
-    for p in problems:
-        print(p)
-    if problems:
-        print(f"{len(problems)} write(s) of state bypass the Env")
-        return 1
-    print("durable writes: none bypasses the Env outside base/")
-    return 0
+    return cscan.main(__doc__, check, self_test,
+                      lambda count: f"{count} write(s) of state bypass the Env",
+                      "durable writes: none bypasses the Env outside base/")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import re
 import sys
 import tempfile
 
+import cscan
+
 # Folders that hold no production code, though the build may enter them.
 NOT_PRODUCTION = {"tests"}
 ALLOWLIST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "function_length_allowlist.txt")
@@ -29,35 +31,7 @@ NOT_A_FUNCTION = re.compile(r"^\s*(namespace|struct|class|union|enum|extern)\b|=
 
 def strip(text):
     """Blanks out comments and string/char literals, keeping line structure."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out.append(" " * (j - i))
-            i = j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
-            i = j
-        elif text.startswith('R"', i):
-            m = re.match(r'R"([^(]*)\(', text[i:])
-            end = text.find(")" + m.group(1) + '"', i) if m else -1
-            j = n if end < 0 else end + len(m.group(1)) + 2
-            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j]))
-            i = j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            out.append(c + " " * (min(j, n) - i - 1) + (c if j < n else ""))
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+    return cscan.strip(text)
 
 
 # A `{` that opens a brace initialiser in a constructor's member initialiser list:
