@@ -294,6 +294,17 @@ Status AlignBase(const CheckpointView& base, const CheckpointView& target,
 
 // ---- the container --------------------------------------------------------------------
 
+// The fields both header forms (whole and streamed) open with: magic, format version,
+// flags, four reserved bytes.
+ByteVec HeaderStart(uint64_t version, bool keyframe) {
+  ByteVec header;
+  header.insert(header.end(), format::kMagic, format::kMagic + 8);
+  wire::PutFixed(&header, version, 2);
+  wire::PutFixed(&header, keyframe ? format::kFlagKeyframe : 0, 2);
+  wire::PutFixed(&header, 0, 4);
+  return header;
+}
+
 void PutHash(ByteVec* out, const Hash128& h) {
   wire::PutFixed(out, h.low, 8);
   wire::PutFixed(out, h.high, 8);
@@ -542,11 +553,7 @@ Result<std::vector<std::byte>> DeltaEncoder::Assemble(const ByteVec& manifest) c
   for (const EncodedChunk& c : encoded_) {
     if (c.present) payload_bytes += c.payload.size();
   }
-  ByteVec header;
-  header.insert(header.end(), format::kMagic, format::kMagic + 8);
-  wire::PutFixed(&header, format::kVersion, 2);
-  wire::PutFixed(&header, keyframe_ ? format::kFlagKeyframe : 0, 2);
-  wire::PutFixed(&header, 0, 4);
+  ByteVec header = HeaderStart(format::kVersion, keyframe_);
   wire::PutFixed(&header, manifest.size(), 8);
   wire::PutFixed(&header, payload_bytes, 8);
   wire::PutFixed(&header, Checksum(manifest), 8);
@@ -622,11 +629,7 @@ Status DeltaEncoder::BeginStream(const Hash128& base_hash) {
     return Status::InvalidArgument("the delta's prologue would be " +
                                    std::to_string(prologue.size()) + " bytes, over the limit");
   }
-  ByteVec header;
-  header.insert(header.end(), format::kMagic, format::kMagic + 8);
-  wire::PutFixed(&header, format::kStreamedVersion, 2);
-  wire::PutFixed(&header, keyframe_ ? format::kFlagKeyframe : 0, 2);
-  wire::PutFixed(&header, 0, 4);
+  ByteVec header = HeaderStart(format::kStreamedVersion, keyframe_);
   wire::PutFixed(&header, prologue.size(), 8);
   wire::PutFixed(&header, Checksum(prologue), 8);
   wire::PutFixed(&header, Checksum(header), 8);

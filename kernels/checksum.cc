@@ -17,6 +17,9 @@
 namespace flywheel::kernels::avx2 {
 
 // REQUIRES: chunk_bytes > 0.
+// A deliberate twin of ChunkChecksumsScalar (checksum_scalar.cc), line for line: the two
+// loops are the same C++ compiled against two builds of XXH3 (AVX2 here, scalar there), so
+// they cannot share a body without one build's code leaking into the other's file.
 size_t ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_t* out) {
   const auto* bytes = static_cast<const unsigned char*>(data);
   size_t chunks = 0;

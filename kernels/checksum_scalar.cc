@@ -11,6 +11,9 @@
 
 namespace flywheel::kernels {
 
+// A deliberate twin of avx2::ChunkChecksums (checksum.cc), line for line: the same loop
+// over a different build of XXH3 (XXH_SCALAR here, -mavx2 there). A shared body would have
+// to be compiled once per build anyway, and this file must stay free of AVX2 code.
 size_t ChunkChecksumsScalar(const void* data, size_t size, size_t chunk_bytes, uint64_t* out) {
   const auto* bytes = static_cast<const unsigned char*>(data);
   size_t chunks = 0;

@@ -13,27 +13,42 @@ std::string RandomDigits(std::mt19937_64& rng, int count) {
   return text;
 }
 
-class SortTask final : public Task {
+// A task whose prompt is a random digit string and '>', its answer the same number of
+// characters, computed from the digits.
+class DigitStringTask : public Task {
  public:
   using Task::Task;
   int max_answer_chars() const override { return config_.digits; }
   int max_prompt_chars() const override { return config_.digits + 1; }
   Problem Random(std::mt19937_64& rng) const override {
     std::string digits = RandomDigits(rng, config_.digits);
+    std::string answer = Answer(digits);
+    return {digits + ">", std::move(answer)};
+  }
+
+ protected:
+  virtual std::string Answer(const std::string& digits) const = 0;
+};
+
+class SortTask final : public DigitStringTask {
+ public:
+  using DigitStringTask::DigitStringTask;
+
+ protected:
+  std::string Answer(const std::string& digits) const override {
     std::string sorted = digits;
     std::sort(sorted.begin(), sorted.end());
-    return {digits + ">", sorted};
+    return sorted;
   }
 };
 
-class ReverseTask final : public Task {
+class ReverseTask final : public DigitStringTask {
  public:
-  using Task::Task;
-  int max_answer_chars() const override { return config_.digits; }
-  int max_prompt_chars() const override { return config_.digits + 1; }
-  Problem Random(std::mt19937_64& rng) const override {
-    std::string digits = RandomDigits(rng, config_.digits);
-    return {digits + ">", std::string(digits.rbegin(), digits.rend())};
+  using DigitStringTask::DigitStringTask;
+
+ protected:
+  std::string Answer(const std::string& digits) const override {
+    return std::string(digits.rbegin(), digits.rend());
   }
 };
 
