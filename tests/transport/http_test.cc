@@ -178,6 +178,20 @@ class RawClient {
   tcp::socket socket_;
 };
 
+// Sends `request` on a connection of its own; returns all the server answers until it closes.
+std::string Exchange(uint16_t port, const std::string& request) {
+  RawClient client(port);
+  client.Send(request);
+  return client.ReadToEnd();
+}
+
+// `request` is answered 405 with an Allow header that starts with `allow`.
+void ExpectMethodNotAllowed(uint16_t port, const std::string& request, const std::string& allow) {
+  const std::string response = Exchange(port, request);
+  EXPECT_EQ(response.rfind("HTTP/1.1 405", 0), 0u) << response;
+  EXPECT_NE(response.find("Allow: " + allow), std::string::npos) << response;
+}
+
 size_t CountOccurrences(const std::string& text, const std::string& needle) {
   size_t count = 0;
   for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) {
@@ -229,13 +243,11 @@ TEST(HttpTest, OtherMethodsAre405) {
   TestServer server;
   ASSERT_TRUE(server.started());
   for (const char* method : {"POST", "PUT", "DELETE"}) {
-    RawClient client(server.port());
-    client.Send(std::string(method) +
-                " /v1/status HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-                "Connection: close\r\n\r\n{}");
-    std::string response = client.ReadToEnd();
-    EXPECT_EQ(response.rfind("HTTP/1.1 405", 0), 0u) << response;
-    EXPECT_NE(response.find("Allow: GET, HEAD"), std::string::npos) << response;
+    ExpectMethodNotAllowed(server.port(),
+                           std::string(method) +
+                               " /v1/status HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                               "Connection: close\r\n\r\n{}",
+                           "GET, HEAD");
   }
 }
 
@@ -247,11 +259,8 @@ TEST(HttpTest, PostRoutesGetTheBodyAndKeepTheirLimits) {
   EXPECT_EQ(echo->status, 200);
   EXPECT_EQ(echo->body, R"(/v1/echo?x=1 {"a":1})");
   // A GET of a POST route is 405 naming POST.
-  RawClient client(server.port());
-  client.Send("GET /v1/echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-  std::string response = client.ReadToEnd();
-  EXPECT_EQ(response.rfind("HTTP/1.1 405", 0), 0u) << response;
-  EXPECT_NE(response.find("Allow: POST"), std::string::npos) << response;
+  ExpectMethodNotAllowed(server.port(),
+                         "GET /v1/echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", "POST");
   // The route's own body limit.
   auto big = HttpPost(server.endpoint(), "/v1/echo", std::string(65, 'x'));
   ASSERT_TRUE(big.ok()) << big.status().ToString();
@@ -264,9 +273,8 @@ TEST(HttpTest, PostRoutesGetTheBodyAndKeepTheirLimits) {
 TEST(HttpTest, HeadSendsHeadersOnly) {
   TestServer server;
   ASSERT_TRUE(server.started());
-  RawClient client(server.port());
-  client.Send("HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-  std::string response = client.ReadToEnd();
+  const std::string response =
+      Exchange(server.port(), "HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
   EXPECT_EQ(response.rfind("HTTP/1.1 200", 0), 0u) << response;
   EXPECT_NE(response.find("Content-Length: 14\r\n"), std::string::npos) << response;
   EXPECT_EQ(response.substr(response.size() - 4), "\r\n\r\n") << response;
@@ -388,11 +396,10 @@ TEST(HttpTest, UnauthorizedNamesTheBearerScheme) {
   options.token = "s3cret-token";
   TestServer server(options);
   ASSERT_TRUE(server.started());
-  RawClient client(server.port());
-  client.Send(
+  const std::string response = Exchange(
+      server.port(),
       "GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic czNjcmV0LXRva2Vu\r\n"
       "Connection: close\r\n\r\n");
-  std::string response = client.ReadToEnd();
   EXPECT_EQ(response.rfind("HTTP/1.1 401", 0), 0u) << response;
   EXPECT_NE(response.find("WWW-Authenticate: Bearer"), std::string::npos) << response;
   EXPECT_EQ(response.find("flywheel_up"), std::string::npos) << response;
@@ -1003,11 +1010,9 @@ TEST(HttpStreamTest, StreamRouteKeepsAuthenticationAndLimits) {
   EXPECT_EQ(right->status, 200);
   EXPECT_EQ(right->body, "data: 1\n\ndata: 2\n\n");  // HttpPost de-chunks as well
   // A GET of a stream route is 405 naming POST.
-  RawClient client(server.port());
-  client.Send("GET /v1/stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-  std::string response = client.ReadToEnd();
-  EXPECT_EQ(response.rfind("HTTP/1.1 405", 0), 0u) << response;
-  EXPECT_NE(response.find("Allow: POST"), std::string::npos) << response;
+  ExpectMethodNotAllowed(server.port(),
+                         "GET /v1/stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                         "POST");
 }
 
 TEST(HttpStreamTest, ClientLeavingMidStreamIsNoticedWhileTheHandlerWaits) {
