@@ -127,19 +127,7 @@ void PowerCutEnv::Snapshot(const std::string& dir) {
     listings_.clear();
     root_id_ = EntryOf(root_)->id;
   }
-  RecordListing(dir);
-  Result<std::vector<std::string>> names = target()->ListDir(dir);
-  if (!names.ok()) return;
-  for (const std::string& name : *names) {
-    const std::string path = dir + "/" + name;
-    const std::optional<Entry> entry = EntryOf(path);
-    if (!entry) continue;
-    if (entry->directory) {
-      Snapshot(path);
-    } else if (Result<std::vector<std::byte>> bytes = target()->ReadFile(path); bytes.ok()) {
-      contents_[entry->id] = Text(*bytes);
-    }
-  }
+  CurrentContents(dir, &contents_, /*record_listings=*/true);
 }
 
 void PowerCutEnv::NoteSynced(int fd) {
@@ -230,7 +218,9 @@ Status PowerCutEnv::CreateDirs(const std::string& dir) {
   return Status::Ok();
 }
 
-void PowerCutEnv::CurrentContents(const std::string& dir, std::map<uint64_t, std::string>* out) {
+void PowerCutEnv::CurrentContents(const std::string& dir, std::map<uint64_t, std::string>* out,
+                                  bool record_listings) {
+  if (record_listings) RecordListing(dir);
   Result<std::vector<std::string>> names = target()->ListDir(dir);
   if (!names.ok()) return;
   for (const std::string& name : *names) {
@@ -238,7 +228,7 @@ void PowerCutEnv::CurrentContents(const std::string& dir, std::map<uint64_t, std
     const std::optional<Entry> entry = EntryOf(path);
     if (!entry) continue;
     if (entry->directory) {
-      CurrentContents(path, out);
+      CurrentContents(path, out, record_listings);
     } else if (Result<std::vector<std::byte>> bytes = target()->ReadFile(path); bytes.ok()) {
       (*out)[entry->id] = Text(*bytes);
     }

@@ -87,7 +87,10 @@ class PowerCutEnv : public EnvWrapper {
   void Forget(const std::string& path);       // about to be removed: its inode may be reused
   void RecordListing(const std::string& dir);
   void Snapshot(const std::string& dir);  // everything under dir as durable
-  void CurrentContents(const std::string& dir, std::map<uint64_t, std::string>* out);
+  // The contents of every file under dir by identity; with record_listings, each directory's
+  // listing is recorded as durable on the way (Snapshot).
+  void CurrentContents(const std::string& dir, std::map<uint64_t, std::string>* out,
+                       bool record_listings = false);
   Status Rebuild(uint64_t dir_id, const std::string& path, Tear tear,
                  const std::map<uint64_t, std::string>& current);
   Result<std::unique_ptr<WritableFile>> Wrap(Result<std::unique_ptr<WritableFile>> file,
