@@ -53,7 +53,28 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
 
 
-class FakeTrainer:
+class _Fake:
+    """What both fakes share: serving a handler class on a loopback port of its own."""
+
+    _server: Optional[_Server] = None
+
+    def _serve(self, handler: type) -> Any:
+        self._server = _Server(("127.0.0.1", 0), handler)
+        threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+
+class FakeTrainer(_Fake):
     def __init__(self, mode: str = "full", seq_wait: float = 5.0):
         self.mode = mode
         self.seq_wait = seq_wait
@@ -89,19 +110,7 @@ class FakeTrainer:
             def do_DELETE(self) -> None:
                 fake._handle(self, "DELETE")
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return self._serve(Handler)
 
     # -- HTTP --------------------------------------------------------------------------
     def _handle(self, handler: BaseHTTPRequestHandler, method: str) -> None:
@@ -275,7 +284,7 @@ class _Drop(Exception):
     """Close the connection without an answer (after the call ran)."""
 
 
-class FakeWorker:
+class FakeWorker(_Fake):
     """``POST /v1/completions`` with a token-id prompt: choice i generates the prompt's
     tokens reversed, then ``eos``; every token's logprob is -0.5 and its version the
     worker's ``version``. ``GET /v1/status`` and ``GET /v1/models`` (with ``adapters``).
@@ -343,16 +352,4 @@ class FakeWorker:
                                  "model": request.get("adapter") or "flywheel",
                                  "choices": choices})
 
-        self._server = _Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return self._serve(Handler)
