@@ -19,20 +19,6 @@ namespace {
 namespace fs = std::filesystem;
 using Tear = PowerCutEnv::Tear;
 
-std::vector<torch::Tensor> Params(TrainingClient& client) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : client.model().named_parameters()) out.push_back(p.value().detach().clone());
-  return out;
-}
-
-bool AllEqual(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!torch::equal(a[i], b[i])) return false;
-  }
-  return true;
-}
-
 TEST(SaveStateCrashTest, ASavedStateSurvivesAPowerCutAtEveryStepOfTheNextSave) {
   const fs::path root = fs::temp_directory_path() /
                         ("flywheel_save_state_crash_" + std::to_string(::getpid()));

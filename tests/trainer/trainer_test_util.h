@@ -1,8 +1,9 @@
-// What the trainer tests share: a tiny model config, a client that must be created, and
-// random ragged sequences.
+// What the trainer tests share: a tiny model config, a client that must be created,
+// random ragged sequences, and copies of a client's parameters to compare.
 #pragma once
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <memory>
 #include <random>
@@ -38,6 +39,22 @@ inline std::vector<Datum> Sequences(int count, int length, int vocab, uint32_t s
     out.push_back(std::move(d));
   }
   return out;
+}
+
+// A copy of every parameter of the client's model, in order.
+inline std::vector<torch::Tensor> Params(TrainingClient& client) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : client.model().named_parameters()) out.push_back(p.value().detach().clone());
+  return out;
+}
+
+// Whether two parameter lists are equal, tensor by tensor, bit for bit.
+inline bool AllEqual(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
 }
 
 }  // namespace flywheel::trainer

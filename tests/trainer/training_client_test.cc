@@ -39,20 +39,6 @@ void AddRlFields(std::vector<Datum>& datums, TrainingClient& client, uint32_t se
   }
 }
 
-std::vector<torch::Tensor> Params(TrainingClient& client) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : client.model().named_parameters()) out.push_back(p.value().detach().clone());
-  return out;
-}
-
-bool AllEqual(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!torch::equal(a[i], b[i])) return false;
-  }
-  return true;
-}
-
 double MaxDiff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, (a[i] - b[i]).abs().max().item<double>());
