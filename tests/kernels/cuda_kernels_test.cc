@@ -41,6 +41,43 @@ std::vector<unsigned char> Perturb(const std::vector<unsigned char>& base, size_
   return target;
 }
 
+// Runs check(base, target, n, elem_size) for every element size, n in `sizes` and density:
+// `base` random bytes, `target` a copy perturbed at that density, their seeds counted up
+// from `seed`. Stops at the first fatal failure, as an ASSERT in the loops themselves would.
+template <typename Sizes, typename Check>
+void ForEachCase(uint64_t seed, const Sizes& sizes, Check check) {
+  for (size_t elem_size : kElemSizes) {
+    for (size_t n : sizes) {
+      for (double density : kDensities) {
+        SCOPED_TRACE(testing::Message()
+                     << "elem_size " << elem_size << " n " << n << " density " << density);
+        const auto base = RandomBytes(n * elem_size, seed++);
+        const auto target = Perturb(base, elem_size, density, seed++);
+        check(base, target, n, elem_size);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+// The scalar kernels' changes from `base` to `target`: the changed positions and the
+// target's values there.
+struct Changes {
+  std::vector<uint32_t> positions;
+  std::vector<unsigned char> values;
+};
+Changes ScalarChanges(const std::vector<unsigned char>& base,
+                      const std::vector<unsigned char>& target, size_t n, size_t elem_size) {
+  Changes changes;
+  changes.positions.resize(n);
+  changes.positions.resize(
+      CompareCompactScalar(base.data(), target.data(), n, elem_size, changes.positions.data()));
+  changes.values.resize(changes.positions.size() * elem_size);
+  GatherScalar(target.data(), elem_size, changes.positions.data(), changes.values.data(),
+               changes.positions.size());
+  return changes;
+}
+
 TEST(CudaKernelsTest, UnavailableIsAStatusNotACrash) {
   if (cuda::Available()) GTEST_SKIP() << "device present: " << cuda::DeviceDescription();
   EXPECT_FALSE(cuda::DeviceDescription().empty());
@@ -91,52 +128,31 @@ TEST(CudaKernelsTest, RejectsBadArgumentsBeforeTouchingTheDevice) {
 
 TEST(CudaKernelsTest, CompareCompactMatchesScalar) {
   if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
-  uint64_t seed = 1;
-  for (size_t elem_size : kElemSizes) {
-    for (size_t n : kSizes) {
-      for (double density : kDensities) {
-        SCOPED_TRACE(testing::Message()
-                     << "elem_size " << elem_size << " n " << n << " density " << density);
-        const auto base = RandomBytes(n * elem_size, seed++);
-        const auto target = Perturb(base, elem_size, density, seed++);
-        std::vector<uint32_t> want(n), got(n);
-        want.resize(CompareCompactScalar(base.data(), target.data(), n, elem_size, want.data()));
-        const Result<size_t> count =
-            cuda::CompareCompact(base.data(), target.data(), n, elem_size, got.data());
-        ASSERT_TRUE(count.ok()) << count.status().ToString();
-        got.resize(*count);
-        ASSERT_EQ(got, want);
-      }
-    }
-  }
+  ForEachCase(1, kSizes, [](const auto& base, const auto& target, size_t n, size_t elem_size) {
+    std::vector<uint32_t> want(n), got(n);
+    want.resize(CompareCompactScalar(base.data(), target.data(), n, elem_size, want.data()));
+    const Result<size_t> count =
+        cuda::CompareCompact(base.data(), target.data(), n, elem_size, got.data());
+    ASSERT_TRUE(count.ok()) << count.status().ToString();
+    got.resize(*count);
+    ASSERT_EQ(got, want);
+  });
 }
 
 TEST(CudaKernelsTest, ScatterApplyMatchesScalar) {
   if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
-  uint64_t seed = 100;
-  for (size_t elem_size : kElemSizes) {
-    for (size_t n : kSizes) {
-      for (double density : kDensities) {
-        SCOPED_TRACE(testing::Message()
-                     << "elem_size " << elem_size << " n " << n << " density " << density);
-        const auto base = RandomBytes(n * elem_size, seed++);
-        const auto target = Perturb(base, elem_size, density, seed++);
-        std::vector<uint32_t> positions(n);
-        positions.resize(
-            CompareCompactScalar(base.data(), target.data(), n, elem_size, positions.data()));
-        std::vector<unsigned char> values(positions.size() * elem_size);
-        GatherScalar(target.data(), elem_size, positions.data(), values.data(), positions.size());
-        std::vector<unsigned char> want = base, got = base;
-        ScatterApplyScalar(want.data(), elem_size, positions.data(), values.data(),
-                           positions.size());
-        const Status status = cuda::ScatterApply(got.data(), n, elem_size, positions.data(),
-                                                 values.data(), positions.size());
-        ASSERT_TRUE(status.ok()) << status.ToString();
-        ASSERT_EQ(got, want);
-        ASSERT_EQ(got, target);
-      }
-    }
-  }
+  ForEachCase(100, kSizes, [](const auto& base, const auto& target, size_t n, size_t elem_size) {
+    const Changes changes = ScalarChanges(base, target, n, elem_size);
+    const std::vector<uint32_t>& positions = changes.positions;
+    std::vector<unsigned char> want = base, got = base;
+    ScatterApplyScalar(want.data(), elem_size, positions.data(), changes.values.data(),
+                       positions.size());
+    const Status status = cuda::ScatterApply(got.data(), n, elem_size, positions.data(),
+                                             changes.values.data(), positions.size());
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    ASSERT_EQ(got, want);
+    ASSERT_EQ(got, target);
+  });
 }
 
 TEST(CudaKernelsTest, ChunkChecksumsMatchScalar) {
@@ -181,33 +197,24 @@ constexpr size_t kLargeSizes[] = {(size_t{1} << 21) + 1, (size_t{3} << 21) + 5};
 
 TEST(CudaKernelsTest, CompareCompactOnDeviceMatchesScalar) {
   if (!cuda::Available()) GTEST_SKIP() << cuda::DeviceDescription();
-  uint64_t seed = 200;
   std::vector<size_t> sizes(std::begin(kSizes), std::end(kSizes));
   sizes.insert(sizes.end(), std::begin(kLargeSizes), std::end(kLargeSizes));
-  for (size_t elem_size : kElemSizes) {
-    for (size_t n : sizes) {
-      for (double density : kDensities) {
-        SCOPED_TRACE(testing::Message()
-                     << "elem_size " << elem_size << " n " << n << " density " << density);
-        const auto base = RandomBytes(n * elem_size, seed++);
-        const auto target = Perturb(base, elem_size, density, seed++);
-        std::vector<uint32_t> want(n);
-        want.resize(CompareCompactScalar(base.data(), target.data(), n, elem_size, want.data()));
-        const cuda::DeviceBuffer d_base = ToDevice(base);
-        const cuda::DeviceBuffer d_target = ToDevice(target);
-        const cuda::DeviceBuffer d_positions = Poisoned(n * sizeof(uint32_t));
-        const size_t scratch_bytes = cuda::CompareCompactScratchBytes(n);
-        const cuda::DeviceBuffer d_scratch = Poisoned(scratch_bytes);
-        const Result<size_t> count = cuda::CompareCompactOnDevice(
-            d_base.data(), d_target.data(), n, elem_size, d_positions.As<uint32_t>(), n,
-            d_scratch.data(), scratch_bytes);
-        ASSERT_TRUE(count.ok()) << count.status().ToString();
-        std::vector<uint32_t> got(*count);
-        ASSERT_TRUE(d_positions.CopyToHost(got.data(), got.size() * sizeof(uint32_t)).ok());
-        ASSERT_EQ(got, want);
-      }
-    }
-  }
+  ForEachCase(200, sizes, [](const auto& base, const auto& target, size_t n, size_t elem_size) {
+    std::vector<uint32_t> want(n);
+    want.resize(CompareCompactScalar(base.data(), target.data(), n, elem_size, want.data()));
+    const cuda::DeviceBuffer d_base = ToDevice(base);
+    const cuda::DeviceBuffer d_target = ToDevice(target);
+    const cuda::DeviceBuffer d_positions = Poisoned(n * sizeof(uint32_t));
+    const size_t scratch_bytes = cuda::CompareCompactScratchBytes(n);
+    const cuda::DeviceBuffer d_scratch = Poisoned(scratch_bytes);
+    const Result<size_t> count = cuda::CompareCompactOnDevice(
+        d_base.data(), d_target.data(), n, elem_size, d_positions.As<uint32_t>(), n,
+        d_scratch.data(), scratch_bytes);
+    ASSERT_TRUE(count.ok()) << count.status().ToString();
+    std::vector<uint32_t> got(*count);
+    ASSERT_TRUE(d_positions.CopyToHost(got.data(), got.size() * sizeof(uint32_t)).ok());
+    ASSERT_EQ(got, want);
+  });
 }
 
 TEST(CudaKernelsTest, CompareCompactOnDeviceReportsTooManyChanges) {
@@ -270,11 +277,9 @@ TEST(CudaKernelsTest, ScatterApplyOnDeviceMatchesScalar) {
       SCOPED_TRACE(testing::Message() << "elem_size " << elem_size << " n " << n);
       const auto base = RandomBytes(n * elem_size, seed++);
       const auto target = Perturb(base, elem_size, 0.3, seed++);
-      std::vector<uint32_t> positions(n);
-      positions.resize(
-          CompareCompactScalar(base.data(), target.data(), n, elem_size, positions.data()));
-      std::vector<unsigned char> values(positions.size() * elem_size);
-      GatherScalar(target.data(), elem_size, positions.data(), values.data(), positions.size());
+      const Changes changes = ScalarChanges(base, target, n, elem_size);
+      const std::vector<uint32_t>& positions = changes.positions;
+      const std::vector<unsigned char>& values = changes.values;
       cuda::DeviceBuffer d_dst = ToDevice(base);
       const cuda::DeviceBuffer d_positions = ToDevice(std::vector<unsigned char>(
           reinterpret_cast<const unsigned char*>(positions.data()),
