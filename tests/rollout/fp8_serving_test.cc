@@ -25,6 +25,7 @@
 #include "rollout/mirror.h"
 #include "rollout/worker_engine.h"
 #include "tests/model/tiny_models.h"
+#include "tests/rollout/served_engine_test_util.h"
 #include "trainer/training_client.h"
 #include "transport/asio.h"
 #include "transport/http.h"
@@ -36,13 +37,9 @@ namespace asio = boost::asio;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-model::ModelConfig Tiny() {
-  return testing::TinyConfig({.vocab = 60});
-}
-
 std::unique_ptr<trainer::TrainingClient> Fp8Trainer(int64_t block, uint64_t seed = 3) {
   auto client = trainer::TrainingClient::Create(
-      {.config = Tiny(), .seed = seed, .fp8_serving = true, .fp8_block = block});
+      {.config = TinyServed(), .seed = seed, .fp8_serving = true, .fp8_block = block});
   EXPECT_TRUE(client.ok()) << client.status().ToString();
   return client.ok() ? std::move(*client) : nullptr;
 }
@@ -82,7 +79,7 @@ void ExpectSameBits(model::TransformerImpl& a, model::TransformerImpl& b) {
 
 // The model a worker must compute with: `version` dequantized by model::LoadFp8Weights.
 std::shared_ptr<model::TransformerImpl> Dequantized(const CheckpointView& version, int64_t block) {
-  auto model = std::make_shared<model::TransformerImpl>(Tiny());
+  auto model = std::make_shared<model::TransformerImpl>(TinyServed());
   Status s = model::LoadFp8Weights(*model, version, "fresh", block);
   EXPECT_TRUE(s.ok()) << s.ToString();
   return model;
@@ -168,8 +165,8 @@ TEST(Fp8ServingTest, SnapshotsAreHfFp8LayoutAndDeterministic) {
 
 // fp8_block below 1 is refused when the trainer is created, not at the first save.
 TEST(Fp8ServingTest, BlockBelowOneIsRefused) {
-  auto client =
-      trainer::TrainingClient::Create({.config = Tiny(), .fp8_serving = true, .fp8_block = 0});
+  auto client = trainer::TrainingClient::Create(
+      {.config = TinyServed(), .fp8_serving = true, .fp8_block = 0});
   ASSERT_FALSE(client.ok());
   EXPECT_NE(client.status().message().find("fp8_block"), std::string::npos);
 }
@@ -183,7 +180,7 @@ TEST(Fp8ServingTest, MirrorOfAnFp8VersionIsItsDequantization) {
     ASSERT_NE(client, nullptr);
     auto v1 = client->SaveWeightsForSampler(1);
     ASSERT_TRUE(v1.ok());
-    model::TransformerImpl mirror(Tiny());
+    model::TransformerImpl mirror(TinyServed());
     Status loaded = LoadMirror(mirror, v1->checkpoint.view(), block);
     ASSERT_TRUE(loaded.ok()) << loaded.ToString();
     ExpectSameBits(mirror, *Dequantized(v1->checkpoint.view(), block));
@@ -193,7 +190,7 @@ TEST(Fp8ServingTest, MirrorOfAnFp8VersionIsItsDequantization) {
     // A block size whose scale shapes differ is refused (with 128, every matrix here is one
     // block, as it would be with any larger size).
     if (block < 32) {
-      model::TransformerImpl other(Tiny());
+      model::TransformerImpl other(TinyServed());
       EXPECT_FALSE(LoadMirror(other, v1->checkpoint.view(), block * 2).ok());
     }
   }
@@ -209,7 +206,7 @@ TEST(Fp8ServingTest, PatchedMirrorEqualsFreshDequantizationAfterEverySwap) {
   auto v1 = client->SaveWeightsForSampler(1);
   ASSERT_TRUE(v1.ok());
   OwnedCheckpoint served = v1->checkpoint;  // the worker's serving copy, patched in place
-  model::TransformerImpl mirror(Tiny());
+  model::TransformerImpl mirror(TinyServed());
   ASSERT_TRUE(LoadMirror(mirror, served.view(), kBlock).ok());
 
   const std::string q_scale = std::string(kQ) + model::kFp8ScaleSuffix;
@@ -253,7 +250,7 @@ TEST(Fp8ServingTest, PatchWithMisfittingScalesLeavesTheMirrorAsItWas) {
   auto v1 = client->SaveWeightsForSampler(1);
   ASSERT_TRUE(v1.ok());
   OwnedCheckpoint served = v1->checkpoint;
-  model::TransformerImpl mirror(Tiny());
+  model::TransformerImpl mirror(TinyServed());
   ASSERT_TRUE(LoadMirror(mirror, served.view(), kBlock).ok());
   TrainStep(*client, 1e-3, 1);
   auto v2 = client->SaveWeightsForSampler(2);
@@ -270,7 +267,7 @@ TEST(Fp8ServingTest, PatchWithMisfittingScalesLeavesTheMirrorAsItWas) {
 // (d) A worker engine serving FP8 versions (block size from config.json's
 // quantization_config) answers with the logprobs of the dequantized weights, at the first
 // version and after a delta that moves a scale.
-class Fp8WorkerEngineTest : public ::testing::Test {
+class Fp8WorkerEngineTest : public ServedEngineTest {
  protected:
   static constexpr int64_t kBlock = 8;
   const std::vector<int32_t> kPrompt = {1, 2, 3};
@@ -279,7 +276,7 @@ class Fp8WorkerEngineTest : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("flywheel_fp8_serving_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    json config = Tiny().ToJson();
+    json config = TinyServed().ToJson();
     config["quantization_config"] = model::Fp8QuantizationConfig(kBlock);
     std::ofstream(dir_ / "config.json") << config.dump();
     WorkerEngineOptions options;
@@ -287,33 +284,17 @@ class Fp8WorkerEngineTest : public ::testing::Test {
     options.max_batch = 4;
     options.max_sequence = 32;
     options.tokenizer = "chars:0123456789";
-    auto engine = WorkerEngine::Create(options);
-    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-    engine_ = std::move(*engine);
-    auto server = transport::HttpServer::Start(io_.get_executor(), {"127.0.0.1", 0}, {});
-    ASSERT_TRUE(server.ok()) << server.status().ToString();
-    server_ = std::move(*server);
-    engine_->Register(*server_);
-    io_thread_ = std::thread([this] { io_.run(); });
+    StartServing(options);
   }
 
   void TearDown() override {
-    if (server_) asio::post(io_, [this] { server_->Stop(); });
-    guard_.reset();
-    io_.stop();
-    if (io_thread_.joinable()) io_thread_.join();
-    server_.reset();
-    engine_.reset();
+    StopServing();
     fs::remove_all(dir_);
   }
 
   // A greedy completion's tokens, logprobs and versions match `reference` recomputed.
   void ExpectServedBy(model::TransformerImpl& reference, uint64_t version) {
-    json request = {{"prompt", kPrompt},
-                    {"max_tokens", 6},
-                    {"temperature", 0},
-                    {"logprobs", 1},
-                    {"ignore_eos", true}};
+    json request = GreedyCompletion(kPrompt);
     auto response = transport::HttpPost({"127.0.0.1", server_->port()}, "/v1/completions",
                                         request.dump(), {.timeout = std::chrono::seconds(60)});
     ASSERT_TRUE(response.ok()) << response.status().ToString();
@@ -338,11 +319,6 @@ class Fp8WorkerEngineTest : public ::testing::Test {
   }
 
   fs::path dir_;
-  asio::io_context io_;
-  asio::executor_work_guard<asio::io_context::executor_type> guard_ = asio::make_work_guard(io_);
-  std::thread io_thread_;
-  std::unique_ptr<WorkerEngine> engine_;
-  std::unique_ptr<transport::HttpServer> server_;
 };
 
 TEST_F(Fp8WorkerEngineTest, CompletionsOnAnFp8VersionUseTheDequantizedWeights) {

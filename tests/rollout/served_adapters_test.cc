@@ -21,6 +21,7 @@
 #include "model/weights.h"
 #include "rollout/worker_engine.h"
 #include "tests/model/tiny_models.h"
+#include "tests/rollout/served_engine_test_util.h"
 #include "transport/asio.h"
 #include "transport/http.h"
 
@@ -30,10 +31,6 @@ namespace {
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
 using nlohmann::json;
-
-model::ModelConfig Tiny() {
-  return testing::TinyConfig({.vocab = 60});
-}
 
 const std::vector<int32_t> kPrompt = {1, 2, 3};
 
@@ -117,26 +114,21 @@ sync::SwapEvent Delta(uint64_t version, const CheckpointView& weights,
   return {version, &weights, &changes, /*full=*/false, nullptr};
 }
 
-class ServedAdaptersTest : public ::testing::Test {
+class ServedAdaptersTest : public ServedEngineTest {
  protected:
   void SetUp() override {
     dir_ = fs::temp_directory_path() / ("flywheel_served_adapters_" + std::to_string(::getpid()) +
                                         "_" + std::to_string(++tests_started_));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    std::ofstream(dir_ / "config.json") << Tiny().ToJson().dump();
+    std::ofstream(dir_ / "config.json") << TinyServed().ToJson().dump();
     // Before any thread logs: the errors the engine logs are part of what is checked.
     log_sink_ = std::make_shared<spdlog::sinks::ostream_sink_mt>(log_);
     spdlog::default_logger()->sinks().push_back(log_sink_);
   }
 
   void TearDown() override {
-    if (server_) asio::post(io_, [this] { server_->Stop(); });
-    guard_.reset();
-    io_.stop();
-    if (io_thread_.joinable()) io_thread_.join();
-    server_.reset();
-    engine_.reset();
+    StopServing();
     auto& sinks = spdlog::default_logger()->sinks();
     sinks.erase(std::remove(sinks.begin(), sinks.end(), log_sink_), sinks.end());
     fs::remove_all(dir_);
@@ -147,7 +139,7 @@ class ServedAdaptersTest : public ::testing::Test {
   void MakeBase(DType dtype) {
     dtype_ = dtype;
     torch::manual_seed(11);
-    model::TransformerImpl model(Tiny());
+    model::TransformerImpl model(TinyServed());
     {
       // Sharper distributions than the 0.02 init, so that logprobs differ visibly.
       torch::NoGradGuard no_grad;
@@ -158,7 +150,7 @@ class ServedAdaptersTest : public ::testing::Test {
     auto base = model::SnapshotWeights(model, dtype);
     ASSERT_TRUE(base.ok()) << base.status().ToString();
     base_ = std::move(*base);
-    base_reference_ = std::make_shared<model::TransformerImpl>(Tiny());
+    base_reference_ = std::make_shared<model::TransformerImpl>(TinyServed());
     ASSERT_TRUE(model::LoadWeights(*base_reference_, base_.view(), "base").ok());
   }
 
@@ -166,7 +158,7 @@ class ServedAdaptersTest : public ::testing::Test {
   // the model), rank 4.
   Adapter MakeAdapter(uint64_t seed) {
     Adapter adapter;
-    adapter.reference = std::make_shared<model::TransformerImpl>(Tiny());
+    adapter.reference = std::make_shared<model::TransformerImpl>(TinyServed());
     EXPECT_TRUE(model::LoadWeights(*adapter.reference, base_.view(), "base").ok());
     EXPECT_TRUE(adapter.reference->EnableLora({.rank = 4, .alpha = 8}).ok());
     torch::manual_seed(seed);
@@ -193,23 +185,12 @@ class ServedAdaptersTest : public ::testing::Test {
     options.tokenizer = "chars:0123456789";  // the tiny model has 60 ids
     options.model_name = "tiny";
     options.adapters = std::move(file_adapters);
-    auto engine = WorkerEngine::Create(options);
-    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-    engine_ = std::move(*engine);
-    auto server = transport::HttpServer::Start(io_.get_executor(), {"127.0.0.1", 0}, {});
-    ASSERT_TRUE(server.ok()) << server.status().ToString();
-    server_ = std::move(*server);
-    engine_->Register(*server_);
-    io_thread_ = std::thread([this] { io_.run(); });
+    StartServing(options);
   }
 
   // A greedy completion of kPrompt; `field` is "model" or "adapter".
   Answer Complete(const std::string& name, const std::string& field = "model") {
-    json request = {{"prompt", kPrompt},
-                    {"max_tokens", 6},
-                    {"temperature", 0},
-                    {"logprobs", 1},
-                    {"ignore_eos", true}};
+    json request = GreedyCompletion(kPrompt);
     if (!name.empty()) request[field] = name;
     auto response = transport::HttpPost({"127.0.0.1", server_->port()}, "/v1/completions",
                                         request.dump(), {.timeout = std::chrono::seconds(60)});
@@ -268,11 +249,6 @@ class ServedAdaptersTest : public ::testing::Test {
   std::shared_ptr<model::TransformerImpl> base_reference_;
   std::ostringstream log_;
   std::shared_ptr<spdlog::sinks::ostream_sink_mt> log_sink_;
-  asio::io_context io_;
-  asio::executor_work_guard<asio::io_context::executor_type> guard_ = asio::make_work_guard(io_);
-  std::thread io_thread_;
-  std::unique_ptr<WorkerEngine> engine_;
-  std::unique_ptr<transport::HttpServer> server_;
 };
 
 // (1) The first version's adapters are all served, by `model` name, each with its own

@@ -17,6 +17,7 @@
 #include "sync/publisher.h"
 #include "sync/worker.h"
 #include "tests/model/tiny_models.h"
+#include "tests/rollout/served_engine_test_util.h"
 #include "trainer/training_client.h"
 #include "model/weights.h"
 #include "transport/asio.h"
@@ -29,10 +30,6 @@ namespace fs = std::filesystem;
 namespace asio = boost::asio;
 using namespace std::chrono_literals;
 
-model::ModelConfig Tiny() {
-  return testing::TinyConfig({.vocab = 60});
-}
-
 template <typename Predicate>
 bool WaitFor(Predicate predicate, std::chrono::milliseconds limit = 20s) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -41,6 +38,19 @@ bool WaitFor(Predicate predicate, std::chrono::milliseconds limit = 20s) {
     std::this_thread::sleep_for(5ms);
   }
   return predicate();
+}
+
+// Stops the worker and the publisher, gives their sessions a moment to close, then stops
+// the io thread they ran on.
+void StopAll(sync::Worker& worker, sync::Publisher& publisher,
+             asio::executor_work_guard<asio::io_context::executor_type>& guard,
+             asio::io_context& io, std::thread& io_thread) {
+  worker.Stop();
+  publisher.Stop();
+  std::this_thread::sleep_for(100ms);
+  guard.reset();
+  io.stop();
+  io_thread.join();
 }
 
 // A publisher on loopback ports with its version log under `dir`/state.
@@ -64,13 +74,13 @@ TEST(SwapTest, DeltaPatchesTheMirrorBetweenDecodeStepsOfALiveRequest) {
   auto publisher = sync::Publisher::Start(io.get_executor(), publisher_options);
   ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
 
-  auto trainer = trainer::TrainingClient::Create({.config = Tiny(), .seed = 3});
+  auto trainer = trainer::TrainingClient::Create({.config = TinyServed(), .seed = 3});
   ASSERT_TRUE(trainer.ok());
   (*trainer)->AttachPublisher(publisher->get());
   ASSERT_TRUE((*trainer)->SaveWeightsForSampler(1).ok());
 
   // The engine's model; loaded from the worker's first version, patched on every swap.
-  auto model = std::make_shared<model::TransformerImpl>(Tiny());
+  auto model = std::make_shared<model::TransformerImpl>(TinyServed());
   std::unique_ptr<Engine> engine;
   std::atomic<int> patched_swaps{0};
   std::atomic<uint64_t> words_patched{0};
@@ -147,7 +157,7 @@ TEST(SwapTest, DeltaPatchesTheMirrorBetweenDecodeStepsOfALiveRequest) {
   EXPECT_EQ(versions.back(), 2u);
   EXPECT_TRUE(std::is_sorted(versions.begin(), versions.end()));
   // The mirror is exactly the served bf16 weights of version 2.
-  auto expected = std::make_shared<model::TransformerImpl>(Tiny());
+  auto expected = std::make_shared<model::TransformerImpl>(TinyServed());
   ASSERT_TRUE(model::LoadWeights(*expected, v2->checkpoint.view(), "v2").ok());
   auto want = expected->named_parameters();
   for (const auto& p : model->named_parameters())
@@ -157,12 +167,7 @@ TEST(SwapTest, DeltaPatchesTheMirrorBetweenDecodeStepsOfALiveRequest) {
   ASSERT_TRUE(after.ok());
   EXPECT_EQ((*after)[0].versions.front(), 2u);
 
-  (*worker)->Stop();
-  (*publisher)->Stop();
-  std::this_thread::sleep_for(100ms);
-  guard.reset();
-  io.stop();
-  io_thread.join();
+  StopAll(**worker, **publisher, guard, io, io_thread);
   worker->reset();
   publisher->reset();
   fs::remove_all(dir);
@@ -202,7 +207,7 @@ TEST(SwapTest, RefusedSwapKeepsServingAndAdvertisingTheOldVersion) {
   fs::create_directories(dir);
   {
     std::ofstream config(dir / "config.json");
-    config << Tiny().ToJson().dump();
+    config << TinyServed().ToJson().dump();
   }
   asio::io_context io(1);
   auto guard = asio::make_work_guard(io);
@@ -215,7 +220,7 @@ TEST(SwapTest, RefusedSwapKeepsServingAndAdvertisingTheOldVersion) {
   publisher_options.log.keyframe_every = 2;
   auto publisher = sync::Publisher::Start(io.get_executor(), publisher_options);
   ASSERT_TRUE(publisher.ok()) << publisher.status().ToString();
-  auto trainer = trainer::TrainingClient::Create({.config = Tiny(), .seed = 3});
+  auto trainer = trainer::TrainingClient::Create({.config = TinyServed(), .seed = 3});
   ASSERT_TRUE(trainer.ok());
   (*trainer)->AttachPublisher(publisher->get());
   auto v1 = (*trainer)->SaveWeightsForSampler(1);
@@ -286,12 +291,7 @@ TEST(SwapTest, RefusedSwapKeepsServingAndAdvertisingTheOldVersion) {
   EXPECT_EQ(status()["weights_hash"], v3->weights_hash);
   EXPECT_NE(completion_version(), v1_answer);
 
-  (*worker)->Stop();
-  (*publisher)->Stop();
-  std::this_thread::sleep_for(100ms);
-  guard.reset();
-  io.stop();
-  io_thread.join();
+  StopAll(**worker, **publisher, guard, io, io_thread);
   engine->reset();
   worker->reset();
   publisher->reset();
