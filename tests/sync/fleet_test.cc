@@ -465,6 +465,19 @@ class FleetTest : public ::testing::Test {
                       Serves(version, lineage_.Hex(version)));
   }
 
+  // A publisher that serves v1, the lineage's keyframe; its size in `keyframe_bytes`. Null
+  // (and a test failure) when the publisher does not start or does not publish.
+  Node* StartPublisherWithKeyframe(uint64_t* keyframe_bytes) {
+    Node* publisher = StartPublisher("publisher");
+    EXPECT_NE(publisher, nullptr);
+    if (publisher == nullptr) return nullptr;
+    const bool published = Publish(*publisher, 1);
+    EXPECT_TRUE(published);
+    if (!published) return nullptr;
+    *keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
+    return publisher;
+  }
+
   fs::path dir_;
   fs::path watch_;
   std::unique_ptr<ops::ProcessGroup> processes_;  // after dir_ exists
@@ -614,10 +627,9 @@ TEST_F(FleetTest, PastRetentionKeyframe) {
 // ---- failures in transit ---------------------------------------------------------------------
 
 TEST_F(FleetTest, RelayKilledMidTransfer) {
-  Node* publisher = StartPublisher("publisher");
+  uint64_t keyframe_bytes = 0;
+  Node* publisher = StartPublisherWithKeyframe(&keyframe_bytes);
   ASSERT_NE(publisher, nullptr);
-  ASSERT_TRUE(Publish(*publisher, 1));
-  const uint64_t keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
   // 2 MB/s from the publisher: the 6 MB keyframe takes about 3 s through the relay.
   Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()}, {"--wan-rate", "2000000"});
   ASSERT_NE(relay, nullptr);
@@ -652,10 +664,9 @@ TEST_F(FleetTest, RelayKilledMidTransfer) {
 // Cut-through: a relay serves a piece to its workers as soon as it has verified it, not
 // once it holds the whole artifact.
 TEST_F(FleetTest, RelayForwardsPiecesBeforeItHasTheWholeArtifact) {
-  Node* publisher = StartPublisher("publisher");
+  uint64_t keyframe_bytes = 0;
+  Node* publisher = StartPublisherWithKeyframe(&keyframe_bytes);
   ASSERT_NE(publisher, nullptr);
-  ASSERT_TRUE(Publish(*publisher, 1));
-  const uint64_t keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
   // 2 MB/s into the relay: the 6 MB keyframe takes about 3 s to reach it.
   Node* relay = StartRelay("relay-eu", "eu", {publisher->upstream()}, {"--wan-rate", "2000000"});
   ASSERT_NE(relay, nullptr);
@@ -799,10 +810,9 @@ TEST_F(FleetTest, WorkerJoiningMidStreamServesOnlyWholeVersions) {
 }
 
 TEST_F(FleetTest, ConnectionCutMidChunk) {
-  Node* publisher = StartPublisher("publisher");
+  uint64_t keyframe_bytes = 0;
+  Node* publisher = StartPublisherWithKeyframe(&keyframe_bytes);
   ASSERT_NE(publisher, nullptr);
-  ASSERT_TRUE(Publish(*publisher, 1));
-  const uint64_t keyframe_bytes = U64(StatusOrEmpty(*publisher), "last_artifact_bytes");
   const uint64_t pieces = (keyframe_bytes + kPieceBytes - 1) / kPieceBytes;
 
   FaultProxyOptions cut;
