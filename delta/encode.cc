@@ -297,8 +297,7 @@ Status AlignBase(const CheckpointView& base, const CheckpointView& target,
 // The fields both header forms (whole and streamed) open with: magic, format version,
 // flags, four reserved bytes.
 ByteVec HeaderStart(uint64_t version, bool keyframe) {
-  ByteVec header;
-  header.insert(header.end(), format::kMagic, format::kMagic + 8);
+  ByteVec header(format::kMagic, format::kMagic + 8);
   wire::PutFixed(&header, version, 2);
   wire::PutFixed(&header, keyframe ? format::kFlagKeyframe : 0, 2);
   wire::PutFixed(&header, 0, 4);
@@ -726,31 +725,38 @@ Status DeltaEncoder::RunStreamed() {
   return EndStream(target_hash);
 }
 
+// What both encoders start from: the options checked, the target indexed by name, the
+// base (null for a keyframe) aligned to the target's order.
+struct EncoderInputs {
+  std::unordered_map<std::string, size_t> target_index;
+  CheckpointView base_aligned;
+};
+
+Result<EncoderInputs> PrepareInputs(const CheckpointView* base, const CheckpointView& target,
+                                    const EncodeOptions& options) {
+  FW_RETURN_IF_ERROR(CheckOptions(target, options));
+  EncoderInputs inputs;
+  FW_RETURN_IF_ERROR(IndexTarget(target, &inputs.target_index));
+  if (base != nullptr) {
+    FW_RETURN_IF_ERROR(AlignBase(*base, target, inputs.target_index, &inputs.base_aligned));
+  }
+  return inputs;
+}
+
 Status StreamedImpl(const CheckpointView* base, const CheckpointView& target,
                     const EncodeOptions& options, StreamSink& sink) {
-  FW_RETURN_IF_ERROR(CheckOptions(target, options));
-  std::unordered_map<std::string, size_t> target_index;
-  FW_RETURN_IF_ERROR(IndexTarget(target, &target_index));
-  CheckpointView base_aligned;
-  if (base != nullptr) {
-    FW_RETURN_IF_ERROR(AlignBase(*base, target, target_index, &base_aligned));
-  }
-  DeltaEncoder encoder(base, target, std::move(base_aligned), std::move(target_index), options,
-                       &sink);
+  FW_ASSIGN_OR_RETURN(EncoderInputs inputs, PrepareInputs(base, target, options));
+  DeltaEncoder encoder(base, target, std::move(inputs.base_aligned), std::move(inputs.target_index),
+                       options, &sink);
   return encoder.RunStreamed();
 }
 
 // `base` is null for a keyframe.
 Result<std::vector<std::byte>> EncodeImpl(const CheckpointView* base, const CheckpointView& target,
                                           const EncodeOptions& options) {
-  FW_RETURN_IF_ERROR(CheckOptions(target, options));
-  std::unordered_map<std::string, size_t> target_index;
-  FW_RETURN_IF_ERROR(IndexTarget(target, &target_index));
-  CheckpointView base_aligned;
-  if (base != nullptr) {
-    FW_RETURN_IF_ERROR(AlignBase(*base, target, target_index, &base_aligned));
-  }
-  DeltaEncoder encoder(base, target, std::move(base_aligned), std::move(target_index), options);
+  FW_ASSIGN_OR_RETURN(EncoderInputs inputs, PrepareInputs(base, target, options));
+  DeltaEncoder encoder(base, target, std::move(inputs.base_aligned), std::move(inputs.target_index),
+                       options);
   return encoder.Run();
 }
 
