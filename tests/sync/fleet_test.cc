@@ -1632,6 +1632,11 @@ class CraftedUpstreamTest : public ::testing::Test {
   // Runs `fn` on the io thread and waits for it.
   void OnIo(const std::function<void()>& fn) { RunOnIo(*io_, fn); }
 
+  // Serves `v1` as the keyframe of version 1 (hash `hash_1`, entry in `k1`), watches the
+  // worker's weights against `allowed`, and waits until the worker serves v1.
+  bool ServeKeyframeV1(const OwnedCheckpoint& v1, const Hash128& hash_1,
+                       std::map<uint64_t, Hash128> allowed, ArtifactInfo* k1);
+
   void Announce(std::vector<ArtifactInfo> artifacts, uint64_t head_version, Hash128 head_hash,
                 std::map<ArtifactKey, SignedManifest> signatures = {}) {
     Catalog catalog;
@@ -1719,6 +1724,16 @@ std::vector<std::byte> EncodedKeyframe(uint64_t version, const OwnedCheckpoint& 
   Result<std::vector<std::byte>> bytes = delta::EncodeKeyframe(target.view(), options);
   EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
   return bytes.ok() ? std::move(*bytes) : std::vector<std::byte>{};
+}
+
+bool CraftedUpstreamTest::ServeKeyframeV1(const OwnedCheckpoint& v1, const Hash128& hash_1,
+                                          std::map<uint64_t, Hash128> allowed, ArtifactInfo* k1) {
+  const std::vector<std::byte> k1_bytes = EncodedKeyframe(1, v1);
+  *k1 = Entry(ArtifactKind::kKeyframe, 0, {}, 1, hash_1, k1_bytes);
+  source_.Put(*k1, k1_bytes);
+  WatchWeights(std::move(allowed));
+  Announce({*k1}, 1, hash_1);
+  return WaitWorker("serving v1", Serves(1, hash_1.ToHex()));
 }
 
 std::vector<Hash128> TensorHashes(const OwnedCheckpoint& checkpoint) {
@@ -1840,12 +1855,8 @@ TEST_F(CraftedUpstreamTest, StreamingDeltaIsDecodedAheadAndAppliedOnlyWhenFinish
   const OwnedCheckpoint& v1 = lineage.At(1);
   const OwnedCheckpoint v2 = Mutate(v1, 0.1, 80, Change::kArbitrary);
   const Hash128 hash_1 = HashOf(v1), hash_2 = HashOf(v2);
-  const std::vector<std::byte> k1_bytes = EncodedKeyframe(1, v1);
-  const ArtifactInfo k1 = Entry(ArtifactKind::kKeyframe, 0, {}, 1, hash_1, k1_bytes);
-  source_.Put(k1, k1_bytes);
-  WatchWeights({{1, hash_1}, {2, hash_2}});
-  Announce({k1}, 1, hash_1);
-  ASSERT_TRUE(WaitWorker("serving v1", Serves(1, hash_1.ToHex())));
+  ArtifactInfo k1;
+  ASSERT_TRUE(ServeKeyframeV1(v1, hash_1, {{1, hash_1}, {2, hash_2}}, &k1));
 
   uint64_t bound = 0;
   const std::vector<std::byte> d2_bytes = StreamedDelta(v1, v2, 1, &bound);
@@ -1886,12 +1897,8 @@ TEST_F(CraftedUpstreamTest, ReplacedStreamIsDroppedNotMixedIn) {
   const OwnedCheckpoint first = Mutate(v1, 0.1, 82, Change::kArbitrary);
   const OwnedCheckpoint second = Mutate(v1, 0.1, 83, Change::kArbitrary);
   const Hash128 hash_1 = HashOf(v1), hash_2 = HashOf(second);
-  const std::vector<std::byte> k1_bytes = EncodedKeyframe(1, v1);
-  const ArtifactInfo k1 = Entry(ArtifactKind::kKeyframe, 0, {}, 1, hash_1, k1_bytes);
-  source_.Put(k1, k1_bytes);
-  WatchWeights({{1, hash_1}, {2, hash_2}});
-  Announce({k1}, 1, hash_1);
-  ASSERT_TRUE(WaitWorker("serving v1", Serves(1, hash_1.ToHex())));
+  ArtifactInfo k1;
+  ASSERT_TRUE(ServeKeyframeV1(v1, hash_1, {{1, hash_1}, {2, hash_2}}, &k1));
 
   uint64_t bound_first = 0, bound_second = 0;
   const std::vector<std::byte> first_bytes = StreamedDelta(v1, first, 1, &bound_first);
