@@ -465,6 +465,22 @@ class FleetTest : public ::testing::Test {
                       Serves(version, lineage_.Hex(version)));
   }
 
+  // A publisher listening on a fixed port (FreePort's race accepted: a restarted publisher
+  // must come back on it), `listen`, and a worker following it. False (and a test failure)
+  // when either does not start.
+  bool StartOnAFixedPort(std::string* listen, Node** publisher, Node** worker) {
+    const Result<uint16_t> port = ops::FreePort();
+    EXPECT_TRUE(port.ok()) << port.status().ToString();
+    if (!port.ok()) return false;
+    *listen = "127.0.0.1:" + std::to_string(*port);
+    *publisher = StartPublisher("publisher", {}, *listen);
+    EXPECT_NE(*publisher, nullptr);
+    if (*publisher == nullptr) return false;
+    *worker = StartWorker("worker", "home", {*listen});
+    EXPECT_NE(*worker, nullptr);
+    return *worker != nullptr;
+  }
+
   // A publisher that serves v1, the lineage's keyframe; its size in `keyframe_bytes`. Null
   // (and a test failure) when the publisher does not start or does not publish.
   Node* StartPublisherWithKeyframe(uint64_t* keyframe_bytes) {
@@ -1104,13 +1120,10 @@ TEST_F(FleetTest, TlsMutualAuth) {
 
 TEST_F(FleetTest, PublisherRestart) {
   // A fixed port (FreePort's race accepted): the restarted publisher must come back on it.
-  const Result<uint16_t> port = ops::FreePort();
-  ASSERT_TRUE(port.ok()) << port.status().ToString();
-  const std::string listen = "127.0.0.1:" + std::to_string(*port);
-  Node* publisher = StartPublisher("publisher", {}, listen);
-  ASSERT_NE(publisher, nullptr);
-  Node* worker = StartWorker("worker", "home", {listen});
-  ASSERT_NE(worker, nullptr);
+  std::string listen;
+  Node* publisher = nullptr;
+  Node* worker = nullptr;
+  ASSERT_TRUE(StartOnAFixedPort(&listen, &publisher, &worker));
   for (uint64_t version = 1; version <= 3; ++version) ASSERT_TRUE(Publish(*publisher, version));
   ASSERT_TRUE(WaitStatus(*worker, "serving v3", Serves(3, lineage_.Hex(3))));
 
@@ -1160,13 +1173,10 @@ std::set<uint64_t> LoggedVersions(const fs::path& state) {
 // not name the version. When none of the four timed kills did, more versions are dropped
 // and each killed as soon as it streams, up to version 12; none landing fails the test.
 TEST_F(FleetTest, PublisherKilledMidUpdateRecovers) {
-  const Result<uint16_t> port = ops::FreePort();
-  ASSERT_TRUE(port.ok()) << port.status().ToString();
-  const std::string listen = "127.0.0.1:" + std::to_string(*port);
-  Node* publisher = StartPublisher("publisher", {}, listen);
-  ASSERT_NE(publisher, nullptr);
-  Node* worker = StartWorker("worker", "home", {listen});
-  ASSERT_NE(worker, nullptr);
+  std::string listen;
+  Node* publisher = nullptr;
+  Node* worker = nullptr;
+  ASSERT_TRUE(StartOnAFixedPort(&listen, &publisher, &worker));
   ASSERT_TRUE(Publish(*publisher, 1));
   ASSERT_TRUE(WaitStatus(*worker, "serving v1", Serves(1, lineage_.Hex(1))));
   const fs::path state = StateDir("publisher");
