@@ -1,4 +1,4 @@
-// Implementation details of delta/parallel.h.
+// Implementation details of checkpoint/parallel.h.
 #pragma once
 
 #include <algorithm>

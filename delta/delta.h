@@ -11,7 +11,7 @@
 //   * a dense encoding: target XOR base, or the target itself, byte-plane shuffled,
 // whichever is smallest; then zstd or lz4 over the chunk when that makes it smaller.
 // Every chunk carries an XXH3-64 checksum; the manifest carries base and target version
-// numbers and XXH3-128 hashes of every tensor and of the whole checkpoint (delta/hash.h).
+// numbers and XXH3-128 hashes of every tensor and of the whole checkpoint (checkpoint/hash.h).
 // A keyframe is a full snapshot in the same container (every chunk literal).
 // The byte layout is in delta/format.h and docs/DELTA_FORMAT.md.
 //

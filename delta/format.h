@@ -17,11 +17,11 @@
 // Manifest (M bytes)
 //   varint base_version, varint target_version
 //   16 bytes base checkpoint hash, 16 bytes target checkpoint hash (XXH3-128 of the
-//       canonical record of delta/hash.h; low u64 then high u64; base is zero in a keyframe)
+//       canonical record of checkpoint/hash.h; low u64 then high u64; base is zero in a keyframe)
 //   varint metadata_count, then per entry: varint key length, key, varint value length, value
 //   varint tensor_count, then per tensor (target order):
 //     varint name length (>= 1), name (UTF-8; unique)
-//     u8 dtype (DType value, delta/tensor.h)
+//     u8 dtype (DType value, checkpoint/tensor.h)
 //     varint rank (<= 64), rank x varint dim
 //     16 bytes base tensor hash (zero in a keyframe), 16 bytes target tensor hash
 //     varint changed_words, varint chunk_count

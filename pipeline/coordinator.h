@@ -17,7 +17,7 @@
 // submission of a claim that is no longer out is refused, so nothing is counted twice and
 // no prompt is lost.
 //
-// The messages are typed (transport/rollout_protocol.h, shared with the workers' actor);
+// The messages are typed (pipeline/rollout_protocol.h, shared with the workers' actor);
 // HandleClaim/HandleSubmit take and answer the HTTP bodies.
 #pragma once
 

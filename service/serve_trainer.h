@@ -1,4 +1,4 @@
-// `flywheel serve-trainer`: the training service (rl/training_service.h) as a process: the
+// `flywheel serve-trainer`: the training service (service/training_service.h) as a process: the
 // model from a config.json (+ safetensors) or a preset, the in-process publisher that relays
 // and workers subscribe to, and the training API's HTTP port; runs until SIGINT/SIGTERM.
 // Torch-free declarations: `flywheel` hands the command over to flywheel-torch.

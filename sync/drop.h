@@ -28,7 +28,7 @@ struct Drop {
 Result<std::vector<Drop>> ScanDrops(const std::string& watch_dir, uint64_t after_version);
 
 // Opens a drop: <path>/model.safetensors, else the sharded checkpoint indexed by
-// <path>/model.safetensors.index.json. Validates it fully (delta/safetensors.h); the
+// <path>/model.safetensors.index.json. Validates it fully (checkpoint/safetensors.h); the
 // error is prefixed with "drop <path>: " and names what is wrong with it.
 Result<Checkpoint> OpenDrop(const Drop& drop);
 

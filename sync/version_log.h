@@ -108,7 +108,7 @@ using BytesReadFn = std::function<void(std::span<const std::byte> read)>;
 // What a caller that hashed the checkpoint already (the embedded trainer) hands to Append,
 // so the bytes are not hashed a second time.
 struct AppendOptions {
-  // Per-tensor hashes (delta/hash.h TensorHash), index-aligned with the checkpoint. Empty:
+  // Per-tensor hashes (checkpoint/hash.h TensorHash), index-aligned with the checkpoint. Empty:
   // Append hashes every tensor itself. REQUIRES: when given, they are the hashes of exactly
   // these bytes; Append does not re-read the bytes to check them (that is the point), and a
   // wrong hash publishes a version every worker refuses at apply time.
@@ -204,7 +204,7 @@ class VersionLog {
   std::vector<ArtifactInfo> Artifacts() const;
   bool empty() const;             // nothing published yet
   uint64_t head_version() const;  // 0 when empty
-  Hash128 head_hash() const;      // checkpoint hash (delta/hash.h) of the head
+  Hash128 head_hash() const;      // checkpoint hash (checkpoint/hash.h) of the head
   uint64_t last_version() const;  // highest version ever published (== head_version())
   // A copy of the head's tensor hashes (aligned with the head's tensor order).
   std::vector<Hash128> head_tensor_hashes() const;

@@ -1,4 +1,4 @@
-// `flywheel serve-trainer` (the training service, rl/serve_trainer.h) and `flywheel service`
+// `flywheel serve-trainer` (the training service, service/serve_trainer.h) and `flywheel service`
 // (serve-trainer plus a relay and rollout workers on this machine, one command, for the
 // Python SDK's examples and for trying the API).
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-// The process harness (pipeline/process.h) with /bin/sh, sleep and python3 as children:
+// The process harness (ops/process.h) with /bin/sh, sleep and python3 as children:
 // nothing outlives a group, a child that ignores SIGTERM is killed after the grace, ports
 // come back, one-shot commands report their output and time out with a clear error.
 #include "ops/process.h"

@@ -4,7 +4,7 @@
 // 127.0.0.1, drops checkpoints into the publisher's watch directory the way an external
 // trainer does, and watches every node through GET /v1/status. Faults come from outside
 // the code under test: SIGSTOP/SIGCONT/SIGKILL, and a proxy that cuts or corrupts the
-// byte stream (pipeline/fault_proxy.h).
+// byte stream (testing/fault_proxy.h).
 //
 // CraftedUpstreamTest needs catalogs no publisher would send (a delta that lies about its
 // base, an older head): it runs a sync::Server with a test PieceSource and an in-process

@@ -2,7 +2,7 @@
 // sync::Publisher (and, where the fleet matters, an in-process model-less sync::Worker) on
 // one io_context thread; requests come from transport::HttpCall and from the push client
 // (push/push_client.h) on the test thread. Connection cuts come from a proxy outside the
-// code under test (pipeline/fault_proxy.h); a full staging disk is a real 1 MiB tmpfs.
+// code under test (testing/fault_proxy.h); a full staging disk is a real 1 MiB tmpfs.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/mount.h>
