@@ -117,7 +117,8 @@ const char* kSignaturesFile = "signatures.json";
 
 void Publisher::Impl::LoadSignatures() {
   const std::string path = options.log.dir + "/" + kSignaturesFile;
-  Result<std::vector<std::byte>> bytes = Env::Default()->ReadFile(path);
+  Env* const env = options.log.env != nullptr ? options.log.env : Env::Default();
+  Result<std::vector<std::byte>> bytes = env->ReadFile(path);
   if (!bytes.ok()) return;  // a first start: a new run id
   Result<nlohmann::json> parsed =
       ParseJson(std::string_view(reinterpret_cast<const char*>(bytes->data()), bytes->size()), path,
@@ -191,7 +192,8 @@ Status Publisher::Impl::SignArtifacts() {
 }
 
 Status Publisher::Impl::StartExtension() {
-  FW_ASSIGN_OR_RETURN(ledger, Ledger::Open(options.log.dir + "/ledger.log"));
+  Env* const env = options.log.env != nullptr ? options.log.env : Env::Default();
+  FW_ASSIGN_OR_RETURN(ledger, Ledger::Open(options.log.dir + "/ledger.log", env));
   if (!options.extension) return Status::Ok();
   // Any token configured (the fleet's, the push token, or only scoped ones) makes every
   // read need a token with the read scope.
