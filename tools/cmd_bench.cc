@@ -25,6 +25,7 @@
 #include "bench/startup_bench.h"
 #include "bench/tokenizer_bench.h"
 #include "bench/trainer_bench.h"
+#include "tools/bench_commands.h"
 #include "tools/commands.h"
 
 namespace flywheel::tools {
@@ -818,6 +819,9 @@ void AddBenchCommands(CLI::App& app, Action& action) {
   AddTrainerCommand(*bench_app, action);
   AddRolloutCommand(*bench_app, action);
   AddParityCommand(*bench_app, action);
+  AddEgressBenchCommand(*bench_app, action);
+  AddChurnBenchCommand(*bench_app, action);
+  AddJoinBenchCommand(*bench_app, action);
 
   AddPipelineBenchCommand(*bench_app, action);
 }

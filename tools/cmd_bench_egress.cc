@@ -1,0 +1,14 @@
+// `flywheel bench egress` (tools/bench_commands.h). Registration point; the benchmark is being
+// built for issue 33 and registers nothing until it lands.
+#include <CLI/CLI.hpp>
+
+#include "tools/bench_commands.h"
+
+namespace flywheel::tools {
+
+void AddEgressBenchCommand(CLI::App& bench_app, Action& action) {
+  (void)bench_app;
+  (void)action;
+}
+
+}  // namespace flywheel::tools
