@@ -105,6 +105,9 @@ struct PushApi::Impl : std::enable_shared_from_this<PushApi::Impl> {
   ApiResult CommitNow(const std::string& id, const std::string& peer);
   ApiResult PublishStaged(const StagedUpload& staged, const std::string& peer);
   ApiResult PublishDelta(const StagedUpload& staged, LedgerRow row);
+  ApiResult PublishInPlace(const StagedUpload& staged, uint64_t version,
+                           std::span<const std::byte> bytes, const BytesReadFn& read,
+                           LedgerRow row);
   ApiResult Published(uint64_t version, const CheckpointView& checkpoint,
                          const AppendOptions& known, LedgerRow row);
   ApiResult Versions(const HttpRequest& request) const;
@@ -209,6 +212,21 @@ ApiResult PushApi::Impl::CreateUpload(const HttpRequest& request) {
                        "); push the full checkpoint",
                    {{"held_versions", held}}};
     }
+  }
+  // {"resume": id}: the client resumes an upload (after a restart of either side) and
+  // declares its body again; an upload that is not held any more is created anew.
+  const nlohmann::json resume = body->value("resume", nlohmann::json());
+  if (!resume.is_null() && !resume.is_string()) {
+    return ApiError{400, "bad_request", "field 'resume' must be an upload id"};
+  }
+  if (resume.is_string()) {
+    Result<UploadState> resumed = uploads->Resume(resume.get<std::string>(), *spec);
+    if (resumed.ok()) return ApiResult(ToJson(*resumed));
+    if (resumed.status().code() == StatusCode::kMismatch) {
+      return ApiError{409, "upload_mismatch", resumed.status().message()};
+    }
+    spdlog::info("push: upload {} to resume is not held ({}); creating a new one",
+                 resume.get<std::string>(), resumed.status().message());
   }
   Result<UploadState> state = uploads->Create(std::move(*spec));
   if (!state.ok()) return UploadFailure(state.status(), "");
@@ -329,6 +347,11 @@ ApiResult PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow row)
                      std::to_string(manifest.target_version) + (manifest.keyframe ? " (a keyframe)" : "") +
                      ", the upload declared base v" + std::to_string(staged.spec.base_version)};
   }
+  // A delta from the head is applied to the log's head in place (no copy of it) and is the
+  // log's own delta artifact for this version, byte for byte.
+  if (manifest.base_version == target->version_log().head_version()) {
+    return PublishInPlace(staged, manifest.target_version, bytes, read, std::move(row));
+  }
   Result<RebuiltCheckpoint> rebuilt = target->version_log().ApplyDelta(bytes, threads, read);
   if (!rebuilt.ok()) {
     const StatusCode code = rebuilt.status().code();
@@ -342,12 +365,34 @@ ApiResult PushApi::Impl::PublishDelta(const StagedUpload& staged, LedgerRow row)
   AppendOptions known;
   known.tensor_hashes = rebuilt->tensor_hashes;
   known.checkpoint_hash = rebuilt->hash;
-  // A delta from the head is the log's own delta artifact for this version, byte for byte.
-  if (manifest.base_version == target->version_log().head_version()) {
-    known.encoded_delta = bytes;
-    known.encoded_delta_read = read;
-  }
   return Published(manifest.target_version, rebuilt->checkpoint.view(), known, std::move(row));
+}
+
+ApiResult PushApi::Impl::PublishInPlace(const StagedUpload& staged, uint64_t version,
+                                        std::span<const std::byte> bytes, const BytesReadFn& read,
+                                        LedgerRow row) {
+  const uint64_t last = target->version_log().last_version();
+  if (version <= last) {
+    return ApiError{409, "version_conflict",
+                 "version " + std::to_string(version) + " is not above the head v" +
+                     std::to_string(last) + " (another push committed first)",
+                 {{"head_version", last}}};
+  }
+  AppendOptions known;
+  known.apply_in_place = bytes;
+  known.encoded_delta_read = read;
+  Result<LedgerRow> published = target->Publish(version, CheckpointView{}, known, std::move(row));
+  if (published.ok()) return ApiResult(ToJson(*published));
+  const Status& status = published.status();
+  if (status.code() == StatusCode::kMismatch) {  // another push moved the head meanwhile
+    const std::vector<uint64_t> held = target->version_log().RebuildableVersions();
+    return ApiError{409, "unknown_base", status.message() + "; push the full checkpoint",
+                 {{"held_versions", held}}};
+  }
+  if (status.code() == StatusCode::kCorruption || status.code() == StatusCode::kInvalidArgument) {
+    return ApiError{422, "invalid_delta", "upload " + staged.id + ": " + status.message()};
+  }
+  return ApiError{500, "internal", status.message()};
 }
 
 ApiResult PushApi::Impl::Published(uint64_t version, const CheckpointView& checkpoint,

@@ -6,10 +6,16 @@
 #include <xxhash.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <optional>
 #include <random>
+#include <tuple>
+
+#include <spdlog/spdlog.h>
 
 #include "base/hex.h"
+#include "base/json.h"
 
 namespace flywheel::sync {
 namespace {
@@ -160,8 +166,8 @@ Status DiskFullIsUnavailable(Status status, const std::string& what) {
   return Status::Unavailable("the staging disk is full: " + what + ": " + status.message());
 }
 
-// Writes `bytes` at `offset` of one file. Staged bytes are not synced: uploads do not
-// survive a restart, and the commit copies them into the version log, which syncs its own.
+// Writes `bytes` at `offset` of one file. Staged bytes are not synced: each part's range is
+// recorded with its digest, and a restart keeps only the ranges whose bytes still match it.
 Status WriteAt(Env* env, const std::string& path, uint64_t offset, std::span<const std::byte> bytes) {
   FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
                       env->NewWritableFile(path, Env::OpenMode::kExisting));
@@ -180,7 +186,94 @@ Status Allocate(Env* env, const std::string& path, uint64_t size) {
                                "cannot allocate " + std::to_string(size) + " bytes for " + path);
 }
 
+// Per upload, beside its files (names a client's files cannot take: they are never hidden).
+constexpr const char* kRecordFile = ".upload.json";  // the spec, written durably at Create
+constexpr const char* kRangesFile = ".ranges";       // "<begin> <end> <xxh3 hex>\n" per part
+
+bool IsUploadId(const std::string& name) {
+  return name.size() == 34 && name.compare(0, 2, "u-") == 0 &&
+         IsHex(std::string_view(name).substr(2), HexCase::kLower);
+}
+
+// XXH3-64 of the body bytes [begin, end) of the mapped files (laid end to end).
+uint64_t RangeDigest(const std::vector<std::unique_ptr<MappedRegion>>& files, uint64_t begin,
+                     uint64_t end) {
+  XXH3_state_t* state = XXH3_createState();
+  XXH3_64bits_reset(state);
+  uint64_t file_begin = 0;
+  for (const std::unique_ptr<MappedRegion>& file : files) {
+    const std::span<const std::byte> bytes = file->bytes();
+    const uint64_t from = std::max(begin, file_begin);
+    const uint64_t to = std::min<uint64_t>(end, file_begin + bytes.size());
+    if (from < to) {
+      const std::span<const std::byte> range = bytes.subspan(from - file_begin, to - from);
+      XXH3_64bits_update(state, range.data(), range.size());
+      file->Release(range);  // a recovery hashes gigabytes: keep none of them resident
+    }
+    file_begin += bytes.size();
+  }
+  const uint64_t digest = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  return digest;
+}
+
+// One record of kRangesFile; nullopt for a torn or malformed line.
+std::optional<std::tuple<uint64_t, uint64_t, uint64_t>> ParseRange(std::string_view line) {
+  unsigned long long begin = 0, end = 0;
+  char hex[17] = {};
+  const std::string text(line);
+  if (std::sscanf(text.c_str(), "%llu %llu %16s", &begin, &end, hex) != 3 || begin >= end) {
+    return std::nullopt;
+  }
+  Result<uint64_t> digest = HexDecode64(hex, HexCase::kLower);
+  if (!digest.ok() || std::strlen(hex) != 16) return std::nullopt;
+  return std::make_tuple(uint64_t{begin}, uint64_t{end}, *digest);
+}
+
 }  // namespace
+
+nlohmann::json ToJson(const UploadSpec& spec) {
+  nlohmann::json files = nlohmann::json::array();
+  for (const UploadFile& file : spec.files) files.push_back({{"name", file.name}, {"size", file.size}});
+  nlohmann::json out = {
+      {"version", spec.version ? nlohmann::json(*spec.version) : nlohmann::json("next")},
+      {"kind", UploadKindName(spec.kind)},
+      {"size", spec.size},
+      {"digest", {{"algorithm", spec.digest.algorithm}, {"value", spec.digest.value}}},
+      {"metadata", spec.metadata},
+      {"client", spec.client}};
+  if (spec.kind == UploadKind::kDelta) {
+    out["base_version"] = spec.base_version;
+  } else {
+    out["files"] = files;
+  }
+  return out;
+}
+
+std::string SpecDifference(const UploadSpec& first, const UploadSpec& again) {
+  auto differs = [](const std::string& field, const auto& a, const auto& b) {
+    return field + " " + nlohmann::json(b).dump() + " (the upload declared " +
+           nlohmann::json(a).dump() + ")";
+  };
+  if (first.size != again.size) return differs("size", first.size, again.size);
+  if (first.digest.algorithm != again.digest.algorithm || first.digest.value != again.digest.value) {
+    return differs("digest", first.digest.algorithm + ":" + first.digest.value,
+                   again.digest.algorithm + ":" + again.digest.value);
+  }
+  if (first.kind != again.kind) {
+    return differs("kind", UploadKindName(first.kind), UploadKindName(again.kind));
+  }
+  if (first.kind == UploadKind::kDelta && first.base_version != again.base_version) {
+    return differs("base_version", first.base_version, again.base_version);
+  }
+  if (first.version != again.version) {
+    return differs("version", ToJson(first)["version"], ToJson(again)["version"]);
+  }
+  const nlohmann::json files_a = ToJson(first).value("files", nlohmann::json());
+  const nlohmann::json files_b = ToJson(again).value("files", nlohmann::json());
+  if (files_a != files_b) return differs("files", files_a, files_b);
+  return "";
+}
 
 const char* UploadKindName(UploadKind kind) {
   return kind == UploadKind::kDelta ? "delta" : "full";
@@ -252,15 +345,140 @@ Result<std::unique_ptr<UploadStore>> UploadStore::Open(UploadStoreOptions option
     return Status::InvalidArgument("uploads: size limits must be positive");
   }
   FW_RETURN_IF_ERROR(env->CreateDirs(options.dir).WithContext("uploads: staging directory"));
-  // Emptied, not removed: the directory may be a mount point.
-  FW_ASSIGN_OR_RETURN(std::vector<std::string> leftovers, env->ListDir(options.dir));
-  for (const std::string& name : leftovers) FW_RETURN_IF_ERROR(env->RemoveAll(options.dir + "/" + name));
-  return std::unique_ptr<UploadStore>(new UploadStore(std::move(options), env));
+  std::unique_ptr<UploadStore> store(new UploadStore(std::move(options), env));
+  FW_RETURN_IF_ERROR(store->Recover());
+  return store;
 }
 
-UploadStore::~UploadStore() {
+// Staged uploads stay on disk for the next process (Recover); Remove and expiry delete them.
+UploadStore::~UploadStore() = default;
+
+// Takes over what an earlier process staged. Anything that is not an upload this store
+// wrote (a foreign name, a directory without its record, a record that does not parse, a
+// file missing or of another size) is removed, and so is an upload past the limits; the
+// staging directory itself is never removed (it may be a mount point).
+Status UploadStore::Recover() {
+  FW_ASSIGN_OR_RETURN(std::vector<std::string> names, env_->ListDir(options_.dir));
+  for (const std::string& name : names) {
+    const std::string path = options_.dir + "/" + name;
+    std::string refused;
+    if (!IsUploadId(name) || !env_->IsDirectory(path)) {
+      refused = "not an upload of this publisher";
+    } else {
+      Result<std::shared_ptr<Upload>> upload = RecoverUpload(name, path);
+      if (upload.ok()) {
+        std::lock_guard lock(mu_);
+        if (uploads_.size() < kMaxOpenUploads &&
+            StagedBytesLocked() + (*upload)->spec.size <= options_.quota_bytes) {
+          uploads_.emplace(name, std::move(*upload));
+          continue;
+        }
+        refused = "over the staging quota or the number of open uploads";
+      } else {
+        refused = upload.status().message();
+      }
+    }
+    Note("uploads: removed " + path + " left in the staging directory: " + refused);
+    FW_RETURN_IF_ERROR(env_->RemoveAll(path));
+  }
+  return Status::Ok();
+}
+
+void UploadStore::Note(std::string note) {
+  spdlog::warn("{}", note);
   std::lock_guard lock(mu_);
-  while (!uploads_.empty()) RemoveLocked(uploads_.begin()->first);
+  recovery_.push_back(std::move(note));
+}
+
+std::vector<std::string> UploadStore::recovery() const {
+  std::lock_guard lock(mu_);
+  return recovery_;
+}
+
+// One upload directory: its record, its files, and the ranges whose bytes match their
+// recorded digest (the others are dropped: reported missing, to be sent again).
+Result<std::shared_ptr<UploadStore::Upload>> UploadStore::RecoverUpload(const std::string& id,
+                                                                        const std::string& dir) {
+  Result<std::vector<std::byte>> record = env_->ReadFile(dir + "/" + kRecordFile);
+  if (!record.ok()) return Status::Corruption("no readable " + std::string(kRecordFile) +
+                                              " (a crash while it was created?): " +
+                                              record.status().message());
+  const std::string_view text(reinterpret_cast<const char*>(record->data()), record->size());
+  Result<nlohmann::json> json = ParseJson(text, dir + "/" + kRecordFile);
+  if (!json.ok()) return json.status();
+  if (!json->is_object() || json->value("id", "") != id || !json->contains("spec")) {
+    return Status::Corruption(std::string(kRecordFile) + " does not describe upload " + id);
+  }
+  Result<UploadSpec> spec = ParseUploadSpec((*json)["spec"]);
+  if (!spec.ok()) return spec.status().WithContext(kRecordFile);
+  if (spec->size > options_.max_upload_bytes) return Status::ResourceExhausted("above the size limit");
+  auto upload = std::make_shared<Upload>();
+  upload->spec = std::move(*spec);
+  upload->dir = dir;
+  upload->last_activity_us = env_->NowMicros();
+  std::set<std::string> expected = {kRecordFile, kRangesFile};
+  std::vector<std::unique_ptr<MappedRegion>> files;
+  for (const UploadFile& file : upload->spec.files) {
+    expected.insert(file.name);
+    Result<std::unique_ptr<MappedRegion>> mapped = env_->MapReadOnly(dir + "/" + file.name);
+    if (!mapped.ok()) return mapped.status();
+    if ((*mapped)->bytes().size() != file.size) {
+      return Status::Corruption(file.name + " holds " + std::to_string((*mapped)->bytes().size()) +
+                                " bytes, not the declared " + std::to_string(file.size));
+    }
+    files.push_back(std::move(*mapped));
+  }
+  FW_ASSIGN_OR_RETURN(std::vector<std::string> present, env_->ListDir(dir));
+  for (const std::string& name : present) {
+    if (expected.count(name)) continue;
+    Note("uploads: removed " + dir + "/" + name + ": not a file of upload " + id);
+    FW_RETURN_IF_ERROR(env_->RemoveAll(dir + "/" + name));
+  }
+  RecoverRanges(*upload, files);
+  return upload;
+}
+
+void UploadStore::RecoverRanges(Upload& upload, const std::vector<std::unique_ptr<MappedRegion>>& files) {
+  const std::string path = upload.dir + "/" + kRangesFile;
+  Result<std::vector<std::byte>> ranges = env_->ReadFile(path);
+  if (!ranges.ok()) return;  // no part was recorded
+  std::string_view text(reinterpret_cast<const char*>(ranges->data()), ranges->size());
+  uint64_t dropped = 0;
+  while (!text.empty()) {
+    const size_t newline = text.find('\n');
+    const auto range = ParseRange(text.substr(0, newline));
+    if (newline == std::string_view::npos || !range) {
+      Note("uploads: " + path + ": a torn or malformed record at its end is ignored");
+      break;
+    }
+    text.remove_prefix(newline + 1);
+    const auto [begin, end, digest] = *range;
+    if (end > upload.spec.size) {
+      ++dropped;
+      continue;
+    }
+    if (RangeDigest(files, begin, end) != digest) {
+      Note("uploads: " + upload.dir + ": bytes [" + std::to_string(begin) + ", " +
+           std::to_string(end) + ") do not match their recorded digest: dropped, missing again");
+      ++dropped;
+      continue;
+    }
+    MergeRange(upload, begin, end);
+  }
+  UploadState state = StateOf(upload.dir.substr(upload.dir.rfind('/') + 1), upload);
+  spdlog::info("uploads: resumed {} ({} of {} bytes staged, {} range(s) dropped)", upload.dir,
+               state.received_bytes, upload.spec.size, dropped);
+}
+
+void UploadStore::MergeRange(Upload& upload, uint64_t begin, uint64_t end) {
+  auto it = upload.received.upper_bound(begin);
+  if (it != upload.received.begin() && std::prev(it)->second >= begin) --it;
+  while (it != upload.received.end() && it->first <= end) {
+    begin = std::min(begin, it->first);
+    end = std::max(end, it->second);
+    it = upload.received.erase(it);
+  }
+  if (end > begin) upload.received[begin] = end;
 }
 
 uint64_t UploadStore::staged_bytes() const {
@@ -338,6 +556,15 @@ Result<UploadState> UploadStore::Create(UploadSpec spec) {
     if (!allocated.ok()) break;
     allocated = Allocate(env_, upload->dir + "/" + file.name, file.size);
   }
+  if (allocated.ok()) {
+    // Durable before the id is answered: a restart finds the upload (Recover).
+    const std::string record =
+        nlohmann::json{{"format", 1}, {"id", id}, {"spec", ToJson(upload->spec)}}.dump() + "\n";
+    allocated = DiskFullIsUnavailable(
+        WriteFileAtomically(upload->dir + "/" + kRecordFile,
+                            std::as_bytes(std::span(record.data(), record.size())), env_),
+        "cannot write the record of upload " + id);
+  }
   std::lock_guard lock(mu_);
   --upload->busy;
   if (!allocated.ok()) {
@@ -391,7 +618,8 @@ Result<UploadState> UploadStore::Write(const std::string& id, uint64_t offset,
   // Outside the lock: a 64 MiB part to a slow disk holds up no other upload. spec and dir
   // never change after Create; the bytes land inside the space Create allocated (and
   // counted against the quota), so the quota holds while this runs.
-  const Status wrote = WriteBody(env_, upload->dir, upload->spec.files, offset, bytes);
+  Status wrote = WriteBody(env_, upload->dir, upload->spec.files, offset, bytes);
+  if (wrote.ok() && !bytes.empty()) wrote = RecordRange(*upload, offset, bytes);
   std::lock_guard lock(mu_);
   --upload->busy;
   auto current = uploads_.find(id);
@@ -401,16 +629,38 @@ Result<UploadState> UploadStore::Write(const std::string& id, uint64_t offset,
     return wrote;
   }
   if (!still_held) return Status::NotFound("upload " + id + " was removed while a part was written");
-  // Merge [offset, offset + size) into the received ranges.
-  uint64_t begin = offset, end = offset + bytes.size();
-  auto it = upload->received.upper_bound(begin);
-  if (it != upload->received.begin() && std::prev(it)->second >= begin) --it;
-  while (it != upload->received.end() && it->first <= end) {
-    begin = std::min(begin, it->first);
-    end = std::max(end, it->second);
-    it = upload->received.erase(it);
+  MergeRange(*upload, offset, offset + bytes.size());
+  upload->last_activity_us = env_->NowMicros();
+  return StateOf(id, *upload);
+}
+
+// Appends the part's range and digest to the upload's kRangesFile and syncs it. The part's
+// bytes are not synced: after a power cut the digest tells whether they made it.
+Status UploadStore::RecordRange(Upload& upload, uint64_t offset, std::span<const std::byte> bytes) {
+  const std::string line = std::to_string(offset) + " " + std::to_string(offset + bytes.size()) +
+                           " " + Hex64(XXH3_64bits(bytes.data(), bytes.size())) + "\n";
+  const std::string path = upload.dir + "/" + kRangesFile;
+  std::lock_guard lock(upload.record_mu);
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env_->NewAppendableFile(path));
+  Status status = file->Append(std::as_bytes(std::span(line.data(), line.size())));
+  if (status.ok()) status = file->Sync();
+  if (status.ok()) status = file->Close();
+  if (status.ok() && !upload.ranges_dir_synced) {
+    status = env_->SyncDir(upload.dir);  // the file's name, once
+    upload.ranges_dir_synced = status.ok();
   }
-  if (end > begin) upload->received[begin] = end;
+  return DiskFullIsUnavailable(std::move(status), "cannot record a part in " + path);
+}
+
+Result<UploadState> UploadStore::Resume(const std::string& id, const UploadSpec& again) {
+  std::lock_guard lock(mu_);
+  FW_ASSIGN_OR_RETURN(std::shared_ptr<Upload> upload, Find(id));
+  if (upload->taken) return Status::Mismatch("upload " + id + " is being committed");
+  const std::string difference = SpecDifference(upload->spec, again);
+  if (!difference.empty()) {
+    return Status::Mismatch("upload " + id + " cannot be resumed with another " + difference +
+                            "; create a new upload (without 'resume') for other bytes");
+  }
   upload->last_activity_us = env_->NowMicros();
   return StateOf(id, *upload);
 }

@@ -5,10 +5,16 @@
 // digest-verified upload to the committer. Layout under the staging directory:
 //   <dir>/<id>/<file name>   one file per declared file (a delta upload has one, "delta"),
 //                            allocated at Create (fallocate), written in place by parts
-// Open removes whatever an earlier process left there: uploads do not survive a restart.
-// Every file operation goes through the Env given to Open; staged bytes are not fsynced
-// (a restart discards them anyway, and the commit copies them into the version log, which
-// syncs what it acknowledges).
+//   <dir>/<id>/.upload.json  the upload's id and spec, written durably (AtomicFile) at Create
+//   <dir>/<id>/.ranges       one line per part written: "<begin> <end> <XXH3-64 hex>", synced
+// Uploads survive a restart: Open takes over every upload an earlier process staged, with
+// the ranges whose bytes still match their recorded digest (a range that does not, after a
+// power cut or a tampered file, is dropped and reported missing again; a torn last record
+// is ignored). What is not such an upload (a foreign name, a directory without its record,
+// a record that does not parse, a file missing or of another size, a stray file inside an
+// upload) is removed, each named in a warning and in recovery(). Every file operation goes
+// through the Env given to Open; staged bytes are not fsynced (the digests say what made it;
+// the commit copies them into the version log, which syncs what it acknowledges).
 //
 // Quotas: the declared size of one upload is at most max_upload_bytes, the declared sizes
 // of all staged uploads at most quota_bytes (ResourceExhausted, before anything is
@@ -77,6 +83,11 @@ struct UploadSpec {
 
 // Parses and checks a create request; InvalidArgument names the field that is wrong.
 Result<UploadSpec> ParseUploadSpec(const nlohmann::json& body);
+// The create request that ParseUploadSpec reads back as `spec`.
+nlohmann::json ToJson(const UploadSpec& spec);
+// "" when `again` declares the same body as `first` (size, digest, kind, base, version,
+// files); else the first field that differs, with both values.
+std::string SpecDifference(const UploadSpec& first, const UploadSpec& again);
 
 struct UploadState {
   std::string id;
@@ -117,6 +128,10 @@ class UploadStore {
   Result<UploadState> Write(const std::string& id, uint64_t offset,
                             std::span<const std::byte> bytes);
   Result<UploadState> State(const std::string& id);
+  // A client resuming upload `id` (after a restart of either side) declares its body
+  // again: its state when the declaration is the same, Mismatch naming the field that
+  // differs (size, digest, ...) otherwise, NotFound when the upload is not held.
+  Result<UploadState> Resume(const std::string& id, const UploadSpec& again);
   // Checks that every byte arrived and the digest, and takes the upload out of the store
   // (no more parts). On a digest mismatch the upload is removed.
   Result<StagedUpload> Take(const std::string& id);
@@ -127,6 +142,9 @@ class UploadStore {
   bool WasExpired(const std::string& id) const;
 
   const UploadStoreOptions& options() const { return options_; }
+  // What Open found and did about an earlier process's staging directory (one line each:
+  // removed entries and dropped ranges), as also logged.
+  std::vector<std::string> recovery() const;
   uint64_t staged_bytes() const;  // declared sizes of the uploads held
 
  private:
@@ -139,12 +157,20 @@ class UploadStore {
     int64_t last_activity_us = 0;
     bool taken = false;
     int busy = 0;  // part writes (or Create's allocation) running outside the lock
+    std::mutex record_mu;  // serializes appends to the upload's .ranges (not under mu_)
+    bool ranges_dir_synced = false;  // GUARDED_BY(record_mu)
   };
   UploadStore(UploadStoreOptions options, Env* env) : options_(std::move(options)), env_(env) {}
   UploadState StateOf(const std::string& id, const Upload& upload) const;  // REQUIRES: mu_
   Result<std::shared_ptr<Upload>> Find(const std::string& id);              // REQUIRES: mu_
   void RemoveLocked(const std::string& id);                                  // REQUIRES: mu_
   uint64_t StagedBytesLocked() const;                                        // REQUIRES: mu_
+  Status Recover();
+  Result<std::shared_ptr<Upload>> RecoverUpload(const std::string& id, const std::string& dir);
+  void RecoverRanges(Upload& upload, const std::vector<std::unique_ptr<MappedRegion>>& files);
+  static void MergeRange(Upload& upload, uint64_t begin, uint64_t end);
+  Status RecordRange(Upload& upload, uint64_t offset, std::span<const std::byte> bytes);
+  void Note(std::string note);
 
   const UploadStoreOptions options_;
   Env* const env_;
@@ -152,6 +178,7 @@ class UploadStore {
   // Shared so that a part write outside the lock keeps its upload alive through a Remove.
   std::map<std::string, std::shared_ptr<Upload>> uploads_;  // GUARDED_BY(mu_)
   std::set<std::string> expired_;          // GUARDED_BY(mu_)
+  std::vector<std::string> recovery_;      // GUARDED_BY(mu_)
 };
 
 }  // namespace flywheel::sync

@@ -244,8 +244,7 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
   row->version = version;
   row->weights_hash = log->head_hash().ToHex();
   row->created_unix_ms = UnixMicrosNow() / 1000;
-  row->checkpoint_bytes = 0;
-  for (const TensorView& t : checkpoint) row->checkpoint_bytes += t.data.size();
+  row->checkpoint_bytes = written->checkpoint_bytes;  // the head's, after an in-place apply
   for (const ArtifactInfo& info : written->artifacts) {
     (info.kind == ArtifactKind::kKeyframe ? row->keyframe_bytes : row->delta_bytes) += info.size_bytes;
   }

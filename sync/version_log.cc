@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <new>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <utility>
@@ -784,6 +785,7 @@ class VersionLog::AppendRun {
     if (write_delta_) FW_RETURN_IF_ERROR(WriteDelta());
     FW_RETURN_IF_ERROR(CommitLog());
     Install();
+    for (const TensorView& t : checkpoint_) result_.checkpoint_bytes += t.data.size();
     result_.artifacts = std::move(written_);
     return std::move(result_);
   }
@@ -992,6 +994,8 @@ class VersionLog::AppendRun {
   void Install() {
     if (same_layout_) {
       for (size_t i = 0; i < checkpoint_.size(); ++i) {
+        // An in-place apply published the head's own bytes: nothing to copy.
+        if (checkpoint_[i].data.data() == s_.head.tensors[i].data.data()) continue;
         std::copy(checkpoint_[i].data.begin(), checkpoint_[i].data.end(),
                   s_.head.tensors[i].data.begin());
       }
@@ -1045,8 +1049,75 @@ class VersionLog::AppendRun {
 Result<AppendResult> VersionLog::Append(uint64_t version, const CheckpointView& checkpoint,
                                         const AppendOptions& given) {
   std::lock_guard append_lock(state_->append_mu);
+  if (!given.apply_in_place.empty()) return AppendInPlaceLocked(version, checkpoint, given);
   AppendRun run(*state_, version, checkpoint, given);
   return run.Run();
+}
+
+Result<AppendResult> VersionLog::AppendInPlaceLocked(uint64_t version,
+                                                     const CheckpointView& checkpoint,
+                                                     const AppendOptions& given) {
+  State& s = *state_;
+  const std::string log = "version log " + s.dir + ": in-place delta to version " +
+                          std::to_string(version);
+  if (!checkpoint.empty() || !given.encoded_delta.empty() || !given.tensor_hashes.empty() ||
+      given.checkpoint_hash) {
+    return Status::InvalidArgument(
+        log + ": an in-place apply takes no checkpoint, hashes or encoded delta beside it");
+  }
+  const std::span<const std::byte> container = given.apply_in_place;
+  Result<delta::DeltaView> view = delta::DeltaView::Parse(container);
+  if (!view.ok()) return view.status().WithContext(log);
+  if (given.encoded_delta_read) given.encoded_delta_read(container);
+  const delta::Manifest& m = view->manifest();
+  if (m.keyframe || m.target_version != version) {
+    return Status::InvalidArgument(log + ": the container is " +
+                                   (m.keyframe ? std::string("a keyframe")
+                                               : "a delta to version " +
+                                                     std::to_string(m.target_version)));
+  }
+  // append_mu is held: the head and the artifacts are this thread's to read.
+  if (s.artifacts.empty() || m.base_version != s.head_version || m.base_hash != s.head_hash) {
+    return Status::Mismatch(log + ": the delta's base is v" + std::to_string(m.base_version) +
+                            " (" + m.base_hash.ToHex() + "), the head is v" +
+                            std::to_string(s.head_version) + " (" + s.head_hash.ToHex() + ")");
+  }
+  std::optional<Result<AppendResult>> appended;
+  Status refused;  // what the commit step answered, when it refused
+  // Runs with the whole target in place and verified tensor by tensor, the undo records
+  // still held: an error here restores the head.
+  auto commit = [&](const delta::ApplyStats& stats) -> Status {
+    Result<Hash128> hash = CheckpointHashFromTensorHashes(s.head.view(), stats.tensor_hashes);
+    if (!hash.ok()) return refused = hash.status().WithContext(log);
+    if (*hash != m.target_hash) {
+      return refused = Status::Corruption(log + ": the delta produced hash " + hash->ToHex() +
+                                          ", its manifest says " + m.target_hash.ToHex());
+    }
+    AppendOptions known;
+    known.tensor_hashes = stats.tensor_hashes;
+    known.checkpoint_hash = *hash;
+    known.encoded_delta = container;
+    known.encoded_delta_read = given.encoded_delta_read;
+    known.on_stream = given.on_stream;  // a keyframe due now streams as usual
+    const CheckpointView target = s.head.view();
+    AppendRun run(s, version, target, known);
+    appended = run.Run();
+    return refused = appended->status();
+  };
+  delta::ApplyOptions apply;
+  apply.threads = s.options.threads;
+  apply.state_tensor_hashes = s.head_tensor_hashes;
+  apply.restore_on_failure = true;
+  apply.payload_read = given.encoded_delta_read;
+  apply.before_commit = commit;
+  MutableCheckpointView head = s.head.mutable_view();
+  Result<delta::ApplyStats> applied = delta::ApplyInPlace(head, *view, apply);
+  if (!applied.ok()) {
+    // The commit step's refusal carries its context; an apply that failed gets the log's.
+    if (!refused.ok()) return refused;
+    return applied.status().WithContext(log);
+  }
+  return std::move(*appended);
 }
 
 std::vector<ArtifactInfo> VersionLog::Artifacts() const {

@@ -133,6 +133,18 @@ struct AppendOptions {
   // serve these pieces, never as a finished version.
   std::function<void(const ArtifactInfo& partial, std::shared_ptr<const GrowableBytes> bytes)>
       on_stream;
+  // An untrusted delta container from the head to `version` (the push API's upload),
+  // applied to the log's head IN PLACE: no copy of the head. Under the log's lock, Append
+  // applies it (undo records kept), checks the result against the delta's own tensor and
+  // target hashes, writes the artifacts (the container itself as the version's delta) and
+  // log.json, and only then drops the undo records (delta::ApplyOptions::before_commit):
+  // any failure before log.json is durable restores the head bit for bit and publishes
+  // nothing. Refused: a base that is not the head (Mismatch, naming both), a keyframe or
+  // another target version (InvalidArgument), a delta that does not produce its own
+  // hashes (Corruption). REQUIRES: `checkpoint` is empty (the head is the checkpoint) and
+  // tensor_hashes, checkpoint_hash and encoded_delta are not given; encoded_delta_read is
+  // told of the container's bytes as the parse, the apply and the write finish with them.
+  std::span<const std::byte> apply_in_place;
 };
 
 // A version's weights rebuilt from the log (Rebuild, ApplyDelta).
@@ -164,12 +176,17 @@ struct AppendResult {
   // When the encode of the delta (or keyframe) ended, before the artifacts were written
   // and committed; with a streamed delta, its pieces were served before this.
   std::chrono::system_clock::time_point encoded_at;
+  // The published checkpoint's tensor bytes (the head's after an apply_in_place).
+  uint64_t checkpoint_bytes = 0;
 };
 
 // Thread-safe: Append runs on one thread at a time (it serializes itself) while
 // Artifacts()/head_*() may be called from any thread; they see either the state before
 // an Append or after it. The head's tensor bytes are kept in memory (a copy of the last
-// published checkpoint) to encode the next delta from.
+// published checkpoint) to encode the next delta from. They are read only under the
+// Append lock (Rebuild, ApplyDelta, Append itself), and an in-place apply
+// (AppendOptions::apply_in_place) holds that lock from its first write to its commit or
+// its restore, so no reader ever sees a head that is part base, part target.
 class VersionLog {
  public:
   // Opens or creates the log. Recovers an existing one: reads log.json, checks every
@@ -230,6 +247,9 @@ class VersionLog {
   class AppendRun;  // one Append's steps
   explicit VersionLog(std::unique_ptr<State> state);
   Result<RebuiltCheckpoint> RebuildLocked(uint64_t version) const;  // REQUIRES: append_mu held
+  // AppendOptions::apply_in_place. REQUIRES: append_mu held.
+  Result<AppendResult> AppendInPlaceLocked(uint64_t version, const CheckpointView& checkpoint,
+                                           const AppendOptions& given);
   std::unique_ptr<State> state_;
 };
 

@@ -786,6 +786,173 @@ TEST_F(VersionLogTest, AGivenDeltaIsReportedReadAsItIsAppliedAndStored) {
   EXPECT_EQ(pieces.back().data() + pieces.back().size(), bytes.data() + bytes.size());
 }
 
+// Fails the replacement of log.json while `fail` is set: the step after the artifacts are
+// written and before the log is durable.
+class FailLogRenameEnv : public EnvWrapper {
+ public:
+  FailLogRenameEnv() : EnvWrapper(Env::Default()) {}
+  Status RenameFile(const std::string& from, const std::string& to) override {
+    if (fail && to.size() >= 9 && to.compare(to.size() - 9, 9, "/log.json") == 0) {
+      ++failed;
+      return Status::IOError("injected: cannot rename " + from + " to " + to);
+    }
+    return EnvWrapper::RenameFile(from, to);
+  }
+  std::atomic<bool> fail{false};
+  std::atomic<int> failed{0};
+};
+
+class InPlaceTest : public VersionLogTest {
+ protected:
+  // The delta container from version `base` to `target` of Version().
+  std::vector<std::byte> DeltaBytes(uint64_t base, uint64_t target) {
+    delta::EncodeOptions encode;
+    encode.base_version = base;
+    encode.target_version = target;
+    encode.chunk_bytes = 4096;  // several chunks
+    auto container = delta::Encode(Version(base).view(), Version(target).view(), encode);
+    EXPECT_TRUE(container.ok()) << container.status().ToString();
+    return container.ok() ? *container : std::vector<std::byte>{};
+  }
+  static Result<AppendResult> AppendInPlace(VersionLog& log, uint64_t version,
+                                            std::span<const std::byte> container) {
+    AppendOptions in_place;
+    in_place.apply_in_place = container;
+    return log.Append(version, CheckpointView{}, in_place);
+  }
+  // The head's bytes as a reader gets them, hashed from the bytes themselves.
+  static Hash128 HeadBytesHash(const VersionLog& log) {
+    auto rebuilt = log.Rebuild(log.head_version());
+    EXPECT_TRUE(rebuilt.ok()) << rebuilt.status().ToString();
+    return rebuilt.ok() ? *CheckpointHash(rebuilt->checkpoint.view()) : Hash128{};
+  }
+};
+
+TEST_F(InPlaceTest, ADeltaFromTheHeadIsAppliedInPlaceAndStoredAsSent) {
+  auto log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+  const std::vector<std::byte> container = DeltaBytes(1, 2);
+  auto added = AppendInPlace(*log, 2, container);
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  ASSERT_EQ(Kinds(added->artifacts), "D2");
+  EXPECT_EQ(ReadText(added->artifacts[0].path),
+            std::string(reinterpret_cast<const char*>(container.data()), container.size()));
+  uint64_t bytes = 0;
+  for (const OwnedTensor& t : Version(2).tensors) bytes += t.data.size();
+  EXPECT_EQ(added->checkpoint_bytes, bytes);
+  EXPECT_EQ(log->head_version(), 2u);
+  EXPECT_EQ(log->head_hash(), *CheckpointHash(Version(2).view()));
+  EXPECT_EQ(HeadBytesHash(*log), *CheckpointHash(Version(2).view()));
+  // The next version encodes from the patched head; a reopen rebuilds it from disk.
+  AppendOrDie(*log, 3);
+  log.reset();
+  log = OpenOrDie(Options());
+  ASSERT_TRUE(log);
+  EXPECT_EQ(log->head_version(), 3u);
+  auto v2 = log->Rebuild(2);
+  ASSERT_TRUE(v2.ok()) << v2.status().ToString();
+  EXPECT_TRUE(SameBytes(v2->checkpoint, Version(2)));
+}
+
+// A failure after the apply and before log.json is durable, a corrupt delta, a delta from
+// another base: each restores the head bit for bit and publishes nothing.
+TEST_F(InPlaceTest, AFailureBeforeTheLogIsDurableRestoresTheHeadBitForBit) {
+  FailLogRenameEnv env;
+  VersionLogOptions options = Options();
+  options.env = &env;
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+  const std::vector<ArtifactInfo> before = log->Artifacts();
+  const Hash128 v1 = *CheckpointHash(Version(1).view());
+  auto unchanged = [&] {
+    EXPECT_EQ(log->head_version(), 1u);
+    EXPECT_EQ(log->head_hash(), v1);
+    EXPECT_EQ(HeadBytesHash(*log), v1);  // every byte of the head is the base's again
+    EXPECT_EQ(log->Artifacts(), before);
+    EXPECT_EQ(ArtifactFiles(), Paths(before));
+  };
+  const std::vector<std::byte> container = DeltaBytes(1, 2);
+  env.fail = true;
+  auto refused = AppendInPlace(*log, 2, container);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(env.failed, 1);
+  EXPECT_EQ(refused.status().code(), StatusCode::kIOError) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("injected"), std::string::npos);
+  unchanged();
+  env.fail = false;
+
+  // A payload byte flipped: the apply's own verification refuses it (Corruption).
+  std::vector<std::byte> corrupt = container;
+  auto parsed = delta::DeltaView::Parse(corrupt);
+  ASSERT_TRUE(parsed.ok());
+  const std::span<const std::byte> payload = parsed->payload(parsed->manifest().chunks.back());
+  ASSERT_FALSE(payload.empty());
+  corrupt[payload.data() - corrupt.data() + payload.size() / 2] ^= std::byte{0x40};
+  refused = AppendInPlace(*log, 2, corrupt);
+  ASSERT_FALSE(refused.ok());
+  unchanged();
+
+  // A delta from another base (2 -> 3 while the head is 1): Mismatch, naming both.
+  refused = AppendInPlace(*log, 3, DeltaBytes(2, 3));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kMismatch);
+  EXPECT_NE(refused.status().message().find("the head is v1"), std::string::npos)
+      << refused.status().ToString();
+  unchanged();
+
+  auto added = AppendInPlace(*log, 2, container);
+  ASSERT_TRUE(added.ok()) << added.status().ToString();
+  EXPECT_EQ(HeadBytesHash(*log), *CheckpointHash(Version(2).view()));
+  log.reset();
+  options.env = nullptr;
+  log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  EXPECT_EQ(log->head_version(), 2u);
+}
+
+// Readers of the head (Rebuild) while in-place applies run, some of them failing after the
+// apply: every head a reader gets hashes, byte for byte, to a published version's hash.
+TEST_F(InPlaceTest, ConcurrentReadersNeverSeeAMixedHead) {
+  FailLogRenameEnv env;
+  VersionLogOptions options = Options();
+  options.env = &env;
+  options.keyframe_every = 1000;
+  auto log = OpenOrDie(options);
+  ASSERT_TRUE(log);
+  AppendOrDie(*log, 1);
+  std::set<std::string> published = {CheckpointHash(Version(1).view())->ToHex()};
+  std::mutex mu;
+  std::atomic<bool> done{false};
+  std::atomic<int> reads{0}, mixed{0};
+  std::thread reader([&] {
+    while (!done) {
+      const Hash128 seen = HeadBytesHash(*log);
+      std::lock_guard lock(mu);
+      if (!published.count(seen.ToHex())) ++mixed;
+      ++reads;
+    }
+  });
+  for (uint64_t v = 2; v <= 9; ++v) {
+    const std::vector<std::byte> container = DeltaBytes(v - 1, v);
+    {
+      std::lock_guard lock(mu);  // published before the apply starts
+      published.insert(CheckpointHash(Version(v).view())->ToHex());
+    }
+    env.fail = true;  // applied in full, then refused at the log: restored
+    ASSERT_FALSE(AppendInPlace(*log, v, container).ok());
+    env.fail = false;
+    auto added = AppendInPlace(*log, v, container);
+    ASSERT_TRUE(added.ok()) << added.status().ToString();
+  }
+  while (reads < 20) std::this_thread::yield();
+  done = true;
+  reader.join();
+  EXPECT_EQ(mixed, 0) << "of " << reads << " reads";
+  EXPECT_EQ(log->head_version(), 9u);
+}
+
 TEST(PieceHashesTest, SplitsIntoPiecesWithAShortLastOne) {
   std::vector<std::byte> bytes(10);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<std::byte>(i * 7 + 1);
