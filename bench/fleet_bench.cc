@@ -29,6 +29,7 @@
 
 #include "bench/checkpoint_gen.h"
 #include "bench/fleet_projection.h"
+#include "bench/fleet_rates.h"
 #include "bench/peers.h"
 #include "bench/stats.h"
 #include "bench/stream_bench.h"
@@ -878,20 +879,84 @@ std::vector<std::string> StageChecks(const FleetBenchOptions& options, const Sta
   return lines;
 }
 
-// The seeds' case from this run's rates; empty when a rate is missing.
-std::optional<std::pair<Projection, MeasuredRates>> ProjectFromRun(const StageFigures& figures,
-                                                                   const StagedSequence& staged,
-                                                                   const LoopbackStreamReport& stream) {
-  if (!figures.measured || !std::isfinite(stream.tls) || !(figures.publish_seconds > 0) ||
-      !(figures.apply_seconds > 0) || !std::isfinite(figures.bits_per_changed_word)) {
-    return std::nullopt;
+// ---- the projection's inputs, each measured alone ---------------------------------------
+
+struct AloneRates {
+  IsolatedRates isolated;
+  // encode and apply of the run's own bf16 generator (the same lr), for the prediction of
+  // this machine's run; absent with --projection-only.
+  std::optional<CodecRates> bf16;
+};
+
+// Measured while no role of the fleet runs (they were all stopped), each on one thread.
+Result<AloneRates> MeasureAlone(const FleetBenchOptions& options) {
+  IsolatedRatesOptions rates;
+  rates.fp8_bytes = options.rates_fp8_mb << 20;
+  rates.tls_bytes = options.rates_tls_mb << 20;
+  rates.seed = options.seed;
+  rates.threads = options.threads;
+  std::cerr << "[fleet bench] projection rates, each alone on one thread: FP8 pair of "
+            << options.rates_fp8_mb << " MiB, TLS streams of " << options.rates_tls_mb
+            << " MiB ..." << std::flush;
+  AloneRates alone;
+  FW_ASSIGN_OR_RETURN(alone.isolated, MeasureIsolatedRates(rates));
+  if (!options.projection_only) {
+    const uint64_t bytes = std::min<uint64_t>(options.parameters * 2, 256ull << 20);
+    CheckpointSequence sequence(bytes, options.learning_rate, options.seed, options.threads);
+    std::vector<uint16_t> base, target;
+    sequence.Next(base);
+    sequence.Next(target);
+    FW_ASSIGN_OR_RETURN(CodecRates bf16, MeasureCodecRates(sequence.ViewOf(base),
+                                                           sequence.ViewOf(target), 3));
+    alone.bf16 = bf16;
   }
+  std::cerr << " done\n";
+  return alone;
+}
+
+// This run predicted by the projection's stage model, against what it measured.
+struct LocalCheck {
+  LocalFleet fleet;
   MeasuredRates rates;
-  rates.encode_words_per_second = static_cast<double>(staged.words) / figures.publish_seconds;
-  rates.apply_words_per_second = static_cast<double>(staged.words) / figures.apply_seconds;
-  rates.tls_bytes_per_second = stream.tls;
-  rates.bits_per_changed_word = figures.bits_per_changed_word;
-  return std::make_pair(ProjectSeedsCase(rates, ProjectionAssumptions{}), rates);
+  LocalPrediction prediction;
+  double measured_seconds = kNotMeasured;  // delta-relay's median sync time
+};
+
+std::optional<LocalCheck> PredictThisRun(const FleetBenchOptions& options,
+                                         const std::vector<StrategyResult>& results,
+                                         const StagedSequence& staged, const AloneRates& alone) {
+  const StrategyResult* delta = FindStrategy(results, kDeltaRelay);
+  if (delta == nullptr) delta = FindStrategy(results, kDeltaRelaySigned);
+  if (delta == nullptr || delta->updates.empty() || !alone.bf16) return std::nullopt;
+  std::vector<double> artifacts;
+  for (const UpdateResult& update : delta->updates) artifacts.push_back(double(update.artifact_bytes));
+  LocalCheck check;
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  check.fleet = {double(staged.words), Median(artifacts, 0), double(options.wan_bytes_per_second),
+                 2.0 * options.wan_latency_ms / 1000.0, options.regions, options.workers_per_region,
+                 cores, cores};
+  check.rates = alone.isolated.Projection();
+  check.rates.encode_words_per_second = alone.bf16->encode_words_per_second();
+  check.rates.apply_words_per_second = alone.bf16->apply_words_per_second();
+  check.rates.bits_per_changed_word = alone.bf16->bits_per_changed_word();
+  check.prediction = PredictLocalFleet(check.rates, check.fleet);
+  check.measured_seconds = delta->median_seconds();
+  return check;
+}
+
+Table LocalCheckTable(const LocalCheck& check) {
+  Table table;
+  table.header = {"stage (one update of this run)", "from", "seconds"};
+  for (const ProjectionStage& stage : check.prediction.stages)
+    table.rows.push_back({stage.name, stage.basis, Fixed(stage.seconds, 3)});
+  table.rows.push_back({"every role's CPU for the update", "the stages' CPU x processes",
+                        Fixed(check.prediction.cpu_seconds, 3)});
+  table.rows.push_back({"predicted sync", check.prediction.formula, Fixed(check.prediction.seconds, 3)});
+  table.rows.push_back({"measured sync (delta-relay, median)", "commit -> every worker serving",
+                        Fixed(check.measured_seconds, 3)});
+  table.rows.push_back({"measured / predicted", "",
+                        Fixed(check.measured_seconds / check.prediction.seconds, 2) + "x"});
+  return table;
 }
 
 // PASS/FAIL lines of the targets.
@@ -1091,6 +1156,8 @@ Status ValidateOptions(const FleetBenchOptions& options) {
                                    NumberText(options.learning_rate));
   }
   if (options.threads < 1) return Status::InvalidArgument("threads must be >= 1");
+  if (options.rates_fp8_mb < 1 || options.rates_tls_mb < 1)
+    return Status::InvalidArgument("--rates-fp8-mb and --rates-tls-mb must be >= 1");
   return Status::Ok();
 }
 
@@ -1156,11 +1223,113 @@ Result<std::string> ResolveFlywheel(const FleetBenchOptions& options) {
 struct FleetReport {
   std::vector<std::pair<std::string, Table>> sections;
   std::vector<std::string> projection_lines, checks, notes;
+  Json projection_json;  // `projection` of --json
+  bool fleet_ran = true;
 };
+
+Json StageJson(const std::vector<ProjectionStage>& stages) {
+  Json json = Json::array();
+  for (const ProjectionStage& stage : stages) {
+    json.push_back({{"name", stage.name}, {"basis", stage.basis}, {"seconds", stage.seconds},
+                    {"fill_seconds", stage.fill_seconds}, {"streamed", stage.streamed}});
+  }
+  return json;
+}
+
+Json ProjectionJson(const Projection& p, const ProjectionAssumptions& a, const AloneRates& alone,
+                    const std::vector<std::string>& lines) {
+  const MeasuredRates r = alone.isolated.Projection();
+  const TlsRates& tls = alone.isolated.tls;
+  const CodecRates& fp8 = alone.isolated.fp8;
+  Json json;
+  json["streamed_seconds"] = p.streamed_seconds;
+  json["goal_seconds"] = a.goal_seconds;
+  json["meets_goal"] = p.streamed_seconds <= a.goal_seconds;
+  json["paced_by"] = p.slowest;
+  json["formula"] = StreamedFormula();
+  json["in_region_seconds"] = p.in_region_seconds;
+  json["buffered_seconds"] = p.buffered_seconds;
+  json["store_and_forward_seconds"] = p.store_and_forward_seconds;
+  json["apply_overlapped_seconds"] = p.apply_overlapped_seconds;
+  json["wan_floor_seconds"] = p.delta_bytes / (a.wan_bits_per_second / 8) + a.rtt_seconds;
+  json["delta_bytes"] = p.delta_bytes;
+  json["stages"] = StageJson(p.stages);
+  json["rates"] = {{"encode_words_per_second", r.encode_words_per_second},
+                   {"apply_words_per_second", r.apply_words_per_second},
+                   {"tls_send_bytes_per_second", r.tls_send_bytes_per_second},
+                   {"tls_receive_bytes_per_second", r.tls_receive_bytes_per_second},
+                   {"relay_forward_bytes_per_second", r.relay_forward_bytes_per_second},
+                   {"bits_per_changed_word", r.bits_per_changed_word},
+                   {"tls_stream_bytes_per_second", tls.stream_bytes_per_second},
+                   {"aead_one_core_bytes_per_second", tls.aes_gcm_per_core},
+                   {"tls_cipher", tls.cipher},
+                   {"fp8_pair_bytes", fp8.bytes},
+                   {"fp8_changed_fraction", fp8.changed_fraction()},
+                   {"fp8_delta_bytes", fp8.delta_bytes}};
+  json["assumptions"] = {{"checkpoint_words", a.checkpoint_words},
+                         {"changed_fraction", a.changed_fraction},
+                         {"wan_bits_per_second", a.wan_bits_per_second},
+                         {"lan_bits_per_second", a.lan_bits_per_second},
+                         {"rtt_seconds", a.rtt_seconds},
+                         {"trainer_cores", a.trainer_cores},
+                         {"worker_cores", a.worker_cores},
+                         {"relay_cores", a.relay_cores},
+                         {"fan_out", a.fan_out},
+                         {"tree_levels", a.tree_levels},
+                         {"piece_bytes", a.piece_bytes},
+                         {"encode_chunk_words", a.encode_chunk_words},
+                         {"lines", lines}};
+  return json;
+}
+
+// The projection's tables, lines, check and JSON; with `local`, this run's prediction too.
+void AddProjection(FleetReport& report, const AloneRates& alone,
+                   const std::optional<LocalCheck>& local) {
+  const ProjectionAssumptions assume;
+  const MeasuredRates rates = alone.isolated.Projection();
+  const Projection projection = ProjectSeedsCase(rates, assume);
+  report.sections.push_back({"Projection: 1 TiB FP8, 2% changed, 10 Gbit/s WAN, 64 cores, fan-out "
+                             "8, from rates each measured alone",
+                             ProjectionTable(projection, assume)});
+  report.projection_lines = alone.isolated.Lines();
+  for (const std::string& line : ProjectionAssumptionLines(rates, assume))
+    report.projection_lines.push_back(line);
+  const double wan_floor = projection.delta_bytes / (assume.wan_bits_per_second / 8) + assume.rtt_seconds;
+  report.projection_lines.push_back(
+      "bound from the measurement: the delta's WAN bytes alone take " + Fixed(wan_floor, 2) +
+      " s (" + Fixed(projection.delta_bytes / 1e9, 2) + " GB at " +
+      Fixed(assume.wan_bits_per_second / 1e9, 0) + " Gbit/s + RTT); the apply after the last "
+      "piece " + Fixed(projection.stages.back().seconds, 2) + " s");
+  report.checks.push_back("projected 1 TiB FP8 sync (streamed, as built) <= " +
+                          Fixed(assume.goal_seconds, 0) + " s: " +
+                          PassFail(projection.streamed_seconds <= assume.goal_seconds) + " (" +
+                          Fixed(projection.streamed_seconds, 2) + " s, paced by " +
+                          projection.slowest + "; in-region at " +
+                          Fixed(assume.lan_bits_per_second / 1e9, 0) + " Gbit/s: " +
+                          Fixed(projection.in_region_seconds, 2) + " s)");
+  report.projection_json = ProjectionJson(projection, assume, alone, report.projection_lines);
+  if (!local) return;
+  report.sections.push_back({"Stage model against this run (the same model, this run's shape, "
+                             "rates measured alone, " + std::to_string(local->fleet.cores) +
+                             " cores shared)", LocalCheckTable(*local)});
+  report.checks.push_back("stage model vs this run: predicted " + Fixed(local->prediction.seconds, 3) +
+                          " s, measured " + Fixed(local->measured_seconds, 3) + " s (measured / "
+                          "predicted " + Fixed(local->measured_seconds / local->prediction.seconds, 2) +
+                          "x; reported, no target)");
+  report.projection_json["local_check"] = {
+      {"predicted_seconds", local->prediction.seconds},
+      {"measured_seconds", local->measured_seconds},
+      {"measured_over_predicted", local->measured_seconds / local->prediction.seconds},
+      {"cpu_seconds", local->prediction.cpu_seconds},
+      {"formula", local->prediction.formula},
+      {"bf16_encode_words_per_second", local->rates.encode_words_per_second},
+      {"bf16_apply_words_per_second", local->rates.apply_words_per_second},
+      {"stages", StageJson(local->prediction.stages)}};
+}
 
 FleetReport MakeReport(const FleetBenchOptions& options, const StagedSequence& staged,
                        const std::vector<StrategyResult>& results,
-                       const LoopbackStreamReport& stream) {
+                       const LoopbackStreamReport& stream, const AloneRates& alone) {
   FleetReport report;
   report.checks = Checks(results);
   if (options.stream_seconds > 0) {
@@ -1177,14 +1346,7 @@ FleetReport MakeReport(const FleetBenchOptions& options, const StagedSequence& s
     report.sections.push_back(
         {"Loopback stream (" + LoopbackStreamSetup(stream) + ")", LoopbackStreamTable(stream)});
   }
-  if (const auto projected = ProjectFromRun(stages, staged, stream)) {
-    report.sections.push_back({"Projection: the seeds' case from this run's rates",
-                               ProjectionTable(projected->first, ProjectionAssumptions{})});
-    report.projection_lines = ProjectionAssumptionLines(projected->second, ProjectionAssumptions{});
-  } else {
-    report.projection_lines.push_back(
-        "projection: n/a (needs delta-relay and the loopback TLS stream, --stream-seconds > 0)");
-  }
+  AddProjection(report, alone, PredictThisRun(options, results, staged, alone));
   for (const StrategyResult& result : results) {
     for (const std::string& note : result.notes) report.notes.push_back(result.name + ": " + note);
   }
@@ -1194,13 +1356,14 @@ FleetReport MakeReport(const FleetBenchOptions& options, const StagedSequence& s
 void PrintReport(const FleetReport& report, std::ostream& out) {
   for (const auto& [title, table] : report.sections)
     out << "\n" << title << ":\n" << RenderText(table);
-  out << "\nprojection assumptions:\n";
+  out << "\nprojection inputs (each measured alone) and assumptions:\n";
   for (const std::string& line : report.projection_lines) out << "  " << line << "\n";
   out << "\nchecks:\n";
   for (const std::string& line : report.checks) out << "  " << line << "\n";
   for (const std::string& note : report.notes) out << "  note: " << note << "\n";
   out << "\n";
-  for (const std::string& line : Legend()) out << line << "\n";
+  if (report.fleet_ran)
+    for (const std::string& line : Legend()) out << line << "\n";
   out << std::flush;
 }
 
@@ -1209,7 +1372,7 @@ std::string MarkdownReport(const FleetReport& report, const std::string& preambl
   for (const auto& [title, table] : report.sections) {
     section += "\n### " + title + "\n\n" + RenderMarkdown(table);
   }
-  section += "\n### Projection assumptions\n\n";
+  section += "\n### Projection inputs (each measured alone) and assumptions\n\n";
   for (const std::string& line : report.projection_lines) section += "- " + line + "\n";
   section += "\n### Checks\n\n";
   for (const std::string& line : report.checks) section += "- " + line + "\n";
@@ -1219,10 +1382,42 @@ std::string MarkdownReport(const FleetReport& report, const std::string& preambl
   return section;
 }
 
+// --projection-only: the rates, each alone, and the projection; no fleet.
+Status RunProjectionOnly(const FleetBenchOptions& options, std::ostream& out) {
+  std::ostringstream preamble;
+  preamble << "flywheel fleet benchmark, projection only: the 1 TiB FP8 case from rates each "
+              "measured alone on this machine (no fleet started)\nmachine: "
+           << std::thread::hardware_concurrency() << " hardware threads";
+  const double load = LoadAverage();
+  if (std::isfinite(load)) preamble << ", load average " << Fixed(load, 2);
+  preamble << "\n";
+  out << preamble.str() << std::flush;
+  FW_ASSIGN_OR_RETURN(const AloneRates alone, MeasureAlone(options));
+  FleetReport report;
+  report.fleet_ran = false;
+  AddProjection(report, alone, std::nullopt);
+  PrintReport(report, out);
+  if (!options.markdown_out.empty()) {
+    FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Fleet benchmark",
+                                            MarkdownReport(report, preamble.str())));
+  }
+  if (!options.json_out.empty()) {
+    Json json;
+    json["benchmark"] = "flywheel fleet";
+    json["ok"] = true;
+    json["checks"] = report.checks;
+    json["projection"] = report.projection_json;
+    const std::string text = json.dump(2) + "\n";
+    FW_RETURN_IF_ERROR(delta::WriteFileAtomically(options.json_out, std::as_bytes(std::span(text))));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
   FW_RETURN_IF_ERROR(ValidateOptions(options));
+  if (options.projection_only) return RunProjectionOnly(options, out);
   FW_ASSIGN_OR_RETURN(const std::string flywheel, ResolveFlywheel(options));
   ScopedWorkDir work_dir;
   FW_RETURN_IF_ERROR(work_dir.Prepare(options.work_dir, "flywheel-fleet-bench", options.keep));
@@ -1245,6 +1440,8 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
     results.push_back(std::move(result));
   }
   if (!options.keep) fs::remove_all(work_dir.path() + "/staged", error);
+  // Every role has stopped: the projection's rates are measured with each role alone.
+  FW_ASSIGN_OR_RETURN(const AloneRates alone, MeasureAlone(options));
   std::vector<Status> failures;
   LoopbackStreamReport stream;
   if (options.stream_seconds > 0) {
@@ -1253,18 +1450,17 @@ Status RunFleetBench(const FleetBenchOptions& options, std::ostream& out) {
     stream_options.log_dir = log_dir;
     stream = MeasureLoopbackStreams(stream_options, failures);
   }
-  const FleetReport report = MakeReport(options, staged, results, stream);
+  const FleetReport report = MakeReport(options, staged, results, stream, alone);
   PrintReport(report, out);
   if (!options.markdown_out.empty()) {
     FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Fleet benchmark",
                                             MarkdownReport(report, preamble)));
   }
   if (!options.json_out.empty()) {
-    const std::string json =
-        ResultsJson(options, staged, results, stream, report.checks, failures.empty()).dump(2) +
-        "\n";
-    FW_RETURN_IF_ERROR(
-        delta::WriteFileAtomically(options.json_out, std::as_bytes(std::span(json))));
+    Json json = ResultsJson(options, staged, results, stream, report.checks, failures.empty());
+    json["projection"] = report.projection_json;
+    const std::string text = json.dump(2) + "\n";
+    FW_RETURN_IF_ERROR(delta::WriteFileAtomically(options.json_out, std::as_bytes(std::span(text))));
   }
   if (!failures.empty()) return failures.front();
   return Status::Ok();

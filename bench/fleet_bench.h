@@ -91,6 +91,12 @@ struct FleetBenchOptions {
   std::string markdown_out;
   // When set, the raw results as JSON.
   std::string json_out;
+  // The projection's input rates, each measured alone after the fleet has stopped
+  // (bench/fleet_rates.h): the generated FP8 pair's size and the TLS streams' payload, MiB.
+  uint64_t rates_fp8_mb = 256;
+  uint64_t rates_tls_mb = 1024;
+  // Only measure those rates and print the projection: no fleet, no loopback stream.
+  bool projection_only = false;
 };
 
 // Runs the benchmark and prints its tables to `out`; progress goes to stderr. Fails when

@@ -120,6 +120,23 @@ void AddFleetRunOptions(CLI::App* fleet, bench::FleetBenchOptions& options) {
       ->type_name("PATH");
   fleet->add_option("--json", options.json_out, "Also write the raw results as JSON here")
       ->type_name("PATH");
+  fleet
+      ->add_option("--rates-fp8-mb", options.rates_fp8_mb,
+                   "Size of the generated FP8 pair the projection's encode and apply rates are "
+                   "measured on (alone, one thread)")
+      ->type_name("MB")
+      ->check(CLI::Range(1, 16384).description(""))
+      ->capture_default_str();
+  fleet
+      ->add_option("--rates-tls-mb", options.rates_tls_mb,
+                   "Bytes of the TLS streams (direct and through a forwarder) the projection's "
+                   "per-core rates are measured on")
+      ->type_name("MB")
+      ->check(CLI::Range(1, 65536).description(""))
+      ->capture_default_str();
+  fleet->add_flag("--projection-only", options.projection_only,
+                  "Only measure the projection's input rates (each role alone) and print the\n"
+                  "1 TiB FP8 projection: no fleet is started");
 }
 
 void AddFleetCommand(CLI::App& bench_app, Action& action) {
