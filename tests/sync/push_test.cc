@@ -75,6 +75,11 @@ std::string HashOf(const OwnedCheckpoint& checkpoint) {
   return hash.ok() ? hash->ToHex() : std::string();
 }
 
+void WriteText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
 struct Answer {
   int status = 0;
   json body;
@@ -615,6 +620,140 @@ TEST_F(PushTest, LedgerSurvivesARestart) {
   Answer versions = Call("GET", "/v1/versions", {}, kReadToken);
   ASSERT_EQ(versions.body["versions"].size(), 1u);
   EXPECT_EQ(versions.body["versions"][0]["metadata"]["run"], "r1");
+}
+
+// ---- issue 33: uploads across a publisher restart ----------------------------------------
+
+// Restarts the in-process publisher on its state directory (and staging area).
+void RestartPublisher(PushTest& test, std::unique_ptr<Publisher>& publisher, asio::io_context& io,
+                      const PublisherOptions& options, transport::Endpoint& endpoint) {
+  publisher->Stop();
+  publisher.reset();
+  Result<std::unique_ptr<Publisher>> restarted = Status::Unavailable("not started");
+  ASSERT_TRUE(ops::WaitUntil(
+                  [&] {
+                    restarted = Publisher::Start(io.get_executor(), options);
+                    return restarted.ok();
+                  },
+                  5s, "the publisher to restart on its state directory")
+                  .ok())
+      << restarted.status().ToString();
+  publisher = std::move(*restarted);
+  endpoint = {"127.0.0.1", publisher->http_port()};
+}
+
+// An upload half sent survives a restart: the client finds the staged ranges, a changed
+// declaration is refused by name, a tampered staging file is dropped by its digest and
+// reported missing, and what was missing completes the upload.
+TEST_F(PushTest, AnUploadSurvivesARestartAndATamperedRangeIsMissingAgain) {
+  push_.max_part_bytes = 64 * 1024;
+  StartPublisher();
+  const std::string body = Serialized(v1_);
+  ASSERT_GT(body.size(), 4u * 64 * 1024);
+  Answer created = Create(body);
+  ASSERT_EQ(created.status, 201) << created.body.dump();
+  const std::string id = created.body["id"];
+  const uint64_t part = 64 * 1024;
+  for (uint64_t offset = 0; offset < 3 * part; offset += part) {
+    ASSERT_EQ(Put(id, offset, body.substr(offset, part)).status, 200);
+  }
+  RestartPublisher(*this, publisher_, *io_, WithPush(), endpoint_);
+  Answer state = Call("GET", "/v1/uploads/" + id);
+  ASSERT_EQ(state.status, 200) << state.body.dump();
+  EXPECT_EQ(state.body["received_bytes"], 3 * part);
+  EXPECT_EQ(state.body["missing"], json::array({json::array({3 * part, body.size()})}));
+
+  // Resuming with another size or digest: refused by name, nothing changes.
+  json again = {{"resume", id}, {"size", body.size() + 1},
+                {"digest", {{"algorithm", "xxh3_64"}, {"value", Xxh3Hex(body)}}}};
+  Answer refused = Call("POST", "/v1/uploads", again.dump());
+  EXPECT_EQ(refused.status, 409);
+  EXPECT_EQ(refused.code(), "upload_mismatch");
+  EXPECT_NE(refused.body["error"].value("message", "").find("size"), std::string::npos)
+      << refused.body.dump();
+  again["size"] = body.size();
+  again["digest"]["value"] = Xxh3Hex(body + "x");
+  refused = Call("POST", "/v1/uploads", again.dump());
+  EXPECT_EQ(refused.code(), "upload_mismatch");
+  EXPECT_NE(refused.body["error"].value("message", "").find("digest"), std::string::npos);
+  again["digest"]["value"] = Xxh3Hex(body);
+  Answer resumed = Call("POST", "/v1/uploads", again.dump());
+  EXPECT_EQ(resumed.status, 200) << resumed.body.dump();
+  EXPECT_EQ(resumed.body["id"], id);
+
+  // A byte of the second part changed on disk while the publisher was down.
+  publisher_->Stop();
+  const fs::path staged = dir_ / "state" / "uploads" / id / "model.safetensors";
+  {
+    std::fstream file(staged, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(static_cast<std::streamoff>(part + 100));
+    file.put(static_cast<char>(body[part + 100] ^ 0x20));
+  }
+  RestartPublisher(*this, publisher_, *io_, WithPush(), endpoint_);
+  state = Call("GET", "/v1/uploads/" + id);
+  ASSERT_EQ(state.status, 200);
+  EXPECT_EQ(state.body["received_bytes"], 2 * part);
+  EXPECT_EQ(state.body["missing"], json::array({json::array({part, 2 * part}),
+                                                json::array({3 * part, body.size()})}));
+  EXPECT_EQ(publisher_->version(), 0u);
+  for (const auto& range : state.body["missing"]) {
+    for (uint64_t offset = range[0]; offset < range[1].get<uint64_t>(); offset += part) {
+      const uint64_t length = std::min<uint64_t>(part, range[1].get<uint64_t>() - offset);
+      ASSERT_EQ(Put(id, offset, body.substr(offset, length)).status, 200);
+    }
+  }
+  Answer committed = Call("POST", "/v1/uploads/" + id + "/commit");
+  ASSERT_EQ(committed.status, 200) << committed.body.dump();
+  EXPECT_EQ(committed.body["weights_hash"], HashOf(v1_));
+}
+
+// What a crash leaves in the staging directory that is not an upload (a foreign file, a
+// directory without its record, a record that does not parse, a file of the wrong size, a
+// stray file inside an upload) is removed and named; the real upload is kept.
+TEST(UploadStoreTest, LeftoversOfACrashAreRemovedByNameAndUploadsKept) {
+  std::string pattern = (fs::temp_directory_path() / "uploads_test.XXXXXX").string();
+  ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+  UploadStoreOptions options;
+  options.dir = pattern + "/staging";
+  std::string kept;
+  {
+    auto store = UploadStore::Open(options);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    UploadSpec spec;
+    spec.size = 8192;
+    spec.files = {{"model.safetensors", 8192}};
+    spec.digest = {"xxh3_64", "0000000000000000"};
+    auto a = (*store)->Create(spec);
+    auto b = (*store)->Create(spec);
+    auto c = (*store)->Create(spec);
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+    kept = a->id;
+    ASSERT_TRUE((*store)->Write(kept, 0, std::vector<std::byte>(4096, std::byte{3})).ok());
+    fs::remove(fs::path(options.dir) / b->id / ".upload.json");       // a crash during create
+    fs::resize_file(fs::path(options.dir) / c->id / "model.safetensors", 100);  // wrong size
+  }
+  const std::string partial_record = options.dir + "/u-0123456789abcdef0123456789abcdef";
+  fs::create_directories(partial_record);
+  WriteText(partial_record + "/.upload.json", "{\"id\": \"u-0123");  // torn
+  WriteText(options.dir + "/notes.txt", "foreign");
+  WriteText(options.dir + "/" + kept + "/extra.bin", "stray");
+  auto store = UploadStore::Open(options);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  std::string notes;
+  for (const std::string& note : (*store)->recovery()) notes += note + "\n";
+  EXPECT_NE(notes.find("notes.txt"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("u-0123456789abcdef0123456789abcdef"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("extra.bin"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("not the declared 8192"), std::string::npos) << notes;
+  EXPECT_NE(notes.find("no readable .upload.json"), std::string::npos) << notes;
+  EXPECT_EQ(std::distance(fs::directory_iterator(options.dir), fs::directory_iterator()), 1);
+  auto state = (*store)->State(kept);
+  ASSERT_TRUE(state.ok()) << state.status().ToString();
+  EXPECT_EQ(state->received_bytes, 4096u);
+  EXPECT_FALSE(fs::exists(options.dir + "/" + kept + "/extra.bin"));
+  store->reset();
+  std::error_code ignored;
+  fs::remove_all(pattern, ignored);
 }
 
 // ---- issue 31: hostile clients of the push API ------------------------------------------
