@@ -95,7 +95,9 @@ Connection::Connection(std::shared_ptr<Stream> stream, std::string peer, Connect
       outbound_space_(stream_->lowest().get_executor()),
       inbound_ready_(stream_->lowest().get_executor()),
       inbound_space_(stream_->lowest().get_executor()),
-      watchdog_timer_(stream_->lowest().get_executor()) {}
+      watchdog_timer_(stream_->lowest().get_executor()) {
+  shaped_ = options_.shaping.active();
+}
 
 Connection::~Connection() = default;
 
@@ -123,10 +125,46 @@ void Connection::Start() {
       ex, [self]() { return self->Watchdog(); }, asio::detached);
 }
 
+Status Connection::close_reason() const {
+  std::lock_guard<std::mutex> lock(reason_mutex_);
+  return close_reason_;
+}
+
+void Connection::set_shaping(LinkShaping shaping) {
+  auto self = shared_from_this();
+  asio::dispatch(executor(), [self, shaping = std::move(shaping)]() mutable {
+    self->shaped_ = shaping.active();
+    self->options_.shaping = std::move(shaping);
+  });
+}
+
+void Connection::set_limits(FrameLimits limits) {
+  auto self = shared_from_this();
+  asio::dispatch(executor(), [self, limits] { self->options_.limits = limits; });
+}
+
 void Connection::Close(Status reason) {
+  auto self = shared_from_this();
+  asio::dispatch(executor(),
+                 [self, reason = std::move(reason)]() mutable { self->CloseHere(std::move(reason)); });
+}
+
+void Connection::CloseAfterFlush(Status reason) {
+  auto self = shared_from_this();
+  asio::dispatch(executor(), [self, reason = std::move(reason)]() mutable {
+    self->CloseAfterFlushHere(std::move(reason));
+  });
+}
+
+void Connection::CloseHere(Status reason) {
   if (closed_) return;
   closed_ = true;
-  close_reason_ = reason.ok() ? Status::Unavailable("connection to " + peer_ + " closed") : reason;
+  {
+    std::lock_guard<std::mutex> lock(reason_mutex_);
+    close_reason_ =
+        reason.ok() ? Status::Unavailable("connection to " + peer_ + " closed") : reason;
+  }
+  closed_flag_.store(true, std::memory_order_release);
   spdlog::debug("connection {}: closed: {}", peer_, close_reason_.ToString());
   stream_->Close();
   watchdog_timer_.cancel();
@@ -136,17 +174,32 @@ void Connection::Close(Status reason) {
   inbound_space_.Notify();
 }
 
-void Connection::CloseAfterFlush(Status reason) {
+void Connection::CloseAfterFlushHere(Status reason) {
   if (closed_) return;
   if (outbound_.empty() && !write_started_) {
-    Close(std::move(reason));
+    CloseHere(std::move(reason));
     return;
   }
   close_after_flush_ = true;
+  std::lock_guard<std::mutex> lock(reason_mutex_);
   close_reason_ = std::move(reason);
 }
 
+awaitable<Status> Connection::SendHop(std::shared_ptr<Connection> self,
+                                      std::shared_ptr<Frame> frame) {
+  co_return co_await self->SendHere(std::move(*frame));
+}
+
 awaitable<Status> Connection::Send(Frame frame) {
+  const asio::any_io_executor here = co_await asio::this_coro::executor;
+  if (here == executor()) co_return co_await SendHere(std::move(frame));
+  auto hop = asio::co_spawn(executor(),
+                            SendHop(shared_from_this(), std::make_shared<Frame>(std::move(frame))),
+                            use_awaitable);
+  co_return co_await std::move(hop);
+}
+
+awaitable<Status> Connection::SendHere(Frame frame) {
   while (!closed_ && outbound_bytes_ > options_.max_queued_bytes) co_await outbound_space_.Wait();
   if (closed_ || close_after_flush_) {
     co_return closed_ ? close_reason_
@@ -162,7 +215,32 @@ awaitable<Status> Connection::Send(Frame frame) {
   co_return Status::Ok();
 }
 
+awaitable<std::optional<Result<Frame>>> Connection::ReceiveHop(
+    std::shared_ptr<Connection> self,
+    std::shared_ptr<std::pair<std::chrono::milliseconds, std::string>> deadline) {
+  if (deadline == nullptr) co_return co_await self->ReceiveHere();
+  co_return co_await self->ReceiveHere(deadline->first, std::move(deadline->second));
+}
+
 awaitable<Result<Frame>> Connection::Receive() {
+  const asio::any_io_executor here = co_await asio::this_coro::executor;
+  if (here == executor()) co_return co_await ReceiveHere();
+  auto hop = asio::co_spawn(executor(), ReceiveHop(shared_from_this(), nullptr), use_awaitable);
+  std::optional<Result<Frame>> frame = co_await std::move(hop);
+  co_return std::move(*frame);
+}
+
+awaitable<Result<Frame>> Connection::Receive(std::chrono::milliseconds timeout,
+                                             const std::string& what) {
+  const asio::any_io_executor here = co_await asio::this_coro::executor;
+  if (here == executor()) co_return co_await ReceiveHere(timeout, what);
+  auto deadline = std::make_shared<std::pair<std::chrono::milliseconds, std::string>>(timeout, what);
+  auto hop = asio::co_spawn(executor(), ReceiveHop(shared_from_this(), deadline), use_awaitable);
+  std::optional<Result<Frame>> frame = co_await std::move(hop);
+  co_return std::move(*frame);
+}
+
+awaitable<Result<Frame>> Connection::ReceiveHere() {
   while (true) {
     while (inbound_.empty() && !closed_) co_await inbound_ready_.Wait();
     if (inbound_.empty()) co_return close_reason_;
@@ -179,18 +257,18 @@ awaitable<Result<Frame>> Connection::Receive() {
   }
 }
 
-awaitable<Result<Frame>> Connection::Receive(std::chrono::milliseconds timeout,
-                                             const std::string& what) {
+awaitable<Result<Frame>> Connection::ReceiveHere(std::chrono::milliseconds timeout,
+                                                 std::string what) {
   // A watchdog closes the connection if the frame does not come in time.
   auto self = shared_from_this();
   auto done = std::make_shared<bool>(false);
   auto timer = std::make_shared<asio::steady_timer>(executor(), timeout);
   timer->async_wait([self, done, timeout, what](error_code ec) {
     if (ec || *done) return;
-    self->Close(Status::Unavailable("timed out after " + Millis(timeout) + " waiting for " + what +
-                                    " from " + self->peer_));
+    self->CloseHere(Status::Unavailable("timed out after " + Millis(timeout) + " waiting for " +
+                                        what + " from " + self->peer_));
   });
-  Result<Frame> frame = co_await Receive();
+  Result<Frame> frame = co_await ReceiveHere();
   *done = true;
   timer->cancel();
   co_return frame;
@@ -212,27 +290,27 @@ awaitable<void> Connection::ReadLoop() {
     error_code ec;
     co_await stream_->Read(asio::buffer(prefix_bytes), ec);
     if (ec) {
-      Close(Status::Unavailable("connection to " + peer_ + " lost: " + ec.message()));
+      CloseHere(Status::Unavailable("connection to " + peer_ + " lost: " + ec.message()));
       co_return;
     }
     last_rx_ = Clock::now();
     Result<FramePrefix> prefix = ParseFramePrefix(prefix_bytes, options_.limits, peer_);
     if (!prefix.ok()) {
       spdlog::warn("{}", prefix.status().message());
-      Close(prefix.status());
+      CloseHere(prefix.status());
       co_return;
     }
     header_bytes.resize(prefix->header_bytes);
     co_await stream_->Read(asio::buffer(header_bytes), ec);
     if (ec) {
-      Close(Status::Unavailable("connection to " + peer_ +
+      CloseHere(Status::Unavailable("connection to " + peer_ +
                                 " lost in a frame header: " + ec.message()));
       co_return;
     }
     Result<wire::Header> header = ParseFrameHeader(header_bytes, *prefix, peer_);
     if (!header.ok()) {
       spdlog::warn("{}", header.status().message());
-      Close(header.status());
+      CloseHere(header.status());
       co_return;
     }
     // Not zeroed: every byte is read into it before anyone sees it.
@@ -246,7 +324,7 @@ awaitable<void> Connection::ReadLoop() {
       last_rx_ = Clock::now();
     }
     if (ec) {
-      Close(Status::Unavailable("connection to " + peer_ + " lost in the middle of a " +
+      CloseHere(Status::Unavailable("connection to " + peer_ + " lost in the middle of a " +
                                 FrameKindName(*header) + " frame: " + ec.message()));
       co_return;
     }
@@ -271,7 +349,7 @@ awaitable<void> Connection::WriteLoop() {
   while (true) {
     while (outbound_.empty() && !closed_) {
       if (close_after_flush_) {
-        Close(close_reason_);
+        CloseHere(close_reason_);
         co_return;
       }
       co_await outbound_ready_.Wait();
@@ -284,20 +362,26 @@ awaitable<void> Connection::WriteLoop() {
     Outbound item = std::move(outbound_.front());
     outbound_.pop_front();
     std::vector<std::byte> head = EncodeFrameHead(item.frame);
+    const size_t head_bytes = head.size();
     std::array<asio::const_buffer, 2> buffers{
         asio::buffer(head), asio::buffer(item.frame.payload.data(), item.frame.payload.size())};
     write_started_ = Clock::now();
     error_code ec;
-    co_await stream_->Write(buffers, ec);
+    if (!options_.gather_writes && !stream_->tls) {
+      head.insert(head.end(), item.frame.payload.begin(), item.frame.payload.end());
+      co_await stream_->Write(asio::buffer(head), ec);
+    } else {
+      co_await stream_->Write(buffers, ec);
+    }
     write_started_.reset();
     outbound_bytes_ -= item.bytes;
     outbound_space_.Notify();
     if (ec) {
-      Close(Status::Unavailable("connection to " + peer_ + " lost while sending: " + ec.message()));
+      CloseHere(Status::Unavailable("connection to " + peer_ + " lost while sending: " + ec.message()));
       co_return;
     }
     last_tx_ = Clock::now();
-    bytes_out_.fetch_add(head.size() + item.frame.payload.size(), std::memory_order_relaxed);
+    bytes_out_.fetch_add(head_bytes + item.frame.payload.size(), std::memory_order_relaxed);
   }
 }
 
@@ -332,10 +416,10 @@ awaitable<void> Connection::Watchdog() {
     if (closed_) co_return;
     const Clock::time_point now = Clock::now();
     if (!reader_paused_ && now - last_rx_ > options_.idle_timeout) {
-      Close(Status::Unavailable("peer " + peer_ + " sent nothing (not even a heartbeat) for " +
+      CloseHere(Status::Unavailable("peer " + peer_ + " sent nothing (not even a heartbeat) for " +
                                 Millis(options_.idle_timeout)));
     } else if (write_started_ && now - *write_started_ > options_.io_timeout) {
-      Close(Status::Unavailable("a write to " + peer_ + " did not complete in " +
+      CloseHere(Status::Unavailable("a write to " + peer_ + " did not complete in " +
                                 Millis(options_.io_timeout) + " (peer not reading)"));
     }
   }
@@ -350,9 +434,8 @@ Status StepFailed(const std::string& step, const Endpoint& endpoint, const error
   return Status::Unavailable(step + " to " + endpoint.ToString() + " failed: " + ec.message());
 }
 
-}  // namespace
-
-awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::Hello hello) {
+// Dial on the running coroutine's executor (the connection's from then on).
+awaitable<Result<std::shared_ptr<Connection>>> DialHere(DialOptions options, wire::Hello hello) {
   auto executor = co_await asio::this_coro::executor;
   const Clock::time_point deadline = Clock::now() + options.timeout;
   const Endpoint& endpoint = options.endpoint;
@@ -420,8 +503,45 @@ awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::H
   co_return connection;
 }
 
+struct DialCall {
+  DialOptions options;
+  wire::Hello hello;
+};
+
+awaitable<std::optional<Result<std::shared_ptr<Connection>>>> DialOnStrand(
+    std::shared_ptr<DialCall> call) {
+  co_return co_await DialHere(std::move(call->options), std::move(call->hello));
+}
+
+}  // namespace
+
+awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::Hello hello) {
+  if (!options.egress) co_return co_await DialHere(std::move(options), std::move(hello));
+  const asio::any_io_executor strand = asio::make_strand(options.egress);
+  auto call = std::make_shared<DialCall>();
+  call->options = std::move(options);
+  call->hello = std::move(hello);
+  auto hop = asio::co_spawn(strand, DialOnStrand(call), use_awaitable);
+  std::optional<Result<std::shared_ptr<Connection>>> connection = co_await std::move(hop);
+  co_return std::move(*connection);
+}
+
 // ---------------------------------------------------------------------------------------
 // Listener
+
+namespace {
+
+// The server side of the TLS handshake, on the stream's executor; timed_out past deadline.
+awaitable<error_code> ServerHandshake(std::shared_ptr<Connection::Stream> stream,
+                                      std::shared_ptr<Clock::time_point> deadline) {
+  error_code ec;
+  DeadlineGuard guard(stream, *deadline);
+  co_await stream->tls->Handshake(/*server=*/true, ec);
+  if (guard.expired()) ec = asio::error::timed_out;
+  co_return ec;
+}
+
+}  // namespace
 
 // The largest frame header a peer may send before its Hello was accepted.
 constexpr uint32_t kMaxHelloBytes = 64u << 10;
@@ -446,7 +566,12 @@ awaitable<void> Listener::Impl::AcceptLoop() {
   auto self = shared_from_this();
   while (!stopped) {
     error_code ec;
-    tcp::socket socket = co_await acceptor.async_accept(asio::redirect_error(use_awaitable, ec));
+    // With an egress pool the socket (and so the connection) lives on a strand of its own.
+    const asio::any_io_executor socket_executor =
+        options.egress ? asio::any_io_executor(asio::make_strand(options.egress))
+                       : acceptor.get_executor();
+    tcp::socket socket = co_await acceptor.async_accept(socket_executor,
+                                                        asio::redirect_error(use_awaitable, ec));
     if (stopped) co_return;
     if (ec) {
       if (ec == asio::error::operation_aborted) co_return;
@@ -472,9 +597,14 @@ awaitable<void> Listener::Impl::Serve(tcp::socket socket) {
   error_code ec;
   if (options.tls) {
     stream->tls = std::make_unique<TlsStream>(std::move(socket), *options.tls);
-    DeadlineGuard guard(stream, Clock::now() + options.handshake_timeout);
-    co_await stream->tls->Handshake(/*server=*/true, ec);
-    if (guard.expired()) ec = asio::error::timed_out;
+    const auto deadline = std::make_shared<Clock::time_point>(Clock::now() + options.handshake_timeout);
+    if (stream->lowest().get_executor() == acceptor.get_executor()) {
+      ec = co_await ServerHandshake(stream, deadline);
+    } else {  // on the connection's strand: the handshake's CPU work on the egress pool
+      auto hop = asio::co_spawn(stream->lowest().get_executor(), ServerHandshake(stream, deadline),
+                                use_awaitable);
+      ec = co_await std::move(hop);
+    }
     if (ec) {
       spdlog::warn("TLS handshake with {} failed: {}", peer, ec.message());
       --pending;

@@ -1,8 +1,8 @@
 // A framed, optionally TLS, optionally shaped connection between two flywheel nodes.
 //
-// Each Connection runs four coroutines on its executor (one thread drives a process's
-// whole data plane): a reader that reads frames ahead into a bounded inbound queue, a
-// writer that drains a bounded outbound queue, a heartbeat sender, and a watchdog. So:
+// Each Connection runs four coroutines on its executor: a reader that reads frames ahead
+// into a bounded inbound queue, a writer that drains a bounded outbound queue (TLS records
+// are sealed there), a heartbeat sender, and a watchdog. So:
 // - every read and write has a deadline: a peer that sends nothing (not even the
 //   heartbeat it owes every `heartbeat`) for `idle_timeout`, or a write that does not
 //   complete in `io_timeout`, closes the connection with a status that says which;
@@ -14,7 +14,17 @@
 // Dial() and Listener do the connect, the TLS handshake and the Hello/Welcome exchange
 // (protocol version and bearer token, compared in constant time) under a deadline.
 //
-// All member functions must be called on the connection's executor.
+// Threads. A connection's executor (executor()) is its socket's: the process's network
+// executor, or, with an egress pool (ListenerOptions::egress, DialOptions::egress), a
+// strand of that pool of its own, so that the TLS sealing and socket writes of many
+// connections run on many cores while each connection's reads and writes stay in order.
+// Its queues, timers and stream are touched on that executor only. Every public member
+// may be called from any executor: Send() and Receive() run on the connection's executor
+// (a caller elsewhere hops there with co_spawn and resumes on its own executor; a caller
+// on it runs inline), Close(), CloseAfterFlush(), set_shaping() and set_limits() are
+// dispatched to it (inline when called on it), and the accessors read atomics or fields
+// fixed before the connection is handed out (peer, hello, welcome). The role logic that
+// owns a connection (catalog, caches, link registry) stays on its own executor.
 #pragma once
 
 #include <atomic>
@@ -22,6 +32,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -41,6 +52,10 @@ struct ConnectionOptions {
   size_t max_queued_bytes = 8u << 20;            // outbound; Send() waits beyond this
   size_t max_inbound_bytes = 8u << 20;           // read-ahead; reading pauses beyond this
   LinkShaping shaping;                           // none by default
+  // Plain TCP: a frame's head and payload (a cached piece, shared) go out in one
+  // scatter/gather sendmsg, never copied together; false copies them into one buffer
+  // first (the benchmark's peer for the gather write). TLS always seals from the piece.
+  bool gather_writes = true;
 };
 
 // Wakes every coroutine waiting on it (single-threaded use on one executor).
@@ -81,22 +96,23 @@ class Connection : public std::enable_shared_from_this<Connection> {
   awaitable<Status> Send(Frame frame);
 
   // Closes now: pending Receive/Send return `reason`. Idempotent (the first reason stays).
+  // From another executor the close happens on the connection's, shortly after.
   void Close(Status reason);
   // Closes once everything queued so far was written (e.g. after a Refused).
   void CloseAfterFlush(Status reason);
 
-  bool closed() const { return closed_; }
-  const Status& close_reason() const { return close_reason_; }
+  bool closed() const { return closed_flag_.load(std::memory_order_acquire); }
+  Status close_reason() const;
   const std::string& peer() const { return peer_; }  // "host:port" of the other end
   std::string tls_cipher() const;  // the negotiated TLS suite; "" over plain TCP
   uint64_t bytes_in() const { return bytes_in_.load(std::memory_order_relaxed); }
   uint64_t bytes_out() const { return bytes_out_.load(std::memory_order_relaxed); }
-  bool shaped() const { return options_.shaping.active(); }
+  bool shaped() const { return shaped_.load(std::memory_order_relaxed); }
   // Shapes frames queued or read from now on (a listener decides after the Hello).
-  void set_shaping(LinkShaping shaping) { options_.shaping = std::move(shaping); }
+  void set_shaping(LinkShaping shaping);
   // Limits for frames whose prefix is read from now on (a listener widens them after the
   // Hello: an unauthenticated peer cannot make it allocate a large frame).
-  void set_limits(FrameLimits limits) { options_.limits = limits; }
+  void set_limits(FrameLimits limits);
   asio::any_io_executor executor() const;
 
   // What the Hello/Welcome exchange told about the other end.
@@ -104,6 +120,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
   wire::Welcome welcome;  // client side: the server's Welcome
 
  private:
+  // The members above, on the connection's executor.
+  awaitable<Status> SendHere(Frame frame);
+  awaitable<Result<Frame>> ReceiveHere();
+  awaitable<Result<Frame>> ReceiveHere(std::chrono::milliseconds timeout, std::string what);
+  void CloseHere(Status reason);
+  void CloseAfterFlushHere(Status reason);
+  // Hops from another executor (coroutines take shared_ptr parameters only: GCC 12).
+  static awaitable<Status> SendHop(std::shared_ptr<Connection> self, std::shared_ptr<Frame> frame);
+  static awaitable<std::optional<Result<Frame>>> ReceiveHop(
+      std::shared_ptr<Connection> self,
+      std::shared_ptr<std::pair<std::chrono::milliseconds, std::string>> deadline);
+
   awaitable<void> ReadLoop();
   awaitable<void> WriteLoop();
   awaitable<void> HeartbeatLoop();
@@ -129,8 +157,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   size_t inbound_bytes_ = 0;
   Signal outbound_ready_, outbound_space_, inbound_ready_, inbound_space_;
   asio::steady_timer watchdog_timer_;
-  bool closed_ = false;
+  bool closed_ = false;  // on the executor; closed_flag_ repeats it for other threads
+  std::atomic<bool> closed_flag_{false};
+  std::atomic<bool> shaped_{false};
   bool close_after_flush_ = false;
+  mutable std::mutex reason_mutex_;  // close_reason_: written on the executor, read anywhere
   Status close_reason_;
   Clock::time_point last_rx_, last_tx_;
   std::optional<Clock::time_point> write_started_;
@@ -140,6 +171,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
 struct DialOptions {
   Endpoint endpoint;
+  // Null: the connection runs on the dialling coroutine's executor. Otherwise on a strand
+  // of this executor (an egress pool), dialled and handshaken there.
+  asio::any_io_executor egress;
   std::shared_ptr<asio::ssl::context> tls;  // null: plain TCP
   std::chrono::milliseconds timeout{5000};  // connect + TLS handshake + Hello/Welcome
   ConnectionOptions connection;
@@ -155,6 +189,11 @@ struct ListenerOptions {
   std::string token;                                  // empty: no token required
   std::chrono::milliseconds handshake_timeout{5000};  // TLS handshake + Hello
   size_t max_connections = 1024;                      // more are closed at once
+  // Null: connections run on the listener's executor. Otherwise each accepted connection
+  // runs on a strand of its own of this executor (an egress pool: its TLS handshake,
+  // record sealing and socket I/O there); on_peer and make_welcome still run on the
+  // listener's executor.
+  asio::any_io_executor egress;
   ConnectionOptions connection;
   // Shaping for a peer, decided from its Hello (e.g. by region). Null: options above.
   std::function<LinkShaping(const wire::Hello&)> shaping_for;
