@@ -63,8 +63,9 @@ Result<ArtifactInfo> FromWire(const wire::Artifact& artifact, uint64_t max_piece
   }
   info.streaming = artifact.streaming();
   if (info.streaming) {
-    if (info.kind != ArtifactKind::kDelta || !artifact.target_hash().empty()) {
-      return Status::Corruption(what + ": a streaming entry must be a delta without a target hash");
+    // A delta or a keyframe still being encoded: its target hash comes with the finished entry.
+    if (!artifact.target_hash().empty()) {
+      return Status::Corruption(what + ": a streaming entry must come without a target hash");
     }
   } else {
     FW_ASSIGN_OR_RETURN(info.target_hash,

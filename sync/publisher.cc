@@ -50,13 +50,19 @@ struct Publisher::Impl : PieceSource, PublishTarget, std::enable_shared_from_thi
   // Network-thread state.
   std::vector<ArtifactInfo> artifacts;  // as announced, the streaming delta included
   std::map<ArtifactKey, std::shared_ptr<MappedFile>> mapped;
-  std::shared_ptr<const GrowableBytes> streaming_bytes;  // of the streaming entry announced
+  // The bytes of each streaming entry announced (a delta, and a keyframe, of the append).
+  std::map<ArtifactKey, std::shared_ptr<const GrowableBytes>> streaming_bytes;
 
   // The delta being encoded now, as far as it is written (set by the append's sink,
   // cleared when the append ends), and whether an Announce is already posted for it.
   mutable std::mutex streaming_mutex;
-  std::optional<ArtifactInfo> streaming;
-  std::shared_ptr<const GrowableBytes> streaming_source;
+  // Per kind: an append streams its delta, then its keyframe when one is due; both stay
+  // until the append ends.
+  struct Stream {
+    ArtifactInfo entry;
+    std::shared_ptr<const GrowableBytes> source;
+  };
+  std::map<ArtifactKind, Stream> streaming;
   std::atomic<bool> announce_posted{false};
   std::optional<Clock::time_point> first_piece_at;  // of the append running (publish_mutex)
 
@@ -227,8 +233,7 @@ Result<AppendResult> Publisher::Impl::Append(uint64_t version, const CheckpointV
     // Whatever happened, the partial entry goes: the finished one (or none) replaces it
     // with the next Announce, which the caller posts on success.
     std::lock_guard streaming_lock(streaming_mutex);
-    streaming.reset();
-    streaming_source.reset();
+    streaming.clear();
   }
   if (!written.ok()) {
     asio::post(executor, [self = shared_from_this()] { self->Announce(); });
@@ -359,8 +364,7 @@ void Publisher::Impl::OnStream(const ArtifactInfo& partial,
                                std::shared_ptr<const GrowableBytes> bytes) {
   {
     std::lock_guard lock(streaming_mutex);
-    streaming = partial;
-    streaming_source = std::move(bytes);
+    streaming[partial.kind] = Stream{partial, std::move(bytes)};
   }
   if (!announce_posted.exchange(true)) {
     asio::post(executor, [self = shared_from_this()] { self->Announce(); });
@@ -382,13 +386,18 @@ void Publisher::Impl::Announce() {
   for (ArtifactInfo& info : log->Artifacts()) {
     if (info.target_version <= head) artifacts.push_back(std::move(info));
   }
-  streaming_bytes.reset();
+  streaming_bytes.clear();
   {
     std::lock_guard lock(streaming_mutex);
-    if (streaming && streaming->target_version > head && streaming->base_version == head &&
-        streaming->base_hash == head_hash) {
-      artifacts.push_back(*streaming);
-      streaming_bytes = streaming_source;
+    for (const auto& [kind, stream] : streaming) {
+      const ArtifactInfo& entry = stream.entry;
+      // A delta only from the head; a keyframe of any version past it.
+      if (entry.target_version > head &&
+          (kind == ArtifactKind::kKeyframe ||
+           (entry.base_version == head && entry.base_hash == head_hash))) {
+        artifacts.push_back(entry);
+        streaming_bytes[KeyOf(entry)] = stream.source;
+      }
     }
   }
   std::map<ArtifactKey, std::shared_ptr<MappedFile>> kept;
@@ -425,8 +434,10 @@ awaitable<Result<PieceSource::Piece>> Publisher::Impl::GetPiece(const ArtifactKe
   if (info->streaming) {
     // Written and hashed by the encoder already; the bytes never move.
     const uint64_t begin = static_cast<uint64_t>(index) * info->piece_bytes;
-    Piece piece{streaming_bytes,
-                std::span<const std::byte>(streaming_bytes->data() + begin, info->piece_bytes)};
+    auto bytes = streaming_bytes.find(key);
+    if (bytes == streaming_bytes.end()) co_return Status::NotFound(Describe(key) + " is not streaming");
+    Piece piece{bytes->second,
+                std::span<const std::byte>(bytes->second->data() + begin, info->piece_bytes)};
     co_return piece;
   }
   auto& file = mapped[key];
@@ -483,9 +494,11 @@ PublisherStatus Publisher::Impl::CurrentStatus() const {
   s.join_bytes = JoinBytes(logged);
   {
     std::lock_guard streaming_lock(streaming_mutex);
-    if (streaming) {
-      s.streaming_version = streaming->target_version;
-      s.streaming_pieces = streaming->piece_hashes.size();
+    // The keyframe when one streams (it is encoded after the delta), else the delta.
+    if (!streaming.empty()) {
+      const ArtifactInfo& entry = streaming.begin()->second.entry;
+      s.streaming_version = entry.target_version;
+      s.streaming_pieces = entry.piece_hashes.size();
     }
   }
   s.pieces_served = server->pieces_served();

@@ -943,14 +943,28 @@ class VersionLog::AppendRun {
     return Status::Ok();
   }
 
+  // A keyframe is streamed like a delta (VersionLogOptions::stream_deltas, even when the
+  // delta was given): a joining worker decodes its tensors while it is encoded.
   Status WriteKeyframe() {
     encode_.base_tensor_hashes = {};
-    Result<std::vector<std::byte>> keyframe = delta::EncodeKeyframe(checkpoint_, encode_);
+    if (!options_.stream_deltas) {
+      Result<std::vector<std::byte>> keyframe = delta::EncodeKeyframe(checkpoint_, encode_);
+      result_.encoded_at =
+          std::chrono::system_clock::time_point(std::chrono::microseconds(UnixMicrosNow()));
+      return WriteArtifact(ArtifactKind::kKeyframe, keyframe.status(),
+                           keyframe.ok() ? std::span<const std::byte>(*keyframe)
+                                         : std::span<const std::byte>());
+    }
+    ArtifactInfo entry;
+    entry.kind = ArtifactKind::kKeyframe;
+    entry.target_version = version_;
+    entry.piece_bytes = options_.piece_bytes;
+    PieceStreamSink sink(std::move(entry), given_);
+    const Status encoded = delta::EncodeKeyframeStreamed(checkpoint_, encode_, sink);
     result_.encoded_at =
         std::chrono::system_clock::time_point(std::chrono::microseconds(UnixMicrosNow()));
-    return WriteArtifact(ArtifactKind::kKeyframe, keyframe.status(),
-                         keyframe.ok() ? std::span<const std::byte>(*keyframe)
-                                       : std::span<const std::byte>());
+    return WriteArtifact(ArtifactKind::kKeyframe, encoded, sink.bytes(),
+                         encoded.ok() ? sink.AllPieceHashes() : std::vector<uint64_t>{});
   }
 
   Status WriteDelta() {

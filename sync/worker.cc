@@ -20,6 +20,7 @@
 #include "checkpoint/safetensors.h"
 #include "delta/wire.h"
 #include "sync/catalog_verifier.h"
+#include "sync/keyframe_stager.h"
 #include "sync/role_status.h"
 #include "sync/sha256_stream.h"
 #include "sync/upstream.h"
@@ -89,12 +90,17 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   // Each delta download's chunks decoded ahead, and the one arriving now (for status).
   std::map<ArtifactKey, std::shared_ptr<EarlyDecoder>> early_decoders;
   std::shared_ptr<EarlyDecoder> arriving;
+  // A joining worker's keyframe downloads, staged tensor by tensor as they arrive, and the
+  // one arriving now (for status).
+  std::map<ArtifactKey, std::shared_ptr<KeyframeStager>> keyframe_stagers;
+  std::shared_ptr<KeyframeStager> arriving_keyframe;
   uint64_t catalog_generation = 0;  // catalogs received
   uint64_t last_early_decode_unix_us = 0;
   void Forget(const ArtifactKey& key) {
     downloads.erase(key);
     hashers.erase(key);
     early_decoders.erase(key);
+    keyframe_stagers.erase(key);
   }
   // The download of `info`, kept (or grown, for a delta still streaming) when one for the
   // same pieces exists, else a new one; with its hasher and early decoder.
@@ -102,10 +108,19 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
     Download* download;
     PrefixSha256* hasher;                 // null without trusted keys
     std::shared_ptr<EarlyDecoder> early;  // null for a keyframe
+    // A keyframe fetched while nothing is served (a joining worker); else null.
+    std::shared_ptr<KeyframeStager> stager;
+    void Advance() const;  // pieces arrived
   };
+  // The most bytes of tensors a staged keyframe may declare (the worker's artifact limit).
+  uint64_t StagingLimit() const {
+    return options.common.max_artifact_bytes != 0 ? options.common.max_artifact_bytes
+                                                  : PhysicalMemoryBytes();
+  }
   Transfer Prepare(const ArtifactInfo& info);
   // A delta the upstream is still streaming from the version served: fetched and decoded
-  // ahead as far as it is listed.
+  // ahead as far as it is listed. With nothing served, a keyframe still streaming (the
+  // first version being published): fetched and staged ahead.
   const ArtifactInfo* StreamingFromServed() const;
   awaitable<void> Prefetch(ArtifactInfo info);
   uint64_t artifacts_rejected = 0;
@@ -184,7 +199,11 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   awaitable<void> ExportServing(uint64_t serving);  // to options.export_dir, on the CPU pool
   std::vector<ArtifactInfo> Plan();
   Status Apply(const ArtifactInfo& info, std::span<const std::byte> bytes,
-               delta::PreparedChunks* prepared = nullptr);
+               delta::PreparedChunks* prepared = nullptr, KeyframeStager* stager = nullptr);
+  // A keyframe into new buffers: the stager's tensors when it staged and verified them
+  // all while they arrived, else decoded whole here.
+  Result<OwnedCheckpoint> DecodeKeyframe(const delta::DeltaView& view, int threads,
+                                         KeyframeStager* stager);
   // The steps of Apply. REQUIRES (ApplyKeyframeInPlace): weights_mutex held exclusively
   // and the weights in the keyframe's layout.
   flywheel::Status ApplyDelta(const std::string& what, const delta::DeltaView& view, int threads,
@@ -403,6 +422,12 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
   std::atomic<uint64_t> first_decode_unix_us_{0};
 };
 
+void Worker::Impl::Transfer::Advance() const {
+  if (hasher) hasher->Advance(*download);
+  if (early) early->Advance(*download);
+  if (stager) stager->Advance(*download);
+}
+
 std::vector<ArtifactInfo> Worker::Impl::Plan() {
   const uint64_t head = catalog.head_version;
   const Served now = ServedNow();
@@ -456,7 +481,7 @@ bool SameLayout(const OwnedCheckpoint& weights, const delta::Manifest& manifest)
 }  // namespace
 
 flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const std::byte> bytes,
-                                     delta::PreparedChunks* prepared) {
+                                     delta::PreparedChunks* prepared, KeyframeStager* stager) {
   const std::string what = Describe(KeyOf(info));
   FW_ASSIGN_OR_RETURN(delta::DeltaView view, delta::DeltaView::Parse(bytes));
   const delta::Manifest& manifest = view.manifest();
@@ -475,7 +500,7 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
       return ApplyKeyframeInPlace(view, threads);
     }
   }
-  FW_ASSIGN_OR_RETURN(OwnedCheckpoint decoded, delta::DecodeKeyframe(view, threads));
+  FW_ASSIGN_OR_RETURN(OwnedCheckpoint decoded, DecodeKeyframe(view, threads, stager));
   std::vector<Hash128> hashes;
   for (const delta::TensorEntry& entry : manifest.tensors) hashes.push_back(entry.target_hash);
   std::unique_lock lock(weights_mutex);
@@ -491,6 +516,18 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
   version.store(manifest.target_version);
   PublishServed();
   return flywheel::Status::Ok();
+}
+
+Result<OwnedCheckpoint> Worker::Impl::DecodeKeyframe(const delta::DeltaView& view, int threads,
+                                                    KeyframeStager* stager) {
+  if (stager != nullptr) {
+    std::string why_not;
+    std::optional<OwnedCheckpoint> staged = stager->Take(view.manifest(), &why_not);
+    if (staged) return std::move(*staged);
+    spdlog::warn("keyframe v{} was not staged while it arrived ({}); decoding it whole",
+                 view.manifest().target_version, why_not);
+  }
+  return delta::DecodeKeyframe(view, threads);
 }
 
 flywheel::Status Worker::Impl::ApplyDelta(const std::string& what, const delta::DeltaView& view,
@@ -598,8 +635,9 @@ Worker::Impl::Transfer Worker::Impl::Prepare(const ArtifactInfo& info) {
     slot = std::make_unique<Download>(info);
     hashers.erase(key);
     early_decoders.erase(key);
+    keyframe_stagers.erase(key);
   }
-  Transfer transfer{slot.get(), nullptr, nullptr};
+  Transfer transfer{slot.get(), nullptr, nullptr, nullptr};
   if (verifier->enabled()) {
     auto& owned = hashers[key];
     if (!owned) owned = std::make_unique<PrefixSha256>();
@@ -611,13 +649,35 @@ Worker::Impl::Transfer Worker::Impl::Prepare(const ArtifactInfo& info) {
     early->Advance(*slot);  // pieces a resumed or grown download holds already
     transfer.early = early;
   }
+  auto stager = keyframe_stagers.find(key);
+  if (info.kind == ArtifactKind::kKeyframe && options.stage_keyframes &&
+      (stager != keyframe_stagers.end() || ServedNow().version == 0)) {
+    // Joining: no weights to patch in place, so the keyframe is staged as it arrives.
+    if (stager == keyframe_stagers.end()) {
+      stager = keyframe_stagers
+                   .emplace(key, std::make_shared<KeyframeStager>(cpu, slot->bytes, StagingLimit()))
+                   .first;
+    }
+    stager->second->Advance(*slot);
+    transfer.stager = stager->second;
+  }
   arriving = transfer.early;
+  arriving_keyframe = transfer.stager;
   return transfer;
 }
 
 const ArtifactInfo* Worker::Impl::StreamingFromServed() const {
   const Served now = ServedNow();
-  if (now.version == 0) return nullptr;
+  if (now.version == 0) {
+    for (const ArtifactInfo& info : catalog.artifacts) {
+      if (info.streaming && info.kind == ArtifactKind::kKeyframe && options.stage_keyframes &&
+          info.target_version > catalog.head_version &&
+          !rejected.count({KeyOf(info), Hash128{}.ToHex()})) {
+        return &info;
+      }
+    }
+    return nullptr;
+  }
   for (const ArtifactInfo& info : catalog.artifacts) {
     if (info.streaming && info.kind == ArtifactKind::kDelta && info.base_version == now.version &&
         info.base_hash == now.hash && !rejected.count({KeyOf(info), Hash128{}.ToHex()})) {
@@ -632,10 +692,7 @@ awaitable<void> Worker::Impl::Prefetch(ArtifactInfo info) {
   Transfer transfer = Prepare(info);
   Download& download = *transfer.download;
   if (download.all_known()) co_return;
-  std::function<void(uint32_t)> on_piece = [transfer](uint32_t) {
-    if (transfer.hasher) transfer.hasher->Advance(*transfer.download);
-    if (transfer.early) transfer.early->Advance(*transfer.download);
-  };
+  std::function<void(uint32_t)> on_piece = [transfer](uint32_t) { transfer.Advance(); };
   flywheel::Status fetched = co_await upstream->Fetch(download, on_piece);
   if (!fetched.ok()) {
     spdlog::debug("fetching {} while it streams: {}", Describe(key), fetched.message());
@@ -671,10 +728,7 @@ awaitable<bool> Worker::Impl::Update(const ArtifactInfo& info) {
   Transfer transfer = Prepare(info);
   Download& download = *transfer.download;
   std::shared_ptr<EarlyDecoder> early = transfer.early;
-  std::function<void(uint32_t)> on_piece = [transfer](uint32_t) {
-    if (transfer.hasher) transfer.hasher->Advance(*transfer.download);
-    if (transfer.early) transfer.early->Advance(*transfer.download);
-  };
+  std::function<void(uint32_t)> on_piece = [transfer](uint32_t) { transfer.Advance(); };
   const auto fetch_start = Clock::now();
   flywheel::Status fetched = co_await upstream->Fetch(download, on_piece);
   if (!fetched.ok()) {
@@ -707,11 +761,15 @@ awaitable<bool> Worker::Impl::Update(const ArtifactInfo& info) {
   }
   delta::PreparedChunks* prepared = early ? early->Close() : nullptr;
   AheadPriority(0);  // a chunk being decoded ahead now must not hold the apply up
-  auto apply = [this, task, bytes, prepared] { return Apply(*task, bytes->bytes(), prepared); };
+  std::shared_ptr<KeyframeStager> stager = transfer.stager;
+  auto apply = [this, task, bytes, prepared, stager] {
+    return Apply(*task, bytes->bytes(), prepared, stager.get());
+  };
   flywheel::Status applied = (co_await transport::RunOn(cpu, apply)).value();
-  last_apply_chunks_early = early ? early->decoded() : 0;
+  last_apply_chunks_early = early ? early->decoded() : stager ? stager->chunks_staged() : 0;
   last_early_decode_unix_us = early ? early->first_decode_unix_us() : 0;
   arriving.reset();
+  arriving_keyframe.reset();
   Forget(key);
   if (!applied.ok()) {
     ++artifacts_rejected;
@@ -805,7 +863,9 @@ WorkerStatus Worker::Impl::CurrentStatus() const {
   s.last_apply_ms = last_apply_ms;
   s.last_apply_chunks_early = last_apply_chunks_early;
   s.last_early_decode_unix_us = last_early_decode_unix_us;
-  s.arriving_chunks_decoded = arriving ? arriving->prepared() : 0;
+  s.arriving_chunks_decoded = arriving            ? arriving->prepared()
+                              : arriving_keyframe ? arriving_keyframe->chunks_staged()
+                                                  : 0;
   s.last_swap_pause_ms = static_cast<double>(last_swap_pause_us.load()) / 1000.0;
   s.swaps_total = swaps;
   s.exports_total = exports;

@@ -49,6 +49,12 @@ struct WorkerOptions {
   int export_keep = 2;     // newest exports kept in export_dir
   int streams = 4;         // parallel data streams per artifact
   int window = 8;          // piece requests in flight per stream
+  // A joining worker (nothing served yet) decodes and verifies a streamed keyframe tensor
+  // by tensor while it arrives, into a buffer allocated once from the keyframe's declared
+  // sizes (at most common.max_artifact_bytes, or physical memory), and fetches a keyframe
+  // the publisher is still encoding. false: the keyframe is decoded once it is whole (the
+  // behaviour before streamed keyframes; `bench join` compares the two).
+  bool stage_keyframes = true;
   // Runs on every swap (see SwapEvent), e.g. to patch an inference engine's compute copy
   // between its decode steps. Readers of the weights wait while it runs: keep it short. Its
   // duration is reported as last_swap_pause_ms in /v1/status. An error refuses the version:
