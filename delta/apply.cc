@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "delta/codec_internal.h"
+#include "delta/context_coding.h"
 #include "delta/delta.h"
 #include "delta/entropy.h"
 #include "delta/format.h"
@@ -68,9 +69,32 @@ Result<std::span<const uint8_t>> RawChunk(const DeltaView& delta, size_t index, 
   return std::span<const uint8_t>(s.raw);
 }
 
-// Decodes a sparse chunk's positions into s.positions and zigzagged differences into s.z.
-Status DecodeSparse(const Manifest& m, size_t index, std::span<const uint8_t> raw, Scratch& s) {
+bool IsSparse(ChunkKind kind) {
+  return kind == ChunkKind::kSparse || kind == ChunkKind::kSparseContext;
+}
+
+// Decodes a context-coded chunk against the base words at `region` (the chunk's words).
+Status DecodeSparseContext(const Manifest& m, size_t index, std::span<const uint8_t> raw,
+                           const uint8_t* region, Scratch& s) {
   const ChunkEntry& e = m.chunks[index];
+  const DType dtype = m.tensors[e.tensor_index].dtype;
+  const std::optional<kernels::BucketContext> field = internal::ExponentFieldOf(dtype);
+  if (!field) {
+    return Status::Corruption(ChunkName(m, index) + " is context-coded, but dtype " +
+                              DTypeName(dtype) + " has no exponent field to take contexts from");
+  }
+  Status st = internal::DecodeSparseContext(*field, raw, region, e.word_count,
+                                            DTypeWordBytes(dtype), e.changed_words, s);
+  if (!st.ok()) return st.WithContext(ChunkName(m, index));
+  return Status::Ok();
+}
+
+// Decodes a sparse chunk (either kind) into s.positions and zigzagged differences into
+// s.z; `region` holds the chunk's base words.
+Status DecodeSparse(const Manifest& m, size_t index, std::span<const uint8_t> raw,
+                    const uint8_t* region, Scratch& s) {
+  const ChunkEntry& e = m.chunks[index];
+  if (e.kind == ChunkKind::kSparseContext) return DecodeSparseContext(m, index, raw, region, s);
   wire::Reader r(raw);
   int k = r.U8();
   uint8_t coding = r.U8();
@@ -170,7 +194,7 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
                       PreparedChunks* prepared) {
   const Manifest& m = delta.manifest();
   const ChunkEntry& e = m.chunks[index];
-  if (e.kind == ChunkKind::kSparse) {
+  if (IsSparse(e.kind)) {
     std::vector<uint32_t> positions;
     ByteVec words;
     if (PreparedAccess::Take(prepared, e.record, &positions, &words)) {
@@ -186,8 +210,8 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
   uint8_t* region = U8(tensor_data) + e.word_begin * w;
   const size_t n = e.word_count;
 
-  if (e.kind == ChunkKind::kSparse) {
-    FW_RETURN_IF_ERROR(DecodeSparse(m, index, raw, s));
+  if (IsSparse(e.kind)) {
+    FW_RETURN_IF_ERROR(DecodeSparse(m, index, raw, region, s));
     const size_t count = e.changed_words;
     void* old_values = nullptr;
     if (keep_undo || keep_positions) {
@@ -233,7 +257,7 @@ void Undo(const Manifest& m, size_t index, std::span<std::byte> tensor_data,
   const ChunkEntry& e = m.chunks[index];
   const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
   uint8_t* region = U8(tensor_data) + e.word_begin * w;
-  if (e.kind == ChunkKind::kSparse) {
+  if (IsSparse(e.kind)) {
     kernels::ScatterApply(region, w, undo.positions.data(), undo.old_bytes.data(),
                           undo.positions.size());
   } else {
@@ -454,8 +478,14 @@ ApplyStats Applier::Stats() {
       changed.state_index = state_of_[e.tensor_index];
       changed.word_begin = e.word_begin;
       changed.word_count = e.word_count;
-      changed.all = e.kind != ChunkKind::kSparse;
-      if (!changed.all) changed.positions = (*undo_)[c].positions;
+      changed.all = !IsSparse(e.kind);
+      if (!changed.all) {
+        changed.positions = (*undo_)[c].positions;
+        // A context-coded chunk lists its changes bucket by bucket, not in word order.
+        if (e.kind == ChunkKind::kSparseContext) {
+          std::sort(changed.positions.begin(), changed.positions.end());
+        }
+      }
       stats.changes.push_back(std::move(changed));
     }
   }
@@ -577,7 +607,7 @@ bool PreparedChunks::Prepare(const DeltaView& delta, size_t index,
   const Manifest& m = delta.manifest();
   if (index >= m.chunks.size()) return false;
   const ChunkEntry& e = m.chunks[index];
-  if (e.record >= count_ || e.kind != ChunkKind::kSparse) return false;
+  if (e.record >= count_ || !IsSparse(e.kind)) return false;
   const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
   if (base_tensor.size() != m.tensors[e.tensor_index].byte_size) return false;
   const uint64_t need = e.changed_words * (sizeof(uint32_t) + w);
@@ -595,11 +625,11 @@ bool PreparedChunks::Prepare(const DeltaView& delta, size_t index,
   try {
     Scratch& s = internal::ThreadScratch();
     Result<std::span<const uint8_t>> raw = RawChunk(delta, index, s);
-    if (raw.ok() && DecodeSparse(m, index, *raw, s).ok()) {
+    const uint8_t* region = U8(base_tensor) + e.word_begin * w;
+    if (raw.ok() && DecodeSparse(m, index, *raw, region, s).ok()) {
       const size_t count = e.changed_words;
       chunk.positions.assign(s.positions.begin(), s.positions.begin() + count);
       chunk.words.resize(count * w);
-      const uint8_t* region = U8(base_tensor) + e.word_begin * w;
       kernels::Gather(region, w, chunk.positions.data(), chunk.words.data(), count);
       switch (w) {
         case 1: AddZigZag<uint8_t>(chunk.words.data(), s.z.data(), count); break;

@@ -41,6 +41,8 @@ const char* ChunkKindName(ChunkKind kind) {
       return "dense-xor";
     case ChunkKind::kLiteral:
       return "literal";
+    case ChunkKind::kSparseContext:
+      return "sparse-context";
   }
   return "?";
 }
@@ -190,6 +192,7 @@ void TrimScratch(Scratch& s) {
   };
   trim(s.positions), trim(s.gaps), trim(s.z), trim(s.words_a), trim(s.words_b);
   trim(s.raw), trim(s.raw2), trim(s.packed), trim(s.packed2);
+  trim(s.ranks), trim(s.order), trim(s.contexts), trim(s.z2), trim(s.base_words);
 }
 
 Result<std::vector<Hash128>> HashesOrCompute(const CheckpointView& view,

@@ -95,6 +95,12 @@ struct Scratch {
   std::vector<uint64_t> z;
   ByteVec words_a, words_b;
   ByteVec raw, raw2, packed, packed2;
+  // The context-coded chunk (context_coding.cc): ranks of every stream, the coding order
+  // of the changes, each change's stream, the differences in coding order.
+  std::vector<uint32_t> ranks, order;
+  ByteVec contexts;
+  std::vector<uint64_t> z2;
+  std::vector<uint64_t> base_words;  // the base word of each changed word (encoder)
 };
 Scratch& ThreadScratch();
 

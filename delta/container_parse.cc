@@ -309,8 +309,11 @@ Status ManifestParser::ParseChunk(uint32_t ti, uint64_t& next_free, ChunkEntry& 
   std::string where =
       "chunk " + std::to_string(m_.chunks.size()) + " (tensor " + Quote(t.name) + ")";
   if (r_.failed()) return Truncated(where);
-  if (kind > 2 || compressor > 2)
-    return Status::Corruption(where + " has unknown kind or compressor");
+  if (kind > 3 || compressor > 2) {
+    return Status::Corruption(where + " has unknown kind " + std::to_string(kind) +
+                              " or compressor " + std::to_string(compressor) +
+                              " (this build reads kinds 0..3, compressors 0..2)");
+  }
   e.kind = static_cast<ChunkKind>(kind);
   e.compressor = static_cast<Compressor>(compressor);
   if (e.word_count == 0 || e.word_begin < next_free || e.word_begin > words ||
@@ -346,11 +349,12 @@ namespace internal {
 Status CheckChunkSizes(const std::string& where, const ChunkEntry& e, int w,
                        const DecodeLimits& limits) {
   const uint64_t dense = e.word_count * w;
-  if (e.changed_words > e.word_count || (e.kind == ChunkKind::kSparse && e.changed_words == 0)) {
+  const bool sparse = e.kind == ChunkKind::kSparse || e.kind == ChunkKind::kSparseContext;
+  if (e.changed_words > e.word_count || (sparse && e.changed_words == 0)) {
     return Status::Corruption(where + " declares " + std::to_string(e.changed_words) +
                               " changed words of " + std::to_string(e.word_count));
   }
-  if (e.kind != ChunkKind::kSparse && e.raw_bytes != dense) {
+  if (!sparse && e.raw_bytes != dense) {
     return Status::Corruption(where + " is dense but its raw size " + std::to_string(e.raw_bytes) +
                               " is not " + std::to_string(dense));
   }
@@ -361,6 +365,14 @@ Status CheckChunkSizes(const std::string& where, const ChunkEntry& e, int w,
                               " changes in only " + std::to_string(e.raw_bytes) + " bytes");
   }
   if (e.kind == ChunkKind::kSparse && e.raw_bytes > 64 + 24 * e.changed_words + 4 * 77) {
+    return Status::Corruption(where + " declares an implausible raw size " +
+                              std::to_string(e.raw_bytes));
+  }
+  // A context-coded chunk can spend under a bit per change (a bucket where nearly every
+  // word changes lists the unchanged ones), so only the upper bound applies: per stream a
+  // header and a table, per change at most an escaped rank and a 64-bit value.
+  if (e.kind == ChunkKind::kSparseContext &&
+      e.raw_bytes > 64 + 24 * e.changed_words + 16 * (24 + 4 * 77)) {
     return Status::Corruption(where + " declares an implausible raw size " +
                               std::to_string(e.raw_bytes));
   }

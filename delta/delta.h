@@ -38,7 +38,8 @@ enum class Compressor : uint8_t { kNone = 0, kZstd = 1, kLz4 = 2 };
 const char* CompressorName(Compressor compressor);
 Result<Compressor> ParseCompressor(std::string_view name);
 
-enum class ChunkKind : uint8_t { kSparse = 0, kDenseXor = 1, kLiteral = 2 };
+// kSparseContext: sparse, coded conditioned on the base words (delta/format.h, kind 3).
+enum class ChunkKind : uint8_t { kSparse = 0, kDenseXor = 1, kLiteral = 2, kSparseContext = 3 };
 const char* ChunkKindName(ChunkKind kind);
 
 // Called from worker threads as work completes: (done, total) in bytes of checkpoint.
@@ -50,6 +51,9 @@ struct EncodeOptions {
   Compressor compressor = Compressor::kZstd;
   int zstd_level = 3;
   int threads = 1;
+  // Sparse chunks of float dtypes are coded conditioned on the base words (chunk kind 3,
+  // delta/format.h); false writes only the kinds 0..2 of earlier builds.
+  bool context_coding = true;
   // Chunk size in bytes of tensor data (rounded down to whole words), in
   // [4 KiB, 64 MiB]; a chunk never holds more than kMaxChunkWords words.
   uint64_t chunk_bytes = 4 << 20;

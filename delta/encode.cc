@@ -10,9 +10,11 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <unordered_map>
 
 #include "delta/codec_internal.h"
+#include "delta/context_coding.h"
 #include "delta/delta.h"
 #include "delta/entropy.h"
 #include "delta/format.h"
@@ -38,6 +40,9 @@ struct ChunkTask {
   uint64_t word_count;
 };
 
+// Below this many changes a chunk is coded both ways and the smaller kept.
+constexpr size_t kContextTryBoth = 4096;
+
 struct EncodedChunk {
   ChunkEntry entry;
   ByteVec payload;
@@ -45,12 +50,12 @@ struct EncodedChunk {
   Status error;          // ResourceExhausted when scratch could not be allocated
 };
 
-// For the changed words just found in one block: the gap to the previous change and the
-// zigzagged difference, read while the block is in cache.
+// For the changed words just found in one block: the gap to the previous change, the
+// zigzagged difference and the base word, read while the block is in cache.
 template <int W>
 void GapsAndDiffs(const uint8_t* base, const uint8_t* target, const uint32_t* block_positions,
                   size_t found, uint32_t block_begin, uint32_t& next_free, uint32_t* gaps,
-                  uint64_t* z) {
+                  uint64_t* z, uint64_t* base_words) {
   using U = typename internal::WordOf<W>::U;
   using S = typename internal::WordOf<W>::S;
   for (size_t i = 0; i < found; ++i) {
@@ -59,6 +64,7 @@ void GapsAndDiffs(const uint8_t* base, const uint8_t* target, const uint32_t* bl
     std::memcpy(&b, base + size_t{p} * W, W);
     std::memcpy(&t, target + size_t{p} * W, W);
     z[i] = entropy::ZigZag(static_cast<S>(static_cast<U>(t - b)));
+    base_words[i] = b;
     gaps[i] = block_begin + p - next_free;
     next_free = block_begin + p + 1;
   }
@@ -74,6 +80,7 @@ size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_
   Grow(s.positions, std::min(n, block_words));
   Grow(s.gaps, n);
   Grow(s.z, n);
+  Grow(s.base_words, n);
   size_t m = 0;
   uint32_t next_free = 0;
   for (size_t begin = 0; begin < n; begin += block_words) {
@@ -87,18 +94,23 @@ size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_
     const uint32_t block_begin = static_cast<uint32_t>(begin);
     uint32_t* gaps = s.gaps.data() + m;
     uint64_t* z = s.z.data() + m;
+    uint64_t* base_words = s.base_words.data() + m;
     switch (w) {
       case 1:
-        GapsAndDiffs<1>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z);
+        GapsAndDiffs<1>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z,
+                          base_words);
         break;
       case 2:
-        GapsAndDiffs<2>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z);
+        GapsAndDiffs<2>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z,
+                          base_words);
         break;
       case 4:
-        GapsAndDiffs<4>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z);
+        GapsAndDiffs<4>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z,
+                          base_words);
         break;
       default:
-        GapsAndDiffs<8>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z);
+        GapsAndDiffs<8>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z,
+                          base_words);
         break;
     }
     m += found;
@@ -161,10 +173,28 @@ void TryDense(int w, size_t n, const uint8_t* b, const uint8_t* t, Scratch& s,
   KeepIfSmaller(ChunkKind::kLiteral, s.raw2, s.packed2, options, out);
 }
 
+// The m changed words as a context-coded chunk (kind 3) into s.raw2, kept when smaller
+// than the plain sparse form in `out`. Small chunks try both (the per-bucket tables can
+// outweigh the gain); larger ones go straight to the context coding.
+void TrySparseContext(const kernels::BucketContext& field, int w, size_t n, const uint8_t* b,
+                      size_t m, Scratch& s, const EncodeOptions& options, EncodedChunk& out) {
+  Grow(s.positions, m);
+  int64_t previous = -1;
+  for (size_t i = 0; i < m; ++i) {
+    previous += static_cast<int64_t>(s.gaps[i]) + 1;
+    s.positions[i] = static_cast<uint32_t>(previous);
+  }
+  internal::EncodeSparseContext(field, b, n, w, {s.positions.data(), m}, {s.z.data(), m},
+                                {s.base_words.data(), m}, s, &s.raw2);
+  KeepIfSmaller(ChunkKind::kSparseContext, s.raw2, s.packed2, options, out, false);
+}
+
 // Encodes one chunk; `base` is null for a keyframe. The hashers, when given, are fed the
 // chunk's bytes (in order: the caller runs a tensor's chunks in order on one thread).
+// `context`: the dtype's exponent field when it has one (and the context coding is on).
 EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base, const uint8_t* target,
                          const EncodeOptions& options, bool keyframe,
+                         const std::optional<kernels::BucketContext>& context,
                          StreamingHash* base_hasher = nullptr,
                          StreamingHash* target_hasher = nullptr) {
   Scratch& s = internal::ThreadScratch();
@@ -188,12 +218,15 @@ EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base, cons
     size_t m = CompareAndGather(w, b, t, n, s, base_hasher, target_hasher);
     if (m == 0) return out;
     e.changed_words = m;
-    BuildSparseRaw(m, s, &s.raw);
-    // Rice-coded positions and rANS-coded values are at their entropy already: a general
-    // compressor only costs time there (it never stored smaller in the codec bench).
-    const bool entropy_coded =
-        s.raw.size() > 1 && s.raw[1] == static_cast<uint8_t>(format::ValueCoding::kRans);
-    KeepIfSmaller(ChunkKind::kSparse, s.raw, s.packed, options, out, !entropy_coded);
+    if (!context || m < kContextTryBoth) {
+      BuildSparseRaw(m, s, &s.raw);
+      // Rice-coded positions and rANS-coded values are at their entropy already: a general
+      // compressor only costs time there (it never stored smaller in the codec bench).
+      const bool entropy_coded =
+          s.raw.size() > 1 && s.raw[1] == static_cast<uint8_t>(format::ValueCoding::kRans);
+      KeepIfSmaller(ChunkKind::kSparse, s.raw, s.packed, options, out, !entropy_coded);
+    }
+    if (context) TrySparseContext(*context, w, n, b, m, s, options, out);
     // Dense forms are tried only when the sparse one is not clearly small.
     if (out.entry.payload_bytes * 8 > dense_bytes) TryDense(w, n, b, t, s, options, out);
   }
@@ -428,9 +461,11 @@ void DeltaEncoder::EncodeTask(size_t k, StreamingHash* base_hasher, StreamingHas
   const TensorView& target = target_[task.tensor_index];
   const int w = DTypeWordBytes(target.dtype);
   const uint8_t* b = keyframe_ ? nullptr : U8(base_aligned_[task.tensor_index].data);
+  const std::optional<kernels::BucketContext> context =
+      options_.context_coding ? internal::ExponentFieldOf(target.dtype) : std::nullopt;
   try {
-    encoded_[k] =
-        EncodeChunk(task, w, b, U8(target.data), options_, keyframe_, base_hasher, target_hasher);
+    encoded_[k] = EncodeChunk(task, w, b, U8(target.data), options_, keyframe_, context,
+                              base_hasher, target_hasher);
   } catch (const std::bad_alloc&) {
     encoded_[k] = EncodedChunk{};
     encoded_[k].error =

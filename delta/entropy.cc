@@ -311,15 +311,17 @@ void PutFrequencyTable(const std::vector<uint32_t>& freq, EncSymbol* enc,
 // The rANS stream of `symbols`: its length, the two final states, then its bytes. Two
 // interleaved states (value i uses state i & 1). rANS runs backwards: bytes come out in
 // reverse decoding order and are flipped at the end.
-void PutRans(std::span<const uint8_t> symbols, const EncSymbol* enc, std::vector<uint8_t>* out) {
+// `enc_of(i)` is the table of value i (one table for the whole stream, or one per context).
+template <typename EncOf>
+void PutRansT(std::span<const uint8_t> symbols, EncOf enc_of, std::vector<uint8_t>* out) {
   // A step emits at most two bytes (x < 2^31, x_max >= 2^19), written backwards.
   thread_local std::vector<uint8_t> buffer;
   buffer.resize(2 * symbols.size() + 16);
   uint8_t* const buffer_end = buffer.data() + buffer.size();
   uint8_t* ptr = buffer_end;
   uint32_t x0 = kRansLow, x1 = kRansLow;
-  auto put = [&](uint32_t& state, uint8_t symbol) {
-    const EncSymbol& e = enc[symbol];
+  auto put = [&](uint32_t& state, size_t i) {
+    const EncSymbol& e = enc_of(i)[symbols[i]];
     while (state >= e.x_max) {
       *--ptr = static_cast<uint8_t>(state);
       state >>= 8;
@@ -329,10 +331,10 @@ void PutRans(std::span<const uint8_t> symbols, const EncSymbol* enc, std::vector
     state = (q << kRansScaleBits) + (state - q * e.freq) + e.start;
   };
   size_t i = symbols.size();
-  if (i & 1) --i, put(x0, symbols[i]);
+  if (i & 1) --i, put(x0, i);
   while (i > 0) {
-    put(x1, symbols[i - 1]);
-    put(x0, symbols[i - 2]);
+    put(x1, i - 1);
+    put(x0, i - 2);
     i -= 2;
   }
   wire::PutVarint(out, static_cast<uint64_t>(buffer_end - ptr) + 8);
@@ -352,7 +354,7 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
   std::vector<uint32_t> freq = NormalizeFrequencies(counts);
   EncSymbol enc[kNumValueSymbols];
   PutFrequencyTable(freq, enc, out);
-  PutRans({symbols.data(), z.size()}, enc, out);
+  PutRansT({symbols.data(), z.size()}, [&](size_t) { return enc; }, out);
   if (any_extra) {
     BitWriter extra(out, 63 * static_cast<uint64_t>(z.size()));
     for (uint64_t v : z) PutExtraBits(extra, v);
@@ -429,8 +431,10 @@ Status ReadFrequencyTable(wire::Reader& r, Slot* slots) {
 
 // The `count` symbols of the rANS stream `rans` (its two initial states first), each plus
 // one into z; the OR of all symbols into *symbol_or.
-Status RansDecode(std::span<const uint8_t> rans, const Slot* table, size_t count, uint64_t* z,
-                  uint8_t* symbol_or_out) {
+// `table_of(i)` is the table of value i.
+template <typename TableOf>
+Status RansDecodeT(std::span<const uint8_t> rans, TableOf table_of, size_t count, uint64_t* z,
+                   uint8_t* symbol_or_out) {
   uint32_t x0 = static_cast<uint32_t>(wire::LoadFixed(rans.data(), 4));
   uint32_t x1 = static_cast<uint32_t>(wire::LoadFixed(rans.data() + 4, 4));
   const uint8_t* p = rans.data() + 8;
@@ -439,8 +443,8 @@ Status RansDecode(std::span<const uint8_t> rans, const Slot* table, size_t count
   uint8_t symbol_or = 0;
   // One decoding step; a valid state needs at most two renormalisation bytes
   // (x >= 2^23 gives freq * (x >> 12) >= 2^11).
-  auto step = [&](uint32_t& state) -> uint8_t {
-    const Slot e = table[state & (kRansScale - 1)];
+  auto step = [&](uint32_t& state, size_t value) -> uint8_t {
+    const Slot e = table_of(value)[state & (kRansScale - 1)];
     state = e.freq * (state >> kRansScaleBits) + e.bias;
     if (state < kRansLow) {
       if (end - p >= 2 && state >= (kRansLow >> 16)) {
@@ -455,14 +459,14 @@ Status RansDecode(std::span<const uint8_t> rans, const Slot* table, size_t count
   };
   size_t i = 0;
   for (; i + 2 <= count; i += 2) {
-    const uint8_t s0 = step(x0);
-    const uint8_t s1 = step(x1);
+    const uint8_t s0 = step(x0, i);
+    const uint8_t s1 = step(x1, i + 1);
     z[i] = s0 + 1u;
     z[i + 1] = s1 + 1u;
     symbol_or |= s0 | s1;
   }
   if (i < count) {
-    const uint8_t s0 = step(x0);
+    const uint8_t s0 = step(x0, i);
     z[i] = s0 + 1u;
     symbol_or |= s0;
   }
@@ -508,7 +512,9 @@ Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z) {
   std::span<const uint8_t> rans = r.Bytes(rans_bytes);
   std::span<const uint8_t> extra_bytes = r.Rest();
   uint8_t symbol_or = 0;
-  FW_RETURN_IF_ERROR(RansDecode(rans, slots, count, z, &symbol_or));
+  const Slot* table = slots;
+  FW_RETURN_IF_ERROR(
+      RansDecodeT(rans, [table](size_t) { return table; }, count, z, &symbol_or));
   return ReadExtraBits(extra_bytes, symbol_or >= 16, count, z);
 }
 
@@ -532,6 +538,67 @@ Status DecodeValuesGamma(std::span<const uint8_t> in, size_t count, uint64_t* z)
   }
   if (!r.AtEnd()) return Corrupt("value stream: bytes after the last gamma code");
   return Status::Ok();
+}
+
+// ---- values with a table per context ------------------------------------------------
+
+void EncodeValuesContext(std::span<const uint64_t> z, std::span<const uint8_t> context_of,
+                         int contexts, std::vector<uint8_t>* out) {
+  thread_local std::vector<uint8_t> symbols;
+  symbols.resize(z.size());
+  std::vector<uint64_t> counts(static_cast<size_t>(contexts) * kNumValueSymbols, 0);
+  uint8_t symbol_or = 0;
+  for (size_t i = 0; i < z.size(); ++i) {
+    const uint8_t sym = static_cast<uint8_t>(ValueSymbol(z[i]));
+    symbols[i] = sym;
+    symbol_or |= sym;
+    ++counts[size_t{context_of[i]} * kNumValueSymbols + sym];
+  }
+  std::vector<EncSymbol> enc(static_cast<size_t>(contexts) * kNumValueSymbols);
+  for (int c = 0; c < contexts; ++c) {
+    std::span<const uint64_t> of_context(counts.data() + size_t(c) * kNumValueSymbols,
+                                         kNumValueSymbols);
+    uint64_t total = 0;
+    for (uint64_t n : of_context) total += n;
+    std::vector<uint32_t> freq = NormalizeFrequencies(of_context);
+    if (total == 0) freq[0] = kRansScale;  // an unused context still needs a valid table
+    PutFrequencyTable(freq, enc.data() + size_t(c) * kNumValueSymbols, out);
+  }
+  const EncSymbol* tables = enc.data();
+  PutRansT({symbols.data(), z.size()},
+           [&](size_t i) { return tables + size_t{context_of[i]} * kNumValueSymbols; }, out);
+  if (symbol_or >= 16) {
+    BitWriter extra(out, 63 * static_cast<uint64_t>(z.size()));
+    for (uint64_t v : z) PutExtraBits(extra, v);
+    extra.Flush();
+  }
+}
+
+Status DecodeValuesContext(std::span<const uint8_t> in, size_t count,
+                           std::span<const uint8_t> context_of, int contexts, uint64_t* z) {
+  if (contexts < 1 || contexts > kMaxValueContexts) {
+    return Corrupt("value stream: " + std::to_string(contexts) + " contexts");
+  }
+  wire::Reader r(in);
+  thread_local std::vector<Slot> slots;
+  slots.resize(static_cast<size_t>(contexts) * kRansScale);
+  for (int c = 0; c < contexts; ++c) {
+    Status st = ReadFrequencyTable(r, slots.data() + size_t(c) * kRansScale);
+    if (!st.ok()) return st.WithContext("table of context " + std::to_string(c));
+  }
+  uint64_t rans_bytes = r.Varint();
+  if (r.failed() || rans_bytes < 8 || rans_bytes > r.remaining()) {
+    return Corrupt("value stream: rANS length out of bounds");
+  }
+  std::span<const uint8_t> rans = r.Bytes(rans_bytes);
+  std::span<const uint8_t> extra_bytes = r.Rest();
+  uint8_t symbol_or = 0;
+  const Slot* tables = slots.data();
+  const uint8_t* of = context_of.data();
+  FW_RETURN_IF_ERROR(RansDecodeT(
+      rans, [tables, of](size_t i) { return tables + size_t{of[i]} * kRansScale; }, count, z,
+      &symbol_or));
+  return ReadExtraBits(extra_bytes, symbol_or >= 16, count, z);
 }
 
 }  // namespace flywheel::delta::entropy

@@ -188,4 +188,14 @@ uint64_t EstimateValuesBytes(std::span<const uint64_t> z);
 Status DecodeValues(std::span<const uint8_t> in, size_t count, uint64_t* z);
 Status DecodeValuesGamma(std::span<const uint8_t> in, size_t count, uint64_t* z);
 
+// Values coded with one frequency table per context (the context-modelled sparse chunk):
+// value i uses table context_of[i] (< contexts). Layout: `contexts` frequency tables as
+// EncodeValues writes its one, then the rANS stream and the extra bits as there.
+inline constexpr int kMaxValueContexts = 16;
+void EncodeValuesContext(std::span<const uint64_t> z, std::span<const uint8_t> context_of,
+                         int contexts, std::vector<uint8_t>* out);
+// REQUIRES: context_of holds `count` entries, each < contexts.
+Status DecodeValuesContext(std::span<const uint8_t> in, size_t count,
+                           std::span<const uint8_t> context_of, int contexts, uint64_t* z);
+
 }  // namespace flywheel::delta::entropy

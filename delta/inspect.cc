@@ -23,7 +23,7 @@ std::vector<TensorStats> Inspect(const DeltaView& delta) {
     for (uint32_t c = t.first_chunk; c < t.first_chunk + t.chunk_count; ++c) {
       const ChunkEntry& e = m.chunks[c];
       s.stored_bytes += e.payload_bytes;
-      s.sparse_chunks += e.kind == ChunkKind::kSparse;
+      s.sparse_chunks += e.kind == ChunkKind::kSparse || e.kind == ChunkKind::kSparseContext;
       s.dense_chunks += e.kind == ChunkKind::kDenseXor;
       s.literal_chunks += e.kind == ChunkKind::kLiteral;
     }

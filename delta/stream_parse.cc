@@ -275,8 +275,10 @@ Status StreamReader::State::ParseChunkRecord(std::span<const uint8_t> in, bool* 
   if (finished[tensor]) {
     return Fail(Status::Corruption("delta " + named + " comes after the tensor's record"));
   }
-  if (kind > 2 || compressor > 2) {
-    return Fail(Status::Corruption("delta " + named + " has unknown kind or compressor"));
+  if (kind > 3 || compressor > 2) {
+    return Fail(Status::Corruption("delta " + named + " has unknown kind " + std::to_string(kind) +
+                                   " or compressor " + std::to_string(compressor) +
+                                   " (this build reads kinds 0..3, compressors 0..2)"));
   }
   e.tensor_index = static_cast<uint32_t>(tensor);
   e.kind = static_cast<ChunkKind>(kind);

@@ -17,6 +17,13 @@ void ScatterApply(void* dst, size_t elem_size, const uint32_t* positions, const 
                   size_t count);
 void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* out, size_t count);
 size_t ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_t* out);
+size_t SelectBucketed(const void* base, size_t n, size_t elem_size, const BucketContext& context,
+                      const BucketStream* streams, size_t stream_count, uint32_t* out_positions,
+                      uint8_t* out_stream, size_t max_out, uint64_t* words_in_stream);
+size_t RankBucketed(const void* base, size_t n, size_t elem_size, const BucketContext& context,
+                    const uint8_t* stream_buckets, size_t stream_count, const uint32_t* positions,
+                    size_t m, uint32_t* out_order, uint8_t* out_stream, uint32_t* const* ranks,
+                    uint64_t* words_in_stream);
 }  // namespace avx2
 
 bool HaveAvx2() {
@@ -171,6 +178,83 @@ void ScatterAddZigZag(void* dst, size_t elem_size, const uint32_t* positions,
     default:
       return ScatterAddZigZagScalar(dst, elem_size, positions, zigzag_diffs, count, old_values);
   }
+}
+
+// ---- context buckets ------------------------------------------------------------------
+
+namespace {
+
+#include "kernels/bucket_walk_impl.h"
+
+// The reference operations: one word at a time, bit by bit.
+struct ScalarOps {
+  static void Buckets(const unsigned char* base, size_t begin, size_t len, size_t elem_size,
+                      const BucketContext& context, uint8_t* out) {
+    for (size_t j = 0; j < len; ++j) {
+      uint64_t word = 0;
+      std::memcpy(&word, base + (begin + j) * elem_size, elem_size);  // little-endian
+      out[j] = static_cast<uint8_t>(BucketOf(word, context));
+    }
+  }
+  static uint64_t Mask64(const uint8_t* bytes, uint8_t bucket) {
+    uint64_t mask = 0;
+    for (int j = 0; j < 64; ++j) mask |= uint64_t{bytes[j] == bucket} << j;
+    return mask;
+  }
+  static int Popcount(uint64_t x) {
+    int bits = 0;
+    for (; x; x &= x - 1) ++bits;
+    return bits;
+  }
+  // The bit of the rank-th (from 0) set bit of mask. REQUIRES: rank < Popcount(mask).
+  static uint64_t SelectBit(uint64_t mask, int rank) {
+    for (int k = 0; k < rank; ++k) mask &= mask - 1;
+    return mask & (~mask + 1);
+  }
+};
+
+}  // namespace
+
+size_t SelectBucketedScalar(const void* base, size_t n, size_t elem_size,
+                            const BucketContext& context, const BucketStream* streams,
+                            size_t stream_count, uint32_t* out_positions, uint8_t* out_stream,
+                            size_t max_out, uint64_t* words_in_stream) {
+  return SelectBucketedWalk<ScalarOps>(static_cast<const unsigned char*>(base), n, elem_size,
+                                       context, streams, stream_count, out_positions, out_stream,
+                                       max_out, words_in_stream);
+}
+
+size_t RankBucketedScalar(const void* base, size_t n, size_t elem_size,
+                          const BucketContext& context, const uint8_t* stream_buckets,
+                          size_t stream_count, const uint32_t* positions, size_t m,
+                          uint32_t* out_order, uint8_t* out_stream, uint32_t* const* ranks,
+                          uint64_t* words_in_stream) {
+  return RankBucketedWalk<ScalarOps>(static_cast<const unsigned char*>(base), n, elem_size,
+                                     context, stream_buckets, stream_count, positions, m,
+                                     out_order, out_stream, ranks, words_in_stream);
+}
+
+size_t SelectBucketed(const void* base, size_t n, size_t elem_size, const BucketContext& context,
+                      const BucketStream* streams, size_t stream_count, uint32_t* out_positions,
+                      uint8_t* out_stream, size_t max_out, uint64_t* words_in_stream) {
+  if (UseAvx2(elem_size)) {
+    return avx2::SelectBucketed(base, n, elem_size, context, streams, stream_count,
+                                out_positions, out_stream, max_out, words_in_stream);
+  }
+  return SelectBucketedScalar(base, n, elem_size, context, streams, stream_count, out_positions,
+                              out_stream, max_out, words_in_stream);
+}
+
+size_t RankBucketed(const void* base, size_t n, size_t elem_size, const BucketContext& context,
+                    const uint8_t* stream_buckets, size_t stream_count, const uint32_t* positions,
+                    size_t m, uint32_t* out_order, uint8_t* out_stream, uint32_t* const* ranks,
+                    uint64_t* words_in_stream) {
+  if (UseAvx2(elem_size)) {
+    return avx2::RankBucketed(base, n, elem_size, context, stream_buckets, stream_count,
+                              positions, m, out_order, out_stream, ranks, words_in_stream);
+  }
+  return RankBucketedScalar(base, n, elem_size, context, stream_buckets, stream_count, positions,
+                            m, out_order, out_stream, ranks, words_in_stream);
 }
 
 }  // namespace flywheel::kernels

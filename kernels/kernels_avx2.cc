@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/kernels.h"
+
 namespace flywheel::kernels::avx2 {
 namespace {
 
@@ -279,6 +281,99 @@ void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* 
     default:
       return GatherT<8>(Bytes(src), positions, Bytes(out), count);
   }
+}
+
+// ---- context buckets ------------------------------------------------------------------
+
+namespace {
+
+#include "kernels/bucket_walk_impl.h"
+
+// The bucket bytes of 32 consecutive 16-bit words at `p`, in word order.
+inline __m256i Buckets16(const unsigned char* p, __m128i shift, __m256i field, __m256i offset) {
+  const __m256i top = _mm256_set1_epi16(kNumBuckets - 1);
+  __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+  a = _mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(a, shift), field), offset);
+  b = _mm256_sub_epi16(_mm256_and_si256(_mm256_srl_epi16(b, shift), field), offset);
+  a = _mm256_min_epi16(_mm256_max_epi16(a, _mm256_setzero_si256()), top);
+  b = _mm256_min_epi16(_mm256_max_epi16(b, _mm256_setzero_si256()), top);
+  // packus interleaves the 128-bit lanes of a and b; the permute puts them back in order.
+  return _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8);
+}
+
+// The bucket bytes of 32 consecutive 8-bit words at `p`. The 16-bit shift lets bits of
+// the neighbouring byte in; the field mask (at most 8 bits after the shift) drops them.
+inline __m256i Buckets8(const unsigned char* p, __m128i shift, __m256i field, __m256i offset) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  v = _mm256_and_si256(_mm256_srl_epi16(v, shift), field);
+  return _mm256_min_epu8(_mm256_subs_epu8(v, offset), _mm256_set1_epi8(kNumBuckets - 1));
+}
+
+struct Avx2Ops {
+  static void Buckets(const unsigned char* base, size_t begin, size_t len, size_t elem_size,
+                      const BucketContext& context, uint8_t* out) {
+    // Whole 64-word blocks of 16- and 8-bit words (fields of at most 8 bits after the
+    // shift) in vectors; the rest one word at a time.
+    const bool vector = (elem_size == 2 && context.field_mask <= 0xFF) ||
+                        (elem_size == 1 && context.field_mask <= 0xFF && context.offset >= 0 &&
+                         context.offset <= 0xFF);
+    size_t j = 0;
+    if (vector) {
+      const __m128i shift = _mm_cvtsi32_si128(context.shift);
+      if (elem_size == 2) {
+        const __m256i field = _mm256_set1_epi16(static_cast<short>(context.field_mask));
+        const __m256i offset = _mm256_set1_epi16(static_cast<short>(context.offset));
+        for (; j + 32 <= len; j += 32) {
+          const __m256i b = Buckets16(base + (begin + j) * 2, shift, field, offset);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), b);
+        }
+      } else {
+        const __m256i field = _mm256_set1_epi8(static_cast<char>(context.field_mask));
+        const __m256i offset = _mm256_set1_epi8(static_cast<char>(context.offset));
+        for (; j + 32 <= len; j += 32) {
+          const __m256i b = Buckets8(base + begin + j, shift, field, offset);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), b);
+        }
+      }
+    }
+    for (; j < len; ++j) {
+      uint64_t word = 0;
+      std::memcpy(&word, base + (begin + j) * elem_size, elem_size);
+      int e = static_cast<int>((word >> context.shift) & context.field_mask) - context.offset;
+      out[j] = static_cast<uint8_t>(e < 0 ? 0 : (e >= kNumBuckets ? kNumBuckets - 1 : e));
+    }
+  }
+  static uint64_t Mask64(const uint8_t* bytes, uint8_t bucket) {
+    const __m256i b = _mm256_set1_epi8(static_cast<char>(bucket));
+    const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes));
+    const __m256i hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(bytes + 32));
+    const uint32_t low = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(lo, b)));
+    const uint32_t high = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(hi, b)));
+    return uint64_t{low} | (uint64_t{high} << 32);
+  }
+  static int Popcount(uint64_t x) { return static_cast<int>(_mm_popcnt_u64(x)); }
+  static uint64_t SelectBit(uint64_t mask, int rank) {
+    return _pdep_u64(uint64_t{1} << rank, mask);
+  }
+};
+
+}  // namespace
+
+size_t SelectBucketed(const void* base, size_t n, size_t elem_size, const BucketContext& context,
+                      const BucketStream* streams, size_t stream_count, uint32_t* out_positions,
+                      uint8_t* out_stream, size_t max_out, uint64_t* words_in_stream) {
+  return SelectBucketedWalk<Avx2Ops>(Bytes(base), n, elem_size, context, streams, stream_count,
+                                     out_positions, out_stream, max_out, words_in_stream);
+}
+
+size_t RankBucketed(const void* base, size_t n, size_t elem_size, const BucketContext& context,
+                    const uint8_t* stream_buckets, size_t stream_count, const uint32_t* positions,
+                    size_t m, uint32_t* out_order, uint8_t* out_stream, uint32_t* const* ranks,
+                    uint64_t* words_in_stream) {
+  return RankBucketedWalk<Avx2Ops>(Bytes(base), n, elem_size, context, stream_buckets,
+                                   stream_count, positions, m, out_order, out_stream, ranks,
+                                   words_in_stream);
 }
 
 }  // namespace flywheel::kernels::avx2
