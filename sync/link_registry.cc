@@ -17,7 +17,9 @@ void LinkRegistry::Remove(const std::shared_ptr<Connection>& connection) {
     closed_wan_in_ += connection->bytes_in();
     closed_wan_out_ += connection->bytes_out();
   }
+  const bool downstream_control = !it->second.upstream && connection->hello.channel() == wire::CONTROL;
   live_.erase(it);
+  if (downstream_control && on_downstream_left_) on_downstream_left_();
 }
 
 uint64_t LinkRegistry::bytes_in() const {

@@ -265,6 +265,11 @@ Result<std::unique_ptr<Relay>> Relay::Start(asio::any_io_executor executor, Rela
                           options.streams, options.window),
       &impl->links);
 
+  // A child that leaves (its control connection closed) is forgotten by the Server at once;
+  // the nodes above learn it now too, not at this relay's next periodic report.
+  impl->links.set_on_downstream_left([raw = impl.get()] {
+    if (raw->upstream && !raw->stopped) raw->upstream->ReportNow();
+  });
   ServerOptions server = MakeServerOptions(options.common, options.listen, impl->identity, tls.server);
   server.on_fleet_change = [raw = impl.get()] {
     if (raw->upstream) raw->upstream->ReportNow();  // a worker swapped: tell upstream now

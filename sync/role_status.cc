@@ -109,6 +109,8 @@ json ToJson(const RelayStatus& s) {
 
 json ToJson(const WorkerStatus& s) {
   json out = Common(s.common);
+  out["state"] = s.leaving ? "leaving" : (s.common.version == 0 ? "joining" : "serving");
+  out["leaving"] = s.leaving;
   out["stale"] = s.stale;
   out["connected"] = s.connected;
   out["last_apply_ms"] = s.last_apply_ms;

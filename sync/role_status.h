@@ -109,6 +109,10 @@ struct RelayStatus {
 
 struct WorkerStatus {
   RoleStatus common;
+  // "joining" (nothing served yet), "serving", or "leaving" (Worker::Stop was called, e.g.
+  // SIGTERM: downloads closed, its upstream told; the version served stays readable until
+  // the process exits). `leaving` is the same as a boolean (a /metrics gauge).
+  bool leaving = false;
   bool stale = false;  // further behind the head than max_staleness
   bool connected = false;
   double last_apply_ms = 0;

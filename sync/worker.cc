@@ -77,6 +77,7 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   std::unique_ptr<Upstream> upstream;
   std::unique_ptr<transport::HttpServer> http;
   std::atomic<bool> stopped{false};
+  std::atomic<bool> leaving{false};  // Stop() was called
 
   // Network-thread state.
   Catalog catalog;
@@ -858,6 +859,7 @@ WorkerStatus Worker::Impl::CurrentStatus() const {
               .traffic = LinkTraffic::Of(links),
               .last_swap_ms = last_swap_ms,
               .swap_unix_us = now.swap_unix_us};
+  s.leaving = leaving.load();
   s.stale = catalog.max_staleness != 0 && head - serving > catalog.max_staleness;
   s.connected = upstream->connected();
   s.last_apply_ms = last_apply_ms;
@@ -935,10 +937,17 @@ Worker::~Worker() {
 void Worker::Stop() {
   auto impl = impl_;
   impl->stopped = true;
+  impl->leaving = true;
   asio::post(impl->executor, [impl] {
     impl->upstream->Stop();
     impl->catalog_changed.Notify();
-    if (impl->http) impl->http->Stop();
+    if (!impl->http) return;
+    if (impl->options.leave_linger.count() <= 0) {
+      impl->http->Stop();
+      return;
+    }
+    auto timer = std::make_shared<asio::steady_timer>(impl->executor, impl->options.leave_linger);
+    timer->async_wait([impl, timer](const transport::error_code&) { impl->http->Stop(); });
   });
 }
 

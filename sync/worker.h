@@ -12,6 +12,7 @@
 // never moves the worker back.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -55,6 +56,9 @@ struct WorkerOptions {
   // the publisher is still encoding. false: the keyframe is decoded once it is whole (the
   // behaviour before streamed keyframes; `bench join` compares the two).
   bool stage_keyframes = true;
+  // After Stop(): how long the HTTP endpoint keeps answering (its status says "leaving")
+  // before it closes. 0: it closes at once. `flywheel worker` lingers briefly on SIGTERM.
+  std::chrono::milliseconds leave_linger{0};
   // Runs on every swap (see SwapEvent), e.g. to patch an inference engine's compute copy
   // between its decode steps. Readers of the weights wait while it runs: keep it short. Its
   // duration is reported as last_swap_pause_ms in /v1/status. An error refuses the version:
@@ -76,7 +80,10 @@ class Worker {
   // REQUIRES: the executor no longer runs (or Stop() was called and it drained).
   ~Worker();
 
-  // Stops subscribing and closes connections; thread-safe.
+  // Leaves: stops subscribing, closes the downloads in flight and the control channel (its
+  // close is the leave: the upstream forgets this node at once, no timeout), and
+  // reports "leaving" in /v1/status until the HTTP endpoint closes (leave_linger later).
+  // The version served stays readable. Thread-safe.
   void Stop();
 
   uint16_t http_port() const;

@@ -147,14 +147,17 @@ Result<std::vector<transport::Endpoint>> ParseUpstreams(const std::vector<std::s
   return endpoints;
 }
 
-// Runs `io` until SIGINT/SIGTERM, then calls stop and lets the role wind down briefly.
-void RunUntilSignalled(asio::io_context& io, const std::function<void()>& stop) {
+constexpr std::chrono::milliseconds kWorkerLeaveLinger{200};
+
+// Runs `io` until SIGINT/SIGTERM, then calls stop and lets the role wind down for `grace`.
+void RunUntilSignalled(asio::io_context& io, const std::function<void()>& stop,
+                       std::chrono::milliseconds grace = std::chrono::milliseconds(100)) {
   asio::signal_set signals(io, SIGINT, SIGTERM);
   signals.async_wait([&](const transport::error_code& ec, int signal) {
     if (ec) return;
     spdlog::info("signal {}: stopping", signal);
     stop();
-    auto timer = std::make_shared<asio::steady_timer>(io, std::chrono::milliseconds(100));
+    auto timer = std::make_shared<asio::steady_timer>(io, grace);
     timer->async_wait([&io, timer](const transport::error_code&) { io.stop(); });
   });
   io.run();
@@ -233,6 +236,9 @@ Status RunWorker(const SyncArgs& args) {
   options.export_keep = args.export_keep;
   options.streams = args.streams;
   options.window = args.window;
+  // SIGTERM: the worker leaves (downloads closed, its upstream forgets it at once) and says
+  // "leaving" in /v1/status for this long before the process exits.
+  options.leave_linger = kWorkerLeaveLinger;
 #ifdef FLYWHEEL_WITH_TORCH
   std::unique_ptr<rollout::WorkerEngine> engine;
   if (!args.model.empty()) {
@@ -275,10 +281,10 @@ Status RunWorker(const SyncArgs& args) {
   if (!worker.ok()) return Failed("worker", worker.status());
 #ifdef FLYWHEEL_WITH_TORCH
   if (engine) engine->Attach(worker->get());
-  RunUntilSignalled(io, [&] { (*worker)->Stop(); });
+  RunUntilSignalled(io, [&] { (*worker)->Stop(); }, kWorkerLeaveLinger + std::chrono::milliseconds(50));
   engine.reset();  // its steps may hold the worker's weights lock: it goes first
 #else
-  RunUntilSignalled(io, [&] { (*worker)->Stop(); });
+  RunUntilSignalled(io, [&] { (*worker)->Stop(); }, kWorkerLeaveLinger + std::chrono::milliseconds(50));
 #endif
   return Status::Ok();
 }

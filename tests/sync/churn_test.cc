@@ -1,0 +1,61 @@
+// Workers leaving and coming back: the status a leaving worker reports, and `flywheel bench
+// churn` end to end at a small scale (40 worker processes, 3 publishes, a fifth of them
+// killed and restarted every 3 s, alternately SIGKILL and SIGTERM). The bench checks its
+// own results (bench/churn_bench.h): it fails on an unpublished hash, a worker that never
+// serves a version, a role that dies, a relay that still lists a killed worker after 5 s,
+// or a SIGTERMed worker that does not exit cleanly. Here the figures a clean leave promises
+// are asserted on top; the 2 s serving target is the full benchmark's (a loaded CI machine
+// runs this beside other tests), so only a loose bound is asserted.
+#include <gtest/gtest.h>
+
+#include <sstream>
+
+#include "bench/churn_bench.h"
+#include "sync/role_status.h"
+
+namespace flywheel {
+namespace {
+
+TEST(WorkerStatusState, JoiningServingLeaving) {
+  sync::WorkerStatus status;
+  EXPECT_EQ(sync::ToJson(status)["state"], "joining");
+  EXPECT_EQ(sync::ToJson(status)["leaving"], false);
+  status.common.version = 3;
+  EXPECT_EQ(sync::ToJson(status)["state"], "serving");
+  status.leaving = true;
+  EXPECT_EQ(sync::ToJson(status)["state"], "leaving");
+  EXPECT_EQ(sync::ToJson(status)["leaving"], true);
+}
+
+TEST(ChurnBench, FortyWorkersThreePublishesWithChurn) {
+  bench::ChurnBenchOptions options;
+  options.flywheel_binary = FLYWHEEL_BIN;
+  options.workers = 40;
+  options.relays = 4;
+  options.publishes = 3;
+  options.churn_percent = 20;
+  options.publish_interval_seconds = 3;
+  options.churn_period_seconds = 3;
+  options.churn_offset_seconds = 1;
+  options.checkpoint_bytes = 4ull << 20;
+  options.give_up_seconds = 30;
+  std::ostringstream out;
+  Result<bench::ChurnBenchResult> result = bench::RunChurnBench(options, out);
+  ASSERT_TRUE(result.ok()) << result.status().ToString() << "\n" << out.str();
+  std::cout << out.str();
+  EXPECT_EQ(result->foreign_hashes, 0u);
+  EXPECT_GE(result->serve_samples, 3u * 30u);  // most of the 40 workers, each publish
+  EXPECT_LT(result->serve_max_seconds, 10.0);
+  // Churn ran: rounds after the first and second publishes, 8 workers each, half SIGTERM.
+  EXPECT_GE(result->sigterms, 8u);
+  EXPECT_GE(result->sigkills, 8u);
+  EXPECT_EQ(result->restarts, result->sigterms + result->sigkills);
+  // A clean leave: it said so, exited cleanly, and its relay forgot it at once.
+  EXPECT_EQ(result->leaving_seen, result->sigterms);
+  EXPECT_EQ(result->unclean_exits, 0u);
+  EXPECT_LT(result->forget_sigterm_max_ms, 1000.0);
+  EXPECT_GT(result->relay_fds_max, 10u);  // each relay holds its workers' connections
+}
+
+}  // namespace
+}  // namespace flywheel
