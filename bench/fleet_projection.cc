@@ -32,25 +32,28 @@ ProjectionStage WanHop(const MeasuredRates& rates, double delta_bytes, double li
 }
 
 // One relay level: it receives the delta once and sends it to each of its children. Its
-// egress runs on min(fan_out, relay cores) cores; the connection it receives on and
-// forwards from first is one strand, so no level beats one core's forward rate; all of
-// its children share its NIC.
+// CPU per level is one forward (receive + re-send, measured as one) and fan_out - 1 more
+// seal+sends, spread over min(fan_out, relay cores) egress cores; no connection is faster
+// than its strand (one core: D / seal+send to a child, D / receive+open from upstream);
+// all of its children share its NIC.
 ProjectionStage RelayLevel(const MeasuredRates& rates, const ProjectionAssumptions& assume,
                            double delta_bytes, double piece_share, int level) {
   const int cores = std::max(1, std::min(assume.fan_out, assume.relay_cores));
-  const double egress =
-      assume.fan_out * delta_bytes / (rates.tls_send_bytes_per_second * cores);
-  const double forward = delta_bytes / rates.relay_forward_bytes_per_second;
-  const double nic = assume.fan_out * delta_bytes / (assume.lan_bits_per_second / 8);
-  const double seconds = std::max({egress, forward, nic});
-  return {"relay level " + std::to_string(level) + " (fan-out " + std::to_string(assume.fan_out) +
-              ")",
-          "max(" + std::to_string(assume.fan_out) + " x D / (TLS seal+send " +
-              Rate(rates.tls_send_bytes_per_second) + " x min(" + std::to_string(assume.fan_out) +
-              ", " + std::to_string(assume.relay_cores) + ") cores), D / forward " +
-              Rate(rates.relay_forward_bytes_per_second) + " (one strand), " +
-              std::to_string(assume.fan_out) + " x D / NIC " +
-              Gbit(assume.lan_bits_per_second) + ")",
+  const double d = delta_bytes;
+  const double cpu = (d / rates.relay_forward_bytes_per_second +
+                      (assume.fan_out - 1) * d / rates.tls_send_bytes_per_second) /
+                     cores;
+  const double strand = std::max(d / rates.tls_send_bytes_per_second,
+                                 d / rates.tls_receive_bytes_per_second);
+  const double nic = assume.fan_out * d / (assume.lan_bits_per_second / 8);
+  const double seconds = std::max({cpu, strand, nic});
+  const std::string f = std::to_string(assume.fan_out);
+  return {"relay level " + std::to_string(level) + " (fan-out " + f + ")",
+          "max((D / forward " + Rate(rates.relay_forward_bytes_per_second) + " + " +
+              std::to_string(assume.fan_out - 1) + " x D / seal+send " +
+              Rate(rates.tls_send_bytes_per_second) + ") / min(" + f + ", " +
+              std::to_string(assume.relay_cores) + ") cores, D / one strand, " + f +
+              " x D / NIC " + Gbit(assume.lan_bits_per_second) + ")",
           seconds, seconds * piece_share};
 }
 
@@ -219,8 +222,9 @@ LocalPrediction PredictLocalFleet(const MeasuredRates& rates, const LocalFleet& 
   add("publisher -> relays (WAN)", "max(D / WAN rate, D / TLS seal+send)",
       std::max(d / fleet.wan_bytes_per_second, d / send), true);
   add("relay -> its workers", "max((D / forward + (children - 1) x D / seal+send) / " +
-      std::to_string(relay_cores) + " cores, D / forward)",
-      std::max((d / forward + (children - 1) * d / send) / relay_cores, d / forward), true);
+      std::to_string(relay_cores) + " cores, D / one strand)",
+      std::max({(d / forward + (children - 1) * d / send) / relay_cores, d / send, d / receive}),
+      true);
   add("worker receive", "D / receive+open", d / receive, true);
   add("worker apply (1 thread, after the last piece)", "W / apply", w / rates.apply_words_per_second,
       false);

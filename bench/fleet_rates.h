@@ -9,6 +9,7 @@
 //           thread, the base's tensor hashes known (as the publisher keeps them), the
 //           target's hashed in the encode; apply: delta::ApplyInPlace with one thread and
 //           the base's hashes known (apply + verify), checked bit for bit against the target.
+//           Both per CPU-second of this process (the wall clock is printed beside them).
 //           Bits per changed word: 8 x the delta's bytes / the changed words its manifest
 //           counts (the library's codec at run time).
 //   TLS     one TLS 1.3 stream over loopback (transport::Connection, 1 MiB frames): sender
@@ -36,7 +37,10 @@ struct CodecRates {
   uint64_t bytes = 0;          // of the checkpoint's tensor data
   uint64_t changed_words = 0;  // the delta manifest's count
   uint64_t delta_bytes = 0;
-  double encode_seconds = 0, apply_seconds = 0;  // medians of the repeats
+  // Medians of the repeats: CPU seconds of the process (the rates' basis: on a busy machine
+  // the wall clock counts the waits for a core too) and wall seconds.
+  double encode_seconds = 0, apply_seconds = 0;
+  double encode_wall_seconds = 0, apply_wall_seconds = 0;
   double encode_words_per_second() const { return words / encode_seconds; }
   double apply_words_per_second() const { return words / apply_seconds; }
   double bits_per_changed_word() const { return 8.0 * delta_bytes / changed_words; }

@@ -45,21 +45,22 @@ TEST(FleetProjectionTest, StagesFollowFromRatesAndAssumptions) {
   EXPECT_DOUBLE_EQ(p.stages[0].fill_seconds, 1e6 / 0.5e9);
   // One TLS stream per link: 8 s at 2 GB/s, not the link's 1.6 s.
   EXPECT_DOUBLE_EQ(p.stages[1].seconds, 16e9 / 2e9);
-  // Relay: max(4 x 16 GB / (2 GB/s x min(4, 2) cores), 16 GB / 1 GB/s forward, 4 x 16 GB / NIC).
-  EXPECT_DOUBLE_EQ(p.stages[2].seconds, 16.0);
-  EXPECT_DOUBLE_EQ(p.stages[3].seconds, 16.0);
+  // Relay: max((16 GB / 1 GB/s forward + 3 x 16 GB / 2 GB/s) / min(4, 2) cores, one
+  // strand's 8 s, 4 x 16 GB / NIC 0.64 s).
+  EXPECT_DOUBLE_EQ(p.stages[2].seconds, 20.0);
+  EXPECT_DOUBLE_EQ(p.stages[3].seconds, 20.0);
   EXPECT_DOUBLE_EQ(p.stages[4].seconds, 16e9 / 4e9);  // receive+open 4 GB/s
   EXPECT_DOUBLE_EQ(p.stages[5].seconds, 64e9 / (1e9 * 32));  // 2 s, after the last piece
   EXPECT_FALSE(p.stages[5].streamed);
-  EXPECT_NEAR(p.store_and_forward_seconds, 2 + 8 + 16 + 16 + 4 + 2 + 0.1, 1e-9);
+  EXPECT_NEAR(p.store_and_forward_seconds, 2 + 8 + 20 + 20 + 4 + 2 + 0.1, 1e-9);
   // Buffered: encode, the slowest hop, the other hops' fill, RTT, apply.
-  EXPECT_NEAR(p.buffered_seconds, 2 + 16 + (0.008 + 0.016 + 0.004) + 0.1 + 2, 1e-9);
+  EXPECT_NEAR(p.buffered_seconds, 2 + 20 + (0.008 + 0.020 + 0.004) + 0.1 + 2, 1e-9);
   // Streamed: the slowest stage, each other streamed stage's fill, RTT, then the apply.
-  EXPECT_NEAR(p.streamed_seconds, 16 + (0.002 + 0.008 + 0.016 + 0.004) + 0.1 + 2, 1e-9);
+  EXPECT_NEAR(p.streamed_seconds, 20 + (0.002 + 0.008 + 0.020 + 0.004) + 0.1 + 2, 1e-9);
   EXPECT_EQ(p.slowest, p.stages[2].name);
-  EXPECT_NEAR(p.apply_overlapped_seconds, 16 + (0.002 + 0.008 + 0.016 + 0.004 + 0.001) + 0.1, 1e-9);
+  EXPECT_NEAR(p.apply_overlapped_seconds, 20 + (0.002 + 0.008 + 0.020 + 0.004 + 0.001) + 0.1, 1e-9);
   // In one datacenter: the same stages (the one TLS stream still paces the first hop), no RTT.
-  EXPECT_NEAR(p.in_region_seconds, 16 + 0.030 + 2, 1e-9);
+  EXPECT_NEAR(p.in_region_seconds, 20 + 0.034 + 2, 1e-9);
   const Table table = ProjectionTable(p, assume);
   EXPECT_EQ(table.rows.size(), p.stages.size() + 6);
 }
@@ -68,17 +69,17 @@ TEST(FleetProjectionTest, APlantedWrongRateChangesTheResult) {
   const ProjectionAssumptions assume = Small();
   const double right = ProjectSeedsCase(Rates(), assume).streamed_seconds;
   MeasuredRates slow_forward = Rates();
-  slow_forward.relay_forward_bytes_per_second = 0.5e9;  // 32 s per relay level
+  slow_forward.relay_forward_bytes_per_second = 0.5e9;  // (32 + 24) / 2 = 28 s per level
   const Projection slow = ProjectSeedsCase(slow_forward, assume);
-  EXPECT_NEAR(slow.streamed_seconds, 32 + (0.002 + 0.008 + 0.032 + 0.004) + 0.1 + 2, 1e-9);
-  EXPECT_GT(slow.streamed_seconds, right + 15);
+  EXPECT_NEAR(slow.streamed_seconds, 28 + (0.002 + 0.008 + 0.028 + 0.004) + 0.1 + 2, 1e-9);
+  EXPECT_GT(slow.streamed_seconds, right + 7.9);
   // More relay cores: the egress spreads over min(fan-out, cores); forward no longer paces.
   MeasuredRates fast_forward = Rates();
   fast_forward.relay_forward_bytes_per_second = 8e9;
   ProjectionAssumptions cores = assume;
-  cores.relay_cores = 64;  // min(4, 64) = 4 cores: 4 x 16 GB / (2 GB/s x 4) = 8 s
+  cores.relay_cores = 64;  // min(4, 64) = 4 cores: (2 + 24) / 4 = 6.5 s, under a strand's 8 s
   EXPECT_DOUBLE_EQ(ProjectSeedsCase(fast_forward, cores).stages[2].seconds, 8.0);
-  EXPECT_DOUBLE_EQ(ProjectSeedsCase(fast_forward, assume).stages[2].seconds, 16.0);
+  EXPECT_DOUBLE_EQ(ProjectSeedsCase(fast_forward, assume).stages[2].seconds, 13.0);
   // A denser code: more delta bytes on every hop.
   MeasuredRates dense = Rates();
   dense.bits_per_changed_word = 4;
