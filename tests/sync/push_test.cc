@@ -707,6 +707,78 @@ TEST_F(PushTest, AnUploadSurvivesARestartAndATamperedRangeIsMissingAgain) {
   EXPECT_EQ(committed.body["weights_hash"], HashOf(v1_));
 }
 
+#ifdef FLYWHEEL_BIN
+// A real `flywheel publish` killed with SIGKILL in the middle of an upload and started
+// again on the same ports: the push client (through a proxy shaping its upload link and
+// counting its bytes) resumes from the ranges the restarted publisher recovered and sends
+// only what was missing: the checkpoint once, plus at most the part in flight at the kill.
+TEST(PushRestartTest, AKilledPublisherRestartsAndTheClientSendsOnlyTheMissingRanges) {
+  std::string pattern = (fs::temp_directory_path() / "push_kill_test.XXXXXX").string();
+  ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+  const fs::path dir = pattern;
+  const fs::path token = dir / "push.token";
+  WriteText(token.string(), kPushToken);
+  fs::permissions(token, fs::perms::owner_read | fs::perms::owner_write);
+  const fs::path file = dir / "model.safetensors";
+  const std::vector<TensorSpec> specs = {{"w", DType::kBF16, {2048, 2048}}};  // 8 MiB
+  const OwnedCheckpoint model = RandomCheckpoint(specs, 9);
+  ASSERT_TRUE(WriteSafetensors(file.string(), model.view(), {}).ok());
+  const uint64_t size = fs::file_size(file);
+  const Result<uint16_t> port = ops::FreePort();
+  ASSERT_TRUE(port.ok());
+  const transport::Endpoint http{"127.0.0.1", *port};
+  const std::vector<std::string> args = {
+      "publish", "--listen", "127.0.0.1:0", "--http", http.ToString(), "--state-dir",
+      (dir / "state").string(), "--push-token-file", token.string()};
+  ops::ProcessGroup processes(dir.string());
+  processes.set_grace(3s);
+  auto start = [&]() -> size_t {
+    Result<size_t> index = processes.Start("publisher", FLYWHEEL_BIN, args);
+    EXPECT_TRUE(index.ok()) << index.status().ToString();
+    transport::HttpGetOptions get;
+    get.timeout = 1s;
+    EXPECT_TRUE(ops::WaitUntil([&] { return transport::HttpGet(http, "/healthz", get).ok(); }, 15s,
+                               "the publisher to answer")
+                    .ok())
+        << processes.Output(*index);
+    return *index;
+  };
+  size_t publisher = start();
+  constexpr uint64_t kPart = 256 << 10;
+  testing::FaultProxy proxy(*port, {.upstream_bytes_per_s = 8e6});  // ~1 s for the body
+  ASSERT_TRUE(proxy.ok()) << proxy.error();
+  PushClientOptions options;
+  options.url = "http://127.0.0.1:" + std::to_string(proxy.port());
+  options.token = kPushToken;
+  options.cache_dir = (dir / "cache").string();
+  options.timeout = 10s;
+  options.part_bytes = kPart;
+  options.use_delta = false;
+  auto pushed = std::async(std::launch::async, [&] { return Push(options, {file.string(), 1, json::object()}); });
+  ASSERT_TRUE(ops::WaitUntil([&] { return proxy.upstream_bytes() > size / 2; }, 20s,
+                             "half the body to go up").ok());
+  processes.Kill(publisher);
+  publisher = start();
+  Result<PushOutcome> outcome = pushed.get();
+  ASSERT_TRUE(outcome.ok()) << outcome.status().ToString() << "\n" << processes.Output(publisher);
+  EXPECT_GE(outcome->resumes, 1);
+  EXPECT_EQ(outcome->row["weights_hash"], HashOf(model));
+  std::printf("killed mid-upload: body %llu bytes, part bytes sent %llu, bytes through the proxy "
+              "%llu (resumes %d)\n",
+              static_cast<unsigned long long>(size),
+              static_cast<unsigned long long>(outcome->sent_bytes),
+              static_cast<unsigned long long>(proxy.upstream_bytes()), outcome->resumes);
+  // Only the part cut by the kill (if one was in flight) is sent again; the proxy's count
+  // (headers, JSON and the cut part's bytes included) says the same from outside the client.
+  EXPECT_GE(outcome->sent_bytes, size);
+  EXPECT_LE(outcome->sent_bytes, size + kPart);
+  EXPECT_LE(proxy.upstream_bytes(), size + 2 * kPart);
+  (void)processes.StopAll();
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);
+}
+#endif  // FLYWHEEL_BIN
+
 // What a crash leaves in the staging directory that is not an upload (a foreign file, a
 // directory without its record, a record that does not parse, a file of the wrong size, a
 // stray file inside an upload) is removed and named; the real upload is kept.
