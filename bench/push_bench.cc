@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
 #include <vector>
@@ -100,6 +102,49 @@ Status CheckWorkers(const Fleet& fleet, const std::string& hash, uint64_t versio
   return Status::Ok();
 }
 
+// A process's resident memory (/proc/<pid>/status), in bytes.
+struct Rss {
+  uint64_t total = 0;  // VmRSS
+  uint64_t anon = 0;   // RssAnon: what the process holds itself (no mapped file pages)
+};
+Rss ReadRss(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  Rss rss;
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) rss.total = std::stoull(line.substr(6)) << 10;
+    if (line.rfind("RssAnon:", 0) == 0) rss.anon = std::stoull(line.substr(8)) << 10;
+  }
+  return rss;
+}
+
+// Samples a process's RSS every 2 ms from construction to Stop(): the peak of each field.
+class RssPeak {
+ public:
+  explicit RssPeak(pid_t pid) : pid_(pid), peak_(ReadRss(pid)) {
+    thread_ = std::thread([this] {
+      while (!done_) {
+        const Rss now = ReadRss(pid_);
+        peak_.total = std::max(peak_.total, now.total);
+        peak_.anon = std::max(peak_.anon, now.anon);
+        std::this_thread::sleep_for(2ms);
+      }
+    });
+  }
+  ~RssPeak() { Stop(); }
+  Rss Stop() {
+    done_ = true;
+    if (thread_.joinable()) thread_.join();
+    return peak_;
+  }
+
+ private:
+  const pid_t pid_;
+  Rss peak_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
 struct PushRow {
   uint64_t version = 0;
   std::string kind;
@@ -107,6 +152,7 @@ struct PushRow {
   double density = 0;  // changed words / words (deltas)
   double encode_s = 0, upload_s = 0, commit_s = 0, wire_s = 0, fleet_s = 0;
   double drop_s = 0;  // the next step published from a drop: the fleet's own sync time
+  Rss publisher_idle, publisher_peak;  // the publisher's RSS before and during the push
   double total_s() const { return encode_s + upload_s + fleet_s; }
 };
 
@@ -250,7 +296,14 @@ struct PushRun {
     previous = std::move(bytes);
     const std::string file = dir + "/v" + std::to_string(version) + ".safetensors";
     FW_RETURN_IF_ERROR(WriteSafetensors(file, view, {}));
-    FW_ASSIGN_OR_RETURN(PushRow row, PushOne(options, fleet, client, file, version));
+    const pid_t publisher = fleet.processes->pid(0);
+    const Rss idle = ReadRss(publisher);
+    RssPeak peak(publisher);
+    Result<PushRow> pushed = PushOne(options, fleet, client, file, version);
+    const Rss during = peak.Stop();
+    FW_ASSIGN_OR_RETURN(PushRow row, std::move(pushed));
+    row.publisher_idle = idle;
+    row.publisher_peak = during;
     row.density = density;
     out << "push bench: v" << version << " " << row.kind << " " << Grouped(row.uploaded_bytes)
         << " bytes (" << Fixed(100 * density, 2) << "% of the words changed), served by all "
@@ -291,6 +344,16 @@ Table PushTable(const std::vector<PushRow>& rows, double curl_s, std::string& mi
                 " s > target " + Fixed(target, 2) + " s;";
     }
   }
+  for (const PushRow& row : rows) {
+    // The push streams its body to disk: the publisher holds at most the head (the weights it
+    // publishes) and 64 MiB more, whatever the upload's size.
+    const uint64_t bound = row.publisher_idle.total + row.checkpoint_bytes + (64ull << 20);
+    if (row.publisher_peak.total > bound) {
+      missed += " v" + std::to_string(row.version) + " publisher RSS " +
+                Fixed(row.publisher_peak.total / 1048576.0, 0) + " MiB > idle + head + 64 MiB = " +
+                Fixed(bound / 1048576.0, 0) + " MiB;";
+    }
+  }
   table.rows.push_back({"curl -T (peer, full v1)", "full", "-", Grouped(rows[0].checkpoint_bytes),
                         "1/1.0", "-", Fixed(curl_s, 2), Fixed(rows[0].wire_s, 2), "-", "-", "-", "-",
                         "-"});
@@ -302,6 +365,19 @@ Status ReportPushes(const PushBenchOptions& options, const PushRun& run, std::os
   const Table table = PushTable(run.rows, run.curl_s, missed);
   const PushRow& full = run.rows[0];
   out << "\n" << RenderText(table);
+  const double mib = 1048576.0;
+  out << "\nPublisher RSS per push (peak while the push and the fleet's sync ran, against its "
+         "RSS just before; bound: idle + head + 64 MiB):\n";
+  for (const PushRow& row : run.rows) {
+    const double bound = (row.publisher_idle.total + row.checkpoint_bytes + (64ull << 20)) / mib;
+    out << "  v" << row.version << " " << row.kind << ": idle " << Fixed(row.publisher_idle.total / mib, 0)
+        << " MiB, peak " << Fixed(row.publisher_peak.total / mib, 0) << " MiB (+"
+        << Fixed((row.publisher_peak.total - std::min(row.publisher_peak.total, row.publisher_idle.total)) / mib, 0)
+        << "; anonymous +"
+        << Fixed((row.publisher_peak.anon - std::min(row.publisher_peak.anon, row.publisher_idle.anon)) / mib, 0)
+        << "), bound " << Fixed(bound, 0) << " MiB: "
+        << (row.publisher_peak.total <= bound * mib ? "PASS" : "FAIL") << "\n";
+  }
   out << "\nLink " << Fixed(options.link_bits_per_s / 1e9, 2) << " Gbit/s (client -> publisher), "
       << options.workers << " workers behind one relay; the full v1 transfer (parts, resumable) "
       << Fixed(full.upload_s - full.commit_s, 2) << " s vs curl -T of the file "
