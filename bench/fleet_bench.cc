@@ -1300,6 +1300,18 @@ void AddProjection(FleetReport& report, const AloneRates& alone,
       " s (" + Fixed(projection.delta_bytes / 1e9, 2) + " GB at " +
       Fixed(assume.wan_bits_per_second / 1e9, 0) + " Gbit/s + RTT); the apply after the last "
       "piece " + Fixed(projection.stages.back().seconds, 2) + " s");
+  const GoalRates goal = RatesForGoal(projection, assume);
+  report.projection_lines.push_back(
+      goal.reachable
+          ? "what " + Fixed(assume.goal_seconds, 0) + " s asks with these hops (slowest " +
+                Fixed(goal.slowest_hop_seconds, 2) + " s): encode >= " +
+                Fixed(goal.encode_words_per_second / 1e9, 2) + " and apply >= " +
+                Fixed(goal.apply_words_per_second / 1e9, 2) +
+                " G FP8 words/s per thread (measured: " +
+                Fixed(rates.encode_words_per_second / 1e9, 2) + " and " +
+                Fixed(rates.apply_words_per_second / 1e9, 2) + ")"
+          : "the hops alone (slowest " + Fixed(goal.slowest_hop_seconds, 2) + " s) take the " +
+                Fixed(assume.goal_seconds, 0) + " s goal: no codec rate reaches it");
   report.checks.push_back("projected 1 TiB FP8 sync (streamed, as built) <= " +
                           Fixed(assume.goal_seconds, 0) + " s: " +
                           PassFail(projection.streamed_seconds <= assume.goal_seconds) + " (" +
@@ -1308,6 +1320,11 @@ void AddProjection(FleetReport& report, const AloneRates& alone,
                           Fixed(assume.lan_bits_per_second / 1e9, 0) + " Gbit/s: " +
                           Fixed(projection.in_region_seconds, 2) + " s)");
   report.projection_json = ProjectionJson(projection, assume, alone, report.projection_lines);
+  report.projection_json["goal_needs"] = {
+      {"reachable", goal.reachable},
+      {"slowest_hop_seconds", goal.slowest_hop_seconds},
+      {"encode_words_per_second_per_thread", goal.encode_words_per_second},
+      {"apply_words_per_second_per_thread", goal.apply_words_per_second}};
   if (!local) return;
   report.sections.push_back({"Stage model against this run (the same model, this run's shape, "
                              "rates measured alone, " + std::to_string(local->fleet.cores) +

@@ -145,6 +145,28 @@ Projection ProjectSeedsCase(const MeasuredRates& rates, const ProjectionAssumpti
   return p;
 }
 
+GoalRates RatesForGoal(const Projection& projection, const ProjectionAssumptions& assume) {
+  GoalRates goal;
+  size_t slowest = 0;
+  double fills = 0;
+  for (size_t i = 1; i < projection.stages.size(); ++i) {
+    const ProjectionStage& stage = projection.stages[i];
+    if (!stage.streamed) continue;
+    fills += stage.fill_seconds;
+    if (slowest == 0 || stage.seconds > projection.stages[slowest].seconds) slowest = i;
+  }
+  if (slowest == 0) return goal;
+  goal.slowest_hop_seconds = projection.stages[slowest].seconds;
+  fills += projection.stages.front().fill_seconds - projection.stages[slowest].fill_seconds;
+  const double left = assume.goal_seconds - goal.slowest_hop_seconds - fills - assume.rtt_seconds;
+  goal.reachable = left > 0;
+  goal.encode_words_per_second =
+      assume.checkpoint_words / (assume.trainer_cores * goal.slowest_hop_seconds);
+  if (goal.reachable)
+    goal.apply_words_per_second = assume.checkpoint_words / (assume.worker_cores * left);
+  return goal;
+}
+
 Table ProjectionTable(const Projection& projection, const ProjectionAssumptions& assume) {
   Table table;
   table.header = {"stage", "from", "seconds", "fill s"};

@@ -85,6 +85,18 @@ std::vector<std::string> ProjectionAssumptionLines(const MeasuredRates& rates,
 // The streamed pipeline's formula, as printed.
 std::string StreamedFormula();
 
+// What the goal asks of the codec with the measured hops as they are: an encode no slower
+// than the slowest hop (so that it does not pace the stream) and an apply that fits in what
+// is left after the slowest hop, the other stages' fill and the RTT. Unreachable when the
+// hops alone take the goal.
+struct GoalRates {
+  bool reachable = false;
+  double slowest_hop_seconds = 0;
+  double encode_words_per_second = 0;  // per thread, at least
+  double apply_words_per_second = 0;   // per thread, at least
+};
+GoalRates RatesForGoal(const Projection& projection, const ProjectionAssumptions& assume);
+
 // This machine's fleet run predicted by the same stage model (the end-to-end check of the
 // model): every role one thread (the roles' --threads default), the relays' egress on
 // min(children, relay_threads) cores, all of them sharing `cores` CPUs.

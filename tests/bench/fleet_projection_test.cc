@@ -91,6 +91,22 @@ TEST(FleetProjectionTest, APlantedWrongRateChangesTheResult) {
   EXPECT_NEAR(ProjectSeedsCase(slow_apply, assume).streamed_seconds, right + 2, 1e-9);
 }
 
+TEST(FleetProjectionTest, WhatTheGoalAsksOfTheCodec) {
+  ProjectionAssumptions assume = Small();
+  assume.goal_seconds = 25;
+  const GoalRates goal = RatesForGoal(ProjectSeedsCase(Rates(), assume), assume);
+  ASSERT_TRUE(goal.reachable);
+  EXPECT_DOUBLE_EQ(goal.slowest_hop_seconds, 20.0);  // the relay levels
+  EXPECT_DOUBLE_EQ(goal.encode_words_per_second, 64e9 / (64 * 20.0));
+  // 25 s - 20 s - the other stages' fill (0.002 + 0.008 + 0.020 + 0.004) - 0.1 s RTT.
+  EXPECT_NEAR(goal.apply_words_per_second, 64e9 / (32 * (25 - 20 - 0.034 - 0.1)), 1e3);
+  MeasuredRates met = Rates();
+  met.apply_words_per_second = goal.apply_words_per_second;
+  EXPECT_NEAR(ProjectSeedsCase(met, assume).streamed_seconds, 25.0, 1e-9);
+  assume.goal_seconds = 20;  // the relay levels alone take it
+  EXPECT_FALSE(RatesForGoal(ProjectSeedsCase(Rates(), assume), assume).reachable);
+}
+
 TEST(FleetProjectionTest, TheSeedsCaseDefaults) {
   const ProjectionAssumptions assume;
   EXPECT_DOUBLE_EQ(assume.checkpoint_words, 1099511627776.0);  // 1 TiB of FP8
