@@ -40,7 +40,11 @@ using ops::ProcessGroup;
 
 constexpr const char* kLoopbackAny = "127.0.0.1:0";
 constexpr std::chrono::milliseconds kReadyTimeout{60000};
-constexpr std::chrono::milliseconds kPollEvery{200};   // between sweeps of every worker
+// The poller: a worker with a publish or its restart pending is asked every kPollEvery,
+// every other one every kCheckEvery (its hash is checked then). Swap times come from the
+// workers' swap_unix_us, so the polling rate bounds the poller's CPU, not the precision.
+constexpr std::chrono::milliseconds kPollEvery{250};
+constexpr std::chrono::milliseconds kCheckEvery{2000};
 constexpr std::chrono::milliseconds kForgetTimeout{5000};
 
 double SecondsSince(SteadyClock::time_point start) {
@@ -198,6 +202,33 @@ ProcessUsage UsageOf(pid_t pid) {
   return usage;
 }
 
+// CPU seconds this machine spent busy (all CPUs; /proc/stat), and this process's own.
+double MachineBusySeconds() {
+  Result<std::string> stat = ops::ReadWholeFile("/proc/stat");
+  if (!stat.ok()) return 0;
+  std::istringstream fields(stat->substr(0, stat->find('\n')));
+  std::string label;
+  fields >> label;
+  uint64_t total = 0, idle = 0, value = 0;
+  for (int i = 0; fields >> value; ++i) {
+    total += i < 8 ? value : 0;  // user nice system idle iowait irq softirq steal
+    if (i == 3 || i == 4) idle += value;
+  }
+  return static_cast<double>(total - idle) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+double SelfCpuSeconds() {
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+// Where the CPU went during the churn phase (ChurnRun::SampleCpu).
+struct CpuBudget {
+  double machine = 0, self = 0, publisher = 0, relays = 0, workers = 0;
+};
+
 // ---- the fleet -----------------------------------------------------------------------
 
 struct Role {
@@ -222,6 +253,8 @@ struct Slot {
   uint64_t head_at_start = 0;
   bool head_served = true;
   uint64_t version = 0;  // as last polled
+  SteadyClock::time_point polled;
+  double cpu_seconds = 0;  // of its earlier processes in the churn phase (see SampleCpu)
 };
 
 // One measured publish: who was serving when it was committed, and when each served it.
@@ -279,6 +312,9 @@ class ChurnRun {
   bool Settled() const;
   std::vector<size_t> LiveSlots() const;
   void SampleRelays(std::vector<ProcessUsage>& into);
+  // At the start of the churn phase (sign -1) and at its end (+1): the CPU of every role,
+  // the machine's and this process's. A killed worker's CPU is added before the kill.
+  void SampleCpu(double sign);
 
   const ChurnBenchOptions& options_;
   std::string flywheel_;
@@ -300,6 +336,7 @@ class ChurnRun {
   SteadyClock::time_point churn_start_, churn_end_;
   uint64_t relay_fds_max_ = 0;
   uint64_t unclean_exits_ = 0;
+  CpuBudget cpu_;
 };
 
 Status ChurnRun::Launch(const std::string& name, const std::string& role,
@@ -414,7 +451,14 @@ std::vector<size_t> ChurnRun::LiveSlots() const {
 // Polls every started worker once (concurrently) and takes what they say.
 Status ChurnRun::Sweep() {
   FW_RETURN_IF_ERROR(CheckReadyFiles());
-  const std::vector<size_t> live = LiveSlots();
+  std::vector<size_t> live;
+  const auto now = SteadyClock::now();
+  for (size_t i : LiveSlots()) {
+    const bool pending = !slots_[i].head_served ||
+                         std::any_of(publishes_.begin(), publishes_.end(),
+                                     [&](const PublishRecord& r) { return r.pending.count(i) > 0; });
+    if (pending || now - slots_[i].polled >= kCheckEvery) live.push_back(i);
+  }
   std::vector<std::optional<WorkerPoll>> polls(live.size());
   RunParallel(live.size(), options_.poll_threads, [&](size_t i) {
     polls[i] = PollWorker(*slots_[live[i]].http, slots_[live[i]].name);
@@ -428,6 +472,7 @@ Status ChurnRun::Sweep() {
 void ChurnRun::TakePoll(size_t index, const WorkerPoll& poll) {
   Slot& slot = slots_[index];
   slot.version = poll.version;
+  slot.polled = SteadyClock::now();
   if (!poll.weights_hash.empty()) {
     auto published = published_.find(poll.version);
     if (published == published_.end() || published->second != poll.weights_hash) {
@@ -459,9 +504,10 @@ Status ChurnRun::Publish(size_t staged_index) {
   published_[staged.version] = staged.weights_hash;
   PublishRecord record;
   record.version = staged.version;
-  // The cohort: every worker up and serving the head before this one.
+  // The cohort: every worker up that served the head it started under (one still behind
+  // an earlier publish is in it too: its time runs from this commit all the same).
   for (size_t i : LiveSlots()) {
-    if (slots_[i].head_served && slots_[i].version == head_) record.pending.insert(i);
+    if (slots_[i].head_served) record.pending.insert(i);
   }
   record.cohort = record.pending.size();
   FW_ASSIGN_OR_RETURN(record.commit_unix_us, DropVersion(staged, dir_ + "/watch"));
@@ -567,6 +613,9 @@ Status ChurnRun::Churn() {
     victim.sigterm = (victims_.size() + i) % 2 == 0;
     victims.push_back(victim);
   }
+  for (const Victim& victim : victims) {
+    cpu_.workers += UsageOf(processes_.pid(slots_[victim.slot].process)).cpu_seconds;
+  }
   SignalVictims(victims);
   FW_RETURN_IF_ERROR(AwaitForgotten(victims));
   FW_RETURN_IF_ERROR(ReapAndRestart(victims));
@@ -611,6 +660,16 @@ bool ChurnRun::Settled() const {
   return true;
 }
 
+void ChurnRun::SampleCpu(double sign) {
+  cpu_.machine += sign * MachineBusySeconds();
+  cpu_.self += sign * SelfCpuSeconds();
+  cpu_.publisher += sign * UsageOf(processes_.pid(publisher_.process)).cpu_seconds;
+  for (const Role& relay : relays_) cpu_.relays += sign * UsageOf(processes_.pid(relay.process)).cpu_seconds;
+  for (const Slot& slot : slots_) {
+    if (slot.running) cpu_.workers += sign * UsageOf(processes_.pid(slot.process)).cpu_seconds;
+  }
+}
+
 void ChurnRun::SampleRelays(std::vector<ProcessUsage>& into) {
   into.clear();
   for (const Role& relay : relays_) {
@@ -637,6 +696,7 @@ Status ChurnRun::Run() {
   std::cerr << "[churn bench] every worker serves v1 after " << Fixed(SecondsSince(join_start), 1)
             << " s\n";
   SampleRelays(relays_before_);
+  SampleCpu(-1);
   churn_start_ = SteadyClock::now();
   auto at = [&](double seconds) {
     return churn_start_ + std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6));
@@ -660,6 +720,7 @@ Status ChurnRun::Run() {
   }
   churn_end_ = SteadyClock::now();
   SampleRelays(relays_after_);
+  SampleCpu(+1);
   return Status::Ok();
 }
 
@@ -728,6 +789,24 @@ Table RelayTable(const std::vector<Role>& relays, const std::vector<ProcessUsage
   return table;
 }
 
+Table CpuTable(const CpuBudget& cpu, double elapsed, int workers, int publishes) {
+  const double capacity = elapsed * std::max(1u, std::thread::hardware_concurrency());
+  Table table{{"where the CPU went (churn phase)", "CPU s", "% of the machine", "note"}, {}};
+  auto row = [&](const std::string& what, double seconds, const std::string& note) {
+    table.rows.push_back({what, Fixed(seconds, 2), Fixed(100.0 * seconds / capacity, 1), note});
+  };
+  row("publisher", cpu.publisher, "encode, serve the relays");
+  row("relays", cpu.relays, "fan-out to the workers");
+  row("workers", cpu.workers,
+      Fixed(1000.0 * cpu.workers / std::max(1, workers) / std::max(1, publishes), 1) +
+          " ms per worker per publish (restarts' joins included)");
+  row("this benchmark", cpu.self, "status polling, checks");
+  row("rest of the machine", std::max(0.0, cpu.machine - cpu.publisher - cpu.relays - cpu.workers - cpu.self),
+      "other processes");
+  row("capacity", capacity, Fixed(elapsed, 1) + " s x " + std::to_string(std::thread::hardware_concurrency()) + " CPUs");
+  return table;
+}
+
 void ChurnRun::Print(const ChurnBenchResult& r, std::ostream& out) const {
   const double deadline = options_.serve_deadline_seconds;
   out << "## Churn benchmark\n\n"
@@ -744,6 +823,9 @@ void ChurnRun::Print(const ChurnBenchResult& r, std::ostream& out) const {
       << RenderText(RelayTable(relays_, relays_before_, relays_after_,
                                std::chrono::duration<double>(churn_end_ - churn_start_).count(),
                                slots_.size()))
+      << "\n"
+      << RenderText(CpuTable(cpu_, std::chrono::duration<double>(churn_end_ - churn_start_).count(),
+                             options_.workers, options_.publishes))
       << "\n";
   Table summary{{"figure", "measured", "target", "verdict"}, {}};
   summary.rows.push_back({"commit -> serving, p50 / p99 / max (" + std::to_string(r.serve_samples) + " pairs)",
@@ -785,7 +867,10 @@ Json ChurnRun::ToJson(const ChurnBenchResult& r) const {
           {"forget_sigterm_max_ms", r.forget_sigterm_max_ms},
           {"forget_sigkill_max_ms", r.forget_sigkill_max_ms}, {"leaving_seen", r.leaving_seen},
           {"unclean_exits", r.unclean_exits}, {"relay_cpu_percent_max", r.relay_cpu_percent_max},
-          {"relay_rss_max_bytes", r.relay_rss_max_bytes}, {"relay_fds_max", r.relay_fds_max}};
+          {"relay_rss_max_bytes", r.relay_rss_max_bytes}, {"relay_fds_max", r.relay_fds_max},
+          {"cpu_seconds", {{"publisher", cpu_.publisher}, {"relays", cpu_.relays},
+                           {"workers", cpu_.workers}, {"benchmark", cpu_.self},
+                           {"machine", cpu_.machine}}}};
 }
 
 // Raises RLIMIT_NOFILE's soft limit to the hard one (children inherit it); returns it.
