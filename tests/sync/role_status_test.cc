@@ -84,7 +84,7 @@ TEST(RoleStatusTest, WorkerDocumentHasItsKeysAndTypes) {
   s.swaps_refused = 1;
   s.last_error = "engine refused v8";
   const json doc = ToJson(s);
-  EXPECT_EQ(Keys(doc), With({"stale", "connected", "last_apply_ms", "last_apply_chunks_early", "last_early_decode_unix_us", "arriving_chunks_decoded",
+  EXPECT_EQ(Keys(doc), With({"state", "leaving", "stale", "connected", "last_apply_ms", "last_apply_chunks_early", "last_early_decode_unix_us", "arriving_chunks_decoded",
                              "last_swap_pause_ms",
                              "swaps_total", "exports_total", "piece_requests", "pieces_verified",
                              "pieces_rejected", "piece_bytes", "artifacts_rejected", "swaps_refused",
@@ -96,6 +96,8 @@ TEST(RoleStatusTest, WorkerDocumentHasItsKeysAndTypes) {
   EXPECT_DOUBLE_EQ(doc["last_swap_ms"].get<double>(), 1.5);
   EXPECT_EQ(doc["swap_unix_us"].get<uint64_t>(), 1700000000000000u);
   EXPECT_EQ(doc["last_error"], "engine refused v8");
+  EXPECT_EQ(doc["state"], "serving");  // "joining" before a version, "leaving" after Stop()
+  EXPECT_EQ(doc["leaving"], false);
 }
 
 TEST(RoleStatusTest, MetricsAreTheDocumentsNumbersWithEscapedLabels) {
