@@ -41,6 +41,7 @@ bool SelectInStripe(const StripeBuckets& stripe, size_t begin,
   uint64_t low = *seen;
   size_t c = *cursor;
   uint64_t next = c < s.rank_count ? s.ranks[c] : UINT64_MAX;
+  if (next < low) return false;  // below the previous stripe's ranks
   for (size_t block = 0; block < stripe.blocks; ++block) {
     const uint64_t mask = Ops::Mask64(stripe.bytes + block * 64, s.bucket);
     const uint64_t high = low + static_cast<uint64_t>(Ops::Popcount(mask));
@@ -50,10 +51,11 @@ bool SelectInStripe(const StripeBuckets& stripe, size_t begin,
     }
     uint64_t selected = 0;
     while (next < high) {
-      if (next < low) return false;  // ranks not ascending
       selected |= Ops::SelectBit(mask, static_cast<int>(next - low));
+      const uint64_t taken = next;
       ++c;
       next = c < s.rank_count ? s.ranks[c] : UINT64_MAX;
+      if (next <= taken) return false;  // ranks not strictly ascending
     }
     low = high;
     uint64_t changed = s.inverted ? mask & ~selected : selected;
