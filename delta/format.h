@@ -28,7 +28,8 @@
 //   varint total chunk count (== sum of the tensors' chunk_count), then per chunk, grouped
 //   by tensor in tensor order, word ranges ascending and disjoint within a tensor:
 //     varint word_begin, varint word_count (>= 1)   (words of the dtype's word size)
-//     u8 kind (0 sparse, 1 dense xor, 2 literal), u8 compressor (0 none, 1 zstd, 2 lz4)
+//     u8 kind (0 sparse, 1 dense xor, 2 literal, 3 sparse context-coded),
+//     u8 compressor (0 none, 1 zstd, 2 lz4)
 //     varint changed_words, varint raw_bytes, varint payload_bytes
 //     u64 XXH3-64 of the stored payload
 //   The manifest ends exactly there. Word ranges without a chunk are unchanged.
@@ -60,6 +61,20 @@
 //       values in order, LSB-first.
 //     Elias-gamma value stream: per value, L - 1 zero bits, a one bit, the L - 1 low bits
 //       of z, LSB-first.
+//   sparse context-coded (kind 3; dtypes with an exponent field, delta/context_coding.h):
+//     every word has the bucket clamp(e - offset, 0, 15) of its BASE word's exponent
+//     field e (bf16 bits 7..14, f16 10..14, f32 23..30, f64 52..62, FP8 e4m3 3..6, e5m2
+//     2..6); a word's rank is the number of words of its bucket before it in the chunk.
+//     u8 offset
+//     u8 S (streams, 1..16), S x (u8 bucket (ascending, < 16),
+//                                 u8 Rice k (bits 0..4) | inverted (bit 7), bits 5..6 zero,
+//                                 varint listed, varint stream bytes)
+//     the S rank streams: the ascending ranks of the bucket's changed words (inverted: of
+//       its unchanged words), `listed` of them, as Rice gaps like the index stream above
+//     values: S frequency tables as in the rANS value stream (one per stream), varint R,
+//       R bytes of rANS data as above with value i decoded by the table of its stream,
+//       then the extra bits. Values are in the order changes are listed: stripe by stripe
+//       (4096 words), within a stripe stream by stream, within a stream by position.
 //
 // ---- Format version 2: the streamed container ----------------------------------------
 // Written front to back while the encoder runs, so that a reader can use every chunk as
