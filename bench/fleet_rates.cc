@@ -190,13 +190,13 @@ Result<Fp8Pair> GenerateFp8Pair(uint64_t fp8_bytes, double changed_fraction, uin
   const std::vector<float> master = Masters(tensors, words, seed, threads);
   Fp8Pair pair;
   pair.base = Fp8Checkpoint(tensors, master, threads);
-  // The share changed grows about linearly with the step while it is small: two rounds of
-  // lr x (wanted / got) from a first guess land within a few percent of the wanted share.
+  // The share changed grows about linearly with the step while it is small: a few rounds of
+  // lr x (wanted / got) from a first guess land within 2% of the wanted share.
   double lr = 1e-4;
-  for (int round = 0; round < 3; ++round) {
+  for (int round = 0; round < 5; ++round) {
     pair.target = Fp8Checkpoint(tensors, Stepped(master, lr, seed, threads), threads);
     const double got = F8ChangedShare(pair.base, pair.target);
-    if (round == 2 || !(got > 0)) break;
+    if (round == 4 || !(got > 0)) break;
     if (std::fabs(got / changed_fraction - 1) < 0.02) break;
     lr *= std::clamp(changed_fraction / got, 0.1, 10.0);
   }
