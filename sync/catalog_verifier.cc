@@ -90,7 +90,7 @@ std::vector<ArtifactInfo> CatalogVerifier::KeepVerified(Catalog* catalog,
 
 void CatalogVerifier::KeepBoundedStreaming(std::vector<ArtifactInfo> streaming,
                                            std::vector<ArtifactInfo>* kept, Refusals* refusals) {
-  // Deltas still streaming cannot be signed yet: they pass unverified, and nothing of
+  // Deltas (and keyframes) still streaming cannot be signed yet: they pass unverified, and nothing of
   // them is applied or kept before their finished, signed entry verifies. So that a forged
   // one cannot make a node fetch without end, one may list at most twice the largest
   // verified artifact (a delta is never larger than the dense checkpoint) plus 64 MiB.
@@ -98,6 +98,10 @@ void CatalogVerifier::KeepBoundedStreaming(std::vector<ArtifactInfo> streaming,
   for (const ArtifactInfo& info : *kept) largest = std::max(largest, info.size_bytes);
   const uint64_t streaming_limit = 2 * largest + (uint64_t{64} << 20);
   for (ArtifactInfo& info : streaming) {
+    // A keyframe streams to nodes that hold nothing yet: only from a publisher that has
+    // shown it signs (a verified artifact in this catalog), so that an unsigned publisher
+    // makes a verifying fleet fetch nothing at all.
+    if (info.kind == ArtifactKind::kKeyframe && largest == 0) continue;
     if (info.size_bound <= streaming_limit) {
       kept->push_back(std::move(info));
       continue;

@@ -298,8 +298,8 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
     records_of_.resize(m.tensors.size());
     for (; next_ < m.chunks.size(); ++next_) {
       const delta::ChunkEntry& e = m.chunks[next_];
-      records_of_[e.tensor_index].push_back(e.kind == delta::ChunkKind::kSparse ? e.record : kNotSparse);
-      if (e.kind != delta::ChunkKind::kSparse) continue;
+      records_of_[e.tensor_index].push_back(Sparse(e.kind) ? e.record : kNotSparse);
+      if (!Sparse(e.kind)) continue;
       Schedule(std::make_shared<const delta::DeltaView>(reader_.ChunkView(next_, bytes)), 0);
     }
     // A tensor whose record is in has all its chunks scheduled: verify it once they are
@@ -346,7 +346,7 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
     for (; next_ < m.chunks.size(); ++next_) {
       const delta::ChunkEntry& e = m.chunks[next_];
       if (payload_start_ + e.payload_offset + e.payload_bytes > bytes.size()) break;
-      if (e.kind == delta::ChunkKind::kSparse && e.payload_bytes != 0) Schedule(view_, next_);
+      if (Sparse(e.kind) && e.payload_bytes != 0) Schedule(view_, next_);
     }
   }
 
@@ -400,6 +400,10 @@ class EarlyDecoder : public std::enable_shared_from_this<EarlyDecoder> {
 
  private:
   static constexpr uint32_t kNotSparse = ~uint32_t{0};
+  // The kinds PreparedChunks decodes ahead: sparse chunks, context-modelled ones included.
+  static bool Sparse(delta::ChunkKind kind) {
+    return kind == delta::ChunkKind::kSparse || kind == delta::ChunkKind::kSparseContext;
+  }
   Worker::Impl* worker_;
   const std::shared_ptr<const GrowableBytes> bytes_;
   std::atomic<bool> closed_{false};
@@ -521,7 +525,7 @@ flywheel::Status Worker::Impl::Apply(const ArtifactInfo& info, std::span<const s
 
 Result<OwnedCheckpoint> Worker::Impl::DecodeKeyframe(const delta::DeltaView& view, int threads,
                                                     KeyframeStager* stager) {
-  if (stager != nullptr) {
+  if (stager != nullptr && view.streamed()) {  // a format-1 keyframe is never staged
     std::string why_not;
     std::optional<OwnedCheckpoint> staged = stager->Take(view.manifest(), &why_not);
     if (staged) return std::move(*staged);
@@ -671,8 +675,9 @@ const ArtifactInfo* Worker::Impl::StreamingFromServed() const {
   const Served now = ServedNow();
   if (now.version == 0) {
     for (const ArtifactInfo& info : catalog.artifacts) {
+      // Not with trusted keys: nothing unsigned is fetched before its signed entry comes.
       if (info.streaming && info.kind == ArtifactKind::kKeyframe && options.stage_keyframes &&
-          info.target_version > catalog.head_version &&
+          !verifier->enabled() && info.target_version > catalog.head_version &&
           !rejected.count({KeyOf(info), Hash128{}.ToHex()})) {
         return &info;
       }

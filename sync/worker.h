@@ -7,9 +7,11 @@
 // every piece verified against the catalog's hash (a bad piece is fetched again, never
 // used), then applied in one step under an exclusive lock: readers see the old version or
 // the new one, never a mix, and the target hash is verified before the new version is
-// served. A delta that does not apply (wrong base, corrupt) is rejected and the worker
-// falls back to a keyframe; a catalog that announces an older version than the one served
-// never moves the worker back.
+// served. A joining worker (nothing served yet) decodes and verifies a streamed keyframe
+// tensor by tensor while it arrives, into a staging buffer (sync/keyframe_stager.h), and
+// takes it only whole and verified. A delta that does not apply (wrong base, corrupt) is
+// rejected and the worker falls back to a keyframe; a catalog that announces an older
+// version than the one served never moves the worker back.
 #pragma once
 
 #include <chrono>
