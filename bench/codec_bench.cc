@@ -559,6 +559,16 @@ double Speedup(const std::vector<double>& gbps, int one, int two) {
   return gbps[two] / gbps[one];
 }
 
+// The ratio of the codec's bits to its context model's conditional entropy, and that
+// entropy against the order-0 floor.
+std::string ContextRatio(const Group& group, double bits) {
+  return "flywheel zstd bits / context-model conditional entropy: " +
+         Fixed(bits / group.context_bits(), 3) + " (" + Fixed(bits, 2) + " vs " +
+         Fixed(group.context_bits(), 2) + " = " + Fixed(group.context_position_bits, 2) +
+         " position + " + Fixed(group.context_value_bits, 2) + " value; the model's entropy is " +
+         Fixed(group.context_bits() / group.floor_bits(), 3) + "x the order-0 floor)";
+}
+
 Summary Summarise(const Group& group, const CodecBenchOptions& options) {
   Summary summary;
   const Row* flywheel = group.Find(kFlywheelZstdRow);
@@ -590,12 +600,7 @@ Summary Summarise(const Group& group, const CodecBenchOptions& options) {
                            Fixed(bits, 2) + " vs " + Fixed(group.floor_bits(), 2) + " = " +
                            Fixed(group.position_bits, 2) + " position + " +
                            Fixed(group.value_bits, 2) + " value)");
-  summary.ratios.push_back(
-      "flywheel zstd bits / context-model conditional entropy: " +
-      Fixed(bits / group.context_bits(), 3) + " (" + Fixed(bits, 2) + " vs " +
-      Fixed(group.context_bits(), 2) + " = " + Fixed(group.context_position_bits, 2) +
-      " position + " + Fixed(group.context_value_bits, 2) + " value; the model's entropy is " +
-      Fixed(group.context_bits() / group.floor_bits(), 3) + "x the order-0 floor)");
+  summary.ratios.push_back(ContextRatio(group, bits));
   if (one >= 0 && two >= 0) {
     summary.ratios.push_back("flywheel zstd 2 threads / 1 thread: encode " +
                              Fixed(encode_speedup, 2) + "x, apply " + Fixed(apply_speedup, 2) +
