@@ -15,7 +15,8 @@
 
 namespace flywheel::delta {
 
-// Chunks by kind (ChunkKind::kSparse, kDenseXor, kLiteral).
+// Chunks by kind (ChunkKind::kSparse and kSparseContext counted as sparse, kDenseXor,
+// kLiteral).
 struct ChunkKindCounts {
   uint64_t sparse = 0;
   uint64_t dense = 0;
