@@ -699,13 +699,17 @@ std::string Describe(const RunResult& r, const Fp8BenchOptions& o) {
 std::string Notes(const RunResult& r) {
   const StepResult& last = r.steps.back();
   const FloorBits f = Floor(last.fp8);
-  const double bits = last.fp8.f8_changed ? 8.0 * last.f8.payload_bytes / last.fp8.f8_changed : 0;
+  // The split into gaps and the rest holds for the plain sparse coding (kinds 0..2), whose
+  // positions are the Rice gaps below; the context-coded chunks code positions otherwise.
+  const double bits =
+      last.fp8.f8_changed ? 8.0 * last.f8_plain.payload_bytes / last.fp8.f8_changed : 0;
   return "Deltas: delta::EncodeStreamed with sync::VersionLogOptions' defaults (as the publisher); "
          "every one applied and compared with the next checkpoint bit for bit. Bits per changed F8 "
          "byte count the stored payloads of the F8 tensors' chunks. Floor, as the codec bench "
          "computes it for bf16, here for 1-byte words: n·H2(p) for positions over all F8 bytes "
          "+ the empirical entropy of (target - base) mod 256, the value the codec codes "
-         "(zigzagged, rANS). Where the bits go, last step, per changed F8 byte: the gaps "
+         "(zigzagged, rANS). Where the bits go in the kinds 0..2 coding, last step, per "
+         "changed F8 byte: the gaps "
          "Rice-coded as the codec does (best k per tensor) " +
          Fixed(f.rice, 2) + " bits against a position floor of " + Fixed(f.positions, 2) +
          " (per tensor " + Fixed(f.tensor_positions, 2) +
