@@ -75,6 +75,7 @@ ServerOptions MakeServerOptions(const CommonOptions& common, transport::Endpoint
   server.listener.tls = std::move(tls);
   server.listener.token = common.token;
   server.listener.connection = common.connection;
+  server.listener.egress = common.egress;
   return server;
 }
 

@@ -45,6 +45,10 @@ struct CommonOptions {
   // Relays and workers: the largest artifact a catalog may announce (UpstreamOptions::
   // max_artifact_bytes); 0: this machine's physical memory.
   uint64_t max_artifact_bytes = 0;
+  // Publishers and relays (--egress-threads): the pool their downstream connections run on
+  // (ListenerOptions::egress: TLS sealing and socket writes on many cores). Null: the
+  // network thread's executor, as for a worker.
+  asio::any_io_executor egress;
   bool wan_shaped() const { return wan_rate > 0 || wan_latency_ms > 0; }
 };
 

@@ -2,8 +2,13 @@
 // broadcasts the catalog over every control connection, keeps the fleet map from their
 // Reports and answers piece requests on data connections.
 //
-// Every coroutine here runs on one executor (a process's network thread); CPU work
-// (hashing, applying, encoding) runs elsewhere.
+// Every coroutine here runs on one executor (a process's network thread): the catalog, the
+// fleet map and the PieceSource are touched there only. The connections themselves may run
+// elsewhere: with ServerOptions::listener.egress (--egress-threads) each is on a strand of
+// that pool, where its TLS records are sealed and its socket written, and Send/Receive hop
+// to it and back (transport/connection.h). A piece handed to Send must therefore stay
+// unchanged while any thread may still write it: PieceSource pieces are immutable bytes
+// kept alive by their owner. CPU work (hashing, applying, encoding) runs elsewhere.
 #pragma once
 
 #include <chrono>

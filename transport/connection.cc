@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include <array>
+#include <cstdlib>
 #include <unordered_set>
 
 namespace flywheel::transport {
@@ -19,6 +20,7 @@ using namespace std::chrono_literals;
 struct Connection::Stream {
   std::optional<tcp::socket> plain;
   std::unique_ptr<TlsStream> tls;
+  std::string cipher;  // the suite the handshake chose (set when the Connection is made)
 
   tcp::socket& lowest() { return tls ? tls->next_layer() : *plain; }
 
@@ -97,14 +99,18 @@ Connection::Connection(std::shared_ptr<Stream> stream, std::string peer, Connect
       inbound_space_(stream_->lowest().get_executor()),
       watchdog_timer_(stream_->lowest().get_executor()) {
   shaped_ = options_.shaping.active();
+  // Read once, here: later OpenSSL may swap the session (a client taking a ticket) on
+  // the connection's thread while another thread asks.
+  if (stream_->tls) {
+    const char* name = SSL_get_cipher_name(stream_->tls->native_handle());
+    if (name != nullptr) stream_->cipher = name;
+  }
 }
 
 Connection::~Connection() = default;
 
 std::string Connection::tls_cipher() const {
-  if (!stream_->tls) return "";
-  const char* name = SSL_get_cipher_name(stream_->tls->native_handle());
-  return name != nullptr ? name : "";
+  return stream_->cipher;
 }
 
 asio::any_io_executor Connection::executor() const {
@@ -515,7 +521,20 @@ awaitable<std::optional<Result<std::shared_ptr<Connection>>>> DialOnStrand(
 
 }  // namespace
 
+asio::any_io_executor TestEgressPool() {
+  static asio::thread_pool* const pool = []() -> asio::thread_pool* {
+    const char* text = std::getenv("FLYWHEEL_TEST_EGRESS_THREADS");
+    const int threads = text != nullptr ? std::atoi(text) : 0;
+    if (threads < 1) return nullptr;
+    spdlog::warn("FLYWHEEL_TEST_EGRESS_THREADS: connections run on a pool of {} threads", threads);
+    return new asio::thread_pool(static_cast<size_t>(threads));  // lives until exit
+  }();
+  if (pool == nullptr) return {};
+  return pool->get_executor();
+}
+
 awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::Hello hello) {
+  if (!options.egress) options.egress = TestEgressPool();
   if (!options.egress) co_return co_await DialHere(std::move(options), std::move(hello));
   const asio::any_io_executor strand = asio::make_strand(options.egress);
   auto call = std::make_shared<DialCall>();
@@ -672,6 +691,7 @@ awaitable<void> Listener::Impl::Serve(tcp::socket socket) {
 Result<std::unique_ptr<Listener>> Listener::Bind(asio::any_io_executor executor,
                                                  const Endpoint& endpoint,
                                                  ListenerOptions options) {
+  if (!options.egress) options.egress = TestEgressPool();
   auto impl = std::make_shared<Impl>(executor, std::move(options));
   error_code ec;
   asio::ip::address address = asio::ip::make_address(endpoint.host, ec);

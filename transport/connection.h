@@ -179,6 +179,12 @@ struct DialOptions {
   ConnectionOptions connection;
 };
 
+// Tests only: with FLYWHEEL_TEST_EGRESS_THREADS=N in the environment, Dial and Listener
+// give every connection whose options name no egress pool a strand of one process-wide
+// pool of N threads, so that suites written for one thread run multi-threaded unchanged.
+// Null (the default): no pool.
+asio::any_io_executor TestEgressPool();
+
 // Connects, handshakes and sends `hello`; returns the started connection once the peer
 // answered Welcome (kept in connection->welcome). Refused is Unavailable with the peer's
 // reason ("refused by 127.0.0.1:7000: wrong or missing token").

@@ -5,10 +5,12 @@
 // - a child that stops reading does not stall the others: they finish while the relay
 //   still holds the stalled link, and the relay's write to it times out alone;
 // - a connection's frames are never interleaved (TLS and plain) while coroutines on
-//   several threads Send on it at once.
+//   several threads Send on it at once;
+// - `--egress-threads 0` (or negative) is refused naming the flag, before anything starts.
 // Loopback only; every thread and listener stops at the end of its test.
 #include <gtest/gtest.h>
 #include <pthread.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -415,6 +417,41 @@ TEST_P(InterleaveTest, ConcurrentSendersNeverInterleaveFrames) {
 
 INSTANTIATE_TEST_SUITE_P(TlsAndPlain, InterleaveTest, ::testing::Values(true, false),
                          [](const auto& info) { return info.param ? "Tls" : "Plain"; });
+
+// ---- --egress-threads on the command line ---------------------------------------------
+
+// Runs `flywheel <args>`; its exit status and what it printed.
+std::pair<int, std::string> RunFlywheel(const std::string& args) {
+  const std::string command = std::string(FLYWHEEL_BIN) + " " + args + " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  std::string output;
+  char buffer[512];
+  while (pipe != nullptr && std::fgets(buffer, sizeof buffer, pipe) != nullptr) output += buffer;
+  const int status = pipe != nullptr ? ::pclose(pipe) : -1;
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
+TEST(EgressThreadsFlagTest, ZeroOrNegativeIsRefusedNamingTheFlagAndNothingStarts) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("flywheel-egress-flag-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir / "watch");
+  const std::string state = (dir / "state").string();
+  auto [publish_code, publish_out] = RunFlywheel(
+      "publish --egress-threads 0 --listen 127.0.0.1:0 --http 127.0.0.1:0 --state-dir " + state +
+      " --watch " + (dir / "watch").string());
+  EXPECT_EQ(publish_code, 1) << publish_out;
+  EXPECT_NE(publish_out.find("publish: --egress-threads must be 1 or more (got 0)"), std::string::npos)
+      << publish_out;
+  EXPECT_FALSE(std::filesystem::exists(state)) << "nothing may be published or created";
+  auto [relay_code, relay_out] = RunFlywheel(
+      "relay --egress-threads -2 --listen 127.0.0.1:0 --http 127.0.0.1:0 --region r "
+      "--upstream 127.0.0.1:1");
+  EXPECT_EQ(relay_code, 1) << relay_out;
+  EXPECT_NE(relay_out.find("relay: --egress-threads must be 1 or more (got -2)"), std::string::npos)
+      << relay_out;
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+}
 
 }  // namespace
 }  // namespace flywheel::sync
