@@ -51,9 +51,13 @@ struct EncodeOptions {
   Compressor compressor = Compressor::kZstd;
   int zstd_level = 3;
   int threads = 1;
-  // Sparse chunks of float dtypes are coded conditioned on the base words (chunk kind 3,
-  // delta/format.h); false writes only the kinds 0..2 of earlier builds.
-  bool context_coding = true;
+  // Sparse chunks of float dtypes coded conditioned on the base words (chunk kind 3,
+  // delta/format.h): ~0.71x the order-0 floor on bf16 AdamW steps, 15-18% smaller FP8
+  // deltas, but encode and apply run 2-2.6x slower per thread today (they walk every base
+  // word; docs/BENCHMARKS.md). Off by default: where CPU, not the link, bounds the sync
+  // (the seeds' 64-core, 10 Gbit/s case) the plain coding is faster end to end. On for
+  // link-bound fleets (`flywheel publish --context-coding`). Either decodes everywhere.
+  bool context_coding = false;
   // Chunk size in bytes of tensor data (rounded down to whole words), in
   // [4 KiB, 64 MiB]; a chunk never holds more than kMaxChunkWords words.
   uint64_t chunk_bytes = 4 << 20;

@@ -777,6 +777,7 @@ class VersionLog::AppendRun {
     encode_.base_version = s_.head_version;
     encode_.target_version = version_;
     encode_.compressor = options_.compressor;
+    encode_.context_coding = options_.context_coding;
     encode_.threads = options_.threads;
     encode_.target_tensor_hashes = tensor_hashes_;
     // The delta first: whether a keyframe is due by cost depends on its size.

@@ -95,6 +95,9 @@ struct VersionLogOptions {
   // false: format-1 deltas, whole before anything is served.
   bool stream_deltas = true;
   delta::Compressor compressor = delta::Compressor::kZstd;
+  // Deltas coded conditioned on the base words (delta::EncodeOptions::context_coding):
+  // smaller, slower to encode and apply; off by default.
+  bool context_coding = false;
   int threads = 1;  // encode/decode/hash threads, in [1, delta::kMaxThreads]
   // Every file the log reads and writes goes through this Env (null: Env::Default()).
   Env* env = nullptr;

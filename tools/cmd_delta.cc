@@ -56,6 +56,7 @@ struct EncodeArgs {
   bool target_version_given = false;
   bool keyframe = false;
   delta::Compressor compressor = delta::Compressor::kZstd;
+  bool context_coding = false;
 };
 
 Status RunEncode(const EncodeArgs& args) {
@@ -63,6 +64,7 @@ Status RunEncode(const EncodeArgs& args) {
   options.base_version = args.base_version;
   options.target_version = args.target_version_given ? args.target_version : args.base_version + 1;
   options.compressor = args.compressor;
+  options.context_coding = args.context_coding;
   options.zstd_level = args.level;
   options.threads = args.threads;
   ProgressBar progress;
@@ -139,6 +141,9 @@ void AddEncode(CLI::App& delta_app, Action& action) {
                                     ->type_name("N");
   encode->add_flag("--keyframe", args->keyframe,
                    "Write a keyframe: a full snapshot of --target that applies without a base");
+  encode->add_flag("--context-coding", args->context_coding,
+                   "Code sparse chunks conditioned on the base words (chunk kind 3): smaller,\n"
+                   "2-2.6x slower to encode and apply (docs/BENCHMARKS.md)");
   encode->footer(
       "\nExamples:\n"
       "  flywheel delta encode --base s100.safetensors --target s101.safetensors --out 101.fwd\n"

@@ -53,6 +53,7 @@ struct SyncArgs {
   int poll_ms = 50;
   bool no_deltas = false;
   bool buffered_deltas = false;
+  bool context_coding = false;
   std::string compressor = "zstd";
   std::string push_token, push_token_file, staging_dir, signing_key;
   uint64_t max_upload_mib = 64 << 10, staging_quota_mib = 128 << 10, max_part_mib = 64;
@@ -223,6 +224,7 @@ Status RunPublish(const SyncArgs& args) {
   options.log.piece_bytes = args.piece_kib << 10;
   options.log.threads = args.common.threads;
   FW_ASSIGN_OR_RETURN(options.log.compressor, delta::ParseCompressor(args.compressor));
+  options.log.context_coding = args.context_coding;
   options.watch_dir = args.watch_dir;
   options.poll = std::chrono::milliseconds(args.poll_ms);
   options.max_staleness = args.max_staleness;
@@ -462,6 +464,10 @@ void AddPublish(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
       ->check(CLI::Range(uint64_t{4}, uint64_t{65536}));
   publish->add_option("--compressor", args->compressor, "Chunk compressor: zstd, lz4 or none")
       ->capture_default_str();
+  publish->add_flag("--context-coding", args->context_coding,
+                    "Code deltas conditioned on the base words (chunk kind 3): ~30% smaller\n"
+                    "bf16 deltas, 15-18% smaller FP8 ones, but encode and apply take 2-2.6x\n"
+                    "the CPU; for fleets whose links, not cores, bound the sync");
   publish
       ->add_option("--max-staleness", args->max_staleness,
                    "Versions a node may lag before its status says stale (0: no bound)")

@@ -104,6 +104,7 @@ TEST(ContextCodingTest, Bf16RoundTripsAcrossDensities) {
     Pair pair;
     pair.Add(Bf16Pair("w", 300000, 0.02f, step, 1));
     EncodeOptions options;
+    options.context_coding = true;
     options.chunk_bytes = 64 << 10;
     ExpectRoundTrip(pair, options, Kinds::kSomeContext);
   }
@@ -115,6 +116,7 @@ TEST(ContextCodingTest, Fp8RoundTripsAcrossDensities) {
     Pair pair;
     pair.Add(Fp8Pair(1 << 20, density, 2));
     EncodeOptions options;
+    options.context_coding = true;
     options.chunk_bytes = 256 << 10;
     options.compressor = Compressor::kLz4;
     // Where most words change, a dense chunk may store smaller: any kind is fine there.
@@ -129,6 +131,7 @@ TEST(ContextCodingTest, TinyTensorsAndChunkBoundaries) {
     pair.Add(Bf16Pair("t" + std::to_string(words), words, 0.02f, 0.02f, seed++));
   }
   EncodeOptions options;
+  options.context_coding = true;
   options.chunk_bytes = 4096;  // 2048 bf16 words a chunk: tensors end on and off boundaries
   ExpectRoundTrip(pair, options, Kinds::kAny);
 }
@@ -137,6 +140,7 @@ TEST(ContextCodingTest, AllWordsInOneBucketAndMostOfItChanged) {
   Pair pair;
   pair.Add(Bf16Pair("one", 100000, 0.02f, 4e-3f, 3, /*one_exponent=*/true));
   EncodeOptions options;
+  options.context_coding = true;
   ExpectRoundTrip(pair, options, Kinds::kSomeContext);
 }
 
@@ -154,6 +158,7 @@ TEST(ContextCodingTest, SmallerThanThePlainCodingOnTrainingLikeUpdates) {
   pair.Add(Bf16Pair("w", 1 << 20, 0.02f, 1e-4f, 6));
   EncodeOptions plain, context;
   plain.context_coding = false;
+  context.context_coding = true;
   auto a = Encode(pair.base.view(), pair.target.view(), plain);
   auto b = Encode(pair.base.view(), pair.target.view(), context);
   ASSERT_TRUE(a.ok() && b.ok());
@@ -172,6 +177,7 @@ TEST(ContextCodingTest, StreamedContainerCarriesContextChunks) {
     }
   } sink;
   EncodeOptions options;
+  options.context_coding = true;
   options.chunk_bytes = 16 << 10;
   ASSERT_TRUE(EncodeStreamed(pair.base.view(), pair.target.view(), options, sink).ok());
   auto view = DeltaView::Parse(sink.bytes);
