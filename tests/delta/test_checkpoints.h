@@ -14,6 +14,20 @@
 
 namespace flywheel::testing {
 
+// Collects a streamed (format-2) encode.
+struct BytesSink : delta::StreamSink {
+  Status Begin(uint64_t size_bound) override {
+    bound = size_bound;
+    return Status::Ok();
+  }
+  Status Write(std::span<const std::byte> more) override {
+    bytes.insert(bytes.end(), more.begin(), more.end());
+    return Status::Ok();
+  }
+  std::vector<std::byte> bytes;
+  uint64_t bound = 0;
+};
+
 struct TensorSpec {
   std::string name;
   DType dtype;

@@ -49,6 +49,7 @@
 #include "sync/signing.h"
 #include "sync/worker.h"
 #include "tests/delta/test_checkpoints.h"
+#include "tests/sync/crafted_upstream.h"
 #include "tests/sync/promtool.h"
 #include "testing/fault_proxy.h"
 #include "transport/http.h"
@@ -69,15 +70,7 @@ using flywheel::testing::RandomCheckpoint;
 using flywheel::testing::TensorSpec;
 using Clock = std::chrono::steady_clock;
 
-// Runs `fn` on `io`'s thread and waits for it.
-void RunOnIo(asio::io_context& io, const std::function<void()>& fn) {
-  std::promise<void> done;
-  asio::post(io.get_executor(), [&] {
-    fn();
-    done.set_value();
-  });
-  done.get_future().get();
-}
+using crafted::RunOnIo;
 
 constexpr auto kWait = std::chrono::milliseconds(20000);  // for anything a test waits on
 constexpr uint64_t kPieceBytes = 64 << 10;                // --piece-kib 64
@@ -1510,53 +1503,7 @@ TEST_F(FleetTest, EveryRolesMetricsPassPromtool) {
 
 // ---- crafted catalogs, in process ------------------------------------------------------------
 
-// Serves artifacts the test made, whatever their catalog entries claim. Thread-safe.
-class CraftedSource : public PieceSource {
- public:
-  void Put(const ArtifactInfo& info, std::vector<std::byte> bytes) {
-    std::lock_guard lock(mutex_);
-    artifacts_[KeyOf(info)] = {info,
-                               std::make_shared<const std::vector<std::byte>>(std::move(bytes))};
-  }
-
-  awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override {
-    std::shared_ptr<const std::vector<std::byte>> bytes;
-    uint64_t piece_bytes = 0;
-    {
-      std::lock_guard lock(mutex_);
-      auto it = artifacts_.find(key);
-      if (it != artifacts_.end()) {
-        bytes = it->second.bytes;
-        piece_bytes = it->second.info.piece_bytes;
-      }
-    }
-    if (!bytes) {
-      if (hold_missing_) co_await transport::SleepFor(5s);  // an upstream that is slow to say
-      co_return Status::NotFound("no " + Describe(key));
-    }
-    const uint64_t begin = static_cast<uint64_t>(index) * piece_bytes;
-    if (begin >= bytes->size()) co_return Status::NotFound(Describe(key) + " has no such piece");
-    const uint64_t end = std::min<uint64_t>(bytes->size(), begin + piece_bytes);
-    Piece piece{bytes, std::span<const std::byte>(*bytes).subspan(begin, end - begin)};
-    co_return piece;
-  }
-
- private:
-  struct Stored {
-    ArtifactInfo info;
-    std::shared_ptr<const std::vector<std::byte>> bytes;
-  };
-  std::mutex mutex_;
-  std::map<ArtifactKey, Stored> artifacts_;
-
- public:
-  // Requests for an artifact not Put are answered only after 5 s (NotFound), so that a
-  // downloader keeps what it set aside for it meanwhile.
-  void HoldMissing() { hold_missing_ = true; }
-
- private:
-  std::atomic<bool> hold_missing_{false};
-};
+using crafted::CraftedSource;
 
 // A catalog entry for `bytes`, with whatever base the test says it has.
 ArtifactInfo Entry(ArtifactKind kind, uint64_t base_version, Hash128 base_hash,
@@ -1574,158 +1521,14 @@ ArtifactInfo Entry(ArtifactKind kind, uint64_t base_version, Hash128 base_hash,
   return info;
 }
 
-class CraftedUpstreamTest : public ::testing::Test {
+class CraftedUpstreamTest : public crafted::CraftedUpstreamFixture {
  protected:
-  // A derived fixture's chance to change the server and the worker before they start.
-  virtual void Configure(ServerOptions& /*server*/, WorkerOptions& /*worker*/) {}
-
-  void SetUp() override {
-    io_ = std::make_unique<asio::io_context>(1);
-    work_.emplace(asio::make_work_guard(*io_));
-    io_thread_ = std::thread([this] { io_->run(); });
-
-    transport::ConnectionOptions connection;
-    connection.heartbeat = 100ms;
-    connection.idle_timeout = 1000ms;
-    connection.io_timeout = 2000ms;
-    ServerOptions server_options;
-    server_options.listen = {"127.0.0.1", 0};
-    server_options.identity = {wire::PUBLISHER, "home", "crafted-publisher"};
-    server_options.listener.connection = connection;
-    WorkerOptions worker_options;
-    worker_options.common.region = "home";
-    worker_options.common.node_id = "worker";
-    worker_options.common.http = {"127.0.0.1", 0};
-    worker_options.common.connection = connection;
-    Configure(server_options, worker_options);
-    if (HasFatalFailure()) return;
-    Status started = Status::Ok();
-    OnIo([&] {
-      Result<std::unique_ptr<Server>> server =
-          Server::Start(io_->get_executor(), server_options, &source_, &links_);
-      if (!server.ok()) {
-        started = server.status();
-        return;
-      }
-      server_ = std::move(*server);
-      worker_options.upstreams = {{"127.0.0.1", server_->port()}};
-      Result<std::unique_ptr<Worker>> worker = Worker::Start(io_->get_executor(), worker_options);
-      if (!worker.ok()) {
-        started = worker.status();
-        return;
-      }
-      worker_ = std::move(*worker);
-    });
-    ASSERT_TRUE(started.ok()) << started.ToString();
-  }
-
-  void TearDown() override {
-    StopWatching();
-    if (!io_) return;
-    if (worker_) worker_->Stop();
-    OnIo([&] {
-      if (server_) server_->Stop();
-    });
-    // The posted stops close every connection. Once the io_context runs out of work it has;
-    // it often keeps a timer longer than that, so it is stopped after at most 100 ms anyway.
-    work_.reset();
-    (void)ops::WaitUntil([&] { return io_->stopped(); }, 100ms,
-                              "the io_context to run out of work");
-    io_->stop();
-    io_thread_.join();
-    // As in `flywheel worker`: the roles go first, then the io_context.
-    worker_.reset();
-    server_.reset();
-    io_.reset();
-  }
-
-  // Runs `fn` on the io thread and waits for it.
-  void OnIo(const std::function<void()>& fn) { RunOnIo(*io_, fn); }
+  std::string Summary(const json& status) override { return Brief(status); }
 
   // Serves `v1` as the keyframe of version 1 (hash `hash_1`, entry in `k1`), watches the
   // worker's weights against `allowed`, and waits until the worker serves v1.
   bool ServeKeyframeV1(const OwnedCheckpoint& v1, const Hash128& hash_1,
                        std::map<uint64_t, Hash128> allowed, ArtifactInfo* k1);
-
-  void Announce(std::vector<ArtifactInfo> artifacts, uint64_t head_version, Hash128 head_hash,
-                std::map<ArtifactKey, SignedManifest> signatures = {}) {
-    Catalog catalog;
-    catalog.signatures = std::move(signatures);
-    catalog.artifacts = std::move(artifacts);
-    catalog.head_version = head_version;
-    catalog.head_hash = head_hash;
-    wire::Catalog on_wire = ToWire(catalog);
-    OnIo([&] { server_->SetCatalog(on_wire); });
-  }
-
-  json WorkerStatus() {
-    json status;
-    OnIo([&] { status = worker_->StatusJson(); });
-    return status;
-  }
-
-  bool WaitWorker(const std::string& what, const std::function<bool(const json&)>& holds) {
-    json last;
-    const Status waited = ops::WaitUntil(
-        [&] {
-          last = WorkerStatus();
-          return holds(last);
-        },
-        kWait, "worker " + what, 20ms);
-    if (waited.ok()) return true;
-    ADD_FAILURE() << waited.ToString() << "; last status:\n" << Brief(last);
-    return false;
-  }
-
-  // Watches the serving weights from another thread: whenever the worker serves version v,
-  // its bytes must hash to allowed[v], and versions never go back.
-  void WatchWeights(std::map<uint64_t, Hash128> allowed) {
-    allowed_ = std::move(allowed);
-    watching_ = true;
-    watcher_ = std::thread([this] {
-      uint64_t highest = 0;
-      while (watching_) {
-        worker_->WithWeights([&](uint64_t version, const CheckpointView& weights) {
-          if (version == 0) return;
-          ++samples_;
-          Result<Hash128> hash = CheckpointHash(weights);
-          std::lock_guard lock(violations_mutex_);
-          auto it = allowed_.find(version);
-          if (it == allowed_.end() || !hash.ok() || *hash != it->second) {
-            violations_.push_back("served v" + std::to_string(version) +
-                                  " with weights hashing to " +
-                                  (hash.ok() ? hash->ToHex() : hash.status().ToString()));
-          }
-          if (version < highest)
-            violations_.push_back("went back from v" + std::to_string(highest));
-          highest = std::max(highest, version);
-        });
-        std::this_thread::sleep_for(1ms);  // a sampler's pace, not a wait
-      }
-    });
-  }
-
-  std::vector<std::string> StopWatching() {
-    watching_ = false;
-    if (watcher_.joinable()) watcher_.join();
-    std::lock_guard lock(violations_mutex_);
-    return violations_;
-  }
-
-  std::unique_ptr<asio::io_context> io_;
-  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
-  std::thread io_thread_;
-  CraftedSource source_;
-  LinkRegistry links_;
-  std::unique_ptr<Server> server_;
-  std::unique_ptr<Worker> worker_;
-
-  std::map<uint64_t, Hash128> allowed_;
-  std::atomic<bool> watching_{false};
-  std::thread watcher_;
-  std::atomic<uint64_t> samples_{0};
-  std::mutex violations_mutex_;
-  std::vector<std::string> violations_;
 };
 
 std::vector<std::byte> EncodedKeyframe(uint64_t version, const OwnedCheckpoint& target) {
@@ -1817,19 +1620,7 @@ TEST_F(CraftedUpstreamTest, WrongBaseDelta) {
   });
 }
 
-// Collects a streamed (format-2) encode.
-struct BytesSink : delta::StreamSink {
-  Status Begin(uint64_t size_bound) override {
-    bound = size_bound;
-    return Status::Ok();
-  }
-  Status Write(std::span<const std::byte> more) override {
-    bytes.insert(bytes.end(), more.begin(), more.end());
-    return Status::Ok();
-  }
-  std::vector<std::byte> bytes;
-  uint64_t bound = 0;
-};
+using flywheel::testing::BytesSink;
 
 std::vector<std::byte> StreamedDelta(const OwnedCheckpoint& base, const OwnedCheckpoint& target,
                                      uint64_t base_version, uint64_t* bound) {

@@ -39,6 +39,7 @@
 #include "sync/worker.h"
 #include "testing/fault_proxy.h"
 #include "tests/delta/test_checkpoints.h"
+#include "tests/sync/crafted_upstream.h"
 
 namespace flywheel::sync {
 namespace {
@@ -77,18 +78,7 @@ bool SameBytes(const OwnedCheckpoint& a, const OwnedCheckpoint& b) {
   return true;
 }
 
-struct BytesSink : delta::StreamSink {
-  Status Begin(uint64_t size_bound) override {
-    bound = size_bound;
-    return Status::Ok();
-  }
-  Status Write(std::span<const std::byte> more) override {
-    bytes.insert(bytes.end(), more.begin(), more.end());
-    return Status::Ok();
-  }
-  std::vector<std::byte> bytes;
-  uint64_t bound = 0;
-};
+using flywheel::testing::BytesSink;
 
 // A streamed keyframe of `target` with small chunks (several per tensor).
 std::vector<std::byte> StreamedKeyframe(const OwnedCheckpoint& target, uint64_t version,
@@ -264,48 +254,8 @@ TEST_F(KeyframeStagerTest, AbsurdDeclaredSizesAllocateNothing) {
 
 // ---- a worker joining --------------------------------------------------------------------
 
-class CraftedSource : public PieceSource {
- public:
-  void Put(const ArtifactInfo& info, std::vector<std::byte> bytes) {
-    std::lock_guard lock(mutex_);
-    artifacts_[KeyOf(info)] = {info, std::make_shared<const std::vector<std::byte>>(std::move(bytes))};
-  }
-  awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override {
-    std::shared_ptr<const std::vector<std::byte>> bytes;
-    uint64_t piece_bytes = 0;
-    {
-      std::lock_guard lock(mutex_);
-      auto it = artifacts_.find(key);
-      if (it != artifacts_.end()) {
-        bytes = it->second.bytes;
-        piece_bytes = it->second.info.piece_bytes;
-      }
-    }
-    if (!bytes) co_return Status::NotFound("no " + Describe(key));
-    const uint64_t begin = static_cast<uint64_t>(index) * piece_bytes;
-    if (begin >= bytes->size()) co_return Status::NotFound(Describe(key) + " has no such piece");
-    const uint64_t end = std::min<uint64_t>(bytes->size(), begin + piece_bytes);
-    Piece piece{bytes, std::span<const std::byte>(*bytes).subspan(begin, end - begin)};
-    co_return piece;
-  }
-
- private:
-  struct Stored {
-    ArtifactInfo info;
-    std::shared_ptr<const std::vector<std::byte>> bytes;
-  };
-  std::mutex mutex_;
-  std::map<ArtifactKey, Stored> artifacts_;
-};
-
-void RunOnIo(asio::io_context& io, const std::function<void()>& fn) {
-  std::promise<void> done;
-  asio::post(io.get_executor(), [&] {
-    fn();
-    done.set_value();
-  });
-  done.get_future().get();
-}
+using crafted::CraftedSource;
+using crafted::RunOnIo;
 
 uint64_t U64(const json& status, const char* key) {
   auto it = status.find(key);
@@ -314,142 +264,30 @@ uint64_t U64(const json& status, const char* key) {
 
 // A crafted upstream (sync::Server over CraftedSource) and one worker, optionally through a
 // fault proxy; a watcher checks every version the worker serves against its hash.
-class JoinTest : public ::testing::Test {
+class JoinTest : public crafted::CraftedUpstreamFixture {
  protected:
+  void SetUp() override {}  // each test starts the roles: Start(corrupt_pieces)
   void Start(int corrupt_pieces) {
-    io_ = std::make_unique<asio::io_context>(1);
-    work_.emplace(asio::make_work_guard(*io_));
-    io_thread_ = std::thread([this] { io_->run(); });
-    transport::ConnectionOptions connection;
-    connection.heartbeat = 100ms;
-    connection.idle_timeout = 1000ms;
-    connection.io_timeout = 2000ms;
-    ServerOptions server_options;
-    server_options.listen = {"127.0.0.1", 0};
-    server_options.identity = {wire::PUBLISHER, "home", "crafted-publisher"};
-    server_options.listener.connection = connection;
-    WorkerOptions worker_options;
-    worker_options.common.region = "home";
-    worker_options.common.node_id = "worker";
-    worker_options.common.http = {"127.0.0.1", 0};
-    worker_options.common.connection = connection;
-    worker_options.common.threads = 2;
-    flywheel::Status started = flywheel::Status::Ok();
-    RunOnIo(*io_, [&] {
-      Result<std::unique_ptr<Server>> server =
-          Server::Start(io_->get_executor(), server_options, &source_, &links_);
-      if (!server.ok()) {
-        started = server.status();
-        return;
-      }
-      server_ = std::move(*server);
-    });
-    ASSERT_TRUE(started.ok()) << started.ToString();
-    uint16_t port = server_->port();
-    if (corrupt_pieces > 0) {
-      testing::FaultProxyOptions corrupt;
-      corrupt.corrupt_pieces = corrupt_pieces;
-      proxy_.emplace(port, corrupt);
-      port = proxy_->port();
-    }
-    worker_options.upstreams = {{"127.0.0.1", port}};
-    RunOnIo(*io_, [&] {
-      Result<std::unique_ptr<Worker>> worker = Worker::Start(io_->get_executor(), worker_options);
-      if (!worker.ok()) {
-        started = worker.status();
-        return;
-      }
-      worker_ = std::move(*worker);
-    });
-    ASSERT_TRUE(started.ok()) << started.ToString();
+    corrupt_pieces_ = corrupt_pieces;
+    StartRoles();
   }
-
+  void Configure(ServerOptions& /*server*/, WorkerOptions& worker) override {
+    worker.common.threads = 2;
+  }
+  uint16_t UpstreamPort(uint16_t server_port) override {
+    if (corrupt_pieces_ == 0) return server_port;
+    testing::FaultProxyOptions corrupt;
+    corrupt.corrupt_pieces = corrupt_pieces_;
+    proxy_.emplace(server_port, corrupt);
+    return proxy_->port();
+  }
   void TearDown() override {
-    StopWatching();
-    if (!io_) return;
-    if (worker_) worker_->Stop();
-    RunOnIo(*io_, [&] {
-      if (server_) server_->Stop();
-    });
-    work_.reset();
-    (void)ops::WaitUntil([&] { return io_->stopped(); }, 100ms, "the io_context to run out of work");
-    io_->stop();
-    io_thread_.join();
-    worker_.reset();
-    server_.reset();
+    CraftedUpstreamFixture::TearDown();
     proxy_.reset();
-    io_.reset();
   }
 
-  void Announce(std::vector<ArtifactInfo> artifacts, uint64_t head_version, Hash128 head_hash) {
-    Catalog catalog;
-    catalog.artifacts = std::move(artifacts);
-    catalog.head_version = head_version;
-    catalog.head_hash = head_hash;
-    wire::Catalog on_wire = ToWire(catalog);
-    RunOnIo(*io_, [&] { server_->SetCatalog(on_wire); });
-  }
-
-  json WorkerStatus() {
-    json status;
-    RunOnIo(*io_, [&] { status = worker_->StatusJson(); });
-    return status;
-  }
-
-  bool WaitWorker(const std::string& what, const std::function<bool(const json&)>& holds) {
-    json last;
-    const flywheel::Status waited = ops::WaitUntil(
-        [&] {
-          last = WorkerStatus();
-          return holds(last);
-        },
-        kWait, "worker " + what, 20ms);
-    if (waited.ok()) return true;
-    ADD_FAILURE() << waited.ToString() << "; last status:\n" << last.dump(1);
-    return false;
-  }
-
-  // Whenever the worker serves a version, its bytes must hash to allowed[version].
-  void WatchWeights(std::map<uint64_t, Hash128> allowed) {
-    watching_ = true;
-    watcher_ = std::thread([this, allowed = std::move(allowed)] {
-      while (watching_) {
-        worker_->WithWeights([&](uint64_t version, const CheckpointView& weights) {
-          if (version == 0) return;
-          ++samples_;
-          Result<Hash128> hash = CheckpointHash(weights);
-          auto it = allowed.find(version);
-          if (it == allowed.end() || !hash.ok() || *hash != it->second) {
-            std::lock_guard lock(violations_mutex_);
-            violations_.push_back("served v" + std::to_string(version) + " hashing to " +
-                                  (hash.ok() ? hash->ToHex() : hash.status().ToString()));
-          }
-        });
-        std::this_thread::sleep_for(1ms);  // a sampler's pace, not a wait
-      }
-    });
-  }
-
-  std::vector<std::string> StopWatching() {
-    watching_ = false;
-    if (watcher_.joinable()) watcher_.join();
-    std::lock_guard lock(violations_mutex_);
-    return violations_;
-  }
-
-  std::unique_ptr<asio::io_context> io_;
-  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work_;
-  std::thread io_thread_;
-  CraftedSource source_;
-  LinkRegistry links_;
-  std::unique_ptr<Server> server_;
-  std::unique_ptr<Worker> worker_;
+  int corrupt_pieces_ = 0;
   std::optional<testing::FaultProxy> proxy_;
-  std::atomic<bool> watching_{false};
-  std::thread watcher_;
-  std::atomic<uint64_t> samples_{0};
-  std::mutex violations_mutex_;
-  std::vector<std::string> violations_;
 };
 
 // The first version's keyframe is announced while it still streams (half its pieces, no
