@@ -19,51 +19,60 @@ ProjectionStage PerWord(const std::string& name, double words, double words_per_
           words / (words_per_second * cores), chunk_words / words_per_second};
 }
 
-// The hop from the publisher to the region's relay: one TLS stream (one strand, one
-// core) over the link.
+std::string Streams(int streams) {
+  return streams == 1 ? "one stream's" : std::to_string(streams) + " streams'";
+}
+
+// The hop from the publisher to the region's relay: the relay's download over `streams`
+// TLS connections (a strand, one core, each) over the link.
 ProjectionStage WanHop(const MeasuredRates& rates, double delta_bytes, double link_bits,
-                       double piece_share, const std::string& name) {
-  const double seconds =
-      std::max(delta_bytes / (link_bits / 8), delta_bytes / rates.tls_send_bytes_per_second);
+                       int streams, double piece_share, const std::string& name) {
+  const double seconds = std::max(delta_bytes / (link_bits / 8),
+                                  delta_bytes / (streams * rates.tls_send_bytes_per_second));
   return {name,
-          "max(" + Gb(delta_bytes) + " / " + Gbit(link_bits) + ", / one stream's TLS seal+send " +
-              Rate(rates.tls_send_bytes_per_second) + ")",
+          "max(" + Gb(delta_bytes) + " / " + Gbit(link_bits) + ", / " + Streams(streams) +
+              " TLS seal+send " + Rate(rates.tls_send_bytes_per_second) + " each)",
           seconds, seconds * piece_share};
 }
 
 // One relay level: it receives the delta once and sends it to each of its children. Its
 // CPU per level is one forward (receive + re-send, measured as one) and fan_out - 1 more
-// seal+sends, spread over min(fan_out, relay cores) egress cores; no connection is faster
-// than its strand (one core: D / seal+send to a child, D / receive+open from upstream);
-// all of its children share its NIC.
+// seal+sends, spread over min(fan_out x streams, relay cores) egress cores (each child
+// downloads over `streams` connections, a strand each); no download is faster than its
+// strands (D / (streams x seal+send) to a child, D / (streams x receive+open) from
+// upstream); all of its children share its NIC.
 ProjectionStage RelayLevel(const MeasuredRates& rates, const ProjectionAssumptions& assume,
                            double delta_bytes, double piece_share, int level) {
-  const int cores = std::max(1, std::min(assume.fan_out, assume.relay_cores));
+  const int streams = std::max(1, assume.streams);
+  const int cores = std::max(1, std::min(assume.fan_out * streams, assume.relay_cores));
   const double d = delta_bytes;
   const double cpu = (d / rates.relay_forward_bytes_per_second +
                       (assume.fan_out - 1) * d / rates.tls_send_bytes_per_second) /
                      cores;
-  const double strand = std::max(d / rates.tls_send_bytes_per_second,
-                                 d / rates.tls_receive_bytes_per_second);
+  const double strand = std::max(d / (streams * rates.tls_send_bytes_per_second),
+                                 d / (streams * rates.tls_receive_bytes_per_second));
   const double nic = assume.fan_out * d / (assume.lan_bits_per_second / 8);
   const double seconds = std::max({cpu, strand, nic});
   const std::string f = std::to_string(assume.fan_out);
   return {"relay level " + std::to_string(level) + " (fan-out " + f + ")",
           "max((D / forward " + Rate(rates.relay_forward_bytes_per_second) + " + " +
               std::to_string(assume.fan_out - 1) + " x D / seal+send " +
-              Rate(rates.tls_send_bytes_per_second) + ") / min(" + f + ", " +
-              std::to_string(assume.relay_cores) + ") cores, D / one strand, " + f +
+              Rate(rates.tls_send_bytes_per_second) + ") / min(" + f + " x " +
+              std::to_string(streams) + ", " + std::to_string(assume.relay_cores) +
+              ") cores, D / " + std::to_string(streams) + " strands, " + f +
               " x D / NIC " + Gbit(assume.lan_bits_per_second) + ")",
           seconds, seconds * piece_share};
 }
 
 ProjectionStage WorkerReceive(const MeasuredRates& rates, const ProjectionAssumptions& assume,
                               double delta_bytes, double piece_share) {
-  const double seconds = std::max(delta_bytes / rates.tls_receive_bytes_per_second,
+  const int streams = std::max(1, assume.streams);
+  const double seconds = std::max(delta_bytes / (streams * rates.tls_receive_bytes_per_second),
                                   delta_bytes / (assume.lan_bits_per_second / 8));
   return {"worker receive",
-          "max(D / one stream's TLS receive+open " + Rate(rates.tls_receive_bytes_per_second) +
-              ", D / NIC " + Gbit(assume.lan_bits_per_second) + ")",
+          "max(D / " + Streams(streams) + " TLS receive+open " +
+              Rate(rates.tls_receive_bytes_per_second) + " each, D / NIC " +
+              Gbit(assume.lan_bits_per_second) + ")",
           seconds, seconds * piece_share};
 }
 
@@ -94,7 +103,8 @@ std::vector<ProjectionStage> SeedsStages(const MeasuredRates& rates,
   stages.push_back(PerWord("encode (publisher)", assume.checkpoint_words,
                            rates.encode_words_per_second, assume.trainer_cores,
                            assume.encode_chunk_words));
-  stages.push_back(WanHop(rates, delta_bytes, assume.wan_bits_per_second, piece_share,
+  stages.push_back(WanHop(rates, delta_bytes, assume.wan_bits_per_second,
+                          std::max(1, assume.streams), piece_share,
                           "publisher -> region's relay (WAN)"));
   for (int level = 1; level <= assume.tree_levels + 1; ++level)
     stages.push_back(RelayLevel(rates, assume, delta_bytes, piece_share, level));
@@ -217,11 +227,12 @@ std::vector<std::string> ProjectionAssumptionLines(const MeasuredRates& rates,
           Rate(rates.tls_receive_bytes_per_second) + ", relay forward (receive + re-send) " +
           Rate(rates.relay_forward_bytes_per_second),
       "WAN: one " + Gbit(assume.wan_bits_per_second) + " link per region, RTT " +
-          Fixed(assume.rtt_seconds * 1000, 0) + " ms, one TLS stream per link; hosts' NICs in "
-          "a region " + Gbit(assume.lan_bits_per_second),
+          Fixed(assume.rtt_seconds * 1000, 0) + " ms; every download over " +
+          std::to_string(assume.streams) + " TLS streams (--streams), a strand each; hosts' NICs "
+          "in a region " + Gbit(assume.lan_bits_per_second),
       "relays: fan-out " + std::to_string(assume.fan_out) + ", " +
           std::to_string(assume.tree_levels) + " level(s) below the region's relay (" +
-          std::to_string(workers) + " workers per region), egress on min(fan-out, " +
+          std::to_string(workers) + " workers per region), egress on min(fan-out x streams, " +
           std::to_string(assume.relay_cores) + " relay cores) cores (--egress-threads)",
       "pieces of " + Fixed(assume.piece_bytes / (1 << 20), 0) + " MiB hop to hop; encode chunks of " +
           Fixed(assume.encode_chunk_words / (1 << 20), 0) + " Mi words; " + StreamedFormula(),

@@ -7,8 +7,9 @@
 // The pipeline as built (docs/ARCHITECTURE.md): the publisher streams the delta
 // (delta::EncodeStreamed: each chunk goes out as soon as it is encoded), every relay
 // forwards a piece as soon as it has it, each connection's TLS records are sealed in order
-// on one strand (one core per connection), a relay serves its children from
-// min(fan-out, relay cores) cores, and a worker applies the delta once its last piece is
+// on one strand (one core per connection), a download runs over `streams` data
+// connections (UpstreamOptions::streams, `--streams`, 4), so a relay serves its children
+// from min(fan-out x streams, relay cores) cores, and a worker applies the delta once its last piece is
 // in (its decode-ahead keeps at most 256 MiB of decoded chunks: a rounding error at this
 // scale, not modelled). So
 //
@@ -47,6 +48,7 @@ struct ProjectionAssumptions {
   int worker_cores = 64;               // apply threads on a rollout host
   int relay_cores = 64;                // a relay's --egress-threads (default: its cores)
   int fan_out = 8;                     // children per relay
+  int streams = 4;                     // data connections per download (--streams), a strand each
   int tree_levels = 1;                 // relay levels below the region's relay
   double piece_bytes = 1 << 20;        // the unit that moves hop to hop
   double encode_chunk_words = 4 << 20;  // EncodeOptions::chunk_bytes of 1-byte words

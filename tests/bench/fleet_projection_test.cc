@@ -30,6 +30,7 @@ ProjectionAssumptions Small() {
   assume.worker_cores = 32;
   assume.relay_cores = 2;
   assume.fan_out = 4;
+  assume.streams = 1;  // one data connection per download (StreamsSpreadTheStrands: 4)
   assume.tree_levels = 1;
   assume.piece_bytes = 16e6;        // 1/1000 of the delta
   assume.encode_chunk_words = 1e6;  // 2 ms at 0.5 G words/s
@@ -63,6 +64,22 @@ TEST(FleetProjectionTest, StagesFollowFromRatesAndAssumptions) {
   EXPECT_NEAR(p.in_region_seconds, 20 + 0.034 + 2, 1e-9);
   const Table table = ProjectionTable(p, assume);
   EXPECT_EQ(table.rows.size(), p.stages.size() + 6);
+}
+
+TEST(FleetProjectionTest, StreamsSpreadTheStrands) {
+  ProjectionAssumptions assume = Small();
+  assume.streams = 4;
+  assume.relay_cores = 64;
+  const Projection p = ProjectSeedsCase(Rates(), assume);
+  // WAN: max(16 GB / 10 GB/s, 16 GB / (4 x 2 GB/s)) = 2 s, not one stream's 8 s.
+  EXPECT_DOUBLE_EQ(p.stages[1].seconds, 2.0);
+  // Relay: (16 / 1 + 3 x 16 / 2) / min(4 x 4, 64) cores = 2.5 s; strands 16 / 8 = 2 s.
+  EXPECT_DOUBLE_EQ(p.stages[2].seconds, 2.5);
+  // Receive: 16 GB / (4 x 4 GB/s) = 1 s.
+  EXPECT_DOUBLE_EQ(p.stages[4].seconds, 1.0);
+  // Two relay cores: min(16, 2) = 2 cores, as with one stream.
+  assume.relay_cores = 2;
+  EXPECT_DOUBLE_EQ(ProjectSeedsCase(Rates(), assume).stages[2].seconds, 20.0);
 }
 
 TEST(FleetProjectionTest, APlantedWrongRateChangesTheResult) {
@@ -116,6 +133,7 @@ TEST(FleetProjectionTest, TheSeedsCaseDefaults) {
   EXPECT_EQ(assume.trainer_cores, 64);
   EXPECT_EQ(assume.worker_cores, 64);
   EXPECT_EQ(assume.fan_out, 8);
+  EXPECT_EQ(assume.streams, 4);  // UpstreamOptions::streams, `--streams`
   MeasuredRates rates = Rates();
   rates.tls_send_bytes_per_second = 4e9;  // faster than the 1.25 GB/s link
   const Projection p = ProjectSeedsCase(rates, assume);
