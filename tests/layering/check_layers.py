@@ -31,7 +31,11 @@ MAY_DEPEND_ON = {
     # push/: the push product (API, uploads, client), an extension of sync/'s publisher.
     "push": ["sync"],
     "model": ["delta", "tokenizer"],
-    "pipeline": ["transport", "ops"],
+    # data/: datasets (JSONL: SFT, DPO, RL) and chat-template rendering with loss masks.
+    "data": ["tokenizer"],
+    # grading/: built-in and external graders, the environment protocol.
+    "grading": ["transport", "ops"],
+    "pipeline": ["transport", "ops", "data", "grading"],
     "trainer": ["model", "sync"],
     "rollout": ["model", "sync", "transport", "tokenizer", "pipeline"],
     "rl": ["trainer", "rollout", "pipeline", "push"],
@@ -54,7 +58,7 @@ TOP = {"tests", "examples"}
 # Folders whose code must stay torch-free: relays, publishers and the coordinator must not
 # load libtorch.
 TORCH_FREE = {"base", "kernels", "checkpoint", "delta", "transport", "ops", "tokenizer", "sync",
-              "push", "pipeline", "testing"}
+              "push", "pipeline", "testing", "data", "grading"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
 SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")
