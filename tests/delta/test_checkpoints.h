@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "delta/delta.h"
+#include "checkpoint/hash.h"
 #include "checkpoint/tensor.h"
 
 namespace flywheel::testing {
@@ -84,6 +85,13 @@ inline bool SameBytes(const OwnedCheckpoint& a, const OwnedCheckpoint& b) {
       return false;
   }
   return true;
+}
+
+// The checkpoint hash of `checkpoint`; a failure fails the calling test (and gives {}).
+inline Hash128 HashOf(const OwnedCheckpoint& checkpoint) {
+  Result<Hash128> hash = CheckpointHash(checkpoint.view());
+  EXPECT_TRUE(hash.ok()) << hash.status().ToString();
+  return hash.ok() ? *hash : Hash128{};
 }
 
 inline std::vector<TensorSpec> MixedSpecs() {

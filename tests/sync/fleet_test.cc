@@ -67,6 +67,7 @@ using flywheel::testing::FaultProxy;
 using flywheel::testing::FaultProxyOptions;
 using flywheel::testing::Mutate;
 using flywheel::testing::RandomCheckpoint;
+using flywheel::testing::HashOf;
 using flywheel::testing::TensorSpec;
 using Clock = std::chrono::steady_clock;
 
@@ -94,12 +95,6 @@ std::vector<TensorSpec> SmallSpecs() {
       {"model.layers.0.mlp.up_proj.weight", DType::kBF16, {256, 1024}},
       {"model.norm.weight", DType::kF32, {512}},
   };
-}
-
-Hash128 HashOf(const OwnedCheckpoint& checkpoint) {
-  Result<Hash128> hash = CheckpointHash(checkpoint.view());
-  EXPECT_TRUE(hash.ok()) << hash.status().ToString();
-  return hash.ok() ? *hash : Hash128{};
 }
 
 // A training run as the fleet sees it: v1 is random, every next version replaces about

@@ -48,6 +48,8 @@ namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using json = nlohmann::json;
 using flywheel::testing::RandomCheckpoint;
+using flywheel::testing::HashOf;
+using flywheel::testing::SameBytes;
 using flywheel::testing::TensorSpec;
 
 constexpr uint64_t kPieceBytes = 64 << 10;
@@ -62,20 +64,6 @@ std::vector<TensorSpec> Specs() {
       {"model.layers.1.mlp.down_proj.weight", DType::kBF16, {256, 1002}},
       {"model.norm.weight", DType::kF32, {733}},
   };
-}
-
-Hash128 HashOf(const OwnedCheckpoint& checkpoint) {
-  Result<Hash128> hash = CheckpointHash(checkpoint.view());
-  EXPECT_TRUE(hash.ok()) << hash.status().ToString();
-  return hash.ok() ? *hash : Hash128{};
-}
-
-bool SameBytes(const OwnedCheckpoint& a, const OwnedCheckpoint& b) {
-  if (a.tensors.size() != b.tensors.size()) return false;
-  for (size_t i = 0; i < a.tensors.size(); ++i) {
-    if (a.tensors[i].name != b.tensors[i].name || a.tensors[i].data != b.tensors[i].data) return false;
-  }
-  return true;
 }
 
 using flywheel::testing::BytesSink;
