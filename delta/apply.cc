@@ -125,6 +125,74 @@ Status DecodeSparse(const Manifest& m, size_t index, std::span<const uint8_t> ra
   return Status::Ok();
 }
 
+// A plain sparse chunk whose values are rANS-coded, decoded and applied in one pass
+// (entropy::DecodeApplySparse, which puts every word back when the chunk is corrupt).
+// False when the chunk is coded otherwise (or malformed): the caller decodes it whole first.
+bool TryApplyFused(const ChunkEntry& e, int w, std::span<const uint8_t> raw, uint8_t* region,
+                   bool keep_undo, bool keep_positions, UndoRecord* undo, Scratch& s,
+                   Status* status) {
+  if (e.kind != ChunkKind::kSparse) return false;
+  wire::Reader r(raw);
+  const int k = r.U8();
+  const uint8_t coding = r.U8();
+  const uint64_t index_bytes = r.Varint();
+  const std::span<const uint8_t> index_stream = r.Bytes(index_bytes);
+  const size_t count = e.changed_words;
+  if (r.failed() || coding != static_cast<uint8_t>(format::ValueCoding::kRans) ||
+      !entropy::FusedRiceK(k) || count > 8 * index_stream.size()) {
+    return false;
+  }
+  entropy::SparseTarget target;
+  target.region = region;
+  target.w = w;
+  if (keep_undo || keep_positions) {
+    undo->positions.resize(count);
+    target.positions_out = undo->positions.data();
+  } else {
+    Grow(s.positions, count);
+    target.positions_out = s.positions.data();
+  }
+  if (keep_undo) {
+    undo->old_bytes.resize(count * w);
+    target.old_out = undo->old_bytes.data();
+  } else {
+    Grow(s.words_a, count * w);
+    target.old_out = s.words_a.data();
+  }
+  *status = entropy::DecodeApplySparse(index_stream, k, r.Rest(), count, e.word_count, target);
+  if (!status->ok()) {
+    undo->positions.clear();
+    undo->old_bytes.clear();
+  }
+  return true;
+}
+
+// Decodes and applies sparse chunk `index` (either kind) to `region`, its words, keeping
+// in `undo` what it overwrote (keep_undo) and which words it wrote (keep_positions). A
+// corrupt chunk leaves the region as it was.
+Status ApplySparse(const Manifest& m, size_t index, std::span<const uint8_t> raw,
+                   uint8_t* region, bool keep_undo, bool keep_positions, UndoRecord* undo,
+                   Scratch& s) {
+  const ChunkEntry& e = m.chunks[index];
+  const int w = DTypeWordBytes(m.tensors[e.tensor_index].dtype);
+  Status fused;
+  if (TryApplyFused(e, w, raw, region, keep_undo, keep_positions, undo, s, &fused)) {
+    return fused.ok() ? fused : fused.WithContext(ChunkName(m, index));
+  }
+  FW_RETURN_IF_ERROR(DecodeSparse(m, index, raw, region, s));
+  const size_t count = e.changed_words;
+  void* old_values = nullptr;
+  if (keep_undo || keep_positions) {
+    undo->positions.assign(s.positions.begin(), s.positions.begin() + count);
+  }
+  if (keep_undo) {
+    undo->old_bytes.resize(count * w);
+    old_values = undo->old_bytes.data();
+  }
+  kernels::ScatterAddZigZag(region, w, s.positions.data(), s.z.data(), count, old_values);
+  return Status::Ok();
+}
+
 enum PreparedState : int { kEmpty = 0, kPreparing = 1, kReady = 2, kClaimed = 3 };
 
 // Writes the words a PreparedChunks decoded for chunk `index` into `tensor_data`, keeping
@@ -211,17 +279,7 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
   const size_t n = e.word_count;
 
   if (IsSparse(e.kind)) {
-    FW_RETURN_IF_ERROR(DecodeSparse(m, index, raw, region, s));
-    const size_t count = e.changed_words;
-    void* old_values = nullptr;
-    if (keep_undo || keep_positions) {
-      undo->positions.assign(s.positions.begin(), s.positions.begin() + count);
-    }
-    if (keep_undo) {
-      undo->old_bytes.resize(count * w);
-      old_values = undo->old_bytes.data();
-    }
-    kernels::ScatterAddZigZag(region, w, s.positions.data(), s.z.data(), count, old_values);
+    FW_RETURN_IF_ERROR(ApplySparse(m, index, raw, region, keep_undo, keep_positions, undo, s));
   } else {
     if (keep_undo) undo->old_bytes.assign(region, region + n * w);
     if (e.kind == ChunkKind::kLiteral) {

@@ -52,6 +52,7 @@ struct EncodedChunk {
 
 // For the changed words just found in one block: the gap to the previous change, the
 // zigzagged difference and the base word, read while the block is in cache.
+// base_words may be null (only the context coding reads them).
 template <int W>
 void GapsAndDiffs(const uint8_t* base, const uint8_t* target, const uint32_t* block_positions,
                   size_t found, uint32_t block_begin, uint32_t& next_free, uint32_t* gaps,
@@ -64,7 +65,7 @@ void GapsAndDiffs(const uint8_t* base, const uint8_t* target, const uint32_t* bl
     std::memcpy(&b, base + size_t{p} * W, W);
     std::memcpy(&t, target + size_t{p} * W, W);
     z[i] = entropy::ZigZag(static_cast<S>(static_cast<U>(t - b)));
-    base_words[i] = b;
+    if (base_words != nullptr) base_words[i] = b;
     gaps[i] = block_begin + p - next_free;
     next_free = block_begin + p + 1;
   }
@@ -72,15 +73,17 @@ void GapsAndDiffs(const uint8_t* base, const uint8_t* target, const uint32_t* bl
 
 // Compares base and target in cache-sized blocks (feeding each block to the hashers first,
 // when given) and, for the changed words, fills s.gaps and s.z while the block is still in
-// cache. Returns the number of changed words.
+// cache. Returns the number of changed words. s.base_words is filled only `with_base_words`
+// (the context coding's need).
 size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_t n, Scratch& s,
-                        StreamingHash* base_hasher, StreamingHash* target_hasher) {
+                        StreamingHash* base_hasher, StreamingHash* target_hasher,
+                        bool with_base_words) {
   constexpr size_t kBlockBytes = 64 << 10;
   const size_t block_words = kBlockBytes / w;
   Grow(s.positions, std::min(n, block_words));
   Grow(s.gaps, n);
   Grow(s.z, n);
-  Grow(s.base_words, n);
+  if (with_base_words) Grow(s.base_words, n);
   size_t m = 0;
   uint32_t next_free = 0;
   for (size_t begin = 0; begin < n; begin += block_words) {
@@ -94,7 +97,7 @@ size_t CompareAndGather(int w, const uint8_t* base, const uint8_t* target, size_
     const uint32_t block_begin = static_cast<uint32_t>(begin);
     uint32_t* gaps = s.gaps.data() + m;
     uint64_t* z = s.z.data() + m;
-    uint64_t* base_words = s.base_words.data() + m;
+    uint64_t* base_words = with_base_words ? s.base_words.data() + m : nullptr;
     switch (w) {
       case 1:
         GapsAndDiffs<1>(b, t, s.positions.data(), found, block_begin, next_free, gaps, z,
@@ -123,27 +126,38 @@ void BuildSparseRaw(size_t m, Scratch& s, ByteVec* raw) {
   const std::span<const uint32_t> gaps(s.gaps.data(), m);
   const std::span<const uint64_t> z(s.z.data(), m);
   int k = entropy::ChooseRiceK(gaps);
-  ByteVec index;
+  // Per-thread buffers: fresh ones of the coders' worst-case sizes would be page-faulted
+  // in on every chunk.
+  thread_local ByteVec index, values;
+  index.clear();
+  values.clear();
   entropy::RiceEncode(gaps, k, &index);
   raw->clear();
   raw->push_back(static_cast<uint8_t>(k));
-  ByteVec values;
   entropy::EncodeValues(z, &values);
   format::ValueCoding coding = format::ValueCoding::kRans;
   if (m < 256) {
     ByteVec gamma;
     entropy::EncodeValuesGamma(z, &gamma);
-    if (gamma.size() < values.size()) values.swap(gamma), coding = format::ValueCoding::kGamma;
+    if (gamma.size() < values.size()) {
+      values.assign(gamma.begin(), gamma.end());
+      coding = format::ValueCoding::kGamma;
+    }
   }
   raw->push_back(static_cast<uint8_t>(coding));
   wire::PutVarint(raw, index.size());
   wire::PutBytes(raw, index);
   wire::PutBytes(raw, values);
+  // As TrimScratch: a pool thread does not hold an unusually large chunk's peak forever.
+  constexpr size_t kKeepBytes = 64 << 20;
+  if (index.capacity() > kKeepBytes) ByteVec().swap(index);
+  if (values.capacity() > kKeepBytes) ByteVec().swap(values);
 }
 
 // Keeps `raw` (or its compressed form) as the chunk's payload when it stores smaller than
-// what `out` holds so far. Takes the buffer instead of copying it: `raw` or `packed` gets
-// the old payload buffer back.
+// what `out` holds so far. The payload is copied out at its exact size: the scratch
+// buffers keep their (already mapped) memory for the next chunk, which would otherwise
+// page-fault a fresh buffer of the chunk's worst-case size in.
 void KeepIfSmaller(ChunkKind kind, ByteVec& raw, ByteVec& packed, const EncodeOptions& options,
                    EncodedChunk& out, bool try_compress = true) {
   bool compressed =
@@ -156,7 +170,8 @@ void KeepIfSmaller(ChunkKind kind, ByteVec& raw, ByteVec& packed, const EncodeOp
   out.entry.compressor = compressed ? options.compressor : Compressor::kNone;
   out.entry.raw_bytes = raw.size();
   out.entry.payload_bytes = stored;
-  out.payload.swap(compressed ? packed : raw);
+  const ByteVec& kept = compressed ? packed : raw;
+  out.payload.assign(kept.begin(), kept.end());
 }
 
 // Tries the two dense forms of n words (XOR with the base, and the target itself).
@@ -215,7 +230,7 @@ EncodedChunk EncodeChunk(const ChunkTask& task, int w, const uint8_t* base, cons
     e.changed_words = n;
     KeepIfSmaller(ChunkKind::kLiteral, s.raw, s.packed, options, out);
   } else {
-    size_t m = CompareAndGather(w, b, t, n, s, base_hasher, target_hasher);
+    size_t m = CompareAndGather(w, b, t, n, s, base_hasher, target_hasher, context.has_value());
     if (m == 0) return out;
     e.changed_words = m;
     if (!context || m < kContextTryBoth) {

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "delta/wire.h"
+#include "kernels/kernels.h"
 
 namespace flywheel::delta::entropy {
 namespace {
@@ -320,12 +321,16 @@ void PutRansT(std::span<const uint8_t> symbols, EncOf enc_of, std::vector<uint8_
   uint8_t* const buffer_end = buffer.data() + buffer.size();
   uint8_t* ptr = buffer_end;
   uint32_t x0 = kRansLow, x1 = kRansLow;
+  // The renormalisation without a branch: it emits n = (x >= x_max) + (x >> 8 >= x_max)
+  // bytes, low byte first, so both are stored and the pointer moves by n (the buffer has
+  // room below for the two stores).
   auto put = [&](uint32_t& state, size_t i) {
     const EncSymbol& e = enc_of(i)[symbols[i]];
-    while (state >= e.x_max) {
-      *--ptr = static_cast<uint8_t>(state);
-      state >>= 8;
-    }
+    const uint32_t n = static_cast<uint32_t>(state >= e.x_max) + ((state >> 8) >= e.x_max);
+    ptr[-1] = static_cast<uint8_t>(state);
+    ptr[-2] = static_cast<uint8_t>(state >> 8);
+    ptr -= n;
+    state >>= 8 * n;
     const uint32_t q =
         static_cast<uint32_t>((static_cast<unsigned __int128>(state) * e.reciprocal) >> 43);
     state = (q << kRansScaleBits) + (state - q * e.freq) + e.start;
@@ -347,6 +352,7 @@ void PutRansT(std::span<const uint8_t> symbols, EncOf enc_of, std::vector<uint8_
 
 void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
   thread_local std::vector<uint8_t> symbols;
+  thread_local std::vector<uint32_t> with_extra;
   symbols.resize(z.size());
   uint64_t counts[kNumValueSymbols];
   const uint8_t symbol_or = ValueSymbols(z, symbols.data(), counts);
@@ -356,8 +362,16 @@ void EncodeValues(std::span<const uint64_t> z, std::vector<uint8_t>* out) {
   PutFrequencyTable(freq, enc, out);
   PutRansT({symbols.data(), z.size()}, [&](size_t) { return enc; }, out);
   if (any_extra) {
-    BitWriter extra(out, 63 * static_cast<uint64_t>(z.size()));
-    for (uint64_t v : z) PutExtraBits(extra, v);
+    // The values with extra bits listed first without a branch (which value has some is
+    // unpredictable), then only those written, in order.
+    with_extra.resize(z.size());
+    size_t listed = 0;
+    for (size_t i = 0; i < z.size(); ++i) {
+      with_extra[listed] = static_cast<uint32_t>(i);
+      listed += z[i] > 16;
+    }
+    BitWriter extra(out, 63 * static_cast<uint64_t>(listed));
+    for (size_t j = 0; j < listed; ++j) PutExtraBits(extra, z[with_extra[j]]);
     extra.Flush();
   }
 }
@@ -538,6 +552,303 @@ Status DecodeValuesGamma(std::span<const uint8_t> in, size_t count, uint64_t* z)
   }
   if (!r.AtEnd()) return Corrupt("value stream: bytes after the last gamma code");
   return Status::Ok();
+}
+
+// ---- the plain sparse chunk, decoded and applied in one pass --------------------------
+
+namespace {
+
+// LSB-first bits for the fused loop: Refill() before every code keeps at least 56 bits in
+// the accumulator, without a branch while 8 bytes can be loaded; zeros past the end, as
+// BitReader reads them, and the same overrun / AtEnd tests. The bits consumed are
+// 8 * pos_ - avail_ (both refills keep that so).
+class RefillingBits {
+ public:
+  explicit RefillingBits(std::span<const uint8_t> in) : data_(in.data()), size_(in.size()) {
+    Refill();
+  }
+  [[gnu::always_inline]] void Refill() {
+    if (pos_ + 8 <= size_) [[likely]] {
+      uint64_t word;
+      std::memcpy(&word, data_ + pos_, 8);
+      acc_ |= word << avail_;
+      pos_ += static_cast<size_t>((63 - avail_) >> 3);
+      avail_ |= 56;
+      return;
+    }
+    while (avail_ <= 55) {
+      const uint64_t byte = pos_ < size_ ? data_[pos_] : 0;
+      ++pos_;
+      acc_ |= byte << avail_;
+      avail_ += 8;
+    }
+  }
+  uint64_t Peek() const { return acc_; }
+  // REQUIRES: count <= the bits available (56 after a Refill).
+  [[gnu::always_inline]] void Consume(int count) {
+    acc_ >>= count;
+    avail_ -= count;
+  }
+  uint64_t consumed() const { return 8 * static_cast<uint64_t>(pos_) - avail_; }
+  bool overrun() const { return consumed() > 8 * static_cast<uint64_t>(size_); }
+  bool AtEnd() const {
+    const uint64_t total = 8 * static_cast<uint64_t>(size_);
+    if (consumed() > total || total - consumed() >= 8) return false;
+    const int left = static_cast<int>(total - consumed());
+    return left == 0 || (acc_ & ((uint64_t{1} << left) - 1)) == 0;
+  }
+
+ private:
+  const uint8_t* data_;
+  size_t size_;
+  size_t pos_ = 0;
+  uint64_t acc_ = 0;
+  int avail_ = 0;
+};
+
+// The gap of an escaped code (q >= 31 zero bits first), as RiceDecodeCareful reads it;
+// false on a malformed one.
+[[gnu::always_inline]] inline bool RiceEscapedGap(RefillingBits& bits, int q, uint64_t* gap) {
+  if (q != kRiceEscapeQuotient) return false;
+  bits.Consume(kRiceEscapeQuotient + 1);
+  bits.Refill();
+  const int length = static_cast<int>(bits.Peek() & 63);
+  bits.Consume(6);
+  if (length < 1 || length > 32) return false;
+  bits.Refill();
+  *gap = bits.Peek() & ((~uint64_t{0}) >> (64 - length));
+  bits.Consume(length);
+  return true;
+}
+
+// A rANS slot packed into one word: freq (13 bits), bias (12 bits), symbol (7 bits).
+constexpr uint32_t PackSlot(const Slot& s) {
+  return uint32_t{s.freq} | (uint32_t{s.bias} << 13) | (uint32_t{s.symbol} << 25);
+}
+
+// The two rANS states and their byte stream, stepped as RansDecodeT steps them.
+struct RansStates {
+  uint32_t x0, x1;
+  const uint8_t* p;
+  const uint8_t* end;
+  bool malformed = false;
+
+  // Decodes one symbol with `state`. While two bytes are left the renormalisation takes
+  // no branch: a state >= 2^23 before the step is >= 2^11 after it, so it needs
+  // (x < 2^23) + (x < 2^15) bytes, the same ones RansDecodeT reads.
+  [[gnu::always_inline]] uint32_t Step(const uint32_t* table, uint32_t& state) {
+    const uint32_t e = table[state & (kRansScale - 1)];
+    uint32_t x = (e & 0x1fff) * (state >> kRansScaleBits) + ((e >> 13) & 0xfff);
+    if (end - p >= 2) [[likely]] {
+      const uint32_t n = static_cast<uint32_t>(x < kRansLow) + (x < (kRansLow >> 8));
+      const uint32_t two = (uint32_t{p[0]} << 8) | p[1];
+      x = (x << (8 * n)) | (two >> (16 - 8 * n));
+      p += n;
+    } else {
+      while (x < kRansLow && p < end) x = (x << 8) | *p++;
+      malformed |= x < kRansLow;
+    }
+    state = x;
+    return e >> 25;
+  }
+};
+
+// Puts back the first `applied` words DecodeApplySparse wrote.
+template <typename U>
+void RestoreWords(const SparseTarget& t, size_t applied) {
+  for (size_t i = 0; i < applied; ++i) {
+    std::memcpy(t.region + size_t{t.positions_out[i]} * sizeof(U), t.old_out + i * sizeof(U),
+                sizeof(U));
+  }
+}
+
+// Where the fused loop stands: the decoders, and how it ended.
+struct FusedState {
+  RefillingBits rice;
+  RansStates rans;
+  BitReader extra;
+  bool any_extra = false;
+  size_t applied = 0;     // words written (all, or those before a malformed index code)
+  int failed_code = -1;   // change at which the index stream went wrong, or -1
+  int64_t position = -1;  // the last change's word
+};
+
+// The fused loop over `count` changes, two at a time (change i uses rANS state i & 1, and
+// both states stay in registers). The Rice and rANS decoders are copied into locals and
+// back: the words written through byte pointers could otherwise alias them.
+template <typename U>
+[[gnu::always_inline]] inline void FusedLoopBody(FusedState& state, int k, uint64_t limit,
+                                                 const uint32_t* table, size_t count,
+                                                 const SparseTarget& target) {
+  RefillingBits rice = state.rice;
+  RansStates rans = state.rans;
+  BitReader& extra = state.extra;  // rarely read: stays in memory, out of the registers
+  uint8_t* const region = target.region;
+  uint8_t* const old_out = target.old_out;
+  uint32_t* const positions_out = target.positions_out;
+  const uint64_t low_mask = (uint64_t{1} << k) - 1;
+  int64_t position = -1;
+  // One change; false when its index code is malformed or its position past the limit.
+  auto change = [&](size_t i, uint32_t& x) __attribute__((always_inline)) {
+    rice.Refill();
+    const uint64_t bits = rice.Peek();
+    const int q = __builtin_ctzll(bits | (uint64_t{1} << 63));
+    uint64_t gap;
+    if (q < kRiceEscapeQuotient) [[likely]] {
+      gap = (static_cast<uint64_t>(q) << k) | ((bits >> (q + 1)) & low_mask);
+      rice.Consume(q + 1 + k);
+    } else if (!RiceEscapedGap(rice, q, &gap)) {
+      return false;
+    }
+    position += static_cast<int64_t>(gap) + 1;
+    if (static_cast<uint64_t>(position) >= limit) [[unlikely]] return false;
+    const uint32_t symbol = rans.Step(table, x);
+    uint64_t z = symbol + 1;
+    if (symbol >= 16) [[unlikely]] {
+      state.any_extra = true;
+      const int length = static_cast<int>(symbol) - 16 + 5;
+      z = (uint64_t{1} << (length - 1)) | extra.GetWide(length - 1);
+    }
+    const uint64_t d = (z >> 1) ^ (0 - (z & 1));
+    uint8_t* word = region + static_cast<size_t>(position) * sizeof(U);
+    U old;
+    std::memcpy(&old, word, sizeof(U));
+    std::memcpy(old_out + i * sizeof(U), &old, sizeof(U));
+    const U updated = static_cast<U>(old + static_cast<U>(d));
+    std::memcpy(word, &updated, sizeof(U));
+    positions_out[i] = static_cast<uint32_t>(position);
+    return true;
+  };
+  size_t i = 0;
+  bool ok = true;
+  for (; i + 2 <= count; i += 2) {
+    if (!change(i, rans.x0)) {
+      ok = false;
+      break;
+    }
+    if (!change(i + 1, rans.x1)) {
+      ok = false;
+      ++i;
+      break;
+    }
+  }
+  if (ok && i < count) ok = change(i, rans.x0);
+  state.applied = ok ? count : i;
+  state.failed_code = ok ? -1 : static_cast<int>(std::min<size_t>(i, INT32_MAX));
+  state.position = position;
+  state.rice = rice;
+  state.rans = rans;
+}
+
+// The loop compiled twice: with BMI2's shifts (shlx/shrx take any register) where the
+// CPU has them, and for any x86-64.
+template <typename U>
+__attribute__((target("bmi,bmi2"))) void FusedLoopBmi2(FusedState& state, int k, uint64_t limit,
+                                                        const uint32_t* table, size_t count,
+                                                        const SparseTarget& target) {
+  FusedLoopBody<U>(state, k, limit, table, count, target);
+}
+template <typename U>
+void FusedLoopPlain(FusedState& state, int k, uint64_t limit, const uint32_t* table,
+                    size_t count, const SparseTarget& target) {
+  FusedLoopBody<U>(state, k, limit, table, count, target);
+}
+
+// The checks the reference makes once every change is decoded, in its order.
+Status FusedEndChecks(const FusedState& f, std::span<const uint8_t> extra_bytes) {
+  if (f.rice.overrun()) return Corrupt("index stream is truncated");
+  if (!f.rice.AtEnd()) return Corrupt("index stream has bytes after its last change");
+  if (f.rans.malformed) return Corrupt("value stream: rANS data truncated");
+  if (f.rans.x0 != kRansLow || f.rans.x1 != kRansLow || f.rans.p != f.rans.end) {
+    return Corrupt("value stream: rANS final state does not check out");
+  }
+  if (!f.any_extra) {
+    if (!extra_bytes.empty()) {
+      return Corrupt("value stream: extra bits present but no value needs them");
+    }
+    return Status::Ok();
+  }
+  if (f.extra.overrun()) return Corrupt("value stream: extra bits truncated");
+  if (!f.extra.AtEnd()) return Corrupt("value stream: bytes after the extra bits");
+  return Status::Ok();
+}
+
+bool HaveBmi2() {
+  static const bool have = __builtin_cpu_supports("bmi2");
+  return have;
+}
+
+template <typename U>
+Status DecodeApplySparseT(std::span<const uint8_t> index, int k, const uint32_t* table,
+                          std::span<const uint8_t> rans_bytes,
+                          std::span<const uint8_t> extra_bytes, size_t count, uint64_t limit,
+                          const SparseTarget& t) {
+  FusedState f{RefillingBits(index),
+               RansStates{static_cast<uint32_t>(wire::LoadFixed(rans_bytes.data(), 4)),
+                          static_cast<uint32_t>(wire::LoadFixed(rans_bytes.data() + 4, 4)),
+                          rans_bytes.data() + 8, rans_bytes.data() + rans_bytes.size()},
+               BitReader(extra_bytes)};
+  if (t.isa == FusedLoopIsa::kAuto && HaveBmi2()) {
+    FusedLoopBmi2<U>(f, k, limit, table, count, t);
+  } else {
+    FusedLoopPlain<U>(f, k, limit, table, count, t);
+  }
+  Status st;
+  if (f.failed_code >= 0) {
+    st = static_cast<uint64_t>(f.position) >= limit && f.position >= 0
+             ? PastLimit(f.applied, f.position, limit)
+             : Corrupt("index stream: malformed code at change " + std::to_string(f.applied));
+  } else {
+    st = FusedEndChecks(f, extra_bytes);
+  }
+  if (!st.ok()) RestoreWords<U>(t, f.applied);
+  return st;
+}
+
+// The three-pass reference of DecodeApplySparse.
+Status DecodeApplySparseReference(std::span<const uint8_t> index, int k,
+                                  std::span<const uint8_t> values, size_t count, uint64_t limit,
+                                  const SparseTarget& t) {
+  thread_local std::vector<uint64_t> z;
+  if (z.size() < count) z.resize(count);
+  FW_RETURN_IF_ERROR(RiceDecodePositions(index, k, count, limit, t.positions_out));
+  FW_RETURN_IF_ERROR(DecodeValues(values, count, z.data()));
+  kernels::ScatterAddZigZagScalar(t.region, t.w, t.positions_out, z.data(), count, t.old_out);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status DecodeApplySparse(std::span<const uint8_t> index, int k, std::span<const uint8_t> values,
+                         size_t count, uint64_t limit, const SparseTarget& target) {
+  wire::Reader r(values);
+  thread_local Slot slots[kRansScale];
+  thread_local uint32_t packed[kRansScale];
+  FW_RETURN_IF_ERROR(ReadFrequencyTable(r, slots));
+  const uint64_t rans_length = r.Varint();
+  if (r.failed() || rans_length < 8 || rans_length > r.remaining()) {
+    return Corrupt("value stream: rANS length out of bounds");
+  }
+  std::span<const uint8_t> rans = r.Bytes(rans_length);
+  std::span<const uint8_t> extra_bytes = r.Rest();
+  const uint32_t x0 = static_cast<uint32_t>(wire::LoadFixed(rans.data(), 4));
+  const uint32_t x1 = static_cast<uint32_t>(wire::LoadFixed(rans.data() + 4, 4));
+  // Initial states below 2^23 (never written by the encoder) break the branchless
+  // renormalisation's premise: the reference decodes those.
+  if (x0 < kRansLow || x1 < kRansLow || !FusedRiceK(k)) {
+    return DecodeApplySparseReference(index, k, values, count, limit, target);
+  }
+  for (uint32_t s = 0; s < kRansScale; ++s) packed[s] = PackSlot(slots[s]);
+  switch (target.w) {
+    case 1:
+      return DecodeApplySparseT<uint8_t>(index, k, packed, rans, extra_bytes, count, limit, target);
+    case 2:
+      return DecodeApplySparseT<uint16_t>(index, k, packed, rans, extra_bytes, count, limit, target);
+    case 4:
+      return DecodeApplySparseT<uint32_t>(index, k, packed, rans, extra_bytes, count, limit, target);
+    default:
+      return DecodeApplySparseT<uint64_t>(index, k, packed, rans, extra_bytes, count, limit, target);
+  }
 }
 
 // ---- values with a table per context ------------------------------------------------

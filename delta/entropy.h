@@ -32,17 +32,17 @@ class BitWriter {
     limit_ = out->data() + out->size();
   }
   // REQUIRES: count <= 32, value < 2^count, at most max_bits in all.
+  // Without a branch: the accumulator (under 8 bits pending, then up to 32 more) is stored
+  // whole every time and the pointer moves by its complete bytes (the vector has 8 bytes
+  // of room past max_bits for that store).
   void Put(uint64_t value, int count) {
     acc_ |= value << filled_;
     filled_ += count;
-    if (filled_ >= 32) {
-      assert(next_ + 4 <= limit_);
-      const uint32_t low = static_cast<uint32_t>(acc_);
-      std::memcpy(next_, &low, 4);
-      next_ += 4;
-      acc_ >>= 32;
-      filled_ -= 32;
-    }
+    assert(next_ + 8 <= limit_);
+    std::memcpy(next_, &acc_, 8);
+    next_ += filled_ >> 3;
+    acc_ >>= filled_ & ~7;  // filled_ <= 7 + 32 here
+    filled_ &= 7;
   }
   // REQUIRES: count <= 64, value < 2^count.
   void PutWide(uint64_t value, int count) {
@@ -149,6 +149,41 @@ void RiceEncode(std::span<const uint32_t> gaps, int k, std::vector<uint8_t>* out
 // each < `limit`. Corruption on a malformed stream, an overrun, or a position >= limit.
 Status RiceDecodePositions(std::span<const uint8_t> in, int k, size_t count, uint64_t limit,
                            uint32_t* positions);
+
+// ---- the plain sparse chunk, decoded and applied in one pass --------------------------
+
+// What DecodeApplySparse patches: `region` holds the chunk's words (w bytes each,
+// little-endian); positions_out[i] and old_out[i] (w bytes) receive each change's word
+// index and its previous word (the undo record).
+// Which compiled loop DecodeApplySparse runs: the BMI2 one where the CPU has BMI2 (kAuto)
+// or the one for any x86-64 (kBaseline; tests run both).
+enum class FusedLoopIsa { kAuto, kBaseline };
+
+struct SparseTarget {
+  FusedLoopIsa isa = FusedLoopIsa::kAuto;
+  uint8_t* region = nullptr;
+  int w = 2;  // 1, 2, 4 or 8
+  uint32_t* positions_out = nullptr;  // room for `count`
+  uint8_t* old_out = nullptr;         // room for count * w bytes
+};
+
+// True when DecodeApplySparse takes chunks of Rice parameter k (larger k, rare, take the
+// three-pass reference).
+inline bool FusedRiceK(int k) {
+  return k >= 0 && k <= 24;
+}
+
+// The sparse apply of a plain (kind 2, rANS-valued) chunk in one pass over its changes:
+// each change's Rice gap (`index`, parameter k, each position < limit), its rANS-coded
+// value (`values`, EncodeValues's layout) and its extra bits are decoded and the
+// difference added to its word at once, so the decoders' dependency chains overlap and
+// no per-change array is written but the undo record. The reference is
+// RiceDecodePositions + DecodeValues + kernels::ScatterAddZigZagScalar; the two agree bit
+// for bit, and on the same inputs both succeed or both return Corruption.
+// On Corruption every word written is put back: the region is as before the call.
+// REQUIRES: FusedRiceK(k); target as SparseTarget says.
+Status DecodeApplySparse(std::span<const uint8_t> index, int k, std::span<const uint8_t> values,
+                         size_t count, uint64_t limit, const SparseTarget& target);
 
 // ---- value symbols ------------------------------------------------------------------
 // A changed word's difference d = target - base (mod 2^(8w), as a signed integer) is
