@@ -73,7 +73,7 @@ class ProcessGrader final : public AsyncGrader {
   // Under mu_: the steps of one round of the loop.
   void Dispatch(Finished& finished);
   void Expire(Clock::time_point now, Finished& finished);
-  void Restart(Clock::time_point now);
+  void Restart(Clock::time_point now, Finished& finished);
   void OnExit(const std::string& how, Finished& finished);
   void OnLine(std::string_view line, Finished& finished);
   void OnStderr(std::string_view bytes);
@@ -258,13 +258,16 @@ void ProcessGrader::OnExit(const std::string& how, Finished& finished) {
   Failure("the grader process " + how, finished);
 }
 
-void ProcessGrader::Restart(Clock::time_point now) {
+// A restart that fails counts as a failure, as a crash does, and is tried again later.
+void ProcessGrader::Restart(Clock::time_point now, Finished& finished) {
   if (child_.running() || now < restart_at_) return;
   ++counters_.restarts;
   Status started = child_.Start(argv_);
   if (!started.ok()) {
     stderr_lines_.push_back("[flywheel] restart failed: " + started.message());
+    while (stderr_lines_.size() > std::max<size_t>(options_.stderr_lines, 1)) stderr_lines_.pop_front();
     restart_at_ = now + milliseconds(500);
+    Failure("the grader process could not be restarted: " + started.message(), finished);
     return;
   }
   last_output_ = now;
@@ -338,7 +341,7 @@ void ProcessGrader::Loop() {
         if (child_.running()) child_.Kill();
       } else if (!stop) {
         const Clock::time_point now = Clock::now();
-        Restart(now);
+        Restart(now, finished);
         if (child_.running()) Dispatch(finished);
         Expire(now, finished);
       }

@@ -4,6 +4,8 @@
 // does not start. Every script records its process id; each test checks they all ended.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <thread>
 
 #include "grading/grader.h"
@@ -239,6 +241,26 @@ sys.exit(3)
   EXPECT_EQ(refused.kind, OutcomeKind::kFailed);
   EXPECT_EQ(refused.reason, message);
   grader->reset();
+  EXPECT_TRUE(testing::AllEnded(dir));
+}
+
+TEST(ProcessGraderTest, AGraderThatCannotBeRestartedFails) {
+  TempDir dir;
+  const std::string script = dir.File("vanishing.sh");
+  testing::WriteText(script, "#!/bin/sh\necho $$ >> " + dir.File("pids") + "\nrm \"$0\"\necho gone >&2\nexit 1\n");
+  ASSERT_EQ(::chmod(script.c_str(), 0700), 0);
+  ExternalGraderOptions options = Fast();
+  options.max_grader_failures = 2;
+  auto grader = StartProcessGrader(script, options);
+  ASSERT_TRUE(grader.ok()) << grader.status().ToString();
+  for (int i = 0; i < 100 && (*grader)->status().ok(); ++i) std::this_thread::sleep_for(milliseconds(50));
+  ASSERT_FALSE((*grader)->status().ok());
+  EXPECT_NE((*grader)->status().message().find("could not be restarted"), std::string::npos)
+      << (*grader)->status().message();
+  auto refused = (*grader)->Submit(MakeSample("a", "x"));
+  EXPECT_EQ(Await(refused).kind, OutcomeKind::kFailed);
+  grader->reset();
+  EXPECT_EQ(testing::RecordedPids(dir).size(), 1u);
   EXPECT_TRUE(testing::AllEnded(dir));
 }
 
