@@ -136,6 +136,7 @@ struct WorkerPoll {
   double last_apply_ms = 0;
   double last_swap_ms = 0;  // from the head's first announcement to the swap
   int64_t polled_unix_us = 0;
+  Json join;  // the worker's join timeline (sync/worker.h), an object
 };
 
 std::optional<WorkerPoll> PollWorker(const transport::Endpoint& http, const std::string& name) {
@@ -149,6 +150,7 @@ std::optional<WorkerPoll> PollWorker(const transport::Endpoint& http, const std:
     poll.state = json->value("state", std::string());
     poll.last_apply_ms = json->value("last_apply_ms", 0.0);
     poll.last_swap_ms = json->value("last_swap_ms", 0.0);
+    poll.join = json->value("join", Json::object());
   } catch (const Json::exception&) {
     return std::nullopt;
   }
@@ -174,6 +176,7 @@ struct ProcessUsage {
   double cpu_seconds = 0;
   uint64_t rss_bytes = 0;
   uint64_t fds = 0;
+  uint64_t cache_bytes = 0;  // a relay's, from its status (SampleRelays)
 };
 
 ProcessUsage UsageOf(pid_t pid) {
@@ -278,6 +281,41 @@ struct Victim {
   double forget_ms = -1;
 };
 
+// A restarted worker's way to the head, step by step (seconds; from its "join" status and
+// the time this benchmark started its process).
+struct JoinSample {
+  double process_start = 0;  // exec -> status endpoint up
+  double subscribe = 0;      // -> the first catalog (connect, subscribe)
+  double to_keyframe = 0;    // -> the keyframe's fetch begins (plan, waits)
+  double keyframe_fetch = 0;  // its bytes (decoded and verified while they arrive)
+  double keyframe_apply = 0;  // last piece -> swapped in
+  double chain = 0;           // the deltas after it, fetched and applied
+  double total = 0;           // start -> serving the head the join reached
+  double deltas = 0;
+  double cpu_seconds = 0;  // the worker's CPU by then
+};
+
+// The sample of a join that reached the head, if its timeline is whole.
+std::optional<JoinSample> SampleJoin(const Json& join, int64_t start_unix_us) {
+  auto at = [&](const char* key) { return join.value(key, int64_t{0}); };
+  const int64_t http = at("started_unix_us"), catalog = at("first_catalog_unix_us");
+  const int64_t fetch = at("keyframe_fetch_unix_us"), fetched = at("keyframe_fetched_unix_us");
+  const int64_t keyframe = at("keyframe_served_unix_us"), done = at("done_unix_us");
+  if (http == 0 || catalog == 0 || fetch == 0 || keyframe == 0 || done == 0) return std::nullopt;
+  auto seconds = [](int64_t from, int64_t to) { return static_cast<double>(to - from) / 1e6; };
+  JoinSample sample;
+  sample.process_start = seconds(start_unix_us, http);
+  sample.subscribe = seconds(http, catalog);
+  sample.to_keyframe = seconds(catalog, fetch);
+  sample.keyframe_fetch = seconds(fetch, fetched);
+  sample.keyframe_apply = seconds(fetched, keyframe);
+  sample.chain = seconds(keyframe, done);
+  sample.total = seconds(start_unix_us, done);
+  sample.deltas = join.value("deltas", 0.0);
+  sample.cpu_seconds = join.value("cpu_seconds", 0.0);
+  return sample;
+}
+
 class ChurnRun {
  public:
   ChurnRun(const ChurnBenchOptions& options, std::string flywheel, std::string dir)
@@ -292,6 +330,7 @@ class ChurnRun {
   ChurnBenchResult Figures(uint64_t nofile_limit);
   void Print(const ChurnBenchResult& result, std::ostream& out) const;
   Json ToJson(const ChurnBenchResult& result) const;
+  Json JoinsJson() const;
 
  private:
   Status Launch(const std::string& name, const std::string& role, std::vector<std::string> args,
@@ -330,11 +369,13 @@ class ChurnRun {
   std::vector<PublishRecord> publishes_;
   std::vector<Victim> victims_;         // every one of the run
   std::vector<double> restart_seconds_;  // start -> serving the head
+  std::vector<JoinSample> joins_;        // of those, the ones with a whole timeline
   uint64_t foreign_ = 0;
   std::string first_foreign_;
   std::vector<ProcessUsage> relays_before_, relays_after_;
   SteadyClock::time_point churn_start_, churn_end_;
   uint64_t relay_fds_max_ = 0;
+  uint64_t relay_cache_bytes_max_ = 0;
   uint64_t unclean_exits_ = 0;
   CpuBudget cpu_;
 };
@@ -364,11 +405,13 @@ Status ChurnRun::Start() {
   FW_RETURN_IF_ERROR(Env::Default()->CreateDirs(dir_ + "/ready"));
   publisher_.name = "publisher";
   const std::string ready = dir_ + "/ready/publisher.json";
-  FW_RETURN_IF_ERROR(Launch("publisher", "publish",
-                            {"--listen", kLoopbackAny, "--http", kLoopbackAny, "--state-dir",
-                             dir_ + "/publisher", "--watch", dir_ + "/watch", "--poll-ms", "20",
-                             "--region", "home", "--ready-file", ready},
-                            &publisher_.process));
+  std::vector<std::string> args = {"--listen", kLoopbackAny, "--http", kLoopbackAny, "--state-dir",
+                                   dir_ + "/publisher", "--watch", dir_ + "/watch", "--poll-ms", "20",
+                                   "--region", "home", "--ready-file", ready};
+  if (options_.keyframe_every != 0) {
+    args.insert(args.end(), {"--keyframe-every", std::to_string(options_.keyframe_every)});
+  }
+  FW_RETURN_IF_ERROR(Launch("publisher", "publish", std::move(args), &publisher_.process));
   FW_ASSIGN_OR_RETURN(Json json, AwaitReady(ready, "publisher", publisher_.process));
   FW_ASSIGN_OR_RETURN(publisher_.listen, EndpointOf(json, "listen", "publisher"));
   FW_ASSIGN_OR_RETURN(publisher_.http, EndpointOf(json, "http", "publisher"));
@@ -496,6 +539,7 @@ void ChurnRun::TakePoll(size_t index, const WorkerPoll& poll) {
   if (!slot.head_served && poll.version >= slot.head_at_start) {
     slot.head_served = true;
     restart_seconds_.push_back(static_cast<double>(poll.swap_unix_us - slot.start_unix_us) / 1e6);
+    if (std::optional<JoinSample> join = SampleJoin(poll.join, slot.start_unix_us)) joins_.push_back(*join);
   }
 }
 
@@ -675,6 +719,10 @@ void ChurnRun::SampleRelays(std::vector<ProcessUsage>& into) {
   for (const Role& relay : relays_) {
     into.push_back(UsageOf(processes_.pid(relay.process)));
     relay_fds_max_ = std::max(relay_fds_max_, into.back().fds);
+    if (Result<Json> status = GetStatus(relay.http, relay.name); status.ok()) {
+      into.back().cache_bytes = status->value("cache_bytes", uint64_t{0});
+      relay_cache_bytes_max_ = std::max(relay_cache_bytes_max_, into.back().cache_bytes);
+    }
   }
 }
 
@@ -756,6 +804,12 @@ ChurnBenchResult ChurnRun::Figures(uint64_t nofile_limit) {
     result.relay_rss_max_bytes = std::max(result.relay_rss_max_bytes, relays_after_[r].rss_bytes);
   }
   result.relay_fds_max = relay_fds_max_;
+  result.relay_cache_bytes_max = relay_cache_bytes_max_;
+  std::vector<double> deltas;
+  for (const JoinSample& join : joins_) deltas.push_back(join.deltas);
+  result.joins_timed = joins_.size();
+  result.join_deltas_p50 = Percentile(deltas, 0.5);
+  result.join_deltas_max = Max(deltas);
   return result;
 }
 
@@ -777,15 +831,36 @@ Table PublishTable(const std::vector<PublishRecord>& publishes, double deadline)
 
 Table RelayTable(const std::vector<Role>& relays, const std::vector<ProcessUsage>& before,
                  const std::vector<ProcessUsage>& after, double elapsed, size_t workers) {
-  Table table{{"relay", "workers", "CPU s (churn phase)", "CPU % of a core", "RSS MB", "open fds"}, {}};
+  Table table{{"relay", "workers", "CPU s (churn phase)", "CPU % of a core", "RSS MB", "open fds", "cache MB"}, {}};
   for (size_t r = 0; r < relays.size() && r < after.size() && r < before.size(); ++r) {
     const double cpu = after[r].cpu_seconds - before[r].cpu_seconds;
     const size_t children = workers / relays.size() + (r < workers % relays.size() ? 1 : 0);
     table.rows.push_back({relays[r].name, std::to_string(children), Fixed(cpu, 2),
                           Fixed(100.0 * cpu / std::max(elapsed, 1e-9), 1),
                           Fixed(static_cast<double>(after[r].rss_bytes) / 1e6, 1),
-                          std::to_string(after[r].fds)});
+                          std::to_string(after[r].fds),
+                          Fixed(static_cast<double>(after[r].cache_bytes) / 1e6, 1)});
   }
+  return table;
+}
+
+// Where a restarted worker's time to the head went: p50 and max of each step.
+Table JoinTable(const std::vector<JoinSample>& joins) {
+  Table table{{"restart -> head, step (" + std::to_string(joins.size()) + " restarts)", "p50", "max"}, {}};
+  auto row = [&](const std::string& step, double JoinSample::*field, int digits, const std::string& unit) {
+    std::vector<double> values;
+    for (const JoinSample& join : joins) values.push_back(join.*field);
+    table.rows.push_back({step, Fixed(Percentile(values, 0.5), digits) + unit, Fixed(Max(values), digits) + unit});
+  };
+  row("process start (exec -> Worker::Start)", &JoinSample::process_start, 3, " s");
+  row("connect + subscribe (-> first catalog)", &JoinSample::subscribe, 3, " s");
+  row("plan (-> keyframe fetch begins)", &JoinSample::to_keyframe, 3, " s");
+  row("keyframe fetch (staged, verified as it arrives)", &JoinSample::keyframe_fetch, 3, " s");
+  row("keyframe apply (last piece -> served)", &JoinSample::keyframe_apply, 3, " s");
+  row("deltas after the keyframe (fetch + apply)", &JoinSample::chain, 3, " s");
+  row("total (exec -> the join's head served)", &JoinSample::total, 3, " s");
+  row("deltas applied", &JoinSample::deltas, 0, "");
+  row("worker CPU by then", &JoinSample::cpu_seconds, 3, " s");
   return table;
 }
 
@@ -812,13 +887,17 @@ void ChurnRun::Print(const ChurnBenchResult& r, std::ostream& out) const {
   out << "## Churn benchmark\n\n"
       << options_.workers << " model-less workers behind " << options_.relays << " relays, "
       << options_.publishes << " publishes of a " << Fixed(options_.checkpoint_bytes / 1e6, 1)
-      << " MB bf16 model (AdamW lr " << options_.learning_rate << ") every "
+      << " MB bf16 model (AdamW lr " << options_.learning_rate << ", a keyframe every "
+      << (options_.keyframe_every == 0 ? std::string("10 (the default)") : std::to_string(options_.keyframe_every))
+      << " version(s)) every "
       << Fixed(options_.publish_interval_seconds, 1) << " s; every "
       << Fixed(options_.churn_period_seconds, 1) << " s " << Fixed(options_.churn_percent, 0)
       << "% of the workers killed (alternately SIGKILL and SIGTERM) and restarted at once. "
       << "RLIMIT_NOFILE " << r.nofile_limit << ".\n\n"
       << "Per publish (commit of the drop -> each worker of the cohort serving it):\n"
       << RenderText(PublishTable(publishes_, deadline)) << "\n"
+      << "A restarted worker's way to the head (its \"join\" status; exec time from this process):\n"
+      << RenderText(JoinTable(joins_)) << "\n"
       << "Relays (CPU over the churn phase; RSS and descriptors at the end, every worker up):\n"
       << RenderText(RelayTable(relays_, relays_before_, relays_after_,
                                std::chrono::duration<double>(churn_end_ - churn_start_).count(),
@@ -837,6 +916,8 @@ void ChurnRun::Print(const ChurnBenchResult& r, std::ostream& out) const {
   summary.rows.push_back({"restart -> serving the head, p50 / max (" + std::to_string(restart_seconds_.size()) + ")",
                           Fixed(r.restart_p50_seconds, 3) + " / " + Fixed(r.restart_max_seconds, 3) + " s",
                           "<= " + Fixed(deadline, 1) + " s", PassFail(r.restart_late == 0)});
+  summary.rows.push_back({"restart: deltas applied after the keyframe, p50 / max (" + std::to_string(r.joins_timed) + ")",
+                          Fixed(r.join_deltas_p50, 0) + " / " + Fixed(r.join_deltas_max, 0), "-", "-"});
   summary.rows.push_back({"SIGTERM: relay forgets it, max (" + std::to_string(r.sigterms) + ")",
                           Fixed(r.forget_sigterm_max_ms, 1) + " ms", "at once (< 1000 ms)",
                           PassFail(r.forget_sigterm_max_ms < 1000)});
@@ -848,6 +929,17 @@ void ChurnRun::Print(const ChurnBenchResult& r, std::ostream& out) const {
                           Fixed(r.forget_sigkill_max_ms, 1) + " ms", "-", "-"});
   out << RenderText(summary);
   if (foreign_ > 0) out << "  first foreign: " << first_foreign_ << "\n";
+}
+
+Json ChurnRun::JoinsJson() const {
+  Json joins = Json::array();
+  for (const JoinSample& j : joins_) {
+    joins.push_back({{"process_start", j.process_start}, {"subscribe", j.subscribe},
+                     {"to_keyframe", j.to_keyframe}, {"keyframe_fetch", j.keyframe_fetch},
+                     {"keyframe_apply", j.keyframe_apply}, {"chain", j.chain}, {"total", j.total},
+                     {"deltas", j.deltas}, {"cpu_seconds", j.cpu_seconds}});
+  }
+  return joins;
 }
 
 Json ChurnRun::ToJson(const ChurnBenchResult& r) const {
@@ -862,12 +954,13 @@ Json ChurnRun::ToJson(const ChurnBenchResult& r) const {
           {"nofile_limit", r.nofile_limit}, {"serve_p50_seconds", r.serve_p50_seconds},
           {"serve_p99_seconds", r.serve_p99_seconds}, {"serve_max_seconds", r.serve_max_seconds},
           {"serve_late", r.serve_late}, {"foreign_hashes", r.foreign_hashes},
-          {"restarts", r.restarts}, {"restart_seconds", restart_seconds_},
+          {"restarts", r.restarts}, {"restart_seconds", restart_seconds_}, {"joins", JoinsJson()},
           {"sigterms", r.sigterms}, {"sigkills", r.sigkills},
           {"forget_sigterm_max_ms", r.forget_sigterm_max_ms},
           {"forget_sigkill_max_ms", r.forget_sigkill_max_ms}, {"leaving_seen", r.leaving_seen},
           {"unclean_exits", r.unclean_exits}, {"relay_cpu_percent_max", r.relay_cpu_percent_max},
           {"relay_rss_max_bytes", r.relay_rss_max_bytes}, {"relay_fds_max", r.relay_fds_max},
+          {"relay_cache_bytes_max", r.relay_cache_bytes_max},
           {"cpu_seconds", {{"publisher", cpu_.publisher}, {"relays", cpu_.relays},
                            {"workers", cpu_.workers}, {"benchmark", cpu_.self},
                            {"machine", cpu_.machine}}}};

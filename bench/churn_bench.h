@@ -51,6 +51,9 @@ struct ChurnBenchOptions {
   double churn_offset_seconds = 1;
   uint64_t checkpoint_bytes = 15ull << 20;  // bf16 data of the generated model
   double learning_rate = 1e-6;              // AdamW step size: a few % of words change
+  // The publisher's --keyframe-every: 1 keeps a keyframe at the head, so a restarted
+  // worker joins with it and applies no delta; 0: the publisher's default (10).
+  uint64_t keyframe_every = 1;
   uint64_t seed = 1;
   int threads = 2;  // generating and hashing the checkpoints
   double serve_deadline_seconds = 2;
@@ -74,6 +77,10 @@ struct ChurnBenchResult {
   uint64_t restarts = 0, sigterms = 0, sigkills = 0;
   double restart_p50_seconds = 0, restart_max_seconds = 0;
   uint64_t restart_late = 0;
+  // Restarts whose worker reported its whole join timeline, and the deltas each applied
+  // after its keyframe on the way to the head (p50 / max).
+  uint64_t joins_timed = 0;
+  double join_deltas_p50 = 0, join_deltas_max = 0;
   double forget_sigterm_max_ms = 0, forget_sigkill_max_ms = 0;
   uint64_t leaving_seen = 0;  // SIGTERMed workers whose status said "leaving"
   uint64_t unclean_exits = 0;  // SIGTERMed workers that did not exit 0 / by SIGTERM
@@ -81,6 +88,9 @@ struct ChurnBenchResult {
   double relay_cpu_percent_max = 0;  // of one core, over the churn phase
   uint64_t relay_rss_max_bytes = 0;
   uint64_t relay_fds_max = 0;
+  // The most artifact bytes a relay held (its status' cache_bytes), sampled after every
+  // churn round and at the end.
+  uint64_t relay_cache_bytes_max = 0;
   bool meets_targets() const { return serve_late == 0 && restart_late == 0; }
 };
 

@@ -54,7 +54,23 @@ struct Relay::Impl : PieceSource, std::enable_shared_from_this<Relay::Impl> {
   awaitable<Result<Piece>> GetPiece(const ArtifactKey& key, uint32_t index) override;
   RelayStatus CurrentStatus() const;
   const ArtifactInfo* NewestComplete() const;
+  // Once keyframe `newest` is cached whole, the older keyframes' bytes are dead weight (a
+  // joining worker plans from the newest): their entries are emptied, to be fetched again
+  // only if a node asks. A complete entry has no waiter; pieces in flight keep their bytes.
+  void ReleaseOlderKeyframes(const ArtifactKey& newest);
 };
+
+void Relay::Impl::ReleaseOlderKeyframes(const ArtifactKey& newest) {
+  for (auto& [key, entry] : cache) {
+    if (key.kind != ArtifactKind::kKeyframe || key.target_version >= newest.target_version ||
+        !entry->download.complete()) {
+      continue;
+    }
+    spdlog::info("relay: released {} ({} bytes): {} is cached", Describe(key),
+                 entry->download.info.size_bytes, Describe(newest));
+    entry = std::make_shared<Cached>(entry->download.info, executor);
+  }
+}
 
 void Relay::Impl::Enqueue(const ArtifactKey& key, bool urgent) {
   auto it = cache.find(key);
@@ -160,6 +176,7 @@ awaitable<void> Relay::Impl::FetchLoop() {
       co_await transport::SleepFor(200ms);
     } else if (status.ok()) {
       spdlog::info("relay: cached {} ({} bytes)", Describe(key), entry->download.info.size_bytes);
+      if (key.kind == ArtifactKind::kKeyframe && !entry->dropped) ReleaseOlderKeyframes(key);
     }
   }
 }

@@ -3,7 +3,10 @@
 // serves them from its cache, so cross-region bytes are paid once per region.
 //
 // Deltas are fetched as soon as they are announced; keyframes only when a node asks for
-// one (a joining worker, or one that fell behind past retention). Pieces are served as they
+// one (a joining worker, or one that fell behind past retention); once a keyframe is cached
+// whole the older ones' bytes are released (fetched again only if asked for), so a
+// publisher that keeps a keyframe at the head does not grow the relay by one keyframe per
+// version. Pieces are served as they
 // arrive (cut-through): a worker does not wait for the relay to hold a whole artifact.
 // Every piece is verified against the catalog's hash before it is cached or served.
 #pragma once

@@ -138,6 +138,26 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   std::unique_ptr<CatalogVerifier> verifier;  // --trust-key
   ManifestFacts served_facts;  // the signed manifest of the version served (run_id "" if none)
 
+  // How this worker joined: from Start to serving the head of the catalog for the first
+  // time, step by step (Unix microseconds; 0: not yet), reported as "join" in /v1/status
+  // so that a restarted worker's time to the head can be taken apart (`bench churn`).
+  // Network-thread state.
+  struct JoinTimeline {
+    uint64_t started_unix_us = 0;           // Worker::Start
+    uint64_t first_catalog_unix_us = 0;     // subscribed: the first catalog arrived
+    uint64_t keyframe_version = 0;
+    uint64_t keyframe_fetch_unix_us = 0;    // its fetch began
+    uint64_t keyframe_fetched_unix_us = 0;  // its last piece arrived
+    uint64_t keyframe_served_unix_us = 0;   // decoded, verified and swapped in
+    int deltas = 0;                         // applied after it on the way to the head
+    double deltas_fetch_ms = 0, deltas_apply_ms = 0;
+    uint64_t done_unix_us = 0;  // when the head was served (its swap)
+    double cpu_seconds = 0;     // this process's CPU time (user + system) by then
+  } join;
+  void NoteJoinStep(const ArtifactInfo& info, Clock::time_point fetch_start, double fetch_ms);
+  void NoteJoinDone();
+  nlohmann::json JoinJson() const;
+
   // The serving weights.
   mutable std::shared_mutex weights_mutex;
   OwnedCheckpoint weights;
@@ -212,6 +232,11 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   flywheel::Status ApplyKeyframeInPlace(const delta::DeltaView& view, int threads);
   flywheel::Status Export(uint64_t serving_version);
   WorkerStatus CurrentStatus() const;
+  nlohmann::json StatusJson() const {  // CurrentStatus, with the join's timeline
+    nlohmann::json json = ToJson(CurrentStatus());
+    json["join"] = JoinJson();
+    return json;
+  }
   void OnCatalog(Catalog received);
   // What this worker reports upstream: its version, hash and traffic.
   wire::Report MakeReport();
@@ -225,6 +250,7 @@ void Worker::Impl::OnCatalog(Catalog received) {
     spdlog::warn("upstream announces head v{} but this worker serves v{}; ignoring it",
                  received.head_version, version.load());
   }
+  if (join.first_catalog_unix_us == 0) join.first_catalog_unix_us = UnixMicrosNow();
   if (received.head_version != 0 && !head_seen.count(received.head_version)) {
     head_seen[received.head_version] = Clock::now();
   }
@@ -713,6 +739,7 @@ awaitable<void> Worker::Impl::UpdateLoop() {
     const uint64_t generation = catalog_generation;
     std::vector<ArtifactInfo> plan = have_catalog ? Plan() : std::vector<ArtifactInfo>{};
     if (plan.empty()) {
+      if (have_catalog && join.done_unix_us == 0 && version.load() != 0) NoteJoinDone();
       // Up to date with the head: a delta the publisher is still encoding is fetched and
       // decoded as far as it is listed, and the next catalog lists more.
       if (const ArtifactInfo* streaming = have_catalog ? StreamingFromServed() : nullptr) {
@@ -786,6 +813,7 @@ awaitable<bool> Worker::Impl::Update(const ArtifactInfo& info) {
   }
   if (facts) served_facts = *facts;
   const uint64_t serving = RecordSwap(key, fetch_start, fetch_ms, apply_start, early.get());
+  if (join.done_unix_us == 0) NoteJoinStep(info, fetch_start, fetch_ms);
   if (!options.export_dir.empty()) co_await ExportServing(serving);
   co_return true;
 }
@@ -831,6 +859,48 @@ uint64_t Worker::Impl::RecordSwap(const ArtifactKey& key, Clock::time_point fetc
                early ? early->verified() : 0);
   head_seen.erase(head_seen.begin(), head_seen.upper_bound(serving));
   return serving;
+}
+
+void Worker::Impl::NoteJoinStep(const ArtifactInfo& info, Clock::time_point fetch_start,
+                                double fetch_ms) {
+  if (info.kind == ArtifactKind::kKeyframe) {
+    // A keyframe restarts the count: the deltas before it were no part of this way in.
+    const uint64_t served_us = ServedNow().swap_unix_us;
+    const auto since_start = std::chrono::duration<double, std::micro>(Clock::now() - fetch_start);
+    const uint64_t now_us = UnixMicrosNow();
+    join.keyframe_version = info.target_version;
+    join.keyframe_fetch_unix_us = now_us - static_cast<uint64_t>(since_start.count());
+    join.keyframe_fetched_unix_us = join.keyframe_fetch_unix_us + static_cast<uint64_t>(fetch_ms * 1000);
+    join.keyframe_served_unix_us = served_us;
+    join.deltas = 0;
+    join.deltas_fetch_ms = join.deltas_apply_ms = 0;
+    return;
+  }
+  ++join.deltas;
+  join.deltas_fetch_ms += fetch_ms;
+  join.deltas_apply_ms += last_apply_ms;
+}
+
+void Worker::Impl::NoteJoinDone() {
+  join.done_unix_us = ServedNow().swap_unix_us;
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
+  join.cpu_seconds = seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+nlohmann::json Worker::Impl::JoinJson() const {
+  return {{"started_unix_us", join.started_unix_us},
+          {"first_catalog_unix_us", join.first_catalog_unix_us},
+          {"keyframe_version", join.keyframe_version},
+          {"keyframe_fetch_unix_us", join.keyframe_fetch_unix_us},
+          {"keyframe_fetched_unix_us", join.keyframe_fetched_unix_us},
+          {"keyframe_served_unix_us", join.keyframe_served_unix_us},
+          {"deltas", join.deltas},
+          {"deltas_fetch_ms", join.deltas_fetch_ms},
+          {"deltas_apply_ms", join.deltas_apply_ms},
+          {"done_unix_us", join.done_unix_us},
+          {"cpu_seconds", join.cpu_seconds}};
 }
 
 awaitable<void> Worker::Impl::ExportServing(uint64_t serving) {
@@ -912,6 +982,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
   FW_ASSIGN_OR_RETURN(TlsContexts tls, MakeTlsContexts(options.common.tls, true, true));
   FW_ASSIGN_OR_RETURN(TrustedKeys trusted, TrustedKeys::Load(options.common.trust_keys));
   auto impl = std::make_shared<Impl>(executor, options);
+  impl->join.started_unix_us = UnixMicrosNow();
   asio::post(impl->ahead, [raw = impl.get()] { raw->ProbeAheadPriority(); });
   impl->verifier = std::make_unique<CatalogVerifier>(std::move(trusted));
   impl->identity = MakeIdentity(wire::WORKER, options.common);
@@ -922,7 +993,7 @@ Result<std::unique_ptr<Worker>> Worker::Start(asio::any_io_executor executor,
       &impl->links);
   Impl* raw = impl.get();
   FW_ASSIGN_OR_RETURN(impl->http, StartStatusServer(executor, options.common, tls.server,
-                                                    [raw] { return ToJson(raw->CurrentStatus()); }));
+                                                    [raw] { return raw->StatusJson(); }));
   if (options.configure_http) options.configure_http(*impl->http);
   SpawnControlChannel(executor, impl);
   asio::co_spawn(executor, impl->UpdateLoop(), asio::detached);
@@ -975,7 +1046,7 @@ void Worker::WithWeights(const std::function<void(uint64_t, const CheckpointView
   fn(impl_->version.load(), impl_->weights.view());
 }
 nlohmann::json Worker::StatusJson() const {
-  return ToJson(impl_->CurrentStatus());
+  return impl_->StatusJson();
 }
 
 }  // namespace flywheel::sync

@@ -95,7 +95,11 @@ class Worker {
   // never sees a half-applied version. `fn` gets version 0 and no tensors before the
   // first version.
   void WithWeights(const std::function<void(uint64_t, const CheckpointView&)>& fn) const;
-  // The /v1/status document. Call on the executor's thread.
+  // The /v1/status document. Call on the executor's thread. Its "join" object times how
+  // this worker came to serve its first head (Unix microseconds, 0 until reached):
+  // started (Start), first_catalog, keyframe_fetch / keyframe_fetched / keyframe_served
+  // (keyframe_version), the deltas applied after it (count, fetch and apply ms), done (the
+  // head's swap) and the process's CPU seconds by then.
   nlohmann::json StatusJson() const;
 
   struct Impl;

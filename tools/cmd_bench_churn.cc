@@ -45,6 +45,10 @@ void AddChurnBenchCommand(CLI::App& bench_app, Action& action) {
   churn->add_option("--lr", options->learning_rate, "AdamW learning rate of the simulated steps")
       ->check(CLI::Range(1e-9, 1.0))
       ->capture_default_str();
+  churn->add_option("--keyframe-every", options->keyframe_every,
+                    "The publisher's --keyframe-every (1: a keyframe at the head, a restarted worker\n"
+                    "applies no delta; 0: the publisher's default)")
+      ->capture_default_str();
   churn->add_option("--deadline-s", options->serve_deadline_seconds, "Target: seconds to serve a new version")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
