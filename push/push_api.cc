@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "base/hex.h"
 #include "base/json.h"
 #include "checkpoint/safetensors.h"
 #include "transport/api.h"
@@ -23,6 +24,18 @@ namespace {
 constexpr std::chrono::milliseconds kWaitDefault{30000};
 constexpr std::chrono::milliseconds kWaitTick{25};
 constexpr uint64_t kControlBodyLimit = 1 << 20;
+
+// A part's digest from the client (?xxh3=<16 hex>, optional).
+Result<std::optional<uint64_t>> PartDigest(const Query& query) {
+  const std::optional<std::string> hex = query.Get("xxh3");
+  if (!hex) return std::optional<uint64_t>();
+  Result<uint64_t> value = HexDecode64(*hex, HexCase::kLower);
+  if (!value.ok() || hex->size() != 16) {
+    return Status::InvalidArgument("?xxh3= must be the part's XXH3-64 as 16 lowercase hex digits, not '" +
+                                   hex->substr(0, 32) + "'");
+  }
+  return std::optional<uint64_t>(*value);
+}
 
 std::string VersionList(const std::vector<uint64_t>& versions) {
   std::string text;
@@ -97,6 +110,8 @@ struct PushApi::Impl : std::enable_shared_from_this<PushApi::Impl> {
   std::optional<ApiError> DenyRead(const HttpRequest& request) const;
   std::optional<ApiError> DenyAdmin(const HttpRequest& request) const;
   ApiError UploadFailure(const Status& status, const std::string& id) const;
+  // UploadFailure, and 422 part_hash_mismatch for a part whose bytes are not the client's.
+  ApiError PartFailure(const Status& status, const std::string& id) const;
   nlohmann::json PinJson() const { return ToJson(ledger->pin()); }
 
   awaitable<ApiResult> Uploads(HttpRequest request);
@@ -235,20 +250,77 @@ ApiResult PushApi::Impl::CreateUpload(const HttpRequest& request) {
   return ApiResult(ToJson(*state), 201);
 }
 
+namespace {
+
+// A part's body goes to the staging files in pieces of this size as it arrives: the most a
+// part holds in memory, whatever its size.
+constexpr size_t kPartPieceBytes = 4 << 20;
+
+// A part being received: the store's writer and the piece buffer, shared with the writes
+// that run on the I/O pool.
+struct PartInFlight {
+  std::unique_ptr<PartWriter> writer;
+  std::vector<std::byte> piece = std::vector<std::byte>(kPartPieceBytes);
+};
+
+// Fills `part`'s piece from the body: how many bytes (fewer than the piece only at the
+// body's end), or the body's failure.
+awaitable<Result<size_t>> ReadPiece(transport::HttpBodyReader& body, PartInFlight& part) {
+  size_t filled = 0;
+  while (filled < part.piece.size()) {
+    awaitable<Result<size_t>> read = body.Read(std::span(part.piece).subspan(filled));
+    Result<size_t> got = co_await std::move(read);
+    if (!got.ok()) co_return got.status();
+    if (*got == 0) break;
+    filled += *got;
+  }
+  co_return filled;
+}
+
+}  // namespace
+
+ApiError PushApi::Impl::PartFailure(const Status& status, const std::string& id) const {
+  if (status.code() == StatusCode::kCorruption) {
+    return ApiError{422, "part_hash_mismatch", status.message()};
+  }
+  return UploadFailure(status, id);
+}
+
 awaitable<ApiResult> PushApi::Impl::WritePart(std::string id, HttpRequest request) {
-  const Result<uint64_t> offset = Query(request.target).Unsigned("offset", UINT64_MAX);
+  const Query query(request.target);
+  const Result<uint64_t> offset = query.Unsigned("offset", UINT64_MAX);
   if (!offset.ok()) co_return offset.status();
   if (*offset == UINT64_MAX) {
     co_return ApiError{400, "bad_request", "PUT of a part needs ?offset=N"};
   }
-  auto self = shared_from_this();
-  auto write = [self, id, offset = *offset, body = std::move(request.body)] {
-    return self->uploads->Write(
-        id, offset, std::as_bytes(std::span(body.data(), body.size())));
-  };
-  std::optional<Result<UploadState>> state = co_await transport::RunOn(io, std::move(write));
-  if (!state) co_return ApiError{500, "internal", "the part write did not run"};
-  if (!state->ok()) co_return UploadFailure(state->status(), id);
+  Result<std::optional<uint64_t>> expected = PartDigest(query);
+  if (!expected.ok()) co_return ApiError{400, "bad_request", expected.status().message()};
+  if (request.body_reader == nullptr) co_return ApiError{500, "internal", "a part's body was not streamed"};
+  transport::HttpBodyReader& body = *request.body_reader;
+  Result<std::unique_ptr<PartWriter>> begun = uploads->BeginPart(id, *offset, body.content_length());
+  if (!begun.ok()) co_return UploadFailure(begun.status(), id);
+  auto part = std::make_shared<PartInFlight>();
+  part->writer = std::move(*begun);
+  for (;;) {
+    awaitable<Result<size_t>> read = ReadPiece(body, *part);
+    Result<size_t> filled = co_await std::move(read);
+    if (!filled.ok()) {
+      part->writer->Abort();  // the client left mid-part: only whole parts count
+      co_return filled.status();
+    }
+    if (*filled == 0) break;
+    auto write = [part, size = *filled] {
+      return part->writer->Write(std::span(part->piece).first(size));
+    };
+    std::optional<Status> wrote = co_await transport::RunOn(io, std::move(write));
+    if (!wrote) co_return ApiError{500, "internal", "the part write did not run"};
+    if (!wrote->ok()) co_return PartFailure(*wrote, id);
+    if (*filled < part->piece.size()) break;
+  }
+  auto finish = [part, expected = *expected] { return part->writer->Finish(expected); };
+  std::optional<Result<UploadState>> state = co_await transport::RunOn(io, std::move(finish));
+  if (!state) co_return ApiError{500, "internal", "the part's end did not run"};
+  if (!state->ok()) co_return PartFailure(state->status(), id);
   co_return ApiResult(ToJson(**state));
 }
 
@@ -599,6 +671,10 @@ void PushApi::Register(transport::HttpServer& http) {
       // Only a part (PUT) is large; creating or committing an upload takes a small body.
       [part_limit](std::string_view method, std::string_view) -> uint64_t {
         return method == "PUT" ? std::max<uint64_t>(part_limit, kControlBodyLimit) : kControlBodyLimit;
+      },
+      // A part streams to its staging file as it arrives (WritePart), never held whole.
+      [](std::string_view method, std::string_view path) {
+        return method == "PUT" && path.size() > 12 && path.find('/', 12) == std::string_view::npos;
       });
   http.RouteApi("/v1/versions", JsonApiHandler([impl](HttpRequest request) -> awaitable<ApiResult> {
                   co_return impl->Versions(request);

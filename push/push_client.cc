@@ -385,10 +385,12 @@ class Uploader {
         const uint64_t length = std::min(options_.part_bytes, end - offset);
         FW_ASSIGN_OR_RETURN(std::string part, body.Read(offset, length));
         outcome_->sent_bytes += length;
+        // The part's own digest: the publisher checks it as the part ends and drops a
+        // part whose bytes are not these (422 part_hash_mismatch).
+        const std::string target = "/v1/uploads/" + id + "?offset=" + std::to_string(offset) +
+                                   "&xxh3=" + Hex64(XXH3_64bits(part.data(), part.size()));
         FW_ASSIGN_OR_RETURN(Answer answer,
-                            Call(target_, "PUT",
-                                 "/v1/uploads/" + id + "?offset=" + std::to_string(offset), part,
-                                 "application/octet-stream"));
+                            Call(target_, "PUT", target, part, "application/octet-stream"));
         if (answer.status != 200) return AnswerError("send part at " + std::to_string(offset), answer);
         sent_ = answer.body.value("received_bytes", sent_);
         if (progress_) progress_(sent_, body.size);

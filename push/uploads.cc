@@ -166,16 +166,6 @@ Status DiskFullIsUnavailable(Status status, const std::string& what) {
   return Status::Unavailable("the staging disk is full: " + what + ": " + status.message());
 }
 
-// Writes `bytes` at `offset` of one file. Staged bytes are not synced: each part's range is
-// recorded with its digest, and a restart keeps only the ranges whose bytes still match it.
-Status WriteAt(Env* env, const std::string& path, uint64_t offset, std::span<const std::byte> bytes) {
-  FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
-                      env->NewWritableFile(path, Env::OpenMode::kExisting));
-  Status status = file->WriteAt(offset, bytes);
-  if (status.ok()) status = file->Close();
-  return DiskFullIsUnavailable(std::move(status), "cannot write " + path);
-}
-
 // Creates `path` with `size` bytes allocated; Unavailable when the disk is full.
 Status Allocate(Env* env, const std::string& path, uint64_t size) {
   FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file,
@@ -574,71 +564,211 @@ Result<UploadState> UploadStore::Create(UploadSpec spec) {
   return StateOf(id, *upload);
 }
 
-namespace {
-
-// Writes the body bytes [offset, offset + bytes.size()) into the upload's files.
-Status WriteBody(Env* env, const std::string& dir, const std::vector<UploadFile>& files,
-                 uint64_t offset, std::span<const std::byte> bytes) {
-  uint64_t file_begin = 0;
-  for (const UploadFile& file : files) {
-    const uint64_t begin = std::max(offset, file_begin);
-    const uint64_t end = std::min<uint64_t>(offset + bytes.size(), file_begin + file.size);
-    if (begin < end) {
-      FW_RETURN_IF_ERROR(WriteAt(env, dir + "/" + file.name, begin - file_begin,
-                                 bytes.subspan(begin - offset, end - begin)));
-    }
-    file_begin += file.size;
+void UploadStore::SubtractRange(Upload& upload, uint64_t begin, uint64_t end) {
+  if (begin >= end) return;
+  auto it = upload.received.upper_bound(begin);
+  if (it != upload.received.begin() && std::prev(it)->second > begin) --it;
+  std::vector<std::pair<uint64_t, uint64_t>> kept;
+  while (it != upload.received.end() && it->first < end) {
+    if (it->first < begin) kept.emplace_back(it->first, begin);
+    if (it->second > end) kept.emplace_back(end, it->second);
+    it = upload.received.erase(it);
   }
+  for (const auto& [keep_begin, keep_end] : kept) upload.received[keep_begin] = keep_end;
+}
+
+// The open part's files and digest: the staged files it reaches, opened once each, and
+// the XXH3-64 of its bytes so far.
+struct PartWriter::Impl {
+  explicit Impl(std::shared_ptr<UploadStore::Upload> upload_in) : upload(std::move(upload_in)) {
+    XXH3_64bits_reset(xxh3.get());
+  }
+  ~Impl() { (void)CloseFile(); }
+
+  Status CloseFile() {
+    if (!file) return Status::Ok();
+    Status status = file->Close();
+    file.reset();
+    return status;
+  }
+
+  // Writes `bytes` at body offset `offset` into the upload's files.
+  Status WriteBody(Env* env, uint64_t offset, std::span<const std::byte> bytes) {
+    uint64_t file_begin = 0;
+    for (size_t index = 0; index < upload->spec.files.size(); ++index) {
+      const UploadFile& entry = upload->spec.files[index];
+      const uint64_t begin = std::max(offset, file_begin);
+      const uint64_t end = std::min<uint64_t>(offset + bytes.size(), file_begin + entry.size);
+      if (begin < end) {
+        const std::string path = upload->dir + "/" + entry.name;
+        if (!file || file_index != index) {
+          FW_RETURN_IF_ERROR(CloseFile());
+          FW_ASSIGN_OR_RETURN(file, env->NewWritableFile(path, Env::OpenMode::kExisting));
+          file_index = index;
+        }
+        FW_RETURN_IF_ERROR(DiskFullIsUnavailable(
+            file->WriteAt(begin - file_begin, bytes.subspan(begin - offset, end - begin)),
+            "cannot write " + path));
+      }
+      file_begin += entry.size;
+    }
+    return Status::Ok();
+  }
+
+  std::shared_ptr<UploadStore::Upload> upload;
+  std::unique_ptr<WritableFile> file;
+  size_t file_index = 0;
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> xxh3{XXH3_createState(),
+                                                                  &XXH3_freeState};
+};
+
+PartWriter::PartWriter(UploadStore* store, std::string id, uint64_t offset, uint64_t limit,
+                       std::optional<uint64_t> length, std::unique_ptr<Impl> impl)
+    : store_(store),
+      id_(std::move(id)),
+      offset_(offset),
+      limit_(limit),
+      length_(length),
+      impl_(std::move(impl)) {}
+
+PartWriter::~PartWriter() { Abort(); }
+
+static std::string PartName(const std::string& id, uint64_t offset) {
+  return "the part at offset " + std::to_string(offset) + " of upload " + id;
+}
+
+Status PartWriter::Write(std::span<const std::byte> piece) {
+  if (!open_) return Status::Internal(PartName(id_, offset_) + " was ended already");
+  Status status;
+  if (piece.size() > limit_ - written_) {
+    const uint64_t size = impl_->upload->spec.size;
+    const uint64_t max_part = store_->options().max_part_bytes;
+    const std::string sent = std::to_string(written_ + piece.size()) + " bytes or more";
+    if (length_) {
+      status = Status::InvalidArgument(PartName(id_, offset_) + " sent " + sent + ", more than its " +
+                                       std::to_string(*length_) + " declared");
+    } else if (limit_ == max_part && max_part < size - offset_) {
+      status = Status::ResourceExhausted(PartName(id_, offset_) + " of " + sent +
+                                         " is above the limit of " + std::to_string(max_part));
+    } else {
+      status = Status::InvalidArgument(PartName(id_, offset_) + " of " + sent +
+                                       " lies outside the upload's " + std::to_string(size) +
+                                       " bytes");
+    }
+  } else {
+    status = impl_->WriteBody(store_->env_, offset_ + written_, piece);
+  }
+  if (!status.ok()) {
+    // A full staging disk removes the upload.
+    store_->DropPart(impl_->upload, id_, offset_, written_ + piece.size(),
+                     status.code() == StatusCode::kUnavailable);
+    open_ = false;
+    return status;
+  }
+  XXH3_64bits_update(impl_->xxh3.get(), piece.data(), piece.size());
+  written_ += piece.size();
   return Status::Ok();
 }
 
-}  // namespace
+Result<UploadState> PartWriter::Finish(std::optional<uint64_t> expected_xxh3) {
+  if (!open_) return Status::Internal(PartName(id_, offset_) + " was ended already");
+  const uint64_t xxh3 = XXH3_64bits_digest(impl_->xxh3.get());
+  Status status = impl_->CloseFile();
+  if (status.ok() && length_ && written_ != *length_) {
+    status = Status::InvalidArgument(PartName(id_, offset_) + " ended after " +
+                                     std::to_string(written_) + " of its " +
+                                     std::to_string(*length_) + " declared bytes; it was dropped");
+  }
+  if (status.ok() && expected_xxh3 && *expected_xxh3 != xxh3) {
+    status = Status::Corruption(PartName(id_, offset_) + " (" + std::to_string(written_) +
+                                " bytes) hashes to xxh3_64 " + Hex64(xxh3) +
+                                ", the client declared " + Hex64(*expected_xxh3) +
+                                "; the part was dropped: send it again");
+  }
+  open_ = false;
+  if (!status.ok()) {
+    store_->DropPart(impl_->upload, id_, offset_, written_, false);
+    return status;
+  }
+  return store_->EndPart(impl_->upload, id_, offset_, written_, xxh3);
+}
 
-Result<UploadState> UploadStore::Write(const std::string& id, uint64_t offset,
-                                       std::span<const std::byte> bytes) {
-  if (bytes.size() > options_.max_part_bytes) {
-    return Status::ResourceExhausted("part of " + std::to_string(bytes.size()) +
+void PartWriter::Abort() {
+  if (!open_) return;
+  open_ = false;
+  (void)impl_->CloseFile();
+  store_->DropPart(impl_->upload, id_, offset_, written_, false);
+}
+
+Result<std::unique_ptr<PartWriter>> UploadStore::BeginPart(const std::string& id, uint64_t offset,
+                                                           std::optional<uint64_t> length) {
+  if (length && *length > options_.max_part_bytes) {
+    return Status::ResourceExhausted("part of " + std::to_string(*length) +
                                      " bytes is above the limit of " +
                                      std::to_string(options_.max_part_bytes));
   }
-  std::shared_ptr<Upload> upload;
-  {
-    std::lock_guard lock(mu_);
-    FW_ASSIGN_OR_RETURN(upload, Find(id));
-    if (upload->taken) return Status::Mismatch("upload " + id + " is being committed");
-    if (offset > upload->spec.size || bytes.size() > upload->spec.size - offset) {
-      return Status::InvalidArgument("part [" + std::to_string(offset) + ", " +
-                                     std::to_string(offset + bytes.size()) +
-                                     ") lies outside the upload's " +
-                                     std::to_string(upload->spec.size) + " bytes");
-    }
-    ++upload->busy;  // Take and ExpireIdle leave it alone until the bytes are down
-    upload->last_activity_us = env_->NowMicros();
+  std::lock_guard lock(mu_);
+  FW_ASSIGN_OR_RETURN(std::shared_ptr<Upload> upload, Find(id));
+  if (upload->taken) return Status::Mismatch("upload " + id + " is being committed");
+  const uint64_t size = upload->spec.size;
+  if (offset > size || (length && *length > size - offset)) {
+    return Status::InvalidArgument("part [" + std::to_string(offset) + ", " +
+                                   std::to_string(offset + length.value_or(0)) +
+                                   ") lies outside the upload's " + std::to_string(size) +
+                                   " bytes");
   }
-  // Outside the lock: a 64 MiB part to a slow disk holds up no other upload. spec and dir
-  // never change after Create; the bytes land inside the space Create allocated (and
-  // counted against the quota), so the quota holds while this runs.
-  Status wrote = WriteBody(env_, upload->dir, upload->spec.files, offset, bytes);
-  if (wrote.ok() && !bytes.empty()) wrote = RecordRange(*upload, offset, bytes);
+  ++upload->busy;  // Take and ExpireIdle leave it alone until the part ends
+  upload->last_activity_us = env_->NowMicros();
+  const uint64_t limit = length ? *length : std::min(options_.max_part_bytes, size - offset);
+  auto impl = std::make_unique<PartWriter::Impl>(upload);
+  return std::unique_ptr<PartWriter>(new PartWriter(this, id, offset, limit, length, std::move(impl)));
+}
+
+Result<UploadState> UploadStore::Write(const std::string& id, uint64_t offset,
+                                       std::span<const std::byte> bytes) {
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<PartWriter> part, BeginPart(id, offset, bytes.size()));
+  FW_RETURN_IF_ERROR(part->Write(bytes));
+  return part->Finish();
+}
+
+Result<UploadState> UploadStore::EndPart(const std::shared_ptr<Upload>& upload,
+                                         const std::string& id, uint64_t offset, uint64_t written,
+                                         uint64_t xxh3) {
+  // The bytes are down (not synced: the recorded digest says after a power cut whether
+  // they made it); the range's record is synced before the part is acknowledged.
+  Status recorded = written == 0 ? Status::Ok() : RecordRange(*upload, offset, offset + written, xxh3);
   std::lock_guard lock(mu_);
   --upload->busy;
   auto current = uploads_.find(id);
   const bool still_held = current != uploads_.end() && current->second == upload;
-  if (!wrote.ok()) {
-    if (wrote.code() == StatusCode::kUnavailable && still_held) RemoveLocked(id);
-    return wrote;
+  if (!recorded.ok()) {
+    SubtractRange(*upload, offset, offset + written);
+    if (recorded.code() == StatusCode::kUnavailable && still_held) RemoveLocked(id);
+    return recorded;
   }
   if (!still_held) return Status::NotFound("upload " + id + " was removed while a part was written");
-  MergeRange(*upload, offset, offset + bytes.size());
+  MergeRange(*upload, offset, offset + written);
   upload->last_activity_us = env_->NowMicros();
   return StateOf(id, *upload);
 }
 
+void UploadStore::DropPart(const std::shared_ptr<Upload>& upload, const std::string& id,
+                           uint64_t offset, uint64_t written, bool remove_upload) {
+  std::lock_guard lock(mu_);
+  --upload->busy;
+  // What the part reached may have overwritten received bytes with others.
+  SubtractRange(*upload, offset, std::min(offset + written, upload->spec.size));
+  upload->last_activity_us = env_->NowMicros();
+  auto current = uploads_.find(id);
+  const bool still_held = current != uploads_.end() && current->second == upload;
+  if (remove_upload && still_held) RemoveLocked(id);
+}
+
 // Appends the part's range and digest to the upload's kRangesFile and syncs it. The part's
 // bytes are not synced: after a power cut the digest tells whether they made it.
-Status UploadStore::RecordRange(Upload& upload, uint64_t offset, std::span<const std::byte> bytes) {
-  const std::string line = std::to_string(offset) + " " + std::to_string(offset + bytes.size()) +
-                           " " + Hex64(XXH3_64bits(bytes.data(), bytes.size())) + "\n";
+Status UploadStore::RecordRange(Upload& upload, uint64_t begin, uint64_t end, uint64_t xxh3) {
+  const std::string line =
+      std::to_string(begin) + " " + std::to_string(end) + " " + Hex64(xxh3) + "\n";
   const std::string path = upload.dir + "/" + kRangesFile;
   std::lock_guard lock(upload.record_mu);
   FW_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, env_->NewAppendableFile(path));

@@ -21,6 +21,13 @@
 // written); the space is allocated at Create, so a full disk fails there (Unavailable)
 // rather than half-way. A part is at most max_part_bytes.
 //
+// Parts stream: BeginPart checks a part's place, its pieces are written as they arrive
+// (PartWriter::Write, positioned writes through the Env, hashed as they go), and Finish
+// checks its length and the client's digest of it, records the range and acknowledges it. A
+// part that ends any other way (Abort, a failed check, the client gone) is not recorded, and
+// the bytes it reached count as missing again (they may have overwritten received ones), so
+// the received ranges are always whole acknowledged parts whose bytes are on the disk.
+//
 // Status codes, as the HTTP layer maps them: InvalidArgument (bad spec, part outside the
 // upload), NotFound (unknown id; WasExpired() tells an expired one apart), ResourceExhausted
 // (a quota), Unavailable (the staging disk is full: the upload is removed), Mismatch (Take
@@ -117,6 +124,50 @@ struct UploadStoreOptions {
   std::chrono::milliseconds expiry{3600 * 1000};  // idle time after which an upload is removed
 };
 
+class UploadStore;
+
+// One part of an upload being written piece by piece (UploadStore::BeginPart). Use from one
+// thread at a time. While it is open the upload counts as busy (Take refuses it, ExpireIdle
+// skips it).
+class PartWriter {
+ public:
+  // Abort() unless Finish() ran.
+  ~PartWriter();
+  PartWriter(const PartWriter&) = delete;
+  PartWriter& operator=(const PartWriter&) = delete;
+
+  // Writes the next piece at offset() + written(). InvalidArgument when it would end past
+  // the part's declared length or the upload's end, ResourceExhausted past max_part_bytes,
+  // Unavailable when the staging disk is full (the upload is then removed), IOError. After
+  // a failure the part is aborted.
+  Status Write(std::span<const std::byte> piece);
+  // Ends the part: InvalidArgument when fewer bytes than its declared length arrived,
+  // Corruption when `expected_xxh3` (the client's XXH3-64 of the part) is given and the
+  // bytes hash to another value (the part is dropped: its bytes count as missing); else
+  // records the range (synced) and answers the upload's state. NotFound when the upload
+  // was removed meanwhile.
+  Result<UploadState> Finish(std::optional<uint64_t> expected_xxh3 = std::nullopt);
+  // Drops the part (idempotent): nothing recorded, the bytes it reached count as missing.
+  void Abort();
+
+  uint64_t offset() const { return offset_; }
+  uint64_t written() const { return written_; }
+
+ private:
+  friend class UploadStore;
+  struct Impl;
+  PartWriter(UploadStore* store, std::string id, uint64_t offset, uint64_t limit,
+             std::optional<uint64_t> length, std::unique_ptr<Impl> impl);
+  UploadStore* const store_;
+  const std::string id_;
+  const uint64_t offset_;
+  const uint64_t limit_;  // most bytes the part may hold
+  const std::optional<uint64_t> length_;
+  uint64_t written_ = 0;
+  bool open_ = true;
+  std::unique_ptr<Impl> impl_;
+};
+
 class UploadStore {
  public:
   static Result<std::unique_ptr<UploadStore>> Open(UploadStoreOptions options,
@@ -124,9 +175,15 @@ class UploadStore {
   ~UploadStore();
 
   Result<UploadState> Create(UploadSpec spec);
-  // Writes `bytes` at `offset` of the body.
+  // Writes `bytes` at `offset` of the body (one part, whole: BeginPart, Write, Finish).
   Result<UploadState> Write(const std::string& id, uint64_t offset,
                             std::span<const std::byte> bytes);
+  // Starts a part at `offset` of the body, of `length` bytes when the client declared it
+  // (nullopt: up to max_part_bytes, or the upload's end). Checked at once: the upload
+  // (NotFound, Mismatch while committed), the part inside the body (InvalidArgument), its
+  // length (ResourceExhausted over max_part_bytes).
+  Result<std::unique_ptr<PartWriter>> BeginPart(const std::string& id, uint64_t offset,
+                                                std::optional<uint64_t> length);
   Result<UploadState> State(const std::string& id);
   // A client resuming upload `id` (after a restart of either side) declares its body
   // again: its state when the declaration is the same, Mismatch naming the field that
@@ -169,7 +226,14 @@ class UploadStore {
   Result<std::shared_ptr<Upload>> RecoverUpload(const std::string& id, const std::string& dir);
   void RecoverRanges(Upload& upload, const std::vector<std::unique_ptr<MappedRegion>>& files);
   static void MergeRange(Upload& upload, uint64_t begin, uint64_t end);
-  Status RecordRange(Upload& upload, uint64_t offset, std::span<const std::byte> bytes);
+  static void SubtractRange(Upload& upload, uint64_t begin, uint64_t end);
+  Status RecordRange(Upload& upload, uint64_t begin, uint64_t end, uint64_t xxh3);
+  // PartWriter's ends: the part [offset, offset + written) recorded, or dropped.
+  Result<UploadState> EndPart(const std::shared_ptr<Upload>& upload, const std::string& id,
+                              uint64_t offset, uint64_t written, uint64_t xxh3);
+  void DropPart(const std::shared_ptr<Upload>& upload, const std::string& id, uint64_t offset,
+                uint64_t written, bool remove_upload);
+  friend class PartWriter;
   void Note(std::string note);
 
   const UploadStoreOptions options_;

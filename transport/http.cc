@@ -84,6 +84,7 @@ struct HttpServer::Impl {
     HttpApiHandler handler;
     uint64_t body_limit = 0;
     HttpBodyLimit limit_for;  // null: body_limit for every request
+    HttpBodyStreamed streamed;  // null: every body is read whole
   };
 
   // The scopes of the request's bearer token: every scope when the server has no tokens,
@@ -94,7 +95,11 @@ struct HttpServer::Impl {
   Credential CredentialOf(const Request& request) const;
   // The API route for `path` (longest prefix), or null.
   const ApiEntry* FindApi(std::string_view path) const;
-  awaitable<Response> HandleApi(Request& request, const ApiEntry& entry, std::string peer);
+  // `reader`: the body of a streamed request (`request` then holds the header only).
+  awaitable<Response> HandleApi(Request& request, const ApiEntry& entry, std::string peer,
+                                HttpBodyReader* reader = nullptr);
+  // The API route whose handler reads this request's body itself (ApiEntry::streamed), or null.
+  const ApiEntry* StreamedApi(const Request& request) const;
   static Response ToResponse(HttpResponse result);
   // The error shape of the route a request goes to (flywheel's when there is none).
   ErrorShape ShapeOf(const Request& request) const;
@@ -534,8 +539,11 @@ awaitable<ReadEnd> ReadRequest(Impl& impl, Impl::Session& session, Stream& strea
       ec = http::error::body_limit;
     } else {
       parser.body_limit(limit);  // a chunked body is checked against it as it arrives
-      lowest.expires_after(impl.options.timeout);
-      co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+      // A streamed route's handler reads the body itself (BodyReader).
+      if (impl.StreamedApi(parser.get()) == nullptr) {
+        lowest.expires_after(impl.options.timeout);
+        co_await http::async_read(stream, buffer, parser, asio::redirect_error(use_awaitable, ec));
+      }
     }
   }
   if (ec == http::error::end_of_stream) co_return ReadEnd::kEndOfStream;
@@ -568,11 +576,121 @@ awaitable<ReadEnd> ReadRequest(Impl& impl, Impl::Session& session, Stream& strea
   co_return impl.stopped ? ReadEnd::kClosed : ReadEnd::kRequest;
 }
 
+// The body of a streamed API request (HttpBodyReader), read from the connection as the
+// handler asks for it: the header's parser, moved into one that writes into the handler's
+// buffers (buffer_body), so that no more than one read's worth is held here.
+template <typename Stream>
+class BodyReader final : public HttpBodyReader {
+ public:
+  // REQUIRES: `header` read the header and none of the body.
+  BodyReader(Impl& impl, Stream& stream, beast::flat_buffer& buffer,
+             http::request_parser<http::string_body>&& header, uint64_t limit)
+      : impl_(impl), stream_(stream), buffer_(buffer), parser_(std::move(header)), limit_(limit) {}
+
+  awaitable<Result<size_t>> Read(std::span<std::byte> out) override {
+    while (error_.ok() && !parser_.is_done()) {
+      parser_.get().body().data = out.data();
+      parser_.get().body().size = out.size();
+      error_code ec;
+      beast::get_lowest_layer(stream_).expires_after(impl_.options.timeout);
+      co_await http::async_read_some(stream_, buffer_, parser_,
+                                     asio::redirect_error(use_awaitable, ec));
+      const size_t got = out.size() - parser_.get().body().size;
+      if (ec == http::error::need_buffer) ec = {};  // `out` is full
+      if (ec == http::error::body_limit) {
+        error_ = Status::ResourceExhausted("request body too large (limit " +
+                                           std::to_string(limit_) +
+                                           " bytes for this route)");
+      } else if (ec) {
+        error_ = Status::Unavailable("the request body ended after " +
+                                     std::to_string(read_ + got) + " bytes: " + ec.message());
+      }
+      if (!error_.ok()) co_return error_;
+      read_ += got;
+      if (got > 0) co_return got;
+    }
+    if (!error_.ok()) co_return error_;
+    co_return size_t{0};
+  }
+
+  std::optional<uint64_t> content_length() const override {
+    if (!parser_.content_length()) return std::nullopt;
+    return *parser_.content_length();
+  }
+  uint64_t bytes_read() const override { return read_; }
+
+  // Reads and drops what the handler left of the body: Ok once it ended.
+  awaitable<Status> Drain() {
+    std::vector<std::byte> sink(256 * 1024);
+    for (;;) {
+      awaitable<Result<size_t>> read = Read(sink);
+      Result<size_t> got = co_await std::move(read);
+      if (!got.ok()) co_return got.status();
+      if (*got == 0) co_return Status::Ok();
+    }
+  }
+
+ private:
+  Impl& impl_;
+  Stream& stream_;
+  beast::flat_buffer& buffer_;
+  http::request_parser<http::buffer_body> parser_;
+  const uint64_t limit_;  // the route's body limit, for the 413's message
+  uint64_t read_ = 0;
+  Status error_;
+};
+
+// Serves a request to a streamed API route: the handler reads the body through a
+// BodyReader; what it leaves is read and dropped before the answer goes out, so that the
+// connection can serve the next request. A body that fails (the client left, a deadline, a
+// chunked body past the limit: 413) closes the connection.
+template <typename Stream>
+awaitable<StreamEnd> ServeStreamedApi(Impl& impl, Impl::Session& session, Stream& stream,
+                                      beast::flat_buffer& buffer,
+                                      http::request_parser<http::string_body>& parser,
+                                      const Impl::ApiEntry& entry, Response& response) {
+  Request header(parser.get().base());  // the parser's message moves into the reader's
+  if (beast::iequals(header[http::field::expect], "100-continue")) {
+    // Admitted and within the limit: a client that waits for this (curl -T) sends at once.
+    static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+    error_code ec;
+    beast::get_lowest_layer(stream).expires_after(impl.options.timeout);
+    co_await asio::async_write(stream, asio::buffer(kContinue.data(), kContinue.size()),
+                               asio::redirect_error(use_awaitable, ec));
+    if (ec) co_return StreamEnd::kAbort;
+  }
+  BodyReader<Stream> reader(impl, stream, buffer, std::move(parser), impl.BodyLimit(header));
+  std::string peer = session.peer;
+  awaitable<Response> handled = impl.HandleApi(header, entry, std::move(peer), &reader);
+  response = co_await std::move(handled);
+  awaitable<Status> drain = reader.Drain();
+  const Status drained = co_await std::move(drain);
+  if (drained.ok()) co_return StreamEnd::kRespond;
+  if (drained.code() == StatusCode::kResourceExhausted) {
+    Response refused = impl.ErrorFor(header, http::status::payload_too_large, "too_large",
+                                     drained.message());
+    impl.Finish(header, refused);
+    awaitable<void> refuse = RefuseAndClose(impl, stream, std::move(refused));
+    co_await std::move(refuse);
+  } else {
+    spdlog::debug("http: closing connection: {}", drained.message());
+  }
+  co_return StreamEnd::kAbort;
+}
+
 // Answers one request by its route: into `response` (kRespond), or streamed (the other
 // StreamEnd values).
 template <typename Stream>
 awaitable<StreamEnd> Dispatch(Impl& impl, Impl::Session& session, Stream& stream,
-                              beast::flat_buffer& buffer, Request& request, Response& response) {
+                              beast::flat_buffer& buffer,
+                              http::request_parser<http::string_body>& parser,
+                              Response& response) {
+  Request& request = parser.get();
+  if (const Impl::ApiEntry* streamed = impl.StreamedApi(request)) {
+    awaitable<StreamEnd> serve =
+        ServeStreamedApi(impl, session, stream, buffer, parser, *streamed, response);
+    co_return co_await std::move(serve);
+  }
   const std::string_view target(request.target().data(), request.target().size());
   const std::string_view path = target.substr(0, target.find('?'));
   auto post = impl.post_routes.find(path);
@@ -612,7 +730,7 @@ awaitable<bool> ServeRequests(Impl& impl, Impl::Session& session, Stream& stream
     if (got != ReadEnd::kRequest) co_return got == ReadEnd::kEndOfStream;
 
     Response response;
-    awaitable<StreamEnd> dispatch = Dispatch(impl, session, stream, buffer, parser.get(), response);
+    awaitable<StreamEnd> dispatch = Dispatch(impl, session, stream, buffer, parser, response);
     const StreamEnd end = co_await std::move(dispatch);
     if (end != StreamEnd::kRespond) {
       session.served = true;
@@ -794,6 +912,16 @@ uint64_t HttpServer::Impl::BodyLimit(const Request& request) const {
   return kRequestBodyLimit;
 }
 
+const HttpServer::Impl::ApiEntry* HttpServer::Impl::StreamedApi(const Request& request) const {
+  const std::string_view target(request.target().data(), request.target().size());
+  const std::string_view path = target.substr(0, target.find('?'));
+  if (routes.count(path) || post_routes.count(path)) return nullptr;
+  const ApiEntry* api = FindApi(path);
+  if (api == nullptr || !api->streamed) return nullptr;
+  const std::string_view method(request.method_string().data(), request.method_string().size());
+  return api->streamed(method, path) ? api : nullptr;
+}
+
 uint32_t HttpServer::Impl::ScopesOf(const Request& request) const {
   if (options.token.empty() && options.write_token.empty() && options.scoped_tokens.empty()) {
     return ~0u;
@@ -849,12 +977,13 @@ const HttpServer::Impl::ApiEntry* HttpServer::Impl::FindApi(std::string_view pat
 }
 
 awaitable<Response> HttpServer::Impl::HandleApi(Request& request, const ApiEntry& entry,
-                                                std::string peer) {
+                                                std::string peer, HttpBodyReader* reader) {
   HttpRequest api;
   api.method = std::string(request.method_string());
   api.target = std::string(request.target());
   api.path = api.target.substr(0, api.target.find('?'));
   api.body = std::move(request.body());
+  api.body_reader = reader;
   api.credential = CredentialOf(request);
   api.scopes = ScopesOf(request);
   api.peer = std::move(peer);
@@ -1106,8 +1235,9 @@ Result<uint32_t> ParseScopes(const std::string& text) {
 }
 
 void HttpServer::RouteApi(const std::string& prefix, HttpApiHandler handler, uint64_t body_limit,
-                          HttpBodyLimit limit_for) {
-  impl_->api_routes[prefix] = Impl::ApiEntry{std::move(handler), body_limit, std::move(limit_for)};
+                          HttpBodyLimit limit_for, HttpBodyStreamed streamed) {
+  impl_->api_routes[prefix] = Impl::ApiEntry{std::move(handler), body_limit, std::move(limit_for),
+                                             std::move(streamed)};
 }
 
 uint16_t HttpServer::port() const {

@@ -37,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -94,12 +95,36 @@ enum class Credential {
   kWrite,  // HttpServerOptions::write_token
 };
 
-// A request to an API route (RouteApi), read whole.
+// The body of a request to an API route that streams bodies (RouteApi's `streamed`): read
+// piece by piece as the handler asks for it, never whole. Made by the server for one
+// request; use it on the server's executor only, while the handler runs.
+class HttpBodyReader {
+ public:
+  virtual ~HttpBodyReader() = default;
+  // Reads the next bytes of the body into `buffer` (de-chunked): how many, at least 1 while
+  // any remain, 0 once the body ended. Each read has the server's per-read deadline.
+  // Unavailable when the client left, a deadline passed or the body is malformed (the body
+  // ended short of its Content-Length included); ResourceExhausted when a chunked body goes
+  // past the route's limit. After an error every further Read() fails the same way, and the
+  // server closes the connection once the handler returns (answering a ResourceExhausted
+  // with 413, an Unavailable with nothing). REQUIRES: !buffer.empty(); one Read() at a time.
+  virtual awaitable<Result<size_t>> Read(std::span<std::byte> buffer) = 0;
+  // The Content-Length the client declared; nullopt for a chunked body.
+  virtual std::optional<uint64_t> content_length() const = 0;
+  // Body bytes read so far.
+  virtual uint64_t bytes_read() const = 0;
+};
+
+// A request to an API route (RouteApi): read whole, or (a streamed route) with its body
+// to be read through body_reader.
 struct HttpRequest {
   std::string method;  // "GET", "PUT", "POST", "DELETE", ...
   std::string target;  // path and query
   std::string path;    // target without the query
-  std::string body;
+  std::string body;  // empty when body_reader is set
+  // A streamed route's body, not read yet: the handler reads what it needs; the server
+  // reads and drops whatever it leaves before the answer is sent. Null otherwise.
+  HttpBodyReader* body_reader = nullptr;
   Credential credential = Credential::kNone;
   uint32_t scopes = 0;  // of the bearer token (every scope when the server has no tokens)
   std::string peer;     // the client's "address:port"
@@ -114,6 +139,9 @@ std::string TokenIdentity(std::string_view token);
 
 // The body limit of one request of an API route, from its method and path.
 using HttpBodyLimit = std::function<uint64_t(std::string_view method, std::string_view path)>;
+// Whether one request of an API route streams its body (HttpRequest::body_reader), from its
+// method and path.
+using HttpBodyStreamed = std::function<bool(std::string_view method, std::string_view path)>;
 
 // Serves every method of an API route; it decides on access itself (from
 // HttpRequest::credential). Runs as a coroutine on the server's executor.
@@ -228,9 +256,12 @@ class HttpServer {
   // runs. The server does no authentication for these routes: the handler checks
   // HttpRequest::scopes. `limit_for` (optional) lowers the limit per request from its method
   // and path, before any of the body is read (an upload route: large PUTs, small POSTs).
+  // `streamed` (optional) says which requests the handler reads through
+  // HttpRequest::body_reader instead of whole (an upload's parts): the limit applies the
+  // same, to a Content-Length at once and to a chunked body as it arrives.
   // REQUIRES: as Route().
   void RouteApi(const std::string& prefix, HttpApiHandler handler, uint64_t body_limit = 1 << 20,
-                HttpBodyLimit limit_for = nullptr);
+                HttpBodyLimit limit_for = nullptr, HttpBodyStreamed streamed = nullptr);
 
   uint16_t port() const;
   // Stops accepting and closes open connections. Idempotent. Must be called on the
