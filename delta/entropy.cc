@@ -662,6 +662,9 @@ void RestoreWords(const SparseTarget& t, size_t applied) {
   }
 }
 
+// How far ahead of the change being applied the fused loop prefetches the words.
+constexpr size_t kPrefetchBytes = 4096;
+
 // Where the fused loop stands: the decoders, and how it ended.
 struct FusedState {
   RefillingBits rice;
@@ -711,6 +714,10 @@ template <typename U>
     }
     const uint64_t d = (z >> 1) ^ (0 - (z & 1));
     uint8_t* word = region + static_cast<size_t>(position) * sizeof(U);
+    // The words a few dozen changes on: at low density nearly every change is on a line
+    // of its own, and the loop would wait on each one (a prefetch never faults, so past
+    // the region's end it is harmless).
+    __builtin_prefetch(word + kPrefetchBytes, 1);
     U old;
     std::memcpy(&old, word, sizeof(U));
     std::memcpy(old_out + i * sizeof(U), &old, sizeof(U));
