@@ -16,7 +16,7 @@
 //               break / continue; set (names, tuples, ns.attr) and block set (with a
 //               filter); macro (defaults, keyword arguments, varargs / kwargs); filter
 //               blocks; with; print; transformers' generation / endgeneration (renders its
-//               body).
+//               body; RenderWithGenerationSpans reports where).
 //               Refused: include, import, from, extends, block, call, autoescape, do,
 //               recursive loops, and any unknown tag.
 //   Expressions literals (str with Python escapes, int, float, true/false/none and their
@@ -69,6 +69,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "base/status.h"
 
@@ -88,6 +90,20 @@ class ChatTemplate {
   // error; with kResourceExhausted past the size limits above; with kInvalidArgument when
   // `context` is not an object.
   Result<std::string> Render(const nlohmann::ordered_json& context) const;
+
+  // The output and, for each transformers `{% generation %}` block that produced text, the
+  // [begin, end) byte range of `text` it produced, in order: what transformers'
+  // return_assistant_tokens_mask tracks. Render's errors, and kInvalidArgument naming the
+  // line for a generation block that renders inside a macro, block set or filter block (its
+  // place in the output is unknown).
+  struct Rendered {
+    std::string text;
+    std::vector<std::pair<size_t, size_t>> generation_spans;
+  };
+  Result<Rendered> RenderWithGenerationSpans(const nlohmann::ordered_json& context) const;
+
+  // Whether the template has `{% generation %}` blocks (anywhere, macros included).
+  bool has_generation_blocks() const;
 
  private:
   struct Program;

@@ -238,6 +238,8 @@ struct Stmt {
   // for `for`, the else body's frame.
   std::vector<int> undefined_in_body;
   std::vector<int> undefined_in_else;
+  // kScope: a transformers `{% generation %}` block (RenderTemplate reports its output span).
+  bool generation = false;
 };
 
 struct Template {
@@ -255,5 +257,8 @@ struct Template {
 // Lexes and parses `source` as jinja2 would with trim_blocks and lstrip_blocks: newlines
 // normalized to \n, one trailing newline dropped. Errors name the line and the construct.
 Result<std::unique_ptr<Template>> ParseTemplate(std::string_view source);
+
+// Whether any statement of `tmpl` (macro bodies included) is a `{% generation %}` block.
+bool HasGenerationBlocks(const Template& tmpl);
 
 }  // namespace flywheel::tokenizer::jinja

@@ -1113,6 +1113,7 @@ class Parser {
     int line = cur().line;
     Next();
     auto s = NewStmt(Stmt::Kind::kScope, line);
+    s->generation = true;
     FW_ASSIGN_OR_RETURN(Body body, ParseStatements({"endgeneration"}, true, "generation", line));
     s->bodies.push_back(std::move(body));
     return s;
@@ -1979,5 +1980,18 @@ Result<std::unique_ptr<Template>> ParseTemplate(std::string_view source) {
   ScopeAnalysis(tmpl.get()).Run();
   return tmpl;
 }
+
+namespace {
+bool BodyHasGeneration(const Body& body) {
+  for (const StmtPtr& stmt : body) {
+    if (stmt->generation) return true;
+    for (const Body& inner : stmt->bodies)
+      if (BodyHasGeneration(inner)) return true;
+  }
+  return false;
+}
+}  // namespace
+
+bool HasGenerationBlocks(const Template& tmpl) { return BodyHasGeneration(tmpl.body); }
 
 }  // namespace flywheel::tokenizer::jinja

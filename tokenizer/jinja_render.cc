@@ -2219,9 +2219,15 @@ class Renderer {
     StartUndefined(tmpl_.undefined_at_start, root.get());
     std::string out;
     out.reserve(4096);
+    root_out_ = &out;
     Flow flow = Flow::kNormal;
     FW_RETURN_IF_ERROR(ExecBody(tmpl_.body, root, &out, &flow));
     return out;
+  }
+
+  // Where Render reports the output span of each generation block (null: nowhere).
+  void set_generation_spans(std::vector<std::pair<size_t, size_t>>* spans) {
+    generation_spans_ = spans;
   }
 
  private:
@@ -2305,15 +2311,8 @@ class Renderer {
         AppendStr(v, out);
         return Status::Ok();
       }
-      case Stmt::Kind::kScope: {
-        ScopePtr inner = NewFrame(scope, s.undefined_in_body);
-        for (size_t i = 0; i < s.targets.size(); ++i) {
-          FW_ASSIGN_OR_RETURN(Value v, Eval(*s.exprs[i], scope));
-          FW_RETURN_IF_ERROR(Locate(Assign(s.targets[i], std::move(v), *inner), s.line));
-        }
-        Flow inner_flow = Flow::kNormal;
-        return ExecBody(s.bodies[0], inner, out, &inner_flow);
-      }
+      case Stmt::Kind::kScope:
+        return ExecScope(s, scope, out);
       case Stmt::Kind::kBreak:
         *flow = Flow::kBreak;
         return Status::Ok();
@@ -2322,6 +2321,26 @@ class Renderer {
         return Status::Ok();
     }
     return Status::Internal("unknown statement");
+  }
+
+  // with / generation: the body in a frame of its own; a generation block's output span is
+  // reported when it writes to the template's own output.
+  Status ExecScope(const Stmt& s, const ScopePtr& scope, std::string* out) {
+    ScopePtr inner = NewFrame(scope, s.undefined_in_body);
+    for (size_t i = 0; i < s.targets.size(); ++i) {
+      FW_ASSIGN_OR_RETURN(Value v, Eval(*s.exprs[i], scope));
+      FW_RETURN_IF_ERROR(Locate(Assign(s.targets[i], std::move(v), *inner), s.line));
+    }
+    bool report = s.generation && generation_spans_ != nullptr;
+    if (report && out != root_out_)
+      return Locate(Error("a generation block inside a macro, block set or filter block: its "
+                          "span in the output is unknown"),
+                    s.line);
+    size_t begin = out->size();
+    Flow inner_flow = Flow::kNormal;
+    FW_RETURN_IF_ERROR(ExecBody(s.bodies[0], inner, out, &inner_flow));
+    if (report && out->size() > begin) generation_spans_->emplace_back(begin, out->size());
+    return Status::Ok();
   }
 
   Status ExecFor(const Stmt& s, const ScopePtr& scope, std::string* out) {
@@ -2748,12 +2767,22 @@ class Renderer {
 
   const Template& tmpl_;
   int depth_ = 0;
+  const std::string* root_out_ = nullptr;
+  std::vector<std::pair<size_t, size_t>>* generation_spans_ = nullptr;
 };
 
 }  // namespace
 
 Result<std::string> RenderTemplate(const Template& tmpl, const nlohmann::ordered_json& context) {
   return Renderer(tmpl).Render(context);
+}
+
+Result<std::string> RenderTemplateWithGenerationSpans(
+    const Template& tmpl, const nlohmann::ordered_json& context,
+    std::vector<std::pair<size_t, size_t>>* spans) {
+  Renderer renderer(tmpl);
+  renderer.set_generation_spans(spans);
+  return renderer.Render(context);
 }
 
 }  // namespace flywheel::tokenizer::jinja

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "base/status.h"
 #include "tokenizer/jinja_ast.h"
@@ -18,5 +20,14 @@ namespace flywheel::tokenizer::jinja {
 // ChatTemplate::Render's (kInvalidArgument naming the template line, kResourceExhausted past
 // the size limits). Reentrant: `tmpl` is only read.
 Result<std::string> RenderTemplate(const Template& tmpl, const nlohmann::ordered_json& context);
+
+// As RenderTemplate, and appends to `spans` the [begin, end) byte range of the output that
+// each `{% generation %}` block produced, in render order (empty ones left out). A generation
+// block that renders into anything but the template's own output (a macro's body, a block
+// set, a filter block) fails the render with kInvalidArgument naming its line: its place in
+// the output is unknown.
+Result<std::string> RenderTemplateWithGenerationSpans(
+    const Template& tmpl, const nlohmann::ordered_json& context,
+    std::vector<std::pair<size_t, size_t>>* spans);
 
 }  // namespace flywheel::tokenizer::jinja

@@ -921,5 +921,42 @@ TEST(ChatTemplateRobustness, MangledTemplatesAreRefusedOrRenderCleanly) {
   EXPECT_GT(refused, 100u);
 }
 
+// RenderWithGenerationSpans: the byte ranges transformers' AssistantTracker records, here
+// checked by hand (tests/data/render_test.cc compares them with the tracker itself).
+TEST(ChatTemplateGenerationSpans, ReportsEachBlockInOrder) {
+  auto t = ChatTemplate::Parse(
+      "{% for m in messages %}[{{ m.role }}]{% if m.role == 'assistant' %}{% generation %}"
+      "{{ m.content }}<end>{% endgeneration %}{% else %}{{ m.content }}{% endif %}{{ '\\n' }}{% endfor %}"
+      "{% generation %}{% endgeneration %}");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_TRUE(t->has_generation_blocks());
+  auto out = t->RenderWithGenerationSpans(ordered_json::parse(
+      R"({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "é1"},)"
+      R"( {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]})"));
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->text, "[user]q\n[assistant]é1<end>\n[user]q2\n[assistant]a2<end>\n");
+  using Spans = std::vector<std::pair<size_t, size_t>>;
+  // Byte offsets ("é" is two bytes); the empty block at the end is left out.
+  EXPECT_EQ(out->generation_spans, (Spans{{19, 27}, {48, 55}}));
+  EXPECT_EQ(out->text.substr(19, 8), "é1<end>");
+  // Render gives the same text.
+  EXPECT_EQ(*t->Render(ordered_json::parse(R"({"messages": []})")), "");
+}
+
+TEST(ChatTemplateGenerationSpans, BlockOutsideTheOutputIsRefused) {
+  auto t = ChatTemplate::Parse(
+      "{% macro turn(x) %}{% generation %}{{ x }}{% endgeneration %}{% endmacro %}{{ turn('a') }}");
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_TRUE(t->has_generation_blocks());
+  EXPECT_EQ(*t->Render(ordered_json::object()), "a");  // plain rendering is unaffected
+  auto spans = t->RenderWithGenerationSpans(ordered_json::object());
+  ASSERT_FALSE(spans.ok());
+  EXPECT_NE(spans.status().message().find("generation block inside a macro"), std::string::npos)
+      << spans.status().message();
+  auto none = ChatTemplate::Parse("{{ add_generation_prompt }}");
+  ASSERT_TRUE(none.ok());
+  EXPECT_FALSE(none->has_generation_blocks());
+}
+
 }  // namespace
 }  // namespace flywheel::tokenizer
