@@ -1,5 +1,6 @@
 #include "transport/connection.h"
 
+#include "transport/io_pool.h"
 #include "transport/tls_stream.h"
 
 #include "base/env.h"
@@ -522,15 +523,17 @@ awaitable<std::optional<Result<std::shared_ptr<Connection>>>> DialOnStrand(
 }  // namespace
 
 asio::any_io_executor TestEgressPool() {
-  static asio::thread_pool* const pool = []() -> asio::thread_pool* {
+  // Lives until exit: every io_context a test destroys must first have let go of it
+  // (IoPool's drain), as its handlers hold that context's work for a moment after a hop.
+  static IoPool* const pool = []() -> IoPool* {
     const char* text = std::getenv("FLYWHEEL_TEST_EGRESS_THREADS");
     const int threads = text != nullptr ? std::atoi(text) : 0;
     if (threads < 1) return nullptr;
     spdlog::warn("FLYWHEEL_TEST_EGRESS_THREADS: connections run on a pool of {} threads", threads);
-    return new asio::thread_pool(static_cast<size_t>(threads));  // lives until exit
+    return new IoPool(threads, "test-egress");
   }();
   if (pool == nullptr) return {};
-  return pool->get_executor();
+  return pool->executor();
 }
 
 awaitable<Result<std::shared_ptr<Connection>>> Dial(DialOptions options, wire::Hello hello) {

@@ -22,6 +22,7 @@
 #include "tests/transport/cert_suite.h"
 #include "transport/certs.h"
 #include "transport/frame.h"
+#include "transport/io_pool.h"
 #include "transport/tls.h"
 
 namespace flywheel::transport {
@@ -119,15 +120,13 @@ TEST(FrameTest, HeaderMustBeProtobufAndRepeatThePayloadLength) {
 
 // ---- connections ----------------------------------------------------------------------
 
-// An io_context on its own thread (one network thread, as in a flywheel process).
+// An io_context on its own thread (one network thread, as in a flywheel process). It goes
+// only once nothing holds work on it (up to 5 s): a connection on an egress pool (the
+// FLYWHEEL_TEST_EGRESS_THREADS one outlives every test) still holds the loop's work for a
+// moment after the loop's coroutine resumed (transport/io_pool.h).
 class Loop {
  public:
-  Loop() : guard_(asio::make_work_guard(io_)), thread_([this] { io_.run(); }) {}
-  ~Loop() {
-    guard_.reset();
-    io_.stop();
-    thread_.join();
-  }
+  Loop() : pool_(1, "test-loop", 5s), io_(pool_.context()) {}
   asio::any_io_executor executor() { return io_.get_executor(); }
 
   // Runs `task` on the loop and waits for its result (bounded: a hang fails the test).
@@ -157,9 +156,8 @@ class Loop {
     promise->set_value(co_await std::move(task));
   }
 
-  asio::io_context io_;
-  asio::executor_work_guard<asio::io_context::executor_type> guard_;
-  std::thread thread_;
+  IoPool pool_;
+  asio::io_context& io_;
 };
 
 // A frame header needs a body; a piece is the common one.
