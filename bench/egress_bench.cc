@@ -1,12 +1,10 @@
 #include "bench/egress_bench.h"
 
 #include <openssl/evp.h>
-#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
-#include <ctime>
 #include <filesystem>
 #include <future>
 #include <latch>
@@ -18,6 +16,7 @@
 #include "sync/server.h"
 #include "transport/certs.h"
 #include "transport/connection.h"
+#include "transport/io_pool.h"
 #include "transport/tls.h"
 
 namespace flywheel::bench {
@@ -138,36 +137,13 @@ awaitable<void> RunChild(std::shared_ptr<Child> child, const SourceBytes* source
   child->done->count_down();
 }
 
-double ThreadCpuSeconds(std::thread& thread) {
-  clockid_t clock;
-  if (pthread_getcpuclockid(thread.native_handle(), &clock) != 0) return 0;
-  timespec ts{};
-  if (clock_gettime(clock, &ts) != 0) return 0;
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+// The relay's network loop and egress pool and the children's pool are IoPools
+// (transport/io_pool.h): each pool's threads' CPU seconds on demand.
+double TotalCpuSeconds(transport::IoPool& pool) {
+  double total = 0;
+  for (double seconds : pool.CpuSeconds()) total += seconds;
+  return total;
 }
-
-// io_contexts with their threads; CPU seconds of those threads on demand.
-struct Threads {
-  explicit Threads(int count) : io(count), guard(asio::make_work_guard(io)) {
-    for (int i = 0; i < count; ++i) threads.emplace_back([this] { io.run(); });
-  }
-  ~Threads() { Stop(); }
-  void Stop() {
-    guard.reset();
-    io.stop();
-    for (auto& thread : threads) {
-      if (thread.joinable()) thread.join();
-    }
-  }
-  double CpuSeconds() {
-    double total = 0;
-    for (auto& thread : threads) total += ThreadCpuSeconds(thread);
-    return total;
-  }
-  asio::io_context io;
-  asio::executor_work_guard<asio::io_context::executor_type> guard;
-  std::vector<std::thread> threads;
-};
 
 Status MakeTls(std::shared_ptr<asio::ssl::context>& server_tls,
                std::shared_ptr<asio::ssl::context>& client_tls) {
@@ -186,12 +162,12 @@ Status MakeTls(std::shared_ptr<asio::ssl::context>& server_tls,
 
 // The relay side of one run: its network thread, its egress pool, the server.
 struct RelaySide {
-  RelaySide(int egress_threads) : network(1), pool(egress_threads) {}
-  Threads network;
-  Threads pool;
+  RelaySide(int egress_threads) : network(1, "relay-net"), pool(egress_threads, "relay-egress") {}
+  transport::IoPool network;
+  transport::IoPool pool;
   sync::LinkRegistry links;
   std::unique_ptr<sync::Server> server;
-  double CpuSeconds() { return network.CpuSeconds() + pool.CpuSeconds(); }
+  double CpuSeconds() { return TotalCpuSeconds(network) + TotalCpuSeconds(pool); }
 };
 
 Status StartRelay(RelaySide& relay, MemorySource* source,
@@ -200,11 +176,11 @@ Status StartRelay(RelaySide& relay, MemorySource* source,
   options.listen = transport::Endpoint{"127.0.0.1", 0};
   options.identity = sync::NodeIdentity{wire::RELAY, "bench", "egress-relay"};
   options.listener.tls = std::move(tls);
-  options.listener.egress = relay.pool.io.get_executor();
+  options.listener.egress = relay.pool.executor();
   options.listener.connection.gather_writes = gather_writes;
   std::promise<Result<std::unique_ptr<sync::Server>>> started;
-  asio::post(relay.network.io, [&] {
-    started.set_value(sync::Server::Start(relay.network.io.get_executor(), options, source,
+  asio::post(relay.network.context(), [&] {
+    started.set_value(sync::Server::Start(relay.network.executor(), options, source,
                                           &relay.links));
   });
   FW_ASSIGN_OR_RETURN(relay.server, started.get_future().get());
@@ -215,7 +191,7 @@ Status StartRelay(RelaySide& relay, MemorySource* source,
 // the closes a moment to reach the pool; the server itself goes once no thread runs.
 void StopRelay(RelaySide& relay) {
   std::promise<void> stopped;
-  asio::post(relay.network.io, [&] {
+  asio::post(relay.network.context(), [&] {
     if (relay.server) relay.server->Stop();
     stopped.set_value();
   });
@@ -224,11 +200,11 @@ void StopRelay(RelaySide& relay) {
 }
 
 // Dials every child (phase 1, not timed); the first failure, if any.
-Status DialChildren(std::vector<std::shared_ptr<Child>>& children, Threads& pool,
+Status DialChildren(std::vector<std::shared_ptr<Child>>& children, transport::IoPool& pool,
                     std::shared_ptr<transport::DialOptions> dial) {
   std::latch dialled(static_cast<std::ptrdiff_t>(children.size()));
   for (size_t i = 0; i < children.size(); ++i) {
-    children[i]->strand = asio::make_strand(pool.io.get_executor());
+    children[i]->strand = asio::make_strand(pool.executor());
     children[i]->done = &dialled;
     asio::co_spawn(children[i]->strand, DialChild(children[i], dial, static_cast<int>(i)),
                    asio::detached);
@@ -258,7 +234,8 @@ Result<EgressRun> MeasureRelayEgress(const EgressOptions& options, int children_
   if (tls) FW_RETURN_IF_ERROR(MakeTls(server_tls, client_tls));
   RelaySide relay(egress_threads);
   FW_RETURN_IF_ERROR(StartRelay(relay, &memory, server_tls, gather_writes));
-  Threads child_pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  transport::IoPool child_pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())),
+                               "children");
   auto dial = std::make_shared<transport::DialOptions>();
   dial->endpoint = transport::Endpoint{"127.0.0.1", relay.server->port()};
   dial->tls = client_tls;
@@ -294,6 +271,7 @@ Result<EgressRun> MeasureRelayEgress(const EgressOptions& options, int children_
   child_pool.Stop();
   relay.pool.Stop();
   relay.network.Stop();
+  for (transport::IoPool* pool : {&child_pool, &relay.pool, &relay.network}) pool->Shutdown();
   relay.server.reset();
   FW_RETURN_IF_ERROR(status);
   run.bytes_per_second = static_cast<double>(run.bytes) / std::max(run.seconds, 1e-9);

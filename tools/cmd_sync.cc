@@ -20,6 +20,7 @@
 #include "sync/publisher.h"
 #include "sync/relay.h"
 #include "sync/worker.h"
+#include "transport/io_pool.h"
 #include "tools/commands.h"
 
 namespace flywheel::tools {
@@ -167,31 +168,12 @@ void RunUntilSignalled(asio::io_context& io, const std::function<void()>& stop,
   io.run();
 }
 
-// The pool a publisher's or relay's downstream connections run on (--egress-threads):
-// each connection on a strand of it, so that TLS records are sealed and written on up to
-// `threads` cores. Stop() before the network io_context goes: the pool's threads may post
-// to it.
-class EgressPool {
- public:
-  explicit EgressPool(int threads) : io_(threads), guard_(asio::make_work_guard(io_)) {
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { io_.run(); });
-  }
-  ~EgressPool() { Stop(); }
-  asio::any_io_executor executor() { return io_.get_executor(); }
-  void Stop() {
-    guard_.reset();
-    io_.stop();
-    for (auto& thread : threads_) {
-      if (thread.joinable()) thread.join();
-    }
-  }
-
- private:
-  asio::io_context io_;
-  asio::executor_work_guard<asio::io_context::executor_type> guard_;
-  std::vector<std::thread> threads_;
-};
-
+// A publisher's or relay's downstream connections run on an egress pool (--egress-threads,
+// transport/io_pool.h): each connection on a strand of it, so that TLS records are sealed
+// and written on up to `threads` cores. Once the network loop stopped, the pool is shut
+// down (its threads joined, its handlers destroyed) while the loop still exists: those
+// handlers hold the loop's work and the role coroutines that await them; the loop goes
+// next, the pool's context last (the loop's handlers may hold the pool's work).
 Status CheckEgressThreads(const char* role, int threads) {
   if (threads >= 1) return Status::Ok();
   return Status::InvalidArgument(std::string(role) + ": --egress-threads must be 1 or more (got " +
@@ -249,17 +231,17 @@ Status RunPublish(const SyncArgs& args) {
       std::chrono::milliseconds(static_cast<int64_t>(args.upload_expiry_s * 1000));
   sync::EnablePushApi(options, std::move(push));
   FW_RETURN_IF_ERROR(CheckEgressThreads("publish", args.egress_threads));
-  EgressPool egress(args.egress_threads);
+  transport::IoPool egress(args.egress_threads, "egress");
   options.common.egress = egress.executor();
   asio::io_context io(1);
   Result<std::unique_ptr<sync::Publisher>> publisher =
       sync::Publisher::Start(io.get_executor(), options);
   if (!publisher.ok()) {
-    egress.Stop();
+    egress.Shutdown();
     return Failed("publish", publisher.status());
   }
   RunUntilSignalled(io, [&] { (*publisher)->Stop(); });
-  egress.Stop();
+  egress.Shutdown();
   return Status::Ok();
 }
 
@@ -272,16 +254,16 @@ Status RunRelay(const SyncArgs& args) {
   options.streams = args.streams;
   options.window = args.window;
   FW_RETURN_IF_ERROR(CheckEgressThreads("relay", args.egress_threads));
-  EgressPool egress(args.egress_threads);
+  transport::IoPool egress(args.egress_threads, "egress");
   options.common.egress = egress.executor();
   asio::io_context io(1);
   Result<std::unique_ptr<sync::Relay>> relay = sync::Relay::Start(io.get_executor(), options);
   if (!relay.ok()) {
-    egress.Stop();
+    egress.Shutdown();
     return Failed("relay", relay.status());
   }
   RunUntilSignalled(io, [&] { (*relay)->Stop(); });
-  egress.Stop();
+  egress.Shutdown();
   return Status::Ok();
 }
 

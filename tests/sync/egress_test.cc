@@ -26,6 +26,7 @@
 #include "sync/server.h"
 #include "transport/certs.h"
 #include "transport/connection.h"
+#include "transport/io_pool.h"
 #include "transport/tls.h"
 
 namespace flywheel::sync {
@@ -35,34 +36,9 @@ using namespace std::chrono_literals;
 using transport::Clock;
 using transport::Frame;
 
-// An io_context run by `count` threads, and those threads' CPU seconds.
-struct Threads {
-  explicit Threads(int count) : io(count), guard(asio::make_work_guard(io)) {
-    for (int i = 0; i < count; ++i) threads.emplace_back([this] { io.run(); });
-  }
-  ~Threads() { Stop(); }
-  void Stop() {
-    guard.reset();
-    io.stop();
-    for (auto& thread : threads) {
-      if (thread.joinable()) thread.join();
-    }
-  }
-  std::vector<double> CpuSeconds() {
-    std::vector<double> seconds;
-    for (auto& thread : threads) {
-      clockid_t clock;
-      timespec ts{};
-      if (pthread_getcpuclockid(thread.native_handle(), &clock) == 0 && clock_gettime(clock, &ts) == 0) {
-        seconds.push_back(static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9);
-      }
-    }
-    return seconds;
-  }
-  asio::io_context io;
-  asio::executor_work_guard<asio::io_context::executor_type> guard;
-  std::vector<std::thread> threads;
-};
+// The relay's network loop and egress pool, the children's and senders' pools: IoPools
+// (transport/io_pool.h), all stopped, then all shut down, before any of them goes.
+using transport::IoPool;
 
 // Runs `fn` on `io`'s thread and returns its result.
 template <typename Fn>
@@ -120,34 +96,36 @@ struct Relay {
     options.listen = transport::Endpoint{"127.0.0.1", 0};
     options.identity = NodeIdentity{wire::RELAY, "test", "egress-relay"};
     options.listener.tls = std::move(tls);
-    options.listener.egress = pool.io.get_executor();
+    options.listener.egress = pool.executor();
     options.listener.connection = connection;
-    auto started = On(network.io, [&] {
-      return Server::Start(network.io.get_executor(), options, &memory, &links);
+    auto started = On(network.context(), [&] {
+      return Server::Start(network.executor(), options, &memory, &links);
     });
     EXPECT_TRUE(started.ok()) << started.status().ToString();
     if (started.ok()) server = std::move(*started);
   }
   ~Relay() {
-    On(network.io, [&] {
+    On(network.context(), [&] {
       if (server) server->Stop();
       return 0;
     });
     std::this_thread::sleep_for(50ms);
     pool.Stop();
     network.Stop();
+    pool.Shutdown();
+    network.Shutdown();
     server.reset();
   }
   size_t live_links() {
-    return On(network.io, [&] { return links.ToJson().size(); });
+    return On(network.context(), [&] { return links.ToJson().size(); });
   }
   struct Source {
     explicit Source(std::shared_ptr<std::vector<std::byte>> b) : data(std::move(b)) {}
     std::shared_ptr<std::vector<std::byte>> bytes() const { return data; }
     std::shared_ptr<std::vector<std::byte>> data;
   } source;
-  Threads network{1};
-  Threads pool{4};
+  IoPool network{1, "relay-net"};
+  IoPool pool{4, "relay-egress"};
   LinkRegistry links;
   MemorySource memory;
   std::unique_ptr<Server> server;
@@ -206,7 +184,7 @@ awaitable<void> Fetch(std::shared_ptr<Child> child, uint32_t pieces, std::latch*
   done->count_down();
 }
 
-std::vector<std::shared_ptr<Child>> DialChildren(Threads& pool, uint16_t port,
+std::vector<std::shared_ptr<Child>> DialChildren(IoPool& pool, uint16_t port,
                                                  std::shared_ptr<asio::ssl::context> tls, int count,
                                                  transport::ConnectionOptions options = {}) {
   auto dial = std::make_shared<transport::DialOptions>();
@@ -217,7 +195,7 @@ std::vector<std::shared_ptr<Child>> DialChildren(Threads& pool, uint16_t port,
   std::latch dialled(count);
   for (int i = 0; i < count; ++i) {
     children.push_back(std::make_shared<Child>());
-    asio::co_spawn(asio::make_strand(pool.io), DialChild(children.back(), dial, &dialled),
+    asio::co_spawn(asio::make_strand(pool.context()), DialChild(children.back(), dial, &dialled),
                    asio::detached);
   }
   dialled.wait();
@@ -235,7 +213,7 @@ TEST(EgressPoolTest, EightChildrenOfOneRelayReceiveIdenticalBytes) {
   TlsContexts tls = MakeTls();
   Relay relay({}, tls.server);
   ASSERT_NE(relay.server, nullptr);
-  Threads children_pool(2);
+  IoPool children_pool(2, "children");
   auto children = DialChildren(children_pool, relay.server->port(), tls.client, 8);
   const std::vector<double> pool_before = relay.pool.CpuSeconds();
   const double network_before = relay.network.CpuSeconds()[0];
@@ -274,7 +252,7 @@ TEST(EgressPoolTest, AStalledChildTimesOutAloneWhileTheOthersFinish) {
   relay_options.io_timeout = 2000ms;
   Relay relay(relay_options, tls.server);
   ASSERT_NE(relay.server, nullptr);
-  Threads children_pool(2);
+  IoPool children_pool(2, "children");
   transport::ConnectionOptions stalled_options;
   stalled_options.max_inbound_bytes = kPieceBytes;
   auto stalled = DialChildren(children_pool, relay.server->port(), tls.client, 1, stalled_options);
@@ -365,16 +343,16 @@ class InterleaveTest : public ::testing::TestWithParam<bool> {};
 TEST_P(InterleaveTest, ConcurrentSendersNeverInterleaveFrames) {
   const bool use_tls = GetParam();
   TlsContexts tls = use_tls ? MakeTls() : TlsContexts{};
-  Threads network(1), pool(4), senders(4);
+  IoPool network(1, "net"), pool(4, "egress"), senders(4, "senders");
   transport::ListenerOptions options;
   options.tls = tls.server;
-  options.egress = pool.io.get_executor();
-  auto listener = On(network.io, [&] {
-    return transport::Listener::Bind(network.io.get_executor(), transport::Endpoint{"127.0.0.1", 0}, options);
+  options.egress = pool.executor();
+  auto listener = On(network.context(), [&] {
+    return transport::Listener::Bind(network.executor(), transport::Endpoint{"127.0.0.1", 0}, options);
   });
   ASSERT_TRUE(listener.ok()) << listener.status().ToString();
   std::promise<std::string> verdict;
-  On(network.io, [&] {
+  On(network.context(), [&] {
     (*listener)->Start([](const wire::Hello&) { return wire::Welcome(); },
                        [&verdict](std::shared_ptr<Connection> connection) -> awaitable<void> {
                          co_await CheckFrames(connection, &verdict);
@@ -384,7 +362,7 @@ TEST_P(InterleaveTest, ConcurrentSendersNeverInterleaveFrames) {
   auto dial = std::make_shared<transport::DialOptions>();
   dial->endpoint = transport::Endpoint{"127.0.0.1", (*listener)->port()};
   dial->tls = tls.client;
-  dial->egress = pool.io.get_executor();
+  dial->egress = pool.executor();
   std::promise<Result<std::shared_ptr<Connection>>> dialled;
   auto dial_once = [](std::shared_ptr<transport::DialOptions> dial,
                       std::promise<Result<std::shared_ptr<Connection>>>* out) -> awaitable<void> {
@@ -392,20 +370,20 @@ TEST_P(InterleaveTest, ConcurrentSendersNeverInterleaveFrames) {
     hello.set_channel(wire::DATA);
     out->set_value(co_await transport::Dial(*dial, hello));
   };
-  asio::co_spawn(senders.io, dial_once(dial, &dialled), asio::detached);
+  asio::co_spawn(senders.context(), dial_once(dial, &dialled), asio::detached);
   Result<std::shared_ptr<Connection>> connection = dialled.get_future().get();
   ASSERT_TRUE(connection.ok()) << connection.status().ToString();
   // Each sender on the senders' pool itself (no strand): they run on 4 threads at once.
   std::latch sent(kSenders);
   for (int sender = 0; sender < kSenders; ++sender) {
-    asio::co_spawn(senders.io, SendFrames(*connection, sender, &sent), asio::detached);
+    asio::co_spawn(senders.context(), SendFrames(*connection, sender, &sent), asio::detached);
   }
   sent.wait();
   auto future = verdict.get_future();
   ASSERT_EQ(future.wait_for(20s), std::future_status::ready);
   EXPECT_EQ(future.get(), "");
   (*connection)->Close(Status::Unavailable("test done"));
-  On(network.io, [&] {
+  On(network.context(), [&] {
     (*listener)->Stop();
     return 0;
   });
@@ -413,6 +391,7 @@ TEST_P(InterleaveTest, ConcurrentSendersNeverInterleaveFrames) {
   senders.Stop();
   pool.Stop();
   network.Stop();
+  for (IoPool* each : {&senders, &pool, &network}) each->Shutdown();
 }
 
 INSTANTIATE_TEST_SUITE_P(TlsAndPlain, InterleaveTest, ::testing::Values(true, false),
