@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "base/env.h"
+#include "ops/process.h"
 #include "pipeline/launcher.h"
 #include "pipeline/task.h"
 
@@ -145,19 +146,65 @@ Result<std::string> ResumableRunConfig(const std::string& run_dir) {
   return (fs::path(run_dir) / "run.toml").string();
 }
 
+Status PrepareDemoFiles(const DemoOptions& options, const std::string& run_dir, RunConfig& config,
+                        std::ostream& out) {
+  const fs::path root = fs::absolute(run_dir);
+  if (fs::exists(root / "state")) {
+    return Status::InvalidArgument(run_dir + " already holds a run (state/); choose another --run-dir, or --resume it");
+  }
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  if (ec) return Status::IOError("cannot create " + root.string() + ": " + ec.message());
+  if (config.model.dir.empty() && config.model.config.empty()) {
+    config.model.dir = (root / "model").string();
+    std::vector<std::string> args = {"model", "make-tiny", "--out", config.model.dir, "--seed",
+                                     std::to_string(config.run.seed)};
+    if (config.model.preset == "tiny-moe") args.push_back("--moe");
+    FW_ASSIGN_OR_RETURN(ops::Completion made, ops::RunToCompletion(options.program, args));
+    if (made.exit_code != 0) {
+      std::string why = made.err;
+      while (!why.empty() && why.back() == '\n') why.pop_back();
+      return Status::Internal("`flywheel model make-tiny --out " + config.model.dir + "` failed: " + why);
+    }
+  }
+  TaskFilesOptions files;
+  files.task = config.task;
+  files.seed = static_cast<uint64_t>(config.run.seed);
+  files.count = 20000;
+  files.eval_count = static_cast<size_t>(config.run.eval_prompts);
+  if (config.task.dataset.empty()) {
+    files.out = config.task.dataset = (root / "train.jsonl").string();
+    files.eval_out = config.task.eval_dataset = (root / "eval.jsonl").string();
+  }
+  if (config.sft.steps > 0 && config.sft.dataset.empty()) {
+    files.sft_out = config.sft.dataset = (root / "sft.jsonl").string();
+  }
+  if (!files.out.empty() || !files.sft_out.empty()) FW_RETURN_IF_ERROR(MakeTaskFiles(files).status());
+  out << "demo files: model " << config.model.dir << ", dataset " << config.task.dataset
+      << (config.task.eval_dataset.empty() ? "" : ", held out " + config.task.eval_dataset)
+      << (config.sft.dataset.empty() ? "" : ", SFT " + config.sft.dataset) << std::endl;
+  return Status::Ok();
+}
+
 Status RunDemo(const DemoOptions& options, std::ostream& out) {
-  const RunConfig& config = options.config;
   FleetRunOptions run;
+  run.run_dir = options.run_dir.empty() ? DefaultRunDir("demo") : options.run_dir;
+  RunConfig config = options.config;
+  if (options.files && !options.resume) FW_RETURN_IF_ERROR(PrepareDemoFiles(options, run.run_dir, config, out));
   run.config = config;
   run.program = options.program;
-  run.run_dir = options.run_dir.empty() ? DefaultRunDir("demo") : options.run_dir;
   run.report_dir = options.report_dir;
   run.echo = true;
   run.resume = options.resume;
   run.warn = options.warn;
-  out << "flywheel demo: asynchronous pipeline RL on " << config.task.name << " ("
-      << config.task.digits << " digits, exact-match reward), model " << config.model.preset
-      << ", " << config.algorithm.name << "\n";
+  out << "flywheel demo: asynchronous pipeline RL on ";
+  if (config.task.dataset.empty()) {
+    out << config.task.name << " (" << config.task.digits << " digits, exact-match reward)";
+  } else {
+    out << config.task.dataset << " (exact match against \"answer\")";
+  }
+  out << ", model " << (config.model.dir.empty() ? config.model.preset : config.model.dir) << ", "
+      << config.algorithm.name << "\n";
   FW_RETURN_IF_ERROR(RunFleetToEnd(run, out));
   const std::string report =
       options.report_dir.empty() ? (fs::path(run.run_dir) / "report").string() : options.report_dir;

@@ -50,12 +50,23 @@ Result<std::string> ResumableRunConfig(const std::string& run_dir);
 
 struct DemoOptions {
   RunConfig config;
+  // The demo as files (issue 34): its tiny model written as an HF directory
+  // (<run_dir>/model, by `program model make-tiny`) unless model.dir is set, its task as RL
+  // JSONL files (<run_dir>/train.jsonl, eval.jsonl) unless task.dataset is set, and its SFT
+  // warm-up as <run_dir>/sft.jsonl unless sft.dataset is set; the trainer then starts from
+  // the directory and reads prompts and answers from the files.
+  bool files = false;
   std::string program;
   std::string run_dir;  // empty: DefaultRunDir("demo")
   std::string report_dir;  // empty: <run_dir>/report
   bool resume = false;
   std::function<void(const std::string&)> warn;
 };
+
+// With options.files: writes what is missing of the model directory and the JSONL files
+// into `run_dir` and points `config` at them. Errors name the file or the command.
+Status PrepareDemoFiles(const DemoOptions& options, const std::string& run_dir, RunConfig& config,
+                        std::ostream& out);
 
 // `flywheel demo`: a line saying what runs, the fleet to the end, then the report
 // (WriteReport: plots and the summary table) on `out`.

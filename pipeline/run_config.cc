@@ -27,11 +27,14 @@ void ForEachField(Config& c, F&& f) {
   f("run", "state_every", FieldRef(&c.run.state_every));
   f("model", "preset", FieldRef(&c.model.preset));
   f("model", "config", FieldRef(&c.model.config));
+  f("model", "dir", FieldRef(&c.model.dir));
   f("model", "routing_replay", FieldRef(&c.model.routing_replay));
   f("model", "serving", FieldRef(&c.model.serving));
   f("model", "fp8_qat", FieldRef(&c.model.fp8_qat));
   f("task", "name", FieldRef(&c.task.name));
   f("task", "digits", FieldRef(&c.task.digits));
+  f("task", "dataset", FieldRef(&c.task.dataset));
+  f("task", "eval_dataset", FieldRef(&c.task.eval_dataset));
   f("algorithm", "name", FieldRef(&c.algorithm.name));
   f("algorithm", "group_size", FieldRef(&c.algorithm.group_size));
   f("algorithm", "groups_per_step", FieldRef(&c.algorithm.groups_per_step));
@@ -162,6 +165,10 @@ Status RunConfig::Validate() const {
   if (run.state_every < 1) return bad("run.state_every", run.state_every, "must be at least 1");
   if (model.config.empty() && model.preset != "tiny" && model.preset != "tiny-moe")
     return bad("model.preset", model.preset, "unknown (tiny, tiny-moe; or set model.config)");
+  if (!model.dir.empty() && !model.config.empty())
+    return bad("model.dir", model.dir, "and model.config are exclusive (the directory holds config.json)");
+  if (!task.eval_dataset.empty() && task.dataset.empty())
+    return bad("task.eval_dataset", task.eval_dataset, "needs task.dataset");
   if (model.serving != "bf16" && model.serving != "fp8")
     return bad("model.serving", model.serving, "unknown (bf16, fp8)");
   if (model.fp8_qat && model.serving != "fp8")

@@ -5,10 +5,15 @@
 //   [run]        seed, max_steps, time_limit_s, target_accuracy (stop when reached; 0: run
 //                all steps), eval_every, eval_prompts, threads (trainer), state_every
 //   [model]      preset ("tiny", "tiny-moe"), config (a config.json; overrides the preset),
+//                dir (an HF model directory: config.json, safetensors weights sharded or
+//                not, tokenizer.json, tokenizer_config.json's chat template; the trainer
+//                starts from its weights and the workers serve its tokenizer),
 //                routing_replay (MoE: train on the experts the sampler used), serving
 //                ("bf16", or "fp8": projection weights F8_E4M3 with 128x128 block scales),
 //                fp8_qat (with fp8: train on the fake-quantized weights workers serve)
-//   [task]       name (sort, reverse, add), digits
+//   [task]       name (sort, reverse, add), digits; dataset (an RL JSONL: prompts from its
+//                "messages", exact-match reward against its "answer"; replaces the generated
+//                task), eval_dataset (its held-out lines; empty: every 8th prompt held out)
 //   [algorithm]  name (grpo, dapo, gspo, cispo), group_size, groups_per_step, lr,
 //                temperature, clip_low, clip_high, tis_cap, weight_decay, grad_clip
 //   [sft]        dataset (JSONL, OpenAI chat format), steps, batch_size, lr
@@ -41,6 +46,7 @@ struct RunConfig {
   struct Model {
     std::string preset = "tiny";
     std::string config;
+    std::string dir;
     bool routing_replay = true;
     std::string serving = "bf16";
     bool fp8_qat = false;

@@ -1,7 +1,11 @@
 #include "pipeline/task.h"
 
 #include <algorithm>
+#include <fstream>
 #include <set>
+#include <span>
+
+#include "base/env.h"
 
 namespace flywheel::pipeline {
 namespace {
@@ -66,7 +70,105 @@ class AddTask final : public Task {
   }
 };
 
+using nlohmann::json;
+using Line = nlohmann::ordered_json;
+
+// A task read from RL JSONL files: prompts rendered once at load, sampled uniformly.
+class FileTask final : public Task {
+ public:
+  FileTask(std::vector<Problem> train, std::vector<Problem> eval)
+      : Task(TaskConfig{"files", 0, {}, {}}), train_(std::move(train)), eval_(std::move(eval)) {
+    for (const auto* part : {&train_, &eval_}) {
+      for (const Problem& p : *part) {
+        max_prompt_ = std::max<int>(max_prompt_, static_cast<int>(p.prompt.size()));
+        max_answer_ = std::max<int>(max_answer_, static_cast<int>(p.answer.size()));
+      }
+    }
+  }
+  int max_answer_chars() const override { return max_answer_; }
+  int max_prompt_chars() const override { return max_prompt_; }
+  Problem Sample(std::mt19937_64& rng, bool held_out) const override {
+    const std::vector<Problem>& part = held_out ? eval_ : train_;
+    return part[rng() % part.size()];
+  }
+  std::vector<Problem> HeldOut(size_t count, uint64_t) const override {
+    return std::vector<Problem>(eval_.begin(), eval_.begin() + std::min(count, eval_.size()));
+  }
+
+ protected:
+  Problem Random(std::mt19937_64& rng) const override { return Sample(rng, false); }
+
+ private:
+  std::vector<Problem> train_, eval_;
+  int max_prompt_ = 0, max_answer_ = 0;
+};
+
+// Why an RL line is unusable ("" when it is usable).
+std::string LineProblem(const Line& line) {
+  if (!line.is_object()) return "not a JSON object";
+  const auto messages = line.find("messages");
+  if (messages == line.end() || !messages->is_array() || messages->empty())
+    return "needs a non-empty \"messages\" array";
+  for (const Line& m : *messages) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      return "a message without a string \"role\"";
+    const std::string role = m["role"].get<std::string>();
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      return "unknown role \"" + role + "\"";
+  }
+  const auto answer = line.find("answer");
+  if (answer == line.end() || !answer->is_string()) return "needs a string \"answer\"";
+  return "";
+}
+
+// Reads the usable lines of `path` as problems; bad lines are warned (file:line) and counted.
+Status ReadProblems(const std::string& path, const PromptRenderer& render,
+                    const std::function<void(const std::string&)>& warn,
+                    std::vector<Problem>& out, size_t& skipped) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::InvalidArgument("cannot read dataset " + path);
+  std::string text;
+  for (size_t number = 1; std::getline(in, text); ++number) {
+    if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(number);
+    Line line = Line::parse(text, nullptr, /*allow_exceptions=*/false);
+    std::string why = line.is_discarded() ? "not JSON" : LineProblem(line);
+    Result<std::string> prompt = why.empty() ? render(line["messages"]) : Result<std::string>("");
+    if (why.empty() && !prompt.ok()) why = "the chat template cannot render it: " + prompt.status().message();
+    if (!why.empty()) {
+      ++skipped;
+      if (warn) warn(where + ": skipped: " + why);
+      continue;
+    }
+    out.push_back({std::move(*prompt), line["answer"].get<std::string>()});
+  }
+  if (in.bad()) return Status::IOError("cannot read dataset " + path);
+  return Status::Ok();
+}
+
 }  // namespace
+
+Result<std::unique_ptr<Task>> Task::FromFiles(const std::string& train, const std::string& eval,
+                                              const PromptRenderer& render,
+                                              const std::function<void(const std::string&)>& warn,
+                                              TaskFileCounts* counts) {
+  std::vector<Problem> train_part, eval_part;
+  size_t skipped = 0;
+  FW_RETURN_IF_ERROR(ReadProblems(train, render, warn, train_part, skipped));
+  if (!eval.empty()) {
+    FW_RETURN_IF_ERROR(ReadProblems(eval, render, warn, eval_part, skipped));
+  } else {
+    std::vector<Problem> kept;
+    for (Problem& p : train_part) (IsHeldOut(p.prompt) ? eval_part : kept).push_back(std::move(p));
+    train_part = std::move(kept);
+  }
+  if (train_part.empty()) return Status::InvalidArgument("dataset " + train + " has no usable training line");
+  if (eval_part.empty()) {
+    return Status::InvalidArgument("no usable held-out line (" + (eval.empty() ? train : eval) + ")");
+  }
+  if (counts) *counts = {train_part.size(), eval_part.size(), skipped};
+  return std::unique_ptr<Task>(new FileTask(std::move(train_part), std::move(eval_part)));
+}
 
 Result<std::unique_ptr<Task>> Task::Create(const TaskConfig& config) {
   const int max_digits = config.name == "add" ? 9 : 16;
@@ -104,6 +206,100 @@ std::vector<Problem> Task::HeldOut(size_t count, uint64_t seed) const {
     if (seen.insert(problem.prompt).second) problems.push_back(std::move(problem));
   }
   return problems;
+}
+
+std::string RlLine(const Problem& problem) {
+  const json line = {{"messages", {{{"role", "user"}, {"content", problem.prompt}}}},
+                     {"answer", problem.answer}};
+  return line.dump();
+}
+
+std::string SftLine(const Problem& problem) {
+  const json line = {{"messages",
+                      {{{"role", "user"}, {"content", problem.prompt}},
+                       {{"role", "assistant"}, {"content", problem.answer}, {"weight", 1}}}}};
+  return line.dump();
+}
+
+namespace {
+Status WriteLines(const std::string& path, const std::string& text) {
+  return WriteFileAtomically(path, std::as_bytes(std::span(text.data(), text.size())));
+}
+}  // namespace
+
+Result<TaskFilesWritten> MakeTaskFiles(const TaskFilesOptions& options) {
+  if (options.out.empty() && options.sft_out.empty()) return Status::InvalidArgument("no output file named (--out)");
+  if (options.count < 1) return Status::InvalidArgument("--count must be at least 1");
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<Task> task, Task::Create(options.task));
+  TaskFilesWritten written;
+  std::mt19937_64 rng(options.seed);
+  std::string train, sft;
+  for (size_t i = 0; i < options.count && !options.out.empty(); ++i) {
+    const Problem problem = task->Sample(rng, /*held_out=*/false);
+    train += RlLine(problem) + "\n";
+    ++written.train;
+  }
+  if (!options.sft_out.empty()) {
+    std::mt19937_64 sft_rng(options.seed + 99);  // the demo's WriteSftDataset draws the same
+    for (size_t i = 0; i < options.count; ++i) {
+      sft += SftLine(task->Sample(sft_rng, /*held_out=*/false)) + "\n";
+      ++written.sft;
+    }
+  }
+  std::string eval;
+  if (!options.eval_out.empty()) {
+    for (const Problem& problem : task->HeldOut(options.eval_count, options.seed + 4241)) {
+      eval += RlLine(problem) + "\n";
+      ++written.eval;
+    }
+  }
+  if (!options.out.empty()) FW_RETURN_IF_ERROR(WriteLines(options.out, train));
+  if (!options.eval_out.empty()) FW_RETURN_IF_ERROR(WriteLines(options.eval_out, eval));
+  if (!options.sft_out.empty()) FW_RETURN_IF_ERROR(WriteLines(options.sft_out, sft));
+  return written;
+}
+
+std::string TinyTokenizerJson(const std::string& alphabet) {
+  json vocab = json::object();
+  for (size_t i = 0; i < alphabet.size(); ++i) vocab[std::string(1, alphabet[i])] = i;
+  const size_t bos = alphabet.size(), eos = alphabet.size() + 1;
+  vocab["<s>"] = bos;
+  vocab["</s>"] = eos;
+  const auto added = [](size_t id, const char* content) {
+    return json{{"id", id},         {"content", content}, {"single_word", false},
+                {"lstrip", false},  {"rstrip", false},    {"normalized", false},
+                {"special", true}};
+  };
+  const json tokenizer = {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", {added(bos, "<s>"), added(eos, "</s>")}},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", nullptr},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "Fuse"}}},  // joins the pieces (no decoder would join with spaces)
+      {"model",
+       {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
+        {"vocab", vocab}, {"merges", json::array()}}}};
+  return tokenizer.dump(2) + "\n";
+}
+
+std::string TinyTokenizerConfigJson() {
+  const std::string chat_template =
+      "{%- for message in messages -%}"
+      "{%- if message['role'] == 'assistant' -%}"
+      "{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+      "{%- else -%}{{ message['content'] }}{%- endif -%}"
+      "{%- endfor -%}";
+  const json config = {{"bos_token", "<s>"},
+                       {"eos_token", "</s>"},
+                       {"model_max_length", 64},
+                       {"tokenizer_class", "PreTrainedTokenizerFast"},
+                       {"chat_template", chat_template}};
+  return config.dump(2) + "\n";
 }
 
 }  // namespace flywheel::pipeline

@@ -35,6 +35,7 @@ Result<std::unique_ptr<TrainingClient>> CreateClient(const RunConfig& config, co
   trainer_options.threads = static_cast<int>(config.run.threads);
   trainer_options.fp8_serving = config.model.serving == "fp8";
   trainer_options.fp8_qat = config.model.fp8_qat;
+  trainer_options.init_weights = setup.init_weights;  // model.dir's weights, when set
   return TrainingClient::Create(trainer_options);
 }
 

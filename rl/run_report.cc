@@ -83,9 +83,12 @@ pipeline::RunSummary MakeRunSummary(const SummaryInputs& in) {
   const pipeline::RunConfig& config = *in.config;
   const RunProgress& progress = *in.progress;
   pipeline::RunSummary s;
-  s.task = config.task.name + "-" + std::to_string(config.task.digits);
+  s.task = config.task.dataset.empty() ? config.task.name + "-" + std::to_string(config.task.digits)
+                                       : config.task.dataset;
   s.algorithm = config.algorithm.name;
-  s.model = config.model.config.empty() ? config.model.preset : config.model.config;
+  s.model = !config.model.dir.empty()      ? config.model.dir
+            : config.model.config.empty() ? config.model.preset
+                                          : config.model.config;
   s.parameters = in.parameters;
   s.initial_accuracy = progress.initial_accuracy;
   s.warmup_accuracy = progress.warmup_accuracy;

@@ -8,8 +8,12 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include <spdlog/spdlog.h>
+
 #include "delta/delta_file.h"
 #include "model/fp8.h"
+#include "model/weights.h"
+#include "tokenizer/chat_template.h"
 #include "ops/metrics.h"
 #include "push/push_api.h"
 #include "transport/api.h"
@@ -78,7 +82,7 @@ pipeline::CoordinatorOptions MakeCoordinatorOptions(const pipeline::RunConfig& c
   c.temperature = config.algorithm.temperature;
   c.max_tokens = setup.max_tokens;
   c.vocab_size = setup.tokenizer->vocab_size();
-  c.max_prompt_tokens = 1 + setup.task->max_prompt_chars();  // BOS + prompt
+  c.max_prompt_tokens = setup.max_prompt_tokens;  // BOS + prompt
   c.moe_layers = setup.model_config.NumMoeLayers();
   c.top_k = setup.model_config.num_experts_per_tok;
   c.num_experts = setup.model_config.num_experts;
@@ -109,6 +113,99 @@ Result<model::ModelConfig> MakeModelConfig(const pipeline::RunConfig& config, in
   return c;
 }
 
+Result<ModelDir> LoadModelDir(const std::string& dir) {
+  const fs::path root(dir);
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return Status::InvalidArgument("model.dir " + dir + " is not a directory");
+  const auto need = [&](const char* file, const std::string& what) -> Status {
+    if (fs::exists(root / file, ec)) return Status::Ok();
+    return Status::InvalidArgument((root / file).string() + " is missing (" + what + ")");
+  };
+  FW_RETURN_IF_ERROR(need("config.json", "the model's HF config"));
+  ModelDir loaded;
+  const bool sharded = fs::exists(root / "model.safetensors.index.json", ec);
+  if (!sharded) FW_RETURN_IF_ERROR(need("model.safetensors", "the weights, or model.safetensors.index.json with shards"));
+  loaded.weights = (root / (sharded ? "model.safetensors.index.json" : "model.safetensors")).string();
+  FW_RETURN_IF_ERROR(need("tokenizer.json", "the HF tokenizer the workers serve"));
+  Result<model::ModelConfig> config = model::ModelConfig::Load((root / "config.json").string());
+  if (!config.ok()) return Status::InvalidArgument(config.status().message());
+  loaded.config = std::move(*config);
+  Result<std::unique_ptr<tokenizer::HfTokenizer>> hf = tokenizer::HfTokenizer::Load(dir);
+  if (!hf.ok()) return Status::InvalidArgument((root / "tokenizer.json").string() + ": " + hf.status().message());
+  if ((*hf)->vocab_size() > loaded.config.vocab_size) {
+    return Status::InvalidArgument((root / "config.json").string() + ": vocab_size " +
+                                   std::to_string(loaded.config.vocab_size) + " is smaller than " +
+                                   (root / "tokenizer.json").string() + "'s " +
+                                   std::to_string((*hf)->vocab_size()) + " tokens");
+  }
+  if ((*hf)->bos() < 0 || (*hf)->eos() < 0) {
+    return Status::InvalidArgument((root / "tokenizer_config.json").string() +
+                                   ": needs bos_token and eos_token (the workers prepend BOS, stop at EOS)");
+  }
+  loaded.tokenizer = std::move(*hf);
+  return loaded;
+}
+
+namespace {
+
+// The prompt text of a dataset line: the model's chat template with add_generation_prompt,
+// or, without a template, the last message's content.
+Result<pipeline::PromptRenderer> MakeRenderer(const RunSetup& setup, const std::string& dir) {
+  const auto* hf = dynamic_cast<const tokenizer::HfTokenizer*>(setup.tokenizer.get());
+  if (hf == nullptr || hf->chat_template().empty()) {
+    return pipeline::PromptRenderer([](const nlohmann::ordered_json& messages) -> Result<std::string> {
+      const nlohmann::ordered_json& content = messages.back().value("content", nlohmann::ordered_json());
+      if (!content.is_string()) return Status::InvalidArgument("the last message has no string content");
+      return content.get<std::string>();
+    });
+  }
+  Result<tokenizer::ChatTemplate> parsed = tokenizer::ChatTemplate::Parse(hf->chat_template());
+  if (!parsed.ok()) {
+    return Status::InvalidArgument((fs::path(dir) / "tokenizer_config.json").string() +
+                                   ": chat template: " + parsed.status().message());
+  }
+  auto chat = std::make_shared<tokenizer::ChatTemplate>(std::move(*parsed));
+  const std::string bos = hf->bos_token(), eos = hf->eos_token();
+  return pipeline::PromptRenderer([chat, bos, eos](const nlohmann::ordered_json& messages) {
+    nlohmann::ordered_json context = {{"messages", messages}, {"add_generation_prompt", true},
+                                      {"bos_token", bos}, {"eos_token", eos}};
+    return chat->Render(context);
+  });
+}
+
+// The tokenizer and the model: the task alphabet's and the preset's, or model.dir's.
+Status SetUpModel(const pipeline::RunConfig& config, const std::string& alphabet, RunSetup& setup) {
+  if (!config.model.dir.empty()) {
+    FW_ASSIGN_OR_RETURN(ModelDir dir, LoadModelDir(config.model.dir));
+    setup.model_config = std::move(dir.config);
+    setup.init_weights = dir.weights;
+    setup.tokenizer = std::move(dir.tokenizer);
+    setup.worker_tokenizer = fs::absolute(config.model.dir).string();
+    return Status::Ok();
+  }
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<model::CharTokenizer> chars, model::CharTokenizer::Create(alphabet));
+  setup.tokenizer = std::move(chars);
+  setup.worker_tokenizer = "chars:" + alphabet;
+  FW_ASSIGN_OR_RETURN(setup.model_config, MakeModelConfig(config, setup.tokenizer->vocab_size()));
+  return Status::Ok();
+}
+
+Status SetUpTask(const pipeline::RunConfig& config, RunSetup& setup) {
+  if (config.task.dataset.empty()) return Status::Ok();
+  FW_ASSIGN_OR_RETURN(pipeline::PromptRenderer render, MakeRenderer(setup, config.model.dir));
+  pipeline::TaskFileCounts counts;
+  FW_ASSIGN_OR_RETURN(setup.task, pipeline::Task::FromFiles(
+                                      config.task.dataset, config.task.eval_dataset, render,
+                                      [](const std::string& line) { spdlog::warn("{}", line); }, &counts));
+  if (counts.skipped > 0) {
+    spdlog::warn("task.dataset: {} lines skipped ({} training, {} held-out lines used)", counts.skipped,
+                 counts.train_lines, counts.eval_lines);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<RunSetup> PrepareRun(const TrainRunOptions& options) {
   FW_RETURN_IF_ERROR(CheckOptions(options));
   std::error_code ec;
@@ -117,10 +214,8 @@ Result<RunSetup> PrepareRun(const TrainRunOptions& options) {
   if (ec) return Status::IOError("cannot create " + options.state_dir + " or " + options.report_dir);
   RunSetup setup;
   FW_ASSIGN_OR_RETURN(setup.task, pipeline::Task::Create(options.config.task));
-  FW_ASSIGN_OR_RETURN(std::unique_ptr<model::CharTokenizer> tokenizer,
-                      model::CharTokenizer::Create(setup.task->alphabet()));
-  setup.tokenizer = std::move(tokenizer);
-  FW_ASSIGN_OR_RETURN(setup.model_config, MakeModelConfig(options.config, setup.tokenizer->vocab_size()));
+  FW_RETURN_IF_ERROR(SetUpModel(options.config, setup.task->alphabet(), setup));
+  FW_RETURN_IF_ERROR(SetUpTask(options.config, setup));
   setup.model_config_path = (fs::path(options.state_dir) / "config.json").string();
   nlohmann::json config_json = setup.model_config.ToJson();
   // FP8 serving: workers read the block size from here (rollout/worker_engine.h).
@@ -128,7 +223,28 @@ Result<RunSetup> PrepareRun(const TrainRunOptions& options) {
     config_json["quantization_config"] = model::Fp8QuantizationConfig(model::kFp8BlockSize);
   FW_RETURN_IF_ERROR(WriteText(setup.model_config_path, config_json.dump(2)));
   setup.max_tokens = setup.task->max_answer_chars() + 1;
+  setup.max_prompt_tokens = 1 + setup.task->max_prompt_chars();
   return setup;
+}
+
+Status WriteTinyModelDir(const pipeline::RunConfig& config, const std::string& dir) {
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<pipeline::Task> task, pipeline::Task::Create(config.task));
+  const std::string alphabet = task->alphabet();
+  pipeline::RunConfig preset = config;
+  preset.model.dir.clear();
+  FW_ASSIGN_OR_RETURN(model::ModelConfig model_config,
+                      MakeModelConfig(preset, static_cast<int64_t>(alphabet.size()) + 2));
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::IOError("cannot create " + dir + ": " + ec.message());
+  // Exactly the trainer's own initialisation for run.seed (trainer/training_client.cc).
+  torch::manual_seed(static_cast<uint64_t>(config.run.seed));
+  auto model = std::make_shared<model::TransformerImpl>(model_config);
+  const fs::path root(dir);
+  FW_RETURN_IF_ERROR(model::SaveModel(*model, (root / "model.safetensors").string(), DType::kF32));
+  FW_RETURN_IF_ERROR(WriteText((root / "config.json").string(), model_config.ToJson().dump(2) + "\n"));
+  FW_RETURN_IF_ERROR(WriteText((root / "tokenizer.json").string(), pipeline::TinyTokenizerJson(alphabet)));
+  return WriteText((root / "tokenizer_config.json").string(), pipeline::TinyTokenizerConfigJson());
 }
 
 struct TrainerServices::Impl {
@@ -265,7 +381,7 @@ Status TrainerServices::WriteReadyFile(const std::string& path, const RunSetup& 
                       {"http", "127.0.0.1:" + std::to_string(impl_->http->port())},
                       {"publisher_http", "127.0.0.1:" + std::to_string(impl_->publisher->http_port())},
                       {"model_config", setup.model_config_path},
-                      {"tokenizer", "chars:" + setup.task->alphabet()}};
+                      {"tokenizer", setup.worker_tokenizer}};
   return WriteText(path, ready.dump());
 }
 

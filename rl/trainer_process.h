@@ -1,6 +1,8 @@
 // The trainer process's wiring, apart from the training itself:
 //   PrepareRun     checks the options, creates the state and report directories, builds the
-//                  task, its tokenizer and the model config (written to <state>/config.json)
+//                  task, its tokenizer and the model config (written to <state>/config.json);
+//                  with model.dir, all three come from an HF model directory (LoadModelDir)
+//   WriteTinyModelDir  the demo's tiny model as an HF directory (what model.dir takes)
 //   TrainerServices  the in-process publisher (version log under <state>/versions) and the
 //                  coordinator's HTTP endpoint, on one I/O thread owned by the object
 //   stop signals   SIGINT/SIGTERM set a flag the loop polls, so the state is saved on exit
@@ -13,6 +15,7 @@
 #include "base/status.h"
 #include "model/model_config.h"
 #include "model/tokenizer.h"
+#include "tokenizer/hf_tokenizer.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/run_record.h"
 #include "pipeline/task.h"
@@ -24,11 +27,29 @@ namespace flywheel::rl {
 // What a run is about, fixed for its whole life.
 struct RunSetup {
   std::unique_ptr<pipeline::Task> task;
-  std::shared_ptr<const model::Tokenizer> tokenizer;  // the task's characters
+  std::shared_ptr<const model::Tokenizer> tokenizer;  // the task's characters, or model.dir's
   model::ModelConfig model_config;
   std::string model_config_path;  // <state>/config.json, as the workers load it
   int64_t max_tokens = 0;         // per answer: the task's longest answer + EOS
+  int64_t max_prompt_tokens = 0;  // BOS + the longest prompt
+  std::string init_weights;       // model.dir: the weights the trainer starts from
+  std::string worker_tokenizer;   // the workers' --tokenizer: "chars:<alphabet>" or model.dir
 };
+
+// An HF model directory checked and read: its config.json, the path of its weights
+// (model.safetensors or model.safetensors.index.json) and its tokenizer (tokenizer.json,
+// tokenizer_config.json). InvalidArgument, one line naming the missing or mismatched file.
+struct ModelDir {
+  model::ModelConfig config;
+  std::string weights;
+  std::shared_ptr<const tokenizer::HfTokenizer> tokenizer;
+};
+Result<ModelDir> LoadModelDir(const std::string& dir);
+
+// The tiny preset (model.preset, run.seed) written as an HF model directory `dir` (created
+// if missing): config.json, model.safetensors (F32, the trainer's own initialisation for
+// that seed), and the task alphabet's tokenizer.json and tokenizer_config.json.
+Status WriteTinyModelDir(const pipeline::RunConfig& config, const std::string& dir);
 
 // The model of a run: config.model.config (a config.json; InvalidArgument when its vocabulary
 // is smaller than `vocab`) or the tiny preset (dense or MoE) for `vocab` ids.

@@ -26,6 +26,9 @@ struct RlArgs {
   std::vector<std::string> sets;
   bool moe = false;
   bool sync = false;
+  // Issue 34's files: model.dir, task.dataset, task.eval_dataset, sft.dataset.
+  std::string model_dir, dataset, eval_dataset, sft_dataset;
+  bool files = false;  // demo: write the model directory and the JSONL files first
   std::string run_dir;
   std::string report;
   std::string markdown;
@@ -45,6 +48,10 @@ Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig c
   }
   if (args.moe) config.model.preset = "tiny-moe";
   if (args.sync) config.pipeline.max_staleness = 0;
+  if (!args.model_dir.empty()) config.model.dir = fs::absolute(args.model_dir).string();
+  if (!args.dataset.empty()) config.task.dataset = fs::absolute(args.dataset).string();
+  if (!args.eval_dataset.empty()) config.task.eval_dataset = fs::absolute(args.eval_dataset).string();
+  if (!args.sft_dataset.empty()) config.sft.dataset = fs::absolute(args.sft_dataset).string();
   for (const std::string& set : args.sets) FW_RETURN_IF_ERROR(config.Set(set));
   FW_RETURN_IF_ERROR(config.Validate());
   return config;
@@ -68,6 +75,7 @@ Status RunDemo(const RlArgs& args) {
   options.run_dir = args.run_dir;
   options.report_dir = args.report;
   options.resume = args.resume;
+  options.files = args.files;
   options.warn = WarnLine;
   return pipeline::RunDemo(options, std::cout);
 }
@@ -119,6 +127,24 @@ void AddConfigOptions(CLI::App* app, RlArgs& args) {
       ->type_name("SECTION.KEY=VALUE");
   app->add_flag("--moe", args.moe, "The MoE variant (model.preset = tiny-moe, routing replay)");
   app->add_flag("--sync", args.sync, "Synchronous RL (pipeline.max_staleness = 0)");
+  app->add_option("--model", args.model_dir,
+                  "An HF model directory (model.dir): config.json, safetensors (sharded or not),\n"
+                  "tokenizer.json, tokenizer_config.json; the trainer starts from its weights and\n"
+                  "the workers serve its tokenizer")
+      ->check(CLI::ExistingDirectory)
+      ->type_name("DIR");
+  app->add_option("--dataset", args.dataset,
+                  "RL JSONL (task.dataset): {\"messages\": [...], \"answer\": ...} a line; prompts\n"
+                  "rendered by the model's chat template, exact-match reward against \"answer\"")
+      ->check(CLI::ExistingFile)
+      ->type_name("F");
+  app->add_option("--eval-dataset", args.eval_dataset,
+                  "Held-out RL JSONL (task.eval_dataset; default: every 8th prompt of --dataset)")
+      ->check(CLI::ExistingFile)
+      ->type_name("F");
+  app->add_option("--sft-dataset", args.sft_dataset, "SFT JSONL for the warm-up (sft.dataset)")
+      ->check(CLI::ExistingFile)
+      ->type_name("F");
 }
 
 }  // namespace
@@ -143,6 +169,10 @@ void AddRlCommands(CLI::App& app, Action& action) {
       ->type_name("DIR");
   demo->add_option("--report", args->report, "Report directory (default: <run-dir>/report)")
       ->type_name("DIR");
+  demo->add_flag("--files", args->files,
+                 "Issue 34's path: write the tiny model as an HF directory (<run-dir>/model) and the\n"
+                 "task as JSONL files (train.jsonl, eval.jsonl, sft.jsonl), unless --model,\n"
+                 "--dataset, --sft-dataset name them, and train from those");
   demo->add_flag("--resume", args->resume,
                  "Continue an interrupted run in --run-dir with its run.toml and state")
       ->needs("--run-dir")
@@ -151,6 +181,8 @@ void AddRlCommands(CLI::App& app, Action& action) {
       "\nExamples:\n"
       "  flywheel demo\n"
       "  flywheel demo --moe\n"
+      "  flywheel demo --files        # the model as an HF directory, the task as JSONL files\n"
+      "  flywheel demo --model DIR --dataset train.jsonl --eval-dataset eval.jsonl\n"
       "  flywheel demo --resume --run-dir flywheel-runs/demo-20261123-120000\n"
       "  flywheel demo --set task.name=reverse --set algorithm.name=dapo --report /tmp/report\n"
       "  flywheel demo --set model.serving=fp8 --set model.fp8_qat=true   # FP8 workers, QAT");

@@ -184,6 +184,7 @@ int Run(int argc, char** argv) {
   AddSyncCommands(app, action);
   AddPushCommands(app, action);
   AddRlCommands(app, action);
+  AddDatasetCommands(app, action);
   AddServeCommands(app, action);
   AddCertsCommands(app, action);
   // After the subcommands, which would inherit it otherwise; they have their own.
