@@ -69,7 +69,7 @@ TEST(IoPoolTest, StopGivesUpOnWorkThatDoesNotEndAfterTheDrain) {
 }
 
 TEST(IoPoolTest, ShutdownDestroysQueuedHandlersAndKeepsTheContext) {
-  IoPool pool(1, "pool");
+  IoPool pool(1, "pool", 5s);  // nothing holds work: Stop() drains at once
   auto held = std::make_shared<int>(7);
   ASSERT_TRUE(pool.Stop());
   asio::post(pool.executor(), [held] {});  // queued on a stopped pool: never runs
