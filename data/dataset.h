@@ -22,7 +22,8 @@
 // transformers' templates expect; Qwen's and Llama-3's render it with tojson), `weight`
 // removed and reported in Example::trained instead.
 //
-// The held-out split is disjoint by construction: either a separate eval file, or
+// The held-out split is disjoint by construction: either a separate eval file (read it with
+// Split::kAll; nothing checks that its lines differ from the train file's), or
 // ReadOptions::eval_fraction, which puts a line on the eval side when a 64-bit FNV-1a hash of
 // its canonical content (the parsed JSON printed with sorted keys, no whitespace) falls
 // below eval_fraction of the hash range. The same content is always on the same side,
