@@ -241,4 +241,18 @@ std::unique_ptr<AsyncGrader> RunAsync(std::shared_ptr<const Grader> grader, std:
   return std::make_unique<PooledGrader>(std::move(grader), std::move(name), std::max<size_t>(threads, 1));
 }
 
+Result<std::unique_ptr<AsyncGrader>> StartGrader(const GraderSettings& settings) {
+  const int given = !settings.command.empty() + !settings.url.empty() + !settings.builtin.empty();
+  if (given != 1) {
+    return Status::InvalidArgument(std::string(given == 0 ? "no grader" : "more than one grader") +
+                                   ": give one of --grader, --grader-url and built-in graders");
+  }
+  if (!settings.command.empty()) return StartProcessGrader(settings.command, settings.options);
+  if (!settings.url.empty()) return StartHttpGrader(settings.url, settings.options);
+  FW_ASSIGN_OR_RETURN(std::shared_ptr<const Grader> grader, LoadBuiltinGraders(settings.builtin));
+  std::string name = "builtin:";
+  for (const GraderSpec& spec : settings.builtin) name += " " + spec.type;
+  return RunAsync(std::move(grader), std::move(name), settings.builtin_threads);
+}
+
 }  // namespace flywheel::grading

@@ -32,6 +32,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "base/status.h"
 
@@ -182,5 +183,21 @@ Result<std::vector<GraderSpec>> GraderSpecsFromJson(const nlohmann::json& config
 // InvalidArgument at load for an unknown type, a bad regex, a missing or mistyped parameter,
 // an unknown parameter, or no graders, naming the entry ("grader 2 (regex): ...").
 Result<std::shared_ptr<const Grader>> LoadBuiltinGraders(const std::vector<GraderSpec>& specs);
+
+// ---- One grader from the run's settings ----
+
+// Exactly one of `command` (--grader), `url` (--grader-url) and `builtin` (the run's
+// [[grader]] tables) is set.
+struct GraderSettings {
+  std::string command;
+  std::string url;
+  std::vector<GraderSpec> builtin;
+  ExternalGraderOptions options;  // command and url
+  size_t builtin_threads = 2;     // builtin
+};
+
+// Starts the grader the settings name. InvalidArgument when none or more than one is set
+// ("give one of --grader, --grader-url and built-in graders"), or as the starter refuses.
+Result<std::unique_ptr<AsyncGrader>> StartGrader(const GraderSettings& settings);
 
 }  // namespace flywheel::grading

@@ -256,5 +256,23 @@ TEST(RunAsyncTest, GradesOffTheCallersThreadAndCounts) {
   EXPECT_TRUE(async->status().ok());
 }
 
+TEST(StartGraderTest, ExactlyOneKindOfGrader) {
+  GraderSettings none;
+  EXPECT_NE(StartGrader(none).status().message().find("no grader"), std::string::npos);
+  GraderSettings two;
+  two.command = "python3 grade.py";
+  two.url = "http://127.0.0.1:1/grade";
+  EXPECT_NE(StartGrader(two).status().message().find("more than one grader"), std::string::npos);
+  GraderSettings builtin;
+  builtin.builtin = {GraderSpec{"exact_match", "", 1.0, json::object()}};
+  auto grader = StartGrader(builtin);
+  ASSERT_TRUE(grader.ok()) << grader.status().ToString();
+  EXPECT_EQ((*grader)->name(), "builtin: exact_match");
+  auto future = (*grader)->Submit(MakeSample("a", " yes ", {{"answer", "yes"}}));
+  EXPECT_EQ(testing::Await(future).reward, 1.0);
+  builtin.builtin[0].type = "exakt";
+  EXPECT_NE(StartGrader(builtin).status().message().find("unknown type 'exakt'"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace flywheel::grading

@@ -141,7 +141,9 @@ TEST(HttpGraderTest, BadUrlsAreRefused) {
   for (const char* url : {"https://127.0.0.1:9/grade", "127.0.0.1:9", "http://:9/x", "http://host:port/x"}) {
     auto grader = StartHttpGrader(url);
     EXPECT_FALSE(grader.ok()) << url;
-    if (!grader.ok()) EXPECT_NE(grader.status().message().find(url), std::string::npos);
+    if (!grader.ok()) {
+      EXPECT_NE(grader.status().message().find(url), std::string::npos);
+    }
   }
   EXPECT_TRUE(StartHttpGrader("http://localhost/grade").ok());  // port 80 by default
 }
