@@ -91,7 +91,8 @@ class Params {
   bool Has(const std::string& key) const { return params_.contains(key); }
   Status Finish() const {
     for (const auto& [key, value] : params_.items()) {
-      if (!read_.count(key)) return Status::InvalidArgument(where_ + ": unknown parameter '" + key + "'");
+      if (!read_.count(key))
+        return Status::InvalidArgument(where_ + ": unknown parameter '" + key + "'");
     }
     return Status::Ok();
   }
@@ -159,7 +160,8 @@ class Regex final : public Grader {
     FW_ASSIGN_OR_RETURN(std::string pattern, params.String("pattern", std::nullopt));
     FW_ASSIGN_OR_RETURN(bool ignore_case, params.Bool("ignore_case", false));
     try {
-      auto flags = std::regex::ECMAScript | (ignore_case ? std::regex::icase : std::regex::ECMAScript);
+      auto flags =
+          std::regex::ECMAScript | (ignore_case ? std::regex::icase : std::regex::ECMAScript);
       grader->regex_ = std::regex(pattern, flags);
     } catch (const std::regex_error& error) {
       return params.Error("bad regex '" + pattern + "': " + error.what());
@@ -175,7 +177,8 @@ class Regex final : public Grader {
       FW_ASSIGN_OR_RETURN(grader->field_, params.String("field", std::nullopt));
     }
     FW_ASSIGN_OR_RETURN(std::string match, params.String("match", "last"));
-    if (match != "last" && match != "first") return params.Error("match must be \"first\" or \"last\"");
+    if (match != "last" && match != "first")
+      return params.Error("match must be \"first\" or \"last\"");
     grader->last_ = match == "last";
     FW_ASSIGN_OR_RETURN(double window, params.Number("window", 4096));
     if (window < 1 || window > 65536) return params.Error("window must be in 1..65536");
@@ -212,7 +215,9 @@ class Regex final : public Grader {
 // The span [begin, end) of the number starting at `at` (a digit, or '.' before one): digits
 // with optional thousands commas, a fraction and an exponent; a '-' just before counts.
 std::pair<size_t, size_t> NumberAt(std::string_view text, size_t at) {
-  auto digit = [&](size_t i) { return i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); };
+  auto digit = [&](size_t i) {
+    return i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]));
+  };
   size_t begin = at > 0 && text[at - 1] == '-' ? at - 1 : at;
   size_t end = at;
   while (digit(end)) ++end;
@@ -274,7 +279,8 @@ class Numeric final : public Grader {
     FW_ASSIGN_OR_RETURN(grader->field_, params.String("field", "answer"));
     FW_ASSIGN_OR_RETURN(grader->rel_tol_, params.Number("rel_tol", 1e-6));
     FW_ASSIGN_OR_RETURN(grader->abs_tol_, params.Number("abs_tol", 1e-9));
-    if (grader->rel_tol_ < 0 || grader->abs_tol_ < 0) return params.Error("tolerances must be >= 0");
+    if (grader->rel_tol_ < 0 || grader->abs_tol_ < 0)
+      return params.Error("tolerances must be >= 0");
     return std::unique_ptr<Grader>(std::move(grader));
   }
   Outcome Grade(const Sample& sample) const override {
@@ -369,9 +375,11 @@ Result<JsonPath> JsonPath::Parse(const std::string& text) {
   while (at < text.size()) {
     if (text[at] == '[') {
       const size_t close = text.find(']', at);
-      const std::string index = close == std::string::npos ? "" : text.substr(at + 1, close - at - 1);
+      const std::string index =
+          close == std::string::npos ? "" : text.substr(at + 1, close - at - 1);
       if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos) {
-        return Status::InvalidArgument("path '" + text + "': bad index at character " + std::to_string(at));
+        return Status::InvalidArgument("path '" + text + "': bad index at character " +
+                                       std::to_string(at));
       }
       path.steps.emplace_back(static_cast<size_t>(std::stoull(index)));
       at = close + 1;
@@ -379,8 +387,11 @@ Result<JsonPath> JsonPath::Parse(const std::string& text) {
       continue;
     }
     const size_t end = text.find_first_of(".[", at);
-    const std::string key = text.substr(at, end == std::string::npos ? std::string::npos : end - at);
-    if (key.empty()) return Status::InvalidArgument("path '" + text + "': empty key at character " + std::to_string(at));
+    const std::string key =
+        text.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    if (key.empty())
+      return Status::InvalidArgument("path '" + text + "': empty key at character " +
+                                     std::to_string(at));
     path.steps.emplace_back(key);
     at = end == std::string::npos ? text.size() : end + (text[end] == '.' ? 1 : 0);
   }
@@ -418,7 +429,8 @@ std::optional<json> CompletionJson(std::string_view completion) {
   for (int tries = 0; tries < 32; ++tries) {
     open = whole.rfind('{', open == 0 ? std::string::npos : open - 1);
     if (open == std::string::npos || open > last_close) return std::nullopt;
-    auto candidate = ParseJson(std::string_view(whole).substr(open, last_close - open + 1), "completion");
+    auto candidate =
+        ParseJson(std::string_view(whole).substr(open, last_close - open + 1), "completion");
     if (candidate.ok()) return std::move(candidate).value();
     if (open == 0) return std::nullopt;
   }
@@ -445,7 +457,8 @@ class JsonField final : public Grader {
     if (!document) return Outcome::Reward(0.0, {{"not_json", 1.0}, {"missing_path", 0.0}});
     const json* value = path_.Find(*document);
     if (value == nullptr) return Outcome::Reward(0.0, {{"not_json", 0.0}, {"missing_path", 1.0}});
-    return Outcome::Reward(Equal(*value, expected) ? 1.0 : 0.0, {{"not_json", 0.0}, {"missing_path", 0.0}});
+    return Outcome::Reward(Equal(*value, expected) ? 1.0 : 0.0,
+                           {{"not_json", 0.0}, {"missing_path", 0.0}});
   }
 
  private:
@@ -480,11 +493,14 @@ class LengthPenalty final : public Grader {
     FW_ASSIGN_OR_RETURN(grader->budget_, params.Number("budget", std::nullopt));
     if (grader->budget_ < 0) return params.Error("budget must be >= 0");
     FW_ASSIGN_OR_RETURN(std::string unit, params.String("unit", "tokens"));
-    if (unit != "tokens" && unit != "chars") return params.Error("unit must be \"tokens\" or \"chars\"");
+    if (unit != "tokens" && unit != "chars")
+      return params.Error("unit must be \"tokens\" or \"chars\"");
     grader->chars_ = unit == "chars";
-    FW_ASSIGN_OR_RETURN(grader->per_unit_, params.Number("per_unit", 1.0 / std::max(grader->budget_, 1.0)));
+    FW_ASSIGN_OR_RETURN(grader->per_unit_,
+                        params.Number("per_unit", 1.0 / std::max(grader->budget_, 1.0)));
     FW_ASSIGN_OR_RETURN(grader->max_penalty_, params.Number("max_penalty", 1.0));
-    if (grader->per_unit_ < 0 || grader->max_penalty_ < 0) return params.Error("per_unit and max_penalty must be >= 0");
+    if (grader->per_unit_ < 0 || grader->max_penalty_ < 0)
+      return params.Error("per_unit and max_penalty must be >= 0");
     return std::unique_ptr<Grader>(std::move(grader));
   }
   Outcome Grade(const Sample& sample) const override {
@@ -564,11 +580,14 @@ Result<std::shared_ptr<const Grader>> LoadBuiltinGraders(const std::vector<Grade
     const std::string where = "grader " + std::to_string(i + 1) + " (" + spec.type + ")";
     auto factory = Factories().find(spec.type);
     if (factory == Factories().end()) {
-      return Status::InvalidArgument(where + ": unknown type '" + spec.type +
-                                     "' (exact_match, regex, numeric, contains, json_field, length_penalty)");
+      return Status::InvalidArgument(
+          where + ": unknown type '" + spec.type +
+          "' (exact_match, regex, numeric, contains, json_field, length_penalty)");
     }
-    if (!std::isfinite(spec.weight)) return Status::InvalidArgument(where + ": weight is not finite");
-    if (!spec.params.is_object()) return Status::InvalidArgument(where + ": params is not an object");
+    if (!std::isfinite(spec.weight))
+      return Status::InvalidArgument(where + ": weight is not finite");
+    if (!spec.params.is_object())
+      return Status::InvalidArgument(where + ": params is not an object");
     Params params(spec.params, where);
     FW_ASSIGN_OR_RETURN(std::unique_ptr<Grader> grader, factory->second(params));
     FW_RETURN_IF_ERROR(params.Finish());

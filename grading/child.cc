@@ -45,7 +45,8 @@ Result<std::vector<std::string>> SplitCommand(const std::string& command) {
       in_word = true;
     }
   }
-  if (quote != 0) return Status::InvalidArgument("command '" + command + "' has an unterminated quote");
+  if (quote != 0)
+    return Status::InvalidArgument("command '" + command + "' has an unterminated quote");
   if (in_word) words.push_back(std::move(word));
   if (words.empty()) return Status::InvalidArgument("the command is empty");
   return words;
@@ -65,9 +66,15 @@ void CloseFd(int& fd) {
 
 }  // namespace
 
-void Child::CloseStdin() { CloseFd(stdin_fd_); }
-void Child::CloseStdout() { CloseFd(stdout_fd_); }
-void Child::CloseStderr() { CloseFd(stderr_fd_); }
+void Child::CloseStdin() {
+  CloseFd(stdin_fd_);
+}
+void Child::CloseStdout() {
+  CloseFd(stdout_fd_);
+}
+void Child::CloseStderr() {
+  CloseFd(stderr_fd_);
+}
 
 void Child::CloseAll() {
   CloseStdin();
@@ -77,7 +84,8 @@ void Child::CloseAll() {
 
 Status Child::Start(const std::vector<std::string>& argv) {
   int in[2], out[2], err[2];
-  if (::pipe2(in, O_CLOEXEC) != 0) return Status::IOError(std::string("pipe: ") + std::strerror(errno));
+  if (::pipe2(in, O_CLOEXEC) != 0)
+    return Status::IOError(std::string("pipe: ") + std::strerror(errno));
   if (::pipe2(out, O_CLOEXEC) != 0) {
     const int error = errno;
     ::close(in[0]), ::close(in[1]);
@@ -102,7 +110,8 @@ Status Child::Start(const std::vector<std::string>& argv) {
   posix_spawnattr_setsigmask(&attributes, &none);
   posix_spawnattr_setsigdefault(&attributes, &defaults);
   posix_spawnattr_setpgroup(&attributes, 0);
-  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  posix_spawnattr_setflags(&attributes,
+                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
   std::vector<char*> args;
   for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
   args.push_back(nullptr);
@@ -113,7 +122,8 @@ Status Child::Start(const std::vector<std::string>& argv) {
   ::close(in[0]), ::close(out[1]), ::close(err[1]);
   if (error != 0) {
     ::close(in[1]), ::close(out[0]), ::close(err[0]);
-    const std::string why = std::string("cannot execute '") + argv[0] + "': " + std::strerror(error);
+    const std::string why =
+        std::string("cannot execute '") + argv[0] + "': " + std::strerror(error);
     return error == ENOENT ? Status::NotFound(why) : Status::IOError(why);
   }
   for (int fd : {in[1], out[0], err[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);

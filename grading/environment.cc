@@ -25,7 +25,8 @@ const char* StepKindName(StepKind kind) {
 }
 
 Status EpisodeTracker::Begin(const std::string& id, nlohmann::json messages) {
-  if (!messages.is_array()) return Status::InvalidArgument("episode '" + id + "': messages is not an array");
+  if (!messages.is_array())
+    return Status::InvalidArgument("episode '" + id + "': messages is not an array");
   std::lock_guard lock(mu_);
   if (episodes_.count(id)) return Status::InvalidArgument("episode '" + id + "' is already active");
   episodes_.emplace(id, Episode{std::move(messages)});
@@ -50,7 +51,8 @@ Result<Sample> EpisodeTracker::Turn(const std::string& id, nlohmann::json assist
   }
   Episode& episode = found->second;
   if (episode.awaiting) {
-    return Status::InvalidArgument("episode '" + id + "' already has a turn waiting for its outcome");
+    return Status::InvalidArgument("episode '" + id +
+                                   "' already has a turn waiting for its outcome");
   }
   Sample sample;
   sample.id = id;
@@ -71,8 +73,9 @@ EpisodeStep EpisodeTracker::OnOutcome(const std::string& id, Outcome outcome) {
   if (found == episodes_.end() || !found->second.awaiting) {
     ++counters_.unknown_ids;
     step.kind = StepKind::kUnknown;
-    step.reason = found == episodes_.end() ? "no active episode '" + id + "'"
-                                           : "episode '" + id + "' has no turn waiting for an outcome";
+    step.reason = found == episodes_.end()
+                      ? "no active episode '" + id + "'"
+                      : "episode '" + id + "' has no turn waiting for an outcome";
     step.outcome = std::move(outcome);
     return step;
   }

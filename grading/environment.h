@@ -37,20 +37,20 @@ const char* StepKindName(StepKind kind);
 
 struct EpisodeStep {
   StepKind kind = StepKind::kUnknown;
-  Outcome outcome;                // the grader's outcome as it came
-  int turns = 0;                  // model turns so far in this episode
-  std::string reason;             // kGaveUp, kUngraded, kFailed, kUnknown: why
-  nlohmann::json messages;        // kContinue: the whole conversation, to sample from
+  Outcome outcome;          // the grader's outcome as it came
+  int turns = 0;            // model turns so far in this episode
+  std::string reason;       // kGaveUp, kUngraded, kFailed, kUnknown: why
+  nlohmann::json messages;  // kContinue: the whole conversation, to sample from
 };
 
 struct EpisodeCounters {
   uint64_t started = 0;
-  uint64_t finished = 0;       // ended with a reward
+  uint64_t finished = 0;  // ended with a reward
   uint64_t gave_up_max_turns = 0;
   uint64_t ungraded = 0;
   uint64_t failed = 0;
-  uint64_t unknown_ids = 0;    // outcomes or turns for no active episode: dropped
-  uint64_t model_turns = 0;    // over all episodes
+  uint64_t unknown_ids = 0;           // outcomes or turns for no active episode: dropped
+  uint64_t model_turns = 0;           // over all episodes
   uint64_t environment_messages = 0;  // messages the environment appended
 };
 

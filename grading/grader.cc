@@ -85,19 +85,24 @@ Result<std::vector<GraderSpec>> GraderSpecsFromJson(const json& config) {
     GraderSpec spec;
     for (const auto& [key, value] : entry.items()) {
       if (key == "type" || key == "name") {
-        if (!value.is_string()) return Status::InvalidArgument(where + ": '" + key + "' is not a string");
+        if (!value.is_string())
+          return Status::InvalidArgument(where + ": '" + key + "' is not a string");
         (key == "type" ? spec.type : spec.name) = value.get<std::string>();
       } else if (key == "weight") {
-        if (!value.is_number()) return Status::InvalidArgument(where + ": 'weight' is not a number");
+        if (!value.is_number())
+          return Status::InvalidArgument(where + ": 'weight' is not a number");
         spec.weight = value.get<double>();
       } else if (key == "params") {
-        if (!value.is_object()) return Status::InvalidArgument(where + ": 'params' is not an object");
+        if (!value.is_object())
+          return Status::InvalidArgument(where + ": 'params' is not an object");
         for (const auto& [param, param_value] : value.items()) {
-          if (spec.params.contains(param)) return Status::InvalidArgument(where + ": parameter '" + param + "' given twice");
+          if (spec.params.contains(param))
+            return Status::InvalidArgument(where + ": parameter '" + param + "' given twice");
           spec.params[param] = param_value;
         }
       } else {
-        if (spec.params.contains(key)) return Status::InvalidArgument(where + ": parameter '" + key + "' given twice");
+        if (spec.params.contains(key))
+          return Status::InvalidArgument(where + ": parameter '" + key + "' given twice");
         spec.params[key] = value;
       }
     }
@@ -110,8 +115,10 @@ Result<std::vector<GraderSpec>> GraderSpecsFromJson(const json& config) {
 namespace {
 
 std::string_view Trim(std::string_view text) {
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.remove_prefix(1);
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.remove_suffix(1);
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front())))
+    text.remove_prefix(1);
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back())))
+    text.remove_suffix(1);
   return text;
 }
 
@@ -121,7 +128,8 @@ Result<json> TomlValue(std::string_view text, const std::string& where) {
     return json(std::string(text.substr(1, text.size() - 2)));
   }
   auto value = ParseJson(text, where);
-  if (!value.ok()) return Status::InvalidArgument(where + ": value is not a string, number, boolean or array");
+  if (!value.ok())
+    return Status::InvalidArgument(where + ": value is not a string, number, boolean or array");
   return value;
 }
 
@@ -142,13 +150,15 @@ Result<json> TomlLikeToJson(std::string_view text) {
     }
     const size_t equals = line.find('=');
     if (equals == std::string_view::npos || line.front() == '[') {
-      return Status::InvalidArgument(where + ": expected [[grader]] or key = value, got '" + std::string(line) + "'");
+      return Status::InvalidArgument(where + ": expected [[grader]] or key = value, got '" +
+                                     std::string(line) + "'");
     }
     const std::string key(Trim(line.substr(0, equals)));
     if (key.empty()) return Status::InvalidArgument(where + ": empty key");
     FW_ASSIGN_OR_RETURN(json value, TomlValue(Trim(line.substr(equals + 1)), where));
     if (tables.empty()) tables.push_back(json::object());
-    if (tables.back().contains(key)) return Status::InvalidArgument(where + ": '" + key + "' given twice");
+    if (tables.back().contains(key))
+      return Status::InvalidArgument(where + ": '" + key + "' given twice");
     tables.back()[key] = std::move(value);
   }
   if (tables.empty()) return Status::InvalidArgument("grader config: empty");
@@ -159,7 +169,8 @@ Result<json> TomlLikeToJson(std::string_view text) {
 
 Result<std::vector<GraderSpec>> ParseGraderConfig(std::string_view text) {
   const std::string_view trimmed = Trim(text);
-  const bool looks_toml = trimmed.rfind("[[", 0) == 0 || (!trimmed.empty() && trimmed.front() != '[' && trimmed.front() != '{');
+  const bool looks_toml = trimmed.rfind("[[", 0) == 0 ||
+                          (!trimmed.empty() && trimmed.front() != '[' && trimmed.front() != '{');
   if (!looks_toml) {
     FW_ASSIGN_OR_RETURN(json config, ParseJson(trimmed, "grader config"));
     return GraderSpecsFromJson(config);
@@ -238,7 +249,8 @@ class PooledGrader final : public AsyncGrader {
 
 std::unique_ptr<AsyncGrader> RunAsync(std::shared_ptr<const Grader> grader, std::string name,
                                       size_t threads) {
-  return std::make_unique<PooledGrader>(std::move(grader), std::move(name), std::max<size_t>(threads, 1));
+  return std::make_unique<PooledGrader>(std::move(grader), std::move(name),
+                                        std::max<size_t>(threads, 1));
 }
 
 Result<std::unique_ptr<AsyncGrader>> StartGrader(const GraderSettings& settings) {

@@ -64,10 +64,10 @@ const char* OutcomeKindName(OutcomeKind kind);
 
 struct Outcome {
   OutcomeKind kind = OutcomeKind::kUngraded;
-  double reward = 0;                       // kReward: finite
-  std::map<std::string, double> metrics;   // kReward: named, finite values
-  nlohmann::json messages;                 // kContinue: an array of messages to append
-  std::string reason;                      // kUngraded, kFailed
+  double reward = 0;                      // kReward: finite
+  std::map<std::string, double> metrics;  // kReward: named, finite values
+  nlohmann::json messages;                // kContinue: an array of messages to append
+  std::string reason;                     // kUngraded, kFailed
 
   static Outcome Reward(double reward, std::map<std::string, double> metrics = {});
   static Outcome Ungraded(std::string reason);
@@ -85,17 +85,17 @@ class Grader {
 struct GraderCounters {
   uint64_t submitted = 0;
   uint64_t rewarded = 0;
-  uint64_t continued = 0;           // kContinue answers
-  uint64_t ungraded = 0;            // all kUngraded outcomes, the lines below included
-  uint64_t ungraded_timeout = 0;    // no answer within the per-call timeout
-  uint64_t ungraded_bad_answer = 0; // not JSON, reward not a finite number, neither field
-  uint64_t ungraded_crash = 0;      // held through a second crash, or HTTP call failed
-  uint64_t ungraded_no_answer = 0;  // an HTTP batch answer that lacked the id
-  uint64_t failed = 0;              // kFailed outcomes
-  uint64_t unknown_ids = 0;         // answers for no request in flight: dropped
-  uint64_t garbage_lines = 0;       // stdout lines that name no request (debug prints)
-  uint64_t restarts = 0;            // process restarts after a crash or a silent hang
-  uint64_t resent = 0;              // requests re-sent after a restart
+  uint64_t continued = 0;            // kContinue answers
+  uint64_t ungraded = 0;             // all kUngraded outcomes, the lines below included
+  uint64_t ungraded_timeout = 0;     // no answer within the per-call timeout
+  uint64_t ungraded_bad_answer = 0;  // not JSON, reward not a finite number, neither field
+  uint64_t ungraded_crash = 0;       // held through a second crash, or HTTP call failed
+  uint64_t ungraded_no_answer = 0;   // an HTTP batch answer that lacked the id
+  uint64_t failed = 0;               // kFailed outcomes
+  uint64_t unknown_ids = 0;          // answers for no request in flight: dropped
+  uint64_t garbage_lines = 0;        // stdout lines that name no request (debug prints)
+  uint64_t restarts = 0;             // process restarts after a crash or a silent hang
+  uint64_t resent = 0;               // requests re-sent after a restart
 };
 
 using OutcomeCallback = std::function<void(Outcome)>;
@@ -160,8 +160,8 @@ std::unique_ptr<AsyncGrader> RunAsync(std::shared_ptr<const Grader> grader, std:
 
 // One configured grader of a composition.
 struct GraderSpec {
-  std::string type;    // exact_match, regex, numeric, contains, json_field, length_penalty
-  std::string name;    // metric prefix; defaults to type (a repeated type gets "#2", ...)
+  std::string type;  // exact_match, regex, numeric, contains, json_field, length_penalty
+  std::string name;  // metric prefix; defaults to type (a repeated type gets "#2", ...)
   double weight = 1.0;
   nlohmann::json params = nlohmann::json::object();
 };

@@ -30,8 +30,11 @@ class HttpGrader final : public AsyncGrader {
  public:
   HttpGrader(std::string url, transport::Endpoint endpoint, std::string target,
              ExternalGraderOptions options)
-      : url_(std::move(url)), endpoint_(std::move(endpoint)), target_(std::move(target)),
-        options_(options), streak_(options.max_grader_failures) {
+      : url_(std::move(url)),
+        endpoint_(std::move(endpoint)),
+        target_(std::move(target)),
+        options_(options),
+        streak_(options.max_grader_failures) {
     const size_t batch = std::max<size_t>(options_.max_batch, 1);
     const size_t threads = std::max<size_t>(std::max<size_t>(options_.max_in_flight, 1) / batch, 1);
     for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { Work(); });
@@ -70,7 +73,8 @@ class HttpGrader final : public AsyncGrader {
  private:
   void Work();
   void Post(std::vector<Request>& batch, Finished& finished);
-  void Answer(std::vector<Request>& batch, const transport::HttpResponse& response, Finished& finished);
+  void Answer(std::vector<Request>& batch, const transport::HttpResponse& response,
+              Finished& finished);
   // Under mu_:
   void Complete(Request& request, Outcome outcome, Finished& finished);
   void FailAll(Finished& finished);
@@ -152,7 +156,8 @@ void HttpGrader::Post(std::vector<Request>& batch, Finished& finished) {
     last_response_ = response.status().message();
     for (Request& request : batch) {
       ++counters_.ungraded_crash;
-      Complete(request, Outcome::Ungraded("HTTP call failed: " + response.status().message()), finished);
+      Complete(request, Outcome::Ungraded("HTTP call failed: " + response.status().message()),
+               finished);
     }
     return;
   }
@@ -165,8 +170,10 @@ void HttpGrader::Answer(std::vector<Request>& batch, const transport::HttpRespon
   last_response_ = "HTTP " + std::to_string(response.status) + " " + response.body.substr(0, 500);
   auto parsed = ParseJson(response.body, "grader answer");
   std::string bad;
-  if (response.status != 200) bad = "HTTP status " + std::to_string(response.status);
-  else if (!parsed.ok()) bad = "bad answer: not JSON";
+  if (response.status != 200)
+    bad = "HTTP status " + std::to_string(response.status);
+  else if (!parsed.ok())
+    bad = "bad answer: not JSON";
   if (!bad.empty()) {
     for (Request& request : batch) {
       ++counters_.ungraded_bad_answer;
@@ -201,10 +208,12 @@ Result<std::unique_ptr<AsyncGrader>> StartHttpGrader(const std::string& url,
                                                      const ExternalGraderOptions& options) {
   const std::string scheme = "http://";
   if (url.rfind(scheme, 0) != 0) {
-    return Status::InvalidArgument("grader URL '" + url + "' is not http://HOST:PORT[/PATH] (https is not supported)");
+    return Status::InvalidArgument("grader URL '" + url +
+                                   "' is not http://HOST:PORT[/PATH] (https is not supported)");
   }
   const size_t slash = url.find('/', scheme.size());
-  std::string authority = url.substr(scheme.size(), slash == std::string::npos ? std::string::npos : slash - scheme.size());
+  std::string authority = url.substr(
+      scheme.size(), slash == std::string::npos ? std::string::npos : slash - scheme.size());
   const std::string target = slash == std::string::npos ? "/" : url.substr(slash);
   if (authority.find(':') == std::string::npos || authority.back() == ']') authority += ":80";
   auto endpoint = transport::ParseEndpoint(authority);
@@ -212,9 +221,11 @@ Result<std::unique_ptr<AsyncGrader>> StartHttpGrader(const std::string& url,
     return Status::InvalidArgument("grader URL '" + url + "' has no usable HOST:PORT");
   }
   if (options.timeout.count() <= 0 || options.max_grader_failures < 0) {
-    return Status::InvalidArgument("grader '" + url + "': timeout must be > 0 and max_grader_failures >= 0");
+    return Status::InvalidArgument("grader '" + url +
+                                   "': timeout must be > 0 and max_grader_failures >= 0");
   }
-  return std::unique_ptr<AsyncGrader>(std::make_unique<HttpGrader>(url, *endpoint, target, options));
+  return std::unique_ptr<AsyncGrader>(
+      std::make_unique<HttpGrader>(url, *endpoint, target, options));
 }
 
 }  // namespace flywheel::grading

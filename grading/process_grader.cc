@@ -29,7 +29,8 @@ using std::chrono::milliseconds;
 constexpr size_t kMaxLine = size_t{16} << 20;
 
 std::string DescribeExit(int wait_status) {
-  if (WIFEXITED(wait_status)) return "exited with status " + std::to_string(WEXITSTATUS(wait_status));
+  if (WIFEXITED(wait_status))
+    return "exited with status " + std::to_string(WEXITSTATUS(wait_status));
   if (WIFSIGNALED(wait_status)) {
     return "was killed by signal " + std::to_string(WTERMSIG(wait_status)) + " (" +
            strsignal(WTERMSIG(wait_status)) + ")";
@@ -49,7 +50,9 @@ using Finished = std::vector<std::pair<OutcomeCallback, Outcome>>;
 class ProcessGrader final : public AsyncGrader {
  public:
   ProcessGrader(std::string command, std::vector<std::string> argv, ExternalGraderOptions options)
-      : command_(std::move(command)), argv_(std::move(argv)), options_(options),
+      : command_(std::move(command)),
+        argv_(std::move(argv)),
+        options_(options),
         streak_(options.max_grader_failures) {}
   ~ProcessGrader() override;
 
@@ -90,23 +93,23 @@ class ProcessGrader final : public AsyncGrader {
   const ExternalGraderOptions options_;
 
   mutable std::mutex mu_;
-  std::deque<Request> pending_;                // GUARDED_BY(mu_): not written yet
-  std::map<std::string, Request> in_flight_;   // GUARDED_BY(mu_): written, by id
-  GraderCounters counters_;                    // GUARDED_BY(mu_)
-  Status status_;                              // GUARDED_BY(mu_)
-  FailureStreak streak_;                       // GUARDED_BY(mu_)
-  std::deque<std::string> stderr_lines_;       // GUARDED_BY(mu_)
-  std::string write_buffer_;                   // GUARDED_BY(mu_)
-  bool stopping_ = false;                      // GUARDED_BY(mu_)
-  Clock::time_point restart_at_;               // GUARDED_BY(mu_)
-  int crashes_in_a_row_ = 0;                   // GUARDED_BY(mu_)
-  Clock::time_point last_output_;              // GUARDED_BY(mu_): the last stdout line
+  std::deque<Request> pending_;               // GUARDED_BY(mu_): not written yet
+  std::map<std::string, Request> in_flight_;  // GUARDED_BY(mu_): written, by id
+  GraderCounters counters_;                   // GUARDED_BY(mu_)
+  Status status_;                             // GUARDED_BY(mu_)
+  FailureStreak streak_;                      // GUARDED_BY(mu_)
+  std::deque<std::string> stderr_lines_;      // GUARDED_BY(mu_)
+  std::string write_buffer_;                  // GUARDED_BY(mu_)
+  bool stopping_ = false;                     // GUARDED_BY(mu_)
+  Clock::time_point restart_at_;              // GUARDED_BY(mu_)
+  int crashes_in_a_row_ = 0;                  // GUARDED_BY(mu_)
+  Clock::time_point last_output_;             // GUARDED_BY(mu_): the last stdout line
 
   // The I/O thread's own (and Start()'s, before the thread runs).
   Child child_;
   std::string stdout_buffer_;
   bool skipping_long_line_ = false;
-  std::string stderr_partial_;                 // GUARDED_BY(mu_)
+  std::string stderr_partial_;  // GUARDED_BY(mu_)
   int wake_[2] = {-1, -1};
   std::thread thread_;
 };
@@ -117,7 +120,8 @@ Status ProcessGrader::Start() {
   }
   Status started = child_.Start(argv_);
   if (!started.ok()) {
-    return Status(started.code(), "grader command '" + command_ + "' does not start: " + started.message());
+    return Status(started.code(),
+                  "grader command '" + command_ + "' does not start: " + started.message());
   }
   last_output_ = Clock::now();
   thread_ = std::thread([this] { Loop(); });
@@ -135,8 +139,10 @@ ProcessGrader::~ProcessGrader() {
   Finished finished;
   {
     std::lock_guard lock(mu_);
-    for (auto& [id, request] : in_flight_) Complete(request, Outcome::Ungraded("grader stopped"), finished);
-    for (Request& request : pending_) Complete(request, Outcome::Ungraded("grader stopped"), finished);
+    for (auto& [id, request] : in_flight_)
+      Complete(request, Outcome::Ungraded("grader stopped"), finished);
+    for (Request& request : pending_)
+      Complete(request, Outcome::Ungraded("grader stopped"), finished);
     in_flight_.clear();
     pending_.clear();
   }
@@ -198,7 +204,8 @@ void ProcessGrader::Dispatch(Finished& finished) {
     Request request = std::move(pending_.front());
     pending_.pop_front();
     if (in_flight_.count(request.sample.id)) {
-      Complete(request, Outcome::Ungraded("id '" + request.sample.id + "' is already in flight"), finished);
+      Complete(request, Outcome::Ungraded("id '" + request.sample.id + "' is already in flight"),
+               finished);
       continue;
     }
     write_buffer_ += protocol::RequestText(request.sample);
@@ -219,7 +226,8 @@ void ProcessGrader::Expire(Clock::time_point now, Finished& finished) {
     }
     silent = silent || last_output_ <= it->second.sent_at;
     ++counters_.ungraded_timeout;
-    const std::string reason = "no answer within " + std::to_string(options_.timeout.count()) + " ms";
+    const std::string reason =
+        "no answer within " + std::to_string(options_.timeout.count()) + " ms";
     Complete(it->second, Outcome::Ungraded(reason), finished);
     it = in_flight_.erase(it);
     Failure(reason, finished);
@@ -228,7 +236,9 @@ void ProcessGrader::Expire(Clock::time_point now, Finished& finished) {
   // the requests it still holds are re-sent to its successor.
   if (silent && child_.running() && status_.ok()) {
     child_.Kill();
-    OnExit("hung (no output for " + std::to_string(options_.timeout.count()) + " ms) and was killed", finished);
+    OnExit(
+        "hung (no output for " + std::to_string(options_.timeout.count()) + " ms) and was killed",
+        finished);
   }
 }
 
@@ -239,7 +249,8 @@ void ProcessGrader::OnExit(const std::string& how, Finished& finished) {
   skipping_long_line_ = false;
   if (!stderr_partial_.empty()) OnStderr("\n");
   stderr_lines_.push_back("[flywheel] grader process " + how);
-  while (stderr_lines_.size() > std::max<size_t>(options_.stderr_lines, 1)) stderr_lines_.pop_front();
+  while (stderr_lines_.size() > std::max<size_t>(options_.stderr_lines, 1))
+    stderr_lines_.pop_front();
   std::vector<Request> resend;
   for (auto& [id, request] : in_flight_) {
     if (request.sends < 2) {
@@ -247,13 +258,15 @@ void ProcessGrader::OnExit(const std::string& how, Finished& finished) {
       resend.push_back(std::move(request));
     } else {
       ++counters_.ungraded_crash;
-      Complete(request, Outcome::Ungraded("the grader process " + how + " twice while holding it"), finished);
+      Complete(request, Outcome::Ungraded("the grader process " + how + " twice while holding it"),
+               finished);
     }
   }
   in_flight_.clear();
   for (auto it = resend.rbegin(); it != resend.rend(); ++it) pending_.push_front(std::move(*it));
   ++crashes_in_a_row_;
-  const int backoff_ms = crashes_in_a_row_ <= 1 ? 0 : std::min(2000, 50 << std::min(crashes_in_a_row_, 6));
+  const int backoff_ms =
+      crashes_in_a_row_ <= 1 ? 0 : std::min(2000, 50 << std::min(crashes_in_a_row_, 6));
   restart_at_ = Clock::now() + milliseconds(backoff_ms);
   Failure("the grader process " + how, finished);
 }
@@ -265,7 +278,8 @@ void ProcessGrader::Restart(Clock::time_point now, Finished& finished) {
   Status started = child_.Start(argv_);
   if (!started.ok()) {
     stderr_lines_.push_back("[flywheel] restart failed: " + started.message());
-    while (stderr_lines_.size() > std::max<size_t>(options_.stderr_lines, 1)) stderr_lines_.pop_front();
+    while (stderr_lines_.size() > std::max<size_t>(options_.stderr_lines, 1))
+      stderr_lines_.pop_front();
     restart_at_ = now + milliseconds(500);
     Failure("the grader process could not be restarted: " + started.message(), finished);
     return;
@@ -305,7 +319,8 @@ void ProcessGrader::OnStderr(std::string_view bytes) {
   while ((newline = stderr_partial_.find('\n')) != std::string::npos) {
     stderr_lines_.push_back(stderr_partial_.substr(0, newline));
     stderr_partial_.erase(0, newline + 1);
-    while (stderr_lines_.size() > std::max<size_t>(options_.stderr_lines, 1)) stderr_lines_.pop_front();
+    while (stderr_lines_.size() > std::max<size_t>(options_.stderr_lines, 1))
+      stderr_lines_.pop_front();
   }
   if (stderr_partial_.size() > 4096) stderr_partial_.erase(0, stderr_partial_.size() - 4096);
 }
@@ -358,7 +373,8 @@ int ProcessGrader::PollTimeoutMs() {
   std::lock_guard lock(mu_);
   const Clock::time_point now = Clock::now();
   Clock::time_point wake = now + milliseconds(1000);
-  for (const auto& [id, request] : in_flight_) wake = std::min(wake, request.sent_at + options_.timeout);
+  for (const auto& [id, request] : in_flight_)
+    wake = std::min(wake, request.sent_at + options_.timeout);
   if (!child_.running() && status_.ok()) wake = std::min(wake, restart_at_);
   return static_cast<int>(std::clamp<int64_t>(
       std::chrono::duration_cast<milliseconds>(wake - now).count() + 1, 0, 1000));
@@ -372,7 +388,8 @@ bool ProcessGrader::Pump(Finished& finished) {
     std::lock_guard lock(mu_);
     want_write = !write_buffer_.empty();
   }
-  pollfd fds[4] = {{wake_[0], POLLIN, 0}, {child_.stdout_fd(), POLLIN, 0},
+  pollfd fds[4] = {{wake_[0], POLLIN, 0},
+                   {child_.stdout_fd(), POLLIN, 0},
                    {child_.stderr_fd(), POLLIN, 0},
                    {want_write ? child_.stdin_fd() : -1, POLLOUT, 0}};
   if (::poll(fds, 4, timeout_ms) < 0 && errno != EINTR) return false;
@@ -388,7 +405,8 @@ bool ProcessGrader::Pump(Finished& finished) {
     stdout_buffer_ += out;
     size_t newline;
     while ((newline = stdout_buffer_.find('\n')) != std::string::npos) {
-      if (!skipping_long_line_) OnLine(std::string_view(stdout_buffer_).substr(0, newline), finished);
+      if (!skipping_long_line_)
+        OnLine(std::string_view(stdout_buffer_).substr(0, newline), finished);
       skipping_long_line_ = false;
       stdout_buffer_.erase(0, newline + 1);
     }
@@ -424,7 +442,8 @@ Result<std::unique_ptr<AsyncGrader>> StartProcessGrader(const std::string& comma
   auto argv = SplitCommand(command);
   if (!argv.ok()) return Status::InvalidArgument("grader command: " + argv.status().message());
   if (options.timeout.count() <= 0 || options.max_grader_failures < 0) {
-    return Status::InvalidArgument("grader '" + command + "': timeout must be > 0 and max_grader_failures >= 0");
+    return Status::InvalidArgument("grader '" + command +
+                                   "': timeout must be > 0 and max_grader_failures >= 0");
   }
   auto grader = std::make_unique<ProcessGrader>(command, std::move(argv).value(), options);
   FW_RETURN_IF_ERROR(grader->Start());

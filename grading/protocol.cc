@@ -106,8 +106,7 @@ Answer ParseAnswer(std::string_view line) {
   if (!parsed.ok()) {
     Answer answer;
     answer.id = RecoverId(line);
-    answer.outcome = Outcome::Ungraded("bad answer: not JSON: " +
-                                       std::string(line.substr(0, 120)));
+    answer.outcome = Outcome::Ungraded("bad answer: not JSON: " + std::string(line.substr(0, 120)));
     return answer;
   }
   return AnswerFromJson(*parsed);

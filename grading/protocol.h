@@ -21,8 +21,8 @@ std::string RequestText(const Sample& sample);
 
 // One parsed answer.
 struct Answer {
-  std::string id;  // empty: none could be found (a line that names no request)
-  Outcome outcome; // kReward, kContinue, or kUngraded (a bad answer: reason says why)
+  std::string id;   // empty: none could be found (a line that names no request)
+  Outcome outcome;  // kReward, kContinue, or kUngraded (a bad answer: reason says why)
 };
 
 // Parses one answer line. A line that is not JSON is a bad answer for the id that can still

@@ -40,7 +40,7 @@ TEST(ExactMatchTest, ComparesAfterStrippingAgainstTheAnswerField) {
   ASSERT_NE(grader, nullptr);
   EXPECT_EQ(RewardOf(*grader, "  42\n", {{"answer", "42"}}), 1.0);
   EXPECT_EQ(RewardOf(*grader, "42.", {{"answer", "42"}}), 0.0);
-  EXPECT_EQ(RewardOf(*grader, "42", {{"answer", 42}}), 1.0);             // a number field
+  EXPECT_EQ(RewardOf(*grader, "42", {{"answer", 42}}), 1.0);                      // a number field
   EXPECT_EQ(RewardOf(*grader, "b", {{"answer", json::array({"a", "b"})}}), 1.0);  // any of a list
   EXPECT_EQ(RewardOf(*grader, "", {{"answer", ""}}), 1.0);
 }
@@ -55,9 +55,11 @@ TEST(ExactMatchTest, NamedFieldAndCaseInsensitive) {
 }
 
 TEST(RegexTest, CaptureGroupComparedToAField) {
-  auto grader = Load(R"j([{"type": "regex", "pattern": "answer is (-?\\d+)", "field": "answer"}])j");
+  auto grader =
+      Load(R"j([{"type": "regex", "pattern": "answer is (-?\\d+)", "field": "answer"}])j");
   ASSERT_NE(grader, nullptr);
-  EXPECT_EQ(RewardOf(*grader, "I think the answer is 7. No, the answer is 12", {{"answer", "12"}}), 1.0);
+  EXPECT_EQ(RewardOf(*grader, "I think the answer is 7. No, the answer is 12", {{"answer", "12"}}),
+            1.0);
   EXPECT_EQ(RewardOf(*grader, "the answer is 7", {{"answer", "12"}}), 0.0);
   Outcome none = grader->Grade(MakeSample("s", "no idea", {{"answer", "12"}}));
   EXPECT_EQ(none.reward, 0.0);
@@ -65,17 +67,20 @@ TEST(RegexTest, CaptureGroupComparedToAField) {
 }
 
 TEST(RegexTest, FirstMatchAndPlainMatchWithoutField) {
-  auto first = Load(R"j([{"type": "regex", "pattern": "(\\d+)", "field": "answer", "match": "first"}])j");
+  auto first =
+      Load(R"j([{"type": "regex", "pattern": "(\\d+)", "field": "answer", "match": "first"}])j");
   ASSERT_NE(first, nullptr);
   EXPECT_EQ(RewardOf(*first, "3 then 4", {{"answer", 3}}), 1.0);
-  auto plain = Load(R"([{"type": "regex", "pattern": "^<think>[\\s\\S]*</think>", "ignore_case": true}])");
+  auto plain =
+      Load(R"([{"type": "regex", "pattern": "^<think>[\\s\\S]*</think>", "ignore_case": true}])");
   ASSERT_NE(plain, nullptr);
   EXPECT_EQ(RewardOf(*plain, "<THINK>a\nb</think> 5", {}), 1.0);
   EXPECT_EQ(RewardOf(*plain, "5", {}), 0.0);
 }
 
 TEST(RegexTest, SearchesOnlyTheLastWindowOfALongCompletion) {
-  auto grader = Load(R"j([{"type": "regex", "pattern": "X(\\d)", "field": "answer", "window": 100}])j");
+  auto grader =
+      Load(R"j([{"type": "regex", "pattern": "X(\\d)", "field": "answer", "window": 100}])j");
   ASSERT_NE(grader, nullptr);
   const std::string filler(100000, 'a');
   EXPECT_EQ(RewardOf(*grader, "X1" + filler, {{"answer", "1"}}), 0.0);  // outside the window
@@ -87,8 +92,8 @@ TEST(NumericTest, LastNumberWithinTolerance) {
   ASSERT_NE(grader, nullptr);
   EXPECT_EQ(RewardOf(*grader, "2 + 3 = 5", {{"answer", "5"}}), 1.0);
   EXPECT_EQ(RewardOf(*grader, "5 or maybe 6", {{"answer", 5}}), 0.0);  // the last number counts
-  EXPECT_EQ(RewardOf(*grader, "about 99.5", {{"answer", 100}}), 1.0);   // 0.5% off
-  EXPECT_EQ(RewardOf(*grader, "about 98", {{"answer", 100}}), 0.0);     // 2% off
+  EXPECT_EQ(RewardOf(*grader, "about 99.5", {{"answer", 100}}), 1.0);  // 0.5% off
+  EXPECT_EQ(RewardOf(*grader, "about 98", {{"answer", 100}}), 0.0);    // 2% off
   EXPECT_EQ(RewardOf(*grader, "x = -1,234.5", {{"answer", "-1234.5"}}), 1.0);
   EXPECT_EQ(RewardOf(*grader, "1.5e3 meters.", {{"answer", 1500}}), 1.0);
   EXPECT_EQ(RewardOf(*grader, "so .5", {{"answer", 0.5}}), 1.0);
@@ -103,8 +108,10 @@ TEST(NumericTest, NoNumberIsWrongAndABadFieldIsUngraded) {
   EXPECT_EQ(none.reward, 0.0);
   EXPECT_EQ(none.metrics.at("numeric.no_number"), 1.0);
   EXPECT_EQ(RewardOf(*grader, "3.4", {{"answer", 3}}), 1.0);
-  EXPECT_EQ(grader->Grade(MakeSample("s", "3", {{"answer", "three"}})).kind, OutcomeKind::kUngraded);
-  EXPECT_EQ(grader->Grade(MakeSample("s", "3", {{"answer", json::object()}})).kind, OutcomeKind::kUngraded);
+  EXPECT_EQ(grader->Grade(MakeSample("s", "3", {{"answer", "three"}})).kind,
+            OutcomeKind::kUngraded);
+  EXPECT_EQ(grader->Grade(MakeSample("s", "3", {{"answer", json::object()}})).kind,
+            OutcomeKind::kUngraded);
 }
 
 TEST(ContainsTest, LiteralOrFieldAnyOrAll) {
@@ -122,8 +129,11 @@ TEST(JsonFieldTest, WholeCompletionOrTheLastObjectInIt) {
   auto grader = Load(R"([{"type": "json_field", "path": "result.values[1]"}])");
   ASSERT_NE(grader, nullptr);
   EXPECT_EQ(RewardOf(*grader, R"({"result": {"values": [1, 2]}})", {{"answer", 2}}), 1.0);
-  EXPECT_EQ(RewardOf(*grader, "Sure!\n```json\n{\"result\": {\"values\": [1, \"2\"]}}\n```", {{"answer", 2}}), 1.0);
-  EXPECT_EQ(RewardOf(*grader, R"({"x": 1} then {"result": {"values": [0, 5]}})", {{"answer", 5}}), 1.0);
+  EXPECT_EQ(RewardOf(*grader, "Sure!\n```json\n{\"result\": {\"values\": [1, \"2\"]}}\n```",
+                     {{"answer", 2}}),
+            1.0);
+  EXPECT_EQ(RewardOf(*grader, R"({"x": 1} then {"result": {"values": [0, 5]}})", {{"answer", 5}}),
+            1.0);
   Outcome not_json = grader->Grade(MakeSample("s", "{not json", {{"answer", 2}}));
   EXPECT_EQ(not_json.reward, 0.0);
   EXPECT_EQ(not_json.metrics.at("json_field.not_json"), 1.0);
@@ -134,7 +144,9 @@ TEST(JsonFieldTest, WholeCompletionOrTheLastObjectInIt) {
 TEST(JsonFieldTest, JsonPointerAndStructuredValues) {
   auto grader = Load(R"([{"type": "json_field", "path": "/a/b", "field": "expected"}])");
   ASSERT_NE(grader, nullptr);
-  EXPECT_EQ(RewardOf(*grader, R"({"a": {"b": [1, {"c": true}]}})", {{"expected", json::parse(R"([1, {"c": true}])")}}), 1.0);
+  EXPECT_EQ(RewardOf(*grader, R"({"a": {"b": [1, {"c": true}]}})",
+                     {{"expected", json::parse(R"([1, {"c": true}])")}}),
+            1.0);
   EXPECT_EQ(RewardOf(*grader, R"({"a": {"b": " yes "}})", {{"expected", "yes"}}), 1.0);
   EXPECT_EQ(RewardOf(*grader, R"({"a": {"b": "no"}})", {{"expected", "yes"}}), 0.0);
 }
@@ -152,9 +164,10 @@ TEST(LengthPenaltyTest, TokensOrCharsOverTheBudget) {
   auto chars = Load(R"([{"type": "length_penalty", "budget": 10, "unit": "chars"}])");
   ASSERT_NE(chars, nullptr);
   EXPECT_EQ(RewardOf(*chars, "0123456789", {}), 0.0);
-  EXPECT_DOUBLE_EQ(RewardOf(*chars, "012345678901234", {}), -0.5);  // 5 over, 1/10 each
+  EXPECT_DOUBLE_EQ(RewardOf(*chars, "012345678901234", {}), -0.5);       // 5 over, 1/10 each
   EXPECT_DOUBLE_EQ(RewardOf(*chars, std::string(1000, 'x'), {}), -1.0);  // capped
-  auto tokens = Load(R"([{"type": "length_penalty", "budget": 2, "per_unit": 0.25, "max_penalty": 10}])");
+  auto tokens =
+      Load(R"([{"type": "length_penalty", "budget": 2, "per_unit": 0.25, "max_penalty": 10}])");
   ASSERT_NE(tokens, nullptr);
   Sample counted = MakeSample("s", "one two three four");
   EXPECT_DOUBLE_EQ(tokens->Grade(counted).reward, -0.5);  // 4 words, 2 over
@@ -210,9 +223,11 @@ TEST(ConfigTest, ErrorsAreRefusedAtLoadNamingTheEntry) {
   };
   const Case cases[] = {
       {R"([{"type": "exact"}])", "grader 1 (exact): unknown type 'exact'"},
-      {R"([{"type": "numeric"}, {"type": "regex", "pattern": "(unclosed"}])", "grader 2 (regex): bad regex '(unclosed'"},
+      {R"([{"type": "numeric"}, {"type": "regex", "pattern": "(unclosed"}])",
+       "grader 2 (regex): bad regex '(unclosed'"},
       {R"([{"type": "regex"}])", "missing parameter 'pattern'"},
-      {R"j([{"type": "regex", "pattern": "a(b)", "group": 2}])j", "group 2.0 is not a capture group"},
+      {R"j([{"type": "regex", "pattern": "a(b)", "group": 2}])j",
+       "group 2.0 is not a capture group"},
       {R"([{"type": "json_field"}])", "grader 1 (json_field): missing parameter 'path'"},
       {R"([{"type": "json_field", "path": "a..b"}])", "empty key"},
       {R"([{"type": "length_penalty"}])", "missing parameter 'budget'"},
@@ -231,7 +246,8 @@ TEST(ConfigTest, ErrorsAreRefusedAtLoadNamingTheEntry) {
     Status status = LoadError(c.config);
     EXPECT_FALSE(status.ok()) << c.config;
     EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << c.config;
-    EXPECT_NE(status.message().find(c.message), std::string::npos) << c.config << " -> " << status.message();
+    EXPECT_NE(status.message().find(c.message), std::string::npos)
+        << c.config << " -> " << status.message();
   }
 }
 
@@ -241,7 +257,8 @@ TEST(RunAsyncTest, GradesOffTheCallersThreadAndCounts) {
   auto async = RunAsync(grader, "builtin: numeric", 3);
   std::vector<std::future<Outcome>> futures;
   for (int i = 0; i < 50; ++i) {
-    futures.push_back(async->Submit(MakeSample(std::to_string(i), "= " + std::to_string(i), {{"answer", i % 2 == 0 ? i : -1}})));
+    futures.push_back(async->Submit(MakeSample(std::to_string(i), "= " + std::to_string(i),
+                                               {{"answer", i % 2 == 0 ? i : -1}})));
   }
   futures.push_back(async->Submit(MakeSample("missing", "1", {})));
   for (int i = 0; i < 50; ++i) {
@@ -271,7 +288,8 @@ TEST(StartGraderTest, ExactlyOneKindOfGrader) {
   auto future = (*grader)->Submit(MakeSample("a", " yes ", {{"answer", "yes"}}));
   EXPECT_EQ(testing::Await(future).reward, 1.0);
   builtin.builtin[0].type = "exakt";
-  EXPECT_NE(StartGrader(builtin).status().message().find("unknown type 'exakt'"), std::string::npos);
+  EXPECT_NE(StartGrader(builtin).status().message().find("unknown type 'exakt'"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -1,11 +1,12 @@
 // Multi-turn environments: a calculator environment (a python3 script) that wants a tool
 // call before the answer, driven by fake "models" through EpisodeTracker; unknown ids;
 // max_turns; and zero-variance filtering.
+#include "grading/environment.h"
+
 #include <gtest/gtest.h>
 
 #include <optional>
 
-#include "grading/environment.h"
 #include "grading/grader.h"
 #include "grading/zero_variance.h"
 #include "tests/grading/grading_test_util.h"
@@ -49,7 +50,8 @@ enum class Policy { kGood, kImpatient, kRambling, kLooping };
 // The fake model: what it writes given the conversation so far.
 std::pair<json, std::string> FakeModel(Policy policy, const json& conversation) {
   const std::string prompt = conversation[0]["content"];
-  const std::string expr = prompt.substr(prompt.find("Compute ") + 8, prompt.find('.') - prompt.find("Compute ") - 8);
+  const std::string expr =
+      prompt.substr(prompt.find("Compute ") + 8, prompt.find('.') - prompt.find("Compute ") - 8);
   const json& last = conversation.back();
   std::string text;
   json tool_calls;
@@ -62,7 +64,8 @@ std::pair<json, std::string> FakeModel(Policy policy, const json& conversation) 
   } else {
     const json arguments = {{"expr", expr}};
     text = "<tool_call>" + json{{"name", "calc"}, {"arguments", arguments}}.dump() + "</tool_call>";
-    tool_calls = json::array({{{"type", "function"}, {"function", {{"name", "calc"}, {"arguments", arguments.dump()}}}}});
+    tool_calls = json::array({{{"type", "function"},
+                               {"function", {{"name", "calc"}, {"arguments", arguments.dump()}}}}});
   }
   json message = {{"role", "assistant"}, {"content", tool_calls.is_null() ? text : ""}};
   if (!tool_calls.is_null()) message["tool_calls"] = tool_calls;
@@ -77,11 +80,15 @@ TEST(EnvironmentTest, CalculatorEpisodesRunSeveralTurnsToAReward) {
   auto grader = StartProcessGrader(testing::WriteGrader(dir, "calc.py", kCalculator), options);
   ASSERT_TRUE(grader.ok()) << grader.status().ToString();
   EpisodeTracker tracker(/*max_turns=*/3);
-  const std::map<std::string, Policy> policies = {
-      {"good", Policy::kGood}, {"impatient", Policy::kImpatient},
-      {"rambling", Policy::kRambling}, {"looping", Policy::kLooping}};
+  const std::map<std::string, Policy> policies = {{"good", Policy::kGood},
+                                                  {"impatient", Policy::kImpatient},
+                                                  {"rambling", Policy::kRambling},
+                                                  {"looping", Policy::kLooping}};
   for (const auto& [id, policy] : policies) {
-    ASSERT_TRUE(tracker.Begin(id, json::array({{{"role", "user"}, {"content", "Compute 17*23. Use calc."}}})).ok());
+    ASSERT_TRUE(
+        tracker
+            .Begin(id, json::array({{{"role", "user"}, {"content", "Compute 17*23. Use calc."}}}))
+            .ok());
   }
   std::map<std::string, EpisodeStep> ended;
   for (int round = 0; round < 5 && tracker.active() > 0; ++round) {
@@ -119,9 +126,10 @@ TEST(EnvironmentTest, CalculatorEpisodesRunSeveralTurnsToAReward) {
   EXPECT_EQ(counters.finished, 3u);
   EXPECT_EQ(counters.gave_up_max_turns, 1u);
   EXPECT_EQ(counters.model_turns, 9u);
-  EXPECT_EQ(counters.environment_messages, 5u);  // good 1, rambling 2, looping 2
+  EXPECT_EQ(counters.environment_messages, 5u);      // good 1, rambling 2, looping 2
   EXPECT_EQ((*grader)->counters().unknown_ids, 1u);  // the ghost answer, dropped
-  EXPECT_EQ((*grader)->counters().continued, 5u + 1u);  // looping's last continue is refused by max_turns
+  EXPECT_EQ((*grader)->counters().continued,
+            5u + 1u);  // looping's last continue is refused by max_turns
   grader->reset();
   EXPECT_TRUE(testing::AllEnded(dir));
 }
@@ -129,7 +137,8 @@ TEST(EnvironmentTest, CalculatorEpisodesRunSeveralTurnsToAReward) {
 TEST(EnvironmentTest, TheConversationGrowsByTheModelAndTheEnvironmentTurns) {
   EpisodeTracker tracker(4);
   ASSERT_TRUE(tracker.Begin("e", json::array({{{"role", "user"}, {"content", "hi"}}})).ok());
-  auto sample = tracker.Turn("e", {{"role", "assistant"}, {"content", "call"}}, "call", json::object());
+  auto sample =
+      tracker.Turn("e", {{"role", "assistant"}, {"content", "call"}}, "call", json::object());
   ASSERT_TRUE(sample.ok());
   EXPECT_EQ(sample->messages.size(), 1u);  // the conversation before this turn
   EXPECT_EQ(sample->completion, "call");
@@ -147,11 +156,13 @@ TEST(EnvironmentTest, TheConversationGrowsByTheModelAndTheEnvironmentTurns) {
 TEST(EnvironmentTest, UnknownIdsAndMisuseAreRefusedAndCounted) {
   EpisodeTracker tracker(2);
   EXPECT_EQ(tracker.OnOutcome("nobody", Outcome::Reward(1)).kind, StepKind::kUnknown);
-  EXPECT_EQ(tracker.Turn("nobody", json::object(), "", json::object()).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(tracker.Turn("nobody", json::object(), "", json::object()).status().code(),
+            StatusCode::kNotFound);
   ASSERT_TRUE(tracker.Begin("a", json::array()).ok());
-  EXPECT_FALSE(tracker.Begin("a", json::array()).ok());                 // already active
-  EXPECT_FALSE(tracker.Begin("b", json::object()).ok());                // not an array
-  EXPECT_EQ(tracker.OnOutcome("a", Outcome::Reward(1)).kind, StepKind::kUnknown);  // no turn waiting
+  EXPECT_FALSE(tracker.Begin("a", json::array()).ok());   // already active
+  EXPECT_FALSE(tracker.Begin("b", json::object()).ok());  // not an array
+  EXPECT_EQ(tracker.OnOutcome("a", Outcome::Reward(1)).kind,
+            StepKind::kUnknown);  // no turn waiting
   ASSERT_TRUE(tracker.Turn("a", json::object(), "", json::object()).ok());
   EXPECT_FALSE(tracker.Turn("a", json::object(), "", json::object()).ok());  // one turn at a time
   EpisodeStep ungraded = tracker.OnOutcome("a", Outcome::Ungraded("no answer within 5 ms"));

@@ -49,15 +49,19 @@ inline std::string ReadText(const std::string& path) {
   return text.str();
 }
 
-inline std::string Python() { return std::filesystem::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3"; }
+inline std::string Python() {
+  return std::filesystem::exists("/usr/bin/python3") ? "/usr/bin/python3" : "python3";
+}
 
 // Writes a grader script into `dir`. Every script starts by appending its process id to
 // <dir>/pids (see AllEnded); `body` follows, with PIDS and DIR defined.
-inline std::string WriteGrader(const TempDir& dir, const std::string& name, const std::string& body) {
+inline std::string WriteGrader(const TempDir& dir, const std::string& name,
+                               const std::string& body) {
   const std::string path = dir.File(name);
   WriteText(path, "import json, os, sys, time\nDIR = " + std::string("'") + dir.path() +
                       "'\nwith open(os.path.join(DIR, 'pids'), 'a') as f:\n"
-                      "    f.write(str(os.getpid()) + '\\n')\n" + body);
+                      "    f.write(str(os.getpid()) + '\\n')\n" +
+                      body);
   return Python() + " " + path;
 }
 
@@ -77,7 +81,8 @@ inline bool AllEnded(const TempDir& dir) {
   return true;
 }
 
-inline Sample MakeSample(std::string id, std::string completion, nlohmann::json fields = nlohmann::json::object()) {
+inline Sample MakeSample(std::string id, std::string completion,
+                         nlohmann::json fields = nlohmann::json::object()) {
   Sample sample;
   sample.id = std::move(id);
   sample.messages = nlohmann::json::array({{{"role", "user"}, {"content", "question"}}});
@@ -87,7 +92,8 @@ inline Sample MakeSample(std::string id, std::string completion, nlohmann::json 
 }
 
 // Waits for a future with a bound; a test that would hang fails instead.
-inline Outcome Await(std::future<Outcome>& future, std::chrono::milliseconds limit = std::chrono::seconds(15)) {
+inline Outcome Await(std::future<Outcome>& future,
+                     std::chrono::milliseconds limit = std::chrono::seconds(15)) {
   if (future.wait_for(limit) != std::future_status::ready) {
     ADD_FAILURE() << "no outcome within " << limit.count() << " ms";
     return Outcome::Ungraded("test: no outcome");

@@ -44,7 +44,9 @@ class HttpGraderServer {
     transport::asio::post(io_, [this] { server_->Stop(); });
     thread_.join();
   }
-  std::string url() const { return "http://127.0.0.1:" + std::to_string(server_->port()) + "/grade"; }
+  std::string url() const {
+    return "http://127.0.0.1:" + std::to_string(server_->port()) + "/grade";
+  }
   int largest_batch() const { return largest_batch_; }
 
  private:
@@ -61,7 +63,8 @@ class HttpGraderServer {
       json reward = completion == "bad" ? json("high") : json(completion.size());
       answers.push_back({{"id", (*it)["id"]}, {"reward", reward}});
     }
-    if (!batch) return HttpResponse{200, "application/json", answers.empty() ? "{}" : answers[0].dump()};
+    if (!batch)
+      return HttpResponse{200, "application/json", answers.empty() ? "{}" : answers[0].dump()};
     return HttpResponse{200, "application/json", answers.dump()};
   }
 
@@ -76,7 +79,8 @@ TEST(HttpGraderTest, OneRequestPerPost) {
   auto grader = StartHttpGrader(server.url());
   ASSERT_TRUE(grader.ok()) << grader.status().ToString();
   std::vector<std::future<Outcome>> futures;
-  for (int i = 0; i < 10; ++i) futures.push_back((*grader)->Submit(MakeSample("s" + std::to_string(i), std::string(i, 'y'))));
+  for (int i = 0; i < 10; ++i)
+    futures.push_back((*grader)->Submit(MakeSample("s" + std::to_string(i), std::string(i, 'y'))));
   for (int i = 0; i < 10; ++i) {
     Outcome outcome = Await(futures[i]);
     ASSERT_EQ(outcome.kind, OutcomeKind::kReward) << outcome.reason;
@@ -94,7 +98,8 @@ TEST(HttpGraderTest, BatchesAsArraysAnsweredInAnyOrder) {
   auto grader = StartHttpGrader(server.url(), options);
   ASSERT_TRUE(grader.ok()) << grader.status().ToString();
   std::vector<std::future<Outcome>> futures;
-  for (int i = 0; i < 21; ++i) futures.push_back((*grader)->Submit(MakeSample("s" + std::to_string(i), std::string(i, 'z'))));
+  for (int i = 0; i < 21; ++i)
+    futures.push_back((*grader)->Submit(MakeSample("s" + std::to_string(i), std::string(i, 'z'))));
   futures.push_back((*grader)->Submit(MakeSample("bad", "bad")));
   futures.push_back((*grader)->Submit(MakeSample("drop", "drop")));
   for (int i = 0; i < 21; ++i) {
@@ -138,7 +143,8 @@ TEST(HttpGraderTest, ServerErrorsAreUngradedAndAGoneServerFailsTheGrader) {
 }
 
 TEST(HttpGraderTest, BadUrlsAreRefused) {
-  for (const char* url : {"https://127.0.0.1:9/grade", "127.0.0.1:9", "http://:9/x", "http://host:port/x"}) {
+  for (const char* url :
+       {"https://127.0.0.1:9/grade", "127.0.0.1:9", "http://:9/x", "http://host:port/x"}) {
     auto grader = StartHttpGrader(url);
     EXPECT_FALSE(grader.ok()) << url;
     if (!grader.ok()) {

@@ -3,7 +3,6 @@
 // NaN, unknown ids, a grader that always fails (its stderr in the error), a command that
 // does not start. Every script records its process id; each test checks they all ended.
 #include <gtest/gtest.h>
-
 #include <sys/stat.h>
 
 #include <thread>
@@ -83,7 +82,8 @@ TEST(ProcessGraderTest, MaxInFlightBoundsWhatTheGraderHolds) {
   auto grader = StartProcessGrader(WriteGrader(dir, "batch.py", kBatchReverse), options);
   ASSERT_TRUE(grader.ok()) << grader.status().ToString();
   std::vector<std::future<Outcome>> futures;
-  for (int i = 0; i < 6; ++i) futures.push_back((*grader)->Submit(MakeSample("s" + std::to_string(i), "ab")));
+  for (int i = 0; i < 6; ++i)
+    futures.push_back((*grader)->Submit(MakeSample("s" + std::to_string(i), "ab")));
   for (auto& future : futures) {
     Outcome outcome = Await(future);
     ASSERT_EQ(outcome.kind, OutcomeKind::kReward) << outcome.reason;
@@ -149,7 +149,8 @@ TEST(ProcessGraderTest, AHangPastTheTimeoutIsUngradedAndTheGraderReplaced) {
   auto hang = (*grader)->Submit(MakeSample("hang", "hang"));
   Outcome timed_out = Await(hang);
   EXPECT_EQ(timed_out.kind, OutcomeKind::kUngraded);
-  EXPECT_NE(timed_out.reason.find("no answer within 400 ms"), std::string::npos) << timed_out.reason;
+  EXPECT_NE(timed_out.reason.find("no answer within 400 ms"), std::string::npos)
+      << timed_out.reason;
   auto next = (*grader)->Submit(MakeSample("next", "fine"));
   Outcome answered = Await(next);
   EXPECT_EQ(answered.kind, OutcomeKind::kReward) << answered.reason;
@@ -188,15 +189,18 @@ TEST(ProcessGraderTest, GarbageNanAndBadAnswersAreUngradedAndCounted) {
   options.timeout = milliseconds(500);
   auto grader = StartProcessGrader(WriteGrader(dir, "faulty.py", kFaulty), options);
   ASSERT_TRUE(grader.ok()) << grader.status().ToString();
-  const std::vector<std::string> texts = {"garbage", "nan", "inf", "string", "neither", "stranger", "ok"};
+  const std::vector<std::string> texts = {"garbage", "nan",      "inf", "string",
+                                          "neither", "stranger", "ok"};
   std::vector<std::future<Outcome>> futures;
-  for (const std::string& text : texts) futures.push_back((*grader)->Submit(MakeSample(text, text)));
+  for (const std::string& text : texts)
+    futures.push_back((*grader)->Submit(MakeSample(text, text)));
   std::map<std::string, Outcome> outcomes;
   for (size_t i = 0; i < texts.size(); ++i) outcomes[texts[i]] = Await(futures[i]);
   EXPECT_NE(outcomes["garbage"].reason.find("no answer within"), std::string::npos);  // missing
   EXPECT_NE(outcomes["nan"].reason.find("not JSON"), std::string::npos) << outcomes["nan"].reason;
   EXPECT_NE(outcomes["inf"].reason.find("not JSON"), std::string::npos);
-  EXPECT_NE(outcomes["string"].reason.find("\"reward\" is string"), std::string::npos) << outcomes["string"].reason;
+  EXPECT_NE(outcomes["string"].reason.find("\"reward\" is string"), std::string::npos)
+      << outcomes["string"].reason;
   EXPECT_NE(outcomes["neither"].reason.find("neither"), std::string::npos);
   for (const char* ungraded : {"garbage", "nan", "inf", "string", "neither"}) {
     EXPECT_EQ(outcomes[ungraded].kind, OutcomeKind::kUngraded) << ungraded;
@@ -229,12 +233,14 @@ sys.exit(3)
   Outcome outcome = Await(first);
   EXPECT_NE(outcome.kind, OutcomeKind::kReward);
   std::future_status failed = std::future_status::timeout;
-  for (int i = 0; i < 100 && (*grader)->status().ok(); ++i) std::this_thread::sleep_for(milliseconds(50));
+  for (int i = 0; i < 100 && (*grader)->status().ok(); ++i)
+    std::this_thread::sleep_for(milliseconds(50));
   failed = (*grader)->status().ok() ? std::future_status::timeout : std::future_status::ready;
   ASSERT_EQ(failed, std::future_status::ready) << "the grader did not fail";
   const std::string message = (*grader)->status().message();
   EXPECT_NE(message.find(command), std::string::npos) << message;
-  EXPECT_NE(message.find("fatal: cannot load the reference solutions"), std::string::npos) << message;
+  EXPECT_NE(message.find("fatal: cannot load the reference solutions"), std::string::npos)
+      << message;
   EXPECT_NE(message.find("exited with status 3"), std::string::npos) << message;
   auto later = (*grader)->Submit(MakeSample("b", "x"));
   Outcome refused = Await(later);
@@ -247,13 +253,15 @@ sys.exit(3)
 TEST(ProcessGraderTest, AGraderThatCannotBeRestartedFails) {
   TempDir dir;
   const std::string script = dir.File("vanishing.sh");
-  testing::WriteText(script, "#!/bin/sh\necho $$ >> " + dir.File("pids") + "\nrm \"$0\"\necho gone >&2\nexit 1\n");
+  testing::WriteText(
+      script, "#!/bin/sh\necho $$ >> " + dir.File("pids") + "\nrm \"$0\"\necho gone >&2\nexit 1\n");
   ASSERT_EQ(::chmod(script.c_str(), 0700), 0);
   ExternalGraderOptions options = Fast();
   options.max_grader_failures = 2;
   auto grader = StartProcessGrader(script, options);
   ASSERT_TRUE(grader.ok()) << grader.status().ToString();
-  for (int i = 0; i < 100 && (*grader)->status().ok(); ++i) std::this_thread::sleep_for(milliseconds(50));
+  for (int i = 0; i < 100 && (*grader)->status().ok(); ++i)
+    std::this_thread::sleep_for(milliseconds(50));
   ASSERT_FALSE((*grader)->status().ok());
   EXPECT_NE((*grader)->status().message().find("could not be restarted"), std::string::npos)
       << (*grader)->status().message();
@@ -273,10 +281,12 @@ for line in sys.stdin:
     sys.stderr.write("no reference for " + json.loads(line)["id"] + "\n")
     sys.stderr.flush()
     print(json.dumps({"id": json.loads(line)["id"], "reward": None}), flush=True)
-)"), options);
+)"),
+                                   options);
   ASSERT_TRUE(grader.ok()) << grader.status().ToString();
   std::vector<std::future<Outcome>> futures;
-  for (int i = 0; i < 8; ++i) futures.push_back((*grader)->Submit(MakeSample(std::to_string(i), "x")));
+  for (int i = 0; i < 8; ++i)
+    futures.push_back((*grader)->Submit(MakeSample(std::to_string(i), "x")));
   int failed = 0;
   for (auto& future : futures) failed += Await(future).kind == OutcomeKind::kFailed;
   EXPECT_GE(failed, 1);
@@ -291,8 +301,10 @@ TEST(ProcessGraderTest, ACommandThatDoesNotStartIsRefusedNamingIt) {
   auto missing = StartProcessGrader("no-such-grader-binary --flag");
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
-  EXPECT_NE(missing.status().message().find("grader command 'no-such-grader-binary --flag' does not start"),
-            std::string::npos) << missing.status().message();
+  EXPECT_NE(missing.status().message().find(
+                "grader command 'no-such-grader-binary --flag' does not start"),
+            std::string::npos)
+      << missing.status().message();
   auto quoted = StartProcessGrader("python3 'grade.py");
   ASSERT_FALSE(quoted.ok());
   EXPECT_NE(quoted.status().message().find("unterminated quote"), std::string::npos);
