@@ -4,6 +4,7 @@
 #include <string>
 
 #include "delta/codec_internal.h"
+#include "kernels/kernels.h"
 
 namespace flywheel::delta {
 
@@ -80,8 +81,8 @@ Status DecodeKeyframeChunk(const DeltaView& chunk_view, std::span<std::byte> ten
   } else if (stored_u8.size() != e.raw_bytes) {
     return Status::Corruption(where + ": stored size differs from raw size");
   }
-  internal::Unshuffle(raw, e.word_count, w, internal::U8(tensor_data) + e.word_begin * w,
-                      [](uint8_t, uint8_t v) { return v; });
+  kernels::Unshuffle(raw, e.word_count, static_cast<size_t>(w),
+                     internal::U8(tensor_data) + e.word_begin * w);
   internal::TrimScratch(s);
   return Status::Ok();
 }

@@ -17,6 +17,7 @@ void ScatterApply(void* dst, size_t elem_size, const uint32_t* positions, const 
                   size_t count);
 void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* out, size_t count);
 size_t ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_t* out);
+void Unshuffle(const void* src, size_t n, size_t elem_size, void* dst);
 size_t SelectBucketed(const void* base, size_t n, size_t elem_size, const BucketContext& context,
                       const BucketStream* streams, size_t stream_count, uint32_t* out_positions,
                       uint8_t* out_stream, size_t max_out, uint64_t* words_in_stream);
@@ -111,6 +112,21 @@ void Gather(const void* src, size_t elem_size, const uint32_t* positions, void* 
 size_t ChunkChecksums(const void* data, size_t size, size_t chunk_bytes, uint64_t* out) {
   if (HaveAvx2()) return avx2::ChunkChecksums(data, size, chunk_bytes, out);
   return ChunkChecksumsScalar(data, size, chunk_bytes, out);
+}
+
+void UnshuffleScalar(const void* src, size_t n, size_t elem_size, void* dst) {
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  for (size_t b = 0; b < elem_size; ++b) {
+    const unsigned char* plane = s + b * n;
+    for (size_t i = 0; i < n; ++i) d[i * elem_size + b] = plane[i];
+  }
+}
+
+void Unshuffle(const void* src, size_t n, size_t elem_size, void* dst) {
+  if (elem_size == 1) return void(n == 0 ? dst : std::memcpy(dst, src, n));
+  if (UseAvx2(elem_size)) return avx2::Unshuffle(src, n, elem_size, dst);
+  UnshuffleScalar(src, n, elem_size, dst);
 }
 
 void ScatterAddZigZagScalar(void* dst, size_t elem_size, const uint32_t* positions,

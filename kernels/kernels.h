@@ -123,6 +123,15 @@ size_t RankBucketedScalar(const void* base, size_t n, size_t elem_size,
                           uint32_t* out_order, uint8_t* out_stream, uint32_t* const* ranks,
                           uint64_t* words_in_stream);
 
+// ---- byte-plane unshuffle (dense and literal chunks, delta/format.h) ------------------
+//
+// The inverse of the codec's byte-plane shuffle: `src` holds elem_size planes of n bytes
+// (plane b = byte b of every element); dst[i*elem_size+b] = src[b*n+i]. Overwrites dst
+// (a keyframe's literal chunks). elem_size 1 is a copy.
+// REQUIRES: src holds n*elem_size bytes, dst has room for them; they do not overlap.
+void Unshuffle(const void* src, size_t n, size_t elem_size, void* dst);
+void UnshuffleScalar(const void* src, size_t n, size_t elem_size, void* dst);
+
 // True when the vectorised paths above run AVX2 code on this CPU.
 bool HaveAvx2();
 

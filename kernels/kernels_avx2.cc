@@ -376,4 +376,101 @@ size_t RankBucketed(const void* base, size_t n, size_t elem_size, const BucketCo
                                    words_in_stream);
 }
 
+// ---- byte-plane unshuffle ---------------------------------------------------------------
+//
+// 32 elements per step: one 32-byte load from each plane, then unpack steps that pair
+// bytes, then 16-bit and 32-bit groups. The unpacks work within 128-bit lanes, so the
+// last step's permute2x128 puts the low lanes (elements 0..15) before the high lanes
+// (elements 16..31).
+
+namespace {
+
+inline __m256i LoadPlane(const unsigned char* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline void Store(unsigned char* p, __m256i v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v);
+}
+
+// Stores x[0..2k) (pairs holding elements of the low lane then the high lane) as the
+// 32 elements of one step: low lanes of every pair first, then high lanes.
+template <int K>
+inline void StoreLanes(unsigned char* d, const __m256i* x) {
+  for (int j = 0; j < K; ++j) {
+    Store(d + 32 * j, _mm256_permute2x128_si256(x[2 * j], x[2 * j + 1], 0x20));
+    Store(d + 32 * (K + j), _mm256_permute2x128_si256(x[2 * j], x[2 * j + 1], 0x31));
+  }
+}
+
+void Unshuffle2(const unsigned char* s, size_t n, unsigned char* d, size_t steps) {
+  for (size_t k = 0; k < steps; ++k, d += 64) {
+    const __m256i a = LoadPlane(s + 32 * k), b = LoadPlane(s + n + 32 * k);
+    const __m256i x[2] = {_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b)};
+    StoreLanes<1>(d, x);
+  }
+}
+
+void Unshuffle4(const unsigned char* s, size_t n, unsigned char* d, size_t steps) {
+  for (size_t k = 0; k < steps; ++k, d += 128) {
+    const unsigned char* p = s + 32 * k;
+    const __m256i p0 = LoadPlane(p), p1 = LoadPlane(p + n);
+    const __m256i p2 = LoadPlane(p + 2 * n), p3 = LoadPlane(p + 3 * n);
+    const __m256i t0 = _mm256_unpacklo_epi8(p0, p1), t1 = _mm256_unpackhi_epi8(p0, p1);
+    const __m256i t2 = _mm256_unpacklo_epi8(p2, p3), t3 = _mm256_unpackhi_epi8(p2, p3);
+    const __m256i x[4] = {_mm256_unpacklo_epi16(t0, t2), _mm256_unpackhi_epi16(t0, t2),
+                          _mm256_unpacklo_epi16(t1, t3), _mm256_unpackhi_epi16(t1, t3)};
+    StoreLanes<2>(d, x);
+  }
+}
+
+// Bytes 0..3 (or 4..7) of 32 elements as 4-byte groups, in the order
+// [0..3|16..19], [4..7|20..23], [8..11|24..27], [12..15|28..31].
+inline void Quads(const unsigned char* p, size_t n, __m256i* u) {
+  const __m256i p0 = LoadPlane(p), p1 = LoadPlane(p + n);
+  const __m256i p2 = LoadPlane(p + 2 * n), p3 = LoadPlane(p + 3 * n);
+  const __m256i t0 = _mm256_unpacklo_epi8(p0, p1), t1 = _mm256_unpackhi_epi8(p0, p1);
+  const __m256i t2 = _mm256_unpacklo_epi8(p2, p3), t3 = _mm256_unpackhi_epi8(p2, p3);
+  u[0] = _mm256_unpacklo_epi16(t0, t2);
+  u[1] = _mm256_unpackhi_epi16(t0, t2);
+  u[2] = _mm256_unpacklo_epi16(t1, t3);
+  u[3] = _mm256_unpackhi_epi16(t1, t3);
+}
+
+void Unshuffle8(const unsigned char* s, size_t n, unsigned char* d, size_t steps) {
+  for (size_t k = 0; k < steps; ++k, d += 256) {
+    __m256i u[4], v[4], x[8];
+    Quads(s + 32 * k, n, u);
+    Quads(s + 4 * n + 32 * k, n, v);
+    for (int j = 0; j < 4; ++j) {
+      x[2 * j] = _mm256_unpacklo_epi32(u[j], v[j]);
+      x[2 * j + 1] = _mm256_unpackhi_epi32(u[j], v[j]);
+    }
+    StoreLanes<4>(d, x);
+  }
+}
+
+}  // namespace
+
+void Unshuffle(const void* src, size_t n, size_t elem_size, void* dst) {
+  const unsigned char* s = Bytes(src);
+  unsigned char* d = Bytes(dst);
+  const size_t steps = n / 32;
+  switch (elem_size) {
+    case 2:
+      Unshuffle2(s, n, d, steps);
+      break;
+    case 4:
+      Unshuffle4(s, n, d, steps);
+      break;
+    case 8:
+      Unshuffle8(s, n, d, steps);
+      break;
+    default:
+      return UnshuffleScalar(src, n, elem_size, dst);
+  }
+  for (size_t b = 0; b < elem_size; ++b) {
+    for (size_t i = steps * 32; i < n; ++i) d[i * elem_size + b] = s[b * n + i];
+  }
+}
+
 }  // namespace flywheel::kernels::avx2
