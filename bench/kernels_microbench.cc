@@ -2,7 +2,8 @@
 // version, on the realistic input: ~2% of 2- or 4-byte words changed, spread uniformly.
 // Throughput is tensor bytes per second (n * elem_size; compare reads two such arrays).
 // After the runs a table gives vectorised/scalar and each kernel against the memory
-// read floor measured in the same run (compare: two streams; checksums: one stream).
+// read floor measured in the same run (compare: two streams; checksums: one stream;
+// unshuffle: a memcpy of the same bytes).
 // Every benchmark checks its results against ground truth and counts wrong ones.
 #include <benchmark/benchmark.h>
 
@@ -142,6 +143,37 @@ void BM_ChunkChecksums(benchmark::State& state, ChecksumFn fn, size_t bytes) {
   state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(bytes));
 }
 
+// The keyframe decoder's byte-plane unshuffle: planes made from the dataset's words by
+// the shuffle, unshuffled back; the result must be the words bit for bit.
+using UnshuffleFn = void (*)(const void*, size_t, size_t, void*);
+void BM_Unshuffle(benchmark::State& state, UnshuffleFn fn, size_t elem_size, size_t bytes) {
+  const Dataset& d = GetDataset(elem_size, bytes);
+  std::vector<unsigned char> planes(bytes), out(bytes);
+  for (size_t b = 0; b < elem_size; ++b) {
+    for (size_t i = 0; i < d.n; ++i) planes[b * d.n + i] = d.base[i * elem_size + b];
+  }
+  for (auto _ : state) {
+    fn(planes.data(), d.n, elem_size, out.data());
+    benchmark::ClobberMemory();
+  }
+  const bool wrong = out != d.base;
+  state.counters["wrong"] = wrong;
+  if (wrong) state.SkipWithError("unshuffled bytes differ from the words");
+  state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(bytes));
+}
+
+// The unshuffle's floor: a memcpy of the same bytes (one read stream, one write stream).
+void BM_MemcpyFloor(benchmark::State& state, size_t bytes) {
+  const Dataset& d = GetDataset(2, bytes);
+  std::vector<unsigned char> out(bytes);
+  for (auto _ : state) {
+    std::memcpy(out.data(), d.base.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  if (out != d.base) state.SkipWithError("memcpy differs");
+  state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(bytes));
+}
+
 std::string SizeName(size_t bytes) {
   return bytes >= (1 << 20) ? std::to_string(bytes >> 20) + "MiB"
                             : std::to_string(bytes >> 10) + "KiB";
@@ -167,6 +199,14 @@ void RegisterAll() {
                                    &ScatterApplyScalar, elem, bytes);
       benchmark::RegisterBenchmark(("ScatterApply" + prefix + vectorised).c_str(), BM_ScatterApply,
                                    &ScatterApply, elem, bytes);
+    }
+    benchmark::RegisterBenchmark(("MemcpyFloor/" + size).c_str(), BM_MemcpyFloor, bytes);
+    for (size_t elem : {size_t{2}, size_t{4}, size_t{8}}) {
+      const std::string name = "Unshuffle/elem" + std::to_string(elem) + "/" + size + "/";
+      benchmark::RegisterBenchmark((name + "scalar").c_str(), BM_Unshuffle, &UnshuffleScalar, elem,
+                                   bytes);
+      benchmark::RegisterBenchmark((name + vectorised).c_str(), BM_Unshuffle, &Unshuffle, elem,
+                                   bytes);
     }
     const std::string prefix = "/chunk64KiB/" + size + "/";
     benchmark::RegisterBenchmark(("ChunkChecksums" + prefix + "scalar").c_str(), BM_ChunkChecksums,
@@ -204,6 +244,7 @@ class RatioReporter : public benchmark::ConsoleReporter {
       double floor_rate = 0;
       if (stem.rfind("CompareCompact", 0) == 0) floor_rate = Rate("ReadFloor/2streams/" + size);
       if (stem.rfind("ChunkChecksums", 0) == 0) floor_rate = Rate("ReadFloor/1stream/" + size);
+      if (stem.rfind("Unshuffle", 0) == 0) floor_rate = Rate("MemcpyFloor/" + size);
       char floor_text[32] = "-";
       if (floor_rate > 0 && vector_rate > 0) {
         std::snprintf(floor_text, sizeof(floor_text), "%.2f", vector_rate / floor_rate);
@@ -215,6 +256,8 @@ class RatioReporter : public benchmark::ConsoleReporter {
     for (const auto& [name, rate] : rates_) {
       if (name.rfind("ReadFloor/", 0) == 0)
         std::printf("%s %.2f GB/s  ", name.c_str() + 10, rate / 1e9);
+      if (name.rfind("MemcpyFloor/", 0) == 0)
+        std::printf("memcpy/%s %.2f GB/s  ", name.c_str() + 12, rate / 1e9);
     }
     std::printf("\n");
   }
