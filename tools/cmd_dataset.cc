@@ -1,6 +1,6 @@
 // `flywheel dataset make` (the demo's digit tasks as JSONL files) and `flywheel model
-// make-tiny` (the demo's tiny model as an HF model directory): the files `flywheel demo
-// --files` trains on, and that `flywheel train --model DIR --dataset F` takes.
+// make-tiny` (the demo's tiny model as an HF model directory): the files `flywheel demo`
+// trains on, and that `flywheel train --model DIR --dataset F` takes.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <memory>

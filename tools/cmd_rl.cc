@@ -28,7 +28,7 @@ struct RlArgs {
   bool sync = false;
   // Issue 34's files: model.dir, task.dataset, task.eval_dataset, sft.dataset.
   std::string model_dir, dataset, eval_dataset, sft_dataset;
-  bool files = false;  // demo: write the model directory and the JSONL files first
+  bool files = true;  // demo: write the model directory and the JSONL files first
   std::string run_dir;
   std::string report;
   std::string markdown;
@@ -169,10 +169,11 @@ void AddRlCommands(CLI::App& app, Action& action) {
       ->type_name("DIR");
   demo->add_option("--report", args->report, "Report directory (default: <run-dir>/report)")
       ->type_name("DIR");
-  demo->add_flag("--files", args->files,
-                 "Issue 34's path: write the tiny model as an HF directory (<run-dir>/model) and the\n"
-                 "task as JSONL files (train.jsonl, eval.jsonl, sft.jsonl), unless --model,\n"
-                 "--dataset, --sft-dataset name them, and train from those");
+  demo->add_flag("--files,!--no-files", args->files,
+                 "Issue 34's path (the default): write the tiny model as an HF directory\n"
+                 "(<run-dir>/model) and the task as JSONL files (train.jsonl, eval.jsonl,\n"
+                 "sft.jsonl), unless --model, --dataset, --sft-dataset name them, and train from\n"
+                 "those; --no-files: the preset model and the generated task in the trainer");
   demo->add_flag("--resume", args->resume,
                  "Continue an interrupted run in --run-dir with its run.toml and state")
       ->needs("--run-dir")
@@ -181,7 +182,7 @@ void AddRlCommands(CLI::App& app, Action& action) {
       "\nExamples:\n"
       "  flywheel demo\n"
       "  flywheel demo --moe\n"
-      "  flywheel demo --files        # the model as an HF directory, the task as JSONL files\n"
+      "  flywheel demo --no-files     # the preset model and the task generated in the trainer\n"
       "  flywheel demo --model DIR --dataset train.jsonl --eval-dataset eval.jsonl\n"
       "  flywheel demo --resume --run-dir flywheel-runs/demo-20261123-120000\n"
       "  flywheel demo --set task.name=reverse --set algorithm.name=dapo --report /tmp/report\n"
