@@ -71,7 +71,9 @@ Status DecodeKeyframeChunk(const DeltaView& chunk_view, std::span<std::byte> ten
       FW_RETURN_IF_ERROR(internal::CheckZstdFrameSize(stored_u8, e.raw_bytes).WithContext(where));
     }
     try {
-      s.raw.resize(e.raw_bytes);
+      // Grow, not resize: Decompress writes all raw_bytes, so bytes kept from an earlier
+      // chunk need no zeroing (resize to a smaller last chunk and back zero-filled them).
+      internal::Grow(s.raw, e.raw_bytes);
     } catch (const std::bad_alloc&) {
       return Status::ResourceExhausted(where + ": out of memory for decoding scratch");
     }
