@@ -283,7 +283,7 @@ Status ApplyChunkImpl(const DeltaView& delta, size_t index, std::span<std::byte>
   } else {
     if (keep_undo) undo->old_bytes.assign(region, region + n * w);
     if (e.kind == ChunkKind::kLiteral) {
-      internal::Unshuffle(raw.data(), n, w, region, [](uint8_t, uint8_t v) { return v; });
+      kernels::Unshuffle(raw.data(), n, static_cast<size_t>(w), region);
     } else {
       internal::Unshuffle(raw.data(), n, w, region,
                           [](uint8_t old, uint8_t v) { return static_cast<uint8_t>(old ^ v); });
