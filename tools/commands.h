@@ -35,11 +35,11 @@ inline constexpr int kExitUsage = 2;    // the command line itself was wrong
 // `flywheel --help` lists them all; a command that needs libtorch says so where it is
 // registered (MarkTorchOnly), and before parsing, main() hands such a command over to the
 // flywheel-torch beside it (execv, same arguments).
-#ifdef FLYWHEEL_WITH_TORCH
-inline constexpr bool kWithTorch = true;
-#else
-inline constexpr bool kWithTorch = false;
-#endif
+//
+// The sources that do not mention FLYWHEEL_WITH_TORCH are compiled once, for both
+// (tools/CMakeLists.txt); WithTorch() is the one place that tells the two apart at run time
+// (tools/flavour.cc, compiled per executable).
+bool WithTorch();
 
 // Marks `command` as one that needs libtorch: always, or, with `when_option`, only when that
 // option is on the command line (`worker --model`). Its action in `flywheel` is TorchOnly.

@@ -189,7 +189,7 @@ int Run(int argc, char** argv) {
   AddCertsCommands(app, action);
   // After the subcommands, which would inherit it otherwise; they have their own.
   app.footer(kFooter);
-  if (!kWithTorch && NeedsTorch(app, argc, argv)) return HandOverToTorch(argv);
+  if (!WithTorch() && NeedsTorch(app, argc, argv)) return HandOverToTorch(argv);
 
   try {
     app.parse(argc, argv);
