@@ -23,8 +23,23 @@ uint64_t Group::oldest_version() const {
   return oldest == std::numeric_limits<uint64_t>::max() ? 0 : oldest;
 }
 
+grading::Sample GradingSample(const Problem& problem, std::string id, std::string completion,
+                              int64_t completion_tokens) {
+  grading::Sample sample;
+  sample.id = std::move(id);
+  sample.messages = problem.messages.is_array()
+                        ? problem.messages
+                        : nlohmann::json::array({{{"role", "user"}, {"content", problem.prompt}}});
+  sample.fields = problem.fields.is_object() ? problem.fields
+                                             : nlohmann::json{{"answer", problem.answer}};
+  sample.completion = std::move(completion);
+  sample.completion_tokens = completion_tokens;
+  return sample;
+}
+
 Coordinator::Coordinator(const Task& task, CoordinatorOptions options)
-    : task_(task), options_(std::move(options)), rng_(options_.seed) {
+    : task_(task), options_(std::move(options)), rng_(options_.seed),
+      zero_variance_(options_.zero_variance_filter) {
   std::random_device device;
   epoch_ = (static_cast<uint64_t>(device()) << 32) ^ device();
   epoch_ &= 0xffffffffull;  // claim ids stay below 2^53 (exact in any JSON reader)
@@ -96,7 +111,7 @@ Result<ClaimAnswer> Coordinator::Claim(const ClaimRequest& request) {
                          std::to_string(next));
   }
   const int64_t lag = static_cast<int64_t>(next - version);
-  const int64_t outstanding = static_cast<int64_t>(queue_.size() + leases_.size());
+  const int64_t outstanding = static_cast<int64_t>(queue_.size() + leases_.size() + grading_.size());
   const int64_t allowed = (k - lag + 1) * options_.groups_per_step - outstanding;
   if (allowed <= 0) {
     ++stats_.waits;
@@ -202,7 +217,7 @@ SubmitAnswer Coordinator::RefuseAndRequeue(const SubmitRequest& request,
 
 SubmitAnswer Coordinator::Submit(SubmitRequest request) {
   Status valid = ValidateGroup(request.samples);
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
   auto lease = leases_.find(request.claim);
   if (lease == leases_.end() || lease->second.worker != request.worker ||
       lease->second.incarnation != request.incarnation || !valid.ok()) {
@@ -223,11 +238,104 @@ SubmitAnswer Coordinator::Submit(SubmitRequest request) {
   group.worker = request.worker;
   group.samples = std::move(request.samples);
   leases_.erase(lease);
-  queue_.push_back(std::move(group));
   ++stats_.groups_accepted;
   ++stats_.groups_by_worker[request.worker];
+  if (options_.grader != nullptr) {
+    const uint64_t claim = group.claim;
+    Grading& grading = grading_[claim];
+    grading.rewards.assign(group.samples.size(), std::nullopt);
+    grading.pending = group.samples.size();
+    grading.group = std::move(group);
+    ++stats_.groups_grading;
+    lock.unlock();
+    Grade(claim);
+    return SubmitAnswer::Accepted();
+  }
+  if (options_.zero_variance_filter) {
+    std::vector<std::optional<double>> rewards;
+    for (const Sample& sample : group.samples) rewards.push_back(sample.reward);
+    Admit(std::move(group), rewards);
+    return SubmitAnswer::Accepted();
+  }
+  queue_.push_back(std::move(group));
   changed_.notify_all();
   return SubmitAnswer::Accepted();
+}
+
+void Coordinator::Grade(uint64_t claim) {
+  std::vector<grading::Sample> samples;
+  std::vector<std::vector<int32_t>> tokens;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = grading_.find(claim);
+    if (it == grading_.end()) return;
+    const Group& group = it->second.group;
+    for (size_t i = 0; i < group.samples.size(); ++i) {
+      samples.push_back(GradingSample(group.problem, std::to_string(claim) + "/" + std::to_string(i), "",
+                                      static_cast<int64_t>(group.samples[i].tokens.size())));
+      tokens.push_back(group.samples[i].tokens);
+    }
+  }
+  // Decoded outside the lock; the grader's callbacks may run before this returns.
+  for (size_t i = 0; i < samples.size(); ++i) {
+    Result<std::string> text = options_.decode ? options_.decode(tokens[i])
+                                               : Result<std::string>(Status::Internal("no decoder"));
+    if (!text.ok()) {
+      Graded(claim, i, grading::Outcome::Ungraded("the completion does not decode: " + text.status().message()));
+      continue;
+    }
+    samples[i].completion = std::move(*text);
+    options_.grader->Submit(std::move(samples[i]),
+                            [this, claim, i](grading::Outcome outcome) { Graded(claim, i, std::move(outcome)); });
+  }
+}
+
+void Coordinator::Graded(uint64_t claim, size_t index, grading::Outcome outcome) {
+  std::lock_guard lock(mutex_);
+  auto it = grading_.find(claim);
+  if (it == grading_.end() || index >= it->second.rewards.size()) return;
+  Grading& grading = it->second;
+  switch (outcome.kind) {
+    case grading::OutcomeKind::kReward:
+      grading.rewards[index] = outcome.reward;
+      grading.group.samples[index].reward = outcome.reward;
+      ++stats_.samples_graded;
+      break;
+    case grading::OutcomeKind::kFailed:
+      if (failure_.ok()) failure_ = Status::Unavailable(outcome.reason);
+      ++stats_.samples_ungraded;
+      break;
+    default:  // kUngraded; kContinue (an environment's next turn) has no episode here
+      ++stats_.samples_ungraded;
+      break;
+  }
+  if (--grading.pending > 0) return;
+  Group group = std::move(grading.group);
+  std::vector<std::optional<double>> rewards = std::move(grading.rewards);
+  grading_.erase(it);
+  --stats_.groups_grading;
+  Admit(std::move(group), rewards);
+}
+
+void Coordinator::Admit(Group group, const std::vector<std::optional<double>>& rewards) {
+  const grading::GroupVerdict verdict = zero_variance_.Decide(rewards);
+  if (!verdict.keep) {
+    ++(verdict.graded < 2 ? stats_.groups_too_few_graded : stats_.groups_zero_variance);
+    changed_.notify_all();
+    return;
+  }
+  std::vector<Sample> kept;
+  for (size_t i = 0; i < group.samples.size(); ++i) {
+    if (rewards[i]) kept.push_back(std::move(group.samples[i]));
+  }
+  group.samples = std::move(kept);
+  queue_.push_back(std::move(group));
+  changed_.notify_all();
+}
+
+Status Coordinator::failure() const {
+  std::lock_guard lock(mutex_);
+  return failure_;
 }
 
 Result<std::string> Coordinator::HandleClaim(std::string_view body) {
@@ -272,6 +380,7 @@ std::vector<Group> Coordinator::TakeBatch(Clock::time_point deadline, bool parti
         ++it;
       }
     }
+    if (!failure_.ok()) return {};
     const Clock::time_point now = options_.env->SteadyNow();
     const bool timed_out = now >= deadline;
     if (queue_.size() >= want || finished_ || (timed_out && partial && !queue_.empty())) break;

@@ -19,12 +19,23 @@
 //
 // The messages are typed (pipeline/rollout_protocol.h, shared with the workers' actor);
 // HandleClaim/HandleSubmit take and answer the HTTP bodies.
+//
+// Grading (issue 34): with options.grader set, a worker's own reward is ignored. An accepted
+// group is decoded (options.decode) and each completion handed to the grader with the
+// problem's messages and fields; the group is queued once every sample has its outcome.
+// Ungraded samples (grader timeout, crash, bad answer) are left out of the group; with
+// zero_variance_filter, a group whose graded rewards are all equal is dropped (counted, its
+// prompt not requeued: it was answered); a group with fewer than 2 graded samples is
+// dropped either way. Grading runs on the grader's threads, never on TakeBatch's. A grader
+// that fails for good (more than max_grader_failures ungraded in a row) makes failure()
+// an error naming it; TakeBatch then returns at once.
 #pragma once
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -35,6 +46,8 @@
 
 #include "base/env.h"
 #include "base/status.h"
+#include "grading/grader.h"
+#include "grading/zero_variance.h"
 #include "pipeline/task.h"
 #include "pipeline/rollout_protocol.h"
 
@@ -69,6 +82,13 @@ struct CoordinatorOptions {
   int64_t top_k = 0;
   int64_t num_experts = 0;
   uint64_t seed = 1;
+  // Grading (above). REQUIRES: grader outlives the Coordinator's use of it (its callbacks
+  // reach the coordinator: stop it first). Null: the worker's reward is taken as sent.
+  grading::AsyncGrader* grader = nullptr;
+  // The completion text of generated tokens (the end-of-sequence token stripped); required
+  // with a grader.
+  std::function<Result<std::string>(const std::vector<int32_t>& tokens)> decode;
+  bool zero_variance_filter = false;
   // The clock leases, TakeBatch deadlines and worker liveness are measured on (its
   // SteadyNow and WaitUntil). Tests pass a ManualClock and advance it instead of sleeping.
   // REQUIRES: outlives the Coordinator.
@@ -84,9 +104,20 @@ struct CoordinatorStats {
   uint64_t leases_expired = 0;      // groups whose claim lapsed (or whose worker restarted)
   uint64_t submissions_refused = 0;  // late, repeated or malformed submissions
   uint64_t waits = 0;               // claims answered "wait" (pacing)
+  // Grading (options.grader set, or zero_variance_filter).
+  uint64_t samples_graded = 0;
+  uint64_t samples_ungraded = 0;          // left out of their group
+  uint64_t groups_zero_variance = 0;      // dropped: all graded rewards equal
+  uint64_t groups_too_few_graded = 0;     // dropped: fewer than 2 graded samples
+  uint64_t groups_grading = 0;            // at the grader now
   std::map<std::string, uint64_t> groups_by_worker;  // accepted groups per worker
   std::map<std::string, uint64_t> leases_by_worker;  // claims out now, per worker
 };
+
+// The grader's view of one completion of `problem`: a dataset line's messages and fields,
+// or, for a generated task, its prompt as one user message and {"answer": answer}.
+grading::Sample GradingSample(const Problem& problem, std::string id, std::string completion,
+                              int64_t completion_tokens = -1);
 
 class Coordinator {
  public:
@@ -118,6 +149,8 @@ class Coordinator {
   void Finish();
   CoordinatorStats stats() const;
   size_t queued() const;
+  // OK, or the grader's error once it failed for good.
+  Status failure() const;
 
   // Sync latency, from what the workers say in their claims ("version" and
   // "serving_since_unix_us", the wall-clock time they began serving it): the trainer
@@ -142,6 +175,12 @@ class Coordinator {
   void ExpireLeases(Clock::time_point now);  // REQUIRES: mutex_
   Problem NextProblem();                      // REQUIRES: mutex_
   Status ValidateGroup(const std::vector<Sample>& samples) const;
+  // Hands an accepted group's samples to the grader (outside mutex_).
+  void Grade(uint64_t claim);
+  // One sample's outcome; the last of its group admits or drops the group.
+  void Graded(uint64_t claim, size_t index, grading::Outcome outcome);
+  // Queues a scored group, or drops it (zero variance, too few graded). REQUIRES: mutex_
+  void Admit(Group group, const std::vector<std::optional<double>>& rewards);
   // Refuses a submission; when its claim is out to that worker, closes it and requeues the
   // prompt. REQUIRES: mutex_
   pipeline::SubmitAnswer RefuseAndRequeue(const pipeline::SubmitRequest& request,
@@ -168,6 +207,14 @@ class Coordinator {
   std::map<std::string, WorkerView> workers_;
   std::map<uint64_t, int64_t> published_;  // version -> unix us, until every worker swapped
   std::deque<Group> queue_;
+  struct Grading {
+    Group group;
+    std::vector<std::optional<double>> rewards;  // nullopt: ungraded
+    size_t pending = 0;
+  };
+  std::map<uint64_t, Grading> grading_;  // by claim
+  grading::ZeroVarianceFilter zero_variance_;
+  Status failure_;
   CoordinatorStats stats_;
 };
 

@@ -198,10 +198,14 @@ Status RunDemo(const DemoOptions& options, std::ostream& out) {
   run.resume = options.resume;
   run.warn = options.warn;
   out << "flywheel demo: asynchronous pipeline RL on ";
+  const std::string grader = !config.grading.command.empty() ? "grader: " + config.grading.command
+                             : !config.grading.url.empty()   ? "grader: " + config.grading.url
+                             : !config.graders.empty()       ? std::to_string(config.graders.size()) + " built-in grader(s)"
+                                                             : "exact match against \"answer\"";
   if (config.task.dataset.empty()) {
-    out << config.task.name << " (" << config.task.digits << " digits, exact-match reward)";
+    out << config.task.name << " (" << config.task.digits << " digits, " << grader << ")";
   } else {
-    out << config.task.dataset << " (exact match against \"answer\")";
+    out << config.task.dataset << " (" << grader << ")";
   }
   out << ", model " << (config.model.dir.empty() ? config.model.preset : config.model.dir) << ", "
       << config.algorithm.name << "\n";

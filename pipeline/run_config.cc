@@ -45,6 +45,13 @@ void ForEachField(Config& c, F&& f) {
   f("algorithm", "tis_cap", FieldRef(&c.algorithm.tis_cap));
   f("algorithm", "weight_decay", FieldRef(&c.algorithm.weight_decay));
   f("algorithm", "grad_clip", FieldRef(&c.algorithm.grad_clip));
+  f("algorithm", "max_tokens", FieldRef(&c.algorithm.max_tokens));
+  f("algorithm", "zero_variance_filter", FieldRef(&c.algorithm.zero_variance_filter));
+  f("grading", "command", FieldRef(&c.grading.command));
+  f("grading", "url", FieldRef(&c.grading.url));
+  f("grading", "timeout_s", FieldRef(&c.grading.timeout_s));
+  f("grading", "max_failures", FieldRef(&c.grading.max_failures));
+  f("grading", "max_in_flight", FieldRef(&c.grading.max_in_flight));
   f("sft", "dataset", FieldRef(&c.sft.dataset));
   f("sft", "steps", FieldRef(&c.sft.steps));
   f("sft", "batch_size", FieldRef(&c.sft.batch_size));
@@ -104,6 +111,43 @@ Status Assign(const std::string& key, const toml::node& node, const FieldRef& fi
   return Status::Ok();
 }
 
+// A TOML value as JSON (scalars, arrays and tables; dates are refused).
+Result<nlohmann::json> ToJson(const toml::node& node, const std::string& key) {
+  if (node.is_string()) return nlohmann::json(node.as_string()->get());
+  if (node.is_integer()) return nlohmann::json(node.as_integer()->get());
+  if (node.is_floating_point()) return nlohmann::json(node.as_floating_point()->get());
+  if (node.is_boolean()) return nlohmann::json(node.as_boolean()->get());
+  if (const toml::array* array = node.as_array()) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const toml::node& element : *array) {
+      FW_ASSIGN_OR_RETURN(nlohmann::json value, ToJson(element, key));
+      out.push_back(std::move(value));
+    }
+    return out;
+  }
+  if (const toml::table* table = node.as_table()) {
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& [name, value] : *table) {
+      FW_ASSIGN_OR_RETURN(out[std::string(name.str())], ToJson(value, key + "." + std::string(name.str())));
+    }
+    return out;
+  }
+  return Status::InvalidArgument(key + ": dates and times are not grader parameters");
+}
+
+// [[grader]] tables: checked now (LoadBuiltinGraders), so a bad one stops before anything runs.
+Status ApplyGraders(const toml::node& node, RunConfig& config, const std::string& source) {
+  const toml::array* array = node.as_array();
+  if (array == nullptr || !array->is_array_of_tables()) {
+    return Status::InvalidArgument(source + ": grader must be a list of tables ([[grader]])");
+  }
+  FW_ASSIGN_OR_RETURN(nlohmann::json list, ToJson(node, "grader"));
+  Result<std::vector<grading::GraderSpec>> specs = grading::GraderSpecsFromJson(list);
+  if (!specs.ok()) return Status::InvalidArgument(source + ": [[grader]]: " + specs.status().message());
+  config.graders = std::move(*specs);
+  return Status::Ok();
+}
+
 // Applies every key of `root` onto `config`; unknown sections and keys are errors.
 Status Apply(const toml::table& root, RunConfig& config, const std::string& source) {
   std::set<std::string> sections;
@@ -112,6 +156,10 @@ Status Apply(const toml::table& root, RunConfig& config, const std::string& sour
   });
   for (const auto& [name, node] : root) {
     const std::string section(name.str());
+    if (section == "grader") {
+      FW_RETURN_IF_ERROR(ApplyGraders(node, config, source));
+      continue;
+    }
     if (!sections.count(section)) {
       return Status::InvalidArgument(source + ": unknown section [" + section + "]");
     }
@@ -191,6 +239,22 @@ Status RunConfig::Validate() const {
     return bad("algorithm.tis_cap", algorithm.tis_cap, "must be 0 (off) or >= 1");
   if (!(algorithm.weight_decay >= 0)) return bad("algorithm.weight_decay", algorithm.weight_decay, "must be >= 0");
   if (!(algorithm.grad_clip >= 0)) return bad("algorithm.grad_clip", algorithm.grad_clip, "must be >= 0");
+  if (algorithm.max_tokens < 0 || algorithm.max_tokens > 65536)
+    return bad("algorithm.max_tokens", algorithm.max_tokens, "must be in 0..65536 (0: the longest answer + 1)");
+  if (!grading.command.empty() && !grading.url.empty())
+    return bad("grading.url", grading.url, "and grading.command are exclusive");
+  if ((!grading.command.empty() || !grading.url.empty()) && !graders.empty())
+    return bad("grading", grading.command.empty() ? grading.url : grading.command,
+               "an external grader and [[grader]] tables are exclusive");
+  if (!(grading.timeout_s > 0 && grading.timeout_s <= 3600))
+    return bad("grading.timeout_s", grading.timeout_s, "must be in (0, 3600]");
+  if (grading.max_failures < 1) return bad("grading.max_failures", grading.max_failures, "must be at least 1");
+  if (grading.max_in_flight < 1 || grading.max_in_flight > 65536)
+    return bad("grading.max_in_flight", grading.max_in_flight, "must be in 1..65536");
+  if (!graders.empty()) {
+    Result<std::shared_ptr<const grading::Grader>> loaded = grading::LoadBuiltinGraders(graders);
+    if (!loaded.ok()) return Status::InvalidArgument("[[grader]]: " + loaded.status().message());
+  }
   if (sft.steps < 0) return bad("sft.steps", sft.steps, "must be >= 0");
   if (sft.batch_size < 1) return bad("sft.batch_size", sft.batch_size, "must be at least 1");
   if (!(sft.lr > 0 && sft.lr < 1)) return bad("sft.lr", sft.lr, "must be in (0, 1)");
@@ -298,6 +362,26 @@ std::string RunConfig::ToToml() const {
         field);
     out << "\n";
   });
+  for (const grading::GraderSpec& spec : graders) {
+    out << "\n[[grader]]\n";
+    out << "type = " << toml::value<std::string>(spec.type) << "\n";
+    if (!spec.name.empty()) out << "name = " << toml::value<std::string>(spec.name) << "\n";
+    std::ostringstream weight;
+    weight.precision(17);
+    weight << spec.weight;
+    out << "weight = " << weight.str() << (weight.str().find_first_of(".eEn") == std::string::npos ? ".0" : "")
+        << "\n";
+    // JSON scalars and arrays of them are TOML values as written, but for strings' escapes.
+    for (const auto& [key, value] : spec.params.items()) {
+      out << key << " = ";
+      if (value.is_string()) {
+        out << toml::value<std::string>(value.get<std::string>());
+      } else {
+        out << value.dump();
+      }
+      out << "\n";
+    }
+  }
   return out.str();
 }
 

@@ -15,7 +15,14 @@
 //                "messages", exact-match reward against its "answer"; replaces the generated
 //                task), eval_dataset (its held-out lines; empty: every 8th prompt held out)
 //   [algorithm]  name (grpo, dapo, gspo, cispo), group_size, groups_per_step, lr,
-//                temperature, clip_low, clip_high, tis_cap, weight_decay, grad_clip
+//                temperature, clip_low, clip_high, tis_cap, weight_decay, grad_clip,
+//                max_tokens (per completion; 0: the task's longest answer + 1),
+//                zero_variance_filter (drop groups whose graded rewards are all equal)
+//   [grading]    command (an external grader process, docs/GRADERS.md), url (one over
+//                HTTP), timeout_s (per sample), max_failures (ungraded in a row before the
+//                run stops), max_in_flight; neither command nor url: the [[grader]] tables
+//   [[grader]]   built-in graders, summed by weight: type, weight, name, and the type's
+//                parameters (docs/GRADERS.md); none at all: exact_match against "answer"
 //   [sft]        dataset (JSONL, OpenAI chat format), steps, batch_size, lr
 //   [dpo]        dataset (JSONL preference pairs), steps, batch_size, lr, beta
 //   [pipeline]   max_staleness (0: synchronous, generate then train), lease_s
@@ -28,6 +35,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "grading/grader.h"
 #include "pipeline/task.h"
 
 namespace flywheel::pipeline {
@@ -63,7 +71,19 @@ struct RunConfig {
     double tis_cap = 2.0;
     double weight_decay = 0.0;
     double grad_clip = 1.0;
+    int64_t max_tokens = 0;
+    bool zero_variance_filter = true;
   } algorithm;
+  struct Grading {
+    std::string command;
+    std::string url;
+    double timeout_s = 30;
+    int64_t max_failures = 20;
+    int64_t max_in_flight = 64;
+  } grading;
+  // The [[grader]] tables in order (empty: exact_match against "answer" unless grading
+  // names a command or url).
+  std::vector<grading::GraderSpec> graders;
   struct Sft {
     std::string dataset;
     int64_t steps = 0;

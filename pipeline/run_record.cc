@@ -209,11 +209,15 @@ void RunSummary::AddRows(const std::vector<StepRow>& rows) {
   X(mean_staleness) X(mean_k3) X(delta_bytes_mean) X(full_bytes) X(wan_bytes_total) X(workers) \
   X(regions) X(sync_ms_mean) X(samples_dropped_stale) X(leases_expired) X(submissions_refused) \
   X(resumed)
+#define FW_SUMMARY_OPTIONAL_FIELDS(X)                                                   \
+  X(eval_score) X(grader) X(samples_graded) X(samples_ungraded) X(groups_zero_variance) \
+  X(groups_too_few_graded) X(grader_restarts)
 
 json RunSummary::ToJson() const {
   json out = json::object();
 #define FW_WRITE_FIELD(name) out[#name] = name;
   FW_SUMMARY_FIELDS(FW_WRITE_FIELD)
+  FW_SUMMARY_OPTIONAL_FIELDS(FW_WRITE_FIELD)
 #undef FW_WRITE_FIELD
   return out;
 }
@@ -224,10 +228,14 @@ Result<RunSummary> RunSummary::FromJson(const json& value, const std::string& wh
 #define FW_READ_FIELD(name) FW_RETURN_IF_ERROR(ReadKey(value, #name, &summary.name, true, where));
   FW_SUMMARY_FIELDS(FW_READ_FIELD)
 #undef FW_READ_FIELD
+#define FW_READ_OPTIONAL(name) FW_RETURN_IF_ERROR(ReadKey(value, #name, &summary.name, false, where));
+  FW_SUMMARY_OPTIONAL_FIELDS(FW_READ_OPTIONAL)
+#undef FW_READ_OPTIONAL
   return summary;
 }
 
 #undef FW_SUMMARY_FIELDS
+#undef FW_SUMMARY_OPTIONAL_FIELDS
 
 Result<RunSummary> ReadSummary(const std::string& report_dir) {
   const std::string path = (std::filesystem::path(report_dir) / "summary.json").string();

@@ -96,6 +96,14 @@ struct RunSummary {
   uint64_t leases_expired = 0;
   uint64_t submissions_refused = 0;
   bool resumed = false;
+  // Grading (issue 34); optional when read, so earlier summaries still load.
+  double eval_score = -1;             // the held-out mean reward, by the run's grader
+  std::string grader;                 // "builtin: exact_match", the command, or the URL
+  uint64_t samples_graded = 0;
+  uint64_t samples_ungraded = 0;      // timed out, crashed, bad answer: left out of the loss
+  uint64_t groups_zero_variance = 0;  // dropped before the loss: all rewards equal
+  uint64_t groups_too_few_graded = 0;
+  uint64_t grader_restarts = 0;
 
   bool operator==(const RunSummary&) const = default;
 

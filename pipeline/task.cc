@@ -10,6 +10,13 @@
 namespace flywheel::pipeline {
 namespace {
 
+Problem MakeProblem(std::string prompt, std::string answer) {
+  Problem problem;
+  problem.prompt = std::move(prompt);
+  problem.answer = std::move(answer);
+  return problem;
+}
+
 std::string RandomDigits(std::mt19937_64& rng, int count) {
   std::uniform_int_distribution<int> digit(0, 9);
   std::string text;
@@ -27,7 +34,7 @@ class DigitStringTask : public Task {
   Problem Random(std::mt19937_64& rng) const override {
     std::string digits = RandomDigits(rng, config_.digits);
     std::string answer = Answer(digits);
-    return {digits + ">", std::move(answer)};
+    return MakeProblem(digits + ">", std::move(answer));
   }
 
  protected:
@@ -66,7 +73,7 @@ class AddTask final : public Task {
     for (int i = 0; i < config_.digits; ++i) limit *= 10;
     std::uniform_int_distribution<uint64_t> operand(0, limit - 1);
     const uint64_t a = operand(rng), b = operand(rng);
-    return {std::to_string(a) + "+" + std::to_string(b) + "=", std::to_string(a + b)};
+    return MakeProblem(std::to_string(a) + "+" + std::to_string(b) + "=", std::to_string(a + b));
   }
 };
 
@@ -117,7 +124,8 @@ std::string LineProblem(const Line& line) {
       return "unknown role \"" + role + "\"";
   }
   const auto answer = line.find("answer");
-  if (answer == line.end() || !answer->is_string()) return "needs a string \"answer\"";
+  if (answer != line.end() && !answer->is_string() && !answer->is_number())
+    return "\"answer\" must be a string or a number";
   return "";
 }
 
@@ -140,7 +148,17 @@ Status ReadProblems(const std::string& path, const PromptRenderer& render,
       if (warn) warn(where + ": skipped: " + why);
       continue;
     }
-    out.push_back({std::move(*prompt), line["answer"].get<std::string>()});
+    Problem problem;
+    problem.prompt = std::move(*prompt);
+    // The grader sees the line as it was (plain json: the grading library's type).
+    problem.messages = json::parse(line["messages"].dump());
+    problem.fields = json::object();
+    for (const auto& [key, value] : line.items()) {
+      if (key != "messages") problem.fields[key] = json::parse(value.dump());
+    }
+    if (const auto answer = line.find("answer"); answer != line.end())
+      problem.answer = answer->is_string() ? answer->get<std::string>() : answer->dump();
+    out.push_back(std::move(problem));
   }
   if (in.bad()) return Status::IOError("cannot read dataset " + path);
   return Status::Ok();

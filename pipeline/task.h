@@ -33,7 +33,11 @@ namespace flywheel::pipeline {
 
 struct Problem {
   std::string prompt;
-  std::string answer;
+  std::string answer;  // a dataset line's "answer" (a number as its JSON text); "" if none
+  // A dataset line's "messages" and every other field of it, untouched, for the grader;
+  // null for the generated tasks (GradingSample makes them from prompt and answer).
+  nlohmann::json messages;
+  nlohmann::json fields;
 };
 
 struct TaskConfig {
@@ -59,7 +63,8 @@ class Task {
   static Result<std::unique_ptr<Task>> Create(const TaskConfig& config);
   // A task from RL JSONL files: `train` (sampled) and `eval` (held out; empty: every 8th
   // line of `train`, by the prompt hash of IsHeldOut, is held out instead). A line needs a
-  // non-empty "messages" array and a string "answer"; other lines are skipped, each named
+  // non-empty "messages" array of known roles; its "answer" is optional (a string, or a
+  // number taken as its JSON text); other lines are skipped, each named
   // file:line in `warn`, and counted. InvalidArgument when a file has no usable line, or
   // cannot be read (naming it).
   static Result<std::unique_ptr<Task>> FromFiles(const std::string& train, const std::string& eval,

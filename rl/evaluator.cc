@@ -4,6 +4,7 @@
 #include <map>
 
 #include "model/fp8.h"
+#include "pipeline/coordinator.h"
 
 namespace flywheel::rl {
 
@@ -57,14 +58,34 @@ Result<double> Evaluator::Accuracy(model::TransformerImpl& policy) {
   }
   FW_ASSIGN_OR_RETURN(std::vector<rollout::GenerationResult> results,
                       engine_->Generate(std::move(requests)));
-  size_t correct = 0;
+  double score = 0;
+  std::vector<std::future<grading::Outcome>> outcomes;
+  last_ungraded_ = 0;
   for (size_t i = 0; i < results.size(); ++i) {
     std::vector<int32_t> ids = results[i].tokens;
     if (!ids.empty() && ids.back() == tokenizer_->eos()) ids.pop_back();
     Result<std::string> text = tokenizer_->Decode(ids);
-    if (text.ok() && *text == problems_[i].answer) ++correct;
+    if (grader_ == nullptr) {
+      if (text.ok() && *text == problems_[i].answer) score += 1;
+    } else if (!text.ok()) {
+      ++last_ungraded_;  // a special token mid-answer: scores 0
+    } else {
+      outcomes.push_back(grader_->Submit(pipeline::GradingSample(
+          problems_[i], "eval/" + std::to_string(i), std::move(*text), static_cast<int64_t>(ids.size()))));
+    }
   }
-  return problems_.empty() ? 0.0 : static_cast<double>(correct) / problems_.size();
+  for (std::future<grading::Outcome>& future : outcomes) {
+    const grading::Outcome outcome = future.get();
+    if (outcome.kind == grading::OutcomeKind::kFailed) {
+      return Status::Unavailable("held-out evaluation: " + outcome.reason);
+    }
+    if (outcome.kind == grading::OutcomeKind::kReward) {
+      score += outcome.reward;
+    } else {
+      ++last_ungraded_;
+    }
+  }
+  return problems_.empty() ? 0.0 : score / static_cast<double>(problems_.size());
 }
 
 }  // namespace flywheel::rl

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "grading/grader.h"
 #include "model/model.h"
 #include "model/tokenizer.h"
 #include "pipeline/task.h"
@@ -25,10 +26,15 @@ class Evaluator {
             std::shared_ptr<const model::Tokenizer> tokenizer, int64_t max_tokens,
             int64_t fp8_block = 0);
 
-  // The fraction of problems whose decoded greedy answer (EOS stripped) equals the
-  // expected answer exactly; 0 for no problems. Fails when the engine cannot be built or a
-  // prompt cannot be encoded.
+  // The held-out score: the mean reward of the greedy answers (EOS stripped) by the grader
+  // (SetGrader; an ungraded answer scores 0), or without one the fraction that equal the
+  // expected answer exactly; 0 for no problems. Fails when the engine cannot be built, a
+  // prompt cannot be encoded, or the grader has failed for good.
   Result<double> Accuracy(model::TransformerImpl& policy);
+  // REQUIRES: outlives this evaluator's Accuracy calls.
+  void SetGrader(grading::AsyncGrader* grader) { grader_ = grader; }
+  // Answers the grader left ungraded at the last Accuracy call.
+  size_t last_ungraded() const { return last_ungraded_; }
 
  private:
   Status CopyServedWeights(model::TransformerImpl& policy);
@@ -37,6 +43,8 @@ class Evaluator {
   std::shared_ptr<const model::Tokenizer> tokenizer_;
   int64_t max_tokens_;
   int64_t fp8_block_;
+  grading::AsyncGrader* grader_ = nullptr;
+  size_t last_ungraded_ = 0;
   std::shared_ptr<model::TransformerImpl> model_;
   std::unique_ptr<rollout::Engine> engine_;  // built on the first Accuracy call
 };

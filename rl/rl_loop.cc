@@ -76,6 +76,7 @@ class TrainerRun {
     batch_options_.group_size = static_cast<size_t>(config_.algorithm.group_size);
     batch_options_.drop_all_equal = loss_.drop_all_equal;
     batch_options_.routing_replay = setup.model_config.num_experts > 0 && config_.model.routing_replay;
+    evaluator_.SetGrader(&services.grader());
   }
 
   Status WarmUpOrResume() { return resumed_ ? Resume() : StartFresh(); }
@@ -175,6 +176,11 @@ Status TrainerRun::RunRlLoop() {
   reached_ = progress_.time_to_target_s >= 0;
   while (!StopRequested() && static_cast<int64_t>(progress_.rows.size()) < config_.run.max_steps &&
          Wall() < config_.run.time_limit_s && !reached_) {
+    if (Status failed = coordinator.failure(); !failed.ok()) {
+      // The grader failed for good: the run stops, its state kept for a resume.
+      FW_RETURN_IF_ERROR(SaveState().WithContext("saving the trainer state"));
+      return Status::Unavailable("the run stopped: " + failed.message());
+    }
     // A full batch; after 30 s without one, whatever arrived (a fleet smaller than a batch).
     const bool partial = Clock::now() - last_step_time_ > std::chrono::seconds(30);
     std::vector<pipeline::Group> groups =
@@ -268,7 +274,11 @@ Status TrainerRun::Finish(Status failure) {
   inputs.wall_seconds = Wall();
   inputs.stats = services_.coordinator().stats();
   inputs.resumed = resumed_;
-  return WriteRunReport(options_.report_dir, progress_.rows, MakeRunSummary(inputs));
+  pipeline::RunSummary summary = MakeRunSummary(inputs);
+  summary.eval_score = progress_.last_accuracy;
+  summary.grader = services_.grader().name();
+  summary.grader_restarts = services_.grader().counters().restarts;
+  return WriteRunReport(options_.report_dir, progress_.rows, summary);
 }
 
 }  // namespace

@@ -48,14 +48,27 @@ trainer::Datum SampleToDatum(const pipeline::Sample& sample, double advantage, b
 
 Result<StepBatch> MakeStepBatch(const std::vector<pipeline::Group>& groups,
                                 uint64_t trainer_version, const BatchOptions& options) {
+  // Per group: a group may hold fewer than group_size samples (its ungraded ones left out
+  // by the coordinator), so each is normalised over the samples it has.
   std::vector<double> rewards;
-  for (const auto& g : groups) {
-    for (const auto& s : g.samples) rewards.push_back(s.reward);
-  }
+  trainer::GroupAdvantages advantages;
   trainer::GroupAdvantageOptions advantage_options;
   advantage_options.drop_all_equal = options.drop_all_equal;
-  FW_ASSIGN_OR_RETURN(trainer::GroupAdvantages advantages,
-                      trainer::ComputeGroupAdvantages(rewards, options.group_size, advantage_options));
+  for (const auto& g : groups) {
+    std::vector<double> group_rewards;
+    for (const auto& s : g.samples) group_rewards.push_back(s.reward);
+    if (group_rewards.empty()) continue;
+    if (options.group_size > 0 && group_rewards.size() > options.group_size) {
+      return Status::InvalidArgument("a group of " + std::to_string(group_rewards.size()) +
+                                     " samples, more than group_size = " + std::to_string(options.group_size));
+    }
+    rewards.insert(rewards.end(), group_rewards.begin(), group_rewards.end());
+    FW_ASSIGN_OR_RETURN(trainer::GroupAdvantages part,
+                        trainer::ComputeGroupAdvantages(group_rewards, group_rewards.size(), advantage_options));
+    advantages.advantages.insert(advantages.advantages.end(), part.advantages.begin(), part.advantages.end());
+    advantages.keep.insert(advantages.keep.end(), part.keep.begin(), part.keep.end());
+    advantages.dropped_groups += part.dropped_groups;
+  }
   StepBatch batch;
   double staleness_sum = 0;
   uint64_t staleness_tokens = 0;

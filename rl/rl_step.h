@@ -50,8 +50,9 @@ struct StepBatch {
 trainer::Datum SampleToDatum(const pipeline::Sample& sample, double advantage, bool keep_routing);
 
 // Group advantages over the rewards (in group order), datums of the kept samples, and the
-// batch's reward and staleness numbers. Fails (InvalidArgument, from the advantage
-// computation) when the samples are not whole groups of options.group_size.
+// batch's reward and staleness numbers. A group may hold fewer than options.group_size
+// samples (the coordinator leaves ungraded ones out): its advantages are over what it has.
+// Fails (InvalidArgument) for a group of one sample or of more than group_size.
 Result<StepBatch> MakeStepBatch(const std::vector<pipeline::Group>& groups,
                                 uint64_t trainer_version, const BatchOptions& options);
 

@@ -105,6 +105,10 @@ pipeline::RunSummary MakeRunSummary(const SummaryInputs& in) {
   s.leases_expired = in.stats.leases_expired;
   s.submissions_refused = in.stats.submissions_refused;
   s.resumed = in.resumed;
+  s.samples_graded = in.stats.samples_graded;
+  s.samples_ungraded = in.stats.samples_ungraded;
+  s.groups_zero_variance = in.stats.groups_zero_variance;
+  s.groups_too_few_graded = in.stats.groups_too_few_graded;
   s.AddRows(progress.rows);
   return s;
 }

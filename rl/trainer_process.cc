@@ -87,6 +87,13 @@ pipeline::CoordinatorOptions MakeCoordinatorOptions(const pipeline::RunConfig& c
   c.top_k = setup.model_config.num_experts_per_tok;
   c.num_experts = setup.model_config.num_experts;
   c.seed = static_cast<uint64_t>(config.run.seed) * 7919 + rows_done;
+  c.zero_variance_filter = config.algorithm.zero_variance_filter;
+  std::shared_ptr<const model::Tokenizer> tokenizer = setup.tokenizer;
+  c.decode = [tokenizer](const std::vector<int32_t>& tokens) -> Result<std::string> {
+    std::vector<int32_t> ids = tokens;
+    if (!ids.empty() && ids.back() == tokenizer->eos()) ids.pop_back();
+    return tokenizer->Decode(ids);
+  };
   return c;
 }
 
@@ -97,6 +104,21 @@ transport::HttpResponse JsonAnswer(Result<std::string> answer) {
 }
 
 }  // namespace
+
+grading::GraderSettings MakeGraderSettings(const pipeline::RunConfig& config) {
+  grading::GraderSettings settings;
+  settings.command = config.grading.command;
+  settings.url = config.grading.url;
+  settings.builtin = config.graders;
+  if (settings.command.empty() && settings.url.empty() && settings.builtin.empty()) {
+    settings.builtin.push_back({.type = "exact_match", .name = "", .weight = 1.0,
+                                .params = nlohmann::json{{"field", "answer"}}});
+  }
+  settings.options.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.grading.timeout_s * 1000));
+  settings.options.max_grader_failures = static_cast<int>(config.grading.max_failures);
+  settings.options.max_in_flight = static_cast<size_t>(config.grading.max_in_flight);
+  return settings;
+}
 
 Result<model::ModelConfig> MakeModelConfig(const pipeline::RunConfig& config, int64_t vocab) {
   if (!config.model.config.empty()) {
@@ -222,7 +244,15 @@ Result<RunSetup> PrepareRun(const TrainRunOptions& options) {
   if (options.config.model.serving == "fp8")
     config_json["quantization_config"] = model::Fp8QuantizationConfig(model::kFp8BlockSize);
   FW_RETURN_IF_ERROR(WriteText(setup.model_config_path, config_json.dump(2)));
-  setup.max_tokens = setup.task->max_answer_chars() + 1;
+  const pipeline::RunConfig& config = options.config;
+  if (config.algorithm.max_tokens > 0) {
+    setup.max_tokens = config.algorithm.max_tokens;
+  } else if (setup.task->max_answer_chars() > 0) {
+    setup.max_tokens = setup.task->max_answer_chars() + 1;
+  } else {
+    return Status::InvalidArgument("task.dataset " + config.task.dataset +
+                                   " has no \"answer\" to size completions by: set algorithm.max_tokens");
+  }
   setup.max_prompt_tokens = 1 + setup.task->max_prompt_chars();
   return setup;
 }
@@ -253,6 +283,8 @@ struct TrainerServices::Impl {
       transport::asio::make_work_guard(io);
   std::unique_ptr<sync::Publisher> publisher;
   std::unique_ptr<pipeline::Coordinator> coordinator;
+  // After the coordinator: destroyed first, its last callbacks still reach the coordinator.
+  std::unique_ptr<grading::AsyncGrader> grader;
   std::unique_ptr<transport::HttpServer> http;
   // Parses rollout submissions (up to 64 MiB of JSON each) off the I/O thread, which also
   // runs the publisher and answers heartbeats; two at a time, the rest wait their turn.
@@ -318,6 +350,11 @@ json ToJson(const TrainerStatus& s) {
   out["groups_by_worker"] = c.groups_by_worker;
   out["leases_by_worker"] = c.leases_by_worker;
   out["queued_groups"] = s.queued_groups;
+  out["samples_graded"] = c.samples_graded;
+  out["samples_ungraded"] = c.samples_ungraded;
+  out["groups_zero_variance"] = c.groups_zero_variance;
+  out["groups_too_few_graded"] = c.groups_too_few_graded;
+  out["groups_grading"] = c.groups_grading;
   return out;
 }
 
@@ -347,8 +384,12 @@ Result<std::unique_ptr<TrainerServices>> TrainerServices::Start(const TrainRunOp
   auto impl = std::make_unique<Impl>();
   FW_ASSIGN_OR_RETURN(sync::PublisherOptions publisher_options, MakePublisherOptions(options));
   FW_ASSIGN_OR_RETURN(impl->publisher, sync::Publisher::Start(impl->io.get_executor(), publisher_options));
-  impl->coordinator = std::make_unique<pipeline::Coordinator>(
-      *setup.task, MakeCoordinatorOptions(options.config, setup, rows_done));
+  Result<std::unique_ptr<grading::AsyncGrader>> grader = grading::StartGrader(MakeGraderSettings(options.config));
+  if (!grader.ok()) return grader.status().WithContext("starting the grader");
+  impl->grader = std::move(*grader);
+  pipeline::CoordinatorOptions coordinator_options = MakeCoordinatorOptions(options.config, setup, rows_done);
+  coordinator_options.grader = impl->grader.get();
+  impl->coordinator = std::make_unique<pipeline::Coordinator>(*setup.task, std::move(coordinator_options));
   transport::HttpServerOptions http_options;
   http_options.token = options.token;
   http_options.scoped_tokens = options.scoped_tokens;
@@ -369,6 +410,7 @@ Result<std::unique_ptr<TrainerServices>> TrainerServices::Start(const TrainRunOp
 sync::Publisher& TrainerServices::publisher() { return *impl_->publisher; }
 uint16_t TrainerServices::http_port() const { return impl_->http->port(); }
 pipeline::Coordinator& TrainerServices::coordinator() { return *impl_->coordinator; }
+grading::AsyncGrader& TrainerServices::grader() { return *impl_->grader; }
 
 sync::PublisherStatus TrainerServices::PublisherStatusNow() {
   std::promise<sync::PublisherStatus> answer;

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "base/status.h"
+#include "grading/grader.h"
 #include "model/model_config.h"
 #include "model/tokenizer.h"
 #include "tokenizer/hf_tokenizer.h"
@@ -55,6 +56,9 @@ Status WriteTinyModelDir(const pipeline::RunConfig& config, const std::string& d
 // is smaller than `vocab`) or the tiny preset (dense or MoE) for `vocab` ids.
 Result<model::ModelConfig> MakeModelConfig(const pipeline::RunConfig& config, int64_t vocab);
 
+// The grader settings of a run's config (grading.*, [[grader]]; none: exact_match).
+grading::GraderSettings MakeGraderSettings(const pipeline::RunConfig& config);
+
 // Validates options.config (and that SFT/DPO steps come with a dataset), creates the
 // directories and writes the model config. InvalidArgument for bad options, IOError when a
 // directory or the config cannot be written.
@@ -75,6 +79,9 @@ class TrainerServices {
 
   sync::Publisher& publisher();
   pipeline::Coordinator& coordinator();
+  // The run's grader (grading.command, grading.url, or the [[grader]] tables; none:
+  // exact_match against "answer"), shared by the coordinator and the evaluation.
+  grading::AsyncGrader& grader();
   // The port of the coordinator's HTTP server (POST /v1/rollout/..., GET /v1/status).
   uint16_t http_port() const;
   // The publisher's status (its counters are read on the I/O thread); blocks until answered.

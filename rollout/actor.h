@@ -1,8 +1,9 @@
 // The rollout worker's side of the pipeline-RL loop (pipeline/coordinator.h has the
 // protocol): a thread that claims prompts from the trainer, samples a group per prompt with
 // the worker's engine (whatever version it serves; a swap mid-group tags the tokens it
-// affects), scores every sample with the task's verifiable reward (exact match) and submits
-// the group with its tokens, sampling logprobs, per-token versions and MoE routing.
+// affects) and submits the group with its tokens, sampling logprobs, per-token versions and
+// MoE routing. The reward it sends (exact match against the claim's answer) is a hint only:
+// the trainer grades every completion itself with the run's grader (pipeline/coordinator.h).
 //
 // The trainer may be away (restarting): the actor retries every half second and goes on
 // when it answers. A restarted worker comes back with a new incarnation, so the trainer

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,8 @@ struct RlArgs {
   bool sync = false;
   // Issue 34's files: model.dir, task.dataset, task.eval_dataset, sft.dataset.
   std::string model_dir, dataset, eval_dataset, sft_dataset;
+  // Grading: grading.command, grading.url, or [[grader]] tables from a file.
+  std::string grader, grader_url, graders;
   bool files = true;  // demo: write the model directory and the JSONL files first
   std::string run_dir;
   std::string report;
@@ -52,6 +55,20 @@ Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig c
   if (!args.dataset.empty()) config.task.dataset = fs::absolute(args.dataset).string();
   if (!args.eval_dataset.empty()) config.task.eval_dataset = fs::absolute(args.eval_dataset).string();
   if (!args.sft_dataset.empty()) config.sft.dataset = fs::absolute(args.sft_dataset).string();
+  if (!args.grader.empty()) config.grading.command = args.grader;
+  if (!args.grader_url.empty()) config.grading.url = args.grader_url;
+  if (!args.graders.empty()) {
+    std::ifstream in(args.graders);
+    std::ostringstream text;
+    text << in.rdbuf();
+    Result<std::vector<grading::GraderSpec>> specs = grading::ParseGraderConfig(text.str());
+    if (!in || !specs.ok()) {
+      return Status::InvalidArgument("--graders " + args.graders + ": " +
+                                     (specs.ok() ? std::string("cannot be read") : specs.status().message()));
+    }
+    config.graders = std::move(*specs);
+  }
+  if (!args.grader.empty() || !args.grader_url.empty()) config.graders.clear();
   for (const std::string& set : args.sets) FW_RETURN_IF_ERROR(config.Set(set));
   FW_RETURN_IF_ERROR(config.Validate());
   return config;
@@ -134,8 +151,8 @@ void AddConfigOptions(CLI::App* app, RlArgs& args) {
       ->check(CLI::ExistingDirectory)
       ->type_name("DIR");
   app->add_option("--dataset", args.dataset,
-                  "RL JSONL (task.dataset): {\"messages\": [...], \"answer\": ...} a line; prompts\n"
-                  "rendered by the model's chat template, exact-match reward against \"answer\"")
+                  "RL JSONL (task.dataset): {\"messages\": [...], ...} a line; prompts rendered by\n"
+                  "the model's chat template, every other field handed to the grader")
       ->check(CLI::ExistingFile)
       ->type_name("F");
   app->add_option("--eval-dataset", args.eval_dataset,
@@ -145,6 +162,21 @@ void AddConfigOptions(CLI::App* app, RlArgs& args) {
   app->add_option("--sft-dataset", args.sft_dataset, "SFT JSONL for the warm-up (sft.dataset)")
       ->check(CLI::ExistingFile)
       ->type_name("F");
+  auto* command = app->add_option("--grader", args.grader,
+                  "An external grader (grading.command): a long-lived process reading one JSON\n"
+                  "request a line on stdin, answering {\"id\", \"reward\"} lines (docs/GRADERS.md)")
+      ->type_name("CMD");
+  auto* url = app->add_option("--grader-url", args.grader_url,
+                  "The same protocol over HTTP POST (grading.url)")
+      ->type_name("URL");
+  app->add_option("--graders", args.graders,
+                  "Built-in graders ([[grader]] tables, TOML or JSON), summed by weight; default:\n"
+                  "exact_match against \"answer\"")
+      ->check(CLI::ExistingFile)
+      ->type_name("F")
+      ->excludes(command)
+      ->excludes(url);
+  command->excludes(url);
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <deque>
+#include <mutex>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -67,6 +69,42 @@ TEST(RunConfigTest, ErrorsNameTheKey) {
   EXPECT_NE(algorithm.status().message().find("algorithm.name"), std::string::npos);
   auto regions = RunConfig::FromToml("[fleet]\nregions = [\"us\", \"us\"]\n", "run.toml");
   EXPECT_FALSE(regions.ok());
+}
+
+TEST(RunConfigTest, GradersAndGradingKeysRoundTrip) {
+  const std::string text =
+      "[algorithm]\nmax_tokens = 12\nzero_variance_filter = false\n"
+      "[grading]\ntimeout_s = 5\nmax_failures = 3\n"
+      "[[grader]]\ntype = \"numeric\"\nweight = 0.75\nrel_tol = 0.01\n"
+      "[[grader]]\ntype = \"regex\"\nname = \"tagged\"\nweight = 0.25\npattern = \"<a>\\\\d+</a>\"\n";
+  auto parsed = RunConfig::FromToml(text, "run.toml");
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->algorithm.max_tokens, 12);
+  EXPECT_FALSE(parsed->algorithm.zero_variance_filter);
+  EXPECT_EQ(parsed->grading.max_failures, 3);
+  ASSERT_EQ(parsed->graders.size(), 2u);
+  EXPECT_EQ(parsed->graders[0].type, "numeric");
+  EXPECT_DOUBLE_EQ(parsed->graders[0].weight, 0.75);
+  EXPECT_EQ(parsed->graders[0].params, json({{"rel_tol", 0.01}}));
+  EXPECT_EQ(parsed->graders[1].name, "tagged");
+  EXPECT_EQ(parsed->graders[1].params["pattern"], "<a>\\d+</a>");
+  auto again = RunConfig::FromToml(parsed->ToToml(), "again");
+  ASSERT_TRUE(again.ok()) << again.status().ToString() << "\n" << parsed->ToToml();
+  EXPECT_EQ(again->ToToml(), parsed->ToToml());
+  EXPECT_EQ(again->graders[1].params, parsed->graders[1].params);
+
+  // Bad graders are refused at load, naming the entry; an external grader excludes them.
+  auto unknown = RunConfig::FromToml("[[grader]]\ntype = \"telepathy\"\n", "run.toml");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("telepathy"), std::string::npos) << unknown.status().message();
+  auto both = RunConfig::FromToml("[grading]\ncommand = \"python3 g.py\"\n[[grader]]\ntype = \"exact_match\"\n",
+                                  "run.toml");
+  ASSERT_FALSE(both.ok());
+  EXPECT_NE(both.status().message().find("exclusive"), std::string::npos) << both.status().message();
+  auto table = RunConfig::FromToml("[grader]\ntype = \"exact_match\"\n", "run.toml");
+  ASSERT_FALSE(table.ok());
+  EXPECT_NE(table.status().message().find("[[grader]]"), std::string::npos) << table.status().message();
+  EXPECT_FALSE(RunConfig::FromToml("[grading]\ntimeout_s = 0\n", "run.toml").ok());
 }
 
 TEST(RunConfigTest, Fp8ServingKeys) {
@@ -396,6 +434,192 @@ TEST_F(CoordinatorTest, SyncLatencyCountsOnlyWorkersThatClaimedInTheLastFiveSeco
   ASSERT_EQ(synced.size(), 1u);
   EXPECT_EQ(synced[0].workers, 1u);
   EXPECT_DOUBLE_EQ(synced[0].ms, 20.0);
+}
+
+}  // namespace
+}  // namespace flywheel::pipeline
+
+namespace flywheel::pipeline {
+namespace {
+
+// A grader that answers what the test says, when the test says: each request waits in
+// `pending` until Answer() or Fail().
+class ScriptedGrader final : public grading::AsyncGrader {
+ public:
+  void Submit(grading::Sample sample, grading::OutcomeCallback done) override {
+    std::lock_guard lock(mu_);
+    samples_.push_back(sample);
+    pending_.push_back(std::move(done));
+  }
+  // Completes the oldest request with `outcome`, on another thread (as a grader does).
+  void Answer(grading::Outcome outcome) {
+    grading::OutcomeCallback done;
+    {
+      std::lock_guard lock(mu_);
+      ASSERT_FALSE(pending_.empty());
+      done = std::move(pending_.front());
+      pending_.pop_front();
+    }
+    std::thread([done = std::move(done), outcome = std::move(outcome)]() mutable { done(std::move(outcome)); })
+        .join();
+  }
+  Status status() const override { return Status::Ok(); }
+  grading::GraderCounters counters() const override { return {}; }
+  std::string name() const override { return "scripted"; }
+  std::vector<grading::Sample> samples() {
+    std::lock_guard lock(mu_);
+    return samples_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<grading::Sample> samples_;
+  std::deque<grading::OutcomeCallback> pending_;
+};
+
+class CoordinatorGradingTest : public ::testing::Test {
+ protected:
+  CoordinatorGradingTest() : task_(std::move(Task::Create({"sort", 3}).value())) {}
+
+  std::unique_ptr<Coordinator> Make(bool zero_variance = true) {
+    CoordinatorOptions options;
+    options.group_size = 3;
+    options.groups_per_step = 1;
+    options.max_staleness = 1;
+    options.vocab_size = 15;
+    options.env = &clock_;
+    options.grader = &grader_;
+    options.zero_variance_filter = zero_variance;
+    // The sort task's CharTokenizer ids: '0'..'9' are 0..9, EOS is 14.
+    options.decode = [](const std::vector<int32_t>& tokens) -> Result<std::string> {
+      std::string text;
+      for (int32_t id : tokens) {
+        if (id == 14) break;
+        if (id > 9) return Status::InvalidArgument("not a digit");
+        text.push_back(static_cast<char>('0' + id));
+      }
+      return text;
+    };
+    auto c = std::make_unique<Coordinator>(*task_, options);
+    c->SetVersion(1);
+    return c;
+  }
+  // Claims one group and submits three samples whose tokens are `answers` (digit strings).
+  static void ClaimAndSubmit(Coordinator& c, const std::vector<std::vector<int32_t>>& answers) {
+    json claim = ClaimJson(c, {{"worker", "w"}, {"incarnation", "a"}, {"version", 1}, {"max_groups", 1},
+                               {"serving_since_unix_us", 1000}});
+    ASSERT_EQ(claim["status"], "ok") << claim.dump();
+    json samples = json::array();
+    for (const auto& tokens : answers) {
+      std::vector<float> logprobs(tokens.size(), -0.5f);
+      std::vector<uint64_t> versions(tokens.size(), 1);
+      // The worker's own reward is ignored when the run has a grader.
+      samples.push_back({{"prompt_tokens", {13, 1, 2, 3, 12}}, {"tokens", tokens},
+                         {"logprobs", logprobs}, {"versions", versions}, {"reward", 7.0}});
+    }
+    json answer = SubmitJson(c, {{"worker", "w"}, {"incarnation", "a"},
+                                 {"claim", claim["groups"][0]["claim"]}, {"samples", samples}});
+    ASSERT_TRUE(answer["accepted"].get<bool>()) << answer.dump();
+  }
+  Coordinator::Clock::time_point Now() { return clock_.SteadyNow(); }
+
+  ManualClock clock_;
+  ScriptedGrader grader_;
+  std::unique_ptr<Task> task_;
+};
+
+TEST_F(CoordinatorGradingTest, GroupsWaitForTheGraderAndUngradedSamplesAreLeftOut) {
+  auto c = Make();
+  ClaimAndSubmit(*c, {{1, 2, 14}, {2, 1, 14}, {1, 14}});
+  // The grader saw each completion decoded, with the problem as messages and fields.
+  const std::vector<grading::Sample> seen = grader_.samples();
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[0].completion, "12");
+  EXPECT_EQ(seen[1].completion, "21");
+  EXPECT_EQ(seen[0].completion_tokens, 3);
+  ASSERT_TRUE(seen[0].messages.is_array());
+  EXPECT_EQ(seen[0].messages[0]["role"], "user");
+  EXPECT_TRUE(seen[0].fields.contains("answer"));
+  EXPECT_NE(seen[0].id, seen[1].id);
+  // Nothing to train on until every sample has its outcome.
+  EXPECT_TRUE(c->TakeBatch(Now()).empty());
+  EXPECT_EQ(c->stats().groups_grading, 1u);
+  grader_.Answer(grading::Outcome::Reward(1.0));
+  grader_.Answer(grading::Outcome::Ungraded("timed out"));
+  EXPECT_TRUE(c->TakeBatch(Now()).empty());
+  grader_.Answer(grading::Outcome::Reward(0.25));
+  const auto batch = c->TakeBatch(Now());
+  ASSERT_EQ(batch.size(), 1u);
+  ASSERT_EQ(batch[0].samples.size(), 2u);  // the ungraded one is left out
+  EXPECT_EQ(batch[0].samples[0].reward, 1.0);
+  EXPECT_EQ(batch[0].samples[1].reward, 0.25);
+  EXPECT_EQ(batch[0].samples[1].tokens, (std::vector<int32_t>{1, 14}));
+  const CoordinatorStats stats = c->stats();
+  EXPECT_EQ(stats.samples_graded, 2u);
+  EXPECT_EQ(stats.samples_ungraded, 1u);
+  EXPECT_EQ(stats.groups_grading, 0u);
+  EXPECT_TRUE(c->failure().ok());
+}
+
+TEST_F(CoordinatorGradingTest, ZeroVarianceGroupsAreDroppedAndCounted) {
+  auto c = Make(/*zero_variance=*/true);
+  ClaimAndSubmit(*c, {{1, 14}, {2, 14}, {3, 14}});
+  for (int i = 0; i < 3; ++i) grader_.Answer(grading::Outcome::Reward(0.0));
+  EXPECT_TRUE(c->TakeBatch(Now()).empty());
+  EXPECT_EQ(c->stats().groups_zero_variance, 1u);
+  // A group with one graded sample carries no advantage either.
+  ClaimAndSubmit(*c, {{1, 14}, {2, 14}, {3, 14}});
+  grader_.Answer(grading::Outcome::Reward(1.0));
+  grader_.Answer(grading::Outcome::Ungraded("not JSON"));
+  grader_.Answer(grading::Outcome::Ungraded("not JSON"));
+  EXPECT_TRUE(c->TakeBatch(Now()).empty());
+  EXPECT_EQ(c->stats().groups_too_few_graded, 1u);
+
+  // With the filter off, an all-equal group is trained on (its advantages are zero).
+  auto kept = Make(/*zero_variance=*/false);
+  ClaimAndSubmit(*kept, {{1, 14}, {2, 14}, {3, 14}});
+  for (int i = 0; i < 3; ++i) grader_.Answer(grading::Outcome::Reward(0.0));
+  EXPECT_EQ(kept->TakeBatch(Now()).size(), 1u);
+}
+
+TEST_F(CoordinatorGradingTest, ACompletionThatDoesNotDecodeIsUngradedWithoutTheGrader) {
+  auto c = Make();
+  ClaimAndSubmit(*c, {{1, 14}, {12, 14}, {3, 14}});  // 12 ('>') is not a digit to the decoder
+  EXPECT_EQ(grader_.samples().size(), 2u);
+  grader_.Answer(grading::Outcome::Reward(1.0));
+  grader_.Answer(grading::Outcome::Reward(0.0));
+  const auto batch = c->TakeBatch(Now());
+  ASSERT_EQ(batch.size(), 1u);
+  EXPECT_EQ(batch[0].samples.size(), 2u);
+  EXPECT_EQ(c->stats().samples_ungraded, 1u);
+}
+
+TEST_F(CoordinatorGradingTest, AFailedGraderStopsTakeBatchWithItsMessage) {
+  auto c = Make();
+  ClaimAndSubmit(*c, {{1, 14}, {2, 14}, {3, 14}});
+  grading::Outcome failed;
+  failed.kind = grading::OutcomeKind::kFailed;
+  failed.reason = "grader 'python3 grade.py' failed: 21 ungraded in a row; stderr: Traceback";
+  grader_.Answer(failed);
+  // Returns at once (no deadline wait), with the grader's message in failure().
+  EXPECT_TRUE(c->TakeBatch(Now() + std::chrono::hours(1)).empty());
+  ASSERT_FALSE(c->failure().ok());
+  EXPECT_NE(c->failure().message().find("Traceback"), std::string::npos);
+  grader_.Answer(grading::Outcome::Reward(1.0));
+  grader_.Answer(grading::Outcome::Reward(0.0));
+}
+
+TEST(GradingSampleTest, AGeneratedProblemBecomesAUserTurnAndItsAnswer) {
+  Problem problem{"312>", "123", {}, {}};
+  const grading::Sample sample = GradingSample(problem, "7/1", "123", 4);
+  EXPECT_EQ(sample.messages, json::parse(R"([{"role": "user", "content": "312>"}])"));
+  EXPECT_EQ(sample.fields, json::parse(R"({"answer": "123"})"));
+  problem.messages = json::parse(R"([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])");
+  problem.fields = json::parse(R"({"tests": [1, 2]})");
+  const grading::Sample from_file = GradingSample(problem, "7/2", "x");
+  EXPECT_EQ(from_file.messages, problem.messages);
+  EXPECT_EQ(from_file.fields, problem.fields);
+  EXPECT_EQ(from_file.completion_tokens, -1);
 }
 
 }  // namespace

@@ -158,6 +158,13 @@ RunSummary SampleSummary() {
   summary.leases_expired = 1;
   summary.submissions_refused = 2;
   summary.resumed = true;
+  summary.eval_score = 0.5;
+  summary.grader = "python3 grade.py";
+  summary.samples_graded = 90;
+  summary.samples_ungraded = 6;
+  summary.groups_zero_variance = 4;
+  summary.groups_too_few_graded = 1;
+  summary.grader_restarts = 2;
   summary.AddRows({SampleRow(1), SampleRow(2), SampleRow(3)});
   return summary;
 }
@@ -176,6 +183,20 @@ TEST(RunSummaryTest, JsonRoundTripThroughAFile) {
   EXPECT_EQ(value["versions"], 4);
   EXPECT_EQ(value["algorithm"], "grpo");
   fs::remove_all(dir);
+}
+
+TEST(RunSummaryTest, ASummaryWrittenBeforeGradingStillLoads) {
+  json value = SampleSummary().ToJson();
+  for (const char* key : {"eval_score", "grader", "samples_graded", "samples_ungraded",
+                          "groups_zero_variance", "groups_too_few_graded", "grader_restarts"}) {
+    value.erase(key);
+  }
+  auto read = RunSummary::FromJson(value, "old summary.json");
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(read->eval_score, -1);
+  EXPECT_EQ(read->samples_graded, 0u);
+  value["samples_graded"] = "many";
+  EXPECT_FALSE(RunSummary::FromJson(value, "bad").ok());  // present keys are still checked
 }
 
 TEST(RunSummaryTest, MissingFileIsNotFound) {

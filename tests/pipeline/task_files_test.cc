@@ -156,7 +156,8 @@ TEST_F(TaskFilesTest, BadLinesAreSkippedByFileAndLineAndAnEmptyFileStops) {
         "not json\n"
         "{\"answer\": \"1\"}\n"
         "{\"messages\": [{\"role\": \"robot\", \"content\": \"1>\"}], \"answer\": \"1\"}\n"
-        "{\"messages\": [{\"role\": \"user\", \"content\": \"1>\"}]}\n"
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"1>\"}], \"answer\": [1]}\n"
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"7>\"}], \"tests\": [\"t\"]}\n"
         "\n"
         "{\"messages\": [{\"role\": \"user\", \"content\": \"21>\"}], \"answer\": \"12\", \"tests\": [1]}\n");
   Write("eval.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"31>\"}], \"answer\": \"13\"}\n");
@@ -165,13 +166,30 @@ TEST_F(TaskFilesTest, BadLinesAreSkippedByFileAndLineAndAnEmptyFileStops) {
   auto task = Task::FromFiles(Path("mixed.jsonl"), Path("eval.jsonl"), LastContent(),
                               [&](const std::string& line) { warnings.push_back(line); }, &counts);
   ASSERT_TRUE(task.ok()) << task.status().ToString();
-  EXPECT_EQ(counts.train_lines, 2u);
+  EXPECT_EQ(counts.train_lines, 3u);
   EXPECT_EQ(counts.skipped, 4u);
   ASSERT_EQ(warnings.size(), 4u);
   EXPECT_NE(warnings[0].find("mixed.jsonl:2: skipped: not JSON"), std::string::npos) << warnings[0];
   EXPECT_NE(warnings[1].find("mixed.jsonl:3: skipped: needs a non-empty \"messages\""), std::string::npos);
   EXPECT_NE(warnings[2].find("mixed.jsonl:4: skipped: unknown role \"robot\""), std::string::npos);
-  EXPECT_NE(warnings[3].find("mixed.jsonl:5: skipped: needs a string \"answer\""), std::string::npos);
+  // Every field but "messages" reaches the grader untouched; "answer" is optional.
+  std::mt19937_64 rng(3);
+  bool saw_tests = false, saw_no_answer = false;
+  for (int i = 0; i < 200; ++i) {
+    const Problem p = (*task)->Sample(rng, false);
+    ASSERT_TRUE(p.messages.is_array());
+    if (p.prompt == "21>") {
+      saw_tests = true;
+      EXPECT_EQ(p.fields, nlohmann::json::parse(R"({"answer": "12", "tests": [1]})"));
+    }
+    if (p.prompt == "7>") {
+      saw_no_answer = true;
+      EXPECT_EQ(p.answer, "");
+      EXPECT_EQ(p.fields, nlohmann::json::parse(R"({"tests": ["t"]})"));
+    }
+  }
+  EXPECT_TRUE(saw_tests && saw_no_answer);
+  EXPECT_NE(warnings[3].find("mixed.jsonl:5: skipped: \"answer\" must be a string or a number"), std::string::npos);
 
   // A renderer that refuses a line skips it too.
   warnings.clear();
@@ -183,7 +201,7 @@ TEST_F(TaskFilesTest, BadLinesAreSkippedByFileAndLineAndAnEmptyFileStops) {
   ASSERT_TRUE(Task::FromFiles(Path("mixed.jsonl"), Path("eval.jsonl"), refusing,
                               [&](const std::string& line) { warnings.push_back(line); }).ok());
   EXPECT_EQ(warnings.size(), 5u);
-  EXPECT_NE(warnings.back().find("mixed.jsonl:7: skipped: the chat template cannot render it"),
+  EXPECT_NE(warnings.back().find("mixed.jsonl:8: skipped: the chat template cannot render it"),
             std::string::npos) << warnings.back();
 
   Write("useless.jsonl", "nope\n{}\n");

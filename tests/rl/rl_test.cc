@@ -109,9 +109,19 @@ TEST(RlStepTest, DapoDropsGroupsWithEqualRewardsButCountsTheirSamples) {
   EXPECT_DOUBLE_EQ(batch->mean_reward, 0.75);
 }
 
-TEST(RlStepTest, PartialGroupIsRefused) {
+TEST(RlStepTest, AGroupShortOfItsUngradedSamplesIsNormalisedOverWhatItHas) {
   BatchOptions options;
-  options.group_size = 3;
+  options.group_size = 3;  // each group lost one ungraded sample
+  auto batch = MakeStepBatch(TwoGroups(), 5, options);
+  ASSERT_TRUE(batch.ok()) << batch.status().ToString();
+  ASSERT_EQ(batch->datums.size(), 4u);
+  EXPECT_FLOAT_EQ(batch->datums[0].advantages[0], -batch->datums[1].advantages[0]);
+  EXPECT_GT(batch->datums[0].advantages[0], 0.7f);
+  // One sample has no advantage to speak of; more than group_size is not a group.
+  std::vector<Group> lone = TwoGroups();
+  lone[0].samples.pop_back();
+  EXPECT_FALSE(MakeStepBatch(lone, 5, options).ok());
+  options.group_size = 1;
   EXPECT_FALSE(MakeStepBatch(TwoGroups(), 5, options).ok());
 }
 
@@ -275,7 +285,15 @@ TEST(RunReportTest, SummaryAndFiles) {
   inputs.progress = &progress;
   inputs.wall_seconds = 9;
   inputs.stats.samples_dropped_stale = 5;
-  const pipeline::RunSummary summary = MakeRunSummary(inputs);
+  inputs.stats.samples_graded = 40;
+  inputs.stats.samples_ungraded = 2;
+  inputs.stats.groups_zero_variance = 3;
+  pipeline::RunSummary summary = MakeRunSummary(inputs);
+  EXPECT_EQ(summary.samples_graded, 40u);
+  EXPECT_EQ(summary.samples_ungraded, 2u);
+  EXPECT_EQ(summary.groups_zero_variance, 3u);
+  summary.eval_score = 0.75;
+  summary.grader = "builtin: exact_match";
   EXPECT_EQ(summary.task, config.task.name + "-" + std::to_string(config.task.digits));
   EXPECT_EQ(summary.steps, 2u);
   EXPECT_EQ(summary.versions, 3u);
