@@ -47,6 +47,7 @@ void ForEachField(Config& c, F&& f) {
   f("algorithm", "grad_clip", FieldRef(&c.algorithm.grad_clip));
   f("algorithm", "max_tokens", FieldRef(&c.algorithm.max_tokens));
   f("algorithm", "zero_variance_filter", FieldRef(&c.algorithm.zero_variance_filter));
+  f("algorithm", "kl_coef", FieldRef(&c.algorithm.kl_coef));
   f("grading", "command", FieldRef(&c.grading.command));
   f("grading", "url", FieldRef(&c.grading.url));
   f("grading", "timeout_s", FieldRef(&c.grading.timeout_s));
@@ -239,6 +240,8 @@ Status RunConfig::Validate() const {
     return bad("algorithm.tis_cap", algorithm.tis_cap, "must be 0 (off) or >= 1");
   if (!(algorithm.weight_decay >= 0)) return bad("algorithm.weight_decay", algorithm.weight_decay, "must be >= 0");
   if (!(algorithm.grad_clip >= 0)) return bad("algorithm.grad_clip", algorithm.grad_clip, "must be >= 0");
+  if (!(algorithm.kl_coef >= 0 && algorithm.kl_coef <= 100))
+    return bad("algorithm.kl_coef", algorithm.kl_coef, "must be in [0, 100]");
   if (algorithm.max_tokens < 0 || algorithm.max_tokens > 65536)
     return bad("algorithm.max_tokens", algorithm.max_tokens, "must be in 0..65536 (0: the longest answer + 1)");
   if (!grading.command.empty() && !grading.url.empty())

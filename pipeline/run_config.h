@@ -17,7 +17,8 @@
 //   [algorithm]  name (grpo, dapo, gspo, cispo), group_size, groups_per_step, lr,
 //                temperature, clip_low, clip_high, tis_cap, weight_decay, grad_clip,
 //                max_tokens (per completion; 0: the task's longest answer + 1),
-//                zero_variance_filter (drop groups whose graded rewards are all equal)
+//                zero_variance_filter (drop groups whose graded rewards are all equal),
+//                kl_coef (KL penalty against the policy RL started from; 0: none)
 //   [grading]    command (an external grader process, docs/GRADERS.md), url (one over
 //                HTTP), timeout_s (per sample), max_failures (ungraded in a row before the
 //                run stops), max_in_flight; neither command nor url: the [[grader]] tables
@@ -73,6 +74,7 @@ struct RunConfig {
     double grad_clip = 1.0;
     int64_t max_tokens = 0;
     bool zero_variance_filter = true;
+    double kl_coef = 0;  // > 0: k3 KL against the policy RL started from, in the loss
   } algorithm;
   struct Grading {
     std::string command;

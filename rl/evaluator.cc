@@ -49,7 +49,7 @@ Result<double> Evaluator::Accuracy(model::TransformerImpl& policy) {
   std::vector<rollout::GenerationRequest> requests;
   for (const auto& problem : problems_) {
     FW_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, tokenizer_->Encode(problem.prompt));
-    prompt.insert(prompt.begin(), tokenizer_->bos());
+    if (prompt.empty() || prompt.front() != tokenizer_->bos()) prompt.insert(prompt.begin(), tokenizer_->bos());
     rollout::SamplingParams params;
     params.temperature = 0;
     params.max_tokens = max_tokens_;

@@ -3,6 +3,8 @@
 // only orders them.
 #include "rl/rl_loop.h"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -91,6 +93,9 @@ class TrainerRun {
   Status MaybeEvaluate(StepRow& row);
   Result<PublishedVersion> Publish(uint64_t version);
   Status SaveState();
+  // kl_coef > 0: the policy as RL started (<state>/reference, written once after the
+  // warm-up), whose logprobs each step's datums carry as ref_logprobs.
+  Status LoadReference(bool write);
   double Wall() const {
     return wall_before_ + std::chrono::duration<double>(Clock::now() - started_).count();
   }
@@ -114,6 +119,7 @@ class TrainerRun {
   bool reached_ = false;
   uint64_t wan_before_ = 0;
   Clock::time_point last_step_time_;
+  std::unique_ptr<TrainingClient> reference_;
   double last_sync_ms_ = -1;
   uint64_t last_sync_version_ = 0;
 };
@@ -141,6 +147,8 @@ Status TrainerRun::StartFresh() {
   context.adam = loss_.adam;
   context.say = [this](const std::string& line) { Say(line); };
   context.stop = &StopFlag();
+  context.max_tokens = setup_.model_config.max_position_embeddings;
+  context.warn = [](const std::string& line) { spdlog::warn("{}", line); };
   if (config_.sft.steps > 0) FW_RETURN_IF_ERROR(RunSft(client_, config_, *setup_.tokenizer, context));
   if (config_.dpo.steps > 0) FW_RETURN_IF_ERROR(RunDpo(client_, config_, *setup_.tokenizer, context));
   FW_ASSIGN_OR_RETURN(progress_.warmup_accuracy, evaluator_.Accuracy(client_.model()));
@@ -148,12 +156,27 @@ Status TrainerRun::StartFresh() {
   if (config_.sft.steps > 0 || config_.dpo.steps > 0) {
     Say("after warm-up: held-out accuracy " + std::to_string(progress_.warmup_accuracy));
   }
+  FW_RETURN_IF_ERROR(LoadReference(/*write=*/true));
   // Version 1, or above what an earlier attempt published before it could save progress.
   FW_RETURN_IF_ERROR(Publish(services_.publisher().version() + 1).status());
   return SaveState();
 }
 
+Status TrainerRun::LoadReference(bool write) {
+  if (!(config_.algorithm.kl_coef > 0)) return Status::Ok();
+  const std::string dir = (fs::path(options_.state_dir) / "reference").string();
+  if (write) FW_RETURN_IF_ERROR(client_.SaveState(dir).WithContext("saving the KL reference policy"));
+  FW_ASSIGN_OR_RETURN(reference_, CreateClient(config_, setup_));
+  Status loaded = reference_->LoadState(dir);
+  if (!loaded.ok()) {
+    return loaded.WithContext("the KL reference policy (" + dir + ", algorithm.kl_coef > 0): start a fresh state dir");
+  }
+  Say("KL reference: the policy RL starts from (algorithm.kl_coef " + std::to_string(config_.algorithm.kl_coef) + ")");
+  return Status::Ok();
+}
+
 Status TrainerRun::Resume() {
+  FW_RETURN_IF_ERROR(LoadReference(/*write=*/false));
   const std::optional<uint64_t> to_publish =
       VersionToPublishOnResume(services_.publisher().version(), progress_.version);
   if (to_publish) {
@@ -198,6 +221,11 @@ Status TrainerRun::RunRlLoop() {
 
 Status TrainerRun::Step(const std::vector<pipeline::Group>& groups) {
   FW_ASSIGN_OR_RETURN(StepBatch batch, MakeStepBatch(groups, progress_.version, batch_options_));
+  if (reference_ && !batch.datums.empty()) {
+    Result<trainer::ForwardOutput> reference = reference_->Forward(batch.datums);
+    if (!reference.ok()) return reference.status().WithContext("the KL reference's forward at step " + std::to_string(progress_.rows.size() + 1));
+    for (size_t i = 0; i < batch.datums.size(); ++i) batch.datums[i].ref_logprobs = std::move(reference->logprobs[i]);
+  }
   StepRow row;
   row.step = progress_.rows.size() + 1;
   row.samples = batch.samples;

@@ -18,6 +18,7 @@ LossSetup MakeLossSetup(const pipeline::RunConfig& config) {
   setup.loss.clip_low = config.algorithm.clip_low;
   setup.loss.clip_high = config.algorithm.clip_high;
   setup.loss.tis_cap = config.algorithm.tis_cap;
+  setup.loss.kl_coef = config.algorithm.kl_coef;
   setup.adam.lr = config.algorithm.lr;
   setup.adam.weight_decay = config.algorithm.weight_decay;
   setup.adam.grad_clip = config.algorithm.grad_clip;

@@ -5,6 +5,10 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "data/dataset.h"
+#include "data/render.h"
+#include "tokenizer/hf_tokenizer.h"
+
 namespace flywheel::rl {
 namespace {
 
@@ -115,6 +119,120 @@ Status AppendDpoPair(const json& line, const model::Tokenizer& tokenizer, const 
   return Status::Ok();
 }
 
+// ---- through the model's chat template (data/) ----
+
+// The tokenizer's chat template, when it is a model directory's tokenizer that has one.
+const tokenizer::HfTokenizer* Templated(const model::Tokenizer& tokenizer) {
+  const auto* hf = dynamic_cast<const tokenizer::HfTokenizer*>(&tokenizer);
+  return hf != nullptr && !hf->chat_template().empty() ? hf : nullptr;
+}
+
+// A rendered sequence as a datum; BOS first unless the template wrote it.
+Datum SequenceDatum(const data::TokenizedSequence& sequence, int32_t bos) {
+  std::vector<int32_t> ids = sequence.ids;
+  std::vector<float> weights(sequence.loss_mask.begin(), sequence.loss_mask.end());
+  if (ids.empty() || ids.front() != bos) {
+    ids.insert(ids.begin(), bos);
+    weights.insert(weights.begin(), 0.0f);
+  }
+  return MakeDatum(ids, weights);
+}
+
+// Reads `path` as `format` through data::DatasetReader and renders each example with the
+// template; skipped lines and dropped examples are warned and counted.
+Result<std::vector<Datum>> LoadTemplated(const std::string& path, data::Format format, const char* what,
+                                         const tokenizer::HfTokenizer& tokenizer, int64_t max_tokens,
+                                         const std::function<void(const std::string&)>& warn) {
+  data::ReadOptions read;
+  read.format = format;
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<data::DatasetReader> reader, data::DatasetReader::Open(path, read));
+  data::RenderOptions render;
+  // BOS may be prepended: one token of the context kept for it.
+  render.max_tokens = max_tokens > 1 ? max_tokens - 1 : 0;
+  Result<data::ChatRenderer> renderer = data::ChatRenderer::Create(&tokenizer, render);
+  if (!renderer.ok()) return renderer.status().WithContext(std::string(what) + " " + path);
+  data::RenderTally tally;
+  std::vector<Datum> datums;
+  data::Example example;
+  for (;;) {
+    Result<bool> more = reader->Next(&example);
+    if (!more.ok()) return more.status().WithContext(what);
+    if (!*more) break;
+    Status rendered;
+    if (format == data::Format::kSft) {
+      Result<data::SftRendering> sft = renderer->RenderSft(example);
+      rendered = sft.status();
+      if (sft.ok()) {
+        tally.Record(*sft);
+        for (const data::TokenizedSequence& sequence : sft->sequences)
+          datums.push_back(SequenceDatum(sequence, tokenizer.bos()));
+      }
+    } else {
+      Result<data::DpoRendering> dpo = renderer->RenderDpo(example);
+      rendered = dpo.status();
+      if (dpo.ok()) {
+        datums.push_back(SequenceDatum(dpo->chosen, tokenizer.bos()));
+        datums.push_back(SequenceDatum(dpo->rejected, tokenizer.bos()));
+      }
+    }
+    tally.Record(example.source, rendered);
+    if (!rendered.ok() && warn) warn(std::string(what) + " " + example.source.Describe() + ": dropped: " + rendered.message());
+  }
+  const data::DatasetReport& report = reader->report();
+  if (warn) {
+    for (const std::string& problem : report.problems) warn(std::string(what) + " " + problem);
+    if (report.skipped > 0 || tally.too_long + tally.failed > 0)
+      warn(std::string(what) + " " + report.Summary() + "; " + tally.Summary());
+  }
+  if (datums.empty()) {
+    return Status::InvalidArgument(std::string(what) + " " + path + " has no usable example (" +
+                                   report.Summary() + "; " + tally.Summary() + ")");
+  }
+  return datums;
+}
+
+// The OpenAI preference format through the plain rendering (no template): the input
+// messages' contents, then the answer's content and EOS.
+Result<std::vector<Datum>> LoadPlainOpenAiDpo(const std::string& path, const model::Tokenizer& tokenizer) {
+  data::ReadOptions read;
+  read.format = data::Format::kDpo;
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<data::DatasetReader> reader, data::DatasetReader::Open(path, read));
+  std::vector<Datum> datums;
+  data::Example example;
+  for (;;) {
+    Result<bool> more = reader->Next(&example);
+    if (!more.ok()) return more.status().WithContext("dpo.dataset");
+    if (!*more) break;
+    const std::string where = "dpo.dataset " + example.source.Describe();
+    std::string prompt;
+    for (const auto& message : example.messages) {
+      if (message.contains("content") && message["content"].is_string()) prompt += message["content"].get<std::string>();
+    }
+    json line = {{"prompt", prompt}};
+    for (const auto& [key, side] : {std::pair{"chosen", &example.chosen}, std::pair{"rejected", &example.rejected}}) {
+      const auto& answer = side->at(0);
+      line[key] = answer.contains("content") && answer["content"].is_string() ? answer["content"].get<std::string>() : "";
+    }
+    FW_RETURN_IF_ERROR(AppendDpoPair(line, tokenizer, where, datums));
+  }
+  if (!reader->report().problems.empty()) {
+    return Status::InvalidArgument("dpo.dataset " + reader->report().problems.front());
+  }
+  return datums;
+}
+
+// Whether the first non-blank line of `path` is in the OpenAI preference format.
+bool IsOpenAiDpo(const std::string& path) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const json value = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    return value.is_object() && value.contains("input");
+  }
+  return false;
+}
+
 std::string Where(const std::string& what, const std::string& path, const json& line) {
   return what + " " + path + ":" + std::to_string(line["__line"].get<int>());
 }
@@ -132,7 +250,12 @@ bool Stopped(const WarmupContext& context) { return context.stop && context.stop
 
 }  // namespace
 
-Result<std::vector<Datum>> LoadSftDataset(const std::string& path, const model::Tokenizer& tokenizer) {
+Result<std::vector<Datum>> LoadSftDataset(const std::string& path, const model::Tokenizer& tokenizer,
+                                          int64_t max_tokens,
+                                          const std::function<void(const std::string&)>& warn) {
+  if (const tokenizer::HfTokenizer* hf = Templated(tokenizer)) {
+    return LoadTemplated(path, data::Format::kSft, "sft.dataset", *hf, max_tokens, warn);
+  }
   FW_ASSIGN_OR_RETURN(std::vector<json> lines, ReadJsonl(path, "sft.dataset"));
   std::vector<Datum> datums;
   for (const json& line : lines) {
@@ -142,7 +265,15 @@ Result<std::vector<Datum>> LoadSftDataset(const std::string& path, const model::
   return datums;
 }
 
-Result<std::vector<Datum>> LoadDpoDataset(const std::string& path, const model::Tokenizer& tokenizer) {
+Result<std::vector<Datum>> LoadDpoDataset(const std::string& path, const model::Tokenizer& tokenizer,
+                                          int64_t max_tokens,
+                                          const std::function<void(const std::string&)>& warn) {
+  if (IsOpenAiDpo(path)) {
+    if (const tokenizer::HfTokenizer* hf = Templated(tokenizer)) {
+      return LoadTemplated(path, data::Format::kDpo, "dpo.dataset", *hf, max_tokens, warn);
+    }
+    return LoadPlainOpenAiDpo(path, tokenizer);
+  }
   FW_ASSIGN_OR_RETURN(std::vector<json> lines, ReadJsonl(path, "dpo.dataset"));
   std::vector<Datum> datums;
   for (const json& line : lines) {
@@ -153,7 +284,7 @@ Result<std::vector<Datum>> LoadDpoDataset(const std::string& path, const model::
 
 Status RunSft(trainer::TrainingClient& client, const pipeline::RunConfig& config,
               const model::Tokenizer& tokenizer, const WarmupContext& context) {
-  FW_ASSIGN_OR_RETURN(std::vector<Datum> examples, LoadSftDataset(config.sft.dataset, tokenizer));
+  FW_ASSIGN_OR_RETURN(std::vector<Datum> examples, LoadSftDataset(config.sft.dataset, tokenizer, context.max_tokens, context.warn));
   trainer::AdamWParams adam = context.adam;
   adam.lr = config.sft.lr;
   std::mt19937_64 rng(static_cast<uint64_t>(config.run.seed));
@@ -169,7 +300,7 @@ Status RunSft(trainer::TrainingClient& client, const pipeline::RunConfig& config
 
 Status RunDpo(trainer::TrainingClient& client, const pipeline::RunConfig& config,
               const model::Tokenizer& tokenizer, const WarmupContext& context) {
-  FW_ASSIGN_OR_RETURN(std::vector<Datum> pairs, LoadDpoDataset(config.dpo.dataset, tokenizer));
+  FW_ASSIGN_OR_RETURN(std::vector<Datum> pairs, LoadDpoDataset(config.dpo.dataset, tokenizer, context.max_tokens, context.warn));
   FW_ASSIGN_OR_RETURN(trainer::ForwardOutput reference, client.Forward(pairs));
   for (size_t i = 0; i < pairs.size(); ++i) pairs[i].ref_logprobs = reference.logprobs[i];
   trainer::AdamWParams adam = context.adam;

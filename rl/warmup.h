@@ -1,7 +1,19 @@
 // The warm-ups before RL: supervised fine-tuning (SFT) on chat examples, then DPO on
 // preference pairs, both read from JSONL files named by the run config (sft.dataset,
-// dpo.dataset). A sequence is rendered as BOS, then every message's content as the task's
-// tokenizer encodes it; an assistant turn (and a DPO answer) ends in EOS.
+// dpo.dataset).
+//
+// With a model directory's tokenizer that has a chat template (model.dir), every example
+// goes through the template (data/render.h): the loss covers exactly the assistant tokens
+// the template produced (its {% generation %} blocks, else prefix by prefix), a message's
+// "weight" 0 leaves its turn out, tool calls and "tools" are rendered as the template
+// writes them, and an example longer than the model's context is dropped and counted,
+// never cut. Bad lines are skipped, named file:line, and counted (data/dataset.h); a file
+// with no usable example stops the run. BOS is prepended unless the template wrote it (as
+// the rollout workers do with prompts).
+//
+// Without a template (the built-in character tokenizer), a sequence is BOS, then every
+// message's content as the tokenizer encodes it; an assistant turn (and a DPO answer) ends
+// in EOS; a bad line stops the run naming it.
 #pragma once
 
 #include <atomic>
@@ -24,20 +36,29 @@ namespace flywheel::rl {
 // "sft.dataset <path>:<line>" for a line that is not an object, has no messages, an unknown
 // role, a bad weight, text the tokenizer refuses, or no weighted token; or when the file
 // holds no example.
-Result<std::vector<trainer::Datum>> LoadSftDataset(const std::string& path,
-                                                   const model::Tokenizer& tokenizer);
+// With a chat template: `max_tokens` bounds a sequence (0: no bound); `warn` gets one line
+// per skipped or dropped example and a summary.
+Result<std::vector<trainer::Datum>> LoadSftDataset(
+    const std::string& path, const model::Tokenizer& tokenizer, int64_t max_tokens = 0,
+    const std::function<void(const std::string&)>& warn = nullptr);
 
-// DPO preference pairs, one a line: {"prompt": text, "chosen": text, "rejected": text}.
-// Returns two datums per pair, chosen then rejected, weighted on the answer tokens only
-// (the layout trainer's "dpo" loss expects). Errors as LoadSftDataset's, named
+// DPO preference pairs, one a line, in the OpenAI preference format
+//   {"input": {"messages": [...], "tools"?}, "preferred_output": [assistant message],
+//    "non_preferred_output": [assistant message]}
+// or the short form {"prompt": text, "chosen": text, "rejected": text} (the file's first
+// line decides). Returns two datums per pair, chosen then rejected, weighted on the answer
+// tokens only (the layout trainer's "dpo" loss expects). Errors as LoadSftDataset's, named
 // "dpo.dataset <path>:<line>".
-Result<std::vector<trainer::Datum>> LoadDpoDataset(const std::string& path,
-                                                   const model::Tokenizer& tokenizer);
+Result<std::vector<trainer::Datum>> LoadDpoDataset(
+    const std::string& path, const model::Tokenizer& tokenizer, int64_t max_tokens = 0,
+    const std::function<void(const std::string&)>& warn = nullptr);
 
 struct WarmupContext {
   trainer::AdamWParams adam;  // the RL optimizer settings; each warm-up sets its own lr
   std::function<void(const std::string&)> say;  // progress lines ("sft  10/30  loss ...")
   const std::atomic<bool>* stop = nullptr;      // set: end the warm-up early
+  int64_t max_tokens = 0;  // the model's context: longer examples are dropped (0: no bound)
+  std::function<void(const std::string&)> warn;  // skipped and dropped examples
 };
 
 // config.sft.steps optimizer steps of cross-entropy on batches of config.sft.batch_size

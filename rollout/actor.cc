@@ -111,7 +111,8 @@ std::vector<SubmitRequest> Actor::Sample(CompletionService& service, const Claim
       spdlog::warn("actor: prompt of claim {}: {}", group.claim, prompt.status().ToString());
       continue;
     }
-    prompt->insert(prompt->begin(), tokenizer_->bos());
+    // BOS first, unless the model's chat template wrote it (Llama-3's <|begin_of_text|>).
+    if (prompt->empty() || prompt->front() != tokenizer_->bos()) prompt->insert(prompt->begin(), tokenizer_->bos());
     for (int64_t i = 0; i < claim.group_size; ++i) requests.push_back({*prompt, params, ""});
     submissions.push_back({.worker = options_.worker_id, .incarnation = incarnation_, .claim = group.claim});
   }

@@ -128,6 +128,7 @@ TEST_F(ModelDirTest, AFleetTrainsFromTheDirectoryAndTheDatasetFiles) {
   // Two steps of a barely warmed-up model: most groups score all 0, which the default
   // zero-variance filter would drop (this test is about the files, not the filter).
   config.algorithm.zero_variance_filter = false;
+  config.algorithm.kl_coef = 0.05;  // the KL reference: the policy after the SFT warm-up
   FleetOptions options;
   options.config = config;
   options.program = FLYWHEEL_BIN;
@@ -146,6 +147,8 @@ TEST_F(ModelDirTest, AFleetTrainsFromTheDirectoryAndTheDatasetFiles) {
   const std::string toml = ReadText(dir_ / "run" / "run.toml");
   EXPECT_NE(toml.find("dir = '" + model.string() + "'"), std::string::npos) << toml;
   EXPECT_NE(toml.find("eval_dataset = "), std::string::npos) << toml;
+  EXPECT_NE(toml.find("kl_coef = 0.05"), std::string::npos) << toml;
+  EXPECT_TRUE(fs::exists(dir_ / "run" / "state" / "reference"));
 }
 
 // The files of a small sort run: a tiny model directory, RL/held-out/SFT JSONL.

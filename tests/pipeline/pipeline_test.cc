@@ -105,6 +105,9 @@ TEST(RunConfigTest, GradersAndGradingKeysRoundTrip) {
   ASSERT_FALSE(table.ok());
   EXPECT_NE(table.status().message().find("[[grader]]"), std::string::npos) << table.status().message();
   EXPECT_FALSE(RunConfig::FromToml("[grading]\ntimeout_s = 0\n", "run.toml").ok());
+  auto kl = RunConfig::FromToml("[algorithm]\nkl_coef = -1\n", "run.toml");
+  ASSERT_FALSE(kl.ok());
+  EXPECT_NE(kl.status().message().find("algorithm.kl_coef"), std::string::npos);
 }
 
 TEST(RunConfigTest, Fp8ServingKeys) {

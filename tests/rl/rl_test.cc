@@ -19,6 +19,8 @@
 #include "rl/run_report.h"
 #include "rl/trainer_process.h"
 #include "rl/warmup.h"
+#include "pipeline/task.h"
+#include "tokenizer/hf_tokenizer.h"
 #include "transport/api.h"
 #include "transport/http.h"
 #include "pipeline/rollout_protocol.h"
@@ -142,6 +144,9 @@ TEST(RlStepTest, EachAlgorithmHasItsLoss) {
   EXPECT_EQ(MakeLossSetup(config).loss.aggregation, trainer::Aggregation::kTokenMean);
   config.algorithm.lr = 3e-4;
   EXPECT_DOUBLE_EQ(MakeLossSetup(config).adam.lr, 3e-4);
+  EXPECT_EQ(MakeLossSetup(config).loss.kl_coef, 0.0);
+  config.algorithm.kl_coef = 0.05;
+  EXPECT_DOUBLE_EQ(MakeLossSetup(config).loss.kl_coef, 0.05);
 }
 
 // ---- warm-up datasets -----------------------------------------------------------------------
@@ -224,6 +229,79 @@ TEST_F(WarmupDatasetTest, DpoErrorsNameTheLine) {
                       ":2: needs string \"prompt\", \"chosen\" and \"rejected\""),
             std::string::npos);
   EXPECT_NE(ErrorOfDpo("oops\n").find("dpo.jsonl:1: not a JSON object"), std::string::npos);
+}
+
+// Through a model directory's chat template (model.dir): the demo's tiny tokenizer, whose
+// template renders a user turn as its content and an assistant turn as content + </s> in a
+// {% generation %} block; no BOS (prepended).
+class TemplatedWarmupTest : public WarmupDatasetTest {
+ protected:
+  void SetUp() override {
+    WarmupDatasetTest::SetUp();
+    const std::string alphabet = "0123456789+=>";
+    Write("tokenizer.json", pipeline::TinyTokenizerJson(alphabet));
+    Write("tokenizer_config.json", pipeline::TinyTokenizerConfigJson());
+    auto hf = tokenizer::HfTokenizer::Load(dir_.string());
+    ASSERT_TRUE(hf.ok()) << hf.status().ToString();
+    hf_ = std::move(*hf);
+  }
+  std::vector<std::string> warnings_;
+  std::function<void(const std::string&)> Warn() {
+    return [this](const std::string& line) { warnings_.push_back(line); };
+  }
+  std::unique_ptr<tokenizer::HfTokenizer> hf_;
+};
+
+TEST_F(TemplatedWarmupTest, SftMasksExactlyTheAssistantTokensAndHonoursWeight) {
+  const std::string path = Write(
+      "sft.jsonl",
+      R"({"messages": [{"role": "user", "content": "21>"}, {"role": "assistant", "content": "12"}]})" "\n"
+      R"({"messages": [{"role": "user", "content": "3>"}, {"role": "assistant", "content": "3", "weight": 0}, {"role": "user", "content": "4>"}, {"role": "assistant", "content": "4"}]})" "\n"
+      "not json\n"
+      R"({"messages": [{"role": "user", "content": "9999999>"}, {"role": "assistant", "content": "9999999"}]})" "\n");
+  auto loaded = LoadSftDataset(path, *hf_, /*max_tokens=*/12, Warn());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  ASSERT_EQ(loaded->size(), 2u);
+  // <s> 2 1 > 1 2 </s>: predicting "1" "2" "</s>" weighs 1; the prompt and BOS 0.
+  const trainer::Datum& first = (*loaded)[0];
+  EXPECT_EQ(first.tokens, (std::vector<int32_t>{13, 2, 1, 12, 1, 2}));
+  EXPECT_EQ(first.target_tokens, (std::vector<int32_t>{2, 1, 12, 1, 2, 14}));
+  EXPECT_EQ(first.weights, (std::vector<float>{0, 0, 0, 1, 1, 1}));
+  // The weight-0 turn is in the sequence but not in the loss: only "4</s>" is.
+  const trainer::Datum& second = (*loaded)[1];
+  EXPECT_EQ(second.target_tokens, (std::vector<int32_t>{3, 12, 3, 14, 4, 12, 4, 14}));
+  EXPECT_EQ(second.weights, (std::vector<float>{0, 0, 0, 0, 0, 0, 1, 1}));
+  // The bad line is skipped by file:line, the overlong example dropped and counted, not cut.
+  std::string all;
+  for (const std::string& line : warnings_) all += line + "\n";
+  EXPECT_NE(all.find("sft.jsonl:3"), std::string::npos) << all;
+  EXPECT_NE(all.find("sft.jsonl:4: dropped"), std::string::npos) << all;
+  EXPECT_NE(all.find("past max_tokens: 1"), std::string::npos) << all;
+
+  // Nothing usable stops the run, naming the file.
+  auto none = LoadSftDataset(Write("none.jsonl", "nope\n"), *hf_, 12, Warn());
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("none.jsonl"), std::string::npos) << none.status().ToString();
+}
+
+TEST_F(TemplatedWarmupTest, DpoInTheOpenAiPreferenceFormat) {
+  const std::string line =
+      R"({"input": {"messages": [{"role": "user", "content": "21>"}]}, "preferred_output": [{"role": "assistant", "content": "12"}], "non_preferred_output": [{"role": "assistant", "content": "21"}]})";
+  const std::string path = Write("dpo.jsonl", line + "\n");
+  auto loaded = LoadDpoDataset(path, *hf_, 0, Warn());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  ASSERT_EQ(loaded->size(), 2u);
+  EXPECT_EQ((*loaded)[0].target_tokens, (std::vector<int32_t>{2, 1, 12, 1, 2, 14}));
+  EXPECT_EQ((*loaded)[0].weights, (std::vector<float>{0, 0, 0, 1, 1, 1}));
+  EXPECT_EQ((*loaded)[1].target_tokens, (std::vector<int32_t>{2, 1, 12, 2, 1, 14}));
+  EXPECT_EQ((*loaded)[1].weights, (std::vector<float>{0, 0, 0, 1, 1, 1}));
+  // The same file without a template (the character tokenizer): the plain rendering.
+  auto chars = model::CharTokenizer::Create("0123456789+=>");
+  ASSERT_TRUE(chars.ok());
+  auto plain = LoadDpoDataset(path, **chars);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ((*plain)[0].target_tokens, (*loaded)[0].target_tokens);
+  EXPECT_EQ((*plain)[0].weights, (*loaded)[0].weights);
 }
 
 // ---- progress and report --------------------------------------------------------------------
