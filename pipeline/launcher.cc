@@ -132,6 +132,7 @@ Result<Fleet::TrainerReady> Fleet::StartTrainer() {
                       ops::AwaitReadyFile(processes_, trainer.ready_file, "trainer", kReadyTimeout));
   ready.model_config = document.value("model_config", "");
   ready.tokenizer = document.value("tokenizer", "");
+  ready.max_sequence = std::max<int64_t>(ready.max_sequence, document.value("max_sequence", int64_t{0}));
   return ready;
 }
 
@@ -167,7 +168,7 @@ Status Fleet::StartRegion(const std::string& region, const TrainerReady& trainer
                    "--ready-file", worker.ready_file, "--model", trainer.model_config,
                    "--tokenizer", trainer.tokenizer, "--trainer", trainer_http_,
                    "--max-batch", std::to_string(config.fleet.worker_max_batch),
-                   "--max-sequence", "64",
+                   "--max-sequence", std::to_string(trainer.max_sequence),
                    "--actor-groups", std::to_string(actor_groups)};
     roles_[worker_name] = worker;
     order_.push_back(worker_name);

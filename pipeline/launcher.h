@@ -85,6 +85,7 @@ class Fleet {
     std::string publisher;  // host:port its publisher listens on
     std::string model_config;
     std::string tokenizer;
+    int64_t max_sequence = 64;  // what a worker's engine must hold: prompt + completion
   };
   Fleet(FleetOptions options);
   std::string RunFile(const std::string& name) const;  // <run_dir>/name

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <span>
 
@@ -80,36 +81,6 @@ class AddTask final : public Task {
 using nlohmann::json;
 using Line = nlohmann::ordered_json;
 
-// A task read from RL JSONL files: prompts rendered once at load, sampled uniformly.
-class FileTask final : public Task {
- public:
-  FileTask(std::vector<Problem> train, std::vector<Problem> eval)
-      : Task(TaskConfig{"files", 0, {}, {}}), train_(std::move(train)), eval_(std::move(eval)) {
-    for (const auto* part : {&train_, &eval_}) {
-      for (const Problem& p : *part) {
-        max_prompt_ = std::max<int>(max_prompt_, static_cast<int>(p.prompt.size()));
-        max_answer_ = std::max<int>(max_answer_, static_cast<int>(p.answer.size()));
-      }
-    }
-  }
-  int max_answer_chars() const override { return max_answer_; }
-  int max_prompt_chars() const override { return max_prompt_; }
-  Problem Sample(std::mt19937_64& rng, bool held_out) const override {
-    const std::vector<Problem>& part = held_out ? eval_ : train_;
-    return part[rng() % part.size()];
-  }
-  std::vector<Problem> HeldOut(size_t count, uint64_t) const override {
-    return std::vector<Problem>(eval_.begin(), eval_.begin() + std::min(count, eval_.size()));
-  }
-
- protected:
-  Problem Random(std::mt19937_64& rng) const override { return Sample(rng, false); }
-
- private:
-  std::vector<Problem> train_, eval_;
-  int max_prompt_ = 0, max_answer_ = 0;
-};
-
 // Why an RL line is unusable ("" when it is usable).
 std::string LineProblem(const Line& line) {
   if (!line.is_object()) return "not a JSON object";
@@ -129,36 +100,118 @@ std::string LineProblem(const Line& line) {
   return "";
 }
 
-// Reads the usable lines of `path` as problems; bad lines are warned (file:line) and counted.
-Status ReadProblems(const std::string& path, const PromptRenderer& render,
-                    const std::function<void(const std::string&)>& warn,
-                    std::vector<Problem>& out, size_t& skipped) {
+// One line of an RL file as a problem, or why it is unusable.
+Result<Problem> ParseProblem(const std::string& text, const PromptRenderer& render) {
+  Line line = Line::parse(text, nullptr, /*allow_exceptions=*/false);
+  const std::string why = line.is_discarded() ? "not JSON" : LineProblem(line);
+  if (!why.empty()) return Status::InvalidArgument(why);
+  Result<std::string> prompt = render(line["messages"]);
+  if (!prompt.ok()) return Status::InvalidArgument("the chat template cannot render it: " + prompt.status().message());
+  Problem problem;
+  problem.prompt = std::move(*prompt);
+  // The grader sees the line as it was (plain json: the grading library's type).
+  problem.messages = json::parse(line["messages"].dump());
+  problem.fields = json::object();
+  for (const auto& [key, value] : line.items()) {
+    if (key != "messages") problem.fields[key] = json::parse(value.dump());
+  }
+  if (const auto answer = line.find("answer"); answer != line.end())
+    problem.answer = answer->is_string() ? answer->get<std::string>() : answer->dump();
+  return problem;
+}
+
+// The usable lines of one RL file, by byte offset: the file is read once at load (to check
+// and measure every line) and then line by line as prompts are drawn, never held whole.
+struct LineIndex {
+  std::string path;
+  std::vector<uint64_t> offsets;
+};
+
+// A task read from RL JSONL files; prompts are drawn uniformly from the line index and read
+// back (and rendered) when drawn.
+class FileTask final : public Task {
+ public:
+  FileTask(LineIndex train, LineIndex eval, PromptRenderer render, int max_prompt, int max_answer)
+      : Task(TaskConfig{"files", 0, {}, {}}),
+        train_(std::move(train)),
+        eval_(std::move(eval)),
+        render_(std::move(render)),
+        max_prompt_(max_prompt),
+        max_answer_(max_answer) {}
+  int max_answer_chars() const override { return max_answer_; }
+  int max_prompt_chars() const override { return max_prompt_; }
+  Problem Sample(std::mt19937_64& rng, bool held_out) const override {
+    const LineIndex& part = held_out ? eval_ : train_;
+    const size_t first = rng() % part.offsets.size();
+    // A line that no longer reads back (the file changed under the run) is passed over.
+    for (size_t i = 0; i < part.offsets.size(); ++i) {
+      Result<Problem> problem = Read(part, (first + i) % part.offsets.size());
+      if (problem.ok()) return std::move(*problem);
+    }
+    Problem none;
+    none.prompt = "";
+    return none;
+  }
+  std::vector<Problem> HeldOut(size_t count, uint64_t) const override {
+    std::vector<Problem> problems;
+    for (size_t i = 0; i < eval_.offsets.size() && problems.size() < count; ++i) {
+      Result<Problem> problem = Read(eval_, i);
+      if (problem.ok()) problems.push_back(std::move(*problem));
+    }
+    return problems;
+  }
+
+ protected:
+  Problem Random(std::mt19937_64& rng) const override { return Sample(rng, false); }
+
+ private:
+  Result<Problem> Read(const LineIndex& part, size_t index) const {
+    std::lock_guard lock(mu_);
+    std::ifstream& in = &part == &train_ ? train_in_ : eval_in_;
+    if (!in.is_open()) in.open(part.path, std::ios::binary);
+    in.clear();
+    in.seekg(static_cast<std::streamoff>(part.offsets[index]));
+    std::string text;
+    if (!std::getline(in, text)) return Status::IOError("cannot read " + part.path + " again");
+    return ParseProblem(text, render_);
+  }
+
+  LineIndex train_, eval_;
+  PromptRenderer render_;
+  int max_prompt_ = 0, max_answer_ = 0;
+  mutable std::mutex mu_;
+  mutable std::ifstream train_in_, eval_in_;  // GUARDED_BY(mu_)
+};
+
+struct IndexedLines {
+  LineIndex train, eval;
+  int max_prompt = 0, max_answer = 0;
+  size_t skipped = 0;
+};
+
+// Indexes the usable lines of `path` into `train` (or, with `split`, those whose prompt
+// IsHeldOut into `eval`); bad lines are warned (file:line) and counted.
+Status IndexProblems(const std::string& path, const PromptRenderer& render,
+                     const std::function<void(const std::string&)>& warn, bool split,
+                     LineIndex& train, LineIndex& eval, IndexedLines& out) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::InvalidArgument("cannot read dataset " + path);
+  train.path = eval.path = path;
   std::string text;
+  uint64_t offset = 0;
   for (size_t number = 1; std::getline(in, text); ++number) {
+    const uint64_t at = offset;
+    offset += text.size() + 1;
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(number);
-    Line line = Line::parse(text, nullptr, /*allow_exceptions=*/false);
-    std::string why = line.is_discarded() ? "not JSON" : LineProblem(line);
-    Result<std::string> prompt = why.empty() ? render(line["messages"]) : Result<std::string>("");
-    if (why.empty() && !prompt.ok()) why = "the chat template cannot render it: " + prompt.status().message();
-    if (!why.empty()) {
-      ++skipped;
-      if (warn) warn(where + ": skipped: " + why);
+    Result<Problem> problem = ParseProblem(text, render);
+    if (!problem.ok()) {
+      ++out.skipped;
+      if (warn) warn(path + ":" + std::to_string(number) + ": skipped: " + problem.status().message());
       continue;
     }
-    Problem problem;
-    problem.prompt = std::move(*prompt);
-    // The grader sees the line as it was (plain json: the grading library's type).
-    problem.messages = json::parse(line["messages"].dump());
-    problem.fields = json::object();
-    for (const auto& [key, value] : line.items()) {
-      if (key != "messages") problem.fields[key] = json::parse(value.dump());
-    }
-    if (const auto answer = line.find("answer"); answer != line.end())
-      problem.answer = answer->is_string() ? answer->get<std::string>() : answer->dump();
-    out.push_back(std::move(problem));
+    out.max_prompt = std::max<int>(out.max_prompt, static_cast<int>(problem->prompt.size()));
+    out.max_answer = std::max<int>(out.max_answer, static_cast<int>(problem->answer.size()));
+    (split && Task::IsHeldOut(problem->prompt) ? eval : train).offsets.push_back(at);
   }
   if (in.bad()) return Status::IOError("cannot read dataset " + path);
   return Status::Ok();
@@ -170,22 +223,17 @@ Result<std::unique_ptr<Task>> Task::FromFiles(const std::string& train, const st
                                               const PromptRenderer& render,
                                               const std::function<void(const std::string&)>& warn,
                                               TaskFileCounts* counts) {
-  std::vector<Problem> train_part, eval_part;
-  size_t skipped = 0;
-  FW_RETURN_IF_ERROR(ReadProblems(train, render, warn, train_part, skipped));
-  if (!eval.empty()) {
-    FW_RETURN_IF_ERROR(ReadProblems(eval, render, warn, eval_part, skipped));
-  } else {
-    std::vector<Problem> kept;
-    for (Problem& p : train_part) (IsHeldOut(p.prompt) ? eval_part : kept).push_back(std::move(p));
-    train_part = std::move(kept);
-  }
-  if (train_part.empty()) return Status::InvalidArgument("dataset " + train + " has no usable training line");
-  if (eval_part.empty()) {
+  IndexedLines lines;
+  LineIndex unused;
+  FW_RETURN_IF_ERROR(IndexProblems(train, render, warn, /*split=*/eval.empty(), lines.train, lines.eval, lines));
+  if (!eval.empty()) FW_RETURN_IF_ERROR(IndexProblems(eval, render, warn, false, lines.eval, unused, lines));
+  if (lines.train.offsets.empty()) return Status::InvalidArgument("dataset " + train + " has no usable training line");
+  if (lines.eval.offsets.empty()) {
     return Status::InvalidArgument("no usable held-out line (" + (eval.empty() ? train : eval) + ")");
   }
-  if (counts) *counts = {train_part.size(), eval_part.size(), skipped};
-  return std::unique_ptr<Task>(new FileTask(std::move(train_part), std::move(eval_part)));
+  if (counts) *counts = {lines.train.offsets.size(), lines.eval.offsets.size(), lines.skipped};
+  return std::unique_ptr<Task>(new FileTask(std::move(lines.train), std::move(lines.eval), render,
+                                            lines.max_prompt, lines.max_answer));
 }
 
 Result<std::unique_ptr<Task>> Task::Create(const TaskConfig& config) {

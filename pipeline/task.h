@@ -15,7 +15,9 @@
 // (`{"messages": [{"role": "user", "content": prompt}], "answer": "..."}`), the held-out
 // part as another, and optionally SFT examples (`{"messages": [user, assistant]}`);
 // Task::FromFiles reads such files back as a task whose prompts are the lines' messages
-// rendered by the model's chat template and whose answers are their "answer" fields.
+// rendered by the model's chat template and whose answers are their "answer" fields. The
+// files are read once to check every line, then kept as byte offsets of the usable lines
+// (8 bytes a line): a prompt is read back and rendered when it is drawn.
 #pragma once
 
 #include <cstdint>

@@ -423,7 +423,9 @@ Status TrainerServices::WriteReadyFile(const std::string& path, const RunSetup& 
                       {"http", "127.0.0.1:" + std::to_string(impl_->http->port())},
                       {"publisher_http", "127.0.0.1:" + std::to_string(impl_->publisher->http_port())},
                       {"model_config", setup.model_config_path},
-                      {"tokenizer", setup.worker_tokenizer}};
+                      {"tokenizer", setup.worker_tokenizer},
+                      // BOS + the longest prompt + a completion, and one spare position.
+                      {"max_sequence", setup.max_prompt_tokens + setup.max_tokens + 1}};
   return WriteText(path, ready.dump());
 }
 

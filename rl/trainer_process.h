@@ -86,7 +86,7 @@ class TrainerServices {
   uint16_t http_port() const;
   // The publisher's status (its counters are read on the I/O thread); blocks until answered.
   sync::PublisherStatus PublisherStatusNow();
-  // Writes {"listen","http","publisher_http","model_config","tokenizer"} to `path`
+  // Writes {"listen","http","publisher_http","model_config","tokenizer","max_sequence"} to `path`
   // atomically: the fleet launcher waits for this file.
   Status WriteReadyFile(const std::string& path, const RunSetup& setup) const;
 

@@ -214,6 +214,21 @@ TEST_F(TaskFilesTest, BadLinesAreSkippedByFileAndLineAndAnEmptyFileStops) {
   EXPECT_NE(missing.status().message().find("absent.jsonl"), std::string::npos);
 }
 
+TEST_F(TaskFilesTest, LinesAreReadBackWhenDrawnNotHeldInMemory) {
+  // The task keeps byte offsets only: a line rewritten in place (same length) is drawn as
+  // it reads now.
+  Write("stream.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"12>\"}], \"answer\": \"12\"}\n");
+  Write("stream_eval.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"31>\"}], \"answer\": \"13\"}\n");
+  auto task = Task::FromFiles(Path("stream.jsonl"), Path("stream_eval.jsonl"), LastContent(), nullptr);
+  ASSERT_TRUE(task.ok()) << task.status().ToString();
+  std::mt19937_64 rng(1);
+  EXPECT_EQ((*task)->Sample(rng, false).prompt, "12>");
+  Write("stream.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"21>\"}], \"answer\": \"12\"}\n");
+  EXPECT_EQ((*task)->Sample(rng, false).prompt, "21>");
+  EXPECT_EQ((*task)->HeldOut(5, 0).size(), 1u);
+  EXPECT_EQ((*task)->HeldOut(5, 0)[0].answer, "13");
+}
+
 TEST_F(TaskFilesTest, WithoutAnEvalFileEveryEighthPromptIsHeldOut) {
   TaskFilesOptions options;
   options.task = {"sort", 6};
