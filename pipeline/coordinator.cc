@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <future>
 #include <limits>
 #include <utility>
 
@@ -125,14 +126,17 @@ Result<ClaimAnswer> Coordinator::Claim(const ClaimRequest& request) {
   for (int64_t i = 0; i < count; ++i) {
     const uint64_t id = (epoch_ << 20) + next_claim_++;
     Problem problem = NextProblem();
-    answer.groups.push_back({id, problem.prompt, problem.answer});
-    leases_[id] = Lease{std::move(problem), worker, incarnation, now + options_.lease};
+    ClaimedGroup claimed{id, problem.prompt, problem.answer, nullptr};
+    if (options_.max_turns > 1) claimed.messages = GradingSample(problem, "", "").messages;
+    answer.groups.push_back(std::move(claimed));
+    leases_[id] = Lease{std::move(problem), worker, incarnation, now + options_.lease, {}};
     ++stats_.claims;
   }
   answer.trainer_version = next;
   answer.group_size = options_.group_size;
   answer.temperature = options_.temperature;
   answer.max_tokens = options_.max_tokens;
+  answer.max_turns = options_.max_turns;
   return answer;
 }
 
@@ -151,13 +155,19 @@ Status Coordinator::ValidateGroup(const std::vector<Sample>& samples) const {
       return Status::InvalidArgument(where + "empty prompt or tokens, or logprobs/versions of "
                                              "another length than tokens");
     }
-    if (static_cast<int64_t>(sample.tokens.size()) > options_.max_tokens ||
+    const bool episodes = options_.max_turns > 1;
+    if (episodes != !sample.mask.empty() || (episodes && sample.mask.size() != sample.tokens.size())) {
+      return Status::InvalidArgument(where + (episodes ? "a multi-turn sample needs a mask as long as its tokens"
+                                                       : "a mask is for multi-turn samples only"));
+    }
+    const int64_t limit = episodes ? options_.max_episode_tokens : options_.max_tokens;
+    if (static_cast<int64_t>(sample.tokens.size()) > limit ||
         (options_.max_prompt_tokens > 0 &&
          static_cast<int64_t>(sample.prompt_tokens.size()) > options_.max_prompt_tokens)) {
       return Status::InvalidArgument(where + "longer than the claim allows (" +
                                      std::to_string(sample.prompt_tokens.size()) + " prompt + " +
                                      std::to_string(sample.tokens.size()) + " generated tokens; at most " +
-                                     std::to_string(options_.max_tokens) + " generated)");
+                                     std::to_string(limit) + " generated)");
     }
     for (const auto* ids : {&sample.prompt_tokens, &sample.tokens}) {
       for (int32_t id : *ids) {
@@ -237,9 +247,31 @@ SubmitAnswer Coordinator::Submit(SubmitRequest request) {
   group.problem = std::move(lease->second.problem);
   group.worker = request.worker;
   group.samples = std::move(request.samples);
+  std::vector<Episode> episodes = std::move(lease->second.episodes);
   leases_.erase(lease);
   ++stats_.groups_accepted;
   ++stats_.groups_by_worker[request.worker];
+  if (options_.max_turns > 1) {
+    // The rewards are the environment's, kept at each episode's last turn.
+    std::vector<std::optional<double>> rewards(group.samples.size());
+    for (size_t i = 0; i < group.samples.size(); ++i) {
+      Sample& sample = group.samples[i];
+      if (i < episodes.size() && episodes[i].done) {
+        rewards[i] = episodes[i].reward;
+        stats_.episode_turns += static_cast<uint64_t>(episodes[i].turns);
+      }
+      if (rewards[i]) {
+        sample.reward = *rewards[i];
+        ++stats_.samples_graded;
+      } else {
+        ++stats_.samples_ungraded;
+      }
+      ++stats_.episodes;
+      for (uint8_t m : sample.mask) ++(m ? stats_.episode_model_tokens : stats_.episode_env_tokens);
+    }
+    Admit(std::move(group), rewards);
+    return SubmitAnswer::Accepted();
+  }
   if (options_.grader != nullptr) {
     const uint64_t claim = group.claim;
     Grading& grading = grading_[claim];
@@ -336,6 +368,115 @@ void Coordinator::Admit(Group group, const std::vector<std::optional<double>>& r
 Status Coordinator::failure() const {
   std::lock_guard lock(mutex_);
   return failure_;
+}
+
+Result<std::string> Coordinator::HandleTurn(std::string_view body) {
+  if (options_.max_turns <= 1 || options_.grader == nullptr) {
+    return Status::InvalidArgument("this run has no multi-turn environment (grading.max_turns = 1)");
+  }
+  Result<TurnRequest> parsed = ParseTurnRequest(body);
+  if (!parsed.ok()) return Status::InvalidArgument("bad " + parsed.status().message());
+  TurnRequest& request = *parsed;
+  struct Pending {
+    int64_t index;
+    std::string text;
+    std::future<grading::Outcome> outcome;
+  };
+  std::vector<Pending> pending;
+  std::vector<grading::Sample> samples;
+  {
+    std::lock_guard lock(mutex_);
+    auto lease = leases_.find(request.claim);
+    if (lease == leases_.end() || lease->second.worker != request.worker ||
+        lease->second.incarnation != request.incarnation) {
+      return Status::InvalidArgument("claim " + std::to_string(request.claim) + " is not out to this worker");
+    }
+    Lease& held = lease->second;
+    if (held.episodes.empty()) {
+      const nlohmann::json prompt = GradingSample(held.problem, "", "").messages;
+      held.episodes.assign(static_cast<size_t>(options_.group_size), Episode{prompt, 0, false, std::nullopt});
+    }
+    for (const TurnRequest::Item& item : request.samples) {
+      if (item.index < 0 || item.index >= static_cast<int64_t>(held.episodes.size()) ||
+          held.episodes[item.index].done) {
+        return Status::InvalidArgument("turn of claim " + std::to_string(request.claim) + ": sample " +
+                                       std::to_string(item.index) + " is out of range or its episode is over");
+      }
+      if (static_cast<int64_t>(item.tokens.size()) > options_.max_tokens) {
+        return Status::InvalidArgument("turn of claim " + std::to_string(request.claim) + ": sample " +
+                                       std::to_string(item.index) + " has more than max_tokens tokens");
+      }
+      for (int32_t id : item.tokens) {
+        if (id < 0 || id >= options_.vocab_size) return Status::InvalidArgument("turn: token id outside the vocabulary");
+      }
+      const Episode& episode = held.episodes[item.index];
+      samples.push_back(GradingSample(held.problem, std::to_string(request.claim) + "/" + std::to_string(item.index),
+                                      "", static_cast<int64_t>(item.tokens.size())));
+      samples.back().messages = episode.conversation;
+    }
+  }
+  // Decoded and graded outside the lock.
+  for (size_t i = 0; i < samples.size(); ++i) {
+    Pending p{request.samples[i].index, "", {}};
+    Result<std::string> text = options_.decode ? options_.decode(request.samples[i].tokens)
+                                               : Result<std::string>(Status::Internal("no decoder"));
+    if (text.ok()) {
+      p.text = *text;
+      samples[i].completion = std::move(*text);
+      p.outcome = options_.grader->Submit(std::move(samples[i]));
+    } else {
+      std::promise<grading::Outcome> undecodable;
+      undecodable.set_value(grading::Outcome::Ungraded("the completion does not decode: " + text.status().message()));
+      p.outcome = undecodable.get_future();
+    }
+    pending.push_back(std::move(p));
+  }
+  std::vector<grading::Outcome> outcomes;
+  for (Pending& p : pending) outcomes.push_back(p.outcome.get());  // each bounded by the grader's timeout
+
+  std::lock_guard lock(mutex_);
+  auto lease = leases_.find(request.claim);
+  if (lease == leases_.end()) {
+    return Status::InvalidArgument("claim " + std::to_string(request.claim) + " lapsed while its turn was graded");
+  }
+  TurnAnswer answer;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    Episode& episode = lease->second.episodes[pending[i].index];
+    grading::Outcome& outcome = outcomes[i];
+    ++episode.turns;
+    episode.conversation.push_back({{"role", "assistant"}, {"content", pending[i].text}});
+    TurnOutcome out;
+    out.index = pending[i].index;
+    if (outcome.kind == grading::OutcomeKind::kContinue && episode.turns >= options_.max_turns) {
+      ++stats_.episodes_max_turns;
+      outcome = grading::Outcome::Ungraded("the episode is still going after max_turns = " +
+                                           std::to_string(options_.max_turns));
+    }
+    switch (outcome.kind) {
+      case grading::OutcomeKind::kReward:
+        episode.done = true;
+        episode.reward = outcome.reward;
+        out.kind = "reward";
+        out.reward = outcome.reward;
+        break;
+      case grading::OutcomeKind::kContinue:
+        for (const nlohmann::json& message : outcome.messages) episode.conversation.push_back(message);
+        out.kind = "continue";
+        out.messages = outcome.messages;
+        break;
+      case grading::OutcomeKind::kFailed:
+        if (failure_.ok()) failure_ = Status::Unavailable(outcome.reason);
+        [[fallthrough]];
+      default:
+        episode.done = true;
+        out.kind = "ungraded";
+        out.reason = outcome.reason;
+        break;
+    }
+    answer.samples.push_back(std::move(out));
+  }
+  if (!failure_.ok()) changed_.notify_all();
+  return ToJson(answer);
 }
 
 Result<std::string> Coordinator::HandleClaim(std::string_view body) {

@@ -89,6 +89,13 @@ struct CoordinatorOptions {
   // with a grader.
   std::function<Result<std::string>(const std::vector<int32_t>& tokens)> decode;
   bool zero_variance_filter = false;
+  // Multi-turn environments (> 1; needs a grader): the worker sends each turn's completions
+  // to HandleTurn, which asks the grader (the environment) and answers a reward or the
+  // messages to continue with; an episode still going after max_turns is ungraded. A
+  // submitted sample then holds every turn (model and environment tokens, `mask`), at most
+  // max_episode_tokens of them.
+  int64_t max_turns = 1;
+  int64_t max_episode_tokens = 1024;
   // The clock leases, TakeBatch deadlines and worker liveness are measured on (its
   // SteadyNow and WaitUntil). Tests pass a ManualClock and advance it instead of sleeping.
   // REQUIRES: outlives the Coordinator.
@@ -110,6 +117,12 @@ struct CoordinatorStats {
   uint64_t groups_zero_variance = 0;      // dropped: all graded rewards equal
   uint64_t groups_too_few_graded = 0;     // dropped: fewer than 2 graded samples
   uint64_t groups_grading = 0;            // at the grader now
+  // Multi-turn episodes (submitted).
+  uint64_t episodes = 0;
+  uint64_t episode_turns = 0;             // model turns over those episodes
+  uint64_t episode_env_tokens = 0;        // environment tokens (masked out of the loss)
+  uint64_t episode_model_tokens = 0;
+  uint64_t episodes_max_turns = 0;        // ungraded: still going after max_turns
   std::map<std::string, uint64_t> groups_by_worker;  // accepted groups per worker
   std::map<std::string, uint64_t> leases_by_worker;  // claims out now, per worker
 };
@@ -137,6 +150,12 @@ class Coordinator {
   // its claim as Submit does.
   Result<std::string> HandleClaim(std::string_view body);
   std::string HandleSubmit(std::string_view body);
+  // POST /v1/rollout/turn (multi-turn): grades this turn of the claim's live episodes and
+  // answers each with its reward, the messages to continue with, or why it is ungraded.
+  // Blocks until the grader answered (each sample within its timeout). InvalidArgument for
+  // a request that does not parse, a claim that is not out to this worker, an index out of
+  // range or of a finished episode, or max_turns = 1.
+  Result<std::string> HandleTurn(std::string_view body);
 
   // The trainer's version (what it trains on now); claims and admission follow it.
   void SetVersion(uint64_t version);
@@ -166,11 +185,18 @@ class Coordinator {
   std::vector<Synced> TakeSynced();
 
  private:
+  struct Episode {
+    nlohmann::json conversation;  // the prompt messages, then every turn so far
+    int64_t turns = 0;
+    bool done = false;
+    std::optional<double> reward;  // done: the environment's reward, or nullopt (ungraded)
+  };
   struct Lease {
     Problem problem;
     std::string worker;
     std::string incarnation;
     Clock::time_point expires;
+    std::vector<Episode> episodes;  // multi-turn: one per sample, from the first turn
   };
   void ExpireLeases(Clock::time_point now);  // REQUIRES: mutex_
   Problem NextProblem();                      // REQUIRES: mutex_

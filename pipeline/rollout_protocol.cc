@@ -58,6 +58,7 @@ constexpr const char* Want(const int32_t*) { return "an array of int32"; }
 constexpr const char* Want(const int64_t*) { return "an array of integers"; }
 constexpr const char* Want(const uint64_t*) { return "an array of non-negative integers"; }
 constexpr const char* Want(const float*) { return "an array of numbers"; }
+constexpr const char* Want(const uint8_t*) { return "an array of 0 and 1"; }
 
 // Reads object[key] into `out`. Absent: `required` fails, else `out` keeps its default.
 template <class T>
@@ -98,6 +99,10 @@ Result<RolloutSample> ParseSample(const json& s, const std::string& where) {
   FW_RETURN_IF_ERROR(Field(s, "versions", sample.versions, true, where));
   FW_RETURN_IF_ERROR(Field(s, "reward", sample.reward, true, where));
   FW_RETURN_IF_ERROR(Field(s, "routing", sample.routing, false, where));
+  FW_RETURN_IF_ERROR(Field(s, "mask", sample.mask, false, where));
+  for (uint8_t m : sample.mask) {
+    if (m > 1) return Bad(where, "mask", Want(static_cast<const uint8_t*>(nullptr)));
+  }
   if (!sample.routing.empty()) {
     FW_RETURN_IF_ERROR(Field(s, "routing_shape", sample.routing_shape, false, where));
     if (sample.routing_shape.size() != 3) {
@@ -141,13 +146,16 @@ std::string ToJson(const ClaimAnswer& a) {
     case ClaimAnswer::Kind::kOk: {
       json groups = json::array();
       for (const ClaimedGroup& g : a.groups) {
-        groups.push_back({{"claim", g.claim}, {"prompt", g.prompt}, {"answer", g.answer}});
+        json group = {{"claim", g.claim}, {"prompt", g.prompt}, {"answer", g.answer}};
+        if (g.messages.is_array()) group["messages"] = g.messages;
+        groups.push_back(std::move(group));
       }
       out["trainer_version"] = a.trainer_version;
       out["groups"] = std::move(groups);
       out["group_size"] = a.group_size;
       out["temperature"] = a.temperature;
       out["max_tokens"] = a.max_tokens;
+      if (a.max_turns > 1) out["max_turns"] = a.max_turns;
       break;
     }
     case ClaimAnswer::Kind::kWait:
@@ -172,6 +180,7 @@ std::string ToJson(const SubmitRequest& r) {
       sample["routing"] = s.routing;
       sample["routing_shape"] = s.routing_shape;
     }
+    if (!s.mask.empty()) sample["mask"] = s.mask;
     samples.push_back(std::move(sample));
   }
   return json{{"worker", r.worker},
@@ -221,8 +230,9 @@ Result<ClaimAnswer> ParseClaimAnswer(std::string_view body) {
   FW_RETURN_IF_ERROR(Field(answer, "group_size", a.group_size, false, where));
   FW_RETURN_IF_ERROR(Field(answer, "temperature", a.temperature, false, where));
   FW_RETURN_IF_ERROR(Field(answer, "max_tokens", a.max_tokens, false, where));
-  if (a.group_size < 1 || a.max_tokens < 1) {
-    return Status::InvalidArgument(where + "group_size and max_tokens must be >= 1");
+  FW_RETURN_IF_ERROR(Field(answer, "max_turns", a.max_turns, false, where));
+  if (a.group_size < 1 || a.max_tokens < 1 || a.max_turns < 1) {
+    return Status::InvalidArgument(where + "group_size, max_tokens and max_turns must be >= 1");
   }
   auto groups = answer.find("groups");
   if (groups == answer.end() || !groups->is_array()) {
@@ -236,6 +246,13 @@ Result<ClaimAnswer> ParseClaimAnswer(std::string_view body) {
     FW_RETURN_IF_ERROR(Field(g, "claim", group.claim, true, at));
     FW_RETURN_IF_ERROR(Field(g, "prompt", group.prompt, true, at));
     FW_RETURN_IF_ERROR(Field(g, "answer", group.answer, true, at));
+    if (auto messages = g.find("messages"); messages != g.end()) {
+      if (!messages->is_array()) return Status::InvalidArgument(at + "\"messages\" must be an array");
+      group.messages = *messages;
+    }
+    if (a.max_turns > 1 && !group.messages.is_array()) {
+      return Status::InvalidArgument(at + "a multi-turn claim needs \"messages\"");
+    }
     a.groups.push_back(std::move(group));
   }
   return a;
@@ -263,6 +280,79 @@ Result<SubmitRequest> ParseSubmitRequest(std::string_view body) {
     r.samples.push_back(std::move(sample));
   }
   return r;
+}
+
+std::string ToJson(const TurnRequest& r) {
+  json samples = json::array();
+  for (const TurnRequest::Item& item : r.samples) samples.push_back({{"index", item.index}, {"tokens", item.tokens}});
+  return json{{"worker", r.worker}, {"incarnation", r.incarnation}, {"claim", r.claim}, {"samples", std::move(samples)}}
+      .dump();
+}
+
+std::string ToJson(const TurnAnswer& a) {
+  json samples = json::array();
+  for (const TurnOutcome& o : a.samples) {
+    json sample = {{"index", o.index}, {"kind", o.kind}};
+    if (o.kind == "reward") sample["reward"] = o.reward;
+    if (o.kind == "continue") sample["messages"] = o.messages;
+    if (o.kind == "ungraded") sample["reason"] = o.reason;
+    samples.push_back(std::move(sample));
+  }
+  return json{{"samples", std::move(samples)}}.dump();
+}
+
+Result<TurnRequest> ParseTurnRequest(std::string_view body) {
+  FW_ASSIGN_OR_RETURN(json request, ParseObject(body, "turn request"));
+  const std::string where = "turn request: ";
+  TurnRequest r;
+  FW_RETURN_IF_ERROR(Field(request, "worker", r.worker, true, where));
+  FW_RETURN_IF_ERROR(Field(request, "incarnation", r.incarnation, false, where));
+  FW_RETURN_IF_ERROR(Field(request, "claim", r.claim, true, where));
+  auto samples = request.find("samples");
+  if (samples == request.end() || !samples->is_array()) {
+    return Status::InvalidArgument(where + "\"samples\" must be an array");
+  }
+  for (size_t i = 0; i < samples->size(); ++i) {
+    const json& s = (*samples)[i];
+    const std::string at = where + "sample " + std::to_string(i) + ": ";
+    if (!s.is_object()) return Status::InvalidArgument(at + "not an object");
+    TurnRequest::Item item;
+    FW_RETURN_IF_ERROR(Field(s, "index", item.index, true, at));
+    FW_RETURN_IF_ERROR(Field(s, "tokens", item.tokens, true, at));
+    r.samples.push_back(std::move(item));
+  }
+  return r;
+}
+
+Result<TurnAnswer> ParseTurnAnswer(std::string_view body) {
+  FW_ASSIGN_OR_RETURN(json answer, ParseObject(body, "turn answer"));
+  const std::string where = "turn answer: ";
+  auto samples = answer.find("samples");
+  if (samples == answer.end() || !samples->is_array()) {
+    return Status::InvalidArgument(where + "\"samples\" must be an array");
+  }
+  TurnAnswer a;
+  for (size_t i = 0; i < samples->size(); ++i) {
+    const json& s = (*samples)[i];
+    const std::string at = where + "sample " + std::to_string(i) + ": ";
+    if (!s.is_object()) return Status::InvalidArgument(at + "not an object");
+    TurnOutcome o;
+    FW_RETURN_IF_ERROR(Field(s, "index", o.index, true, at));
+    FW_RETURN_IF_ERROR(Field(s, "kind", o.kind, true, at));
+    if (o.kind == "reward") {
+      FW_RETURN_IF_ERROR(Field(s, "reward", o.reward, true, at));
+    } else if (o.kind == "continue") {
+      auto messages = s.find("messages");
+      if (messages == s.end() || !messages->is_array()) return Status::InvalidArgument(at + "\"messages\" must be an array");
+      o.messages = *messages;
+    } else if (o.kind == "ungraded") {
+      FW_RETURN_IF_ERROR(Field(s, "reason", o.reason, false, at));
+    } else {
+      return Status::InvalidArgument(at + "unknown kind " + Quote(o.kind));
+    }
+    a.samples.push_back(std::move(o));
+  }
+  return a;
 }
 
 Result<SubmitAnswer> ParseSubmitAnswer(std::string_view body) {

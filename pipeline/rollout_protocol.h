@@ -15,6 +15,16 @@
 //                 "routing_shape"?: [rows, layers, top_k]}]}
 //   SubmitAnswer  {"accepted": true} | {"accepted": false, "reason"}
 //
+// Multi-turn environments (grading.max_turns > 1): a claim's groups also carry "messages"
+// (the prompt conversation) and the answer "max_turns"; after each turn the worker sends
+//   POST /v1/rollout/turn   TurnRequest {"worker", "incarnation", "claim", "samples":
+//                           [{"index", "tokens"}]}  (this turn's tokens of each live episode)
+//                           -> TurnAnswer {"samples": [{"index", "kind": "reward"|"continue"|
+//                           "ungraded", "reward"?, "messages"?, "reason"?}]}
+// and continues the episodes answered "continue" with the messages appended; its
+// submission's samples then carry "mask" (per token: 1 sampled by the model, 0 written by
+// the environment), and their rewards are the environment's, kept by the trainer.
+//
 // A claim request that does not parse is no ClaimAnswer: the trainer answers it as every
 // flywheel API answers an error, HTTP 400 {"error": {"code": "bad_request", "message"}}
 // (transport/api.h). A refused submission is an answer (accepted false, with the reason).
@@ -26,6 +36,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -46,6 +57,7 @@ struct ClaimedGroup {
   uint64_t claim = 0;
   std::string prompt;
   std::string answer;
+  nlohmann::json messages;  // multi-turn: the prompt conversation (an array); else null
 };
 
 struct ClaimAnswer {
@@ -56,7 +68,8 @@ struct ClaimAnswer {
   std::vector<ClaimedGroup> groups;
   int64_t group_size = 1;
   double temperature = 1.0;
-  int64_t max_tokens = 16;
+  int64_t max_tokens = 16;  // per turn
+  int64_t max_turns = 1;    // > 1: episodes with an environment (above)
   // kWait
   int64_t retry_ms = 50;
   // kWait
@@ -88,6 +101,33 @@ struct RolloutSample {
   std::vector<int32_t> routing;    // rows x layers x top_k, token-major (MoE), else empty
   std::vector<int64_t> routing_shape;  // {rows, layers, top_k} when routing is set
   double reward = 0;
+  // Multi-turn: per token, 1 when the model sampled it, 0 when the environment wrote it
+  // (its logprob 0, its version the one before); empty: every token is the model's.
+  std::vector<uint8_t> mask;
+};
+
+// One turn of a claim's live episodes.
+struct TurnRequest {
+  std::string worker;
+  std::string incarnation;
+  uint64_t claim = 0;
+  struct Item {
+    int64_t index = 0;            // the sample of the group
+    std::vector<int32_t> tokens;  // this turn's generated tokens
+  };
+  std::vector<Item> samples;
+};
+
+struct TurnOutcome {
+  int64_t index = 0;
+  std::string kind;         // "reward", "continue", "ungraded"
+  double reward = 0;        // reward
+  nlohmann::json messages;  // continue: the messages to append
+  std::string reason;       // ungraded
+};
+
+struct TurnAnswer {
+  std::vector<TurnOutcome> samples;
 };
 
 struct SubmitRequest {
@@ -109,12 +149,16 @@ std::string ToJson(const ClaimRequest& request);
 std::string ToJson(const ClaimAnswer& answer);
 std::string ToJson(const SubmitRequest& request);
 std::string ToJson(const SubmitAnswer& answer);
+std::string ToJson(const TurnRequest& request);
+std::string ToJson(const TurnAnswer& answer);
 
 // Each fails with InvalidArgument naming the field that is missing or wrong.
 Result<ClaimRequest> ParseClaimRequest(std::string_view body);
 Result<ClaimAnswer> ParseClaimAnswer(std::string_view body);
 Result<SubmitRequest> ParseSubmitRequest(std::string_view body);
 Result<SubmitAnswer> ParseSubmitAnswer(std::string_view body);
+Result<TurnRequest> ParseTurnRequest(std::string_view body);
+Result<TurnAnswer> ParseTurnAnswer(std::string_view body);
 
 // Only the submission's worker, incarnation and claim (samples left empty): what a receiver
 // needs to close the claim of a submission whose samples do not parse.

@@ -53,6 +53,8 @@ void ForEachField(Config& c, F&& f) {
   f("grading", "timeout_s", FieldRef(&c.grading.timeout_s));
   f("grading", "max_failures", FieldRef(&c.grading.max_failures));
   f("grading", "max_in_flight", FieldRef(&c.grading.max_in_flight));
+  f("grading", "max_turns", FieldRef(&c.grading.max_turns));
+  f("grading", "max_episode_tokens", FieldRef(&c.grading.max_episode_tokens));
   f("sft", "dataset", FieldRef(&c.sft.dataset));
   f("sft", "steps", FieldRef(&c.sft.steps));
   f("sft", "batch_size", FieldRef(&c.sft.batch_size));
@@ -254,6 +256,12 @@ Status RunConfig::Validate() const {
   if (grading.max_failures < 1) return bad("grading.max_failures", grading.max_failures, "must be at least 1");
   if (grading.max_in_flight < 1 || grading.max_in_flight > 65536)
     return bad("grading.max_in_flight", grading.max_in_flight, "must be in 1..65536");
+  if (grading.max_turns < 1 || grading.max_turns > 64)
+    return bad("grading.max_turns", grading.max_turns, "must be in 1..64");
+  if (grading.max_turns > 1 && grading.command.empty() && grading.url.empty())
+    return bad("grading.max_turns", grading.max_turns, "needs an external environment (grading.command or url)");
+  if (grading.max_episode_tokens < 2 || grading.max_episode_tokens > 1 << 20)
+    return bad("grading.max_episode_tokens", grading.max_episode_tokens, "must be in 2..1048576");
   if (!graders.empty()) {
     Result<std::shared_ptr<const grading::Grader>> loaded = grading::LoadBuiltinGraders(graders);
     if (!loaded.ok()) return Status::InvalidArgument("[[grader]]: " + loaded.status().message());

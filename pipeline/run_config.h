@@ -21,7 +21,9 @@
 //                kl_coef (KL penalty against the policy RL started from; 0: none)
 //   [grading]    command (an external grader process, docs/GRADERS.md), url (one over
 //                HTTP), timeout_s (per sample), max_failures (ungraded in a row before the
-//                run stops), max_in_flight; neither command nor url: the [[grader]] tables
+//                run stops), max_in_flight, max_turns (> 1: an environment that may answer
+//                with messages; docs/GRADERS.md), max_episode_tokens; neither command nor
+//                url: the [[grader]] tables
 //   [[grader]]   built-in graders, summed by weight: type, weight, name, and the type's
 //                parameters (docs/GRADERS.md); none at all: exact_match against "answer"
 //   [sft]        dataset (JSONL, OpenAI chat format), steps, batch_size, lr
@@ -82,6 +84,8 @@ struct RunConfig {
     double timeout_s = 30;
     int64_t max_failures = 20;
     int64_t max_in_flight = 64;
+    int64_t max_turns = 1;             // > 1: the grader is a multi-turn environment
+    int64_t max_episode_tokens = 1024;  // model and environment tokens of one episode
   } grading;
   // The [[grader]] tables in order (empty: exact_match against "answer" unless grading
   // names a command or url).

@@ -211,7 +211,7 @@ void RunSummary::AddRows(const std::vector<StepRow>& rows) {
   X(resumed)
 #define FW_SUMMARY_OPTIONAL_FIELDS(X)                                                   \
   X(eval_score) X(grader) X(samples_graded) X(samples_ungraded) X(groups_zero_variance) \
-  X(groups_too_few_graded) X(grader_restarts)
+  X(groups_too_few_graded) X(grader_restarts) X(episodes) X(episode_turns) X(episode_env_tokens)
 
 json RunSummary::ToJson() const {
   json out = json::object();

@@ -104,6 +104,9 @@ struct RunSummary {
   uint64_t groups_zero_variance = 0;  // dropped before the loss: all rewards equal
   uint64_t groups_too_few_graded = 0;
   uint64_t grader_restarts = 0;
+  uint64_t episodes = 0;            // multi-turn episodes trained or dropped
+  uint64_t episode_turns = 0;       // model turns over them
+  uint64_t episode_env_tokens = 0;  // environment tokens, masked out of the loss
 
   bool operator==(const RunSummary&) const = default;
 

@@ -39,7 +39,8 @@ trainer::Datum SampleToDatum(const pipeline::Sample& sample, double advantage, b
   d.advantages.assign(length, static_cast<float>(advantage));
   d.policy_versions.assign(length, sample.versions.empty() ? 0 : sample.versions.front());
   for (size_t j = 0; j < sample.tokens.size(); ++j) {
-    d.weights[first + j] = 1.0f;
+    // An environment's tokens (multi-turn, mask 0) are context, not the model's to learn.
+    d.weights[first + j] = sample.mask.empty() || sample.mask[j] ? 1.0f : 0.0f;
     d.logprobs[first + j] = sample.logprobs[j];
     d.policy_versions[first + j] = sample.versions[j];
   }

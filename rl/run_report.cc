@@ -109,6 +109,9 @@ pipeline::RunSummary MakeRunSummary(const SummaryInputs& in) {
   s.samples_ungraded = in.stats.samples_ungraded;
   s.groups_zero_variance = in.stats.groups_zero_variance;
   s.groups_too_few_graded = in.stats.groups_too_few_graded;
+  s.episodes = in.stats.episodes;
+  s.episode_turns = in.stats.episode_turns;
+  s.episode_env_tokens = in.stats.episode_env_tokens;
   s.AddRows(progress.rows);
   return s;
 }

@@ -88,6 +88,8 @@ pipeline::CoordinatorOptions MakeCoordinatorOptions(const pipeline::RunConfig& c
   c.num_experts = setup.model_config.num_experts;
   c.seed = static_cast<uint64_t>(config.run.seed) * 7919 + rows_done;
   c.zero_variance_filter = config.algorithm.zero_variance_filter;
+  c.max_turns = config.grading.max_turns;
+  c.max_episode_tokens = config.grading.max_episode_tokens;
   std::shared_ptr<const model::Tokenizer> tokenizer = setup.tokenizer;
   c.decode = [tokenizer](const std::vector<int32_t>& tokens) -> Result<std::string> {
     std::vector<int32_t> ids = tokens;
@@ -254,6 +256,8 @@ Result<RunSetup> PrepareRun(const TrainRunOptions& options) {
                                    " has no \"answer\" to size completions by: set algorithm.max_tokens");
   }
   setup.max_prompt_tokens = 1 + setup.task->max_prompt_chars();
+  setup.max_turns = config.grading.max_turns;
+  setup.max_episode_tokens = config.grading.max_episode_tokens;
   return setup;
 }
 
@@ -318,6 +322,18 @@ void TrainerServices::Impl::AddRoutes() {
         co_return transport::HttpResponse{200, "application/json", std::move(*answer)};
       },
       64 << 20, transport::kScopeSubmit);
+  http->RoutePost(
+      "/v1/rollout/turn",
+      [coordinator_ptr, pool](std::string, std::string body) -> transport::awaitable<transport::HttpResponse> {
+        // Waits for the environment: off the I/O thread, on the parse pool.
+        auto turn = [coordinator_ptr, body = std::move(body)] { return coordinator_ptr->HandleTurn(body); };
+        // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
+        transport::awaitable<std::optional<Result<std::string>>> call = transport::RunOn(*pool, std::move(turn));
+        std::optional<Result<std::string>> answer = co_await std::move(call);
+        if (!answer) co_return transport::ErrorResponse(Status::Unavailable("the trainer is stopping"));
+        co_return JsonAnswer(std::move(*answer));
+      },
+      16 << 20, transport::kScopeSubmit);
   transport::AddStatusRoutes(*http, [this] { return StatusJson(); }, ops::MetricsText);
 }
 
@@ -355,6 +371,11 @@ json ToJson(const TrainerStatus& s) {
   out["groups_zero_variance"] = c.groups_zero_variance;
   out["groups_too_few_graded"] = c.groups_too_few_graded;
   out["groups_grading"] = c.groups_grading;
+  out["episodes"] = c.episodes;
+  out["episode_turns"] = c.episode_turns;
+  out["episode_env_tokens"] = c.episode_env_tokens;
+  out["episode_model_tokens"] = c.episode_model_tokens;
+  out["episodes_max_turns"] = c.episodes_max_turns;
   return out;
 }
 
@@ -425,7 +446,8 @@ Status TrainerServices::WriteReadyFile(const std::string& path, const RunSetup& 
                       {"model_config", setup.model_config_path},
                       {"tokenizer", setup.worker_tokenizer},
                       // BOS + the longest prompt + a completion, and one spare position.
-                      {"max_sequence", setup.max_prompt_tokens + setup.max_tokens + 1}};
+                      {"max_sequence", setup.max_prompt_tokens + 1 +
+                                           (setup.max_turns > 1 ? setup.max_episode_tokens : setup.max_tokens)}};
   return WriteText(path, ready.dump());
 }
 

@@ -33,6 +33,8 @@ struct RunSetup {
   std::string model_config_path;  // <state>/config.json, as the workers load it
   int64_t max_tokens = 0;         // per answer: the task's longest answer + EOS
   int64_t max_prompt_tokens = 0;  // BOS + the longest prompt
+  int64_t max_turns = 1;           // grading.max_turns
+  int64_t max_episode_tokens = 0;  // grading.max_episode_tokens
   std::string init_weights;       // model.dir: the weights the trainer starts from
   std::string worker_tokenizer;   // the workers' --tokenizer: "chars:<alphabet>" or model.dir
 };

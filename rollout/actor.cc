@@ -6,6 +6,8 @@
 #include <random>
 
 #include "model/tokenizer.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/hf_tokenizer.h"
 #include "rollout/openai_api.h"
 #include "transport/api.h"
 #include "transport/http.h"
@@ -41,6 +43,13 @@ transport::HttpGetOptions Actor::HttpOptions() const {
 Actor::Actor(ActorOptions options, std::function<std::shared_ptr<CompletionService>()> service,
              std::shared_ptr<const model::Tokenizer> tokenizer)
     : options_(std::move(options)), service_(std::move(service)), tokenizer_(std::move(tokenizer)) {
+  if (const auto* hf = dynamic_cast<const tokenizer::HfTokenizer*>(tokenizer_.get());
+      hf != nullptr && !hf->chat_template().empty()) {
+    Result<tokenizer::ChatTemplate> parsed = tokenizer::ChatTemplate::Parse(hf->chat_template());
+    if (parsed.ok()) chat_ = std::make_shared<tokenizer::ChatTemplate>(std::move(*parsed));
+    bos_text_ = hf->bos_token();
+    eos_text_ = hf->eos_token();
+  }
   std::random_device device;
   incarnation_ = std::to_string(device()) + "-" + std::to_string(device());
   thread_ = std::thread([this] { Run(); });
@@ -151,6 +160,159 @@ std::vector<SubmitRequest> Actor::Sample(CompletionService& service, const Claim
   return submissions;
 }
 
+Result<std::string> Actor::Continuation(const nlohmann::json& conversation, const nlohmann::json& added,
+                                        const std::string& so_far) const {
+  if (!chat_) {
+    std::string text;
+    for (const nlohmann::json& message : added) {
+      if (message.contains("content") && message["content"].is_string()) text += message["content"].get<std::string>();
+    }
+    return text;
+  }
+  nlohmann::ordered_json messages = nlohmann::ordered_json::parse(conversation.dump());
+  for (const nlohmann::json& message : added) messages.push_back(nlohmann::ordered_json::parse(message.dump()));
+  const nlohmann::ordered_json context = {{"messages", messages}, {"add_generation_prompt", true},
+                                          {"bos_token", bos_text_}, {"eos_token", eos_text_}};
+  FW_ASSIGN_OR_RETURN(std::string rendered, chat_->Render(context));
+  if (rendered.compare(0, so_far.size(), so_far) != 0) {
+    return Status::NotFound("the chat template does not render the episode so far as a prefix");
+  }
+  return rendered.substr(so_far.size());
+}
+
+std::vector<SubmitRequest> Actor::SampleEpisodes(CompletionService& service, const ClaimAnswer& claim) {
+  struct Episode {
+    size_t submission = 0;
+    int64_t index = 0;
+    std::vector<int32_t> prompt, tokens;
+    std::vector<float> logprobs;
+    std::vector<uint64_t> versions;
+    std::vector<uint8_t> mask;
+    nlohmann::json conversation;  // as the trainer keeps it
+    std::string text;              // the sequence as text, specials kept (prompt text first)
+    size_t turn_start = 0;         // where this turn's model tokens begin in `tokens`
+    bool live = true;
+  };
+  SamplingParams params;
+  params.temperature = claim.temperature;
+  params.max_tokens = claim.max_tokens;
+  params.stop_tokens = {tokenizer_->eos()};
+  std::vector<SubmitRequest> submissions;
+  std::vector<Episode> episodes;
+  for (const pipeline::ClaimedGroup& group : claim.groups) {
+    Result<std::vector<int32_t>> prompt = tokenizer_->Encode(group.prompt);
+    if (!prompt.ok()) {
+      spdlog::warn("actor: prompt of claim {}: {}", group.claim, prompt.status().ToString());
+      continue;
+    }
+    if (prompt->empty() || prompt->front() != tokenizer_->bos()) prompt->insert(prompt->begin(), tokenizer_->bos());
+    submissions.push_back({.worker = options_.worker_id, .incarnation = incarnation_, .claim = group.claim});
+    for (int64_t i = 0; i < claim.group_size; ++i) {
+      Episode episode;
+      episode.submission = submissions.size() - 1;
+      episode.index = i;
+      episode.prompt = *prompt;
+      episode.conversation = group.messages;
+      episode.text = group.prompt;
+      episodes.push_back(std::move(episode));
+    }
+  }
+  for (int64_t turn = 0; turn < claim.max_turns; ++turn) {
+    std::vector<size_t> live;
+    std::vector<GenerationRequest> requests;
+    for (size_t e = 0; e < episodes.size(); ++e) {
+      if (!episodes[e].live) continue;
+      std::vector<int32_t> sequence = episodes[e].prompt;
+      sequence.insert(sequence.end(), episodes[e].tokens.begin(), episodes[e].tokens.end());
+      requests.push_back({std::move(sequence), params, ""});
+      live.push_back(e);
+    }
+    if (live.empty()) break;
+    Result<std::vector<GenerationResult>> results = service.Generate(std::move(requests));
+    if (!results.ok()) {
+      spdlog::warn("actor: generation failed: {}", results.status().ToString());
+      return {};  // the leases lapse and the prompts go to other workers
+    }
+    std::vector<pipeline::TurnRequest> turns(submissions.size());
+    for (size_t k = 0; k < live.size(); ++k) {
+      Episode& episode = episodes[live[k]];
+      GenerationResult& r = (*results)[k];
+      tokenizer::DecodeState state;
+      state.pieces = 1;  // mid-sequence: no leading-space stripping
+      state.strip_left = 0;
+      for (int32_t id : r.tokens) (void)tokenizer_->AppendPiece(id, /*skip_special_tokens=*/false, state, episode.text);
+      episode.turn_start = episode.tokens.size();
+      episode.tokens.insert(episode.tokens.end(), r.tokens.begin(), r.tokens.end());
+      episode.logprobs.insert(episode.logprobs.end(), r.logprobs.begin(), r.logprobs.end());
+      episode.versions.insert(episode.versions.end(), r.versions.begin(), r.versions.end());
+      episode.mask.insert(episode.mask.end(), r.tokens.size(), 1);
+      pipeline::TurnRequest& request = turns[episode.submission];
+      request.worker = options_.worker_id;
+      request.incarnation = incarnation_;
+      request.claim = submissions[episode.submission].claim;
+      request.samples.push_back({episode.index, r.tokens});
+    }
+    for (size_t sub = 0; sub < turns.size(); ++sub) {
+      if (turns[sub].samples.empty()) continue;
+      auto posted = transport::HttpPost(options_.trainer, "/v1/rollout/turn", ToJson(turns[sub]), HttpOptions());
+      Result<pipeline::TurnAnswer> answer =
+          !posted.ok() ? Result<pipeline::TurnAnswer>(posted.status())
+          : posted->status != 200
+              ? Result<pipeline::TurnAnswer>(Status::Unavailable(transport::DescribeErrorBody(posted->status, posted->body)))
+              : pipeline::ParseTurnAnswer(posted->body);
+      if (!answer.ok()) {
+        spdlog::warn("actor: turn of claim {}: {}", turns[sub].claim, answer.status().ToString());
+        for (Episode& episode : episodes) {
+          if (episode.submission == sub) episode.live = false;
+        }
+        continue;
+      }
+      for (const pipeline::TurnOutcome& outcome : answer->samples) {
+        for (Episode& episode : episodes) {
+          if (episode.submission != sub || episode.index != outcome.index || !episode.live) continue;
+          if (outcome.kind != "continue") {
+            episode.live = false;
+            break;
+          }
+          // The turn as the trainer decodes it (its end-of-sequence token stripped), so that
+          // both keep the same conversation.
+          std::vector<int32_t> turn_ids(episode.tokens.begin() + static_cast<std::ptrdiff_t>(episode.turn_start),
+                                        episode.tokens.end());
+          if (!turn_ids.empty() && turn_ids.back() == tokenizer_->eos()) turn_ids.pop_back();
+          Result<std::string> completion = tokenizer_->Decode(turn_ids);
+          if (completion.ok()) episode.conversation.push_back({{"role", "assistant"}, {"content", *completion}});
+          Result<std::string> added = completion.ok() ? Continuation(episode.conversation, outcome.messages, episode.text)
+                                                      : Result<std::string>(completion.status());
+          Result<std::vector<int32_t>> ids = added.ok() ? tokenizer_->Encode(*added) : Result<std::vector<int32_t>>(added.status());
+          if (!ids.ok()) {
+            spdlog::warn("actor: episode {} of claim {} ends: {}", episode.index, turns[sub].claim, ids.status().ToString());
+            episode.live = false;
+            break;
+          }
+          for (const nlohmann::json& message : outcome.messages) episode.conversation.push_back(message);
+          episode.text += *added;
+          const uint64_t version = episode.versions.empty() ? 0 : episode.versions.back();
+          episode.tokens.insert(episode.tokens.end(), ids->begin(), ids->end());
+          episode.logprobs.insert(episode.logprobs.end(), ids->size(), 0.0f);
+          episode.versions.insert(episode.versions.end(), ids->size(), version);
+          episode.mask.insert(episode.mask.end(), ids->size(), 0);
+          break;
+        }
+      }
+    }
+  }
+  for (Episode& episode : episodes) {
+    pipeline::RolloutSample sample{.prompt_tokens = std::move(episode.prompt),
+                                    .tokens = std::move(episode.tokens),
+                                    .logprobs = std::move(episode.logprobs),
+                                    .versions = std::move(episode.versions)};
+    sample.mask = std::move(episode.mask);
+    submissions[episode.submission].samples.push_back(std::move(sample));
+    ++stats_.samples;
+  }
+  return submissions;
+}
+
 Status Actor::PostSubmit(const SubmitRequest& submission) {
   const transport::HttpGetOptions http = HttpOptions();
   auto submitted = transport::HttpPost(options_.trainer, "/v1/rollout/submit", ToJson(submission), http);
@@ -171,7 +333,8 @@ Result<milliseconds> Actor::Round(CompletionService& service) {
   FW_ASSIGN_OR_RETURN(ClaimAnswer claim, PostClaim(service));
   if (claim.kind == ClaimAnswer::Kind::kWait) return milliseconds(claim.retry_ms);
   if (claim.kind == ClaimAnswer::Kind::kDone) return milliseconds(1000);
-  const std::vector<SubmitRequest> submissions = Sample(service, claim);
+  const std::vector<SubmitRequest> submissions =
+      claim.max_turns > 1 ? SampleEpisodes(service, claim) : Sample(service, claim);
   if (submissions.empty() && !claim.groups.empty()) return milliseconds(200);
   for (const SubmitRequest& submission : submissions) FW_RETURN_IF_ERROR(PostSubmit(submission));
   return milliseconds(0);

@@ -24,6 +24,7 @@
 
 namespace flywheel::tokenizer {
 class Tokenizer;
+class ChatTemplate;
 }  // namespace flywheel::tokenizer
 namespace flywheel::model {
 using tokenizer::Tokenizer;
@@ -71,12 +72,25 @@ class Actor {
   // empty vector when generation failed.
   std::vector<pipeline::SubmitRequest> Sample(CompletionService& service,
                                                const pipeline::ClaimAnswer& claim);
+  // Multi-turn (claim.max_turns > 1): every sample is an episode; after each turn the
+  // trainer's POST /v1/rollout/turn says reward, ungraded, or the environment's messages,
+  // which the chat template renders onto the sequence (masked out of the loss).
+  std::vector<pipeline::SubmitRequest> SampleEpisodes(CompletionService& service,
+                                                       const pipeline::ClaimAnswer& claim);
+  // The text the environment's messages add after `so_far` (the sequence as text so far):
+  // the conversation re-rendered by the chat template with a generation prompt, past
+  // `so_far`; without a template, the messages' contents. NotFound when the template does
+  // not render the conversation so far as a prefix (the episode then ends).
+  Result<std::string> Continuation(const nlohmann::json& conversation, const nlohmann::json& added,
+                                   const std::string& so_far) const;
   Status PostSubmit(const pipeline::SubmitRequest& submission);
   transport::HttpGetOptions HttpOptions() const;
 
   ActorOptions options_;
   std::function<std::shared_ptr<CompletionService>()> service_;
   std::shared_ptr<const model::Tokenizer> tokenizer_;
+  std::shared_ptr<const tokenizer::ChatTemplate> chat_;  // the tokenizer's, if it has one
+  std::string bos_text_, eos_text_;
   std::string incarnation_;
   ActorStats stats_;
   std::atomic<bool> stopping_{false};

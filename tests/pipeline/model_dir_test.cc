@@ -260,6 +260,49 @@ TEST_F(GradedRunTest, ABuiltInNumericGraderScoresTheRun) {
   EXPECT_NE(ReadText(dir_ / "run" / "run.toml").find("[[grader]]"), std::string::npos);
 }
 
+// A multi-turn environment written by the test: a "calculator" the model must call before
+// it answers. Its first turn is the call (whatever it says); the tool answers with the
+// sorted digits; the second turn is graded against them. The evaluation (single-turn,
+// greedy) gets its reward at once.
+TEST_F(GradedRunTest, ACalculatorEnvironmentRunsEpisodesOfTwoTurnsWithItsTokensMasked) {
+  const SortRunFiles files = MakeFiles();
+  std::ofstream(dir_ / "calc.py") << R"(import json, sys
+for line in sys.stdin:
+    request = json.loads(line)
+    digits = request["messages"][0]["content"].rstrip(">")
+    answer = "".join(sorted(digits))
+    called = any(m["role"] == "tool" for m in request["messages"])
+    if request["id"].startswith("eval/") or called:
+        reward = 1.0 if request["completion"] == answer else 0.0
+        print(json.dumps({"id": request["id"], "reward": reward}), flush=True)
+    else:
+        print(json.dumps({"id": request["id"], "messages": [{"role": "tool", "content": answer + ">"}]}), flush=True)
+)";
+  RunConfig config = GradedSortConfig(files);
+  config.grading.command = "python3 " + (dir_ / "calc.py").string();
+  config.grading.max_turns = 3;
+  config.grading.max_episode_tokens = 48;
+  config.algorithm.zero_variance_filter = false;  // every episode reaches the trainer
+  config.run.max_steps = 4;
+  config.run.time_limit_s = 60;
+  const Status run = RunFleet(config, dir_ / "run", std::chrono::seconds(180));
+  ASSERT_TRUE(run.ok()) << run.ToString();
+  const json summary = Summary(dir_ / "run");
+  ASSERT_TRUE(summary.is_object());
+  EXPECT_EQ(summary["steps"], 4);
+  const uint64_t episodes = summary["episodes"].get<uint64_t>();
+  EXPECT_GE(episodes, 4u * 4u * 8u);
+  // Two model turns a finished episode (the call, the answer), the tool's "ddd>" between
+  // them. An episode whose model wrote a special token mid-answer (<s>) ends ungraded: the
+  // template renders its turn without it, so the conversation is no longer a prefix.
+  const uint64_t graded = summary["samples_graded"].get<uint64_t>();
+  EXPECT_GE(graded, episodes * 3 / 4);
+  EXPECT_GE(summary["episode_turns"].get<uint64_t>(), 2 * graded);
+  EXPECT_GE(summary["episode_env_tokens"].get<uint64_t>(), 4 * graded);
+  std::cout << "episodes " << episodes << ", turns " << summary["episode_turns"] << ", environment tokens "
+            << summary["episode_env_tokens"] << ", graded " << summary["samples_graded"] << "\n";
+}
+
 // A grader that answers the evaluations and then crashes on every request: the run stops
 // with the grader's stderr in its message, and the trainer's state is saved.
 TEST_F(GradedRunTest, AGraderThatAlwaysFailsStopsTheRunWithItsStderrAndTheStateSaved) {

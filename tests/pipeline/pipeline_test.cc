@@ -612,6 +612,154 @@ TEST_F(CoordinatorGradingTest, AFailedGraderStopsTakeBatchWithItsMessage) {
   grader_.Answer(grading::Outcome::Reward(0.0));
 }
 
+// Multi-turn: the worker posts each turn; the environment (the grader) answers messages to
+// continue with, then a reward; the submission carries every turn with its mask.
+class CoordinatorEpisodeTest : public CoordinatorGradingTest {
+ protected:
+  std::unique_ptr<Coordinator> MakeEpisodes(int64_t max_turns) {
+    CoordinatorOptions options;
+    options.group_size = 2;
+    options.groups_per_step = 1;
+    options.max_staleness = 1;
+    options.vocab_size = 15;
+    options.max_tokens = 4;
+    options.env = &clock_;
+    options.grader = &grader_;
+    options.zero_variance_filter = true;
+    options.max_turns = max_turns;
+    options.max_episode_tokens = 32;
+    options.decode = [](const std::vector<int32_t>& tokens) -> Result<std::string> {
+      std::string text;
+      for (int32_t id : tokens) {
+        if (id == 14) break;
+        text.push_back(static_cast<char>('0' + id));
+      }
+      return text;
+    };
+    auto c = std::make_unique<Coordinator>(*task_, options);
+    c->SetVersion(1);
+    return c;
+  }
+  // Posts a turn on another thread (HandleTurn waits for the grader) and answers it.
+  json Turn(Coordinator& c, uint64_t claim, const json& samples, const std::vector<grading::Outcome>& outcomes) {
+    const json request = {{"worker", "w"}, {"incarnation", "a"}, {"claim", claim}, {"samples", samples}};
+    Result<std::string> answer = Status::Internal("not run");
+    std::thread turn([&] { answer = c.HandleTurn(request.dump()); });
+    for (const grading::Outcome& outcome : outcomes) {
+      while (grader_.samples().size() <= answered_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ++answered_;
+      grader_.Answer(outcome);
+    }
+    turn.join();
+    EXPECT_TRUE(answer.ok()) << answer.status().ToString();
+    return answer.ok() ? json::parse(*answer) : json();
+  }
+  size_t answered_ = 0;
+};
+
+TEST_F(CoordinatorEpisodeTest, EpisodesContinueWithTheEnvironmentsMessagesAndEndInItsReward) {
+  auto c = MakeEpisodes(/*max_turns=*/3);
+  json claim = ClaimJson(*c, {{"worker", "w"}, {"incarnation", "a"}, {"version", 1}, {"max_groups", 1},
+                              {"serving_since_unix_us", 1000}});
+  ASSERT_EQ(claim["status"], "ok") << claim.dump();
+  EXPECT_EQ(claim["max_turns"], 3);
+  ASSERT_TRUE(claim["groups"][0]["messages"].is_array());
+  const uint64_t id = claim["groups"][0]["claim"];
+  grading::Outcome tool;
+  tool.kind = grading::OutcomeKind::kContinue;
+  tool.messages = json::parse(R"([{"role": "tool", "content": "7"}])");
+  // Turn 1: both episodes call the "tool".
+  json first = Turn(*c, id, {{{"index", 0}, {"tokens", {1, 14}}}, {{"index", 1}, {"tokens", {2, 14}}}}, {tool, tool});
+  ASSERT_EQ(first["samples"].size(), 2u) << first.dump();
+  EXPECT_EQ(first["samples"][0]["kind"], "continue");
+  EXPECT_EQ(first["samples"][0]["messages"][0]["content"], "7");
+  // The environment saw the conversation so far and this turn's completion.
+  EXPECT_EQ(grader_.samples()[0].completion, "1");
+  // Turn 2: one is right, the other wrong.
+  json second = Turn(*c, id, {{{"index", 0}, {"tokens", {7, 14}}}, {{"index", 1}, {"tokens", {3, 14}}}},
+                     {grading::Outcome::Reward(1.0), grading::Outcome::Reward(0.0)});
+  EXPECT_EQ(second["samples"][1]["kind"], "reward");
+  const json conversation = grader_.samples()[2].messages;
+  ASSERT_EQ(conversation.size(), 3u) << conversation.dump();  // user, assistant "1", tool "7"
+  EXPECT_EQ(conversation[1]["content"], "1");
+  EXPECT_EQ(conversation[2]["role"], "tool");
+  // A finished episode takes no more turns.
+  EXPECT_FALSE(c->HandleTurn(json({{"worker", "w"}, {"incarnation", "a"}, {"claim", id},
+                                   {"samples", {{{"index", 0}, {"tokens", {1}}}}}}).dump()).ok());
+
+  // The submission: model tokens (mask 1) and the environment's (mask 0) of both turns.
+  json samples = json::array();
+  for (int i = 0; i < 2; ++i) {
+    samples.push_back({{"prompt_tokens", {13, 1, 2, 3, 12}}, {"tokens", {1, 14, 7, 7, 14}},
+                       {"logprobs", {-0.1, -0.1, 0, -0.2, -0.2}}, {"versions", {1, 1, 1, 1, 1}},
+                       {"mask", {1, 1, 0, 1, 1}}, {"reward", 0}});
+  }
+  json answer = SubmitJson(*c, {{"worker", "w"}, {"incarnation", "a"}, {"claim", id}, {"samples", samples}});
+  ASSERT_TRUE(answer["accepted"].get<bool>()) << answer.dump();
+  const auto batch = c->TakeBatch(Now());
+  ASSERT_EQ(batch.size(), 1u);
+  EXPECT_EQ(batch[0].samples[0].reward, 1.0);
+  EXPECT_EQ(batch[0].samples[1].reward, 0.0);
+  EXPECT_EQ(batch[0].samples[0].mask, (std::vector<uint8_t>{1, 1, 0, 1, 1}));
+  const CoordinatorStats stats = c->stats();
+  EXPECT_EQ(stats.episodes, 2u);
+  EXPECT_EQ(stats.episode_turns, 4u);
+  EXPECT_EQ(stats.episode_env_tokens, 2u);
+  EXPECT_EQ(stats.episode_model_tokens, 8u);
+}
+
+TEST_F(CoordinatorEpisodeTest, AnEpisodeStillGoingAfterMaxTurnsIsUngradedAndMasksAreChecked) {
+  auto c = MakeEpisodes(/*max_turns=*/1 + 1);
+  json claim = ClaimJson(*c, {{"worker", "w"}, {"incarnation", "a"}, {"version", 1}, {"max_groups", 1},
+                              {"serving_since_unix_us", 1000}});
+  const uint64_t id = claim["groups"][0]["claim"];
+  grading::Outcome more;
+  more.kind = grading::OutcomeKind::kContinue;
+  more.messages = json::parse(R"([{"role": "user", "content": "again"}])");
+  Turn(*c, id, {{{"index", 0}, {"tokens", {1, 14}}}, {{"index", 1}, {"tokens", {1, 14}}}}, {more, more});
+  json last = Turn(*c, id, {{{"index", 0}, {"tokens", {1, 14}}}, {{"index", 1}, {"tokens", {1, 14}}}},
+                   {more, grading::Outcome::Reward(1.0)});
+  EXPECT_EQ(last["samples"][0]["kind"], "ungraded");
+  EXPECT_NE(last["samples"][0]["reason"].get<std::string>().find("max_turns"), std::string::npos);
+  EXPECT_EQ(c->stats().episodes_max_turns, 1u);
+  // A multi-turn sample without a mask is refused (and its prompt requeued).
+  json samples = json::array();
+  for (int i = 0; i < 2; ++i) {
+    samples.push_back({{"prompt_tokens", {13, 1}}, {"tokens", {1, 14}}, {"logprobs", {-0.1, -0.1}},
+                       {"versions", {1, 1}}, {"reward", 0}});
+  }
+  json refused = SubmitJson(*c, {{"worker", "w"}, {"incarnation", "a"}, {"claim", id}, {"samples", samples}});
+  EXPECT_FALSE(refused["accepted"].get<bool>());
+  EXPECT_NE(refused["reason"].get<std::string>().find("mask"), std::string::npos) << refused.dump();
+  // A turn for a claim that is not out is refused.
+  EXPECT_FALSE(c->HandleTurn(json({{"worker", "w"}, {"incarnation", "a"}, {"claim", id},
+                                   {"samples", {{{"index", 0}, {"tokens", {1}}}}}}).dump()).ok());
+}
+
+TEST(RolloutProtocolTurnTest, TurnMessagesRoundTripAndBadOnesAreNamed) {
+  TurnRequest request{"w", "a", 7, {{0, {1, 2}}, {3, {4}}}};
+  auto parsed = ParseTurnRequest(ToJson(request));
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  EXPECT_EQ(parsed->samples[1].index, 3);
+  EXPECT_EQ(parsed->samples[1].tokens, std::vector<int32_t>{4});
+  TurnAnswer answer;
+  answer.samples.push_back({0, "reward", 0.5, nullptr, ""});
+  answer.samples.push_back({1, "continue", 0, json::parse(R"([{"role": "tool", "content": "x"}])"), ""});
+  answer.samples.push_back({2, "ungraded", 0, nullptr, "timed out"});
+  auto back = ParseTurnAnswer(ToJson(answer));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->samples[0].reward, 0.5);
+  EXPECT_EQ(back->samples[1].messages[0]["content"], "x");
+  EXPECT_EQ(back->samples[2].reason, "timed out");
+  auto bad = ParseTurnAnswer(R"({"samples": [{"index": 0, "kind": "maybe"}]})");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("unknown kind"), std::string::npos);
+  auto mask = ParseSubmitRequest(R"({"worker": "w", "claim": 1, "samples": [{"prompt_tokens": [1], "tokens": [2],
+      "logprobs": [0], "versions": [1], "reward": 0, "mask": [2]}]})");
+  ASSERT_FALSE(mask.ok());
+  EXPECT_NE(mask.status().message().find("mask"), std::string::npos);
+}
+
 TEST(GradingSampleTest, AGeneratedProblemBecomesAUserTurnAndItsAnswer) {
   Problem problem{"312>", "123", {}, {}};
   const grading::Sample sample = GradingSample(problem, "7/1", "123", 4);

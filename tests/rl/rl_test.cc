@@ -67,6 +67,18 @@ TEST(RlStepTest, SampleToDatumWeighsOnlyTheAnswer) {
   EXPECT_TRUE(d.routing.empty());
 }
 
+TEST(RlStepTest, AnEnvironmentsTokensAreContextNotLoss) {
+  // A two-turn episode: model "7" EOS, the tool's "5", model "8" EOS.
+  Sample s = MakeSample({1, 5}, {7, 2, 5, 8, 2}, 1.0, {3, 3, 3, 4, 4});
+  s.mask = {1, 1, 0, 1, 1};
+  s.logprobs = {-0.5f, -0.1f, 0.0f, -0.7f, -0.2f};
+  const trainer::Datum d = SampleToDatum(s, 0.5, false);
+  EXPECT_EQ(d.target_tokens, (std::vector<int32_t>{5, 7, 2, 5, 8, 2}));
+  EXPECT_EQ(d.weights, (std::vector<float>{0, 1, 1, 0, 1, 1}));
+  EXPECT_EQ(d.logprobs, (std::vector<float>{0, -0.5f, -0.1f, 0, -0.7f, -0.2f}));
+  EXPECT_EQ(d.policy_versions, (std::vector<uint64_t>{3, 3, 3, 3, 4, 4}));
+}
+
 TEST(RlStepTest, SampleToDatumKeepsRoutingOnlyWhenAsked) {
   Sample s = MakeSample({1, 5}, {7}, 1.0, {1});
   s.routing = {0, 1, 1, 0};
