@@ -57,7 +57,8 @@ Problem Coordinator::NextProblem() {
 
 void Coordinator::ExpireLeases(Clock::time_point now) {
   for (auto it = leases_.begin(); it != leases_.end();) {
-    if (it->second.expires <= now) {
+    // A claim whose turn is at the environment is alive; its lease runs again from the turn's end.
+    if (it->second.expires <= now && !it->second.turn_in_flight) {
       requeued_.push_back(std::move(it->second.problem));
       ++stats_.leases_expired;
       it = leases_.erase(it);
@@ -129,7 +130,7 @@ Result<ClaimAnswer> Coordinator::Claim(const ClaimRequest& request) {
     ClaimedGroup claimed{id, problem.prompt, problem.answer, nullptr};
     if (options_.max_turns > 1) claimed.messages = GradingSample(problem, "", "").messages;
     answer.groups.push_back(std::move(claimed));
-    leases_[id] = Lease{std::move(problem), worker, incarnation, now + options_.lease, {}};
+    leases_[id] = Lease{std::move(problem), worker, incarnation, now + options_.lease, {}, false};
     ++stats_.claims;
   }
   answer.trainer_version = next;
@@ -137,6 +138,7 @@ Result<ClaimAnswer> Coordinator::Claim(const ClaimRequest& request) {
   answer.temperature = options_.temperature;
   answer.max_tokens = options_.max_tokens;
   answer.max_turns = options_.max_turns;
+  answer.max_episode_tokens = options_.max_episode_tokens;
   return answer;
 }
 
@@ -370,113 +372,130 @@ Status Coordinator::failure() const {
   return failure_;
 }
 
-Result<std::string> Coordinator::HandleTurn(std::string_view body) {
-  if (options_.max_turns <= 1 || options_.grader == nullptr) {
-    return Status::InvalidArgument("this run has no multi-turn environment (grading.max_turns = 1)");
+Result<std::vector<grading::Sample>> Coordinator::BeginTurn(const TurnRequest& request) {
+  std::lock_guard lock(mutex_);
+  const std::string claim = "claim " + std::to_string(request.claim);
+  auto lease = leases_.find(request.claim);
+  if (lease == leases_.end() || lease->second.worker != request.worker ||
+      lease->second.incarnation != request.incarnation) {
+    return Status::InvalidArgument(claim + " is not out to this worker");
   }
-  Result<TurnRequest> parsed = ParseTurnRequest(body);
-  if (!parsed.ok()) return Status::InvalidArgument("bad " + parsed.status().message());
-  TurnRequest& request = *parsed;
-  struct Pending {
-    int64_t index;
-    std::string text;
-    std::future<grading::Outcome> outcome;
-  };
-  std::vector<Pending> pending;
+  Lease& held = lease->second;
+  if (held.turn_in_flight) return Status::InvalidArgument(claim + " has a turn at the environment already");
+  if (request.samples.empty() || request.samples.size() > static_cast<size_t>(options_.group_size)) {
+    return Status::InvalidArgument("turn of " + claim + ": 1.." + std::to_string(options_.group_size) +
+                                   " samples, one per live episode");
+  }
+  if (held.episodes.empty()) {
+    const nlohmann::json prompt = GradingSample(held.problem, "", "").messages;
+    held.episodes.assign(static_cast<size_t>(options_.group_size), Episode{prompt, 0, false, std::nullopt});
+  }
+  std::vector<bool> seen(held.episodes.size(), false);
   std::vector<grading::Sample> samples;
-  {
-    std::lock_guard lock(mutex_);
-    auto lease = leases_.find(request.claim);
-    if (lease == leases_.end() || lease->second.worker != request.worker ||
-        lease->second.incarnation != request.incarnation) {
-      return Status::InvalidArgument("claim " + std::to_string(request.claim) + " is not out to this worker");
+  for (const TurnRequest::Item& item : request.samples) {
+    const std::string sample = "turn of " + claim + ": sample " + std::to_string(item.index);
+    if (item.index < 0 || item.index >= static_cast<int64_t>(held.episodes.size()) || held.episodes[item.index].done)
+      return Status::InvalidArgument(sample + " is out of range or its episode is over");
+    if (seen[item.index]) return Status::InvalidArgument(sample + " twice");
+    seen[item.index] = true;
+    if (static_cast<int64_t>(item.tokens.size()) > options_.max_tokens)
+      return Status::InvalidArgument(sample + " has more than max_tokens tokens");
+    for (int32_t id : item.tokens) {
+      if (id < 0 || id >= options_.vocab_size) return Status::InvalidArgument(sample + ": token id outside the vocabulary");
     }
-    Lease& held = lease->second;
-    if (held.episodes.empty()) {
-      const nlohmann::json prompt = GradingSample(held.problem, "", "").messages;
-      held.episodes.assign(static_cast<size_t>(options_.group_size), Episode{prompt, 0, false, std::nullopt});
-    }
-    for (const TurnRequest::Item& item : request.samples) {
-      if (item.index < 0 || item.index >= static_cast<int64_t>(held.episodes.size()) ||
-          held.episodes[item.index].done) {
-        return Status::InvalidArgument("turn of claim " + std::to_string(request.claim) + ": sample " +
-                                       std::to_string(item.index) + " is out of range or its episode is over");
-      }
-      if (static_cast<int64_t>(item.tokens.size()) > options_.max_tokens) {
-        return Status::InvalidArgument("turn of claim " + std::to_string(request.claim) + ": sample " +
-                                       std::to_string(item.index) + " has more than max_tokens tokens");
-      }
-      for (int32_t id : item.tokens) {
-        if (id < 0 || id >= options_.vocab_size) return Status::InvalidArgument("turn: token id outside the vocabulary");
-      }
-      const Episode& episode = held.episodes[item.index];
-      samples.push_back(GradingSample(held.problem, std::to_string(request.claim) + "/" + std::to_string(item.index),
-                                      "", static_cast<int64_t>(item.tokens.size())));
-      samples.back().messages = episode.conversation;
-    }
+    samples.push_back(GradingSample(held.problem, std::to_string(request.claim) + "/" + std::to_string(item.index), "",
+                                    static_cast<int64_t>(item.tokens.size())));
+    samples.back().messages = held.episodes[item.index].conversation;
   }
-  // Decoded and graded outside the lock.
+  held.turn_in_flight = true;
+  held.expires = options_.env->SteadyNow() + options_.lease;
+  return samples;
+}
+
+std::vector<Coordinator::TurnResult> Coordinator::AskEnvironment(const TurnRequest& request,
+                                                                 std::vector<grading::Sample> samples) {
+  std::vector<std::future<grading::Outcome>> futures;
+  std::vector<TurnResult> results(samples.size());
   for (size_t i = 0; i < samples.size(); ++i) {
-    Pending p{request.samples[i].index, "", {}};
     Result<std::string> text = options_.decode ? options_.decode(request.samples[i].tokens)
                                                : Result<std::string>(Status::Internal("no decoder"));
     if (text.ok()) {
-      p.text = *text;
+      results[i].text = *text;
       samples[i].completion = std::move(*text);
-      p.outcome = options_.grader->Submit(std::move(samples[i]));
+      futures.push_back(options_.grader->Submit(std::move(samples[i])));
     } else {
       std::promise<grading::Outcome> undecodable;
       undecodable.set_value(grading::Outcome::Ungraded("the completion does not decode: " + text.status().message()));
-      p.outcome = undecodable.get_future();
+      futures.push_back(undecodable.get_future());
     }
-    pending.push_back(std::move(p));
   }
-  std::vector<grading::Outcome> outcomes;
-  for (Pending& p : pending) outcomes.push_back(p.outcome.get());  // each bounded by the grader's timeout
+  // Each bounded by the grader's per-call timeout.
+  for (size_t i = 0; i < futures.size(); ++i) results[i].outcome = futures[i].get();
+  return results;
+}
 
+Result<std::string> Coordinator::FinishTurn(const TurnRequest& request, std::vector<TurnResult> results) {
   std::lock_guard lock(mutex_);
   auto lease = leases_.find(request.claim);
   if (lease == leases_.end()) {
     return Status::InvalidArgument("claim " + std::to_string(request.claim) + " lapsed while its turn was graded");
   }
   TurnAnswer answer;
-  for (size_t i = 0; i < pending.size(); ++i) {
-    Episode& episode = lease->second.episodes[pending[i].index];
-    grading::Outcome& outcome = outcomes[i];
+  for (size_t i = 0; i < results.size(); ++i) {
+    Episode& episode = lease->second.episodes[request.samples[i].index];
+    grading::Outcome& outcome = results[i].outcome;
     ++episode.turns;
-    episode.conversation.push_back({{"role", "assistant"}, {"content", pending[i].text}});
+    episode.conversation.push_back({{"role", "assistant"}, {"content", results[i].text}});
     TurnOutcome out;
-    out.index = pending[i].index;
+    out.index = request.samples[i].index;
     if (outcome.kind == grading::OutcomeKind::kContinue && episode.turns >= options_.max_turns) {
       ++stats_.episodes_max_turns;
       outcome = grading::Outcome::Ungraded("the episode is still going after max_turns = " +
                                            std::to_string(options_.max_turns));
     }
-    switch (outcome.kind) {
-      case grading::OutcomeKind::kReward:
-        episode.done = true;
-        episode.reward = outcome.reward;
-        out.kind = "reward";
-        out.reward = outcome.reward;
-        break;
-      case grading::OutcomeKind::kContinue:
-        for (const nlohmann::json& message : outcome.messages) episode.conversation.push_back(message);
-        out.kind = "continue";
-        out.messages = outcome.messages;
-        break;
-      case grading::OutcomeKind::kFailed:
-        if (failure_.ok()) failure_ = Status::Unavailable(outcome.reason);
-        [[fallthrough]];
-      default:
-        episode.done = true;
-        out.kind = "ungraded";
-        out.reason = outcome.reason;
-        break;
+    if (outcome.kind == grading::OutcomeKind::kReward) {
+      episode.done = true;
+      episode.reward = outcome.reward;
+      out.kind = "reward";
+      out.reward = outcome.reward;
+    } else if (outcome.kind == grading::OutcomeKind::kContinue) {
+      for (const nlohmann::json& message : outcome.messages) episode.conversation.push_back(message);
+      out.kind = "continue";
+      out.messages = outcome.messages;
+    } else {  // ungraded, or the grader failed for good
+      if (outcome.kind == grading::OutcomeKind::kFailed && failure_.ok()) failure_ = Status::Unavailable(outcome.reason);
+      episode.done = true;
+      out.kind = "ungraded";
+      out.reason = outcome.reason;
     }
     answer.samples.push_back(std::move(out));
   }
   if (!failure_.ok()) changed_.notify_all();
   return ToJson(answer);
+}
+
+Result<std::string> Coordinator::HandleTurn(std::string_view body) {
+  if (options_.max_turns <= 1 || options_.grader == nullptr) {
+    return Status::InvalidArgument("this run has no multi-turn environment (grading.max_turns = 1)");
+  }
+  Result<TurnRequest> request = ParseTurnRequest(body);
+  if (!request.ok()) return Status::InvalidArgument("bad " + request.status().message());
+  FW_ASSIGN_OR_RETURN(std::vector<grading::Sample> samples, BeginTurn(*request));
+  // Whatever happens below, the claim takes turns again afterwards, its lease renewed.
+  struct TurnDone {
+    Coordinator* self;
+    uint64_t claim;
+    ~TurnDone() {
+      std::lock_guard lock(self->mutex_);
+      auto lease = self->leases_.find(claim);
+      if (lease == self->leases_.end()) return;
+      lease->second.turn_in_flight = false;
+      lease->second.expires = self->options_.env->SteadyNow() + self->options_.lease;
+    }
+  } turn_done{this, request->claim};
+  // Decoded and graded outside the lock.
+  std::vector<TurnResult> results = AskEnvironment(*request, std::move(samples));
+  return FinishTurn(*request, std::move(results));
 }
 
 Result<std::string> Coordinator::HandleClaim(std::string_view body) {

@@ -154,7 +154,8 @@ class Coordinator {
   // answers each with its reward, the messages to continue with, or why it is ungraded.
   // Blocks until the grader answered (each sample within its timeout). InvalidArgument for
   // a request that does not parse, a claim that is not out to this worker, an index out of
-  // range or of a finished episode, or max_turns = 1.
+  // range or of a finished episode, a second turn of a claim while one is at the
+  // environment, or max_turns = 1. Each turn renews the claim's lease.
   Result<std::string> HandleTurn(std::string_view body);
 
   // The trainer's version (what it trains on now); claims and admission follow it.
@@ -197,6 +198,7 @@ class Coordinator {
     std::string incarnation;
     Clock::time_point expires;
     std::vector<Episode> episodes;  // multi-turn: one per sample, from the first turn
+    bool turn_in_flight = false;    // a turn of this claim is at the environment
   };
   void ExpireLeases(Clock::time_point now);  // REQUIRES: mutex_
   Problem NextProblem();                      // REQUIRES: mutex_
@@ -205,6 +207,15 @@ class Coordinator {
   void Grade(uint64_t claim);
   // One sample's outcome; the last of its group admits or drops the group.
   void Graded(uint64_t claim, size_t index, grading::Outcome outcome);
+  // HandleTurn's parts: checks the turn and marks it in flight (under mutex_); asks the
+  // environment (outside it); records the outcomes and renders the answer (under it).
+  struct TurnResult {
+    std::string text;  // the turn's completion, decoded
+    grading::Outcome outcome;
+  };
+  Result<std::vector<grading::Sample>> BeginTurn(const TurnRequest& request);
+  std::vector<TurnResult> AskEnvironment(const TurnRequest& request, std::vector<grading::Sample> samples);
+  Result<std::string> FinishTurn(const TurnRequest& request, std::vector<TurnResult> results);
   // Queues a scored group, or drops it (zero variance, too few graded). REQUIRES: mutex_
   void Admit(Group group, const std::vector<std::optional<double>>& rewards);
   // Refuses a submission; when its claim is out to that worker, closes it and requeues the

@@ -155,7 +155,10 @@ std::string ToJson(const ClaimAnswer& a) {
       out["group_size"] = a.group_size;
       out["temperature"] = a.temperature;
       out["max_tokens"] = a.max_tokens;
-      if (a.max_turns > 1) out["max_turns"] = a.max_turns;
+      if (a.max_turns > 1) {
+        out["max_turns"] = a.max_turns;
+        out["max_episode_tokens"] = a.max_episode_tokens;
+      }
       break;
     }
     case ClaimAnswer::Kind::kWait:
@@ -231,6 +234,7 @@ Result<ClaimAnswer> ParseClaimAnswer(std::string_view body) {
   FW_RETURN_IF_ERROR(Field(answer, "temperature", a.temperature, false, where));
   FW_RETURN_IF_ERROR(Field(answer, "max_tokens", a.max_tokens, false, where));
   FW_RETURN_IF_ERROR(Field(answer, "max_turns", a.max_turns, false, where));
+  FW_RETURN_IF_ERROR(Field(answer, "max_episode_tokens", a.max_episode_tokens, false, where));
   if (a.group_size < 1 || a.max_tokens < 1 || a.max_turns < 1) {
     return Status::InvalidArgument(where + "group_size, max_tokens and max_turns must be >= 1");
   }
@@ -298,7 +302,8 @@ std::string ToJson(const TurnAnswer& a) {
     if (o.kind == "ungraded") sample["reason"] = o.reason;
     samples.push_back(std::move(sample));
   }
-  return json{{"samples", std::move(samples)}}.dump();
+  // A reason may hold a grader's bytes cut mid-character: replaced, never a throw.
+  return json{{"samples", std::move(samples)}}.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
 Result<TurnRequest> ParseTurnRequest(std::string_view body) {

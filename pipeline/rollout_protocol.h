@@ -70,6 +70,7 @@ struct ClaimAnswer {
   double temperature = 1.0;
   int64_t max_tokens = 16;  // per turn
   int64_t max_turns = 1;    // > 1: episodes with an environment (above)
+  int64_t max_episode_tokens = 0;  // multi-turn: model + environment tokens of an episode
   // kWait
   int64_t retry_ms = 50;
   // kWait

@@ -35,6 +35,7 @@ void ForEachField(Config& c, F&& f) {
   f("task", "digits", FieldRef(&c.task.digits));
   f("task", "dataset", FieldRef(&c.task.dataset));
   f("task", "eval_dataset", FieldRef(&c.task.eval_dataset));
+  f("task", "eval_fraction", FieldRef(&c.task.eval_fraction));
   f("algorithm", "name", FieldRef(&c.algorithm.name));
   f("algorithm", "group_size", FieldRef(&c.algorithm.group_size));
   f("algorithm", "groups_per_step", FieldRef(&c.algorithm.groups_per_step));
@@ -197,51 +198,22 @@ Result<toml::table> Parse(const std::string& text, const std::string& source) {
   }
 }
 
-}  // namespace
+// One "key = value: why" error.
+template <class T>
+Status BadKey(const std::string& key, const T& value, const std::string& why) {
+  std::ostringstream message;
+  message << key << " = " << value << ": " << why;
+  return Status::InvalidArgument(message.str());
+}
 
-Status RunConfig::Validate() const {
+// The managed-RL keys: [algorithm] kl_coef and max_tokens, [grading], [[grader]].
+Status ValidateGrading(const RunConfig& config) {
+  const auto& algorithm = config.algorithm;
+  const auto& grading = config.grading;
+  const auto& graders = config.graders;
   const auto bad = [](const std::string& key, const auto& value, const std::string& why) {
-    std::ostringstream message;
-    message << key << " = " << value << ": " << why;
-    return Status::InvalidArgument(message.str());
+    return BadKey(key, value, why);
   };
-  if (run.max_steps < 1) return bad("run.max_steps", run.max_steps, "must be at least 1");
-  if (!(run.time_limit_s > 0)) return bad("run.time_limit_s", run.time_limit_s, "must be > 0");
-  if (!(run.target_accuracy >= 0 && run.target_accuracy <= 1))
-    return bad("run.target_accuracy", run.target_accuracy, "must be in [0, 1]");
-  if (run.eval_every < 1) return bad("run.eval_every", run.eval_every, "must be at least 1");
-  if (run.eval_prompts < 1 || run.eval_prompts > 100000)
-    return bad("run.eval_prompts", run.eval_prompts, "must be in 1..100000");
-  if (run.threads < 1 || run.threads > 256) return bad("run.threads", run.threads, "must be in 1..256");
-  if (run.state_every < 1) return bad("run.state_every", run.state_every, "must be at least 1");
-  if (model.config.empty() && model.preset != "tiny" && model.preset != "tiny-moe")
-    return bad("model.preset", model.preset, "unknown (tiny, tiny-moe; or set model.config)");
-  if (!model.dir.empty() && !model.config.empty())
-    return bad("model.dir", model.dir, "and model.config are exclusive (the directory holds config.json)");
-  if (!task.eval_dataset.empty() && task.dataset.empty())
-    return bad("task.eval_dataset", task.eval_dataset, "needs task.dataset");
-  if (model.serving != "bf16" && model.serving != "fp8")
-    return bad("model.serving", model.serving, "unknown (bf16, fp8)");
-  if (model.fp8_qat && model.serving != "fp8")
-    return bad("model.fp8_qat", "true", "needs model.serving = \"fp8\"");
-  FW_RETURN_IF_ERROR(Task::Create(task).status());
-  const std::set<std::string> algorithms = {"grpo", "dapo", "gspo", "cispo"};
-  if (!algorithms.count(algorithm.name))
-    return bad("algorithm.name", algorithm.name, "unknown (grpo, dapo, gspo, cispo)");
-  if (algorithm.group_size < 2 || algorithm.group_size > 256)
-    return bad("algorithm.group_size", algorithm.group_size, "must be in 2..256");
-  if (algorithm.groups_per_step < 1 || algorithm.groups_per_step > 4096)
-    return bad("algorithm.groups_per_step", algorithm.groups_per_step, "must be in 1..4096");
-  if (!(algorithm.lr > 0 && algorithm.lr < 1)) return bad("algorithm.lr", algorithm.lr, "must be in (0, 1)");
-  if (!(algorithm.temperature > 0 && algorithm.temperature <= 10))
-    return bad("algorithm.temperature", algorithm.temperature, "must be in (0, 10]");
-  if (!(algorithm.clip_low >= 0 && algorithm.clip_low < 1))
-    return bad("algorithm.clip_low", algorithm.clip_low, "must be in [0, 1)");
-  if (!(algorithm.clip_high >= 0)) return bad("algorithm.clip_high", algorithm.clip_high, "must be >= 0");
-  if (!(algorithm.tis_cap == 0 || algorithm.tis_cap >= 1))
-    return bad("algorithm.tis_cap", algorithm.tis_cap, "must be 0 (off) or >= 1");
-  if (!(algorithm.weight_decay >= 0)) return bad("algorithm.weight_decay", algorithm.weight_decay, "must be >= 0");
-  if (!(algorithm.grad_clip >= 0)) return bad("algorithm.grad_clip", algorithm.grad_clip, "must be >= 0");
   if (!(algorithm.kl_coef >= 0 && algorithm.kl_coef <= 100))
     return bad("algorithm.kl_coef", algorithm.kl_coef, "must be in [0, 100]");
   if (algorithm.max_tokens < 0 || algorithm.max_tokens > 65536)
@@ -266,6 +238,57 @@ Status RunConfig::Validate() const {
     Result<std::shared_ptr<const grading::Grader>> loaded = grading::LoadBuiltinGraders(graders);
     if (!loaded.ok()) return Status::InvalidArgument("[[grader]]: " + loaded.status().message());
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RunConfig::Validate() const {
+  const auto bad = [](const std::string& key, const auto& value, const std::string& why) {
+    std::ostringstream message;
+    message << key << " = " << value << ": " << why;
+    return Status::InvalidArgument(message.str());
+  };
+  if (run.max_steps < 1) return bad("run.max_steps", run.max_steps, "must be at least 1");
+  if (!(run.time_limit_s > 0)) return bad("run.time_limit_s", run.time_limit_s, "must be > 0");
+  if (!(run.target_accuracy >= 0 && run.target_accuracy <= 1))
+    return bad("run.target_accuracy", run.target_accuracy, "must be in [0, 1]");
+  if (run.eval_every < 1) return bad("run.eval_every", run.eval_every, "must be at least 1");
+  if (run.eval_prompts < 1 || run.eval_prompts > 100000)
+    return bad("run.eval_prompts", run.eval_prompts, "must be in 1..100000");
+  if (run.threads < 1 || run.threads > 256) return bad("run.threads", run.threads, "must be in 1..256");
+  if (run.state_every < 1) return bad("run.state_every", run.state_every, "must be at least 1");
+  if (model.config.empty() && model.preset != "tiny" && model.preset != "tiny-moe")
+    return bad("model.preset", model.preset, "unknown (tiny, tiny-moe; or set model.config)");
+  if (!model.dir.empty() && !model.config.empty())
+    return bad("model.dir", model.dir, "and model.config are exclusive (the directory holds config.json)");
+  if (!(task.eval_fraction > 0 && task.eval_fraction < 1))
+    return bad("task.eval_fraction", task.eval_fraction, "must be in (0, 1)");
+  if (!task.eval_dataset.empty() && task.dataset.empty())
+    return bad("task.eval_dataset", task.eval_dataset, "needs task.dataset");
+  if (model.serving != "bf16" && model.serving != "fp8")
+    return bad("model.serving", model.serving, "unknown (bf16, fp8)");
+  if (model.fp8_qat && model.serving != "fp8")
+    return bad("model.fp8_qat", "true", "needs model.serving = \"fp8\"");
+  FW_RETURN_IF_ERROR(Task::Create(task).status());
+  const std::set<std::string> algorithms = {"grpo", "dapo", "gspo", "cispo"};
+  if (!algorithms.count(algorithm.name))
+    return bad("algorithm.name", algorithm.name, "unknown (grpo, dapo, gspo, cispo)");
+  if (algorithm.group_size < 2 || algorithm.group_size > 256)
+    return bad("algorithm.group_size", algorithm.group_size, "must be in 2..256");
+  if (algorithm.groups_per_step < 1 || algorithm.groups_per_step > 4096)
+    return bad("algorithm.groups_per_step", algorithm.groups_per_step, "must be in 1..4096");
+  if (!(algorithm.lr > 0 && algorithm.lr < 1)) return bad("algorithm.lr", algorithm.lr, "must be in (0, 1)");
+  if (!(algorithm.temperature > 0 && algorithm.temperature <= 10))
+    return bad("algorithm.temperature", algorithm.temperature, "must be in (0, 10]");
+  if (!(algorithm.clip_low >= 0 && algorithm.clip_low < 1))
+    return bad("algorithm.clip_low", algorithm.clip_low, "must be in [0, 1)");
+  if (!(algorithm.clip_high >= 0)) return bad("algorithm.clip_high", algorithm.clip_high, "must be >= 0");
+  if (!(algorithm.tis_cap == 0 || algorithm.tis_cap >= 1))
+    return bad("algorithm.tis_cap", algorithm.tis_cap, "must be 0 (off) or >= 1");
+  if (!(algorithm.weight_decay >= 0)) return bad("algorithm.weight_decay", algorithm.weight_decay, "must be >= 0");
+  if (!(algorithm.grad_clip >= 0)) return bad("algorithm.grad_clip", algorithm.grad_clip, "must be >= 0");
+  FW_RETURN_IF_ERROR(ValidateGrading(*this));
   if (sft.steps < 0) return bad("sft.steps", sft.steps, "must be >= 0");
   if (sft.batch_size < 1) return bad("sft.batch_size", sft.batch_size, "must be at least 1");
   if (!(sft.lr > 0 && sft.lr < 1)) return bad("sft.lr", sft.lr, "must be in (0, 1)");

@@ -12,8 +12,9 @@
 //                ("bf16", or "fp8": projection weights F8_E4M3 with 128x128 block scales),
 //                fp8_qat (with fp8: train on the fake-quantized weights workers serve)
 //   [task]       name (sort, reverse, add), digits; dataset (an RL JSONL: prompts from its
-//                "messages", exact-match reward against its "answer"; replaces the generated
-//                task), eval_dataset (its held-out lines; empty: every 8th prompt held out)
+//                "messages", its other fields handed to the grader; replaces the generated
+//                task), eval_dataset (its held-out lines; empty: eval_fraction of the
+//                prompts, 0.125, held out by a hash of the prompt)
 //   [algorithm]  name (grpo, dapo, gspo, cispo), group_size, groups_per_step, lr,
 //                temperature, clip_low, clip_high, tis_cap, weight_decay, grad_clip,
 //                max_tokens (per completion; 0: the task's longest answer + 1),

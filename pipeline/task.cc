@@ -132,7 +132,7 @@ struct LineIndex {
 class FileTask final : public Task {
  public:
   FileTask(LineIndex train, LineIndex eval, PromptRenderer render, int max_prompt, int max_answer)
-      : Task(TaskConfig{"files", 0, {}, {}}),
+      : Task(TaskConfig{"files", 0, {}, {}, 0.125}),
         train_(std::move(train)),
         eval_(std::move(eval)),
         render_(std::move(render)),
@@ -192,7 +192,7 @@ struct IndexedLines {
 // Indexes the usable lines of `path` into `train` (or, with `split`, those whose prompt
 // IsHeldOut into `eval`); bad lines are warned (file:line) and counted.
 Status IndexProblems(const std::string& path, const PromptRenderer& render,
-                     const std::function<void(const std::string&)>& warn, bool split,
+                     const std::function<void(const std::string&)>& warn, bool split, double fraction,
                      LineIndex& train, LineIndex& eval, IndexedLines& out) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::InvalidArgument("cannot read dataset " + path);
@@ -211,7 +211,7 @@ Status IndexProblems(const std::string& path, const PromptRenderer& render,
     }
     out.max_prompt = std::max<int>(out.max_prompt, static_cast<int>(problem->prompt.size()));
     out.max_answer = std::max<int>(out.max_answer, static_cast<int>(problem->answer.size()));
-    (split && Task::IsHeldOut(problem->prompt) ? eval : train).offsets.push_back(at);
+    (split && Task::IsHeldOut(problem->prompt, fraction) ? eval : train).offsets.push_back(at);
   }
   if (in.bad()) return Status::IOError("cannot read dataset " + path);
   return Status::Ok();
@@ -222,11 +222,15 @@ Status IndexProblems(const std::string& path, const PromptRenderer& render,
 Result<std::unique_ptr<Task>> Task::FromFiles(const std::string& train, const std::string& eval,
                                               const PromptRenderer& render,
                                               const std::function<void(const std::string&)>& warn,
-                                              TaskFileCounts* counts) {
+                                              TaskFileCounts* counts, double eval_fraction) {
+  if (!(eval_fraction > 0 && eval_fraction < 1)) {
+    return Status::InvalidArgument("task.eval_fraction must be in (0, 1)");
+  }
   IndexedLines lines;
   LineIndex unused;
-  FW_RETURN_IF_ERROR(IndexProblems(train, render, warn, /*split=*/eval.empty(), lines.train, lines.eval, lines));
-  if (!eval.empty()) FW_RETURN_IF_ERROR(IndexProblems(eval, render, warn, false, lines.eval, unused, lines));
+  FW_RETURN_IF_ERROR(IndexProblems(train, render, warn, /*split=*/eval.empty(), eval_fraction, lines.train,
+                                   lines.eval, lines));
+  if (!eval.empty()) FW_RETURN_IF_ERROR(IndexProblems(eval, render, warn, false, eval_fraction, lines.eval, unused, lines));
   if (lines.train.offsets.empty()) return Status::InvalidArgument("dataset " + train + " has no usable training line");
   if (lines.eval.offsets.empty()) {
     return Status::InvalidArgument("no usable held-out line (" + (eval.empty() ? train : eval) + ")");
@@ -247,6 +251,13 @@ Result<std::unique_ptr<Task>> Task::Create(const TaskConfig& config) {
   if (config.name == "reverse") return std::unique_ptr<Task>(new ReverseTask(config));
   if (config.name == "add") return std::unique_ptr<Task>(new AddTask(config));
   return Status::InvalidArgument("unknown task.name '" + config.name + "' (sort, reverse, add)");
+}
+
+bool Task::IsHeldOut(std::string_view prompt, double fraction) {
+  if (fraction == 0.125) return IsHeldOut(prompt);
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a, as IsHeldOut
+  for (char c : prompt) hash = (hash ^ static_cast<uint8_t>(c)) * 1099511628211ull;
+  return static_cast<double>((hash >> 32) % 1000000) < fraction * 1e6;
 }
 
 bool Task::IsHeldOut(std::string_view prompt) {

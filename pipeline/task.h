@@ -46,9 +46,10 @@ struct TaskConfig {
   std::string name = "sort";  // sort, reverse, add
   int digits = 6;             // sort / reverse: string length; add: digits per operand
   // Set: the task is read from this RL JSONL instead (Task::FromFiles), held out from
-  // eval_dataset (empty: every 8th prompt of dataset, by IsHeldOut).
+  // eval_dataset (empty: eval_fraction of the dataset's prompts, by IsHeldOut's hash).
   std::string dataset;
   std::string eval_dataset;
+  double eval_fraction = 0.125;
 };
 
 // Renders a dataset line's "messages" as the prompt text a worker tokenizes (the chat
@@ -72,7 +73,8 @@ class Task {
   static Result<std::unique_ptr<Task>> FromFiles(const std::string& train, const std::string& eval,
                                                  const PromptRenderer& render,
                                                  const std::function<void(const std::string&)>& warn,
-                                                 TaskFileCounts* counts = nullptr);
+                                                 TaskFileCounts* counts = nullptr,
+                                                 double eval_fraction = 0.125);
   virtual ~Task() = default;
 
   const TaskConfig& config() const { return config_; }
@@ -92,6 +94,9 @@ class Task {
   // `count` distinct held-out problems drawn with `seed` (fewer when the part is smaller).
   virtual std::vector<Problem> HeldOut(size_t count, uint64_t seed) const;
   static bool IsHeldOut(std::string_view prompt);
+  // Held out at `fraction` (in (0, 1)) of prompts by the same hash; 0.125 is exactly
+  // IsHeldOut(prompt), the generated tasks' split.
+  static bool IsHeldOut(std::string_view prompt, double fraction);
 
  protected:
   explicit Task(TaskConfig config) : config_(std::move(config)) {}

@@ -220,7 +220,8 @@ Status SetUpTask(const pipeline::RunConfig& config, RunSetup& setup) {
   pipeline::TaskFileCounts counts;
   FW_ASSIGN_OR_RETURN(setup.task, pipeline::Task::FromFiles(
                                       config.task.dataset, config.task.eval_dataset, render,
-                                      [](const std::string& line) { spdlog::warn("{}", line); }, &counts));
+                                      [](const std::string& line) { spdlog::warn("{}", line); }, &counts,
+                                      config.task.eval_fraction));
   if (counts.skipped > 0) {
     spdlog::warn("task.dataset: {} lines skipped ({} training, {} held-out lines used)", counts.skipped,
                  counts.train_lines, counts.eval_lines);
@@ -258,6 +259,11 @@ Result<RunSetup> PrepareRun(const TrainRunOptions& options) {
   setup.max_prompt_tokens = 1 + setup.task->max_prompt_chars();
   setup.max_turns = config.grading.max_turns;
   setup.max_episode_tokens = config.grading.max_episode_tokens;
+  if (setup.max_turns > 1 && setup.max_tokens >= setup.max_episode_tokens) {
+    return Status::InvalidArgument("grading.max_episode_tokens = " + std::to_string(setup.max_episode_tokens) +
+                                   " leaves no room for an episode of turns of up to " +
+                                   std::to_string(setup.max_tokens) + " tokens (algorithm.max_tokens)");
+  }
   return setup;
 }
 
@@ -293,6 +299,8 @@ struct TrainerServices::Impl {
   // Parses rollout submissions (up to 64 MiB of JSON each) off the I/O thread, which also
   // runs the publisher and answers heartbeats; two at a time, the rest wait their turn.
   transport::asio::thread_pool parse_pool{2};
+  // Multi-turn: POST /v1/rollout/turn waits for the environment (up to its timeout) here.
+  transport::asio::thread_pool turn_pool{4};
   std::thread thread;
   std::mutex status_mutex;
   TrainerStatus status;  // GUARDED_BY(status_mutex); its coordinator part is filled when read
@@ -324,8 +332,9 @@ void TrainerServices::Impl::AddRoutes() {
       64 << 20, transport::kScopeSubmit);
   http->RoutePost(
       "/v1/rollout/turn",
-      [coordinator_ptr, pool](std::string, std::string body) -> transport::awaitable<transport::HttpResponse> {
-        // Waits for the environment: off the I/O thread, on the parse pool.
+      [coordinator_ptr, pool = &turn_pool](std::string, std::string body) -> transport::awaitable<transport::HttpResponse> {
+        // Waits for the environment: off the I/O thread, on a pool of its own, so that slow
+        // turns never hold up submissions.
         auto turn = [coordinator_ptr, body = std::move(body)] { return coordinator_ptr->HandleTurn(body); };
         // Named first: GCC 12 mishandles temporaries inside a co_await full-expression.
         transport::awaitable<std::optional<Result<std::string>>> call = transport::RunOn(*pool, std::move(turn));
@@ -394,6 +403,7 @@ TrainerServices::Impl::~Impl() {
   io.stop();
   if (thread.joinable()) thread.join();
   parse_pool.join();  // a parse still running refers to the coordinator
+  turn_pool.join();   // so does a turn (the grader, alive until after this, answers it)
 }
 
 TrainerServices::TrainerServices(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

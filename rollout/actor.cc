@@ -180,24 +180,20 @@ Result<std::string> Actor::Continuation(const nlohmann::json& conversation, cons
   return rendered.substr(so_far.size());
 }
 
-std::vector<SubmitRequest> Actor::SampleEpisodes(CompletionService& service, const ClaimAnswer& claim) {
-  struct Episode {
-    size_t submission = 0;
-    int64_t index = 0;
-    std::vector<int32_t> prompt, tokens;
-    std::vector<float> logprobs;
-    std::vector<uint64_t> versions;
-    std::vector<uint8_t> mask;
-    nlohmann::json conversation;  // as the trainer keeps it
-    std::string text;              // the sequence as text, specials kept (prompt text first)
-    size_t turn_start = 0;         // where this turn's model tokens begin in `tokens`
-    bool live = true;
-  };
-  SamplingParams params;
-  params.temperature = claim.temperature;
-  params.max_tokens = claim.max_tokens;
-  params.stop_tokens = {tokenizer_->eos()};
-  std::vector<SubmitRequest> submissions;
+struct Actor::Episode {
+  size_t submission = 0;
+  int64_t index = 0;
+  std::vector<int32_t> prompt, tokens;
+  std::vector<float> logprobs;
+  std::vector<uint64_t> versions;
+  std::vector<uint8_t> mask;
+  nlohmann::json conversation;  // as the trainer keeps it
+  std::string text;             // the sequence as text, specials kept (prompt text first)
+  size_t turn_start = 0;        // where this turn's model tokens begin in `tokens`
+  bool live = true;
+};
+
+std::vector<Actor::Episode> Actor::BeginEpisodes(const ClaimAnswer& claim, std::vector<SubmitRequest>& submissions) {
   std::vector<Episode> episodes;
   for (const pipeline::ClaimedGroup& group : claim.groups) {
     Result<std::vector<int32_t>> prompt = tokenizer_->Encode(group.prompt);
@@ -217,89 +213,131 @@ std::vector<SubmitRequest> Actor::SampleEpisodes(CompletionService& service, con
       episodes.push_back(std::move(episode));
     }
   }
-  for (int64_t turn = 0; turn < claim.max_turns; ++turn) {
-    std::vector<size_t> live;
-    std::vector<GenerationRequest> requests;
-    for (size_t e = 0; e < episodes.size(); ++e) {
-      if (!episodes[e].live) continue;
-      std::vector<int32_t> sequence = episodes[e].prompt;
-      sequence.insert(sequence.end(), episodes[e].tokens.begin(), episodes[e].tokens.end());
-      requests.push_back({std::move(sequence), params, ""});
-      live.push_back(e);
+  return episodes;
+}
+
+Result<std::vector<pipeline::TurnRequest>> Actor::SampleTurn(CompletionService& service, const ClaimAnswer& claim,
+                                                             size_t submissions, std::vector<Episode>& episodes) {
+  SamplingParams params;
+  params.temperature = claim.temperature;
+  params.max_tokens = claim.max_tokens;
+  params.stop_tokens = {tokenizer_->eos()};
+  std::vector<size_t> live;
+  std::vector<GenerationRequest> requests;
+  for (size_t e = 0; e < episodes.size(); ++e) {
+    // No room for another turn within the episode's bound: it ends (ungraded).
+    if (episodes[e].live && claim.max_episode_tokens > 0 &&
+        static_cast<int64_t>(episodes[e].tokens.size()) + claim.max_tokens > claim.max_episode_tokens) {
+      episodes[e].live = false;
     }
-    if (live.empty()) break;
-    Result<std::vector<GenerationResult>> results = service.Generate(std::move(requests));
-    if (!results.ok()) {
-      spdlog::warn("actor: generation failed: {}", results.status().ToString());
+    if (!episodes[e].live) continue;
+    std::vector<int32_t> sequence = episodes[e].prompt;
+    sequence.insert(sequence.end(), episodes[e].tokens.begin(), episodes[e].tokens.end());
+    requests.push_back({std::move(sequence), params, ""});
+    live.push_back(e);
+  }
+  std::vector<pipeline::TurnRequest> turns(submissions);
+  if (live.empty()) return turns;
+  FW_ASSIGN_OR_RETURN(std::vector<GenerationResult> results, service.Generate(std::move(requests)));
+  for (size_t k = 0; k < live.size(); ++k) {
+    Episode& episode = episodes[live[k]];
+    GenerationResult& r = results[k];
+    tokenizer::DecodeState state;
+    state.pieces = 1;  // mid-sequence: no leading-space stripping
+    state.strip_left = 0;
+    for (int32_t id : r.tokens) (void)tokenizer_->AppendPiece(id, /*skip_special_tokens=*/false, state, episode.text);
+    episode.turn_start = episode.tokens.size();
+    episode.tokens.insert(episode.tokens.end(), r.tokens.begin(), r.tokens.end());
+    episode.logprobs.insert(episode.logprobs.end(), r.logprobs.begin(), r.logprobs.end());
+    episode.versions.insert(episode.versions.end(), r.versions.begin(), r.versions.end());
+    episode.mask.insert(episode.mask.end(), r.tokens.size(), 1);
+    pipeline::TurnRequest& request = turns[episode.submission];
+    request.worker = options_.worker_id;
+    request.incarnation = incarnation_;
+    request.samples.push_back({episode.index, r.tokens});
+  }
+  return turns;
+}
+
+void Actor::ContinueEpisode(Episode& episode, const pipeline::TurnOutcome& outcome, const ClaimAnswer& claim,
+                            uint64_t claim_id) {
+  // The turn as the trainer decodes it (its end-of-sequence token stripped), so that both
+  // keep the same conversation.
+  std::vector<int32_t> turn_ids(episode.tokens.begin() + static_cast<std::ptrdiff_t>(episode.turn_start),
+                                episode.tokens.end());
+  if (!turn_ids.empty() && turn_ids.back() == tokenizer_->eos()) turn_ids.pop_back();
+  Result<std::string> completion = tokenizer_->Decode(turn_ids);
+  if (completion.ok()) episode.conversation.push_back({{"role", "assistant"}, {"content", *completion}});
+  Result<std::string> added = completion.ok() ? Continuation(episode.conversation, outcome.messages, episode.text)
+                                              : Result<std::string>(completion.status());
+  Result<std::vector<int32_t>> ids = added.ok() ? tokenizer_->Encode(*added) : Result<std::vector<int32_t>>(added.status());
+  if (ids.ok() && claim.max_episode_tokens > 0 &&
+      static_cast<int64_t>(episode.tokens.size() + ids->size()) + claim.max_tokens > claim.max_episode_tokens) {
+    ids = Status::ResourceExhausted("the environment's messages leave no room for a turn within max_episode_tokens");
+  }
+  if (!ids.ok()) {
+    spdlog::warn("actor: episode {} of claim {} ends: {}", episode.index, claim_id, ids.status().ToString());
+    episode.live = false;
+    return;
+  }
+  for (const nlohmann::json& message : outcome.messages) episode.conversation.push_back(message);
+  episode.text += *added;
+  const uint64_t version = episode.versions.empty() ? 0 : episode.versions.back();
+  episode.tokens.insert(episode.tokens.end(), ids->begin(), ids->end());
+  episode.logprobs.insert(episode.logprobs.end(), ids->size(), 0.0f);
+  episode.versions.insert(episode.versions.end(), ids->size(), version);
+  episode.mask.insert(episode.mask.end(), ids->size(), 0);
+}
+
+void Actor::PostTurn(const pipeline::TurnRequest& turn, size_t submission, const ClaimAnswer& claim,
+                     std::vector<Episode>& episodes) {
+  // The trainer answers once the environment has (each sample within its timeout).
+  transport::HttpGetOptions http = HttpOptions();
+  http.timeout = std::chrono::seconds(600);
+  auto posted = transport::HttpPost(options_.trainer, "/v1/rollout/turn", ToJson(turn), http);
+  Result<pipeline::TurnAnswer> answer =
+      !posted.ok() ? Result<pipeline::TurnAnswer>(posted.status())
+      : posted->status != 200
+          ? Result<pipeline::TurnAnswer>(Status::Unavailable(transport::DescribeErrorBody(posted->status, posted->body)))
+          : pipeline::ParseTurnAnswer(posted->body);
+  if (!answer.ok()) {
+    spdlog::warn("actor: turn of claim {}: {}", turn.claim, answer.status().ToString());
+    for (Episode& episode : episodes) {
+      if (episode.submission == submission) episode.live = false;
+    }
+    return;
+  }
+  for (const pipeline::TurnOutcome& outcome : answer->samples) {
+    for (Episode& episode : episodes) {
+      if (episode.submission != submission || episode.index != outcome.index || !episode.live) continue;
+      if (outcome.kind == "continue") {
+        ContinueEpisode(episode, outcome, claim, turn.claim);
+      } else {
+        episode.live = false;
+      }
+      break;
+    }
+  }
+}
+
+std::vector<SubmitRequest> Actor::SampleEpisodes(CompletionService& service, const ClaimAnswer& claim) {
+  std::vector<SubmitRequest> submissions;
+  std::vector<Episode> episodes = BeginEpisodes(claim, submissions);
+  for (int64_t turn = 0; turn < claim.max_turns; ++turn) {
+    Result<std::vector<pipeline::TurnRequest>> turns = SampleTurn(service, claim, submissions.size(), episodes);
+    if (!turns.ok()) {
+      spdlog::warn("actor: generation failed: {}", turns.status().ToString());
       return {};  // the leases lapse and the prompts go to other workers
     }
-    std::vector<pipeline::TurnRequest> turns(submissions.size());
-    for (size_t k = 0; k < live.size(); ++k) {
-      Episode& episode = episodes[live[k]];
-      GenerationResult& r = (*results)[k];
-      tokenizer::DecodeState state;
-      state.pieces = 1;  // mid-sequence: no leading-space stripping
-      state.strip_left = 0;
-      for (int32_t id : r.tokens) (void)tokenizer_->AppendPiece(id, /*skip_special_tokens=*/false, state, episode.text);
-      episode.turn_start = episode.tokens.size();
-      episode.tokens.insert(episode.tokens.end(), r.tokens.begin(), r.tokens.end());
-      episode.logprobs.insert(episode.logprobs.end(), r.logprobs.begin(), r.logprobs.end());
-      episode.versions.insert(episode.versions.end(), r.versions.begin(), r.versions.end());
-      episode.mask.insert(episode.mask.end(), r.tokens.size(), 1);
-      pipeline::TurnRequest& request = turns[episode.submission];
-      request.worker = options_.worker_id;
-      request.incarnation = incarnation_;
-      request.claim = submissions[episode.submission].claim;
-      request.samples.push_back({episode.index, r.tokens});
+    bool any = false;
+    for (size_t sub = 0; sub < turns->size(); ++sub) {
+      pipeline::TurnRequest& request = (*turns)[sub];
+      if (request.samples.empty()) continue;
+      request.claim = submissions[sub].claim;
+      PostTurn(request, sub, claim, episodes);
+      any = true;
     }
-    for (size_t sub = 0; sub < turns.size(); ++sub) {
-      if (turns[sub].samples.empty()) continue;
-      auto posted = transport::HttpPost(options_.trainer, "/v1/rollout/turn", ToJson(turns[sub]), HttpOptions());
-      Result<pipeline::TurnAnswer> answer =
-          !posted.ok() ? Result<pipeline::TurnAnswer>(posted.status())
-          : posted->status != 200
-              ? Result<pipeline::TurnAnswer>(Status::Unavailable(transport::DescribeErrorBody(posted->status, posted->body)))
-              : pipeline::ParseTurnAnswer(posted->body);
-      if (!answer.ok()) {
-        spdlog::warn("actor: turn of claim {}: {}", turns[sub].claim, answer.status().ToString());
-        for (Episode& episode : episodes) {
-          if (episode.submission == sub) episode.live = false;
-        }
-        continue;
-      }
-      for (const pipeline::TurnOutcome& outcome : answer->samples) {
-        for (Episode& episode : episodes) {
-          if (episode.submission != sub || episode.index != outcome.index || !episode.live) continue;
-          if (outcome.kind != "continue") {
-            episode.live = false;
-            break;
-          }
-          // The turn as the trainer decodes it (its end-of-sequence token stripped), so that
-          // both keep the same conversation.
-          std::vector<int32_t> turn_ids(episode.tokens.begin() + static_cast<std::ptrdiff_t>(episode.turn_start),
-                                        episode.tokens.end());
-          if (!turn_ids.empty() && turn_ids.back() == tokenizer_->eos()) turn_ids.pop_back();
-          Result<std::string> completion = tokenizer_->Decode(turn_ids);
-          if (completion.ok()) episode.conversation.push_back({{"role", "assistant"}, {"content", *completion}});
-          Result<std::string> added = completion.ok() ? Continuation(episode.conversation, outcome.messages, episode.text)
-                                                      : Result<std::string>(completion.status());
-          Result<std::vector<int32_t>> ids = added.ok() ? tokenizer_->Encode(*added) : Result<std::vector<int32_t>>(added.status());
-          if (!ids.ok()) {
-            spdlog::warn("actor: episode {} of claim {} ends: {}", episode.index, turns[sub].claim, ids.status().ToString());
-            episode.live = false;
-            break;
-          }
-          for (const nlohmann::json& message : outcome.messages) episode.conversation.push_back(message);
-          episode.text += *added;
-          const uint64_t version = episode.versions.empty() ? 0 : episode.versions.back();
-          episode.tokens.insert(episode.tokens.end(), ids->begin(), ids->end());
-          episode.logprobs.insert(episode.logprobs.end(), ids->size(), 0.0f);
-          episode.versions.insert(episode.versions.end(), ids->size(), version);
-          episode.mask.insert(episode.mask.end(), ids->size(), 0);
-          break;
-        }
-      }
-    }
+    if (!any) break;
   }
   for (Episode& episode : episodes) {
     pipeline::RolloutSample sample{.prompt_tokens = std::move(episode.prompt),

@@ -77,6 +77,19 @@ class Actor {
   // which the chat template renders onto the sequence (masked out of the loss).
   std::vector<pipeline::SubmitRequest> SampleEpisodes(CompletionService& service,
                                                        const pipeline::ClaimAnswer& claim);
+  // SampleEpisodes' parts: one episode per sample of each claimed group (and its
+  // submission); one turn of every live episode sampled, as the turn requests to post (one
+  // per submission); a turn posted and its outcomes applied; an episode continued with the
+  // environment's messages.
+  struct Episode;
+  std::vector<Episode> BeginEpisodes(const pipeline::ClaimAnswer& claim,
+                                     std::vector<pipeline::SubmitRequest>& submissions);
+  Result<std::vector<pipeline::TurnRequest>> SampleTurn(CompletionService& service, const pipeline::ClaimAnswer& claim,
+                                                        size_t submissions, std::vector<Episode>& episodes);
+  void PostTurn(const pipeline::TurnRequest& turn, size_t submission, const pipeline::ClaimAnswer& claim,
+                std::vector<Episode>& episodes);
+  void ContinueEpisode(Episode& episode, const pipeline::TurnOutcome& outcome, const pipeline::ClaimAnswer& claim,
+                       uint64_t claim_id);
   // The text the environment's messages add after `so_far` (the sequence as text so far):
   // the conversation re-rendered by the chat template with a generation prompt, past
   // `so_far`; without a template, the messages' contents. NotFound when the template does

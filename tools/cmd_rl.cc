@@ -28,7 +28,7 @@ struct RlArgs {
   bool moe = false;
   bool sync = false;
   // Issue 34's files: model.dir, task.dataset, task.eval_dataset, sft.dataset.
-  std::string model_dir, dataset, eval_dataset, sft_dataset;
+  std::string model_dir, dataset, eval_dataset, sft_dataset, dpo_dataset;
   // Grading: grading.command, grading.url, or [[grader]] tables from a file.
   std::string grader, grader_url, graders;
   bool files = true;  // demo: write the model directory and the JSONL files first
@@ -55,6 +55,7 @@ Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig c
   if (!args.dataset.empty()) config.task.dataset = fs::absolute(args.dataset).string();
   if (!args.eval_dataset.empty()) config.task.eval_dataset = fs::absolute(args.eval_dataset).string();
   if (!args.sft_dataset.empty()) config.sft.dataset = fs::absolute(args.sft_dataset).string();
+  if (!args.dpo_dataset.empty()) config.dpo.dataset = fs::absolute(args.dpo_dataset).string();
   if (!args.grader.empty()) config.grading.command = args.grader;
   if (!args.grader_url.empty()) config.grading.url = args.grader_url;
   if (!args.graders.empty()) {
@@ -156,10 +157,15 @@ void AddConfigOptions(CLI::App* app, RlArgs& args) {
       ->check(CLI::ExistingFile)
       ->type_name("F");
   app->add_option("--eval-dataset", args.eval_dataset,
-                  "Held-out RL JSONL (task.eval_dataset; default: every 8th prompt of --dataset)")
+                  "Held-out RL JSONL (task.eval_dataset; default: task.eval_fraction, 0.125, of --dataset by a prompt hash)")
       ->check(CLI::ExistingFile)
       ->type_name("F");
   app->add_option("--sft-dataset", args.sft_dataset, "SFT JSONL for the warm-up (sft.dataset)")
+      ->check(CLI::ExistingFile)
+      ->type_name("F");
+  app->add_option("--dpo-dataset", args.dpo_dataset,
+                  "DPO JSONL, OpenAI preference format, for the warm-up (dpo.dataset; with\n"
+                  "--set dpo.steps=N)")
       ->check(CLI::ExistingFile)
       ->type_name("F");
   auto* command = app->add_option("--grader", args.grader,

@@ -736,6 +736,40 @@ TEST_F(CoordinatorEpisodeTest, AnEpisodeStillGoingAfterMaxTurnsIsUngradedAndMask
                                    {"samples", {{{"index", 0}, {"tokens", {1}}}}}}).dump()).ok());
 }
 
+TEST_F(CoordinatorEpisodeTest, OneTurnOfAClaimAtATime) {
+  auto c = MakeEpisodes(/*max_turns=*/3);
+  json claim = ClaimJson(*c, {{"worker", "w"}, {"incarnation", "a"}, {"version", 1}, {"max_groups", 1},
+                              {"serving_since_unix_us", 1000}});
+  EXPECT_EQ(claim["max_episode_tokens"], 32);
+  const uint64_t id = claim["groups"][0]["claim"];
+  const std::string turn =
+      json({{"worker", "w"}, {"incarnation", "a"}, {"claim", id}, {"samples", {{{"index", 0}, {"tokens", {1, 14}}}}}})
+          .dump();
+  Result<std::string> first = Status::Internal("not run");
+  std::thread waiting([&] { first = c->HandleTurn(turn); });
+  while (grader_.samples().empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // A turn at the environment keeps the claim alive past its lease.
+  clock_.Advance(std::chrono::seconds(120));
+  ClaimJson(*c, {{"worker", "w2"}, {"incarnation", "b"}, {"version", 1}, {"max_groups", 1},
+                 {"serving_since_unix_us", 1000}});  // a claim expires lapsed leases
+  EXPECT_EQ(c->stats().leases_expired, 0u);
+  // A second turn of the same claim while the first is at the environment is refused.
+  Result<std::string> second = c->HandleTurn(turn);
+  ASSERT_FALSE(second.ok());
+  EXPECT_NE(second.status().message().find("already"), std::string::npos) << second.status().ToString();
+  grader_.Answer(grading::Outcome::Reward(1.0));
+  waiting.join();
+  EXPECT_TRUE(first.ok()) << first.status().ToString();
+  // Empty turns and a sample twice in one turn are refused.
+  const auto turn_of = [&](const json& samples) {
+    return c->HandleTurn(json({{"worker", "w"}, {"incarnation", "a"}, {"claim", id}, {"samples", samples}}).dump());
+  };
+  EXPECT_FALSE(turn_of(json::array()).ok());
+  Result<std::string> twice = turn_of({{{"index", 1}, {"tokens", {1}}}, {{"index", 1}, {"tokens", {2}}}});
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(twice.status().message().find("twice"), std::string::npos) << twice.status().ToString();
+}
+
 TEST(RolloutProtocolTurnTest, TurnMessagesRoundTripAndBadOnesAreNamed) {
   TurnRequest request{"w", "a", 7, {{0, {1, 2}}, {3, {4}}}};
   auto parsed = ParseTurnRequest(ToJson(request));

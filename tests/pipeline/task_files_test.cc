@@ -247,6 +247,18 @@ TEST_F(TaskFilesTest, WithoutAnEvalFileEveryEighthPromptIsHeldOut) {
   EXPECT_EQ(counts.train_lines, 400u);
   EXPECT_EQ(counts.eval_lines, 10u);
   for (const Problem& p : (*read)->HeldOut(100, 0)) EXPECT_TRUE(Task::IsHeldOut(p.prompt));
+
+  // eval_fraction: another share of the prompts, by the same hash, disjoint by construction.
+  TaskFileCounts half;
+  auto halves = Task::FromFiles(options.out, "", LastContent(), nullptr, &half, 0.5);
+  ASSERT_TRUE(halves.ok()) << halves.status().ToString();
+  EXPECT_EQ(half.train_lines + half.eval_lines, 410u);
+  EXPECT_GT(half.eval_lines, 150u);
+  EXPECT_LT(half.eval_lines, 260u);
+  for (const Problem& p : (*halves)->HeldOut(1000, 0)) EXPECT_TRUE(Task::IsHeldOut(p.prompt, 0.5));
+  std::mt19937_64 draw(2);
+  for (int i = 0; i < 200; ++i) EXPECT_FALSE(Task::IsHeldOut((*halves)->Sample(draw, false).prompt, 0.5));
+  EXPECT_FALSE(Task::FromFiles(options.out, "", LastContent(), nullptr, nullptr, 1.0).ok());
 }
 
 }  // namespace
