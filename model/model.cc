@@ -233,6 +233,16 @@ void KvCache::MoveSlot(int64_t from, int64_t to) {
   }
 }
 
+void KvCache::CopyPrefix(const KvCache& from, int64_t from_slot, int64_t to_slot,
+                         int64_t tokens) {
+  if (tokens <= 0 || (&from == this && from_slot == to_slot)) return;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    keys[i][to_slot].narrow(1, 0, tokens).copy_(from.keys[i][from_slot].narrow(1, 0, tokens));
+    values[i][to_slot].narrow(1, 0, tokens).copy_(from.values[i][from_slot].narrow(1, 0, tokens));
+  }
+}
+
 torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& cos,
                                      const torch::Tensor& sin, const AttentionStep& step,
                                      size_t layer) {

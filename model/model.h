@@ -134,6 +134,9 @@ struct KvCache {
   int64_t bytes() const;
   // Copies slot `from` over slot `to` (compaction when a request leaves).
   void MoveSlot(int64_t from, int64_t to);
+  // Copies positions [0, tokens) of `from`'s slot `from_slot` into this cache's slot
+  // `to_slot` (a shared prefix); `from` has the same layers, heads and head size.
+  void CopyPrefix(const KvCache& from, int64_t from_slot, int64_t to_slot, int64_t tokens);
 };
 
 struct CacheSpan {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -134,13 +135,26 @@ Status EngineOptions::Validate(const model::ModelConfig& config) const {
                                    std::to_string(config.max_position_embeddings) + "], got " +
                                    std::to_string(max_sequence));
   }
+  if (prefix_slots < -1) {
+    return Status::InvalidArgument("prefix_slots must be >= 0 (or -1: max_batch / 4), got " +
+                                   std::to_string(prefix_slots));
+  }
   return Status::Ok();
+}
+
+int64_t EngineOptions::PrefixSlots() const {
+  if (!share_prefixes) return 0;
+  return prefix_slots < 0 ? std::max<int64_t>(1, max_batch / 4) : prefix_slots;
 }
 
 Engine::Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions options,
                uint64_t version)
     : model_(std::move(model)), options_(options), version_(version) {
   cache_ = model_->NewCache(options_.max_batch, options_.max_sequence);
+  if (const int64_t slots = options_.PrefixSlots(); slots > 0) {
+    prefix_cache_ = model_->NewCache(slots, options_.max_sequence);
+    kept_.resize(static_cast<size_t>(slots));
+  }
   serving_since_us_ = UnixMicrosNow();
   multi_lora_ = std::make_shared<model::MultiLora>();
   model_->AttachMultiLora(multi_lora_);
@@ -195,6 +209,7 @@ Result<uint64_t> Engine::Submit(GenerationRequest request) {
   sequence->request = std::move(request);
   const uint64_t id = sequence->id;
   waiting_.push_back(std::move(sequence));
+  queued_.store(static_cast<int64_t>(waiting_.size()));
   return id;
 }
 
@@ -262,20 +277,168 @@ bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in,
   return finished;
 }
 
+namespace {
+
+// Prefixes shorter than this are not kept after their request finishes.
+constexpr int64_t kMinKeptTokens = 4;
+
+// Token `i` of what `prompt` + `generated` put in the cache.
+int32_t CachedToken(const std::vector<int32_t>& prompt, const std::vector<int32_t>& generated,
+                    int64_t i) {
+  const int64_t p = static_cast<int64_t>(prompt.size());
+  return i < p ? prompt[i] : generated[i - p];
+}
+
+}  // namespace
+
+bool Engine::NeedsRouting(const Sequence& sequence) const {
+  return sequence.request.params.return_routing && model_->config().num_experts > 0;
+}
+
+Engine::PrefixMatch Engine::FindPrefix(const Sequence& sequence, int64_t limit) {
+  const std::vector<int32_t>& prompt = sequence.request.prompt;
+  const bool routing = NeedsRouting(sequence);
+  PrefixMatch best;
+  auto common = [&](auto token_at, int64_t available) {
+    const int64_t most = std::min(limit, available);
+    int64_t n = 0;
+    while (n < most && token_at(n) == prompt[n]) ++n;
+    return n;
+  };
+  for (size_t slot = 0; slot < active_.size(); ++slot) {
+    const Sequence& s = *active_[slot];
+    if (s.epoch != prefix_epoch_ || s.request.adapter != sequence.request.adapter) continue;
+    if (routing && !NeedsRouting(s)) continue;
+    const int64_t n = common(
+        [&](int64_t i) { return CachedToken(s.request.prompt, s.result.tokens, i); }, s.length);
+    if (n > best.tokens) {
+      best = {&cache_, static_cast<int64_t>(slot), n, routing ? &s.result.routing : nullptr,
+              s.length, nullptr};
+    }
+  }
+  for (size_t slot = 0; slot < kept_.size(); ++slot) {
+    if (!kept_[slot]) continue;
+    KeptPrefix& k = *kept_[slot];
+    if (k.epoch != prefix_epoch_ || k.adapter != sequence.request.adapter) continue;
+    if (routing && !k.has_routing) continue;
+    const int64_t size = static_cast<int64_t>(k.tokens.size());
+    const int64_t n = common([&](int64_t i) { return k.tokens[i]; }, size);
+    if (n > best.tokens) {
+      best = {&prefix_cache_, static_cast<int64_t>(slot), n, routing ? &k.routing : nullptr, size,
+              &k};
+    }
+  }
+  return best;
+}
+
+int64_t Engine::TakePrefix(Sequence& sequence, int64_t slot, const PrefixMatch& match) {
+  cache_.CopyPrefix(*match.cache, match.slot, slot, match.tokens);
+  if (match.routing != nullptr && match.routing_tokens > 0) {
+    const size_t per_token = match.routing->size() / static_cast<size_t>(match.routing_tokens);
+    std::vector<uint8_t>& routing = sequence.result.routing;
+    routing.insert(routing.end(), match.routing->begin(),
+                   match.routing->begin() + static_cast<std::ptrdiff_t>(per_token * match.tokens));
+  }
+  if (match.kept != nullptr) match.kept->last_used = ++prefix_clock_;
+  prefix_hits_.fetch_add(1);
+  prefix_tokens_reused_.fetch_add(static_cast<uint64_t>(match.tokens));
+  return match.tokens;
+}
+
+void Engine::KeepPrefix(const Sequence& sequence, int64_t slot) {
+  if (kept_.empty() || sequence.epoch != prefix_epoch_ || sequence.length < kMinKeptTokens) return;
+  const std::vector<int32_t>& prompt = sequence.request.prompt;
+  std::vector<int32_t> tokens(static_cast<size_t>(sequence.length));
+  for (int64_t i = 0; i < sequence.length; ++i) {
+    tokens[i] = CachedToken(prompt, sequence.result.tokens, i);
+  }
+  const bool routing = NeedsRouting(sequence);
+  auto starts_with = [](const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+    return a.size() >= b.size() && std::equal(b.begin(), b.end(), a.begin());
+  };
+  // An entry that already covers these tokens is touched; one they extend is replaced;
+  // else an empty or stale slot, else the least recently used.
+  size_t target = kept_.size();
+  for (size_t i = 0; i < kept_.size(); ++i) {
+    if (!kept_[i]) continue;
+    KeptPrefix& k = *kept_[i];
+    if (k.epoch != prefix_epoch_ || k.adapter != sequence.request.adapter) continue;
+    if ((k.has_routing || !routing) && starts_with(k.tokens, tokens)) {
+      k.last_used = ++prefix_clock_;
+      return;
+    }
+    if (starts_with(tokens, k.tokens)) target = i;
+  }
+  if (target == kept_.size()) {
+    uint64_t oldest = std::numeric_limits<uint64_t>::max();
+    for (size_t i = 0; i < kept_.size(); ++i) {
+      const uint64_t used = !kept_[i] || kept_[i]->epoch != prefix_epoch_ ? 0 : kept_[i]->last_used;
+      if (used < oldest) {
+        oldest = used;
+        target = i;
+      }
+    }
+  }
+  prefix_cache_.CopyPrefix(cache_, slot, static_cast<int64_t>(target), sequence.length);
+  KeptPrefix kept{std::move(tokens), sequence.request.adapter, prefix_epoch_, {}, routing,
+                  ++prefix_clock_};
+  if (routing) kept.routing = sequence.result.routing;  // covers exactly the cached tokens
+  kept_[target] = std::move(kept);
+  prefix_entries_.store(std::count_if(kept_.begin(), kept_.end(), [&](const auto& k) {
+    return k && k->epoch == prefix_epoch_;
+  }));
+}
+
+void Engine::InvalidatePrefixes() {
+  ++prefix_epoch_;
+  prefix_entries_.store(0);
+}
+
+PrefixStats Engine::prefix_stats() const {
+  return {prefix_hits_.load(), prefix_tokens_reused_.load(), prefill_tokens_.load(),
+          prefix_entries_.load(), static_cast<int64_t>(kept_.size())};
+}
+
 void Engine::Prefill(Sequence& sequence, int64_t slot, std::vector<TokenEvent>* events) {
   const auto& prompt = sequence.request.prompt;
   const int64_t length = static_cast<int64_t>(prompt.size());
-  torch::Tensor tokens =
-      torch::tensor(std::vector<int64_t>(prompt.begin(), prompt.end()), torch::kLong)
-          .view({1, length});
-  torch::Tensor positions = torch::arange(length, torch::kLong).view({1, length});
-  model::CacheSpan span{&cache_, slot, positions};
-  AssignAdapters({&sequence});
-  model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
-  multi_lora_->row_adapter.clear();
+  const bool routing = NeedsRouting(sequence);
+  sequence.epoch = prefix_epoch_;
   sequence.length = length;
-  AppendRouting(sequence, out.routing, 0, length);
-  torch::Tensor logits = model_->LmHead(out.hidden.select(1, length - 1));  // [1, V]
+  torch::Tensor logits;  // [1, V] at the prompt's last token
+  const LastPrefill& sibling = last_prefill_;
+  if (options_.share_prefixes && sibling.slot >= 0 && sibling.prompt == prompt &&
+      sibling.adapter == sequence.request.adapter && (sibling.has_routing || !routing)) {
+    // A sample of the same group: its rows and its logits, bit for bit.
+    cache_.CopyPrefix(cache_, sibling.slot, slot, length);
+    if (routing) sequence.result.routing = sibling.routing;
+    logits = sibling.logits;
+    prefix_hits_.fetch_add(1);
+    prefix_tokens_reused_.fetch_add(static_cast<uint64_t>(length));
+  } else {
+    int64_t reused = 0;
+    if (options_.share_prefixes) {
+      // At most all but the last token: its logits are needed.
+      const PrefixMatch match = FindPrefix(sequence, length - 1);
+      if (match.tokens > 0) reused = TakePrefix(sequence, slot, match);
+    }
+    const int64_t fresh = length - reused;
+    torch::Tensor tokens =
+        torch::tensor(std::vector<int64_t>(prompt.begin() + reused, prompt.end()), torch::kLong)
+            .view({1, fresh});
+    torch::Tensor positions = torch::arange(reused, length, torch::kLong).view({1, fresh});
+    model::CacheSpan span{&cache_, slot, positions};
+    AssignAdapters({&sequence});
+    model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
+    multi_lora_->row_adapter.clear();
+    AppendRouting(sequence, out.routing, 0, fresh);
+    logits = model_->LmHead(out.hidden.select(1, fresh - 1));
+    prefill_tokens_.fetch_add(static_cast<uint64_t>(fresh));
+    if (options_.share_prefixes) {
+      last_prefill_ = {prompt, sequence.request.adapter, slot, logits,
+                       routing ? sequence.result.routing : std::vector<uint8_t>{}, routing};
+    }
+  }
   const int64_t top_logprobs = sequence.request.params.top_logprobs;
   const std::vector<int64_t> top =
       top_logprobs > 0 ? TopTokens(logits, {top_logprobs})[0] : std::vector<int64_t>{};
@@ -298,13 +461,32 @@ bool Engine::Cancel(uint64_t id) {
   auto has_id = [id](const std::unique_ptr<Sequence>& s) { return s->id == id; };
   if (auto it = std::find_if(waiting_.begin(), waiting_.end(), has_id); it != waiting_.end()) {
     waiting_.erase(it);
+    queued_.store(static_cast<int64_t>(waiting_.size()));
     return true;
   }
   if (auto it = std::find_if(active_.begin(), active_.end(), has_id); it != active_.end()) {
     RemoveActive(it - active_.begin());
+    running_.store(static_cast<int64_t>(active_.size()));
     return true;
   }
   return false;
+}
+
+void Engine::Admit(std::vector<GenerationResult>& finished, std::vector<TokenEvent>* events) {
+  last_prefill_ = LastPrefill{};
+  while (!waiting_.empty() && static_cast<int64_t>(active_.size()) < options_.max_batch) {
+    std::unique_ptr<Sequence> sequence = std::move(waiting_.front());
+    waiting_.pop_front();
+    const int64_t slot = static_cast<int64_t>(active_.size());
+    Prefill(*sequence, slot, events);
+    if (sequence->finished_at_prefill) {
+      KeepPrefix(*sequence, slot);
+      finished.push_back(std::move(sequence->result));
+    } else {
+      active_.push_back(std::move(sequence));
+    }
+  }
+  last_prefill_ = LastPrefill{};  // the rows it names move when requests finish
 }
 
 std::vector<GenerationResult> Engine::Step(std::vector<TokenEvent>* emitted) {
@@ -321,17 +503,13 @@ std::vector<GenerationResult> Engine::Step(std::vector<TokenEvent>* emitted) {
     emitted->insert(emitted->end(), std::make_move_iterator(events.begin()),
                     std::make_move_iterator(events.end()));
   };
-  while (!waiting_.empty() && static_cast<int64_t>(active_.size()) < options_.max_batch) {
-    std::unique_ptr<Sequence> sequence = std::move(waiting_.front());
-    waiting_.pop_front();
-    Prefill(*sequence, static_cast<int64_t>(active_.size()), record);
-    if (sequence->finished_at_prefill) {
-      finished.push_back(std::move(sequence->result));
-    } else {
-      active_.push_back(std::move(sequence));
-    }
-  }
+  auto counts = [&] {
+    running_.store(static_cast<int64_t>(active_.size()));
+    queued_.store(static_cast<int64_t>(waiting_.size()));
+  };
+  Admit(finished, record);
   if (active_.empty()) {
+    counts();
     emit();
     return finished;
   }
@@ -377,8 +555,11 @@ std::vector<GenerationResult> Engine::Step(std::vector<TokenEvent>* emitted) {
   }
   // Compact from the back: the last active request moves into a finished one's slot.
   for (int64_t i = batch - 1; i >= 0; --i) {
-    if (done[i]) finished.push_back(std::move(RemoveActive(i)->result));
+    if (!done[i]) continue;
+    KeepPrefix(*active_[i], i);
+    finished.push_back(std::move(RemoveActive(i)->result));
   }
+  counts();
   emit();
   return finished;
 }
@@ -406,6 +587,7 @@ Status Engine::Swap(uint64_t version, const std::function<Status()>& patch) {
                                    " is older than the current " + std::to_string(version_));
   }
   Status patched = patch();
+  InvalidatePrefixes();  // whatever the patch wrote
   if (patched.ok()) {
     version_ = version;
     serving_since_us_ = UnixMicrosNow();
@@ -498,6 +680,7 @@ Status Engine::LoadAdapter(const std::string& name, const CheckpointView& adapte
   auto it = adapter_slots_.find(name);
   if (it != adapter_slots_.end()) {
     multi_lora_->adapters[it->second] = std::move(loaded);
+    InvalidatePrefixes();
     return Status::Ok();
   }
   size_t slot = multi_lora_->adapters.size();
@@ -524,6 +707,7 @@ Status Engine::UnloadAdapter(const std::string& name) {
   }
   multi_lora_->adapters[it->second].clear();
   adapter_slots_.erase(it);
+  InvalidatePrefixes();  // a later adapter of the same name is another
   return Status::Ok();
 }
 
@@ -541,6 +725,7 @@ Status Engine::SetVersion(uint64_t version) {
                                    " is older than the current " + std::to_string(version_));
   }
   version_ = version;
+  InvalidatePrefixes();
   return Status::Ok();
 }
 

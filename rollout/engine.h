@@ -21,6 +21,18 @@
 // tokens of that same distribution, computed the same way (so the sampled token's logprob
 // equals its entry there, bit for bit).
 //
+// Shared prefixes (EngineOptions::share_prefixes): a prompt is not prefilled from scratch
+// when the engine already holds keys and values for its leading tokens, computed by the
+// current weights (and adapter) for another request: a sample of the same group admitted in
+// the same step (its whole prompt: the prefill's logits are reused too), a request in
+// flight, or a finished request kept in the prefix slots (LRU; the turns of an episode, a
+// common system prompt). Those rows are copied into the request's cache slot and only the
+// rest of the prompt is prefilled. A prefix computed before a swap or an adapter change is
+// never reused. For a whole-prompt match the copy is exact, so a seeded sample's tokens and
+// logprobs equal the unshared ones bit for bit; a partial match prefills the remaining
+// tokens as a second chunk, whose floating-point sums may group differently (see
+// docs/ROLLOUT.md).
+//
 // Streaming: Step(&events) also reports every token it generated, one TokenEvent each, so a
 // consumer can forward tokens as they are sampled; Cancel drops a request mid-flight.
 //
@@ -110,7 +122,22 @@ struct TokenEvent {
 struct EngineOptions {
   int64_t max_batch = 32;       // cache slots: requests decoded together
   int64_t max_sequence = 1024;  // prompt + generated tokens per request
+  bool share_prefixes = true;   // see "Shared prefixes" above
+  // Cache slots (beside max_batch) keeping the prefixes of finished requests, least recently
+  // used evicted first; 0: only prefixes of requests in the same step or in flight are
+  // shared. -1: max_batch / 4, at least 1.
+  int64_t prefix_slots = -1;
   Status Validate(const model::ModelConfig& config) const;
+  int64_t PrefixSlots() const;  // prefix_slots with -1 resolved (0 when not sharing)
+};
+
+// What prefix sharing saved, since the engine started (thread-safe reads).
+struct PrefixStats {
+  uint64_t hits = 0;            // prompts that reused a prefix
+  uint64_t tokens_reused = 0;   // prompt tokens whose keys and values were copied
+  uint64_t tokens_prefilled = 0;  // prompt tokens computed
+  int64_t entries = 0;          // prefix slots holding a usable prefix
+  int64_t slots = 0;            // prefix slots
 };
 
 class Engine {
@@ -165,7 +192,12 @@ class Engine {
 
   size_t active() const { return active_.size(); }
   size_t waiting() const { return waiting_.size(); }
-  int64_t cache_bytes() const { return cache_.bytes(); }
+  // The KV cache: the request slots and the prefix slots.
+  int64_t cache_bytes() const { return cache_.bytes() + prefix_cache_.bytes(); }
+  PrefixStats prefix_stats() const;
+  // Thread-safe counts of requests decoding and queued (for status documents).
+  int64_t running() const { return running_.load(); }
+  int64_t queued() const { return queued_.load(); }
   int64_t max_sequence() const { return options_.max_sequence; }
   const model::ModelConfig& config() const { return model_->config(); }
 
@@ -177,9 +209,42 @@ class Engine {
     int64_t length = 0;  // tokens whose keys and values are cached
     std::mt19937_64 rng;
     bool finished_at_prefill = false;
+    uint64_t epoch = 0;  // prefix_epoch_ when its prefill ran
+  };
+
+  // A finished request's cached tokens, kept in prefix slot `slot` of prefix_cache_.
+  struct KeptPrefix {
+    std::vector<int32_t> tokens;
+    std::string adapter;
+    uint64_t epoch = 0;
+    std::vector<uint8_t> routing;  // the tokens' MoE routing, when it was returned
+    bool has_routing = false;
+    uint64_t last_used = 0;
+  };
+  // Where a prompt's leading tokens are cached already.
+  struct PrefixMatch {
+    const model::KvCache* cache = nullptr;
+    int64_t slot = 0;
+    int64_t tokens = 0;                        // 0: no match
+    const std::vector<uint8_t>* routing = nullptr;  // its routing bytes, token-major
+    int64_t routing_tokens = 0;                // tokens `routing` covers
+    KeptPrefix* kept = nullptr;                // a prefix slot's entry (LRU touch)
+  };
+  // The whole prompt prefilled last in this step's admissions: a sibling with the same
+  // prompt and adapter takes its rows and logits.
+  struct LastPrefill {
+    std::vector<int32_t> prompt;
+    std::string adapter;
+    int64_t slot = -1;
+    torch::Tensor logits;  // [1, V]
+    std::vector<uint8_t> routing;
+    bool has_routing = false;
   };
 
   Engine(std::shared_ptr<model::TransformerImpl> model, EngineOptions options, uint64_t version);
+  // REQUIRES: mutex_. Prefills waiting requests into free slots; those that finish at once
+  // go to `finished`.
+  void Admit(std::vector<GenerationResult>& finished, std::vector<TokenEvent>* events);
   void Prefill(Sequence& sequence, int64_t slot, std::vector<TokenEvent>* events);
   // Samples from `logits` [V] for `sequence`; appends token, logprob, version and, when the
   // request asked, the top logprobs of `top_tokens` (the ids from TopTokens, most likely
@@ -190,6 +255,19 @@ class Engine {
   // slot) into its place; returns the removed request.
   std::unique_ptr<Sequence> RemoveActive(int64_t slot);
   Status ValidateLocked(const GenerationRequest& request) const;  // REQUIRES: mutex_
+  // REQUIRES: mutex_. The longest usable cached prefix of `sequence`'s prompt, at most
+  // `limit` tokens, from the requests in flight and the prefix slots.
+  PrefixMatch FindPrefix(const Sequence& sequence, int64_t limit);
+  // REQUIRES: mutex_. Copies `match` into cache slot `slot` (and its routing into the
+  // result); returns the tokens copied.
+  int64_t TakePrefix(Sequence& sequence, int64_t slot, const PrefixMatch& match);
+  // REQUIRES: mutex_. Keeps the cached tokens of `sequence` (in cache slot `slot`, finished)
+  // in a prefix slot.
+  void KeepPrefix(const Sequence& sequence, int64_t slot);
+  // REQUIRES: mutex_. The weights or adapters changed: no prefix computed before is reused.
+  void InvalidatePrefixes();
+  // Whether `sequence`'s result carries MoE routing (return_routing on a MoE model).
+  bool NeedsRouting(const Sequence& sequence) const;
   void AppendRouting(Sequence& sequence, const std::vector<torch::Tensor>& routing, int64_t row,
                      int64_t tokens);
 
@@ -206,6 +284,13 @@ class Engine {
   int64_t serving_since_us_ = 0;  // GUARDED_BY(mutex_)
   uint64_t next_id_ = 1;
   model::KvCache cache_;
+  model::KvCache prefix_cache_;              // EngineOptions::PrefixSlots() slots
+  std::vector<std::optional<KeptPrefix>> kept_;  // one per prefix slot
+  uint64_t prefix_epoch_ = 0;
+  uint64_t prefix_clock_ = 0;
+  LastPrefill last_prefill_;  // reset at every Step's admissions
+  std::atomic<uint64_t> prefix_hits_{0}, prefix_tokens_reused_{0}, prefill_tokens_{0};
+  std::atomic<int64_t> prefix_entries_{0}, running_{0}, queued_{0};
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> active_;  // active_[i] lives in cache slot i
 };

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -26,9 +27,12 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 // How much the held-out score must rise over a short graded run (200 RL steps at most, after
-// 12 SFT steps), measured on this 2-core machine: +0.28 to +0.34 (external grader) and +0.19
-// to +0.25 (numeric) in two runs each.
+// the SFT warm-up), on the mean of the last kLateEvaluations evaluations of 64 prompts
+// (LateScore): a single evaluation of a policy still moving is noisy (one CI run measured
+// +0.094 on the last evaluation of 32 prompts). Measured on this 2-core machine: +0.33 and
+// +0.34 (external grader, 12 SFT steps), +0.21 to +0.24 in three runs (numeric, 6 steps).
 constexpr double kScoreMargin = 0.10;
+constexpr size_t kLateEvaluations = 4;
 
 ops::Completion RunFlywheel(const std::vector<std::string>& args) {
   ops::RunOptions options;
@@ -175,7 +179,7 @@ RunConfig GradedSortConfig(const SortRunFiles& files) {
   config.model.dir = files.model.string();
   config.task = {"sort", 3, files.train.string(), files.eval.string()};
   config.sft = {files.sft.string(), 12, 32, 1e-3};
-  config.run.eval_prompts = 32;
+  config.run.eval_prompts = 64;
   config.run.eval_every = 5;
   config.run.target_accuracy = 0;
   config.algorithm.group_size = 8;
@@ -185,6 +189,27 @@ RunConfig GradedSortConfig(const SortRunFiles& files) {
   config.fleet.workers_per_region = 1;
   config.fleet.worker_max_batch = 64;
   return config;
+}
+
+// The mean held-out score of the run's last `count` evaluations (metrics.csv's
+// eval_accuracy, empty on steps without one); -1 when it has fewer.
+double LateScore(const fs::path& run_dir, size_t count) {
+  std::istringstream csv(ReadText(run_dir / "report" / "metrics.csv"));
+  std::string line;
+  std::getline(csv, line);
+  EXPECT_EQ(line.rfind("step,version,wall_s,mean_reward,eval_accuracy,", 0), 0u) << line;
+  std::vector<double> scores;
+  while (std::getline(csv, line)) {
+    std::istringstream row(line);
+    std::string field;
+    for (int column = 0; column < 5 && std::getline(row, field, ','); ++column) {
+    }
+    if (!field.empty()) scores.push_back(std::stod(field));
+  }
+  if (scores.size() < count) return -1;
+  double sum = 0;
+  for (size_t i = scores.size() - count; i < scores.size(); ++i) sum += scores[i];
+  return sum / static_cast<double>(count);
 }
 
 const char* kSortGrader = R"(import json, sys
@@ -207,7 +232,7 @@ class GradedRunTest : public ModelDirTest {
   SortRunFiles MakeFiles() {
     SortRunFiles files{MakeTiny("model"), dir_ / "train.jsonl", dir_ / "eval.jsonl", dir_ / "sft.jsonl"};
     const ops::Completion made =
-        RunFlywheel({"dataset", "make", "sort", "--digits", "3", "--count", "2000", "--eval-count", "32", "--out",
+        RunFlywheel({"dataset", "make", "sort", "--digits", "3", "--count", "2000", "--eval-count", "64", "--out",
                      files.train.string(), "--eval-out", files.eval.string(), "--sft", files.sft.string()});
     EXPECT_EQ(made.exit_code, 0) << made.err;
     return files;
@@ -234,8 +259,9 @@ TEST_F(GradedRunTest, AnExternalGraderScoresTheRunAndTheHeldOutScoreRises) {
   EXPECT_GT(summary["samples_graded"].get<uint64_t>(), 100u);
   EXPECT_GT(summary["samples_ungraded"].get<uint64_t>(), 0u);  // the NaN answers
   const double before = summary["warmup_accuracy"].get<double>();
-  const double after = summary["eval_score"].get<double>();
-  std::cout << "held-out score " << before << " -> " << after << " in " << summary["steps"] << " steps\n";
+  const double after = LateScore(dir_ / "run", kLateEvaluations);
+  std::cout << "held-out score " << before << " -> " << after << " (last evaluation " << summary["eval_score"]
+            << ") in " << summary["steps"] << " steps\n";
   EXPECT_GE(after, before + kScoreMargin) << "held-out score " << before << " -> " << after;
 }
 
@@ -246,6 +272,9 @@ TEST_F(GradedRunTest, ABuiltInNumericGraderScoresTheRun) {
   auto graders = grading::ParseGraderConfig("[[grader]]\ntype = \"numeric\"\nfield = \"answer\"\n");
   ASSERT_TRUE(graders.ok()) << graders.status().ToString();
   config.graders = *graders;
+  // numeric reads the first number of an answer, so it scores the 12-step warm-up near
+  // 0.7 of its ceiling; 6 steps leave the run room to show what the grader teaches.
+  config.sft.steps = 6;
   config.run.max_steps = 200;
   config.run.time_limit_s = 90;
   const Status run = RunFleet(config, dir_ / "run", std::chrono::seconds(240));
@@ -254,10 +283,10 @@ TEST_F(GradedRunTest, ABuiltInNumericGraderScoresTheRun) {
   ASSERT_TRUE(summary.is_object());
   EXPECT_EQ(summary["grader"].get<std::string>().find("numeric") != std::string::npos, true) << summary.dump();
   EXPECT_EQ(summary["samples_ungraded"], 0);
-  std::cout << "held-out score " << summary["warmup_accuracy"] << " -> " << summary["eval_score"] << " in "
-            << summary["steps"] << " steps\n";
-  EXPECT_GE(summary["eval_score"].get<double>(), summary["warmup_accuracy"].get<double>() + kScoreMargin)
-      << summary.dump();
+  const double after = LateScore(dir_ / "run", kLateEvaluations);
+  std::cout << "held-out score " << summary["warmup_accuracy"] << " -> " << after << " (last evaluation "
+            << summary["eval_score"] << ") in " << summary["steps"] << " steps\n";
+  EXPECT_GE(after, summary["warmup_accuracy"].get<double>() + kScoreMargin) << summary.dump();
   EXPECT_NE(ReadText(dir_ / "run" / "run.toml").find("[[grader]]"), std::string::npos);
 }
 
