@@ -156,7 +156,7 @@ Status RunServingBench(const ServingBenchOptions& options, std::ostream& out) {
   }
   torch::manual_seed(1);
   auto model = std::make_shared<model::TransformerImpl>(config);
-  FW_ASSIGN_OR_RETURN(auto engine, rollout::Engine::Create(model, {.max_batch = 4, .max_sequence = 1024}, 1));
+  FW_ASSIGN_OR_RETURN(auto engine, rollout::Engine::Create(model, {.max_batch = 4, .max_sequence = 1024, .share_prefixes = false}, 1));
   rollout::CompletionService service(std::shared_ptr<rollout::Engine>(std::move(engine)), tok);
   boost::asio::io_context io;
   auto guard = boost::asio::make_work_guard(io);
@@ -178,13 +178,19 @@ Status RunServingBench(const ServingBenchOptions& options, std::ostream& out) {
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
   bool targets_met = false;
-  const std::string report = ServingReport(options, parameters, tokenizer_name, times, targets_met);
-  out << report;
+  std::string report = ServingReport(options, parameters, tokenizer_name, times, targets_met);
+  out << report << std::flush;
+  if (!times.same) return Status::Mismatch("the streamed answer differs from the whole answer");
+  PrefixBenchOptions prefixes = options.prefixes;
+  prefixes.check_timing = prefixes.check_timing && options.check;
+  bool prefix_targets_met = false;
+  FW_ASSIGN_OR_RETURN(const std::string prefix_report, RunPrefixBench(prefixes, prefix_targets_met));
+  out << "\n" << prefix_report;
+  report += "\n" + prefix_report;
   if (!options.markdown_out.empty()) {
     FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Serving benchmark",
                                             "## Serving benchmark\n\n" + report));
   }
-  if (!times.same) return Status::Mismatch("the streamed answer differs from the whole answer");
   if (options.check && !targets_met) return Status::Mismatch("a serving target was missed");
   return Status::Ok();
 }

@@ -8,7 +8,9 @@
 // Reports the medians of the time to the first streamed token, of the streamed answer's
 // end, and of the whole answer (the peer: what a client without streaming waits). Checks:
 // the streamed text and token ids equal the whole answer's; the first token arrives within
-// a quarter of the whole answer's time; streaming costs at most 15% more in total.
+// a quarter of the whole answer's time; streaming costs at most 15% more in total. Sharing
+// prefixes is off for this part (the whole answer would leave the streamed one its prompt).
+// Then the shared-prefix section (bench/prefix_bench.h): groups and episodes.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include <string>
 
 #include "base/status.h"
+#include "bench/prefix_bench.h"
 
 namespace flywheel::bench {
 
@@ -26,6 +29,7 @@ struct ServingBenchOptions {
   std::string tokenizer;  // a tokenizer.json or model directory; empty: bytes
   int threads = 0;        // torch threads; 0: one per hardware thread
   bool check = true;
+  PrefixBenchOptions prefixes;  // the shared-prefix section (bench/prefix_bench.h)
   std::string markdown_out;  // write the '## Serving benchmark' section here
 };
 

@@ -273,14 +273,19 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     k = keys.narrow(0, cache.first_slot, batch).narrow(2, 0, step.span);
     v = values.narrow(0, cache.first_slot, batch).narrow(2, 0, step.span);
   }
-  if (heads_ != kv_heads_) {
-    k = k.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
-    v = v.repeat_interleave(heads_ / kv_heads_, /*dim=*/1);
-  }
-  torch::Tensor scores =
-      torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+  // Grouped-query attention without copying K and V for every query head: the `group`
+  // query heads that share a KV head (heads kv * group .. kv * group + group - 1, HF's
+  // repeat_kv order) are one [group * T, hd] matrix against it. A decode step over a long
+  // cache reads K and V once instead of writing `group` copies of them first.
+  const int64_t group = heads_ / kv_heads_, span = k.size(2);
+  torch::Tensor grouped_q = q.reshape({batch, kv_heads_, group * length, head_dim_});
+  torch::Tensor scores = torch::matmul(grouped_q, k.transpose(-2, -1))
+                             .view({batch, heads_, length, span}) /
+                         std::sqrt(static_cast<double>(head_dim_));
   scores = scores.masked_fill(step.future, -std::numeric_limits<float>::infinity());
-  torch::Tensor out = torch::matmul(torch::softmax(scores, -1), v);  // [B, H, T, hd]
+  torch::Tensor probs =
+      torch::softmax(scores, -1).view({batch, kv_heads_, group * length, span});
+  torch::Tensor out = torch::matmul(probs, v).view({batch, heads_, length, head_dim_});
   return o_proj_->forward(out.transpose(1, 2).reshape({batch, length, heads_ * head_dim_}));
 }
 

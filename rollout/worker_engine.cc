@@ -105,7 +105,8 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
         "the tokenizer has " + std::to_string(impl->tokenizer->vocab_size()) +
         " ids, more than the model's vocab_size " + std::to_string(impl->config.vocab_size));
   }
-  EngineOptions engine_options{options.max_batch, options.max_sequence};
+  const EngineOptions engine_options{options.max_batch, options.max_sequence,
+                                    options.share_prefixes, options.prefix_slots};
   FW_RETURN_IF_ERROR(engine_options.Validate(impl->config));
   for (const auto& [name, path] : options.adapters) {
     if (name.empty() || path.empty()) return Status::InvalidArgument("--adapter wants NAME=PATH");
@@ -230,7 +231,10 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
                               : LoadMirror(*s.model, base, s.fp8_block));
   FW_ASSIGN_OR_RETURN(
       auto engine,
-      Engine::Create(s.model, {s.options.max_batch, s.options.max_sequence}, event.version));
+      Engine::Create(s.model,
+                     {s.options.max_batch, s.options.max_sequence, s.options.share_prefixes,
+                      s.options.prefix_slots},
+                     event.version));
   s.aliased = aliased;
   s.engine = std::shared_ptr<Engine>(std::move(engine));
   for (const auto& [name, path] : s.options.adapters) {
@@ -341,6 +345,24 @@ void WorkerEngine::Attach(const sync::Worker* worker) { impl_->worker.store(work
 void WorkerEngine::Register(transport::HttpServer& server) {
   Impl* impl = impl_.get();
   CompletionService::RegisterRoutes(server, [impl] { return impl->Service(); });
+}
+
+void WorkerEngine::AddStatus(nlohmann::json& status) const {
+  std::shared_ptr<Engine> engine;
+  {
+    std::lock_guard lock(impl_->mutex);
+    engine = impl_->engine;
+  }
+  if (!engine) return;
+  const PrefixStats prefixes = engine->prefix_stats();
+  status["engine_running"] = engine->running();
+  status["engine_waiting"] = engine->queued();
+  status["kv_cache_bytes"] = engine->cache_bytes();
+  status["prefix_cache_hits_total"] = prefixes.hits;
+  status["prefix_tokens_reused_total"] = prefixes.tokens_reused;
+  status["prefill_tokens_total"] = prefixes.tokens_prefilled;
+  status["prefix_cache_entries"] = prefixes.entries;
+  status["prefix_cache_slots"] = prefixes.slots;
 }
 
 }  // namespace flywheel::rollout

@@ -34,6 +34,8 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "base/status.h"
 #include "sync/worker.h"
 #include "transport/http.h"
@@ -44,6 +46,9 @@ struct WorkerEngineOptions {
   std::string model_config;  // config.json (or a directory holding one)
   int64_t max_batch = 32;
   int64_t max_sequence = 1024;
+  // Shared prefixes (EngineOptions::share_prefixes, prefix_slots; -1: max_batch / 4).
+  bool share_prefixes = true;
+  int64_t prefix_slots = -1;
   // "auto": the HF tokenizer.json beside config.json when there is one, else bytes; "byte";
   // "chars:<alphabet>"; or the path of a tokenizer.json (or of the folder holding it, with
   // its tokenizer_config.json and generation_config.json).
@@ -77,6 +82,9 @@ class WorkerEngine {
   Status OnSwap(const sync::SwapEvent& event);
   // For WorkerOptions::configure_http.
   void Register(transport::HttpServer& server);
+  // The engine's counters for /v1/status and /metrics (nothing before the first version):
+  // engine_running, engine_waiting, kv_cache_bytes and the prefix cache's. Thread-safe.
+  void AddStatus(nlohmann::json& status) const;
   // The worker whose weights the engine serves; call right after sync::Worker::Start
   // (fp32 serving computes from the worker's weights under its shared lock).
   void Attach(const sync::Worker* worker);

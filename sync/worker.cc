@@ -235,6 +235,7 @@ struct Worker::Impl : std::enable_shared_from_this<Worker::Impl> {
   nlohmann::json StatusJson() const {  // CurrentStatus, with the join's timeline
     nlohmann::json json = ToJson(CurrentStatus());
     json["join"] = JoinJson();
+    if (options.extend_status) options.extend_status(json);
     return json;
   }
   void OnCatalog(Catalog received);

@@ -72,6 +72,9 @@ struct WorkerOptions {
   // Called once with the worker's HTTP server right after it starts, on the executor's
   // thread, to add routes (the rollout engine's POST /v1/completions).
   std::function<void(transport::HttpServer&)> configure_http;
+  // Adds fields to every /v1/status document (and so to /metrics), e.g. the rollout
+  // engine's counters; called on the HTTP thread, so it must be thread-safe.
+  std::function<void(nlohmann::json&)> extend_status;
 };
 
 class Worker {

@@ -342,7 +342,11 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
       "Time to the first streamed token against the whole answer: the demo-size dense model\n"
       "behind a worker's completions route on loopback, the same seeded request streamed\n"
       "(stream: true) and whole. Checks the streamed text equals the whole answer's, the first\n"
-      "token within 0.25x the whole answer's time, and the streamed end within 1.15x.");
+      "token within 0.25x the whole answer's time, and the streamed end within 1.15x.\n"
+      "Then shared prefixes, engine to engine: a group of n samples of one long prompt against\n"
+      "one sample (and against the group with sharing off), and a multi-turn episode's prompt\n"
+      "tokens prefilled against its history. Checks: the shared group equals the unshared one\n"
+      "bit for bit, the episode prefills only its new tokens, the group within 1.6x one sample.");
   serving->add_option("--prompt-tokens", options->prompt_tokens, "Prompt length")
       ->capture_default_str()->check(CLI::Range(1, 512));
   serving->add_option("--max-tokens", options->max_tokens, "Tokens generated per answer")
@@ -354,6 +358,28 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
       ->type_name("PATH");
   serving->add_option("--threads", options->threads, "torch threads (0: one per hardware thread)")
       ->capture_default_str();
+  serving->add_option("--group-prompt-tokens", options->prefixes.group_prompt_tokens,
+                      "Shared prefixes: the group's prompt length")
+      ->capture_default_str()->check(CLI::Range(2, 3000));
+  serving->add_option("--group-n", options->prefixes.group_n, "Shared prefixes: samples per group")
+      ->capture_default_str()->check(CLI::Range(2, 64));
+  serving->add_option("--group-max-tokens", options->prefixes.group_max_tokens,
+                      "Shared prefixes: tokens generated per sample (and per episode turn)")
+      ->capture_default_str()->check(CLI::Range(1, 256));
+  serving->add_option("--turns", options->prefixes.turns, "Shared prefixes: turns of the episode")
+      ->capture_default_str()->check(CLI::Range(1, 16));
+  serving->add_option("--turn-tokens", options->prefixes.turn_tokens,
+                      "Shared prefixes: tokens each turn adds to the episode's history")
+      ->capture_default_str()->check(CLI::Range(2, 600));
+  serving->add_flag("--quick", [options](int64_t) {
+    options->prompt_tokens = 16;
+    options->max_tokens = 16;
+    options->rounds = 1;
+    options->check = false;
+    options->prefixes = {.group_prompt_tokens = 128, .group_n = 4, .group_max_tokens = 8,
+                         .turns = 3, .turn_tokens = 32, .rounds = 1, .check_timing = false};
+  }, "A short form for CTest: small sizes, one round; timing targets reported, not enforced\n"
+     "(exactness checks still fail the run)");
   serving->add_flag("!--no-check", options->check, "Report without failing on a missed target");
   serving->add_option("--markdown", options->markdown_out,
                       "Write the report as the '## Serving benchmark' section of this Markdown file")

@@ -68,6 +68,8 @@ struct SyncArgs {
   // worker: the rollout engine
   std::string model;
   int64_t max_batch = 32, max_sequence = 1024;
+  bool share_prefixes = true;
+  int64_t prefix_slots = -1;
   std::string tokenizer = "auto";
   std::string served_model_name;
   std::vector<std::string> adapters;
@@ -286,6 +288,8 @@ Status RunWorker(const SyncArgs& args) {
     engine_options.model_config = args.model;
     engine_options.max_batch = args.max_batch;
     engine_options.max_sequence = args.max_sequence;
+    engine_options.share_prefixes = args.share_prefixes;
+    engine_options.prefix_slots = args.prefix_slots;
     engine_options.tokenizer = args.tokenizer;
     engine_options.model_name = args.served_model_name;
     for (const std::string& adapter : args.adapters) {
@@ -312,6 +316,7 @@ Status RunWorker(const SyncArgs& args) {
     rollout::WorkerEngine* raw = engine.get();
     options.on_swap = [raw](const sync::SwapEvent& event) { return raw->OnSwap(event); };
     options.configure_http = [raw](transport::HttpServer& server) { raw->Register(server); };
+    options.extend_status = [raw](nlohmann::json& status) { raw->AddStatus(status); };
   }
 #else
   if (!args.model.empty()) return TorchOnly("worker --model");
@@ -517,6 +522,15 @@ void AddWorker(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
                    "Engine: prompt + generated tokens per request")
       ->capture_default_str()
       ->check(CLI::Range(2, 1 << 20));
+  worker
+      ->add_option("--prefix-slots", args->prefix_slots,
+                   "Engine: cache slots keeping finished requests' prefixes for later prompts\n"
+                   "(an episode's next turn, a shared system prompt), least recently used\n"
+                   "evicted; -1: max-batch / 4; 0: share only prefixes of requests in flight")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 4096));
+  worker->add_flag("!--no-prefix-sharing", args->share_prefixes,
+                   "Engine: prefill every prompt whole (no shared prefixes; for comparisons)");
   worker
       ->add_option("--tokenizer", args->tokenizer,
                    "Engine: auto (the HF tokenizer.json beside --model's config.json, else\n"

@@ -127,6 +127,25 @@ TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
   auto again = transport::HttpPost(http, "/v1/completions", request);
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->status, 200);
+  // A group of 4 samples prefills its prompt once: the engine's prefix counters in
+  // /v1/status and /metrics.
+  const uint64_t hits_before = s["prefix_cache_hits_total"].get<uint64_t>();
+  auto group = transport::HttpPost(
+      http, "/v1/completions",
+      R"({"prompt": "a longer prompt for the group", "max_tokens": 4, "n": 4, "seed": 7})");
+  ASSERT_TRUE(group.ok());
+  EXPECT_EQ(group->status, 200) << group->body;
+  status = transport::HttpGet(http, "/v1/status");
+  ASSERT_TRUE(status.ok());
+  s = json::parse(status->body, nullptr, false);
+  EXPECT_GE(s["prefix_cache_hits_total"].get<uint64_t>(), hits_before + 3) << s.dump();
+  EXPECT_GT(s["prefill_tokens_total"].get<uint64_t>(), 0u);
+  EXPECT_GT(s["kv_cache_bytes"].get<int64_t>(), 0);
+  EXPECT_EQ(s["prefix_cache_slots"], 8);  // --max-batch 32 / 4
+  auto metrics = transport::HttpGet(http, "/metrics");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_NE(metrics->body.find("flywheel_prefix_cache_hits_total{"), std::string::npos);
+  EXPECT_NE(metrics->body.find("flywheel_engine_running_requests{"), std::string::npos);
   (void)processes.StopAll();  // before their directory goes
   fs::remove_all(dir);
 }
