@@ -14,6 +14,13 @@
 // prompt tokens prefilled against the history's length summed over turns (what a fresh
 // prefill of every turn computes), and checks that exactly the new tokens were prefilled:
 // each turn's tool reply and the previous answer's last token (sampled, never fed).
+//
+// Chunked prefill: `running` requests decode; a `long_prompt_tokens`-token prompt arrives.
+// Reports the running requests' step time while it is prefilled in chunks of
+// `prefill_chunk` tokens (the worst step and the median) against their undisturbed step,
+// and against the one step that prefills it whole (prefill_chunk 0, the engine before);
+// also the long prompt's time to its first token both ways. Checks: the long prompt's
+// answer (greedy) is the same both ways; the worst step within 1.5x the undisturbed one.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +37,9 @@ struct PrefixBenchOptions {
   int64_t turns = 6;
   int64_t turn_tokens = 200;
   int rounds = 3;
+  int64_t running = 16;
+  int64_t long_prompt_tokens = 4000;
+  int64_t prefill_chunk = 16;
   // false: the timing target is reported, not enforced (short CTest forms); the exactness
   // checks always are.
   bool check_timing = true;

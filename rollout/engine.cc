@@ -135,6 +135,10 @@ Status EngineOptions::Validate(const model::ModelConfig& config) const {
                                    std::to_string(config.max_position_embeddings) + "], got " +
                                    std::to_string(max_sequence));
   }
+  if (prefill_chunk < 0) {
+    return Status::InvalidArgument("prefill_chunk must be >= 0 (0: whole prompts), got " +
+                                   std::to_string(prefill_chunk));
+  }
   if (prefix_slots < -1) {
     return Status::InvalidArgument("prefix_slots must be >= 0 (or -1: max_batch / 4), got " +
                                    std::to_string(prefix_slots));
@@ -399,50 +403,89 @@ PrefixStats Engine::prefix_stats() const {
           prefix_entries_.load(), static_cast<int64_t>(kept_.size())};
 }
 
-void Engine::Prefill(Sequence& sequence, int64_t slot, std::vector<TokenEvent>* events) {
+void Engine::BeginPrefill(Sequence& sequence, int64_t slot) {
   const auto& prompt = sequence.request.prompt;
   const int64_t length = static_cast<int64_t>(prompt.size());
   const bool routing = NeedsRouting(sequence);
   sequence.epoch = prefix_epoch_;
-  sequence.length = length;
-  torch::Tensor logits;  // [1, V] at the prompt's last token
+  sequence.length = 0;
+  sequence.logits = torch::Tensor();
+  sequence.result.routing.clear();
+  if (!options_.share_prefixes) return;
   const LastPrefill& sibling = last_prefill_;
-  if (options_.share_prefixes && sibling.slot >= 0 && sibling.prompt == prompt &&
+  if (sibling.slot >= 0 && sibling.prompt == prompt &&
       sibling.adapter == sequence.request.adapter && (sibling.has_routing || !routing)) {
     // A sample of the same group: its rows and its logits, bit for bit.
     cache_.CopyPrefix(cache_, sibling.slot, slot, length);
     if (routing) sequence.result.routing = sibling.routing;
-    logits = sibling.logits;
+    sequence.logits = sibling.logits;
+    sequence.length = length;
     prefix_hits_.fetch_add(1);
     prefix_tokens_reused_.fetch_add(static_cast<uint64_t>(length));
-  } else {
-    int64_t reused = 0;
-    if (options_.share_prefixes) {
-      // At most all but the last token: its logits are needed.
-      const PrefixMatch match = FindPrefix(sequence, length - 1);
-      if (match.tokens > 0) reused = TakePrefix(sequence, slot, match);
-    }
-    const int64_t fresh = length - reused;
-    torch::Tensor tokens =
-        torch::tensor(std::vector<int64_t>(prompt.begin() + reused, prompt.end()), torch::kLong)
-            .view({1, fresh});
-    torch::Tensor positions = torch::arange(reused, length, torch::kLong).view({1, fresh});
-    model::CacheSpan span{&cache_, slot, positions};
-    AssignAdapters({&sequence});
-    model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
-    multi_lora_->row_adapter.clear();
-    AppendRouting(sequence, out.routing, 0, fresh);
-    logits = model_->LmHead(out.hidden.select(1, fresh - 1));
-    prefill_tokens_.fetch_add(static_cast<uint64_t>(fresh));
-    if (options_.share_prefixes) {
-      last_prefill_ = {prompt, sequence.request.adapter, slot, logits,
-                       routing ? sequence.result.routing : std::vector<uint8_t>{}, routing};
-    }
+    return;
   }
-  const int64_t top_logprobs = sequence.request.params.top_logprobs;
-  const std::vector<int64_t> top =
-      top_logprobs > 0 ? TopTokens(logits, {top_logprobs})[0] : std::vector<int64_t>{};
-  sequence.finished_at_prefill = Sample(sequence, logits[0], top, events);
+  // At most all but the last token: its logits are needed.
+  const PrefixMatch match = FindPrefix(sequence, length - 1);
+  if (match.tokens > 0) sequence.length = TakePrefix(sequence, slot, match);
+}
+
+void Engine::PrefillChunk(Sequence& sequence, int64_t slot, int64_t upto) {
+  const auto& prompt = sequence.request.prompt;
+  const int64_t length = static_cast<int64_t>(prompt.size());
+  const int64_t from = sequence.length, fresh = upto - from;
+  torch::Tensor tokens =
+      torch::tensor(std::vector<int64_t>(prompt.begin() + from, prompt.begin() + upto), torch::kLong)
+          .view({1, fresh});
+  torch::Tensor positions = torch::arange(from, upto, torch::kLong).view({1, fresh});
+  model::CacheSpan span{&cache_, slot, positions};
+  AssignAdapters({&sequence});
+  model::ForwardResult out = model_->Hidden(tokens, positions, {}, {}, &span);
+  multi_lora_->row_adapter.clear();
+  AppendRouting(sequence, out.routing, 0, fresh);
+  prefill_tokens_.fetch_add(static_cast<uint64_t>(fresh));
+  sequence.length = upto;
+  if (upto < length) return;
+  sequence.logits = model_->LmHead(out.hidden.select(1, fresh - 1));
+  if (options_.share_prefixes) {
+    const bool routing = NeedsRouting(sequence);
+    last_prefill_ = {prompt, sequence.request.adapter, slot, sequence.logits,
+                     routing ? sequence.result.routing : std::vector<uint8_t>{}, routing};
+  }
+}
+
+void Engine::Place(std::unique_ptr<Sequence> sequence, int64_t slot,
+                   std::vector<GenerationResult>& finished, std::vector<TokenEvent>* events) {
+  const int64_t top_logprobs = sequence->request.params.top_logprobs;
+  const std::vector<int64_t> top = top_logprobs > 0 ? TopTokens(sequence->logits, {top_logprobs})[0]
+                                                    : std::vector<int64_t>{};
+  sequence->finished_at_prefill = Sample(*sequence, sequence->logits[0], top, events);
+  sequence->logits = torch::Tensor();
+  if (sequence->finished_at_prefill) {
+    KeepPrefix(*sequence, slot);
+    finished.push_back(std::move(sequence->result));
+  } else {
+    active_.push_back(std::move(sequence));
+  }
+}
+
+void Engine::ContinuePrefill(std::vector<GenerationResult>& finished,
+                             std::vector<TokenEvent>* events) {
+  Sequence& sequence = *prefilling_;
+  const int64_t slot = prefilling_slot_;
+  // Weights or adapters changed since the last chunk: start again on the new ones.
+  if (sequence.epoch != prefix_epoch_) BeginPrefill(sequence, slot);
+  const int64_t length = static_cast<int64_t>(sequence.request.prompt.size());
+  const int64_t upto =
+      active_.empty() ? length : std::min(length, sequence.length + options_.prefill_chunk);
+  if (sequence.length < upto) PrefillChunk(sequence, slot, upto);
+  if (sequence.length == length) Place(std::move(prefilling_), slot, finished, events);
+}
+
+void Engine::SettlePrefilling() {
+  const int64_t slot = static_cast<int64_t>(active_.size());
+  if (!prefilling_ || prefilling_slot_ == slot) return;
+  cache_.CopyPrefix(cache_, prefilling_slot_, slot, prefilling_->length);
+  prefilling_slot_ = slot;
 }
 
 std::unique_ptr<Engine::Sequence> Engine::RemoveActive(int64_t slot) {
@@ -466,7 +509,13 @@ bool Engine::Cancel(uint64_t id) {
   }
   if (auto it = std::find_if(active_.begin(), active_.end(), has_id); it != active_.end()) {
     RemoveActive(it - active_.begin());
-    running_.store(static_cast<int64_t>(active_.size()));
+    SettlePrefilling();
+    running_.store(static_cast<int64_t>(active()));
+    return true;
+  }
+  if (prefilling_ && prefilling_->id == id) {
+    prefilling_.reset();
+    running_.store(static_cast<int64_t>(active()));
     return true;
   }
   return false;
@@ -474,17 +523,27 @@ bool Engine::Cancel(uint64_t id) {
 
 void Engine::Admit(std::vector<GenerationResult>& finished, std::vector<TokenEvent>* events) {
   last_prefill_ = LastPrefill{};
-  while (!waiting_.empty() && static_cast<int64_t>(active_.size()) < options_.max_batch) {
+  if (prefilling_) ContinuePrefill(finished, events);
+  const int64_t chunk = options_.prefill_chunk;
+  // Requests admitted together (a group) are not chunked for each other: only requests
+  // decoding since an earlier step would be stalled.
+  const bool others_decoding = !active_.empty();
+  while (!prefilling_ && !waiting_.empty() &&
+         static_cast<int64_t>(active_.size()) < options_.max_batch) {
     std::unique_ptr<Sequence> sequence = std::move(waiting_.front());
     waiting_.pop_front();
     const int64_t slot = static_cast<int64_t>(active_.size());
-    Prefill(*sequence, slot, events);
-    if (sequence->finished_at_prefill) {
-      KeepPrefix(*sequence, slot);
-      finished.push_back(std::move(sequence->result));
-    } else {
-      active_.push_back(std::move(sequence));
+    const int64_t length = static_cast<int64_t>(sequence->request.prompt.size());
+    BeginPrefill(*sequence, slot);
+    if (chunk > 0 && others_decoding && length - sequence->length > chunk) {
+      // Others are decoding: one chunk now, the rest in the next steps.
+      PrefillChunk(*sequence, slot, sequence->length + chunk);
+      prefilling_ = std::move(sequence);
+      prefilling_slot_ = slot;
+      break;
     }
+    if (sequence->length < length) PrefillChunk(*sequence, slot, length);
+    Place(std::move(sequence), slot, finished, events);
   }
   last_prefill_ = LastPrefill{};  // the rows it names move when requests finish
 }
@@ -504,7 +563,7 @@ std::vector<GenerationResult> Engine::Step(std::vector<TokenEvent>* emitted) {
                     std::make_move_iterator(events.end()));
   };
   auto counts = [&] {
-    running_.store(static_cast<int64_t>(active_.size()));
+    running_.store(static_cast<int64_t>(active()));
     queued_.store(static_cast<int64_t>(waiting_.size()));
   };
   Admit(finished, record);
@@ -559,6 +618,7 @@ std::vector<GenerationResult> Engine::Step(std::vector<TokenEvent>* emitted) {
     KeepPrefix(*active_[i], i);
     finished.push_back(std::move(RemoveActive(i)->result));
   }
+  SettlePrefilling();
   counts();
   emit();
   return finished;
@@ -702,7 +762,7 @@ Status Engine::UnloadAdapter(const std::string& name) {
   if (it == adapter_slots_.end()) return Status::NotFound("unknown adapter '" + name + "'");
   auto uses = [&](const std::unique_ptr<Sequence>& s) { return s->request.adapter == name; };
   if (std::any_of(active_.begin(), active_.end(), uses) ||
-      std::any_of(waiting_.begin(), waiting_.end(), uses)) {
+      std::any_of(waiting_.begin(), waiting_.end(), uses) || (prefilling_ && uses(prefilling_))) {
     return Status::InvalidArgument("adapter '" + name + "' is in use by a request in flight");
   }
   multi_lora_->adapters[it->second].clear();

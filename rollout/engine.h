@@ -33,6 +33,11 @@
 // tokens as a second chunk, whose floating-point sums may group differently (see
 // docs/ROLLOUT.md).
 //
+// Chunked prefill (EngineOptions::prefill_chunk): a long prompt arriving while other
+// requests decode is prefilled a chunk per Step, before that Step's decode; its first token
+// is sampled when the last chunk is in. A swap between two chunks starts its prefill again
+// (rows computed by older weights are not mixed with newer ones).
+//
 // Streaming: Step(&events) also reports every token it generated, one TokenEvent each, so a
 // consumer can forward tokens as they are sampled; Cancel drops a request mid-flight.
 //
@@ -127,6 +132,12 @@ struct EngineOptions {
   // used evicted first; 0: only prefixes of requests in the same step or in flight are
   // shared. -1: max_batch / 4, at least 1.
   int64_t prefix_slots = -1;
+  // Chunked prefill: a prompt arriving while others decode (requests admitted in an earlier
+  // step; a group arriving together is not chunked), with more than this many tokens
+  // left to prefill, is prefilled this many tokens per Step, each chunk before that step's
+  // decode, so running requests wait one chunk per token rather than the whole prompt. One
+  // such prompt at a time holds the next slot; later arrivals wait behind it. 0: whole.
+  int64_t prefill_chunk = 256;
   Status Validate(const model::ModelConfig& config) const;
   int64_t PrefixSlots() const;  // prefix_slots with -1 resolved (0 when not sharing)
 };
@@ -190,7 +201,8 @@ class Engine {
   // served; thread-safe (waits for the current step).
   std::pair<uint64_t, int64_t> serving();
 
-  size_t active() const { return active_.size(); }
+  // Requests holding a cache slot (decoding, or the one being prefilled in chunks).
+  size_t active() const { return active_.size() + (prefilling_ ? 1 : 0); }
   size_t waiting() const { return waiting_.size(); }
   // The KV cache: the request slots and the prefix slots.
   int64_t cache_bytes() const { return cache_.bytes() + prefix_cache_.bytes(); }
@@ -209,7 +221,8 @@ class Engine {
     int64_t length = 0;  // tokens whose keys and values are cached
     std::mt19937_64 rng;
     bool finished_at_prefill = false;
-    uint64_t epoch = 0;  // prefix_epoch_ when its prefill ran
+    uint64_t epoch = 0;    // prefix_epoch_ when its prefill began
+    torch::Tensor logits;  // [1, V] at the prompt's last token, once prefilled
   };
 
   // A finished request's cached tokens, kept in prefix slot `slot` of prefix_cache_.
@@ -245,7 +258,20 @@ class Engine {
   // REQUIRES: mutex_. Prefills waiting requests into free slots; those that finish at once
   // go to `finished`.
   void Admit(std::vector<GenerationResult>& finished, std::vector<TokenEvent>* events);
-  void Prefill(Sequence& sequence, int64_t slot, std::vector<TokenEvent>* events);
+  // The prefill of `sequence` into cache slot `slot`, in three parts (REQUIRES: mutex_):
+  // BeginPrefill takes what is cached already (a sibling's whole prompt with its logits, or
+  // a prefix) and sets sequence.length to the prompt tokens in the cache; PrefillChunk
+  // computes the prompt's tokens [length, upto) (and the logits when upto is the end);
+  // Place samples the first token and moves the request to active_ or `finished`.
+  void BeginPrefill(Sequence& sequence, int64_t slot);
+  void PrefillChunk(Sequence& sequence, int64_t slot, int64_t upto);
+  void Place(std::unique_ptr<Sequence> sequence, int64_t slot,
+             std::vector<GenerationResult>& finished, std::vector<TokenEvent>* events);
+  // REQUIRES: mutex_. The next chunk of prefilling_ (all of it when nothing decodes).
+  void ContinuePrefill(std::vector<GenerationResult>& finished, std::vector<TokenEvent>* events);
+  // REQUIRES: mutex_. After requests left active_: prefilling_'s rows move down to the
+  // slot after the last active one.
+  void SettlePrefilling();
   // Samples from `logits` [V] for `sequence`; appends token, logprob, version and, when the
   // request asked, the top logprobs of `top_tokens` (the ids from TopTokens, most likely
   // first); returns whether the sequence finished. With `events`, appends the token's event.
@@ -289,6 +315,10 @@ class Engine {
   uint64_t prefix_epoch_ = 0;
   uint64_t prefix_clock_ = 0;
   LastPrefill last_prefill_;  // reset at every Step's admissions
+  // The request being prefilled in chunks, in cache slot prefilling_slot_ (== the number
+  // of active requests once settled).
+  std::unique_ptr<Sequence> prefilling_;
+  int64_t prefilling_slot_ = 0;
   std::atomic<uint64_t> prefix_hits_{0}, prefix_tokens_reused_{0}, prefill_tokens_{0};
   std::atomic<int64_t> prefix_entries_{0}, running_{0}, queued_{0};
   std::deque<std::unique_ptr<Sequence>> waiting_;

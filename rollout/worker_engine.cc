@@ -106,7 +106,8 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
         " ids, more than the model's vocab_size " + std::to_string(impl->config.vocab_size));
   }
   const EngineOptions engine_options{options.max_batch, options.max_sequence,
-                                    options.share_prefixes, options.prefix_slots};
+                                    options.share_prefixes, options.prefix_slots,
+                                    options.prefill_chunk};
   FW_RETURN_IF_ERROR(engine_options.Validate(impl->config));
   for (const auto& [name, path] : options.adapters) {
     if (name.empty() || path.empty()) return Status::InvalidArgument("--adapter wants NAME=PATH");
@@ -233,7 +234,7 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
       auto engine,
       Engine::Create(s.model,
                      {s.options.max_batch, s.options.max_sequence, s.options.share_prefixes,
-                      s.options.prefix_slots},
+                      s.options.prefix_slots, s.options.prefill_chunk},
                      event.version));
   s.aliased = aliased;
   s.engine = std::shared_ptr<Engine>(std::move(engine));

@@ -49,6 +49,7 @@ struct WorkerEngineOptions {
   // Shared prefixes (EngineOptions::share_prefixes, prefix_slots; -1: max_batch / 4).
   bool share_prefixes = true;
   int64_t prefix_slots = -1;
+  int64_t prefill_chunk = 256;  // EngineOptions::prefill_chunk
   // "auto": the HF tokenizer.json beside config.json when there is one, else bytes; "byte";
   // "chars:<alphabet>"; or the path of a tokenizer.json (or of the folder holding it, with
   // its tokenizer_config.json and generation_config.json).

@@ -346,7 +346,9 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
       "Then shared prefixes, engine to engine: a group of n samples of one long prompt against\n"
       "one sample (and against the group with sharing off), and a multi-turn episode's prompt\n"
       "tokens prefilled against its history. Checks: the shared group equals the unshared one\n"
-      "bit for bit, the episode prefills only its new tokens, the group within 1.6x one sample.");
+      "bit for bit, the episode prefills only its new tokens, the group within 1.6x one sample.\n"
+      "Then chunked prefill: running requests' step time while a long prompt arrives, chunked\n"
+      "and whole; checks the same answer both ways and the worst step within 1.5x undisturbed.");
   serving->add_option("--prompt-tokens", options->prompt_tokens, "Prompt length")
       ->capture_default_str()->check(CLI::Range(1, 512));
   serving->add_option("--max-tokens", options->max_tokens, "Tokens generated per answer")
@@ -371,13 +373,23 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
   serving->add_option("--turn-tokens", options->prefixes.turn_tokens,
                       "Shared prefixes: tokens each turn adds to the episode's history")
       ->capture_default_str()->check(CLI::Range(2, 600));
+  serving->add_option("--running", options->prefixes.running,
+                      "Chunked prefill: requests decoding when the long prompt arrives")
+      ->capture_default_str()->check(CLI::Range(1, 64));
+  serving->add_option("--long-prompt-tokens", options->prefixes.long_prompt_tokens,
+                      "Chunked prefill: the arriving prompt's length")
+      ->capture_default_str()->check(CLI::Range(2, 4000));
+  serving->add_option("--prefill-chunk", options->prefixes.prefill_chunk,
+                      "Chunked prefill: tokens of the long prompt prefilled per step")
+      ->capture_default_str()->check(CLI::Range(1, 4000));
   serving->add_flag("--quick", [options](int64_t) {
     options->prompt_tokens = 16;
     options->max_tokens = 16;
     options->rounds = 1;
     options->check = false;
     options->prefixes = {.group_prompt_tokens = 128, .group_n = 4, .group_max_tokens = 8,
-                         .turns = 3, .turn_tokens = 32, .rounds = 1, .check_timing = false};
+                         .turns = 3, .turn_tokens = 32, .rounds = 1, .running = 4,
+                         .long_prompt_tokens = 200, .prefill_chunk = 16, .check_timing = false};
   }, "A short form for CTest: small sizes, one round; timing targets reported, not enforced\n"
      "(exactness checks still fail the run)");
   serving->add_flag("!--no-check", options->check, "Report without failing on a missed target");

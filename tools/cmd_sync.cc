@@ -70,6 +70,7 @@ struct SyncArgs {
   int64_t max_batch = 32, max_sequence = 1024;
   bool share_prefixes = true;
   int64_t prefix_slots = -1;
+  int64_t prefill_chunk = 256;
   std::string tokenizer = "auto";
   std::string served_model_name;
   std::vector<std::string> adapters;
@@ -290,6 +291,7 @@ Status RunWorker(const SyncArgs& args) {
     engine_options.max_sequence = args.max_sequence;
     engine_options.share_prefixes = args.share_prefixes;
     engine_options.prefix_slots = args.prefix_slots;
+    engine_options.prefill_chunk = args.prefill_chunk;
     engine_options.tokenizer = args.tokenizer;
     engine_options.model_name = args.served_model_name;
     for (const std::string& adapter : args.adapters) {
@@ -529,6 +531,12 @@ void AddWorker(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
                    "evicted; -1: max-batch / 4; 0: share only prefixes of requests in flight")
       ->capture_default_str()
       ->check(CLI::Range(-1, 4096));
+  worker
+      ->add_option("--prefill-chunk", args->prefill_chunk,
+                   "Engine: a prompt arriving while others decode is prefilled this many tokens\n"
+                   "per decode step, so running requests are not stalled by a long prompt; 0: whole")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   worker->add_flag("!--no-prefix-sharing", args->share_prefixes,
                    "Engine: prefill every prompt whole (no shared prefixes; for comparisons)");
   worker

@@ -1,12 +1,17 @@
-// Shared prefixes in the rollout engine (EngineOptions::share_prefixes): the samples of a
+// Shared prefixes and chunked prefill in the rollout engine. Shared prefixes
+// (EngineOptions::share_prefixes): the samples of a
 // group prefill their prompt once and equal the unshared samples bit for bit (dense and MoE
 // with routing); an episode's next turn prefills only its new tokens; a swap or a new
 // adapter version is never served from a prefix computed before it; the prefix slots evict
-// by LRU and never serve a wrong prefix under pressure.
+// by LRU and never serve a wrong prefix under pressure. Chunked prefill
+// (EngineOptions::prefill_chunk): running requests get a token every step while a long
+// prompt is prefilled, the answers equal one-shot prefill's, and a swap between chunks
+// starts the prefill again on the new weights.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstring>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -216,6 +221,120 @@ TEST(PrefixCacheTest, ThePrefixSlotsEvictTheLeastRecentlyUsedAndStayCorrect) {
   for (size_t i = 0; i < crowd.size(); ++i) EXPECT_EQ((*a)[i].tokens, (*b)[i].tokens) << i;
 }
 
+std::unique_ptr<Engine> ChunkedEngine(std::shared_ptr<model::TransformerImpl> m, int64_t chunk) {
+  auto engine = Engine::Create(std::move(m),
+                               {.max_batch = 4, .max_sequence = 128, .share_prefixes = false,
+                                .prefill_chunk = chunk},
+                               1);
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  return engine.ok() ? std::move(*engine) : nullptr;
+}
+
+// Two requests decode (one ends mid-way, moving the prefilling rows down a slot); a
+// 70-token prompt arrives and is prefilled 8 tokens a step. Per step: one token for each
+// running request, none for the new one until its 9th step.
+struct ChunkedRun {
+  std::map<uint64_t, GenerationResult> done;
+  std::vector<std::map<uint64_t, int>> tokens_per_step;  // after the long prompt arrived
+};
+
+ChunkedRun RunWithALongArrival(Engine& engine) {
+  ChunkedRun run;
+  auto collect = [&](std::vector<TokenEvent>* events) {
+    for (auto& r : engine.Step(events)) run.done.emplace(r.id, std::move(r));
+  };
+  EXPECT_TRUE(engine.Submit(Request(Prompt(4, 5), 6, 0, std::nullopt)).ok());   // id 1
+  EXPECT_TRUE(engine.Submit(Request(Prompt(9, 7), 30, 0, std::nullopt)).ok());  // id 2
+  collect(nullptr);
+  collect(nullptr);
+  EXPECT_TRUE(engine.Submit(Request(Prompt(17, 70), 10, 0, std::nullopt)).ok());  // id 3
+  while (run.done.size() < 3) {
+    std::vector<TokenEvent> events;
+    collect(&events);
+    std::map<uint64_t, int> counts;
+    for (const TokenEvent& e : events) counts[e.id] += 1;
+    run.tokens_per_step.push_back(counts);
+  }
+  return run;
+}
+
+TEST(ChunkedPrefillTest, RunningRequestsKeepDecodingAndTheAnswersEqualOneShotPrefill) {
+  auto m = MakeModel(false, 27);
+  auto chunked = ChunkedEngine(m, 8);
+  auto whole = ChunkedEngine(m, 0);
+  const ChunkedRun a = RunWithALongArrival(*chunked);
+  const ChunkedRun b = RunWithALongArrival(*whole);
+  for (uint64_t id : {1, 2, 3}) {
+    SCOPED_TRACE("request " + std::to_string(id));
+    EXPECT_EQ(a.done.at(id).tokens, b.done.at(id).tokens);
+    for (size_t t = 0; t < a.done.at(id).logprobs.size(); ++t) {
+      EXPECT_NEAR(a.done.at(id).logprobs[t], b.done.at(id).logprobs[t], 1e-5);
+    }
+  }
+  // 70 tokens in chunks of 8: the first token of request 3 comes in the 9th step, and
+  // every step before it gave request 2 one token (request 1 ended in the 4th).
+  ASSERT_GE(a.tokens_per_step.size(), 9u);
+  for (size_t step = 0; step < 8; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    EXPECT_EQ(a.tokens_per_step[step].count(3), 0u);
+    EXPECT_EQ(a.tokens_per_step[step].at(2), 1);
+  }
+  EXPECT_EQ(a.tokens_per_step[8].at(3), 2);  // its prefill token and its first decoded one
+  // One-shot: request 3 starts at once.
+  EXPECT_EQ(b.tokens_per_step[0].at(3), 2);
+  EXPECT_EQ(chunked->prefix_stats().tokens_prefilled, whole->prefix_stats().tokens_prefilled);
+}
+
+TEST(ChunkedPrefillTest, ASwapBetweenChunksStartsThePrefillAgainOnTheNewWeights) {
+  auto m = MakeModel(false, 28);
+  auto engine = ChunkedEngine(m, 8);
+  ASSERT_TRUE(engine->Submit(Request(Prompt(9, 7), 40, 0, std::nullopt)).ok());
+  engine->Step();
+  const std::vector<int32_t> prompt = Prompt(5, 60);
+  ASSERT_TRUE(engine->Submit(Request(prompt, 6, 0, std::nullopt)).ok());
+  for (int i = 0; i < 3; ++i) engine->Step();  // 24 of its 60 tokens prefilled
+  EXPECT_EQ(engine->active(), 2u);
+  ASSERT_TRUE(engine
+                  ->Swap(2,
+                         [&] {
+                           torch::NoGradGuard no_grad;
+                           for (auto& p : m->parameters()) p.mul_(1.25);
+                           return Status::Ok();
+                         })
+                  .ok());
+  std::map<uint64_t, GenerationResult> done;
+  while (done.size() < 2) {
+    for (auto& r : engine->Step()) done.emplace(r.id, std::move(r));
+  }
+  EXPECT_EQ(done.at(2).versions, std::vector<uint64_t>(6, 2));
+  auto fresh = ChunkedEngine(m, 0)->Generate({Request(prompt, 6, 0, std::nullopt)});
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(done.at(2).tokens, (*fresh)[0].tokens);
+  for (size_t t = 0; t < done.at(2).logprobs.size(); ++t) {
+    EXPECT_NEAR(done.at(2).logprobs[t], (*fresh)[0].logprobs[t], 1e-5);
+  }
+  EXPECT_EQ(engine->prefix_stats().tokens_prefilled, 7u + 24 + 60);  // 24 computed twice
+}
+
+TEST(ChunkedPrefillTest, ARequestCancelledMidPrefillFreesItsSlot) {
+  auto m = MakeModel(false, 29);
+  auto engine = ChunkedEngine(m, 8);
+  ASSERT_TRUE(engine->Submit(Request(Prompt(9, 7), 20, 0, std::nullopt)).ok());
+  engine->Step();
+  auto long_id = engine->Submit(Request(Prompt(5, 60), 6, 0, std::nullopt));
+  ASSERT_TRUE(long_id.ok());
+  engine->Step();
+  EXPECT_EQ(engine->active(), 2u);
+  EXPECT_TRUE(engine->Cancel(*long_id));
+  EXPECT_EQ(engine->active(), 1u);
+  EXPECT_FALSE(engine->Cancel(*long_id));
+  auto after = engine->Generate({Request(Prompt(3, 12), 4, 0, std::nullopt)});
+  ASSERT_TRUE(after.ok());
+  auto alone = ChunkedEngine(m, 0)->Generate({Request(Prompt(3, 12), 4, 0, std::nullopt)});
+  ASSERT_TRUE(alone.ok());
+  EXPECT_EQ((*after)[0].tokens, (*alone)[0].tokens);
+}
+
 TEST(PrefixCacheTest, ABadPrefixSlotCountIsRefused) {
   auto engine = Engine::Create(MakeModel(false, 26), {.max_batch = 4, .max_sequence = 32, .prefix_slots = -2}, 1);
   ASSERT_FALSE(engine.ok());
@@ -224,6 +343,9 @@ TEST(PrefixCacheTest, ABadPrefixSlotCountIsRefused) {
   EXPECT_EQ(off.PrefixSlots(), 0);
   EngineOptions defaults{.max_batch = 8};
   EXPECT_EQ(defaults.PrefixSlots(), 2);
+  auto chunk = Engine::Create(MakeModel(false, 26), {.max_batch = 4, .max_sequence = 32, .prefill_chunk = -1}, 1);
+  ASSERT_FALSE(chunk.ok());
+  EXPECT_NE(chunk.status().message().find("prefill_chunk"), std::string::npos);
 }
 
 }  // namespace
