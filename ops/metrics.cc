@@ -1,6 +1,7 @@
 #include "ops/metrics.h"
 
 #include <cstdio>
+#include <string>
 
 namespace flywheel::ops {
 
@@ -66,6 +67,11 @@ const MetricSpec kMetrics[] = {
     {"prefill_tokens_total", "prefill_tokens_total", true, "Prompt tokens prefilled"},
     {"prefix_cache_entries", "prefix_cache_entries", false, "Prefix slots holding a usable prefix"},
     {"prefix_cache_slots", "prefix_cache_slots", false, "Prefix slots"},
+    {"kv_cache_usage", "kv_cache_usage_ratio", false, "Share of the engine's request slots in use"},
+    {"request_queue_time", "request_queue_time_seconds", false, "From a request's arrival at the engine to its prefill"},
+    {"time_to_first_token", "time_to_first_token_seconds", false, "From a request's arrival at the engine to its first token"},
+    {"inter_token_latency", "inter_token_latency_seconds", false, "Between two tokens of a request"},
+    {"e2e_request_latency", "e2e_request_latency_seconds", false, "From a request's arrival at the engine to its last token"},
     {"older_heads_ignored", "older_heads_ignored_total", true, "Catalogs announcing an older head than served"},
     {"trusted_keys", "trusted_keys", false, "Publisher keys trusted (0: signatures not checked)"},
     {"signature_failures_total", "signature_failures_total", true, "Artifacts refused: unsigned, wrongly signed or forged"},
@@ -114,6 +120,31 @@ MetricSpec SpecByRule(const std::string& key, std::string* name, std::string* he
   return spec;
 }
 
+// `value` in ops::Histogram's form as a Prometheus histogram named `name`.
+std::string HistogramText(const std::string& name, const std::string& help,
+                          const std::string& labels, const nlohmann::json& value) {
+  const nlohmann::json& h = value["histogram"];
+  if (!h.is_object() || !h["le"].is_array() || !h["buckets"].is_array() ||
+      h["le"].size() != h["buckets"].size()) {
+    return {};
+  }
+  // `labels` is {a="..",b=".."}: `le` goes inside its braces.
+  const std::string open = labels.substr(0, labels.size() - 1) + ",le=\"";
+  std::string text = "# HELP " + name + " " + help + "\n# TYPE " + name + " histogram\n";
+  char number[64];
+  for (size_t i = 0; i < h["le"].size(); ++i) {
+    std::snprintf(number, sizeof number, "%.17g", h["le"][i].get<double>());
+    text += name + "_bucket" + open + number + "\"} " +
+            std::to_string(h["buckets"][i].get<uint64_t>()) + "\n";
+  }
+  const uint64_t count = h.value("count", uint64_t{0});
+  text += name + "_bucket" + open + "+Inf\"} " + std::to_string(count) + "\n";
+  std::snprintf(number, sizeof number, "%.17g", h.value("sum", 0.0));
+  text += name + "_sum" + labels + " " + number + "\n";
+  text += name + "_count" + labels + " " + std::to_string(count) + "\n";
+  return text;
+}
+
 }  // namespace
 
 std::string MetricsText(const nlohmann::json& status) {
@@ -122,6 +153,17 @@ std::string MetricsText(const nlohmann::json& status) {
                              Label(status.value("node_id", "")) + "\"}";
   std::string text;
   for (const auto& [key, value] : status.items()) {
+    if (value.is_object() && value.contains("histogram")) {
+      std::string name = key, help = key + " from /v1/status";
+      for (const MetricSpec& candidate : kMetrics) {
+        if (key == candidate.key) {
+          name = candidate.name;
+          help = candidate.help;
+        }
+      }
+      text += HistogramText("flywheel_" + name, help, labels, value);
+      continue;
+    }
     double number = 0;
     if (value.is_boolean()) {
       number = value.get<bool>() ? 1 : 0;

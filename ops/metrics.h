@@ -11,7 +11,9 @@ namespace flywheel::ops {
 // labelled with the document's role, region and node_id. Known keys have their Prometheus
 // name, type (counter or gauge) and help text in one table (ops/metrics.cc); any other key
 // follows the same conventions by rule: "_ms" and "_us" become "_seconds" (scaled), a name
-// ending in "_total" is a counter. Strings, arrays and objects are left out.
+// ending in "_total" is a counter. An object in ops::Histogram's form ({"histogram": ...})
+// becomes a Prometheus histogram (_bucket with le, _sum, _count). Strings, arrays and other
+// objects are left out.
 std::string MetricsText(const nlohmann::json& status);
 
 }  // namespace flywheel::ops

@@ -211,6 +211,7 @@ Result<uint64_t> Engine::Submit(GenerationRequest request) {
   sequence->result.routing_bytes_per_index = config.num_experts > 256 ? 2 : 1;
   sequence->rng.seed(request.params.seed ? *request.params.seed : std::random_device{}());
   sequence->request = std::move(request);
+  sequence->submitted = std::chrono::steady_clock::now();
   const uint64_t id = sequence->id;
   waiting_.push_back(std::move(sequence));
   queued_.store(static_cast<int64_t>(waiting_.size()));
@@ -269,6 +270,12 @@ bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in,
     r.finish_reason = "length";
     finished = true;
   }
+  const auto now = std::chrono::steady_clock::now();
+  auto seconds = [&](auto from) { return std::chrono::duration<double>(now - from).count(); };
+  (r.tokens.size() == 1 ? latencies_.first_token : latencies_.inter_token)
+      .Observe(seconds(r.tokens.size() == 1 ? sequence.submitted : sequence.last_token));
+  sequence.last_token = now;
+  if (finished) latencies_.end_to_end.Observe(seconds(sequence.submitted));
   if (events) {
     events->push_back(
         {.id = sequence.id,
@@ -407,6 +414,11 @@ void Engine::BeginPrefill(Sequence& sequence, int64_t slot) {
   const auto& prompt = sequence.request.prompt;
   const int64_t length = static_cast<int64_t>(prompt.size());
   const bool routing = NeedsRouting(sequence);
+  if (sequence.queued) {
+    sequence.queued = false;
+    latencies_.queue.Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - sequence.submitted).count());
+  }
   sequence.epoch = prefix_epoch_;
   sequence.length = 0;
   sequence.logits = torch::Tensor();

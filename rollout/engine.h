@@ -48,6 +48,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -61,6 +62,7 @@
 
 #include "base/status.h"
 #include "checkpoint/tensor.h"
+#include "ops/histogram.h"
 #include "model/model.h"
 
 namespace flywheel::rollout {
@@ -142,6 +144,15 @@ struct EngineOptions {
   int64_t PrefixSlots() const;  // prefix_slots with -1 resolved (0 when not sharing)
 };
 
+// Request latencies since the engine started, from Submit (thread-safe; Prometheus
+// histograms in a worker's /metrics).
+struct LatencyHistograms {
+  ops::Histogram queue;        // Submit -> its prefill begins
+  ops::Histogram first_token;  // Submit -> its first token
+  ops::Histogram inter_token;  // between two tokens of one request
+  ops::Histogram end_to_end;   // Submit -> its last token (finished requests only)
+};
+
 // What prefix sharing saved, since the engine started (thread-safe reads).
 struct PrefixStats {
   uint64_t hits = 0;            // prompts that reused a prefix
@@ -207,6 +218,8 @@ class Engine {
   // The KV cache: the request slots and the prefix slots.
   int64_t cache_bytes() const { return cache_.bytes() + prefix_cache_.bytes(); }
   PrefixStats prefix_stats() const;
+  const LatencyHistograms& latencies() const { return latencies_; }
+  int64_t max_batch() const { return options_.max_batch; }
   // Thread-safe counts of requests decoding and queued (for status documents).
   int64_t running() const { return running_.load(); }
   int64_t queued() const { return queued_.load(); }
@@ -223,6 +236,8 @@ class Engine {
     bool finished_at_prefill = false;
     uint64_t epoch = 0;    // prefix_epoch_ when its prefill began
     torch::Tensor logits;  // [1, V] at the prompt's last token, once prefilled
+    std::chrono::steady_clock::time_point submitted, last_token;
+    bool queued = true;  // its queue time is not yet observed
   };
 
   // A finished request's cached tokens, kept in prefix slot `slot` of prefix_cache_.
@@ -321,6 +336,7 @@ class Engine {
   int64_t prefilling_slot_ = 0;
   std::atomic<uint64_t> prefix_hits_{0}, prefix_tokens_reused_{0}, prefill_tokens_{0};
   std::atomic<int64_t> prefix_entries_{0}, running_{0}, queued_{0};
+  LatencyHistograms latencies_;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> active_;  // active_[i] lives in cache slot i
 };

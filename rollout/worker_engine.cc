@@ -364,6 +364,13 @@ void WorkerEngine::AddStatus(nlohmann::json& status) const {
   status["prefill_tokens_total"] = prefixes.tokens_prefilled;
   status["prefix_cache_entries"] = prefixes.entries;
   status["prefix_cache_slots"] = prefixes.slots;
+  status["kv_cache_usage"] =
+      static_cast<double>(engine->running()) / static_cast<double>(engine->max_batch());
+  const LatencyHistograms& latencies = engine->latencies();
+  status["request_queue_time"] = latencies.queue.ToJson();
+  status["time_to_first_token"] = latencies.first_token.ToJson();
+  status["inter_token_latency"] = latencies.inter_token.ToJson();
+  status["e2e_request_latency"] = latencies.end_to_end.ToJson();
 }
 
 }  // namespace flywheel::rollout

@@ -15,6 +15,7 @@
 #include "model/weights.h"
 #include "ops/process.h"
 #include "tests/model/tiny_models.h"
+#include "tests/sync/promtool.h"
 #include "transport/http.h"
 
 namespace flywheel::rollout {
@@ -146,6 +147,17 @@ TEST_P(WorkerProcessTest, CompletionsFollowTheServedVersion) {
   ASSERT_TRUE(metrics.ok());
   EXPECT_NE(metrics->body.find("flywheel_prefix_cache_hits_total{"), std::string::npos);
   EXPECT_NE(metrics->body.find("flywheel_engine_running_requests{"), std::string::npos);
+  // Latency histograms: every answered request had a first token, the group's 4 samples
+  // 3 more tokens each.
+  EXPECT_GE(s["time_to_first_token"]["histogram"]["count"].get<uint64_t>(), 4u) << s.dump();
+  EXPECT_GE(s["inter_token_latency"]["histogram"]["count"].get<uint64_t>(), 12u) << s.dump();
+  EXPECT_GE(s["e2e_request_latency"]["histogram"]["count"].get<uint64_t>(), 4u);
+  EXPECT_GE(s["request_queue_time"]["histogram"]["count"].get<uint64_t>(), 4u);
+  EXPECT_NE(metrics->body.find("# TYPE flywheel_time_to_first_token_seconds histogram"), std::string::npos);
+  EXPECT_NE(metrics->body.find("flywheel_inter_token_latency_seconds_bucket{"), std::string::npos);
+  if (std::optional<std::string> complaints = flywheel::testing::PromtoolComplaints(metrics->body)) {
+    EXPECT_EQ(*complaints, "") << metrics->body;
+  }
   (void)processes.StopAll();  // before their directory goes
   fs::remove_all(dir);
 }

@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 
+#include "ops/histogram.h"
 #include "ops/metrics.h"
 
 namespace flywheel::sync {
@@ -136,6 +137,34 @@ TEST(RoleStatusTest, EveryRolesMetricsPassPromtool) {
     if (!complaints) GTEST_SKIP() << "promtool is not installed (apt install prometheus)";
     EXPECT_EQ(*complaints, "") << document["role"] << ":\n" << text;
   }
+}
+
+// A worker serving a rollout engine adds latency histograms (ops::Histogram): Prometheus
+// histograms with cumulative buckets, +Inf = _count, that promtool accepts.
+TEST(RoleStatusTest, LatencyHistogramsBecomePrometheusHistograms) {
+  WorkerStatus worker{.common = Common("worker")};
+  nlohmann::json document = ToJson(worker);
+  ops::Histogram first_token({0.01, 0.1, 1});
+  for (double s : {0.005, 0.05, 0.05, 0.5, 3.0}) first_token.Observe(s);
+  document["time_to_first_token"] = first_token.ToJson();
+  document["some_new_latency"] = ops::Histogram().ToJson();
+  const std::string text = ops::MetricsText(document);
+  const std::string labels = R"(role="worker",region="eu \"west\"",node="n1")";
+  EXPECT_NE(text.find("# TYPE flywheel_time_to_first_token_seconds histogram\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("flywheel_time_to_first_token_seconds_bucket{" + labels + ",le=\"0.01\"} 1\n"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("flywheel_time_to_first_token_seconds_bucket{" + labels + ",le=\"0.10000000000000001\"} 3\n"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("flywheel_time_to_first_token_seconds_bucket{" + labels + ",le=\"1\"} 4\n"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("flywheel_time_to_first_token_seconds_bucket{" + labels + ",le=\"+Inf\"} 5\n"),
+            std::string::npos) << text;
+  EXPECT_NE(text.find("flywheel_time_to_first_token_seconds_count{" + labels + "} 5\n"), std::string::npos);
+  EXPECT_NE(text.find("flywheel_time_to_first_token_seconds_sum{" + labels + "} 3.605"), std::string::npos);
+  EXPECT_NE(text.find("flywheel_some_new_latency_count{" + labels + "} 0\n"), std::string::npos);
+  std::optional<std::string> complaints = flywheel::testing::PromtoolComplaints(text);
+  if (!complaints) GTEST_SKIP() << "promtool is not installed (apt install prometheus)";
+  EXPECT_EQ(*complaints, "") << text;
 }
 
 }  // namespace
