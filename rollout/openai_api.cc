@@ -134,6 +134,9 @@ struct Choice {
   bool has_result = false;
   std::string finish_reason;
   GenerationResult result;  // the engine's, for routing
+  // Streamed chat answers with tools or a reasoning parser: the parts of the text sent.
+  std::shared_ptr<AnswerSplitter> splitter;
+  size_t calls_sent = 0;
 };
 
 }  // namespace
@@ -145,6 +148,7 @@ struct CompletionService::Call {
   int64_t top_logprobs = -1;  // -1: no logprobs
   bool return_routing = false;
   bool parse_tools = false;
+  ReasoningParser reasoning = ReasoningParser::kNone;  // chat only
   std::string model;
   std::string id;
   int64_t created = 0;
@@ -249,41 +253,17 @@ ojson CompletionLogprobs(const model::Tokenizer& tok, const Choice& c, size_t fr
   return out;
 }
 
-// Hermes / Qwen tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-// blocks. Returns the calls (empty when there are none or one does not parse) and the text
-// outside them.
-std::pair<ojson, std::string> ParseToolCalls(const std::string& text) {
-  ojson calls = ojson::array();
-  std::string rest;
-  size_t from = 0;
-  static const std::string open = "<tool_call>", close = "</tool_call>";
-  for (size_t at; (at = text.find(open, from)) != std::string::npos;) {
-    const size_t end = text.find(close, at + open.size());
-    if (end == std::string::npos) return {ojson::array(), text};
-    Result<ojson> parsed = ParseJson<ojson>(
-        std::string_view(text).substr(at + open.size(), end - at - open.size()), "a tool call");
-    if (!parsed.ok()) return {ojson::array(), text};
-    ojson call = std::move(parsed).value();
-    if (!call.is_object() || !call.contains("name") || !call["name"].is_string())
-      return {ojson::array(), text};
-    const ojson args = call.value("arguments", ojson::object());
-    calls.push_back({{"id", RandomId("call_")},
-                     {"type", "function"},
-                     {"function",
-                      {{"name", call["name"]},
-                       {"arguments", args.is_string() ? args.get<std::string>() : Dump(args)}}}});
-    rest += text.substr(from, at - from);
-    from = end + close.size();
+// Tool calls in OpenAI's form; `first` is the index of the first (streamed deltas count on).
+ojson ToolCallsJson(const std::vector<ParsedToolCall>& calls, size_t first, bool indexed) {
+  ojson out = ojson::array();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    ojson call = {{"id", RandomId("call_")},
+                  {"type", "function"},
+                  {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}};
+    if (indexed) call["index"] = first + i;
+    out.push_back(std::move(call));
   }
-  rest += text.substr(from);
-  return {calls, rest};
-}
-
-std::string Trim(const std::string& s) {
-  const size_t a = s.find_first_not_of(" \t\r\n");
-  if (a == std::string::npos) return {};
-  const size_t b = s.find_last_not_of(" \t\r\n");
-  return s.substr(a, b - a + 1);
+  return out;
 }
 
 // A chat message's content as the template sees it: a string (text parts joined by "\n").
@@ -352,6 +332,7 @@ Status ChatPrompt(const ojson& request, const ServingOptions& options, const mod
     context["tools"] = *t;
     call.parse_tools = !t->empty();
   }
+  call.reasoning = options.reasoning_parser;
   auto rendered = options.chat_template->Render(context);
   if (!rendered.ok())
     return Status::InvalidArgument("the chat template failed: " + rendered.status().message());
@@ -574,12 +555,15 @@ ojson WholeAnswer(const CompletionService::Call& call, const model::Tokenizer& t
     std::string finish = c.finish_reason;
     if (call.chat) {
       ojson message = {{"role", "assistant"}, {"content", c.text}};
-      if (call.parse_tools) {
-        auto [calls, rest] = ParseToolCalls(c.text);
-        if (!calls.empty()) {
-          const std::string content = Trim(rest);
-          message["content"] = content.empty() ? ojson(nullptr) : ojson(content);
-          message["tool_calls"] = calls;
+      if (call.parse_tools || call.reasoning != ReasoningParser::kNone) {
+        const AnswerParts parts = AnswerSplitter(call.reasoning, call.parse_tools).Feed(c.text, true);
+        message["content"] =
+            parts.content.empty() && !parts.calls.empty() ? ojson(nullptr) : ojson(parts.content);
+        if (call.reasoning != ReasoningParser::kNone) {
+          message["reasoning_content"] = parts.reasoning.empty() ? ojson(nullptr) : ojson(parts.reasoning);
+        }
+        if (!parts.calls.empty()) {
+          message["tool_calls"] = ToolCallsJson(parts.calls, 0, /*indexed=*/false);
           if (finish == "stop") finish = "tool_calls";
         }
       }
@@ -615,6 +599,25 @@ ojson WholeAnswer(const CompletionService::Call& call, const model::Tokenizer& t
   return answer;
 }
 
+// A streamed chat chunk's delta for `text`, new in choice `c` (its role with the first).
+ojson ChatDelta(const CompletionService::Call& call, Choice& c, const std::string& text, bool end) {
+  ojson d = ojson::object();
+  if (!c.role_sent) d["role"] = "assistant";
+  if (!call.parse_tools && call.reasoning == ReasoningParser::kNone) {
+    d["content"] = text;
+    return d;
+  }
+  if (!c.splitter) c.splitter = std::make_shared<AnswerSplitter>(call.reasoning, call.parse_tools);
+  const AnswerParts parts = c.splitter->Feed(text, end);
+  if (!parts.reasoning.empty()) d["reasoning_content"] = parts.reasoning;
+  d["content"] = parts.content;
+  if (!parts.calls.empty()) {
+    d["tool_calls"] = ToolCallsJson(parts.calls, c.calls_sent, /*indexed=*/true);
+    c.calls_sent += parts.calls.size();
+  }
+  return d;
+}
+
 // The SSE text of what is new in `call` since the last call, and whether the stream ended
 // (then with its usage chunk and [DONE]).
 std::string NextEvents(CompletionService::Call& call, const model::Tokenizer& tok,
@@ -643,10 +646,7 @@ std::string NextEvents(CompletionService::Call& call, const model::Tokenizer& to
     const std::string delta = c.text.substr(c.sent, end - c.sent);
     ojson choice = {{"index", i}};
     if (call.chat) {
-      ojson d = ojson::object();
-      if (!c.role_sent) d["role"] = "assistant";
-      d["content"] = delta;
-      choice["delta"] = d;
+      choice["delta"] = ChatDelta(call, c, delta, finishing);
       choice["logprobs"] = call.top_logprobs >= 0
                                ? ChatLogprobs(tok, c, c.tokens_sent, tokens_end, call.top_logprobs)
                                : ojson(nullptr);
@@ -656,7 +656,8 @@ std::string NextEvents(CompletionService::Call& call, const model::Tokenizer& to
                                                                        call.top_logprobs, 0)
                                                   : ojson(nullptr);
     }
-    choice["finish_reason"] = finishing ? ojson(c.finish_reason) : ojson(nullptr);
+    const bool called = call.chat && c.calls_sent > 0 && c.finish_reason == "stop";
+    choice["finish_reason"] = finishing ? ojson(called ? "tool_calls" : c.finish_reason) : ojson(nullptr);
     choice["token_ids"] = std::vector<int32_t>(c.tokens.begin() + static_cast<ptrdiff_t>(c.tokens_sent),
                                                c.tokens.end());
     choice["policy_versions"] = std::vector<uint64_t>(

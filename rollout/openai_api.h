@@ -24,8 +24,12 @@
 //   chat_template_kwargs (e.g. enable_thinking), add_generation_prompt (default true), and
 //   max_tokens / max_completion_tokens (default: what the context has left), stop, n,
 //   sampling and seed as above, logprobs (bool) + top_logprobs (0..20), stream, stream_options.
-//   The answer's message has the text as `content`; `<tool_call>{json}</tool_call>` blocks
-//   (the Hermes / Qwen form) become `tool_calls` with finish_reason "tool_calls".
+//   The answer's message has the text as `content`; with tools, `<tool_call>{json}</tool_call>`
+//   blocks (the Hermes / Qwen form) become `tool_calls` with finish_reason "tool_calls";
+//   with ServingOptions::reasoning_parser, the reasoning goes to `reasoning_content`
+//   (rollout/answer_parser.h). Streamed, the same parts come as `delta.reasoning_content`,
+//   `delta.content` and `delta.tool_calls` (index, id, type, function name and arguments,
+//   each call in the chunk that closes it); concatenated, they equal the whole answer's.
 // GET /v1/models; POST /tokenize ({prompt, add_special_tokens} or {messages, ...}) and
 // POST /detokenize ({tokens}) as vLLM answers them.
 //
@@ -50,6 +54,7 @@
 
 #include "base/status.h"
 #include "model/tokenizer.h"
+#include "rollout/answer_parser.h"
 #include "rollout/engine.h"
 #include "rollout/scheduler.h"
 #include "tokenizer/chat_template.h"
@@ -70,6 +75,8 @@ struct ServingOptions {
   // Why there is no chat template (e.g. the model's could not be parsed), for chat's 400.
   std::string chat_template_error;
   std::string bos_token, eos_token;
+  // Chat answers: reasoning moved into `reasoning_content` (rollout/answer_parser.h).
+  ReasoningParser reasoning_parser = ReasoningParser::kNone;
   // Runs every engine step (the argument) inside it, e.g. under the sync worker's shared
   // weights lock when the engine computes straight from the served weights (fp32 serving:
   // rollout/mirror.h AliasWeights), so a swap never lands in the middle of a step.

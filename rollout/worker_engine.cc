@@ -39,6 +39,7 @@ struct WorkerEngine::Impl {
   std::mutex mutex;  // guards engine / service creation
   std::shared_ptr<Engine> engine;
   std::shared_ptr<CompletionService> service;
+  ReasoningParser reasoning_parser = ReasoningParser::kNone;
   bool aliased = false;  // fp32 serving: the parameters are views of the worker's weights
   // FP8 versions' weight_block_size (config.json's quantization_config; HF's 128 if absent).
   int64_t fp8_block = model::kFp8BlockSize;
@@ -105,6 +106,7 @@ Result<std::unique_ptr<WorkerEngine>> WorkerEngine::Create(const WorkerEngineOpt
         "the tokenizer has " + std::to_string(impl->tokenizer->vocab_size()) +
         " ids, more than the model's vocab_size " + std::to_string(impl->config.vocab_size));
   }
+  FW_ASSIGN_OR_RETURN(impl->reasoning_parser, ParseReasoningParser(options.reasoning_parser));
   const EngineOptions engine_options{options.max_batch, options.max_sequence,
                                     options.share_prefixes, options.prefix_slots,
                                     options.prefill_chunk};
@@ -249,7 +251,8 @@ Status StartEngine(WorkerEngine::Impl& s, const sync::SwapEvent& event) {
   serving.chat_template_error = s.chat_template_error;
   serving.bos_token = s.bos_token;
   serving.eos_token = s.eos_token;
-  serving.max_model_len = s.max_model_len;  // the smaller of it and max_sequence counts
+  serving.max_model_len = s.max_model_len;
+  serving.reasoning_parser = s.reasoning_parser;  // the smaller of it and max_sequence counts
   if (!s.options.model_name.empty()) serving.model_name = s.options.model_name;
   if (s.aliased) {
     WorkerEngine::Impl* impl = &s;

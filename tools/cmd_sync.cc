@@ -71,6 +71,7 @@ struct SyncArgs {
   bool share_prefixes = true;
   int64_t prefix_slots = -1;
   int64_t prefill_chunk = 256;
+  std::string reasoning_parser;
   std::string tokenizer = "auto";
   std::string served_model_name;
   std::vector<std::string> adapters;
@@ -292,6 +293,7 @@ Status RunWorker(const SyncArgs& args) {
     engine_options.share_prefixes = args.share_prefixes;
     engine_options.prefix_slots = args.prefix_slots;
     engine_options.prefill_chunk = args.prefill_chunk;
+    engine_options.reasoning_parser = args.reasoning_parser;
     engine_options.tokenizer = args.tokenizer;
     engine_options.model_name = args.served_model_name;
     for (const std::string& adapter : args.adapters) {
@@ -493,6 +495,31 @@ void AddRelay(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
   relay->callback([args, &action] { action = [args] { return RunRelay(*args); }; });
 }
 
+// The engine's tuning flags of `flywheel worker --model`.
+void AddEngineTuning(CLI::App* worker, SyncArgs& args) {
+  worker
+      ->add_option("--prefix-slots", args.prefix_slots,
+                   "Engine: cache slots keeping finished requests' prefixes for later prompts\n"
+                   "(an episode's next turn, a shared system prompt), least recently used\n"
+                   "evicted; -1: max-batch / 4; 0: share only prefixes of requests in flight")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 4096));
+  worker
+      ->add_option("--prefill-chunk", args.prefill_chunk,
+                   "Engine: a prompt arriving while others decode is prefilled this many tokens\n"
+                   "per decode step, so running requests are not stalled by a long prompt; 0: whole")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  worker
+      ->add_option("--reasoning-parser", args.reasoning_parser,
+                   "Chat answers: move the model's reasoning into reasoning_content (streamed and\n"
+                   "whole): qwen3 (answers that open with <think>) or deepseek_r1 (the template\n"
+                   "opened it: reasoning until </think>)")
+      ->check(CLI::IsMember({"", "none", "qwen3", "deepseek_r1", "deepseek-r1"}));
+  worker->add_flag("!--no-prefix-sharing", args.share_prefixes,
+                   "Engine: prefill every prompt whole (no shared prefixes; for comparisons)");
+}
+
 void AddWorker(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
   CLI::App* worker = app.add_subcommand(
       "worker",
@@ -524,21 +551,7 @@ void AddWorker(CLI::App& app, std::shared_ptr<SyncArgs> args, Action& action) {
                    "Engine: prompt + generated tokens per request")
       ->capture_default_str()
       ->check(CLI::Range(2, 1 << 20));
-  worker
-      ->add_option("--prefix-slots", args->prefix_slots,
-                   "Engine: cache slots keeping finished requests' prefixes for later prompts\n"
-                   "(an episode's next turn, a shared system prompt), least recently used\n"
-                   "evicted; -1: max-batch / 4; 0: share only prefixes of requests in flight")
-      ->capture_default_str()
-      ->check(CLI::Range(-1, 4096));
-  worker
-      ->add_option("--prefill-chunk", args->prefill_chunk,
-                   "Engine: a prompt arriving while others decode is prefilled this many tokens\n"
-                   "per decode step, so running requests are not stalled by a long prompt; 0: whole")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-  worker->add_flag("!--no-prefix-sharing", args->share_prefixes,
-                   "Engine: prefill every prompt whole (no shared prefixes; for comparisons)");
+  AddEngineTuning(worker, *args);
   worker
       ->add_option("--tokenizer", args->tokenizer,
                    "Engine: auto (the HF tokenizer.json beside --model's config.json, else\n"

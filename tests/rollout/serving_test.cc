@@ -430,5 +430,91 @@ TEST_F(ServingTest, ModelsTokenizeAndDetokenize) {
   EXPECT_NE(bad_answer.dump().find("token 9999"), std::string::npos);
 }
 
+// A tiny model taught one answer (greedy decoding then writes it) with reasoning and two
+// tool calls, served with a reasoning parser: the whole answer's parts, and the streamed
+// deltas (reasoning_content, content, tool_calls with their indexes) adding up to them.
+TEST(ServingPartsTest, ReasoningAndToolCallsStreamedEqualTheWholeAnswer) {
+  torch::manual_seed(4);
+  model::ModelConfig config = testing::TinyConfig({.vocab = 260});
+  config.hidden_size = 64;
+  config.intermediate_size = 128;
+  config.max_position_embeddings = 256;
+  auto model = std::make_shared<model::TransformerImpl>(config);
+  const std::string prompt = "<|im_start|>user\nw?<|im_end|>\n<|im_start|>assistant\n";
+  const std::string answer =
+      "<think>cold?</think>\n\nLook:\n<tool_call>{\"name\": \"w\", \"arguments\": {\"c\": 1}}"
+      "</tool_call>\n<tool_call>{\"name\": \"t\"}</tool_call>";
+  {
+    // Teach it the answer after the prompt.
+    std::vector<int64_t> ids;
+    for (unsigned char ch : prompt + answer + "<|im_end|>") ids.push_back(ch);
+    torch::Tensor tokens = torch::tensor(ids).view({1, -1});
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(3e-3));
+    for (int step = 0; step < 400; ++step) {
+      torch::Tensor logits = model->forward(tokens.narrow(1, 0, tokens.size(1) - 1)).logits[0];
+      torch::Tensor loss = torch::nn::functional::cross_entropy(logits, tokens[0].narrow(0, 1, tokens.size(1) - 1));
+      adam.zero_grad();
+      loss.backward();
+      adam.step();
+    }
+  }
+  auto engine = Engine::Create(model, {.max_batch = 4, .max_sequence = 256}, 1);
+  ASSERT_TRUE(engine.ok());
+  ServingOptions options;
+  auto chat = tokenizer::ChatTemplate::Parse(
+      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}");
+  ASSERT_TRUE(chat.ok());
+  options.chat_template = std::make_shared<tokenizer::ChatTemplate>(std::move(*chat));
+  options.reasoning_parser = ReasoningParser::kQwen3;
+  CompletionService service(std::shared_ptr<Engine>(std::move(*engine)),
+                            std::make_shared<model::ByteTokenizer>(), options);
+  const std::string request =
+      R"({"messages": [{"role": "user", "content": "w?"}], "temperature": 0, "ignore_eos": true,
+          "tools": [{"type": "function", "function": {"name": "w", "parameters": {}}}],
+          "stop": ["<|im_end|>"], "max_tokens": )" + std::to_string(answer.size() + 16);
+  transport::HttpResponse whole = service.Chat(request + "}");
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  const json whole_answer = json::parse(whole.body);
+  const json message = whole_answer["choices"][0]["message"];
+  std::string text;
+  for (const json& id : whole_answer["choices"][0]["token_ids"]) text += static_cast<char>(id.get<int>());
+  ASSERT_EQ(text.substr(0, answer.size()), answer) << "the model did not learn the answer";
+  EXPECT_EQ(message["reasoning_content"], "cold?");
+  EXPECT_EQ(message["content"], "Look:");
+  ASSERT_EQ(message["tool_calls"].size(), 2u);
+  EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "w");
+  EXPECT_EQ(message["tool_calls"][0]["function"]["arguments"], R"({"c":1})");
+  EXPECT_EQ(message["tool_calls"][1]["function"]["name"], "t");
+  EXPECT_EQ(whole_answer["choices"][0]["finish_reason"], "tool_calls");
+
+  transport::HttpResponse streamed = service.Chat(request + R"(, "stream": true})");
+  ASSERT_EQ(streamed.status, 200) << streamed.body;
+  std::string reasoning, content, finish;
+  json calls = json::array();
+  size_t chunks = 0;
+  for (size_t at = 0, end; (end = streamed.body.find("\n\n", at)) != std::string::npos; at = end + 2) {
+    const std::string event = streamed.body.substr(at, end - at);
+    if (event == "data: [DONE]") break;
+    const json c = json::parse(event.substr(6))["choices"][0];
+    ++chunks;
+    reasoning += c["delta"].value("reasoning_content", "");
+    content += c["delta"].value("content", "");
+    for (const json& call : c["delta"].value("tool_calls", json::array())) {
+      EXPECT_EQ(call["index"], calls.size());
+      EXPECT_EQ(call["id"].get<std::string>().rfind("call_", 0), 0u);
+      calls.push_back(call);
+    }
+    if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+  }
+  EXPECT_GT(chunks, 10u);  // streamed token by token
+  EXPECT_EQ(reasoning, "cold?");
+  EXPECT_EQ(content, "Look:");
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_EQ(calls[0]["function"], message["tool_calls"][0]["function"]);
+  EXPECT_EQ(calls[1]["function"], message["tool_calls"][1]["function"]);
+  EXPECT_EQ(finish, "tool_calls");
+}
+
 }  // namespace
 }  // namespace flywheel::rollout
