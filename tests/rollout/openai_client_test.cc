@@ -13,6 +13,7 @@
 
 #include "rollout/openai_api.h"
 #include "tests/model/tiny_models.h"
+#include "tests/rollout/taught_model.h"
 #include "tests/tokenizer/npm_reference.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/hf_tokenizer.h"
@@ -162,6 +163,51 @@ TEST(OpenAiClientTest, CompletionsChatStreamingAndTopLogprobs) {
     for (const TokenLogprob& t : want_chat.top_logprobs[i]) engine_values.push_back(t.logprob);
     EXPECT_EQ(floats(r["chat_top_values"][i]), engine_values) << i;
   }
+}
+
+// The client reads reasoning (reasoning_content) and tool calls, whole and streamed, from a
+// tiny model taught an answer with both (tests/rollout/taught_model.h), served with the
+// qwen3 reasoning parser.
+TEST(OpenAiClientTest, ReasoningAndToolCallsWholeAndStreamed) {
+  std::string why;
+  auto client = testing::NpmInstall("openai", {"openai@7.55.0"}, why);
+  if (!client) GTEST_SKIP() << "no openai client: " << why;
+  auto engine = Engine::Create(testing::TaughtModel(), {.max_batch = 4, .max_sequence = 256}, 1);
+  ASSERT_TRUE(engine.ok());
+  ServingOptions options;
+  options.model_name = "taught";
+  auto chat = tokenizer::ChatTemplate::Parse(testing::kTaughtTemplate);
+  ASSERT_TRUE(chat.ok());
+  options.chat_template = std::make_shared<tokenizer::ChatTemplate>(std::move(*chat));
+  options.reasoning_parser = ReasoningParser::kQwen3;
+  CompletionService service(std::shared_ptr<Engine>(std::move(*engine)),
+                            std::make_shared<model::ByteTokenizer>(), options);
+  asio::io_context io;
+  auto guard = asio::make_work_guard(io);
+  auto server = transport::HttpServer::Start(io.get_executor(), {"127.0.0.1", 0}, {});
+  ASSERT_TRUE(server.ok());
+  service.Register(**server);
+  std::thread thread([&] { io.run(); });
+  const fs::path script = fs::path(*client) / "openai_parts.mjs";
+  fs::copy_file(std::string(FLYWHEEL_SOURCE_DIR) + "/tests/rollout/openai_parts.mjs", script,
+                fs::copy_options::overwrite_existing);
+  const std::string base = "http://127.0.0.1:" + std::to_string((*server)->port()) + "/v1";
+  auto out = testing::RunCapture("cd '" + *client + "' && timeout 120 node '" + script.string() +
+                                 "' '" + base + "' none taught 2>&1");
+  asio::post(io, [&] { (*server)->Stop(); });
+  guard.reset();
+  thread.join();
+  ASSERT_TRUE(out.has_value()) << "the openai client script failed";
+  json r = json::parse(*out, nullptr, false);
+  ASSERT_FALSE(r.is_discarded()) << *out;
+  EXPECT_EQ(r["reasoning"], "cold?") << r.dump();
+  EXPECT_EQ(r["content"], "Look:");
+  EXPECT_EQ(r["calls"], json::parse(R"([["w", "{\"c\":1}", "function"], ["t", "{}", "function"]])"));
+  EXPECT_EQ(r["finish"], "tool_calls");
+  EXPECT_EQ(r["stream_reasoning"], r["reasoning"]);
+  EXPECT_EQ(r["stream_content"], r["content"]);
+  EXPECT_EQ(r["stream_calls"], json::parse(R"([["w", "{\"c\":1}", true], ["t", "{}", true]])"));
+  EXPECT_EQ(r["stream_finish"], "tool_calls");
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "tests/model/tiny_models.h"
+#include "tests/rollout/taught_model.h"
 #include "tokenizer/chat_template.h"
 #include "transport/asio.h"
 
@@ -434,36 +435,12 @@ TEST_F(ServingTest, ModelsTokenizeAndDetokenize) {
 // tool calls, served with a reasoning parser: the whole answer's parts, and the streamed
 // deltas (reasoning_content, content, tool_calls with their indexes) adding up to them.
 TEST(ServingPartsTest, ReasoningAndToolCallsStreamedEqualTheWholeAnswer) {
-  torch::manual_seed(4);
-  model::ModelConfig config = testing::TinyConfig({.vocab = 260});
-  config.hidden_size = 64;
-  config.intermediate_size = 128;
-  config.max_position_embeddings = 256;
-  auto model = std::make_shared<model::TransformerImpl>(config);
-  const std::string prompt = "<|im_start|>user\nw?<|im_end|>\n<|im_start|>assistant\n";
-  const std::string answer =
-      "<think>cold?</think>\n\nLook:\n<tool_call>{\"name\": \"w\", \"arguments\": {\"c\": 1}}"
-      "</tool_call>\n<tool_call>{\"name\": \"t\"}</tool_call>";
-  {
-    // Teach it the answer after the prompt.
-    std::vector<int64_t> ids;
-    for (unsigned char ch : prompt + answer + "<|im_end|>") ids.push_back(ch);
-    torch::Tensor tokens = torch::tensor(ids).view({1, -1});
-    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(3e-3));
-    for (int step = 0; step < 400; ++step) {
-      torch::Tensor logits = model->forward(tokens.narrow(1, 0, tokens.size(1) - 1)).logits[0];
-      torch::Tensor loss = torch::nn::functional::cross_entropy(logits, tokens[0].narrow(0, 1, tokens.size(1) - 1));
-      adam.zero_grad();
-      loss.backward();
-      adam.step();
-    }
-  }
+  auto model = testing::TaughtModel();
+  const std::string answer = testing::kTaughtAnswer;
   auto engine = Engine::Create(model, {.max_batch = 4, .max_sequence = 256}, 1);
   ASSERT_TRUE(engine.ok());
   ServingOptions options;
-  auto chat = tokenizer::ChatTemplate::Parse(
-      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}");
+  auto chat = tokenizer::ChatTemplate::Parse(testing::kTaughtTemplate);
   ASSERT_TRUE(chat.ok());
   options.chat_template = std::make_shared<tokenizer::ChatTemplate>(std::move(*chat));
   options.reasoning_parser = ReasoningParser::kQwen3;
