@@ -40,12 +40,14 @@ Status Evaluator::CopyServedWeights(model::TransformerImpl& policy) {
 }
 
 Result<double> Evaluator::Accuracy(model::TransformerImpl& policy) {
-  FW_RETURN_IF_ERROR(CopyServedWeights(policy));
   if (!engine_) {
     int64_t longest = 0;
     for (const auto& p : problems_) longest = std::max<int64_t>(longest, p.prompt.size());
     FW_ASSIGN_OR_RETURN(engine_, rollout::Engine::Create(model_, {64, longest + max_tokens_ + 2}, 1));
   }
+  // Through Swap: the engine must know its weights changed, or it would reuse the prompts'
+  // keys and values the last evaluation's weights computed (shared prefixes).
+  FW_RETURN_IF_ERROR(engine_->Swap(engine_->version(), [&] { return CopyServedWeights(policy); }));
   std::vector<rollout::GenerationRequest> requests;
   for (const auto& problem : problems_) {
     FW_ASSIGN_OR_RETURN(std::vector<int32_t> prompt, tokenizer_->Encode(problem.prompt));

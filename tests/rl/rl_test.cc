@@ -14,7 +14,10 @@
 #include <fstream>
 #include <optional>
 
+#include "rl/evaluator.h"
 #include "rl/publish.h"
+#include "rollout/engine.h"
+#include "tests/model/tiny_models.h"
 #include "rl/rl_step.h"
 #include "rl/run_report.h"
 #include "rl/trainer_process.h"
@@ -409,6 +412,58 @@ TEST(RunReportTest, SummaryAndFiles) {
   ASSERT_TRUE(row.ok()) << row.status().ToString();
   EXPECT_EQ(*row, Row(1));
   fs::remove_all(dir);
+}
+
+// The evaluator reuses its engine across evaluations: the new weights must reach it as a
+// swap, or its shared prefixes would serve the last evaluation's keys and values. Policy B's
+// own greedy answers are the expected ones, so B scores 1 whether or not A was evaluated
+// first on the same evaluator.
+TEST(EvaluatorTest, EachEvaluationComputesWithTheWeightsItIsGiven) {
+  const model::ModelConfig config = testing::TinyConfig({.vocab = 260});
+  auto policy = [&](uint64_t seed) {
+    torch::manual_seed(seed);
+    auto m = std::make_shared<model::TransformerImpl>(config);
+    torch::NoGradGuard no_grad;
+    for (auto& p : m->parameters()) p.mul_(8).copy_(p.to(torch::kBFloat16).to(torch::kFloat32));
+    return m;
+  };
+  auto a = policy(1), b = policy(2);
+  auto tokenizer = std::make_shared<model::ByteTokenizer>();
+  std::vector<pipeline::Problem> problems;
+  std::vector<rollout::GenerationRequest> requests;
+  for (int i = 0; i < 8; ++i) {
+    const std::string prompt = "common prefix " + std::to_string(i * 37) + ">";
+    problems.push_back({prompt, "", nullptr, nullptr});
+    std::vector<int32_t> ids = {tokenizer->bos()};
+    for (unsigned char ch : prompt) ids.push_back(ch);
+    rollout::SamplingParams params;
+    params.temperature = 0;
+    params.max_tokens = 6;
+    params.stop_tokens = {tokenizer->eos()};
+    requests.push_back({ids, params, ""});
+  }
+  auto engine = rollout::Engine::Create(b, {8, 64}, 1);
+  ASSERT_TRUE(engine.ok());
+  auto answers = (*engine)->Generate(requests);
+  ASSERT_TRUE(answers.ok());
+  for (size_t i = 0; i < problems.size(); ++i) {
+    std::vector<int32_t> ids = (*answers)[i].tokens;
+    if (!ids.empty() && ids.back() == tokenizer->eos()) ids.pop_back();
+    auto text = tokenizer->Decode(ids);
+    ASSERT_TRUE(text.ok());
+    problems[i].answer = *text;
+  }
+  Evaluator fresh(config, problems, tokenizer, 6);
+  auto alone = fresh.Accuracy(*b);
+  ASSERT_TRUE(alone.ok()) << alone.status().ToString();
+  EXPECT_EQ(*alone, 1.0);
+  Evaluator reused(config, problems, tokenizer, 6);
+  auto first = reused.Accuracy(*a);
+  ASSERT_TRUE(first.ok());
+  EXPECT_LT(*first, 1.0);  // A answers otherwise
+  auto second = reused.Accuracy(*b);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*second, 1.0);
 }
 
 TEST(RunReportTest, StepLineShowsMeasuredAndCarriedAccuracy) {
