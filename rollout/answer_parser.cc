@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "base/json.h"
+
 namespace flywheel::rollout {
 
 namespace {
@@ -19,15 +21,16 @@ size_t PartialTag(std::string_view text, std::string_view tag) {
   return 0;
 }
 
-// The call in a block's text, or false when it is not one.
+// The call in a block's text, or false when it is not one. The project's bounded parser
+// (a model can write brackets nested without end), keys kept in the model's order.
 bool ParseCall(std::string_view block, ParsedToolCall& call) {
-  nlohmann::json parsed = nlohmann::json::parse(block, nullptr, false);
-  if (parsed.is_discarded() || !parsed.is_object() || !parsed.contains("name") ||
-      !parsed["name"].is_string()) {
-    return false;
-  }
+  using Json = nlohmann::ordered_json;
+  Result<Json> result = ParseJson<Json>(block, "a tool call");
+  if (!result.ok()) return false;
+  const Json& parsed = *result;
+  if (!parsed.is_object() || !parsed.contains("name") || !parsed["name"].is_string()) return false;
   call.name = parsed["name"].get<std::string>();
-  const nlohmann::json args = parsed.value("arguments", nlohmann::json::object());
+  const Json args = parsed.value("arguments", Json::object());
   call.arguments = args.is_string() ? args.get<std::string>() : args.dump();
   return true;
 }

@@ -64,6 +64,15 @@ TEST(AnswerSplitterTest, ToolCalls) {
   EXPECT_EQ(p.calls[1].name, "now");
   EXPECT_EQ(p.calls[1].arguments, "{}");
   EXPECT_EQ(p.content, "Let me look.");
+  // Arguments keep the model's key order; brackets nested without end are not a call.
+  p = Whole(ReasoningParser::kNone, true,
+            "<tool_call>{\"name\": \"f\", \"arguments\": {\"z\": 1, \"a\": 2}}</tool_call>");
+  ASSERT_EQ(p.calls.size(), 1u);
+  EXPECT_EQ(p.calls[0].arguments, R"({"z":1,"a":2})");
+  const std::string deep = "<tool_call>{\"name\": \"f\", \"arguments\": " + std::string(100000, '[') + "</tool_call>";
+  p = Whole(ReasoningParser::kNone, true, deep);
+  EXPECT_TRUE(p.calls.empty());
+  EXPECT_EQ(p.content, deep);
   // A block that does not parse, and one never closed, stay in the content as written.
   p = Whole(ReasoningParser::kNone, true, "a <tool_call>{oops}</tool_call> b <tool_call>{\"name\"");
   EXPECT_TRUE(p.calls.empty());
