@@ -99,6 +99,21 @@ int64_t DrawToken(const SamplingParams& p, const std::vector<double>& scaled,
   return order[keep - 1];
 }
 
+// The `k` most likely tokens of a masked distribution (finite entries only), most likely
+// first, equal values by lower token id (as TopTokens orders them).
+std::vector<int64_t> MaskedTop(const std::vector<double>& scaled, int64_t k) {
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < static_cast<int64_t>(scaled.size()); ++i) {
+    if (std::isfinite(scaled[i])) ids.push_back(i);
+  }
+  k = std::min<int64_t>(k, static_cast<int64_t>(ids.size()));
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int64_t a, int64_t b) {
+    return scaled[a] > scaled[b] || (scaled[a] == scaled[b] && a < b);
+  });
+  ids.resize(k);
+  return ids;
+}
+
 }  // namespace
 
 Status SamplingParams::Validate(int64_t vocab) const {
@@ -123,6 +138,10 @@ Status SamplingParams::Validate(int64_t vocab) const {
                                      " is outside the vocabulary [0, " + std::to_string(vocab) +
                                      ")");
     }
+  }
+  if (guide && guide->vocab_size() > vocab) {
+    return Status::InvalidArgument("the grammar's vocabulary has " + std::to_string(guide->vocab_size()) +
+                                   " tokens, the model's " + std::to_string(vocab));
   }
   return Status::Ok();
 }
@@ -233,27 +252,59 @@ void Engine::AppendRouting(Sequence& sequence, const std::vector<torch::Tensor>&
   }
 }
 
-bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in,
-                    const std::vector<int64_t>& top_tokens, std::vector<TokenEvent>* events) {
+bool Engine::Scale(const Sequence& sequence, const torch::Tensor& logits_in,
+                   std::vector<double>& scaled) const {
   const SamplingParams& p = sequence.request.params;
   torch::Tensor logits = logits_in.to(torch::kDouble).contiguous();
   const double* raw = logits.data_ptr<double>();
   const int64_t vocab = logits.numel();
   const double temperature = p.temperature > 0 ? p.temperature : 1.0;
-  std::vector<double> scaled(vocab);
-  double top = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < vocab; ++i) {
-    scaled[i] = raw[i] / temperature;
-    top = std::max(top, scaled[i]);
+  scaled.resize(vocab);
+  if (!p.guide) {
+    for (int64_t i = 0; i < vocab; ++i) scaled[i] = raw[i] / temperature;
+    return true;
   }
+  const std::shared_ptr<const tokenizer::TokenMask> mask = p.guide->Allowed(sequence.guide_state);
+  auto stop = [&](int64_t t) {
+    return mask->accepting && std::find(p.stop_tokens.begin(), p.stop_tokens.end(), t) != p.stop_tokens.end();
+  };
+  bool any = false;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const bool allowed = mask->Allows(i) || stop(i);
+    scaled[i] = allowed ? raw[i] / temperature : -std::numeric_limits<double>::infinity();
+    any = any || allowed;
+  }
+  return any;
+}
+
+bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in,
+                    const std::vector<int64_t>& top_tokens_in, std::vector<TokenEvent>* events) {
+  const SamplingParams& p = sequence.request.params;
+  GenerationResult& r = sequence.result;
+  std::vector<double> scaled;
+  if (!Scale(sequence, logits_in, scaled)) {  // the grammar allows nothing more
+    r.finish_reason = p.guide->Allowed(sequence.guide_state)->accepting ? "stop" : "grammar";
+    latencies_.end_to_end.Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - sequence.submitted).count());
+    return true;
+  }
+  const int64_t vocab = static_cast<int64_t>(scaled.size());
+  const double top = *std::max_element(scaled.begin(), scaled.end());
   double sum = 0;
   for (int64_t i = 0; i < vocab; ++i) sum += std::exp(scaled[i] - top);
   const double log_normaliser = top + std::log(sum);
   // The one expression for every reported logprob, sampled and top alike.
   auto logprob = [&](int64_t t) { return static_cast<float>(scaled[t] - log_normaliser); };
+  // Guided: the alternatives of the masked distribution.
+  const std::vector<int64_t> top_tokens =
+      p.guide && p.top_logprobs > 0 ? MaskedTop(scaled, p.top_logprobs) : top_tokens_in;
 
   const int64_t token = DrawToken(p, scaled, log_normaliser, sequence.rng);
-  GenerationResult& r = sequence.result;
+  if (p.guide) {
+    r.guided = true;
+    if (std::find(p.stop_tokens.begin(), p.stop_tokens.end(), token) == p.stop_tokens.end())
+      sequence.guide_state = p.guide->Advance(sequence.guide_state, static_cast<int32_t>(token));
+  }
   r.tokens.push_back(static_cast<int32_t>(token));
   r.logprobs.push_back(logprob(token));
   r.versions.push_back(version_);

@@ -64,6 +64,7 @@
 #include "checkpoint/tensor.h"
 #include "ops/histogram.h"
 #include "model/model.h"
+#include "tokenizer/token_guide.h"
 
 namespace flywheel::rollout {
 
@@ -88,6 +89,13 @@ struct SamplingParams {
   // of the distribution the sampling logprob comes from (before top-k / top-p truncation),
   // most likely first, equal logits by lower token id. 0: none, and no cost.
   int64_t top_logprobs = 0;
+  // Structured output: each token is sampled from the distribution masked to the tokens the
+  // grammar allows next (the request's stop tokens too, once the text so far is a whole
+  // word of it); the sampling logprob and top logprobs are those of the masked distribution
+  // (GenerationResult::guided says so). When the grammar allows nothing (a dead end for
+  // this vocabulary) the request ends without a token: finish_reason "grammar" ("stop" when
+  // the text is whole).
+  std::shared_ptr<tokenizer::TokenGuide> guide;
 
   // Names the bad field and value; `vocab` bounds the stop tokens.
   Status Validate(int64_t vocab) const;
@@ -112,7 +120,8 @@ struct GenerationResult {
   // token-major, one byte per index (two, little endian, when experts > 256).
   std::vector<uint8_t> routing;
   int routing_bytes_per_index = 1;
-  std::string finish_reason;  // "stop" or "length"
+  std::string finish_reason;  // "stop", "length" or "grammar" (see SamplingParams::guide)
+  bool guided = false;        // the logprobs are of a grammar-masked distribution
 };
 
 // One generated token as Step reports it while a request is in flight (streaming).
@@ -122,7 +131,8 @@ struct TokenEvent {
   float logprob = 0;
   uint64_t version = 0;           // the policy version that sampled it
   std::vector<TokenLogprob> top;  // when the request asked for top_logprobs
-  // This was the request's last token; its result is in the same Step's return value.
+  // This was the request's last token; its result is in the same Step's return value. (A
+  // guided request whose grammar allows nothing more ends without a last token event.)
   bool finished = false;
 };
 
@@ -238,6 +248,7 @@ class Engine {
     torch::Tensor logits;  // [1, V] at the prompt's last token, once prefilled
     std::chrono::steady_clock::time_point submitted, last_token;
     bool queued = true;  // its queue time is not yet observed
+    int32_t guide_state = tokenizer::TokenGuide::kStart;  // with request.params.guide
   };
 
   // A finished request's cached tokens, kept in prefix slot `slot` of prefix_cache_.
@@ -292,6 +303,9 @@ class Engine {
   // first); returns whether the sequence finished. With `events`, appends the token's event.
   bool Sample(Sequence& sequence, const torch::Tensor& logits,
               const std::vector<int64_t>& top_tokens, std::vector<TokenEvent>* events);
+  // `logits` / temperature, masked to what the request's grammar allows (-inf elsewhere);
+  // false when nothing is allowed.
+  bool Scale(const Sequence& sequence, const torch::Tensor& logits, std::vector<double>& scaled) const;
   // REQUIRES: mutex_. Removes active_[slot], moving the last active request (and its cache
   // slot) into its place; returns the removed request.
   std::unique_ptr<Sequence> RemoveActive(int64_t slot);

@@ -99,6 +99,7 @@ CompletionService::CompletionService(std::shared_ptr<Engine> engine,
   http_pool_ = std::make_unique<boost::asio::thread_pool>(
       static_cast<size_t>(std::max(1, options_.http_threads)));
   scheduler_ = std::make_unique<RequestScheduler>(engine_, options_.step_guard);
+  guides_ = std::make_unique<GuideCache>(tokenizer_);
 }
 
 CompletionService::~CompletionService() {
@@ -148,6 +149,7 @@ struct CompletionService::Call {
   int64_t top_logprobs = -1;  // -1: no logprobs
   bool return_routing = false;
   bool parse_tools = false;
+  bool guided = false;  // a structured output: the choices say "guided": true
   ReasoningParser reasoning = ReasoningParser::kNone;  // chat only
   std::string model;
   std::string id;
@@ -495,6 +497,8 @@ Result<std::shared_ptr<CompletionService::Call>> CompletionService::Prepare(bool
   FW_RETURN_IF_ERROR(MaxTokens(request, chat, max_model_len_, prompt_tokens, base.params));
   FW_RETURN_IF_ERROR(Logprobs(request, *call, base.params));
   FW_RETURN_IF_ERROR(Stops(request, tok, ignore_eos, *call, base.params));
+  FW_ASSIGN_OR_RETURN(base.params.guide, guides_->ForRequest(request));
+  call->guided = base.params.guide != nullptr;
   if (n < 1 || n > options_.max_n)
     return Status::InvalidArgument("'n' must be in [1, " + std::to_string(options_.max_n) + "], got " +
                                    std::to_string(n));
@@ -578,6 +582,7 @@ ojson WholeAnswer(const CompletionService::Call& call, const model::Tokenizer& t
                                : ojson(nullptr);
     }
     choice["finish_reason"] = finish;
+    if (call.guided) choice["guided"] = true;
     choice["token_ids"] = c.tokens;
     choice["policy_versions"] = c.versions;
     const ojson routing = RoutingFields(config, c, call.return_routing);
@@ -658,6 +663,7 @@ std::string NextEvents(CompletionService::Call& call, const model::Tokenizer& to
     }
     const bool called = call.chat && c.calls_sent > 0 && c.finish_reason == "stop";
     choice["finish_reason"] = finishing ? ojson(called ? "tool_calls" : c.finish_reason) : ojson(nullptr);
+    if (call.guided) choice["guided"] = true;
     choice["token_ids"] = std::vector<int32_t>(c.tokens.begin() + static_cast<ptrdiff_t>(c.tokens_sent),
                                                c.tokens.end());
     choice["policy_versions"] = std::vector<uint64_t>(

