@@ -187,6 +187,12 @@ Status RunServingBench(const ServingBenchOptions& options, std::ostream& out) {
   FW_ASSIGN_OR_RETURN(const std::string prefix_report, RunPrefixBench(prefixes, prefix_targets_met));
   out << "\n" << prefix_report;
   report += "\n" + prefix_report;
+  StructuredBenchOptions structured = options.structured;
+  structured.check_timing = structured.check_timing && options.check;
+  bool structured_met = false;
+  FW_ASSIGN_OR_RETURN(const std::string structured_report, RunStructuredBench(structured, structured_met));
+  out << "\n" << structured_report;
+  report += "\n" + structured_report;
   if (!options.markdown_out.empty()) {
     FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Serving benchmark",
                                             "## Serving benchmark\n\n" + report));

@@ -10,7 +10,8 @@
 // the streamed text and token ids equal the whole answer's; the first token arrives within
 // a quarter of the whole answer's time; streaming costs at most 15% more in total. Sharing
 // prefixes is off for this part (the whole answer would leave the streamed one its prompt).
-// Then the shared-prefix section (bench/prefix_bench.h): groups and episodes.
+// Then the shared-prefix section (bench/prefix_bench.h): groups and episodes; then the
+// structured-output section (bench/structured_bench.h).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 
 #include "base/status.h"
 #include "bench/prefix_bench.h"
+#include "bench/structured_bench.h"
 
 namespace flywheel::bench {
 
@@ -30,6 +32,7 @@ struct ServingBenchOptions {
   int threads = 0;        // torch threads; 0: one per hardware thread
   bool check = true;
   PrefixBenchOptions prefixes;  // the shared-prefix section (bench/prefix_bench.h)
+  StructuredBenchOptions structured;  // the structured-output section (bench/structured_bench.h)
   std::string markdown_out;  // write the '## Serving benchmark' section here
 };
 

@@ -348,7 +348,9 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
       "tokens prefilled against its history. Checks: the shared group equals the unshared one\n"
       "bit for bit, the episode prefills only its new tokens, the group within 1.6x one sample.\n"
       "Then chunked prefill: running requests' step time while a long prompt arrives, chunked\n"
-      "and whole; checks the same answer both ways and the worst step within 1.5x undisturbed.");
+      "and whole; checks the same answer both ways and the worst step within 1.5x undisturbed.\n"
+      "Then structured outputs: JSON-schema answers (every one must parse and validate) and\n"
+      "the guided decode step against an unguided one (target: within 15%).");
   serving->add_option("--prompt-tokens", options->prompt_tokens, "Prompt length")
       ->capture_default_str()->check(CLI::Range(1, 512));
   serving->add_option("--max-tokens", options->max_tokens, "Tokens generated per answer")
@@ -382,6 +384,9 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
   serving->add_option("--prefill-chunk", options->prefixes.prefill_chunk,
                       "Chunked prefill: tokens of the long prompt prefilled per step")
       ->capture_default_str()->check(CLI::Range(1, 4000));
+  serving->add_option("--structured-requests", options->structured.requests,
+                      "Structured outputs: JSON-schema answers sampled and validated")
+      ->capture_default_str()->check(CLI::Range(1, 10000));
   serving->add_flag("--quick", [options](int64_t) {
     options->prompt_tokens = 16;
     options->max_tokens = 16;
@@ -390,6 +395,7 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
     options->prefixes = {.group_prompt_tokens = 128, .group_n = 4, .group_max_tokens = 8,
                          .turns = 3, .turn_tokens = 32, .rounds = 1, .running = 4,
                          .long_prompt_tokens = 200, .prefill_chunk = 16, .check_timing = false};
+    options->structured = {.requests = 16, .concurrent = 8, .rounds = 1, .check_timing = false};
   }, "A short form for CTest: small sizes, one round; timing targets reported, not enforced\n"
      "(exactness checks still fail the run)");
   serving->add_flag("!--no-check", options->check, "Report without failing on a missed target");
