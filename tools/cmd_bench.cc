@@ -335,6 +335,18 @@ void AddRolloutCommand(CLI::App& bench_app, Action& action) {
   });
 }
 
+// `flywheel bench serving --quick`: the sizes of the CTest form.
+void QuickServing(bench::ServingBenchOptions& o) {
+  o.prompt_tokens = 16;
+  o.max_tokens = 16;
+  o.rounds = 1;
+  o.check = false;
+  o.prefixes = {.group_prompt_tokens = 128, .group_n = 4, .group_max_tokens = 8,
+                .turns = 3, .turn_tokens = 32, .rounds = 1, .running = 4,
+                .long_prompt_tokens = 200, .prefill_chunk = 16, .check_timing = false};
+  o.structured = {.requests = 16, .concurrent = 8, .rounds = 1, .check_timing = false};
+}
+
 void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
   auto options = std::make_shared<bench::ServingBenchOptions>();
   CLI::App* serving = bench_app.add_subcommand(
@@ -387,17 +399,9 @@ void AddServingBenchCommand(CLI::App& bench_app, Action& action) {
   serving->add_option("--structured-requests", options->structured.requests,
                       "Structured outputs: JSON-schema answers sampled and validated")
       ->capture_default_str()->check(CLI::Range(1, 10000));
-  serving->add_flag("--quick", [options](int64_t) {
-    options->prompt_tokens = 16;
-    options->max_tokens = 16;
-    options->rounds = 1;
-    options->check = false;
-    options->prefixes = {.group_prompt_tokens = 128, .group_n = 4, .group_max_tokens = 8,
-                         .turns = 3, .turn_tokens = 32, .rounds = 1, .running = 4,
-                         .long_prompt_tokens = 200, .prefill_chunk = 16, .check_timing = false};
-    options->structured = {.requests = 16, .concurrent = 8, .rounds = 1, .check_timing = false};
-  }, "A short form for CTest: small sizes, one round; timing targets reported, not enforced\n"
-     "(exactness checks still fail the run)");
+  serving->add_flag("--quick", [options](int64_t) { QuickServing(*options); },
+                    "A short form for CTest: small sizes, one round; timing targets reported, not enforced\n"
+                    "(exactness checks still fail the run)");
   serving->add_flag("!--no-check", options->check, "Report without failing on a missed target");
   serving->add_option("--markdown", options->markdown_out,
                       "Write the report as the '## Serving benchmark' section of this Markdown file")
