@@ -140,9 +140,10 @@ std::string ServingReport(const ServingBenchOptions& options, int64_t parameters
 
 }  // namespace
 
-Status RunServingBench(const ServingBenchOptions& options, std::ostream& out) {
-  torch::set_num_threads(options.threads > 0 ? options.threads
-                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+namespace {
+
+// The HTTP section: the streamed answer against the whole one.
+Result<std::string> HttpSection(const ServingBenchOptions& options, bool& targets_met) {
   std::shared_ptr<const model::Tokenizer> tok;
   std::string tokenizer_name = "bytes";
   model::ModelConfig config = model::DemoDenseConfig();
@@ -177,27 +178,45 @@ Status RunServingBench(const ServingBenchOptions& options, std::ostream& out) {
   FW_RETURN_IF_ERROR(failed);
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
-  bool targets_met = false;
   std::string report = ServingReport(options, parameters, tokenizer_name, times, targets_met);
-  out << report << std::flush;
-  if (!times.same) return Status::Mismatch("the streamed answer differs from the whole answer");
+  if (!times.same) return Status::Mismatch("the streamed answer differs from the whole answer\n" + report);
+  return report;
+}
+
+}  // namespace
+
+Status RunServingBench(const ServingBenchOptions& options, std::ostream& out) {
+  torch::set_num_threads(options.threads > 0 ? options.threads
+                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  const std::string& only = options.section;
+  if (!only.empty() && only != "http" && only != "prefixes" && only != "structured" && only != "decode")
+    return Status::InvalidArgument("--section must be http, prefixes, structured or decode, got '" + only + "'");
+  if (!only.empty() && !options.markdown_out.empty())
+    return Status::InvalidArgument("--markdown writes the whole section: run every part (drop --section)");
+  auto wanted = [&](const char* name) { return only.empty() || only == name; };
+  std::string report;
+  auto add = [&](const Result<std::string>& part) -> Status {
+    FW_RETURN_IF_ERROR(part.status());
+    out << (report.empty() ? "" : "\n") << *part << std::flush;
+    report += (report.empty() ? "" : "\n") + *part;
+    return Status::Ok();
+  };
+  bool http_met = true, met = false;
+  if (wanted("http")) FW_RETURN_IF_ERROR(add(HttpSection(options, http_met)));
   PrefixBenchOptions prefixes = options.prefixes;
   prefixes.check_timing = prefixes.check_timing && options.check;
-  bool prefix_targets_met = false;
-  FW_ASSIGN_OR_RETURN(const std::string prefix_report, RunPrefixBench(prefixes, prefix_targets_met));
-  out << "\n" << prefix_report;
-  report += "\n" + prefix_report;
+  if (wanted("prefixes")) FW_RETURN_IF_ERROR(add(RunPrefixBench(prefixes, met)));
   StructuredBenchOptions structured = options.structured;
   structured.check_timing = structured.check_timing && options.check;
-  bool structured_met = false;
-  FW_ASSIGN_OR_RETURN(const std::string structured_report, RunStructuredBench(structured, structured_met));
-  out << "\n" << structured_report;
-  report += "\n" + structured_report;
+  if (wanted("structured")) FW_RETURN_IF_ERROR(add(RunStructuredBench(structured, met)));
+  DecodeBenchOptions decode = options.decode;
+  decode.check_timing = decode.check_timing && options.check;
+  if (wanted("decode")) FW_RETURN_IF_ERROR(add(RunDecodeBench(decode, met)));
   if (!options.markdown_out.empty()) {
     FW_RETURN_IF_ERROR(WriteMarkdownSection(options.markdown_out, "## Serving benchmark",
                                             "## Serving benchmark\n\n" + report));
   }
-  if (options.check && !targets_met) return Status::Mismatch("a serving target was missed");
+  if (options.check && !http_met) return Status::Mismatch("a serving target was missed");
   return Status::Ok();
 }
 

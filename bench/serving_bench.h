@@ -11,7 +11,8 @@
 // a quarter of the whole answer's time; streaming costs at most 15% more in total. Sharing
 // prefixes is off for this part (the whole answer would leave the streamed one its prompt).
 // Then the shared-prefix section (bench/prefix_bench.h): groups and episodes; then the
-// structured-output section (bench/structured_bench.h).
+// structured-output section (bench/structured_bench.h); then decode throughput against
+// the GEMM floor (bench/decode_bench.h).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 #include <string>
 
 #include "base/status.h"
+#include "bench/decode_bench.h"
 #include "bench/prefix_bench.h"
 #include "bench/structured_bench.h"
 
@@ -33,7 +35,9 @@ struct ServingBenchOptions {
   bool check = true;
   PrefixBenchOptions prefixes;  // the shared-prefix section (bench/prefix_bench.h)
   StructuredBenchOptions structured;  // the structured-output section (bench/structured_bench.h)
+  DecodeBenchOptions decode;          // the decode-throughput section (bench/decode_bench.h)
   std::string markdown_out;  // write the '## Serving benchmark' section here
+  std::string section;       // only this part: http, prefixes, structured or decode; empty: all
 };
 
 Status RunServingBench(const ServingBenchOptions& options, std::ostream& out);

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -151,9 +152,23 @@ void SetUpLogging(bool verbose) {
   spdlog::set_level(verbose ? spdlog::level::debug : spdlog::level::off);
 }
 
+// libgomp's threads (torch's intra-op pool) spin after every parallel region unless
+// OMP_WAIT_POLICY says otherwise, and on a machine with as many cores as threads they take
+// the cores OpenBLAS's own threads need for the next matmul: decoding 32 sequences on the
+// 167M bench model took 2.4x as long (723 vs 300 ms a step, `flywheel bench serving
+// --section decode`), training steps the same or slower. libgomp reads the variable when it
+// loads, so it must be in the environment before the process starts: set here unless the
+// user chose a policy. Numerics do not change.
+bool SetPassiveOpenMp() {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return false;
+  ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  return true;
+}
+
 // `flywheel` runs a torch command by replacing itself with the flywheel-torch beside it;
 // returns only when that is impossible (it then says why, in one line).
 int HandOverToTorch(char** argv) {
+  SetPassiveOpenMp();
   Result<std::string> self = ops::ExecutablePath();
   const std::string torch =
       (std::filesystem::path(self.ok() ? *self : argv[0]).parent_path() / "flywheel-torch")
@@ -190,6 +205,10 @@ int Run(int argc, char** argv) {
   // After the subcommands, which would inherit it otherwise; they have their own.
   app.footer(kFooter);
   if (!WithTorch() && NeedsTorch(app, argc, argv)) return HandOverToTorch(argv);
+  // flywheel-torch started directly: once more with the policy in place (see above).
+  if (WithTorch() && NeedsTorch(app, argc, argv) && SetPassiveOpenMp()) {
+    if (Result<std::string> self = ops::ExecutablePath(); self.ok()) ::execv(self->c_str(), argv);
+  }
 
   try {
     app.parse(argc, argv);
