@@ -129,7 +129,7 @@ Result<std::string> RunStructuredBench(const StructuredBenchOptions& o, bool& ta
   const ojson schema = ojson::parse(kSchema);
   FW_ASSIGN_OR_RETURN(const std::string regex, tokenizer::JsonSchemaRegex(schema));
   auto make_guide = [&]() -> Result<std::shared_ptr<tokenizer::TokenGuide>> {
-    FW_ASSIGN_OR_RETURN(auto grammar, tokenizer::CompileRegex(regex));
+    FW_ASSIGN_OR_RETURN(auto grammar, tokenizer::CompileRegex(regex, tokenizer::kJsonSchemaMaxRegexBytes));
     return tokenizer::TokenGuide::Create(std::move(grammar), vocabulary);
   };
   FW_ASSIGN_OR_RETURN(auto engine, Engine::Create(model, {.max_batch = o.concurrent, .max_sequence = 720}, 1));

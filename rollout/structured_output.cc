@@ -120,8 +120,15 @@ Result<std::unique_ptr<tokenizer::ByteGrammar>> GuideCache::Compile(const std::s
     }
     regex = tokenizer::ChoiceRegex(choices);
   }
-  auto grammar = tokenizer::CompileRegex(regex);
-  if (!grammar.ok()) return Status::InvalidArgument("'" + field + "': " + grammar.status().message());
+  auto grammar = tokenizer::CompileRegex(
+      regex, kind == "json_schema" ? tokenizer::kJsonSchemaMaxRegexBytes : tokenizer::kRegexMaxBytes);
+  if (!grammar.ok()) {
+    std::string hint;
+    if (kind == "json_schema")
+      hint = " (optional properties before the first required one multiply the automaton: list them in "
+             "'required', nullable if need be, as OpenAI's strict mode does)";
+    return Status::InvalidArgument("'" + field + "': " + grammar.status().message() + hint);
+  }
   return std::move(*grammar);
 }
 

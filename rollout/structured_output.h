@@ -30,7 +30,7 @@ namespace flywheel::rollout {
 
 class GuideCache {
  public:
-  explicit GuideCache(std::shared_ptr<const model::Tokenizer> tokenizer, size_t capacity = 32);
+  explicit GuideCache(std::shared_ptr<const model::Tokenizer> tokenizer, size_t capacity = 16);
   // The guide `request` asks for; nullptr when it asks for none. Thread-safe.
   Result<std::shared_ptr<tokenizer::TokenGuide>> ForRequest(const nlohmann::ordered_json& request);
   // Guides compiled since start (the rest were found in the cache).

@@ -465,14 +465,18 @@ class Nfa {
       f.end = e;
       return f;
     }
-    for (int64_t i = n.min; i < n.max; ++i) {  // optional copies: x?
+    // Optional copies, each reachable only after the one before, each able to stop at one
+    // shared exit: a set of states in the DFA holds one copy's states, not every copy's
+    // (x{0,1000} builds in linear time).
+    FW_ASSIGN_OR_RETURN(int32_t exit, New());
+    eps_[f.end].push_back(exit);
+    for (int64_t i = n.min; i < n.max; ++i) {
       FW_ASSIGN_OR_RETURN(Fragment g, Build(n.children[0]));
-      FW_ASSIGN_OR_RETURN(int32_t e, New());
       eps_[f.end].push_back(g.start);
-      eps_[f.end].push_back(e);
-      eps_[g.end].push_back(e);
-      f.end = e;
+      eps_[g.end].push_back(exit);
+      f.end = g.end;
     }
+    f.end = exit;
     return f;
   }
 
@@ -492,16 +496,20 @@ class RegexGrammar final : public ByteGrammar {
     ids[sets[0]] = 0;
     for (size_t s = 0; s < sets.size(); ++s) {
       accepting_.push_back(std::binary_search(sets[s].begin(), sets[s].end(), whole.end));
+      if (work_ > kRegexMaxWork)
+        return Status::InvalidArgument("regex: too complex: building its automaton took over " +
+                                       std::to_string(kRegexMaxWork) + " steps: '" + pattern_.substr(0, 200) + "'");
       for (int c = 0; c < classes_; ++c) {
         std::vector<int32_t> next = Move(nfa, sets[s], representative_[c]);
         int32_t id = -1;
         if (!next.empty()) {
           auto [it, fresh] = ids.try_emplace(next, static_cast<int32_t>(sets.size()));
           if (fresh) {
-            if (static_cast<int64_t>(sets.size()) >= kRegexMaxDfaStates)
+            const int64_t states = static_cast<int64_t>(sets.size()) + 1;
+            if (states > kRegexMaxDfaStates || states * classes_ > kRegexMaxDfaEntries)
               return Status::InvalidArgument("regex: its automaton needs over " +
-                                             std::to_string(kRegexMaxDfaStates) + " states: '" +
-                                             pattern_.substr(0, 200) + "'");
+                                             std::to_string(std::min(kRegexMaxDfaStates, kRegexMaxDfaEntries / classes_)) +
+                                             " states: '" + pattern_.substr(0, 200) + "'");
             sets.push_back(std::move(next));
           }
           id = it->second;
@@ -546,29 +554,34 @@ class RegexGrammar final : public ByteGrammar {
     }
   }
 
-  static std::vector<int32_t> Closure(const Nfa& nfa, std::vector<int32_t> states) {
-    std::vector<bool> seen(nfa.eps().size(), false);
+  // The states reachable from `states` by empty moves, sorted. Costs the states it visits
+  // (marks are stamped, not cleared, so a call never pays for the whole NFA).
+  std::vector<int32_t> Closure(const Nfa& nfa, std::vector<int32_t> states) {
+    if (mark_.size() != nfa.eps().size()) mark_.assign(nfa.eps().size(), 0);
+    ++stamp_;
     std::vector<int32_t> stack = states, out;
-    for (int32_t s : states) seen[s] = true;
+    for (int32_t s : states) mark_[s] = stamp_;
     while (!stack.empty()) {
       const int32_t s = stack.back();
       stack.pop_back();
       out.push_back(s);
       for (int32_t t : nfa.eps()[s]) {
-        if (!seen[t]) seen[t] = true, stack.push_back(t);
+        if (mark_[t] != stamp_) mark_[t] = stamp_, stack.push_back(t);
       }
     }
+    work_ += static_cast<int64_t>(out.size());
     std::sort(out.begin(), out.end());
     return out;
   }
 
-  static std::vector<int32_t> Move(const Nfa& nfa, const std::vector<int32_t>& set, uint8_t byte) {
+  std::vector<int32_t> Move(const Nfa& nfa, const std::vector<int32_t>& set, uint8_t byte) {
     std::vector<int32_t> next;
     for (int32_t s : set) {
       for (const Nfa::Edge& e : nfa.edges()[s]) {
         if (byte >= e.lo && byte <= e.hi) next.push_back(e.to);
       }
     }
+    work_ += static_cast<int64_t>(set.size());
     if (next.empty()) return next;
     std::sort(next.begin(), next.end());
     next.erase(std::unique(next.begin(), next.end()), next.end());
@@ -610,6 +623,9 @@ class RegexGrammar final : public ByteGrammar {
   std::vector<uint8_t> representative_;
   std::vector<int32_t> table_;  // state * classes_ + class -> state, -1: dead
   std::vector<bool> accepting_;
+  std::vector<uint32_t> mark_;  // Closure's visited stamps, one per NFA state
+  uint32_t stamp_ = 0;
+  int64_t work_ = 0;  // NFA states visited while building
 };
 
 // --- any JSON object: a pushdown machine ---------------------------------------------
@@ -785,8 +801,10 @@ class JsonGrammar final : public ByteGrammar {
 
 }  // namespace
 
-Result<std::unique_ptr<ByteGrammar>> CompileRegex(std::string_view pattern) {
-  if (pattern.size() > 65536) return Status::InvalidArgument("regex: over 65536 bytes");
+Result<std::unique_ptr<ByteGrammar>> CompileRegex(std::string_view pattern, size_t max_bytes) {
+  if (pattern.size() > max_bytes)
+    return Status::InvalidArgument("regex: " + std::to_string(pattern.size()) + " bytes, over the limit of " +
+                                   std::to_string(max_bytes));
   FW_ASSIGN_OR_RETURN(Node ast, RegexParser(pattern).Parse());
   Nfa nfa;
   FW_ASSIGN_OR_RETURN(Nfa::Fragment whole, nfa.Build(ast));

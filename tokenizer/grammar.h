@@ -30,6 +30,10 @@ namespace flywheel::tokenizer {
 inline constexpr int64_t kRegexMaxRepeat = 1000;     // n and m in {n,m}
 inline constexpr int64_t kRegexMaxNfaStates = 200000;
 inline constexpr int64_t kRegexMaxDfaStates = 50000;
+inline constexpr int64_t kRegexMaxDfaEntries = 4 << 20;  // DFA states x byte classes (16 MiB)
+// NFA states visited while building the DFA: a pattern that needs more is refused, so a
+// hostile one costs a request at most ~0.2 s of one core.
+inline constexpr int64_t kRegexMaxWork = 20000000;
 inline constexpr int kJsonGrammarMaxDepth = 32;
 // Consecutive whitespace bytes JsonObjectGrammar allows between tokens (so a model cannot
 // spend its whole answer on spaces; enough for pretty-printed JSON).
@@ -50,8 +54,11 @@ class ByteGrammar {
   virtual std::string Describe() const = 0;
 };
 
-// Errors name the pattern's offending part and its byte offset.
-Result<std::unique_ptr<ByteGrammar>> CompileRegex(std::string_view pattern);
+// Errors name the pattern's offending part and its byte offset. Patterns longer than
+// `max_bytes` are refused (a JSON schema's regex may be long: its caller raises it; the
+// automaton limits above bound the work either way).
+inline constexpr size_t kRegexMaxBytes = 65536;
+Result<std::unique_ptr<ByteGrammar>> CompileRegex(std::string_view pattern, size_t max_bytes = kRegexMaxBytes);
 std::unique_ptr<ByteGrammar> JsonObjectGrammar();
 
 // `literal` as a regex matching exactly it.

@@ -7,7 +7,7 @@ namespace flywheel::tokenizer {
 namespace {
 
 // Cached masks per guide, in bytes (beyond it the cache starts again empty).
-constexpr int64_t kMaskCacheBytes = int64_t{32} << 20;
+constexpr int64_t kMaskCacheBytes = int64_t{16} << 20;
 constexpr size_t kMaxAdvanceCache = 1 << 20;
 
 }  // namespace

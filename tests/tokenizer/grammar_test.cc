@@ -3,6 +3,7 @@
 // against the schema checker, and token masks against a brute-force walk.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <random>
 #include <regex>
 
@@ -118,6 +119,40 @@ TEST(RegexGrammarTest, RefusesWhatItDoesNotSupportByName) {
     ASSERT_FALSE(g.ok()) << pattern;
     EXPECT_NE(g.status().message().find(words), std::string::npos) << pattern << ": " << g.status().message();
   }
+}
+
+// A client's pattern can cost a worker little: what would take long to build is refused.
+// (Before the work limit, the first took 46 s of one core.)
+TEST(RegexGrammarTest, HostilePatternsAreRefusedOrCompiledQuickly) {
+  for (const std::string pattern :
+       {"(.|\\n){0,1000}x(.|\\n){0,100}", ".{0,1000}x.{0,40}", "(\\w+\\s?){1,1000}", "(a|b)*a(a|b){20}",
+        "(.{0,1000}){0,1000}", "[^x]{0,1000}", "(a?){1000}a{1000}", "a{0,1000}b{0,1000}c{0,1000}"}) {
+    const auto start = std::chrono::steady_clock::now();
+    auto g = CompileRegex(pattern);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, 3.0) << pattern << (g.ok() ? " compiled" : " refused: " + g.status().message());
+  }
+  // Bounded repetition builds in linear time: a JSON string of up to 1000 characters.
+  EXPECT_TRUE(CompileRegex("[^x]{0,1000}").ok());
+  auto long_string = JsonSchemaRegex(ojson::parse(R"({"type": "string", "maxLength": 1000})"));
+  ASSERT_TRUE(long_string.ok());
+  EXPECT_TRUE(CompileRegex(*long_string).ok());
+  // Thirty optional properties (the regex repeats the rest once per possible first one)
+  // compile; sixty are refused, quickly.
+  auto optional = [](int count) {
+    ojson schema = {{"type", "object"}, {"properties", ojson::object()}};
+    for (int i = 0; i < count; ++i) schema["properties"]["p" + std::to_string(i)] = {{"type", "integer"}};
+    return *JsonSchemaRegex(schema);
+  };
+  auto compiled = CompileRegex(optional(30), kJsonSchemaMaxRegexBytes);
+  ASSERT_TRUE(compiled.ok()) << compiled.status().ToString();
+  EXPECT_TRUE(GrammarAccepts(**compiled, R"({"p3":1,"p29":-2})"));
+  EXPECT_TRUE(GrammarAccepts(**compiled, "{}"));
+  EXPECT_FALSE(GrammarAccepts(**compiled, R"({"p29":1,"p3":2})"));
+  const auto start = std::chrono::steady_clock::now();
+  auto sixty = CompileRegex(optional(60), kJsonSchemaMaxRegexBytes);
+  EXPECT_FALSE(sixty.ok());
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 3.0);
 }
 
 // A random JSON value, nested at most `depth`.
