@@ -47,6 +47,9 @@ struct Sample {
   std::string id;
   nlohmann::json messages = nlohmann::json::array();  // [{"role", "content", ...}, ...]
   std::string completion;
+  // The completion as an OpenAI assistant message, tool calls parsed (tokenizer/
+  // answer_parser.h), when the caller parsed it (episodes in a run); null otherwise.
+  nlohmann::json message;
   nlohmann::json fields = nlohmann::json::object();
   // The completion's length in tokens when the caller knows it; -1: unknown
   // (length_penalty with unit "tokens" then counts whitespace-separated words).

@@ -73,10 +73,12 @@ Outcome ContinueOutcome(const json& answer) {
 }  // namespace
 
 json RequestJson(const Sample& sample) {
-  return json{{"id", sample.id},
-              {"messages", sample.messages},
-              {"completion", sample.completion},
-              {"fields", sample.fields}};
+  json request{{"id", sample.id},
+               {"messages", sample.messages},
+               {"completion", sample.completion},
+               {"fields", sample.fields}};
+  if (!sample.message.is_null()) request["message"] = sample.message;
+  return request;
 }
 
 std::string RequestText(const Sample& sample) {

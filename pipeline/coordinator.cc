@@ -6,6 +6,8 @@
 #include <limits>
 #include <utility>
 
+#include "tokenizer/answer_parser.h"
+
 namespace flywheel::pipeline {
 namespace {
 
@@ -421,6 +423,10 @@ std::vector<Coordinator::TurnResult> Coordinator::AskEnvironment(const TurnReque
                                                : Result<std::string>(Status::Internal("no decoder"));
     if (text.ok()) {
       results[i].text = *text;
+      // Tool calls parsed as the serving layer parses them; ids unique in the episode.
+      results[i].message = tokenizer::AssistantMessage(
+          *text, "call_" + samples[i].id + "_" + std::to_string(samples[i].messages.size()));
+      samples[i].message = results[i].message;
       samples[i].completion = std::move(*text);
       futures.push_back(options_.grader->Submit(std::move(samples[i])));
     } else {
@@ -445,7 +451,9 @@ Result<std::string> Coordinator::FinishTurn(const TurnRequest& request, std::vec
     Episode& episode = lease->second.episodes[request.samples[i].index];
     grading::Outcome& outcome = results[i].outcome;
     ++episode.turns;
-    episode.conversation.push_back({{"role", "assistant"}, {"content", results[i].text}});
+    episode.conversation.push_back(results[i].message.is_null()
+                                       ? nlohmann::json{{"role", "assistant"}, {"content", results[i].text}}
+                                       : results[i].message);
     TurnOutcome out;
     out.index = request.samples[i].index;
     if (outcome.kind == grading::OutcomeKind::kContinue && episode.turns >= options_.max_turns) {

@@ -211,6 +211,7 @@ class Coordinator {
   // environment (outside it); records the outcomes and renders the answer (under it).
   struct TurnResult {
     std::string text;  // the turn's completion, decoded
+    nlohmann::json message;  // the same as an assistant message, tool calls parsed
     grading::Outcome outcome;
   };
   Result<std::vector<grading::Sample>> BeginTurn(const TurnRequest& request);

@@ -27,7 +27,7 @@
 //   The answer's message has the text as `content`; with tools, `<tool_call>{json}</tool_call>`
 //   blocks (the Hermes / Qwen form) become `tool_calls` with finish_reason "tool_calls";
 //   with ServingOptions::reasoning_parser, the reasoning goes to `reasoning_content`
-//   (rollout/answer_parser.h). Streamed, the same parts come as `delta.reasoning_content`,
+//   (tokenizer/answer_parser.h). Streamed, the same parts come as `delta.reasoning_content`,
 //   `delta.content` and `delta.tool_calls` (index, id, type, function name and arguments,
 //   each call in the chunk that closes it); concatenated, they equal the whole answer's.
 // Structured outputs (both endpoints): response_format json_object / json_schema,
@@ -60,14 +60,20 @@
 
 #include "base/status.h"
 #include "model/tokenizer.h"
-#include "rollout/answer_parser.h"
 #include "rollout/engine.h"
 #include "rollout/scheduler.h"
 #include "rollout/structured_output.h"
+#include "tokenizer/answer_parser.h"
 #include "tokenizer/chat_template.h"
 #include "transport/http.h"
 
 namespace flywheel::rollout {
+
+using tokenizer::AnswerParts;
+using tokenizer::AnswerSplitter;
+using tokenizer::ParsedToolCall;
+using tokenizer::ParseReasoningParser;
+using tokenizer::ReasoningParser;
 
 struct ServingOptions {
   int64_t max_n = 16;
@@ -82,7 +88,7 @@ struct ServingOptions {
   // Why there is no chat template (e.g. the model's could not be parsed), for chat's 400.
   std::string chat_template_error;
   std::string bos_token, eos_token;
-  // Chat answers: reasoning moved into `reasoning_content` (rollout/answer_parser.h).
+  // Chat answers: reasoning moved into `reasoning_content` (tokenizer/answer_parser.h).
   ReasoningParser reasoning_parser = ReasoningParser::kNone;
   // Runs every engine step (the argument) inside it, e.g. under the sync worker's shared
   // weights lock when the engine computes straight from the served weights (fp32 serving:

@@ -50,7 +50,7 @@ struct WorkerEngineOptions {
   bool share_prefixes = true;
   int64_t prefix_slots = -1;
   int64_t prefill_chunk = 256;  // EngineOptions::prefill_chunk
-  // Chat answers' reasoning split (rollout/answer_parser.h): "", "qwen3" or "deepseek_r1".
+  // Chat answers' reasoning split (tokenizer/answer_parser.h): "", "qwen3" or "deepseek_r1".
   std::string reasoning_parser;
   // "auto": the HF tokenizer.json beside config.json when there is one, else bytes; "byte";
   // "chars:<alphabet>"; or the path of a tokenizer.json (or of the folder holding it, with

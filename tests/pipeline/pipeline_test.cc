@@ -9,6 +9,7 @@
 #include <set>
 #include <thread>
 
+#include "grading/protocol.h"
 #include "pipeline/coordinator.h"
 #include "pipeline/run_config.h"
 #include "pipeline/task.h"
@@ -616,7 +617,9 @@ TEST_F(CoordinatorGradingTest, AFailedGraderStopsTakeBatchWithItsMessage) {
 // continue with, then a reward; the submission carries every turn with its mask.
 class CoordinatorEpisodeTest : public CoordinatorGradingTest {
  protected:
-  std::unique_ptr<Coordinator> MakeEpisodes(int64_t max_turns) {
+  // Token ids decode to digits; 14 ends the text (or `decode`).
+  std::unique_ptr<Coordinator> MakeEpisodes(int64_t max_turns,
+                                            std::function<Result<std::string>(const std::vector<int32_t>&)> decode = {}) {
     CoordinatorOptions options;
     options.group_size = 2;
     options.groups_per_step = 1;
@@ -636,6 +639,7 @@ class CoordinatorEpisodeTest : public CoordinatorGradingTest {
       }
       return text;
     };
+    if (decode) options.decode = std::move(decode);
     auto c = std::make_unique<Coordinator>(*task_, options);
     c->SetVersion(1);
     return c;
@@ -706,6 +710,44 @@ TEST_F(CoordinatorEpisodeTest, EpisodesContinueWithTheEnvironmentsMessagesAndEnd
   EXPECT_EQ(stats.episode_turns, 4u);
   EXPECT_EQ(stats.episode_env_tokens, 2u);
   EXPECT_EQ(stats.episode_model_tokens, 8u);
+}
+
+// The environment gets each model turn as an OpenAI assistant message with its tool calls
+// parsed (as the serving layer parses them), this turn's and every earlier one's.
+TEST_F(CoordinatorEpisodeTest, TheEnvironmentSeesToolCallsParsed) {
+  auto c = MakeEpisodes(/*max_turns=*/3, [](const std::vector<int32_t>& tokens) -> Result<std::string> {
+    if (tokens.front() == 5)
+      return std::string("Let me compute.\n<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"x\": 7, \"a\": [1]}}\n</tool_call>");
+    return std::string("1");
+  });
+  json claim = ClaimJson(*c, {{"worker", "w"}, {"incarnation", "a"}, {"version", 1}, {"max_groups", 1},
+                              {"serving_since_unix_us", 1000}});
+  const uint64_t id = claim["groups"][0]["claim"];
+  grading::Outcome tool;
+  tool.kind = grading::OutcomeKind::kContinue;
+  tool.messages = json::parse(R"([{"role": "tool", "tool_call_id": "x", "content": "7"}])");
+  Turn(*c, id, {{{"index", 0}, {"tokens", {5, 14}}}, {{"index", 1}, {"tokens", {1, 14}}}}, {tool, tool});
+  const json called = grader_.samples()[0].message;
+  EXPECT_EQ(called["role"], "assistant");
+  EXPECT_EQ(called["content"], "Let me compute.");
+  ASSERT_EQ(called["tool_calls"].size(), 1u) << called.dump();
+  EXPECT_EQ(called["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(called["tool_calls"][0]["function"]["name"], "calc");
+  EXPECT_EQ(json::parse(called["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            json::parse(R"({"x": 7, "a": [1]})"));
+  EXPECT_EQ(called["tool_calls"][0]["id"].get<std::string>().rfind("call_", 0), 0u);
+  // On the wire to an external environment, beside the completion text.
+  EXPECT_EQ(grading::protocol::RequestJson(grader_.samples()[0])["message"], called);
+  EXPECT_EQ(grader_.samples()[0].completion.find("<tool_call>"), 16u);  // the text as written
+  // A turn without calls is plain content.
+  EXPECT_EQ(grader_.samples()[1].message, json({{"role", "assistant"}, {"content", "1"}}));
+  // The next turn's conversation carries the parsed call.
+  Turn(*c, id, {{{"index", 0}, {"tokens", {1, 14}}}, {{"index", 1}, {"tokens", {1, 14}}}},
+       {grading::Outcome::Reward(1.0), grading::Outcome::Reward(0.0)});
+  const json conversation = grader_.samples()[2].messages;
+  ASSERT_EQ(conversation.size(), 3u) << conversation.dump();
+  EXPECT_EQ(conversation[1], called);
+  EXPECT_EQ(conversation[2]["role"], "tool");
 }
 
 TEST_F(CoordinatorEpisodeTest, AnEpisodeStillGoingAfterMaxTurnsIsUngradedAndMasksAreChecked) {

@@ -1,6 +1,6 @@
-// The answer splitter (rollout/answer_parser.h): reasoning, content and tool calls from
+// The answer splitter (tokenizer/answer_parser.h): reasoning, content and tool calls from
 // whole texts, and the same parts whatever pieces the text arrives in (streaming).
-#include "rollout/answer_parser.h"
+#include "tokenizer/answer_parser.h"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace flywheel::rollout {
+namespace flywheel::tokenizer {
 namespace {
 
 AnswerParts Whole(ReasoningParser r, bool tools, const std::string& text) {
@@ -136,4 +136,4 @@ TEST(AnswerSplitterTest, ParserNames) {
 }
 
 }  // namespace
-}  // namespace flywheel::rollout
+}  // namespace flywheel::tokenizer

@@ -1,10 +1,10 @@
-#include "rollout/answer_parser.h"
+#include "tokenizer/answer_parser.h"
 
 #include <nlohmann/json.hpp>
 
 #include "base/json.h"
 
-namespace flywheel::rollout {
+namespace flywheel::tokenizer {
 
 namespace {
 
@@ -161,4 +161,18 @@ bool AnswerSplitter::AdvanceToolCall(AnswerParts& out, bool end) {
   return true;
 }
 
-}  // namespace flywheel::rollout
+nlohmann::json AssistantMessage(std::string_view text, const std::string& id_prefix) {
+  const AnswerParts parts = AnswerSplitter(ReasoningParser::kNone, /*tools=*/true).Feed(text, true);
+  if (parts.calls.empty()) return {{"role", "assistant"}, {"content", std::string(text)}};
+  nlohmann::json calls = nlohmann::json::array();
+  for (size_t i = 0; i < parts.calls.size(); ++i) {
+    calls.push_back({{"id", id_prefix + "_" + std::to_string(i)},
+                     {"type", "function"},
+                     {"function", {{"name", parts.calls[i].name}, {"arguments", parts.calls[i].arguments}}}});
+  }
+  return {{"role", "assistant"},
+          {"content", parts.content.empty() ? nlohmann::json(nullptr) : nlohmann::json(parts.content)},
+          {"tool_calls", std::move(calls)}};
+}
+
+}  // namespace flywheel::tokenizer

@@ -21,9 +21,11 @@
 #include <string_view>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "base/status.h"
 
-namespace flywheel::rollout {
+namespace flywheel::tokenizer {
 
 enum class ReasoningParser { kNone, kQwen3, kDeepSeekR1 };
 
@@ -64,4 +66,10 @@ class AnswerSplitter {
   std::string held_space_;    // whitespace just before an open tool-call block
 };
 
-}  // namespace flywheel::rollout
+// `text` as an OpenAI chat assistant message: `<tool_call>` blocks that parse become
+// `tool_calls` (type "function", ids `id_prefix` + "_" + index, arguments as JSON text), the
+// rest `content` (null when there are calls and no other text). What environments and
+// graders are given for a model's turn (pipeline/coordinator.h).
+nlohmann::json AssistantMessage(std::string_view text, const std::string& id_prefix);
+
+}  // namespace flywheel::tokenizer
