@@ -277,6 +277,18 @@ bool Engine::Scale(const Sequence& sequence, const torch::Tensor& logits_in,
   return any;
 }
 
+bool Engine::GuidedStep(Sequence& sequence, int64_t token) {
+  const SamplingParams& p = sequence.request.params;
+  sequence.result.guided = true;
+  const std::shared_ptr<const tokenizer::TokenMask> mask = p.guide->Allowed(sequence.guide_state);
+  if (std::find(p.stop_tokens.begin(), p.stop_tokens.end(), token) != p.stop_tokens.end())
+    return mask->accepting || mask->Allows(token);
+  const int32_t next = p.guide->Advance(sequence.guide_state, static_cast<int32_t>(token));
+  if (next < 0) return false;
+  sequence.guide_state = next;
+  return true;
+}
+
 bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in,
                     const std::vector<int64_t>& top_tokens_in, std::vector<TokenEvent>* events) {
   const SamplingParams& p = sequence.request.params;
@@ -300,10 +312,13 @@ bool Engine::Sample(Sequence& sequence, const torch::Tensor& logits_in,
       p.guide && p.top_logprobs > 0 ? MaskedTop(scaled, p.top_logprobs) : top_tokens_in;
 
   const int64_t token = DrawToken(p, scaled, log_normaliser, sequence.rng);
-  if (p.guide) {
-    r.guided = true;
-    if (std::find(p.stop_tokens.begin(), p.stop_tokens.end(), token) == p.stop_tokens.end())
-      sequence.guide_state = p.guide->Advance(sequence.guide_state, static_cast<int32_t>(token));
+  if (p.guide && !GuidedStep(sequence, token)) {
+    // Only NaN scores (a temperature so small that the logits overflow) draw a token the
+    // mask gave probability 0: the request ends before it, as at a dead end.
+    r.finish_reason = "grammar";
+    latencies_.end_to_end.Observe(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - sequence.submitted).count());
+    return true;
   }
   r.tokens.push_back(static_cast<int32_t>(token));
   r.logprobs.push_back(logprob(token));

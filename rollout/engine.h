@@ -303,6 +303,9 @@ class Engine {
   // first); returns whether the sequence finished. With `events`, appends the token's event.
   bool Sample(Sequence& sequence, const torch::Tensor& logits,
               const std::vector<int64_t>& top_tokens, std::vector<TokenEvent>* events);
+  // The grammar's side of sampling `token`: false when its mask did not allow it (the
+  // state is left as it was); else the state moves past it (not for a stop token).
+  bool GuidedStep(Sequence& sequence, int64_t token);
   // `logits` / temperature, masked to what the request's grammar allows (-inf elsewhere);
   // false when nothing is allowed.
   bool Scale(const Sequence& sequence, const torch::Tensor& logits, std::vector<double>& scaled) const;

@@ -104,6 +104,10 @@ std::shared_ptr<const TokenMask> TokenGuide::Compute(const std::string& state) {
 
 std::shared_ptr<const TokenMask> TokenGuide::Allowed(int32_t state) {
   std::lock_guard lock(mutex_);
+  if (state < 0 || static_cast<size_t>(state) >= masks_.size()) {  // not a state of this guide: nothing
+    static const auto kNothing = std::make_shared<const TokenMask>();
+    return kNothing;
+  }
   std::shared_ptr<const TokenMask>& slot = masks_.at(static_cast<size_t>(state));
   if (slot) return slot;
   const int64_t mask_bytes = std::max<int64_t>(8, (vocabulary_->size() + 7) / 8);

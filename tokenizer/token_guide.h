@@ -64,7 +64,7 @@ class TokenGuide {
                                                     std::shared_ptr<const TokenBytes> vocabulary);
 
   static constexpr int32_t kStart = 0;
-  // The mask at `state` (a state this guide returned).
+  // The mask at `state` (a state this guide returned; any other allows nothing).
   std::shared_ptr<const TokenMask> Allowed(int32_t state);
   // The state after `token` at `state`; -1 when the token is not allowed there.
   int32_t Advance(int32_t state, int32_t token);

@@ -157,6 +157,31 @@ TEST(GuidedEngineTest, AGrammarTheVocabularyCannotContinueEndsWithGrammar) {
   EXPECT_EQ((*after)[0].tokens.size(), 3u);
 }
 
+// A temperature so small that the scaled logits overflow (a client may send 1e-300) makes
+// the sampler's numbers NaN; a guided request then ends ("grammar") instead of walking its
+// grammar from a state it does not have, and the engine keeps serving.
+TEST(GuidedEngineTest, OverflowingLogitsEndTheRequestNotTheEngine) {
+  auto engine = MakeEngine(ByteModel(5), true);
+  auto guide = Guide({{"guided_choice", {"yes", "no"}}});
+  std::vector<GenerationRequest> requests;
+  for (double t : {1e-300, 1e-310}) {
+    GenerationRequest r = Guided(guide, 1, 10);
+    r.params.temperature = t;
+    requests.push_back(r);
+  }
+  auto results = engine->Generate(requests);
+  ASSERT_TRUE(results.ok()) << results.status().ToString();
+  for (const GenerationResult& r : *results) {
+    EXPECT_TRUE(r.finish_reason == "grammar" || r.finish_reason == "stop") << r.finish_reason;
+    const std::string text = Text(r);
+    EXPECT_TRUE(std::string("yes").rfind(text, 0) == 0 || std::string("no").rfind(text, 0) == 0 || text.size() <= 1)
+        << text;
+  }
+  auto after = engine->Generate({Guided(guide, 2, 10)});
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ((*after)[0].finish_reason, "stop");
+}
+
 TEST(GuidedEngineTest, SeededGuidedSamplesAreEqualWithAndWithoutSharedPrefixes) {
   auto model = ByteModel(4);
   auto guide = Guide({{"response_format", {{"type", "json_object"}}}});

@@ -65,9 +65,13 @@ TEST(ChurnBench, FortyWorkersThreePublishesWithChurn) {
   EXPECT_GE(result->joins_timed, result->restarts / 2);
   EXPECT_LE(result->join_deltas_p50, 1.0);
   // A relay holds one keyframe (about 0.7x the bf16 bytes) and the deltas, not one keyframe
-  // per restart round.
+  // per restart round (3 publishes here, each a keyframe: that would be over 2x). While a
+  // new keyframe arrives it holds two: the older is released only once the newer is whole
+  // (sync/relay.cc, ReleaseOlderKeyframes), and the newer counts whole from its first piece.
+  // The maximum is sampled, so a loaded machine's slower fetch shows that window: 1.48x was
+  // measured in a CI run (1.3x was the bound before, which only a quick fetch met).
   EXPECT_GT(result->relay_cache_bytes_max, 0u);
-  EXPECT_LT(result->relay_cache_bytes_max, options.checkpoint_bytes * 13 / 10);
+  EXPECT_LT(result->relay_cache_bytes_max, options.checkpoint_bytes * 16 / 10);
 }
 
 }  // namespace
