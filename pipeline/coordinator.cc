@@ -212,6 +212,9 @@ Status Coordinator::ValidateGroup(const std::vector<Sample>& samples) const {
 SubmitAnswer Coordinator::RefuseAndRequeue(const SubmitRequest& request,
                                            const std::string& reason) {
   ++stats_.submissions_refused;
+  if (stats_.last_error_by_worker.size() < 1024 || stats_.last_error_by_worker.count(request.worker) > 0) {
+    stats_.last_error_by_worker[request.worker] = reason.substr(0, 200);
+  }
   auto lease = leases_.find(request.claim);
   if (lease == leases_.end()) {
     return SubmitAnswer::Refused("claim " + std::to_string(request.claim) +

@@ -125,6 +125,9 @@ struct CoordinatorStats {
   uint64_t episodes_max_turns = 0;        // ungraded: still going after max_turns
   std::map<std::string, uint64_t> groups_by_worker;  // accepted groups per worker
   std::map<std::string, uint64_t> leases_by_worker;  // claims out now, per worker
+  // Why each worker's last refused submission was refused (at most 200 characters; at most
+  // 1,024 workers, so that invented names cannot grow it without bound).
+  std::map<std::string, std::string> last_error_by_worker;
 };
 
 // The grader's view of one completion of `problem`: a dataset line's messages and fields,

@@ -123,6 +123,7 @@ Status RunFleetToEnd(const FleetRunOptions& run, std::ostream& out) {
   options.report_dir = run.report_dir.empty() ? "" : fs::absolute(run.report_dir).string();
   SayFleet(options, out);
   FW_ASSIGN_OR_RETURN(std::unique_ptr<Fleet> fleet, Fleet::Start(options));
+  out << "dashboard: " << fleet->dashboard_url() << std::endl;
   Status finished;
   {
     InterruptScope interrupts;

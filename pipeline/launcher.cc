@@ -17,6 +17,7 @@
 
 #include "base/env.h"
 #include "base/json.h"
+#include "pipeline/dashboard.h"
 #include "transport/endpoint.h"
 #include "transport/http.h"
 
@@ -131,6 +132,9 @@ Result<Fleet::TrainerReady> Fleet::StartTrainer() {
   FW_ASSIGN_OR_RETURN(json document,
                       ops::AwaitReadyFile(processes_, trainer.ready_file, "trainer", kReadyTimeout));
   ready.model_config = document.value("model_config", "");
+  FW_ASSIGN_OR_RETURN(const std::string dashboard_token,
+                      DashboardToken((fs::path(state_dir_) / "dashboard.token").string()));
+  dashboard_url_ = DashboardUrl(trainer_http_, dashboard_token, options_.tls.enabled());
   ready.tokenizer = document.value("tokenizer", "");
   ready.max_sequence = std::max<int64_t>(ready.max_sequence, document.value("max_sequence", int64_t{0}));
   return ready;

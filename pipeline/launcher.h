@@ -60,6 +60,8 @@ class Fleet {
   Result<nlohmann::json> WorkerStatus(const std::string& name);
   // The trainer's coordinator endpoint (HOST:PORT).
   const std::string& trainer_http() const { return trainer_http_; }
+  // The run's live dashboard, with its read-only token (pipeline/dashboard.h).
+  const std::string& dashboard_url() const { return dashboard_url_; }
 
   // Copies the trainer's new stdout lines to `out`.
   void Echo(std::ostream& out);
@@ -100,6 +102,7 @@ class Fleet {
   std::map<std::string, Role> roles_;
   std::vector<std::string> order_;
   std::string trainer_http_;
+  std::string dashboard_url_;
   size_t echoed_ = 0;  // bytes of the trainer's current stdout already echoed
   size_t echo_index_ = SIZE_MAX;
 };

@@ -57,6 +57,26 @@ Result<std::optional<RunProgress>> LoadSavedState(const fs::path& state_dir, Tra
   return progress;
 }
 
+// What the dashboard shows of a batch: each group's first sample, decoded.
+std::vector<pipeline::RolloutView> RolloutViews(const std::vector<pipeline::Group>& groups, uint64_t step,
+                                                const model::Tokenizer& tokenizer) {
+  std::vector<pipeline::RolloutView> views;
+  for (const pipeline::Group& group : groups) {
+    if (group.samples.empty()) continue;
+    const pipeline::Sample& sample = group.samples.front();
+    std::vector<int32_t> tokens = sample.tokens;
+    if (!tokens.empty() && tokens.back() == tokenizer.eos()) tokens.pop_back();
+    Result<std::string> text = tokenizer.Decode(tokens);
+    views.push_back({.step = step,
+                     .version = sample.versions.empty() ? 0 : sample.versions.front(),
+                     .worker = group.worker,
+                     .prompt = group.problem.prompt,
+                     .completion = text.ok() ? *text : "(not decodable: " + text.status().message() + ")",
+                     .reward = sample.reward});
+  }
+  return views;
+}
+
 // One trainer run after its wiring: warm-up (or resume), the RL loop, the report.
 class TrainerRun {
  public:
@@ -221,6 +241,7 @@ Status TrainerRun::RunRlLoop() {
 
 Status TrainerRun::Step(const std::vector<pipeline::Group>& groups) {
   FW_ASSIGN_OR_RETURN(StepBatch batch, MakeStepBatch(groups, progress_.version, batch_options_));
+  services_.dashboard().AddRollouts(RolloutViews(groups, progress_.rows.size() + 1, *setup_.tokenizer));
   if (reference_ && !batch.datums.empty()) {
     Result<trainer::ForwardOutput> reference = reference_->Forward(batch.datums);
     if (!reference.ok()) return reference.status().WithContext("the KL reference's forward at step " + std::to_string(progress_.rows.size() + 1));
@@ -306,6 +327,7 @@ Status TrainerRun::Finish(Status failure) {
   summary.eval_score = progress_.last_accuracy;
   summary.grader = services_.grader().name();
   summary.grader_restarts = services_.grader().counters().restarts;
+  FW_RETURN_IF_ERROR(pipeline::WriteRollouts(options_.report_dir, services_.dashboard().rollouts()));
   return WriteRunReport(options_.report_dir, progress_.rows, summary);
 }
 
@@ -328,6 +350,7 @@ Status RunTrainer(const TrainRunOptions& options) {
   if (!options.ready_file.empty()) {
     FW_RETURN_IF_ERROR(services->WriteReadyFile(options.ready_file, setup));
   }
+  for (const StepRow& row : progress.rows) services->dashboard().AddStep(row);
   InstallStopSignals();
   TrainerRun run(options, setup, *client, *services, std::move(progress), resumed);
   FW_RETURN_IF_ERROR(run.WarmUpOrResume());

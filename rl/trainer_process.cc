@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <csignal>
+#include <unistd.h>
+#include <iostream>
 #include <filesystem>
 #include <future>
 #include <mutex>
@@ -15,6 +17,7 @@
 #include "model/weights.h"
 #include "tokenizer/chat_template.h"
 #include "ops/metrics.h"
+#include "pipeline/dashboard.h"
 #include "push/push_api.h"
 #include "transport/api.h"
 #include "transport/connection.h"
@@ -304,6 +307,8 @@ struct TrainerServices::Impl {
   std::thread thread;
   std::mutex status_mutex;
   TrainerStatus status;  // GUARDED_BY(status_mutex); its coordinator part is filled when read
+  std::shared_ptr<pipeline::DashboardFeed> dashboard;
+  std::string dashboard_url;  // without its token
 
   void AddRoutes();
   json StatusJson();
@@ -344,6 +349,11 @@ void TrainerServices::Impl::AddRoutes() {
       },
       16 << 20, transport::kScopeSubmit);
   transport::AddStatusRoutes(*http, [this] { return StatusJson(); }, ops::MetricsText);
+  // The dashboard's live part runs on the I/O thread, the publisher's own.
+  dashboard->SetLive([this] {
+    return json{{"status", StatusJson()}, {"publisher", sync::ToJson(publisher->CurrentStatus())}};
+  });
+  pipeline::AddDashboardRoutes(*http, dashboard);
 }
 
 json TrainerServices::Impl::StatusJson() {
@@ -374,6 +384,7 @@ json ToJson(const TrainerStatus& s) {
   out["submissions_refused"] = c.submissions_refused;
   out["groups_by_worker"] = c.groups_by_worker;
   out["leases_by_worker"] = c.leases_by_worker;
+  out["last_error_by_worker"] = c.last_error_by_worker;
   out["queued_groups"] = s.queued_groups;
   out["samples_graded"] = c.samples_graded;
   out["samples_ungraded"] = c.samples_ungraded;
@@ -424,6 +435,14 @@ Result<std::unique_ptr<TrainerServices>> TrainerServices::Start(const TrainRunOp
   transport::HttpServerOptions http_options;
   http_options.token = options.token;
   http_options.scoped_tokens = options.scoped_tokens;
+  std::string dashboard_token;
+  if (!options.token.empty() || !options.scoped_tokens.empty()) {
+    // A read-only token of the dashboard's own, kept across restarts: the URL printed at
+    // start never carries the fleet's token.
+    FW_ASSIGN_OR_RETURN(dashboard_token, pipeline::DashboardToken(DashboardTokenPath(options.state_dir)));
+    http_options.scoped_tokens.push_back({dashboard_token, transport::kScopeRead});
+  }
+  impl->dashboard = std::make_shared<pipeline::DashboardFeed>(DashboardRun(options.config));
   if (options.tls.enabled()) {
     // Rollout samples (training data) and bearer tokens cross regions: TLS like every
     // other port, mutual when a CA is given.
@@ -433,6 +452,17 @@ Result<std::unique_ptr<TrainerServices>> TrainerServices::Start(const TrainRunOp
   FW_ASSIGN_OR_RETURN(impl->http,
                       transport::HttpServer::Start(impl->io.get_executor(), http_endpoint, http_options));
   impl->AddRoutes();
+  impl->dashboard_url = pipeline::DashboardUrl("127.0.0.1:" + std::to_string(impl->http->port()), "",
+                                               options.tls.enabled());
+  if (!options.quiet && (options.ready_file.empty() || ::isatty(STDOUT_FILENO) != 0)) {
+    // The token only on a terminal: a log file keeps the URL, and says where the token is.
+    // (Under `flywheel demo`, which passes --ready-file, the demo prints the URL.)
+    std::cout << "dashboard: "
+              << (dashboard_token.empty() || ::isatty(STDOUT_FILENO) == 0
+                      ? impl->dashboard_url + (dashboard_token.empty() ? "" : " (its token: " + DashboardTokenPath(options.state_dir) + ")")
+                      : pipeline::DashboardUrl("127.0.0.1:" + std::to_string(impl->http->port()), dashboard_token, options.tls.enabled()))
+              << std::endl;
+  }
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->io.run(); });
   return std::unique_ptr<TrainerServices>(new TrainerServices(std::move(impl)));
@@ -454,6 +484,7 @@ Status TrainerServices::WriteReadyFile(const std::string& path, const RunSetup& 
                       {"http", "127.0.0.1:" + std::to_string(impl_->http->port())},
                       {"publisher_http", "127.0.0.1:" + std::to_string(impl_->publisher->http_port())},
                       {"model_config", setup.model_config_path},
+                      {"dashboard", impl_->dashboard_url},
                       {"tokenizer", setup.worker_tokenizer},
                       // BOS + the longest prompt + a completion, and one spare position.
                       {"max_sequence", setup.max_prompt_tokens + 1 +
@@ -476,6 +507,28 @@ void TrainerServices::NoteStep(const pipeline::StepRow& row, uint64_t version, d
   s.accuracy = accuracy;
   s.mean_reward = row.mean_reward;
   s.resumed = resumed;
+  const pipeline::CoordinatorStats stats = impl_->coordinator->stats();
+  impl_->dashboard->AddStep(row, json{{"samples_ungraded", stats.samples_ungraded},
+                                      {"groups_zero_variance", stats.groups_zero_variance}});
+}
+
+pipeline::DashboardFeed& TrainerServices::dashboard() { return *impl_->dashboard; }
+
+std::string DashboardTokenPath(const std::string& state_dir) {
+  return (fs::path(state_dir) / "dashboard.token").string();
+}
+
+json DashboardRun(const pipeline::RunConfig& config) {
+  const std::string task = config.task.dataset.empty()
+                               ? config.task.name + "-" + std::to_string(config.task.digits)
+                               : fs::path(config.task.dataset).filename().string();
+  const std::string model = !config.model.dir.empty()      ? fs::path(config.model.dir).filename().string()
+                            : !config.model.config.empty() ? config.model.config
+                                                           : config.model.preset;
+  return json{{"title", task + " · " + model + " · " + config.algorithm.name},
+              {"source", "live"},
+              {"group_size", config.algorithm.group_size},
+              {"max_staleness", config.pipeline.max_staleness}};
 }
 
 void InstallStopSignals() {

@@ -18,6 +18,7 @@
 #include "model/tokenizer.h"
 #include "tokenizer/hf_tokenizer.h"
 #include "pipeline/coordinator.h"
+#include "pipeline/dashboard.h"
 #include "pipeline/run_record.h"
 #include "pipeline/task.h"
 #include "rl/rl_loop.h"
@@ -94,7 +95,10 @@ class TrainerServices {
 
   // What GET /v1/status answers besides the coordinator's live counters.
   void SetPhase(const std::string& phase);
+  // Also adds the row to the dashboard.
   void NoteStep(const pipeline::StepRow& row, uint64_t version, double accuracy, bool resumed);
+  // What GET /dashboard shows (pipeline/dashboard.h): the steps, the latest rollouts.
+  pipeline::DashboardFeed& dashboard();
 
   struct Impl;
 
@@ -117,6 +121,11 @@ struct TrainerStatus {
   size_t queued_groups = 0;
 };
 nlohmann::json ToJson(const TrainerStatus& status);
+
+// <state>/dashboard.token: the dashboard's read-only token (when the trainer has tokens).
+std::string DashboardTokenPath(const std::string& state_dir);
+// The dashboard's header for a run: its task, model and algorithm, the group size.
+nlohmann::json DashboardRun(const pipeline::RunConfig& config);
 
 // SIGINT and SIGTERM set StopRequested() from now on.
 void InstallStopSignals();

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "bench/pipeline_bench.h"
+#include "pipeline/dashboard.h"
 #include "pipeline/demo.h"
 #include "pipeline/run_config.h"
 #include "rl/rl_loop.h"  // declarations only: flywheel hands `train` over (commands.h)
@@ -264,6 +266,44 @@ void AddRlCommands(CLI::App& app, Action& action) {
   train->add_flag("--quiet", args->quiet, "No per-step lines");
   MarkTorchOnly(train);
   train->callback([args, &action] { action = [args] { return RunTrain(*args); }; });
+}
+
+// `flywheel report serve DIR`: the dashboard of a finished run until SIGINT or SIGTERM.
+static Status ServeReport(const std::string& dir, const std::string& listen) {
+  // Blocked before the server's thread starts, so that it inherits the mask and this
+  // thread's sigwait takes them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  FW_ASSIGN_OR_RETURN(std::unique_ptr<pipeline::ReportServer> server, pipeline::ReportServer::Start(dir, listen));
+  std::cout << "the dashboard of " << dir << " (" << server->feed().steps() << " steps): " << server->url()
+            << "\n(Ctrl-C stops it)" << std::endl;
+  int signal = 0;
+  sigwait(&signals, &signal);
+  return Status::Ok();
+}
+
+void AddReportCommand(CLI::App& app, Action& action) {
+  CLI::App* report = app.add_subcommand("report", "A run's report directory");
+  report->require_subcommand(1);
+  auto dir = std::make_shared<std::string>();
+  auto listen = std::make_shared<std::string>("127.0.0.1:0");
+  CLI::App* serve = report->add_subcommand(
+      "serve",
+      "Serve a finished (or interrupted) run's dashboard from its report directory: the\n"
+      "curves of metrics.csv, summary.json and the latest rollouts (rollouts.jsonl), the\n"
+      "same page `flywheel demo` and `flywheel train` serve live. Prints a URL that carries\n"
+      "a read-only token made for this server; runs until Ctrl-C.");
+  serve->add_option("dir", *dir, "The report directory (<run-dir>/report)")
+      ->required()
+      ->check(CLI::ExistingDirectory)
+      ->type_name("DIR");
+  serve->add_option("--listen", *listen, "Where to serve (port 0: a free one)")
+      ->type_name("HOST:PORT")
+      ->capture_default_str();
+  serve->callback([dir, listen, &action] { action = [dir, listen] { return ServeReport(*dir, *listen); }; });
 }
 
 void AddPipelineBenchCommand(CLI::App& bench_app, Action& action) {

@@ -81,6 +81,8 @@ void AddPushCommands(CLI::App& app, Action& action);
 void AddServeCommands(CLI::App& app, Action& action);
 // `demo` and `train`: the pipeline-RL loop.
 void AddRlCommands(CLI::App& app, Action& action);
+// `flywheel report serve DIR` (tools/cmd_rl.cc).
+void AddReportCommand(CLI::App& app, Action& action);
 // `dataset make sort|reverse|add` and `model make-tiny`: the demo's task and model as files.
 void AddDatasetCommands(CLI::App& app, Action& action);
 // `bench pipeline` (registered by AddBenchCommands).

@@ -199,6 +199,7 @@ int Run(int argc, char** argv) {
   AddSyncCommands(app, action);
   AddPushCommands(app, action);
   AddRlCommands(app, action);
+  AddReportCommand(app, action);
   AddDatasetCommands(app, action);
   AddServeCommands(app, action);
   AddCertsCommands(app, action);
