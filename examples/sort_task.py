@@ -205,6 +205,11 @@ class Service:
         time.sleep(0.05)  # written by rename, but be gentle with a slow filesystem
         service = cls.from_file(service_file)
         service.process, service.run_dir = process, run_dir
+        with open(service_file, encoding="utf-8") as file:
+            document = json.load(file)
+        if document.get("dashboard"):
+            token = _read_token(document.get("dashboard_token_file"))
+            say(f"dashboard: {document['dashboard']}" + (f"#token={token}" if token else ""))
         return service
 
     def close(self) -> None:

@@ -45,22 +45,34 @@ constexpr const char kPage[] = R"fwhtml(<!doctype html>
 <div id="charts"></div>
 <h2>Fleet</h2>
 <table id="fleet"><thead><tr><th>node</th><th>region</th><th>role</th><th>serves</th><th>lag (versions)</th><th>samples/s</th><th>last error</th></tr></thead><tbody></tbody></table>
+<section id="sessions-section" hidden>
+<h2>Sessions</h2>
+<table id="sessions"><thead><tr><th>session</th><th>mode</th><th>step</th><th>last version</th><th>calls</th><th>idle (s)</th></tr></thead><tbody></tbody></table>
+<h2>Latest calls</h2>
+<table id="calls"><thead><tr><th>session</th><th>call</th><th>seq</th><th>HTTP</th><th>ms</th><th>version after</th></tr></thead><tbody></tbody></table>
+</section>
+<section id="rollouts-section">
 <h2>Latest rollouts</h2>
 <table id="rollouts"><thead><tr><th>step</th><th>version</th><th>worker</th><th>reward</th><th>prompt</th><th>completion</th></tr></thead><tbody></tbody></table>
+</section>
 </main>
 <script>
 "use strict";
+// `rl`: curves of an RL run (live or from its report); the training service's steps are a
+// user's optim_step calls, which carry the loss-side figures only.
 const CURVES = [
-  {id: "reward", title: "Reward and held-out score", series: [["mean_reward", "mean reward"], ["eval_accuracy", "held-out score"]]},
+  {id: "reward", rl: true, title: "Reward and held-out score", series: [["mean_reward", "mean reward"], ["eval_accuracy", "held-out score"]]},
   {id: "loss", title: "Loss", series: [["loss", "loss"]]},
   {id: "k3", title: "KL k3, sampler vs trainer", series: [["k3", "k3"]]},
   {id: "clip", title: "Clip fraction", series: [["clip_fraction", "clip fraction"]]},
-  {id: "staleness", title: "Staleness of trained tokens (versions)", series: [["staleness_mean", "mean"], ["staleness_max", "max"]]},
-  {id: "counts", title: "Ungraded samples, zero-variance groups (run total)", series: [["samples_ungraded", "ungraded samples"], ["groups_zero_variance", "zero-variance groups"]]},
-  {id: "delta", title: "Published delta (bytes)", series: [["delta_bytes", "delta"], ["keyframe_bytes", "keyframe"]]},
-  {id: "density", title: "Delta density (changed words)", series: [["delta_density", "density"]]},
-  {id: "sync", title: "Publish → all workers swapped (ms)", series: [["sync_ms", "sync"]]},
-  {id: "rate", title: "Samples/s", series: [["samples_per_s", "samples/s"]]},
+  {id: "grad", title: "Gradient norm", series: [["grad_norm", "grad norm"]]},
+  {id: "sequences", service: true, title: "Sequences per optimizer step", series: [["samples", "sequences"]]},
+  {id: "staleness", rl: true, title: "Staleness of trained tokens (versions)", series: [["staleness_mean", "mean"], ["staleness_max", "max"]]},
+  {id: "counts", rl: true, title: "Ungraded samples, zero-variance groups (run total)", series: [["samples_ungraded", "ungraded samples"], ["groups_zero_variance", "zero-variance groups"]]},
+  {id: "delta", rl: true, title: "Published delta (bytes)", series: [["delta_bytes", "delta"], ["keyframe_bytes", "keyframe"]]},
+  {id: "density", rl: true, title: "Delta density (changed words)", series: [["delta_density", "density"]]},
+  {id: "sync", rl: true, title: "Publish → all workers swapped (ms)", series: [["sync_ms", "sync"]]},
+  {id: "rate", rl: true, title: "Samples/s", series: [["samples_per_s", "samples/s"]]},
 ];
 const COLORS = ["#2f6fdf", "#e0662f", "#2a9d60", "#9b51e0"];
 const fw = window.fw = {steps: [], charts: {}, polls: 0, errors: 0, fleet: [], rollouts: [], last: null, chartjs: typeof Chart !== "undefined"};
@@ -90,9 +102,11 @@ function fmt(v, digits) {
   return Number.isInteger(v) ? String(v) : v.toFixed(digits === undefined ? 3 : digits);
 }
 
-function makeCharts() {
+function makeCharts(source) {
   const root = document.getElementById("charts");
+  const service = source === "service";
   for (const curve of CURVES) {
+    if ((curve.rl && service) || (curve.service && !service)) continue;
     const card = el("div", null, "chart");
     card.id = "chart-" + curve.id;
     card.appendChild(el("h3", curve.title));
@@ -133,6 +147,18 @@ function renderSummary(doc) {
   const last = fw.steps.length ? fw.steps[fw.steps.length - 1] : {};
   const status = doc.live ? doc.live.status || {} : {};
   const summary = doc.run.summary || {};
+  if (doc.run.source === "service") {
+    const service = [["optimizer steps", last.step], ["version", status.version], ["sessions", status.sessions],
+                     ["calls", status.calls], ["failed calls", status.calls_failed], ["queued calls", status.queued_calls]];
+    for (const [label, value] of service) {
+      if (value === undefined) continue;
+      const stat = el("div", null, "stat");
+      stat.appendChild(el("b", fmt(value)));
+      stat.appendChild(el("span", label));
+      root.appendChild(stat);
+    }
+    return;
+  }
   const items = [
     ["step", status.step !== undefined ? status.step : last.step],
     ["version", status.version !== undefined ? status.version : last.version],
@@ -202,6 +228,31 @@ function renderFleet(doc) {
   }
 }
 
+// The training service: its sessions and their newest calls.
+function renderSessions(doc) {
+  const live = doc.live || {};
+  const service = Array.isArray(live.sessions);
+  document.getElementById("sessions-section").hidden = !service;
+  document.getElementById("rollouts-section").hidden = service;
+  if (!service) return;
+  fw.sessions = live.sessions;
+  fw.calls = live.calls || [];
+  const body = document.querySelector("#sessions tbody");
+  body.replaceChildren();
+  for (const s of live.sessions) {
+    const row = el("tr");
+    for (const value of [s.name || s.id, s.mode, s.step, s.last_version, s.calls, fmt(s.idle_s, 1)]) row.appendChild(el("td", value));
+    body.appendChild(row);
+  }
+  const calls = document.querySelector("#calls tbody");
+  calls.replaceChildren();
+  for (const c of fw.calls.slice(0, 30)) {
+    const row = el("tr");
+    for (const value of [c.session, c.call, c.seq, c.status, fmt(c.ms, 1), c.version]) row.appendChild(el("td", value));
+    calls.appendChild(row);
+  }
+}
+
 function renderRollouts(doc) {
   fw.rollouts = doc.rollouts;
   const body = document.querySelector("#rollouts tbody");
@@ -243,17 +294,21 @@ async function pollOnce() {
     document.title = "flywheel: " + (doc.run.title || "run");
     document.getElementById("state").textContent = (doc.live ? "live" : "finished run") + " · updated " + new Date().toLocaleTimeString();
     document.getElementById("error").textContent = fw.chartjs ? "" : "charts unavailable (this build has no Chart.js): tables only";
+    if (!fw.made) {
+      makeCharts(doc.run.source);
+      fw.made = true;
+    }
     addSteps(doc.steps);
     renderSummary(doc);
     renderFleet(doc);
     renderRollouts(doc);
+    renderSessions(doc);
   } catch (e) {
     fw.errors++;
     document.getElementById("state").textContent = "cannot reach the run (" + e.message + "); retrying";
   }
 }
 
-makeCharts();
 poll();
 setInterval(poll, 1000);
 </script>

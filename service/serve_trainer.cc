@@ -11,6 +11,7 @@
 #include "model/fp8.h"
 #include "model/packed.h"
 #include "model/model_config.h"
+#include "pipeline/dashboard.h"
 #include "pipeline/task.h"
 #include "push/push_api.h"
 #include "rl/trainer_process.h"
@@ -173,6 +174,11 @@ Result<transport::HttpServerOptions> HttpOptionsFor(const ServeTrainerOptions& o
     http_options.scoped_tokens.push_back(
         {o.train_token, transport::kScopeTrain | transport::kScopeRead});
   }
+  if (!http_options.token.empty() || !http_options.scoped_tokens.empty()) {
+    // The dashboard's own read-only token (rl/trainer_process.h), kept across restarts.
+    FW_ASSIGN_OR_RETURN(const std::string dashboard, pipeline::DashboardToken(rl::DashboardTokenPath(o.state_dir)));
+    http_options.scoped_tokens.push_back({dashboard, transport::kScopeRead});
+  }
   if (o.tls.enabled()) {
     FW_ASSIGN_OR_RETURN(http_options.tls, transport::MakeServerTlsContext(o.tls));
   }
@@ -232,6 +238,7 @@ Status RunServeTrainer(const ServeTrainerOptions& o) {
                       {"model_config", model_config_path},
                       {"tokenizer", tokenizer},
                       {"mode", service->lora() ? "lora" : "full"},
+                      {"dashboard", pipeline::DashboardUrl(host + ":" + std::to_string(http->port()), "", o.tls.enabled())},
                       {"version", service->version()}};
   spdlog::info("serve-trainer: training API on {}{}:{}, publisher on port {} ({} mode, version {})",
                scheme, host, http->port(), publisher->port(), service->lora() ? "LoRA" : "full",

@@ -23,7 +23,9 @@
 #include "model/weights.h"
 #include "ops/metrics.h"
 #include "service/training_wire.h"
+#include "pipeline/dashboard.h"
 #include "sync/publisher.h"
+#include "sync/role_status.h"
 #include "sync/role.h"
 #include "sync/signing.h"
 #include "transport/api.h"
@@ -99,6 +101,7 @@ std::string IdentityOf(const transport::HttpRequest& request) {
 
 struct CallState {
   uint64_t seq = 0;
+  std::string name;  // the call ("forward_backward", ...), for the dashboard
   std::function<HttpResponse()> run;  // on the trainer thread, the session active
   bool queued = false;                 // in the ready queue (its turn came)
   bool started = false;
@@ -164,6 +167,15 @@ struct TrainingService::Impl {
   size_t waiting_total = 0;  // calls of all sessions waiting for an earlier seq
   static constexpr uint64_t kSeqWindow = 256;  // how far ahead of the next seq a call may be
   std::unique_ptr<boost::asio::thread_pool> pool;
+  // The dashboard (pipeline/dashboard.h): a step row per optim_step, with the metrics of
+  // the forward_backward before it; the newest calls of every session. GUARDED_BY(mutex)
+  // but for `dashboard`, which locks itself.
+  std::shared_ptr<pipeline::DashboardFeed> dashboard;
+  std::deque<json> recent_calls;  // newest last, at most kRecentCalls
+  static constexpr size_t kRecentCalls = 64;
+  uint64_t optim_steps = 0, sequences_since_step = 0;
+  json last_batch_metrics;
+  Clock::time_point started = Clock::now();
 
   // The trainer thread.
   void Run();
@@ -171,6 +183,10 @@ struct TrainingService::Impl {
   void Activate(const std::shared_ptr<Session>& session);
   void NoteClient(Session& session);
   void ExpireIdle();  // REQUIRES: mutex
+  // REQUIRES: mutex. What the dashboard shows of a call that ran for `took`.
+  void NoteCall(const Session& session, const CallState& call, const HttpResponse& answer,
+                Clock::duration took);
+  json DashboardLive();  // the dashboard's live part (takes the mutex)
   // sessions/<id>/session.json: the session's owner, name and saved states.
   [[nodiscard]] Status WriteSessionFile(const Session& session, bool closed, const std::string& why);
 
@@ -192,7 +208,7 @@ struct TrainingService::Impl {
   // identity's session.
   Result<std::shared_ptr<Session>> Find(const std::string& id, std::string_view identity);
   // Submits `run` as call `seq` (0: next) of `session` and waits for its answer.
-  HttpResponse SubmitAndWait(const std::shared_ptr<Session>& session, uint64_t seq,
+  HttpResponse SubmitAndWait(const std::shared_ptr<Session>& session, const std::string& name, uint64_t seq,
                               std::function<HttpResponse()> run);
   // REQUIRES: mutex. Records the call (or finds the one a retry repeats) and queues it when
   // its turn has come. Mismatch: an old seq whose answer is gone.
@@ -238,8 +254,10 @@ void TrainingService::Impl::Run() {
     ready.pop_front();
     job.call->started = true;
     lock.unlock();
+    const Clock::time_point began = Clock::now();
     HttpResponse answer = Execute(job);
     lock.lock();
+    if (job.session) NoteCall(*job.session, *job.call, answer, Clock::now() - began);
     job.call->answer = std::move(answer);
     job.call->done = true;
     job.call->run = nullptr;
@@ -591,7 +609,8 @@ Result<std::shared_ptr<CallState>> TrainingService::Impl::Enqueue(
 }
 
 HttpResponse TrainingService::Impl::SubmitAndWait(const std::shared_ptr<Session>& session,
-                                                   uint64_t seq, std::function<HttpResponse()> run) {
+                                                   const std::string& name, uint64_t seq,
+                                                   std::function<HttpResponse()> run) {
   std::unique_lock lock(mutex);
   if (stopping) return Error(503, "unavailable", "the training service is stopping");
   if (session->closed) return Error(404, "not_found", "session " + session->id + " was closed");
@@ -603,6 +622,7 @@ HttpResponse TrainingService::Impl::SubmitAndWait(const std::shared_ptr<Session>
     return FromStatus(enqueued.status());
   }
   std::shared_ptr<CallState> call = *enqueued;
+  if (call->name.empty()) call->name = name;
   const Clock::time_point deadline = call->arrived + options.seq_wait;
   while (!call->done) {
     if (!call->queued && Clock::now() >= deadline) {
@@ -772,13 +792,13 @@ HttpResponse TrainingService::Impl::Call(const std::string& id, const std::strin
       auto seq = header.is_object() ? ReadSeq(header) : Result<uint64_t>(Status::InvalidArgument(""));
       if (!seq.ok()) return FromStatus(decoded.status());
       Status why = decoded.status();
-      return SubmitAndWait(session, *seq, [why] { return FromStatus(why); });
+      return SubmitAndWait(session, call, *seq, [why] { return FromStatus(why); });
     }
     auto batch = std::make_shared<WireBatch>(std::move(*decoded));
     auto seq = ReadSeq(batch->header);
     if (!seq.ok()) return FromStatus(seq.status());
     batch->header.erase("seq");
-    return SubmitAndWait(session, *seq, BatchRun(call, std::move(batch)));
+    return SubmitAndWait(session, call, *seq, BatchRun(call, std::move(batch)));
   }
   json request = body.empty() ? json::object() : ParseShallowJson(body);
   if (request.is_discarded() || !request.is_object())
@@ -787,7 +807,7 @@ HttpResponse TrainingService::Impl::Call(const std::string& id, const std::strin
   if (!seq.ok()) return FromStatus(seq.status());
   request.erase("seq");
   auto body_json = std::make_shared<json>(std::move(request));
-  return SubmitAndWait(session, *seq, JsonRun(call, session.get(), std::move(body_json)));
+  return SubmitAndWait(session, call, *seq, JsonRun(call, session.get(), std::move(body_json)));
 }
 
 // ---- the calls that touch more than the client ----
@@ -1054,6 +1074,7 @@ Status TrainingService::Impl::PublishStart() {
 TrainingService::TrainingService(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 TrainingService::~TrainingService() {
+  impl_->dashboard->SetLive(nullptr);  // its routes may outlive the service
   {
     std::lock_guard lock(impl_->mutex);
     impl_->stopping = true;
@@ -1071,6 +1092,9 @@ Result<std::unique_ptr<TrainingService>> TrainingService::Create(TrainingService
   impl->options = options;
   impl->publisher = publisher;
   impl->lora = options.trainer.lora.has_value();
+  impl->dashboard = std::make_shared<pipeline::DashboardFeed>(
+      json{{"title", "training service · " + options.trainer.config.model_type + " · " + (impl->lora ? "LoRA" : "full")},
+           {"source", "service"}});
   std::error_code ec;
   fs::create_directories(fs::path(options.state_dir) / "sessions", ec);
   if (ec) return Status::IOError("cannot create " + options.state_dir + "/sessions: " + ec.message());
@@ -1145,6 +1169,54 @@ HttpResponse TrainingService::Handle(const std::string& method, const std::strin
                "/v1/train/sessions/{id}/{call})");
 }
 
+void TrainingService::Impl::NoteCall(const Session& session, const CallState& call,
+                                     const HttpResponse& answer, Clock::duration took) {
+  recent_calls.push_back({{"session", session.name.empty() ? session.id : session.name},
+                          {"call", call.name},
+                          {"seq", call.seq},
+                          {"status", answer.status},
+                          {"ms", std::chrono::duration<double, std::milli>(took).count()},
+                          {"version", version.load()},
+                          {"step", session.step}});
+  if (recent_calls.size() > kRecentCalls) recent_calls.pop_front();
+  if (answer.status != 200) return;
+  const bool batch = call.name == "forward_backward" || call.name == "forward_backward_custom";
+  if (!batch && call.name != "optim_step") return;
+  const json doc = json::parse(answer.body, nullptr, /*allow_exceptions=*/false);
+  if (!doc.is_object() || !doc.contains("metrics") || !doc["metrics"].is_object()) return;
+  const json& metrics = doc["metrics"];
+  if (batch) {
+    last_batch_metrics = metrics;
+    sequences_since_step += metrics.value("sequences", uint64_t{0});
+    return;
+  }
+  pipeline::StepRow row;
+  row.step = ++optim_steps;
+  row.version = version.load();
+  row.wall_s = std::chrono::duration<double>(Clock::now() - started).count();
+  row.loss = last_batch_metrics.value("loss", 0.0);
+  row.k3 = last_batch_metrics.value("kl_sampler_k3", 0.0);
+  row.clip_fraction = last_batch_metrics.value("clip_fraction", 0.0);
+  row.grad_norm = metrics.value("grad_norm", last_batch_metrics.value("grad_norm", 0.0));
+  row.samples = sequences_since_step;
+  sequences_since_step = 0;
+  dashboard->AddStep(row, json{{"session", session.name.empty() ? session.id : session.name}});
+}
+
+json TrainingService::Impl::DashboardLive() {
+  json sessions_json = json::array();
+  json calls = json::array();
+  {
+    std::lock_guard lock(mutex);
+    for (const auto& [id, session] : sessions) sessions_json.push_back(SessionInfo(*session));
+    for (auto it = recent_calls.rbegin(); it != recent_calls.rend(); ++it) calls.push_back(*it);
+  }
+  json live = {{"sessions", std::move(sessions_json)}, {"calls", std::move(calls)}};
+  // On the I/O thread, the publisher's own (Register's routes run there).
+  if (publisher) live["publisher"] = sync::ToJson(publisher->CurrentStatus());
+  return live;
+}
+
 json TrainingService::StatusJson() {
   Impl& s = *impl_;
   std::lock_guard lock(s.mutex);
@@ -1190,6 +1262,13 @@ void TrainingService::Register(transport::HttpServer& server) {
       },
       impl_->options.max_body_bytes);
   transport::AddStatusRoutes(server, [self] { return self->StatusJson(); }, ops::MetricsText);
+  Impl* impl = impl_.get();
+  impl->dashboard->SetLive([self, impl] {
+    json live = impl->DashboardLive();
+    live["status"] = self->StatusJson();
+    return live;
+  });
+  pipeline::AddDashboardRoutes(server, impl->dashboard);
 }
 
 }  // namespace flywheel::service

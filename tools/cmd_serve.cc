@@ -20,6 +20,7 @@
 
 #include "base/env.h"
 #include "ops/process.h"
+#include "pipeline/dashboard.h"
 #include "service/serve_trainer.h"  // declarations only: flywheel hands serve-trainer over
 #include "tools/commands.h"
 
@@ -156,6 +157,16 @@ Result<json> StartRegions(const ServeArgs& args, ops::ProcessGroup& processes,
   return workers;
 }
 
+// Prints the dashboard's URL with its read-only token (serve-trainer made it in its state
+// directory); returns service.json's "dashboard" (the URL without the token) and
+// "dashboard_token_file".
+Result<json> AnnounceDashboard(const fs::path& run, const std::string& trainer_http, bool tls) {
+  const std::string token_file = (run / "state" / "dashboard.token").string();
+  FW_ASSIGN_OR_RETURN(const std::string token, pipeline::DashboardToken(token_file));
+  std::cout << "service: dashboard: " << pipeline::DashboardUrl(trainer_http, token, tls) << std::endl;
+  return json{{"dashboard", pipeline::DashboardUrl(trainer_http, "", tls)}, {"dashboard_token_file", token_file}};
+}
+
 Status RunService(const ServeArgs& args) {
   if (args.run_dir.empty()) return Status::InvalidArgument("service needs --run-dir DIR");
   if (args.workers < 1) return Status::InvalidArgument("--workers must be >= 1");
@@ -203,7 +214,9 @@ Status RunService(const ServeArgs& args) {
   json relays = json::array();
   auto workers = StartRegions(args, processes, run, program, token_file, *trainer_ready, relays, timeout);
   if (!workers.ok()) return fail(workers.status());
-  const json service = {{"trainer", "http://" + trainer_ready->value("http", "")},
+  auto dashboard = AnnounceDashboard(run, trainer_ready->value("http", ""), args.o.tls.enabled());
+  if (!dashboard.ok()) return fail(dashboard.status());
+  json service = {{"trainer", "http://" + trainer_ready->value("http", "")},
                         {"workers", *workers},
                         {"token_file", token_file},
                         {"publisher", publisher},
@@ -211,6 +224,7 @@ Status RunService(const ServeArgs& args) {
                         {"mode", trainer_ready->value("mode", "full")},
                         {"logs", logs.string()},
                         {"pid", ::getpid()}};
+  service.update(*dashboard);
   const std::string text = service.dump(2) + "\n";
   Status written = WriteFileAtomically((run / "service.json").string(), std::as_bytes(std::span(text)));
   if (!written.ok()) return fail(written);

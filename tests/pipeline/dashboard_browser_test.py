@@ -3,7 +3,10 @@
 `flywheel demo` prints, during a short run, and the test asserts through the DevTools
 protocol what the page shows: points on every curve growing, every worker of the fleet
 listed with the version it serves, rollouts present. After the run, `flywheel report serve`
-serves the same page from the report directory. A screenshot of each is kept in the test
+serves the same page from the report directory. Then the training service: the SDK example
+(examples/rl_sort.py --launch) runs its own loop against `flywheel service`, and the page
+it prints shows the optimizer steps growing, the session with its calls, and the workers.
+A screenshot of each is kept in the test
 artifacts directory (FLYWHEEL_ARTIFACTS, default build/test-artifacts).
 
 DevTools messages go over --remote-debugging-pipe (fds 3 and 4, NUL-terminated JSON), so
@@ -139,7 +142,9 @@ STATE = """(() => {
   for (const [id, chart] of Object.entries(fw.charts)) points[id] = chart.data.datasets.map(d => d.data.filter(p => p.y !== null).length);
   const fleet = [...document.querySelectorAll('#fleet tbody tr')].map(r => [...r.children].map(c => c.textContent));
   const rollouts = [...document.querySelectorAll('#rollouts tbody tr')].map(r => [...r.children].map(c => c.textContent));
-  return {chartjs: fw.chartjs, polls: fw.polls, errors: fw.errors, steps: fw.steps.length, points, fleet, rollouts,
+  const sessions = [...document.querySelectorAll('#sessions tbody tr')].map(r => [...r.children].map(c => c.textContent));
+  const calls = [...document.querySelectorAll('#calls tbody tr')].map(r => [...r.children].map(c => c.textContent));
+  return {sessions, calls, chartjs: fw.chartjs, polls: fw.polls, errors: fw.errors, steps: fw.steps.length, points, fleet, rollouts,
           error: document.getElementById('error').textContent, state: document.getElementById('state').textContent,
           hash: location.hash};
 })()"""
@@ -273,6 +278,51 @@ def check_report(browser, program, report_dir, artifacts):
         fail("`flywheel report serve` exited with %d" % server.returncode)
 
 
+def check_service(browser, program, work, artifacts):
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "examples", "rl_sort.py")
+    script = subprocess.Popen([sys.executable, example, "--launch", "--flywheel", program, "--run-dir",
+                               os.path.join(work, "service"), "--digits", "3", "--sft-steps", "2",
+                               "--max-steps", "200", "--target", "0", "--group-size", "4",
+                               "--groups-per-step", "2", "--eval-every", "1000", "--eval-prompts", "8",
+                               "--time-limit", "240"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in script.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    seen = []
+    try:
+        url = await_line(lines, r"dashboard: (http://\S+/dashboard#token=\w+)", 240, seen).group(1)
+        browser.page("Page.navigate", {"url": url})
+        first = wait_for(browser, "the service's first optimizer steps",
+                         lambda s: s["polls"] > 0 and s["steps"] >= 1 and s["sessions"], 240)
+        later = wait_for(browser, "more optimizer steps", lambda s: s["steps"] >= first["steps"] + 2, 240)
+        for curve in ["loss", "grad", "sequences"]:
+            if later["points"][curve][0] <= first["points"][curve][0]:
+                fail("service curve %s did not grow: %s -> %s" % (curve, first["points"], later["points"]))
+        if "reward" in later["points"]:
+            fail("the service page draws RL-run curves it has no data for: %s" % list(later["points"]))
+        session = later["sessions"][0]
+        if int(session[4]) < 3:
+            fail("the session lists %s calls" % session[4])
+        called = {row[1] for row in later["calls"]}
+        if not {"forward_backward", "optim_step"} <= called:
+            fail("the latest calls lack forward_backward/optim_step: %s" % sorted(called))
+        workers = [r for r in later["fleet"] if r[2] == "worker"]
+        if not workers or not all(r[3].isdigit() for r in workers):
+            fail("the service's fleet view lists %s" % later["fleet"])
+        browser.screenshot(os.path.join(artifacts, "dashboard-service.png"))
+        print("service: %d steps, session %s, calls %s, workers %s" %
+              (later["steps"], session, sorted(called), [r[:4] for r in workers]), flush=True)
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGINT)  # the example stops the service it launched
+            try:
+                script.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(script.pid, signal.SIGKILL)
+
+
 def main():
     if len(sys.argv) != 2:
         print(__doc__)
@@ -303,6 +353,7 @@ def main():
         if demo.returncode != 0:
             fail("the demo exited with %s:\n%s" % (demo.returncode, "".join(seen[-40:])))
         check_report(browser, program, os.path.join(work, "run", "report"), artifacts)
+        check_service(browser, program, work, artifacts)
     finally:
         if browser:
             browser.close()
