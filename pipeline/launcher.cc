@@ -125,7 +125,8 @@ Result<Fleet::TrainerReady> Fleet::StartTrainer() {
   trainer.ready_file = RunFile("trainer.ready");
   trainer.args = {"train", "--config", RunFile("run.toml"), "--state", state_dir_, "--report",
                   report_dir_, "--listen", ready.publisher, "--http", trainer_http_,
-                  "--token-file", RunFile("token"), "--ready-file", trainer.ready_file};
+                  "--token-file", RunFile("token"), "--ready-file", trainer.ready_file,
+                  "--local-fleet"};
   roles_["trainer"] = trainer;
   order_.push_back("trainer");
   FW_RETURN_IF_ERROR(Launch("trainer", roles_["trainer"]));

@@ -25,6 +25,7 @@ void ForEachField(Config& c, F&& f) {
   f("run", "eval_prompts", FieldRef(&c.run.eval_prompts));
   f("run", "threads", FieldRef(&c.run.threads));
   f("run", "state_every", FieldRef(&c.run.state_every));
+  f("run", "check_memory", FieldRef(&c.run.check_memory));
   f("model", "preset", FieldRef(&c.model.preset));
   f("model", "config", FieldRef(&c.model.config));
   f("model", "dir", FieldRef(&c.model.dir));

@@ -3,7 +3,9 @@
 // runs with into its report directory, so a run can be repeated with `--config`.
 //
 //   [run]        seed, max_steps, time_limit_s, target_accuracy (stop when reached; 0: run
-//                all steps), eval_every, eval_prompts, threads (trainer), state_every
+//                all steps), eval_every, eval_prompts, threads (trainer), state_every,
+//                check_memory (true: the trainer refuses a run whose memory plan,
+//                model/memory_plan.h, does not fit this machine)
 //   [model]      preset ("tiny", "tiny-moe"), config (a config.json; overrides the preset),
 //                dir (an HF model directory: config.json, safetensors weights sharded or
 //                not, tokenizer.json, tokenizer_config.json's chat template; the trainer
@@ -54,6 +56,7 @@ struct RunConfig {
     int64_t eval_prompts = 256;
     int64_t threads = 1;
     int64_t state_every = 1;
+    bool check_memory = true;
   } run;
   struct Model {
     std::string preset = "tiny";

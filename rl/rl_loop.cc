@@ -340,6 +340,7 @@ Result<std::string> ModelConfigJson(const RunConfig& config, int64_t vocab) {
 
 Status RunTrainer(const TrainRunOptions& options) {
   FW_ASSIGN_OR_RETURN(RunSetup setup, PrepareRun(options));
+  FW_RETURN_IF_ERROR(CheckRunMemory(options, setup));
   FW_ASSIGN_OR_RETURN(std::unique_ptr<TrainingClient> client, CreateClient(options.config, setup));
   FW_ASSIGN_OR_RETURN(std::optional<RunProgress> saved, LoadSavedState(options.state_dir, *client));
   const bool resumed = saved.has_value();
@@ -355,7 +356,8 @@ Status RunTrainer(const TrainRunOptions& options) {
   TrainerRun run(options, setup, *client, *services, std::move(progress), resumed);
   FW_RETURN_IF_ERROR(run.WarmUpOrResume());
   const Status failure = run.RunRlLoop();
-  return run.Finish(failure);
+  FW_RETURN_IF_ERROR(run.Finish(failure));
+  return WriteMemoryRecord(options, setup);
 }
 
 }  // namespace flywheel::rl

@@ -47,6 +47,9 @@ struct TrainRunOptions {
   transport::TlsOptions tls;
   std::string signing_key;  // the publisher's --signing-key (sync/signing.h)
   bool quiet = false;  // no per-step lines
+  // The run's fleet ([fleet]: relays and workers) runs on this machine too (flywheel demo):
+  // the memory plan counts it.
+  bool local_fleet = false;
 };
 
 // Runs until the run ends (or SIGINT/SIGTERM: the state is saved, the run can resume).

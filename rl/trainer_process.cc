@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <sys/resource.h>
 #include <unistd.h>
 #include <iostream>
 #include <filesystem>
@@ -510,6 +511,42 @@ void TrainerServices::NoteStep(const pipeline::StepRow& row, uint64_t version, d
   const pipeline::CoordinatorStats stats = impl_->coordinator->stats();
   impl_->dashboard->AddStep(row, json{{"samples_ungraded", stats.samples_ungraded},
                                       {"groups_zero_variance", stats.groups_zero_variance}});
+}
+
+model::MemoryPlan PlanRunMemory(const TrainRunOptions& options, const RunSetup& setup) {
+  const pipeline::RunConfig& config = options.config;
+  model::PlanInputs in;
+  in.model = setup.model_config;
+  in.context = setup.max_prompt_tokens + 1 + (setup.max_turns > 1 ? setup.max_episode_tokens : setup.max_tokens);
+  in.train_sequences = std::max<int64_t>(config.algorithm.group_size * config.algorithm.groups_per_step,
+                                         config.sft.steps > 0 ? config.sft.batch_size : 0);
+  in.reference = config.algorithm.kl_coef > 0;
+  in.serving_bytes_per_weight = config.model.serving == "fp8" ? 1.0 : 2.0;
+  in.worker_max_batch = config.fleet.worker_max_batch;
+  if (options.local_fleet) {
+    in.relays = static_cast<int64_t>(config.fleet.regions.size());
+    in.workers = in.relays * config.fleet.workers_per_region;
+  } else {
+    in.workers = 0;
+  }
+  return model::PlanMemory(in);
+}
+
+Status CheckRunMemory(const TrainRunOptions& options, const RunSetup& setup) {
+  if (!options.config.run.check_memory) return Status::Ok();
+  const model::MemoryPlan plan = PlanRunMemory(options, setup);
+  if (plan.fits()) return Status::Ok();
+  return Status::ResourceExhausted(
+      "this run does not fit in this machine's memory, so it was not started (run.check_memory = "
+      "false starts it anyway):\n" + plan.Table());
+}
+
+Status WriteMemoryRecord(const TrainRunOptions& options, const RunSetup& setup) {
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  const json record = {{"plan", json::parse(PlanRunMemory(options, setup).Json())},
+                       {"trainer_peak_rss_bytes", static_cast<uint64_t>(usage.ru_maxrss) * 1024}};
+  return WriteText((fs::path(options.report_dir) / "memory.json").string(), record.dump(2) + "\n");
 }
 
 pipeline::DashboardFeed& TrainerServices::dashboard() { return *impl_->dashboard; }

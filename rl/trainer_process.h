@@ -14,6 +14,7 @@
 
 #include "base/status.h"
 #include "grading/grader.h"
+#include "model/memory_plan.h"
 #include "model/model_config.h"
 #include "model/tokenizer.h"
 #include "tokenizer/hf_tokenizer.h"
@@ -126,6 +127,16 @@ nlohmann::json ToJson(const TrainerStatus& status);
 std::string DashboardTokenPath(const std::string& state_dir);
 // The dashboard's header for a run: its task, model and algorithm, the group size.
 nlohmann::json DashboardRun(const pipeline::RunConfig& config);
+
+// The run's memory plan (model/memory_plan.h): the trainer, and with options.local_fleet the
+// config's relays and workers too, at the run's longest sequence.
+model::MemoryPlan PlanRunMemory(const TrainRunOptions& options, const RunSetup& setup);
+// ResourceExhausted with the plan in the message when run.check_memory is set and the plan
+// does not fit this machine's available memory.
+Status CheckRunMemory(const TrainRunOptions& options, const RunSetup& setup);
+// <report>/memory.json: the plan and the trainer's measured peak RSS (getrusage), written at
+// the end of the run so that the two can be compared.
+Status WriteMemoryRecord(const TrainRunOptions& options, const RunSetup& setup);
 
 // SIGINT and SIGTERM set StopRequested() from now on.
 void InstallStopSignals();

@@ -1,9 +1,18 @@
 #include "sync/role_status.h"
 
+#include <sys/resource.h>
+
 namespace flywheel::sync {
 namespace {
 
 using nlohmann::json;
+
+// This process's peak resident memory (what `flywheel plan` is checked against).
+uint64_t PeakRssBytes() {
+  struct rusage usage {};
+  if (::getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+}
 
 json Common(const RoleStatus& s) {
   return {
@@ -23,6 +32,7 @@ json Common(const RoleStatus& s) {
       {"links", s.traffic.links},
       {"last_swap_ms", s.last_swap_ms},
       {"swap_unix_us", s.swap_unix_us},
+      {"peak_rss_bytes", PeakRssBytes()},
   };
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bench/pipeline_bench.h"
+#include "model/memory_plan.h"
 #include "pipeline/dashboard.h"
 #include "pipeline/demo.h"
 #include "pipeline/run_config.h"
@@ -43,6 +44,7 @@ struct RlArgs {
   transport::TlsOptions tls;
   std::string ready_file, signing_key;
   bool quiet = false;
+  bool local_fleet = false;
   bool resume = false;
   bool no_pinned = false;
 };
@@ -116,6 +118,7 @@ Status RunTrain(const RlArgs& args) {
   options.tls = args.tls;
   options.signing_key = args.signing_key;
   options.quiet = args.quiet;
+  options.local_fleet = args.local_fleet;
 #ifdef FLYWHEEL_WITH_TORCH
   return rl::RunTrainer(options);
 #else
@@ -264,6 +267,8 @@ void AddRlCommands(CLI::App& app, Action& action) {
   train->add_option("--ready-file", args->ready_file, "Write the bound endpoints here (JSON)")
       ->type_name("F");
   train->add_flag("--quiet", args->quiet, "No per-step lines");
+  train->add_flag("--local-fleet", args->local_fleet,
+                  "The config's relays and workers run here too (flywheel demo): the memory plan counts them");
   MarkTorchOnly(train);
   train->callback([args, &action] { action = [args] { return RunTrain(*args); }; });
 }
@@ -304,6 +309,81 @@ void AddReportCommand(CLI::App& app, Action& action) {
       ->type_name("HOST:PORT")
       ->capture_default_str();
   serve->callback([dir, listen, &action] { action = [dir, listen] { return ServeReport(*dir, *listen); }; });
+}
+
+struct PlanArgs {
+  std::string model;
+  int64_t context = 0;
+  int64_t lora_rank = 0;
+  int64_t workers = 1;
+  int64_t relays = 0;
+  int64_t batch = 64;
+  int64_t worker_batch = 32;
+  std::string serving = "bf16";
+  bool kl = false;
+  bool json = false;
+};
+
+Status RunPlan(const PlanArgs& args) {
+#ifdef FLYWHEEL_WITH_TORCH
+  const fs::path path = fs::is_directory(args.model) ? fs::path(args.model) / "config.json" : fs::path(args.model);
+  if (!fs::exists(path)) {
+    return Status::NotFound(args.model + " has no config.json (the plan is made from the model's config)");
+  }
+  FW_ASSIGN_OR_RETURN(model::ModelConfig config, model::ModelConfig::Load(path.string()));
+  model::PlanInputs in;
+  in.model = config;
+  in.context = args.context > 0 ? args.context : std::min<int64_t>(4096, config.max_position_embeddings);
+  in.lora_rank = args.lora_rank;
+  in.train_sequences = args.batch;
+  in.workers = args.workers;
+  in.relays = args.relays;
+  in.worker_max_batch = args.worker_batch;
+  in.serving_bytes_per_weight = args.serving == "fp8" ? 1.0 : 2.0;
+  in.reference = args.kl;
+  const model::MemoryPlan plan = model::PlanMemory(in);
+  if (args.json) {
+    std::cout << plan.Json() << std::endl;
+    return Status::Ok();
+  }
+  std::cout << "memory plan for " << path.string() << " (" << model::ParameterCount(config) << " parameters"
+            << (args.lora_rank > 0 ? ", LoRA rank " + std::to_string(args.lora_rank) : ", full fine-tuning")
+            << ", context " << in.context << ")\n"
+            << plan.Table();
+  return Status::Ok();
+#else
+  return TorchOnly("plan");
+#endif
+}
+
+void AddPlanCommand(CLI::App& app, Action& action) {
+  auto args = std::make_shared<PlanArgs>();
+  CLI::App* plan = app.add_subcommand(
+      "plan",
+      "Before anything starts: the memory a run holds, by process and term (the trainer's\n"
+      "weights, gradients, optimizer states and activations at the context; each worker's\n"
+      "serving copy, fp32 mirror and KV cache; the relays' cached versions), against this\n"
+      "machine's available memory. `flywheel train` and `flywheel demo` check the same plan\n"
+      "at start and refuse a run that does not fit (run.check_memory).");
+  plan->add_option("--model", args->model, "An HF model directory (its config.json) or a config.json")
+      ->required()
+      ->type_name("DIR|FILE");
+  plan->add_option("--context", args->context, "Tokens per sequence (default: min(4096, max_position_embeddings))")
+      ->type_name("N");
+  plan->add_option("--lora-rank", args->lora_rank, "LoRA adapters of this rank (0: full fine-tuning)")
+      ->capture_default_str();
+  plan->add_option("--workers", args->workers, "Rollout workers on this machine")->capture_default_str();
+  plan->add_option("--relays", args->relays, "Relays on this machine")->capture_default_str();
+  plan->add_option("--batch", args->batch, "Sequences in one training step")->capture_default_str();
+  plan->add_option("--worker-batch", args->worker_batch, "Sequences each worker decodes together")
+      ->capture_default_str();
+  plan->add_option("--serving", args->serving, "The workers' weights: bf16 or fp8")
+      ->check(CLI::IsMember({"bf16", "fp8"}))
+      ->capture_default_str();
+  plan->add_flag("--kl", args->kl, "A KL reference copy in the trainer (algorithm.kl_coef > 0)");
+  plan->add_flag("--json", args->json, "The plan as JSON");
+  MarkTorchOnly(plan);
+  plan->callback([args, &action] { action = [args] { return RunPlan(*args); }; });
 }
 
 void AddPipelineBenchCommand(CLI::App& bench_app, Action& action) {

@@ -83,6 +83,8 @@ void AddServeCommands(CLI::App& app, Action& action);
 void AddRlCommands(CLI::App& app, Action& action);
 // `flywheel report serve DIR` (tools/cmd_rl.cc).
 void AddReportCommand(CLI::App& app, Action& action);
+// `flywheel plan`: a run's memory plan (model/memory_plan.h).
+void AddPlanCommand(CLI::App& app, Action& action);
 // `dataset make sort|reverse|add` and `model make-tiny`: the demo's task and model as files.
 void AddDatasetCommands(CLI::App& app, Action& action);
 // `bench pipeline` (registered by AddBenchCommands).

@@ -200,6 +200,7 @@ int Run(int argc, char** argv) {
   AddPushCommands(app, action);
   AddRlCommands(app, action);
   AddReportCommand(app, action);
+  AddPlanCommand(app, action);
   AddDatasetCommands(app, action);
   AddServeCommands(app, action);
   AddCertsCommands(app, action);

@@ -580,7 +580,8 @@ Result<Metrics> TrainingClient::OptimStep(const AdamWParams& params) {
   std::vector<torch::Tensor> grads;
   double squares = 0;
   for (auto& [name, p] : trainable_) {
-    torch::Tensor g = p.grad().defined() ? p.grad() / pending_norm_ : torch::Tensor();
+    // In place: a divided copy would hold every gradient twice during the step.
+    torch::Tensor g = p.grad().defined() ? p.mutable_grad().div_(pending_norm_) : torch::Tensor();
     if (g.defined()) squares += g.to(torch::kDouble).pow(2).sum().item<double>();
     grads.push_back(g);
   }
@@ -777,25 +778,42 @@ Result<SafetensorsFile> OpenStateTensors(const std::string& root, const std::str
 
 }  // namespace
 
+namespace {
+
+// The bytes of a CPU fp32 tensor as a view, without a copy (the state is written from the
+// tensors themselves: a copy would hold weights and moments twice while the state is saved,
+// 12 bytes a parameter). A tensor of another dtype or layout is copied into `spill`.
+Result<TensorView> StateView(const std::string& name, const torch::Tensor& tensor, std::vector<OwnedTensor>& spill) {
+  if (tensor.device().is_cpu() && tensor.scalar_type() == torch::kFloat32 && tensor.is_contiguous()) {
+    const auto* bytes = static_cast<const std::byte*>(tensor.data_ptr());
+    return TensorView{name, DType::kF32, tensor.sizes().vec(),
+                      std::span<const std::byte>(bytes, static_cast<size_t>(tensor.numel()) * 4)};
+  }
+  FW_ASSIGN_OR_RETURN(OwnedTensor copy, model::FromTorch(name, tensor, DType::kF32));
+  spill.push_back(std::move(copy));
+  const OwnedTensor& kept = spill.back();
+  return TensorView{kept.name, kept.dtype, kept.shape, std::span<const std::byte>(kept.data.data(), kept.data.size())};
+}
+
+}  // namespace
+
 Status TrainingClient::WriteStateFiles(const std::string& dir, bool include_frozen) const {
-  OwnedCheckpoint weights, moments;
+  std::vector<OwnedTensor> spill;
+  spill.reserve(2 * (model_->parameters().size() + trainable_.size()));  // views into it stay valid
+  CheckpointView weights, moments;
   for (auto& item : model_->named_parameters()) {
     if (!include_frozen && !item.value().requires_grad()) continue;
-    FW_ASSIGN_OR_RETURN(OwnedTensor t, model::FromTorch(item.key(), item.value(), DType::kF32));
-    weights.tensors.push_back(std::move(t));
+    FW_ASSIGN_OR_RETURN(TensorView t, StateView(item.key(), item.value().detach(), spill));
+    weights.push_back(std::move(t));
   }
   for (size_t i = 0; i < trainable_.size(); ++i) {
-    FW_ASSIGN_OR_RETURN(OwnedTensor m, model::FromTorch("exp_avg." + trainable_[i].first,
-                                                        exp_avg_[i], DType::kF32));
-    FW_ASSIGN_OR_RETURN(OwnedTensor v, model::FromTorch("exp_avg_sq." + trainable_[i].first,
-                                                        exp_avg_sq_[i], DType::kF32));
-    moments.tensors.push_back(std::move(m));
-    moments.tensors.push_back(std::move(v));
+    FW_ASSIGN_OR_RETURN(TensorView m, StateView("exp_avg." + trainable_[i].first, exp_avg_[i], spill));
+    FW_ASSIGN_OR_RETURN(TensorView v, StateView("exp_avg_sq." + trainable_[i].first, exp_avg_sq_[i], spill));
+    moments.push_back(std::move(m));
+    moments.push_back(std::move(v));
   }
-  FW_ASSIGN_OR_RETURN(Hash128 weights_hash,
-                      WriteStateTensors(env(), dir + "/" + kStateFiles[0], weights.view()));
-  FW_ASSIGN_OR_RETURN(Hash128 moments_hash,
-                      WriteStateTensors(env(), dir + "/" + kStateFiles[1], moments.view()));
+  FW_ASSIGN_OR_RETURN(Hash128 weights_hash, WriteStateTensors(env(), dir + "/" + kStateFiles[0], weights));
+  FW_ASSIGN_OR_RETURN(Hash128 moments_hash, WriteStateTensors(env(), dir + "/" + kStateFiles[1], moments));
   nlohmann::json state = {
       {"format", kStateFormat},
       {"step", step_},

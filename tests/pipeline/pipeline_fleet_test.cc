@@ -5,6 +5,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -312,6 +313,75 @@ TEST(PipelineAlgorithmsTest, EveryAlgorithmTrainsAfterSftAndDpoWarmUp) {
     EXPECT_NE(text.find("sft     3/3"), std::string::npos) << text;
     EXPECT_NE(text.find("dpo     3/3"), std::string::npos) << text;
   }
+  if (!::testing::Test::HasFailure()) fs::remove_all(dir);
+}
+
+// The memory plan (model/memory_plan.h, checked by the trainer at start): a run that cannot
+// fit is refused before anything else starts, with the plan in the message.
+TEST(MemoryPlanFleetTest, ARunThatCannotFitIsRefusedBeforeAnythingElseStarts) {
+  const fs::path dir = fs::temp_directory_path() / ("flywheel-plan-refused-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  {
+    // ~400B parameters: no machine this runs on holds 6 TiB of trainer state.
+    std::ofstream(dir / "config.json")
+        << R"({"model_type": "qwen3", "vocab_size": 15, "hidden_size": 16384, "intermediate_size": 53248,
+               "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
+               "head_dim": 128, "max_position_embeddings": 4096, "qk_norm": true})";
+  }
+  RunConfig config = SmallRun();
+  config.model.config = (dir / "config.json").string();
+  FleetOptions options;
+  options.config = config;
+  options.program = FLYWHEEL_BIN;
+  options.run_dir = (dir / "run").string();
+  const auto started = std::chrono::steady_clock::now();
+  auto fleet = Fleet::Start(options);
+  ASSERT_FALSE(fleet.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(60));
+  EXPECT_NE(fleet.status().message().find("does NOT fit"), std::string::npos) << fleet.status().ToString();
+  std::ifstream err(dir / "run" / "logs" / "trainer.err");
+  const std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("this run does not fit in this machine's memory"), std::string::npos) << text;
+  EXPECT_NE(text.find("weights (fp32 masters)"), std::string::npos) << text;
+  EXPECT_NE(text.find("worker (each of 2)"), std::string::npos) << text;  // --local-fleet: the fleet counted
+  EXPECT_FALSE(fs::exists(dir / "run" / "trainer.ready"));
+  EXPECT_FALSE(fs::exists(dir / "run" / "worker-us-1.ready"));  // nothing else started
+  if (!::testing::Test::HasFailure()) fs::remove_all(dir);
+}
+
+// The plan against the processes' measured peak RSS on the demo's model: the trainer's
+// (report/memory.json, getrusage at the end) and a worker's (/v1/status peak_rss_bytes),
+// within 15%. On this model the runtime term (libtorch, OpenBLAS) dominates; the 100M
+// parameter figures are in docs/BENCHMARKS.md (`flywheel plan`, section Memory plan).
+TEST(MemoryPlanFleetTest, ThePlanAgreesWithPeakRssOnTheDemoModel) {
+  const fs::path dir = fs::temp_directory_path() / ("flywheel-plan-rss-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  RunConfig config = SmallRun();
+  config.run.max_steps = 4;
+  config.fleet.regions = {"us"};
+  FleetOptions options;
+  options.config = config;
+  options.program = FLYWHEEL_BIN;
+  options.run_dir = (dir / "run").string();
+  auto fleet = Fleet::Start(options);
+  ASSERT_TRUE(fleet.ok()) << fleet.status().ToString();
+  Status finished = (*fleet)->WaitTrainer(std::chrono::seconds(180), nullptr);
+  ASSERT_TRUE(finished.ok()) << finished.ToString();
+  Result<json> worker = (*fleet)->WorkerStatus("worker-us-1");
+  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+  std::ifstream in(fs::path((*fleet)->report_dir()) / "memory.json");
+  const json record = json::parse(in, nullptr, false);
+  ASSERT_TRUE(record.is_object());
+  auto within = [](double plan, double measured, const char* what) {
+    EXPECT_GT(measured, 0) << what;
+    EXPECT_LE(std::abs(plan - measured), 0.15 * measured)
+        << what << ": plan " << plan / (1 << 20) << " MiB, measured " << measured / (1 << 20) << " MiB";
+  };
+  within(record["plan"]["trainer_bytes"].get<double>(), record["trainer_peak_rss_bytes"].get<double>(), "trainer");
+  within(record["plan"]["worker_bytes"].get<double>(), (*worker)["peak_rss_bytes"].get<double>(), "worker");
+  EXPECT_EQ(record["plan"]["workers"], 1);
+  for (const std::string& line : (*fleet)->Stop()) ADD_FAILURE() << line;
   if (!::testing::Test::HasFailure()) fs::remove_all(dir);
 }
 
