@@ -25,7 +25,7 @@ std::set<std::string> Keys(const json& document) {
 const std::set<std::string> kCommon = {
     "role",     "region",    "node_id",      "version",       "weights_hash", "head_version",
     "staleness", "max_staleness", "upstream", "bytes_in",     "bytes_out",    "wan_bytes_in",
-    "wan_bytes_out", "links", "last_swap_ms", "swap_unix_us"};
+    "wan_bytes_out", "links", "last_swap_ms", "swap_unix_us", "peak_rss_bytes"};
 
 std::set<std::string> With(std::set<std::string> own) {
   own.insert(kCommon.begin(), kCommon.end());
@@ -96,6 +96,7 @@ TEST(RoleStatusTest, WorkerDocumentHasItsKeysAndTypes) {
   EXPECT_TRUE(doc["stale"].is_boolean());
   EXPECT_DOUBLE_EQ(doc["last_swap_ms"].get<double>(), 1.5);
   EXPECT_EQ(doc["swap_unix_us"].get<uint64_t>(), 1700000000000000u);
+  EXPECT_GT(doc["peak_rss_bytes"].get<uint64_t>(), 1u << 20);  // this process's, by getrusage
   EXPECT_EQ(doc["last_error"], "engine refused v8");
   EXPECT_EQ(doc["state"], "serving");  // "joining" before a version, "leaving" after Stop()
   EXPECT_EQ(doc["leaving"], false);
