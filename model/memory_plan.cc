@@ -66,6 +66,12 @@ int64_t LoraParameterCount(const ModelConfig& c, int64_t rank) {
   return total;
 }
 
+uint64_t KvCacheBytes(const ModelConfig& c, int64_t max_batch, int64_t prefix_slots, int64_t context) {
+  const int64_t prefix = prefix_slots >= 0 ? prefix_slots : std::max<int64_t>(1, max_batch / 4);
+  return static_cast<uint64_t>(max_batch + prefix) * static_cast<uint64_t>(context) *
+         static_cast<uint64_t>(c.num_hidden_layers * 2 * c.kv_heads() * c.head_dim) * 4;
+}
+
 MemoryPlan PlanMemory(const PlanInputs& in) {
   const ModelConfig& c = in.model;
   const uint64_t p = static_cast<uint64_t>(ParameterCount(c));
@@ -92,8 +98,7 @@ MemoryPlan PlanMemory(const PlanInputs& in) {
   }
   if (in.workers > 0) {
     const int64_t prefix = in.prefix_slots >= 0 ? in.prefix_slots : std::max<int64_t>(1, in.worker_max_batch / 4);
-    const uint64_t kv = static_cast<uint64_t>(in.worker_max_batch + prefix) * static_cast<uint64_t>(in.context) *
-                        static_cast<uint64_t>(c.num_hidden_layers * 2 * c.kv_heads() * c.head_dim) * 4;
+    const uint64_t kv = KvCacheBytes(c, in.worker_max_batch, in.prefix_slots, in.context);
     add("worker", "serving copy", serving, plan.worker_bytes);
     add("worker", "fp32 compute mirror", 4 * p, plan.worker_bytes);
     add("worker", "keyframe arriving (its artifact and the decoded copy)", 2 * serving, plan.worker_bytes);

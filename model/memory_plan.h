@@ -81,6 +81,10 @@ inline constexpr uint64_t kRelayRuntimeBytes = 14ull << 20;
 // REQUIRES: inputs.model validates; context >= 1.
 MemoryPlan PlanMemory(const PlanInputs& inputs);
 
+// A worker's KV cache: (max_batch + prefix slots; -1: the engine's default) x context x
+// layers x 2 x kv_heads x head_dim x 4 bytes.
+uint64_t KvCacheBytes(const ModelConfig& config, int64_t max_batch, int64_t prefix_slots, int64_t context);
+
 // MemAvailable of /proc/meminfo in bytes; 0 when unknown.
 uint64_t AvailableMemory();
 

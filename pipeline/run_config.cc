@@ -74,6 +74,9 @@ void ForEachField(Config& c, F&& f) {
   f("fleet", "wan_latency_ms", FieldRef(&c.fleet.wan_latency_ms));
   f("fleet", "keyframe_every", FieldRef(&c.fleet.keyframe_every));
   f("fleet", "worker_max_batch", FieldRef(&c.fleet.worker_max_batch));
+  f("shape", "name", FieldRef(&c.shape.name));
+  f("shape", "max_context", FieldRef(&c.shape.max_context));
+  f("shape", "kv_cache_mib", FieldRef(&c.shape.kv_cache_mib));
 }
 
 // Sets `field` from `node`; the error names `key` and what it wanted.
@@ -315,6 +318,8 @@ Status RunConfig::Validate() const {
   if (fleet.keyframe_every < 1) return bad("fleet.keyframe_every", fleet.keyframe_every, "must be at least 1");
   if (fleet.worker_max_batch < 1 || fleet.worker_max_batch > 4096)
     return bad("fleet.worker_max_batch", fleet.worker_max_batch, "must be in 1..4096");
+  if (shape.max_context < 0) return bad("shape.max_context", shape.max_context, "must be >= 0");
+  if (shape.kv_cache_mib < 0) return bad("shape.kv_cache_mib", shape.kv_cache_mib, "must be >= 0");
   return Status::Ok();
 }
 

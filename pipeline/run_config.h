@@ -34,6 +34,8 @@
 //   [pipeline]   max_staleness (0: synchronous, generate then train), lease_s
 //   [fleet]      regions, workers_per_region, wan_rate_mbit, wan_latency_ms,
 //                keyframe_every, worker_max_batch
+//   [shape]      name, max_context, kv_cache_mib: set by --shape (pipeline/shapes.h), not
+//                by hand
 #pragma once
 
 #include <cstdint>
@@ -119,6 +121,14 @@ struct RunConfig {
     int64_t keyframe_every = 20;
     int64_t worker_max_batch = 64;
   } fleet;
+  // The training shape the run was made with (pipeline/shapes.h; "" none) and the limits it
+  // sets, which the trainer checks at start: the longest sequence (prompt + completion), and
+  // each worker's KV-cache budget. 0: no limit.
+  struct ShapeLimits {
+    std::string name;
+    int64_t max_context = 0;
+    int64_t kv_cache_mib = 0;
+  } shape;
 
   // Range checks; messages name the key ("algorithm.group_size = 1: ...").
   Status Validate() const;

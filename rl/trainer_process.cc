@@ -19,6 +19,7 @@
 #include "tokenizer/chat_template.h"
 #include "ops/metrics.h"
 #include "pipeline/dashboard.h"
+#include "pipeline/shapes.h"
 #include "push/push_api.h"
 #include "transport/api.h"
 #include "transport/connection.h"
@@ -533,7 +534,11 @@ model::MemoryPlan PlanRunMemory(const TrainRunOptions& options, const RunSetup& 
 }
 
 Status CheckRunMemory(const TrainRunOptions& options, const RunSetup& setup) {
-  if (!options.config.run.check_memory) return Status::Ok();
+  const pipeline::RunConfig& config = options.config;
+  const int64_t context = setup.max_prompt_tokens + 1 + (setup.max_turns > 1 ? setup.max_episode_tokens : setup.max_tokens);
+  FW_RETURN_IF_ERROR(pipeline::CheckShapeLimits(
+      config, context, model::KvCacheBytes(setup.model_config, config.fleet.worker_max_batch, -1, context)));
+  if (!config.run.check_memory) return Status::Ok();
   const model::MemoryPlan plan = PlanRunMemory(options, setup);
   if (plan.fits()) return Status::Ok();
   return Status::ResourceExhausted(

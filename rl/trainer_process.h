@@ -131,8 +131,9 @@ nlohmann::json DashboardRun(const pipeline::RunConfig& config);
 // The run's memory plan (model/memory_plan.h): the trainer, and with options.local_fleet the
 // config's relays and workers too, at the run's longest sequence.
 model::MemoryPlan PlanRunMemory(const TrainRunOptions& options, const RunSetup& setup);
-// ResourceExhausted with the plan in the message when run.check_memory is set and the plan
-// does not fit this machine's available memory.
+// ResourceExhausted naming the shape's limit a run exceeds ([shape]: the longest sequence, a
+// worker's KV cache), or with the plan in the message when run.check_memory is set and the
+// plan does not fit this machine's available memory.
 Status CheckRunMemory(const TrainRunOptions& options, const RunSetup& setup);
 // <report>/memory.json: the plan and the trainer's measured peak RSS (getrusage), written at
 // the end of the run so that the two can be compared.

@@ -17,6 +17,7 @@
 #include "pipeline/dashboard.h"
 #include "pipeline/demo.h"
 #include "pipeline/run_config.h"
+#include "pipeline/shapes.h"
 #include "rl/rl_loop.h"  // declarations only: flywheel hands `train` over (commands.h)
 #include "tools/commands.h"
 
@@ -45,9 +46,22 @@ struct RlArgs {
   std::string ready_file, signing_key;
   bool quiet = false;
   bool local_fleet = false;
+  std::string shape;       // --shape NAME (pipeline/shapes.h)
+  std::string shapes_dir;  // --shapes-dir DIR
   bool resume = false;
   bool no_pinned = false;
 };
+
+// --shape: the keys the user set (--config's, --set's) may not include one the shape owns.
+Status ApplyShapeArgs(const RlArgs& args, pipeline::RunConfig& config) {
+  FW_ASSIGN_OR_RETURN(pipeline::Shape shape, pipeline::FindShape(args.shape, args.shapes_dir));
+  std::vector<std::string> user_keys;
+  if (!args.config.empty()) {
+    FW_ASSIGN_OR_RETURN(user_keys, pipeline::RunTomlKeys(args.config));
+  }
+  for (const std::string& set : args.sets) user_keys.push_back(set.substr(0, set.find('=')));
+  return pipeline::ApplyShape(shape, user_keys, "demo/train", config);
+}
 
 Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig config) {
   if (!args.config.empty()) {
@@ -76,6 +90,7 @@ Result<pipeline::RunConfig> LoadConfig(const RlArgs& args, pipeline::RunConfig c
   if (!args.grader.empty() || !args.grader_url.empty()) config.graders.clear();
   for (const std::string& set : args.sets) FW_RETURN_IF_ERROR(config.Set(set));
   FW_RETURN_IF_ERROR(config.Validate());
+  if (!args.shape.empty()) FW_RETURN_IF_ERROR(ApplyShapeArgs(args, config));
   return config;
 }
 
@@ -87,6 +102,9 @@ Status RunDemo(const RlArgs& args) {
     // The interrupted run's own configuration (the trainer resumes from its state); --set
     // may change it, e.g. run.time_limit_s (which counts the time already spent).
     if (args.run_dir.empty()) return Status::InvalidArgument("--resume needs the run's --run-dir");
+    if (!args.shape.empty()) {
+      return Status::InvalidArgument("--resume runs with the run's own run.toml, its shape included: drop --shape");
+    }
     RlArgs from_saved = args;
     FW_ASSIGN_OR_RETURN(from_saved.config, pipeline::ResumableRunConfig(args.run_dir));
     FW_ASSIGN_OR_RETURN(options.config, LoadConfig(from_saved, pipeline::DemoConfig()));
@@ -188,6 +206,14 @@ void AddConfigOptions(CLI::App* app, RlArgs& args) {
       ->excludes(command)
       ->excludes(url);
   command->excludes(url);
+  app->add_option("--shape", args.shape,
+                  "A training shape (`flywheel shapes`): it sets the trainer's threads, the workers'\n"
+                  "batch and serving dtype and the run's limits; a --set or --config of a key it\n"
+                  "owns is refused")
+      ->type_name("NAME");
+  app->add_option("--shapes-dir", args.shapes_dir, "Your own shapes (*.toml), beside the shipped ones")
+      ->check(CLI::ExistingDirectory)
+      ->type_name("DIR");
 }
 
 }  // namespace
@@ -322,10 +348,22 @@ struct PlanArgs {
   std::string serving = "bf16";
   bool kl = false;
   bool json = false;
+  std::string shape, shapes_dir;
 };
 
-Status RunPlan(const PlanArgs& args) {
+// --shape: the shape's context, LoRA rank (its largest), workers' batch and serving dtype.
+Status ApplyPlanShape(PlanArgs& args) {
+  FW_ASSIGN_OR_RETURN(pipeline::Shape shape, pipeline::FindShape(args.shape, args.shapes_dir));
+  args.context = shape.max_context;
+  args.lora_rank = shape.mode == "lora" ? shape.lora_rank_max : 0;
+  args.worker_batch = shape.worker_max_batch;
+  args.serving = shape.serving;
+  return Status::Ok();
+}
+
+Status RunPlan(PlanArgs args) {
 #ifdef FLYWHEEL_WITH_TORCH
+  if (!args.shape.empty()) FW_RETURN_IF_ERROR(ApplyPlanShape(args));
   const fs::path path = fs::is_directory(args.model) ? fs::path(args.model) / "config.json" : fs::path(args.model);
   if (!fs::exists(path)) {
     return Status::NotFound(args.model + " has no config.json (the plan is made from the model's config)");
@@ -382,8 +420,45 @@ void AddPlanCommand(CLI::App& app, Action& action) {
       ->capture_default_str();
   plan->add_flag("--kl", args->kl, "A KL reference copy in the trainer (algorithm.kl_coef > 0)");
   plan->add_flag("--json", args->json, "The plan as JSON");
+  auto* shape = plan->add_option("--shape", args->shape, "A training shape's context, LoRA rank, worker batch and dtype")
+      ->type_name("NAME");
+  plan->add_option("--shapes-dir", args->shapes_dir, "Your own shapes (*.toml)")
+      ->check(CLI::ExistingDirectory)
+      ->type_name("DIR");
+  shape->excludes(plan->get_option("--context"))->excludes(plan->get_option("--lora-rank"))
+      ->excludes(plan->get_option("--worker-batch"))->excludes(plan->get_option("--serving"));
   MarkTorchOnly(plan);
   plan->callback([args, &action] { action = [args] { return RunPlan(*args); }; });
+}
+
+Status ListShapes(const std::string& dir) {
+  FW_ASSIGN_OR_RETURN(std::vector<pipeline::Shape> shapes, pipeline::LoadShapes(dir));
+  for (const pipeline::Shape& s : shapes) {
+    std::cout << s.name << "  (" << s.source << ")\n  " << s.description << "\n  max context " << s.max_context
+              << ", " << (s.mode == "lora" ? "LoRA rank " + std::to_string(s.lora_rank_min) + ".." +
+                                                 std::to_string(s.lora_rank_max)
+                                           : std::string("full fine-tuning"))
+              << ", data-parallel ranks " << s.data_parallel_ranks << ", KV cache "
+              << (s.kv_cache_mib > 0 ? std::to_string(s.kv_cache_mib) + " MiB a worker" : std::string("unbounded"))
+              << "\n  sets:";
+    for (const auto& [key, value] : s.Owned()) std::cout << " " << key << "=" << value;
+    std::cout << "\n";
+  }
+  return Status::Ok();
+}
+
+void AddShapesCommand(CLI::App& app, Action& action) {
+  auto dir = std::make_shared<std::string>();
+  CLI::App* shapes = app.add_subcommand(
+      "shapes",
+      "The training shapes `flywheel demo --shape` and `flywheel train --shape` take: named\n"
+      "profiles (shapes/*.toml, built in; yours in --shapes-dir) that fix the maximum context,\n"
+      "full or LoRA training, the trainer's threads and ranks, the workers' batch, KV-cache\n"
+      "budget and serving dtype. Lists each with the run.toml keys it owns.");
+  shapes->add_option("--shapes-dir", *dir, "Your own shapes (*.toml)")
+      ->check(CLI::ExistingDirectory)
+      ->type_name("DIR");
+  shapes->callback([dir, &action] { action = [dir] { return ListShapes(*dir); }; });
 }
 
 void AddPipelineBenchCommand(CLI::App& bench_app, Action& action) {

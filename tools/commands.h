@@ -85,6 +85,8 @@ void AddRlCommands(CLI::App& app, Action& action);
 void AddReportCommand(CLI::App& app, Action& action);
 // `flywheel plan`: a run's memory plan (model/memory_plan.h).
 void AddPlanCommand(CLI::App& app, Action& action);
+// `flywheel shapes`: the training shapes (pipeline/shapes.h).
+void AddShapesCommand(CLI::App& app, Action& action);
 // `dataset make sort|reverse|add` and `model make-tiny`: the demo's task and model as files.
 void AddDatasetCommands(CLI::App& app, Action& action);
 // `bench pipeline` (registered by AddBenchCommands).

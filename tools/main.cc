@@ -201,6 +201,7 @@ int Run(int argc, char** argv) {
   AddRlCommands(app, action);
   AddReportCommand(app, action);
   AddPlanCommand(app, action);
+  AddShapesCommand(app, action);
   AddDatasetCommands(app, action);
   AddServeCommands(app, action);
   AddCertsCommands(app, action);

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "pipeline/launcher.h"
+#include "pipeline/shapes.h"
 #include "tests/sync/promtool.h"
 #include "sync/signing.h"
 #include "transport/certs.h"
@@ -347,6 +348,28 @@ TEST(MemoryPlanFleetTest, ARunThatCannotFitIsRefusedBeforeAnythingElseStarts) {
   EXPECT_NE(text.find("worker (each of 2)"), std::string::npos) << text;  // --local-fleet: the fleet counted
   EXPECT_FALSE(fs::exists(dir / "run" / "trainer.ready"));
   EXPECT_FALSE(fs::exists(dir / "run" / "worker-us-1.ready"));  // nothing else started
+  if (!::testing::Test::HasFailure()) fs::remove_all(dir);
+}
+
+// A training shape's limits (pipeline/shapes.h), checked by the trainer at start: a run whose
+// sequences are longer than the shape's max_context is refused, naming the shape.
+TEST(MemoryPlanFleetTest, AShapesContextLimitRefusesALongerRun) {
+  const fs::path dir = fs::temp_directory_path() / ("flywheel-shape-limit-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  RunConfig config = SmallRun();
+  Result<Shape> shape = FindShape("demo-cpu", "");
+  ASSERT_TRUE(shape.ok()) << shape.status().ToString();
+  ASSERT_TRUE(ApplyShape(*shape, {"algorithm.max_tokens"}, "demo", config).ok());
+  config.algorithm.max_tokens = 100;  // 100 answer tokens: longer than the shape's 64
+  FleetOptions options;
+  options.config = config;
+  options.program = FLYWHEEL_BIN;
+  options.run_dir = (dir / "run").string();
+  auto fleet = Fleet::Start(options);
+  ASSERT_FALSE(fleet.ok());
+  EXPECT_NE(fleet.status().message().find("shape 'demo-cpu' allows 64"), std::string::npos)
+      << fleet.status().ToString();
+  EXPECT_FALSE(fs::exists(dir / "run" / "trainer.ready"));
   if (!::testing::Test::HasFailure()) fs::remove_all(dir);
 }
 
