@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -21,6 +22,7 @@
 #include "base/env.h"
 #include "ops/process.h"
 #include "pipeline/dashboard.h"
+#include "pipeline/shapes.h"
 #include "service/serve_trainer.h"  // declarations only: flywheel hands serve-trainer over
 #include "tools/commands.h"
 
@@ -41,7 +43,50 @@ struct ServeArgs {
   int64_t max_batch = 64;
   int64_t max_sequence = 0;  // 0: the smaller of 1024 and the model's max_position_embeddings
   double ready_timeout_s = 120;
+  std::string shape, shapes_dir;       // --shape NAME (pipeline/shapes.h), --shapes-dir DIR
+  std::vector<std::string> user_flags;  // the shape-owned flags given on the command line
+  int64_t shape_context = 0;            // the shape's max context (0: none)
 };
+
+// --shape for `flywheel service`: the shape's trainer threads, serving dtype, workers'
+// batch and longest sequence (its max context, at most the model's), and LoRA rank (a LoRA shape: --lora-rank
+// within its range, default its smallest; a full shape: none). A flag the shape owns given
+// too is refused by name.
+Status ApplyServiceShape(ServeArgs& a) {
+  FW_ASSIGN_OR_RETURN(pipeline::Shape shape, pipeline::FindShape(a.shape, a.shapes_dir));
+  auto given = [&](const std::string& flag) {
+    return std::find(a.user_flags.begin(), a.user_flags.end(), flag) != a.user_flags.end();
+  };
+  if (shape.data_parallel_ranks != 1) {
+    return Status::InvalidArgument("shape '" + shape.name + "' has " + std::to_string(shape.data_parallel_ranks) +
+                                   " data-parallel trainer ranks; serve-trainer runs one");
+  }
+  const std::vector<std::pair<std::string, std::string>> owned = {
+      {"--threads", std::to_string(shape.trainer_threads)}, {"--serving-dtype", shape.serving},
+      {"--max-batch", std::to_string(shape.worker_max_batch)}, {"--max-sequence", std::to_string(shape.max_context)}};
+  for (const auto& [flag, value] : owned) {
+    if (given(flag)) {
+      return Status::InvalidArgument(flag + " is set by shape '" + shape.name + "' (" + value +
+                                     "): drop it, or choose another shape (`flywheel shapes`)");
+    }
+  }
+  if (shape.mode == "full" && given("--lora-rank")) {
+    return Status::InvalidArgument("shape '" + shape.name + "' trains full weights: drop --lora-rank");
+  }
+  if (shape.mode == "lora") {
+    if (!given("--lora-rank")) a.o.lora_rank = shape.lora_rank_min;
+    if (a.o.lora_rank < shape.lora_rank_min || a.o.lora_rank > shape.lora_rank_max) {
+      return Status::InvalidArgument("--lora-rank " + std::to_string(a.o.lora_rank) + " is outside shape '" +
+                                     shape.name + "''s range " + std::to_string(shape.lora_rank_min) + ".." +
+                                     std::to_string(shape.lora_rank_max));
+    }
+  }
+  a.o.threads = shape.trainer_threads;
+  a.o.serving_dtype = shape.serving;
+  a.max_batch = shape.worker_max_batch;
+  a.shape_context = shape.max_context;  // the workers' longest sequence, within the model's limit
+  return Status::Ok();
+}
 
 Status RunServeTrainer(ServeArgs args) {
   FW_ASSIGN_OR_RETURN(args.o.token, ResolveToken(args.tokens, TokenFallback::kNone));
@@ -109,11 +154,11 @@ Result<json> StartRegions(const ServeArgs& args, ops::ProcessGroup& processes,
   json workers = json::array();
   int64_t max_sequence = args.max_sequence;
   if (max_sequence <= 0) {
-    // The smaller of ours and the model's limit.
+    // The smaller of ours (the shape's max context, else 1024) and the model's limit.
     auto text = ops::ReadWholeFile(trainer_ready.value("model_config", ""));
     json config = text.ok() ? json::parse(*text, nullptr, false) : json();
     const int64_t model_limit = config.is_object() ? config.value("max_position_embeddings", int64_t{1024}) : 1024;
-    max_sequence = std::min<int64_t>(1024, model_limit);
+    max_sequence = std::min<int64_t>(args.shape_context > 0 ? args.shape_context : 1024, model_limit);
   }
   struct Pending {
     std::string name, ready;
@@ -167,8 +212,9 @@ Result<json> AnnounceDashboard(const fs::path& run, const std::string& trainer_h
   return json{{"dashboard", pipeline::DashboardUrl(trainer_http, "", tls)}, {"dashboard_token_file", token_file}};
 }
 
-Status RunService(const ServeArgs& args) {
+Status RunService(ServeArgs args) {
   if (args.run_dir.empty()) return Status::InvalidArgument("service needs --run-dir DIR");
+  if (!args.shape.empty()) FW_RETURN_IF_ERROR(ApplyServiceShape(args));
   if (args.workers < 1) return Status::InvalidArgument("--workers must be >= 1");
   if (args.regions.empty()) return Status::InvalidArgument("--region: at least one");
   const fs::path run = fs::absolute(args.run_dir);
@@ -305,6 +351,24 @@ void AddServeTrainerFlags(CLI::App* app, ServeArgs& a) {
 
 }  // namespace
 
+void AddServiceShapeFlags(CLI::App* service, ServeArgs& args) {
+  service->add_option("--shape", args.shape,
+                      "A training shape (`flywheel shapes`): it sets --threads, --serving-dtype,\n"
+                      "--max-batch, --max-sequence (its max context) and the LoRA rank range;\n"
+                      "giving one of those too is refused")
+      ->type_name("NAME");
+  service->add_option("--shapes-dir", args.shapes_dir, "Your own shapes (*.toml)")
+      ->check(CLI::ExistingDirectory)
+      ->type_name("DIR");
+}
+
+// Which of the flags a shape owns the command line gave (ApplyServiceShape refuses them).
+void NoteShapeOwnedFlags(const CLI::App& service, ServeArgs& args) {
+  for (const char* flag : {"--threads", "--serving-dtype", "--max-batch", "--max-sequence", "--lora-rank"}) {
+    if (service.get_option(flag)->count() > 0) args.user_flags.push_back(flag);
+  }
+}
+
 void AddServeCommands(CLI::App& app, Action& action) {
   auto args = std::make_shared<ServeArgs>();
 
@@ -379,7 +443,11 @@ void AddServeCommands(CLI::App& app, Action& action) {
       "  flywheel service --run-dir /tmp/svc\n"
       "  flywheel service --run-dir /tmp/svc --lora-rank 8 --workers 1\n"
       "  python3 examples/rl_sort.py --service /tmp/svc");
-  service->callback([args, &action] { action = [args] { return RunService(*args); }; });
+  AddServiceShapeFlags(service, *args);
+  service->callback([args, service, &action] {
+    NoteShapeOwnedFlags(*service, *args);
+    action = [args] { return RunService(*args); };
+  });
 }
 
 }  // namespace flywheel::tools

@@ -463,3 +463,48 @@ def test_custom_loss_runs_to_its_summary(tmp_path, loss, mode):
     lines = step_lines(output)
     assert len(lines) == 4 and sum("held-out" in line for line in lines) == 2
     assert "after SFT warm-up" in output
+
+
+# ---------------------------------------------------------------------------------------
+# Training shapes (pipeline/shapes.h) for `flywheel service`
+
+
+def test_a_lora_shape_starts_the_service_in_lora_mode_within_its_limits(tmp_path):
+    shapes = tmp_path / "shapes"
+    shapes.mkdir()
+    (shapes / "lora.toml").write_text('name = "lora-small"\n[model]\nmax_context = 128\nmode = "lora"\n'
+                                      'lora_rank = [4, 16]\n[workers]\nmax_batch = 6\n')
+    (tmp_path / "run").mkdir()
+    service = Service(tmp_path / "run", "--shape", "lora-small", "--shapes-dir", str(shapes), "--workers", "1")
+    try:
+        assert service.endpoints["mode"] == "lora"
+        commands = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    args = f.read().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if str(tmp_path / "run") in " ".join(args):
+                commands.append(args)
+        trainer = next(a for a in commands if "serve-trainer" in a)
+        worker = next(a for a in commands if "worker" in a[1:2])
+        assert trainer[trainer.index("--lora-rank") + 1] == "4", trainer  # the range's smallest
+        # The shape's 128-token context, capped at the preset model's 64 positions.
+        assert worker[worker.index("--max-sequence") + 1] == "64", worker
+        assert worker[worker.index("--max-batch") + 1] == "6", worker
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--shape", "demo-cpu", "--threads", "2"], "--threads is set by shape 'demo-cpu'"),
+    (["--shape", "demo-cpu", "--lora-rank", "4"], "shape 'demo-cpu' trains full weights"),
+    (["--shape", "nope"], "no shape 'nope'"),
+])
+def test_a_shape_refuses_what_it_owns_before_anything_starts(tmp_path, extra, message):
+    done = subprocess.run([BINARY, "service", "--run-dir", str(tmp_path / "run"), *extra],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0
+    assert message in done.stderr, done.stderr
+    assert not (tmp_path / "run" / "logs" / "trainer.out").exists()
