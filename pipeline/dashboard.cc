@@ -37,6 +37,15 @@ json RowJson(const StepRow& row) {
   return out;
 }
 
+// 32 hex digits from the OS's random source (std::random_device reads /dev/urandom).
+std::string RandomToken() {
+  std::random_device device;
+  std::ostringstream token;
+  token << std::hex;
+  for (int i = 0; i < 4; ++i) token << std::setw(8) << std::setfill('0') << device();
+  return token.str();
+}
+
 // "since=N" of a request target; 0 when absent or not a number.
 uint64_t SinceOf(const std::string& target) {
   const size_t query = target.find('?');
@@ -241,16 +250,13 @@ Result<std::string> DashboardToken(const std::string& path) {
     if (token.empty()) return Status::InvalidArgument(path + " holds no dashboard token (remove it to make a new one)");
     return token;
   }
-  std::random_device device;  // the OS's random source
-  std::ostringstream token;
-  token << std::hex;
-  for (int i = 0; i < 4; ++i) token << std::setw(8) << std::setfill('0') << device();
-  const std::string line = token.str() + "\n";
+  const std::string token = RandomToken();
+  const std::string line = token + "\n";
   Result<AtomicFile> file = AtomicFile::Create(path, Env::Default(), 0600);
   if (!file.ok()) return Status::IOError("cannot write the dashboard token " + path + ": " + file.status().message());
   FW_RETURN_IF_ERROR(file->Append(std::as_bytes(std::span(line.data(), line.size()))));
   FW_RETURN_IF_ERROR(file->Commit());
-  return token.str();
+  return token;
 }
 
 struct ReportServer::Impl {
@@ -267,11 +273,7 @@ Result<std::unique_ptr<ReportServer>> ReportServer::Start(const std::string& rep
   auto impl = std::make_unique<Impl>();
   FW_ASSIGN_OR_RETURN(impl->feed, DashboardFeed::FromReport(report_dir));
   FW_ASSIGN_OR_RETURN(transport::Endpoint endpoint, transport::ParseEndpoint(listen));
-  std::random_device device;
-  std::ostringstream token;
-  token << std::hex;
-  for (int i = 0; i < 4; ++i) token << std::setw(8) << std::setfill('0') << device();
-  impl->token = token.str();
+  impl->token = RandomToken();
   transport::HttpServerOptions options;
   options.scoped_tokens.push_back({impl->token, transport::kScopeRead});
   FW_ASSIGN_OR_RETURN(impl->http, transport::HttpServer::Start(impl->io.get_executor(), endpoint, options));
